@@ -1,0 +1,8 @@
+"""batchgen: offline, high-throughput batch generation with a tiered, paged KV cache."""
+
+from batchgen.api.llm import LLM
+from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

@@ -1,0 +1,87 @@
+"""Engine configuration: one dataclass, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the model itself.
+
+    kv_cache_size_gib, when set, fixes the device KV pool size; otherwise the pool
+    takes gpu_memory_utilization of the device memory left after a warm-up forward
+    (on the CPU: cpu_kv_cache_gib).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    page_size: int = 16
+    kv_cache_size_gib: float | None = None
+    num_kv_pages: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    cache_dir: str | None = None
+    seed: int = 0
+    batchgen_debug: bool = False
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            positive_int(name)
+        for name in ("max_model_len", "num_kv_pages"):
+            if getattr(self, name) is not None:
+                positive_int(name)
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.kv_cache_size_gib is not None and self.kv_cache_size_gib <= 0:
+            raise ValueError(f"kv_cache_size_gib must be > 0, got {self.kv_cache_size_gib!r}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, model_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+        """The compute dtype: explicit, else the checkpoint's on a GPU, float32 on the CPU."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        if model_dtype in (torch.float16, torch.bfloat16):
+            return model_dtype
+        return torch.bfloat16

@@ -1,0 +1,167 @@
+"""EngineCore: the step loop. schedule() -> execute() -> update()."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.config import EngineConfig
+from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.memory import plan_num_pages
+from batchgen.engine.request import Request
+from batchgen.engine.scheduler import Scheduler
+from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.kv.layout import KVLayout
+from batchgen.kv.page_pool import PagePool
+from batchgen.models.loader import ModelSource, build_model
+from batchgen.runner.model_runner import ModelRunner
+from batchgen.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+
+
+class EngineCore:
+    """Owns the model, the page pool, the scheduler and the runner for one process."""
+
+    def __init__(self, config: EngineConfig, model, hf_config, tokenizer,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.model = model
+        self.hf_config = hf_config
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        limit = getattr(hf_config, "max_position_embeddings", None) or 4096
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.eos_token_ids = eos_token_ids(hf_config, tokenizer)
+        num_heads = hf_config.num_attention_heads
+        self.layout = KVLayout(
+            num_layers=hf_config.num_hidden_layers,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+            page_size=config.page_size,
+            dtype=dtype,
+        )
+        num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
+        if num_pages * config.page_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_pages * config.page_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}: lower max_model_len or give the cache "
+                "more memory"
+            )
+        self.pool = PagePool(self.layout, num_pages, device)
+        self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, self.eos_token_ids)
+        self.runner = ModelRunner(model, self.pool.layer_caches(), config.page_size, device,
+                                  hf_config.vocab_size, self.eos_token_ids,
+                                  debug=config.batchgen_debug)
+        self.detokenizer = Detokenizer(tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._arrival = itertools.count()
+        logger.info("KV cache: %d pages of %d tokens (%.2f GiB) on %s", num_pages,
+                    config.page_size, self.pool.nbytes / 2**30, device)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> EngineCore:
+        from batchgen.models.default_model import default_model_path
+
+        source = ModelSource.resolve(config.model or default_model_path(config.cache_dir))
+        hf_config = source.load_config()
+        tokenizer = source.load_tokenizer()
+        device = config.torch_device()
+        dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
+        limit = getattr(hf_config, "max_position_embeddings", None) or 4096
+        max_len = min(config.max_model_len or limit, limit)
+        model = build_model(source, hf_config, dtype, device, max_len)
+        return cls(config, model, hf_config, tokenizer, device, dtype)
+
+    def _profile_forward(self, num_tokens: int) -> None:
+        """One forward over num_tokens tokens through a throw-away pool (memory planning)."""
+        from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+
+        n = min(num_tokens, self.max_model_len)
+        pages = -(-n // self.config.page_size)
+        pool = PagePool(self.layout, pages + 1, self.device)
+        runner = ModelRunner(self.model, pool.layer_caches(), self.config.page_size,
+                             self.device, self.hf_config.vocab_size, self.eos_token_ids)
+        runner.execute(SchedulerOutput([ScheduledRequest(
+            "profile", [0] * n, 0, list(range(pages)), True, SamplingParams(temperature=0),
+            [0] * n, [])]))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, what: str) -> None:
+        """Raise ValueError naming `what` for a prompt the engine cannot run."""
+        if not prompt_token_ids:
+            raise ValueError(f"{what}: the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"{what}: the prompt has {len(prompt_token_ids)} tokens; "
+                             f"max_model_len is {self.max_model_len} (room is needed for output)")
+        vocab = self.hf_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{what}: sampling params must be a SamplingParams, got {type(params)}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> Request:
+        self.validate(prompt_token_ids, params, f"request {request_id}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        req = Request(request_id, list(prompt_token_ids), params, max_tokens,
+                      arrival=next(self._arrival))
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        return req
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("no request could be scheduled with an empty running set")
+            return []
+        result = self.runner.execute(sched)
+        advanced = self.scheduler.update(sched, result, self.requests)
+        self.stats.steps += 1
+        self.stats.output_tokens += len(advanced)
+        finished = []
+        for req in advanced:
+            if not req.is_finished:
+                stop = self.detokenizer.find_stop(req)
+                if stop is not None:
+                    self.scheduler.finish(req, "stop", stop)
+            if req.is_finished:
+                self.detokenizer.finalize(req)
+                finished.append(self.requests.pop(req.request_id))
+        return finished
+
+
+def eos_token_ids(hf_config, tokenizer) -> list[int]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+    ids: list[int] = []
+    for source in (getattr(hf_config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.append(source)
+        elif isinstance(source, (list, tuple)):
+            ids += [int(t) for t in source]
+    return sorted(set(ids))

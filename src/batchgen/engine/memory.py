@@ -1,0 +1,39 @@
+"""Memory planning for the device KV pool."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from batchgen.config import EngineConfig
+from batchgen.kv.layout import KVLayout
+
+logger = logging.getLogger(__name__)
+
+
+def plan_num_pages(config: EngineConfig, layout: KVLayout, device: torch.device,
+                   profile_forward: Callable[[int], None]) -> int:
+    """Pages for the pool: fixed by config, else a fraction of what a warm-up forward
+    at the largest token budget leaves free on the GPU (cpu_kv_cache_gib on the CPU)."""
+    if config.num_kv_pages is not None:
+        return config.num_kv_pages
+    if config.kv_cache_size_gib is not None:
+        return int(config.kv_cache_size_gib * 2**30 // layout.bytes_per_page)
+    if device.type != "cuda":
+        return int(config.cpu_kv_cache_gib * 2**30 // layout.bytes_per_page)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_forward(config.max_num_batched_tokens)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    in_use_elsewhere = total - free - torch.cuda.memory_reserved(device)
+    budget = total * config.gpu_memory_utilization - peak - in_use_elsewhere
+    torch.cuda.empty_cache()
+    pages = int(budget // layout.bytes_per_page)
+    logger.info("memory plan: peak %.2f GiB during warm-up, %.2f GiB for KV", peak / 2**30,
+                pages * layout.bytes_per_page / 2**30)
+    return max(pages, 0)

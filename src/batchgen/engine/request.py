@@ -1,0 +1,57 @@
+"""A request's state: its tokens and how many of them have KV in the cache."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from batchgen.runner.batch import TokenLogprobs
+from batchgen.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Two counters, no phases: len(token_ids) tokens are known, num_computed_tokens
+    of them have KV in the cache. A step computes some of the rest; when it reaches
+    the end, a new token is sampled and appended."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_preemptions: int = 0
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

@@ -1,0 +1,136 @@
+"""The scheduler: which requests compute how many tokens this step. Never touches tensors."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from batchgen.engine.request import Request, RequestStatus
+from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.runner.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    """Continuous batching under a per-step token budget.
+
+    Each step: running requests first, in admission order (a prefill chunk or one
+    decode token each); when pages run out, the newest running request is preempted
+    (its pages are dropped and it is recomputed later, from the prefix cache where
+    its pages survive). Then, if nothing was preempted, waiting requests are admitted
+    while pages, the token budget and max_num_seqs allow.
+    """
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: list[int]) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_computed_tokens_total = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+        while (not out.preempted_ids and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
+            cached = len(hits) * self.kv.page_size
+            n = min(req.num_tokens - cached, budget)
+            if not self.kv.allocate(req.request_id, cached + n, hits):
+                break
+            req.num_computed_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            out.requests.append(ScheduledRequest(
+                request_id=req.request_id,
+                new_token_ids=req.token_ids[start : start + n],
+                start=start,
+                page_table=self.kv.pages[req.request_id],
+                sample=start + n == req.num_tokens,
+                params=req.params,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids,
+            ))
+        return out
+
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+               requests: dict[str, Request]) -> list[Request]:
+        """Advance counters, append sampled tokens, finish on token-level stops.
+        Returns the requests that got a new token this step."""
+        for s in sched.requests:
+            req = requests[s.request_id]
+            req.num_computed_tokens += len(s.new_token_ids)
+            self.num_computed_tokens_total += len(s.new_token_ids)
+            self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        advanced = []
+        for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
+            req = requests[rid]
+            req.append_token(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            advanced.append(req)
+            reason = self._token_stop(req, token)
+            if reason is not None:
+                self.finish(req, *reason)
+        return advanced
+
+    def _token_stop(self, req: Request, token: int) -> tuple[str, int | None] | None:
+        p = req.params
+        if len(req.output_token_ids) >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        if req.is_finished:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.forget(req.request_id)

@@ -1,0 +1,93 @@
+"""Page bookkeeping for the device pool: free queue, reference counts, prefix cache.
+
+Invariants:
+- A page is in exactly one of two states: held (ref_count > 0, not in the free
+  queue) or free (ref_count == 0, in the free queue).
+- A free page may still carry a hash: it is "free but cached" and can be revived by a
+  prefix hit until allocation evicts it. The free queue is an LRU: allocation takes from
+  the front; freed pages without a hash go to the front (worthless), freed cached pages
+  to the back.
+- Only the allocator changes ref counts; only `allocate` evicts a cached hash.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, enable_caching: bool = True) -> None:
+        self.num_pages = num_pages
+        self.enable_caching = enable_caching
+        self.ref_count = [0] * num_pages
+        self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
+        self._page_hash: dict[int, bytes] = {}
+        self._cached: dict[bytes, int] = {}
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def num_free_after_touch(self, pages: list[int]) -> int:
+        """Free pages left once `pages` (prefix hits) are taken out of the free queue."""
+        return self.num_free - sum(1 for p in pages if self.ref_count[p] == 0)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} pages, {len(self._free)} free")
+        pages = []
+        for _ in range(n):
+            page, _ = self._free.popitem(last=False)
+            h = self._page_hash.pop(page, None)
+            if h is not None:
+                del self._cached[h]
+                self.evictions += 1
+            self.ref_count[page] = 1
+            pages.append(page)
+        return pages
+
+    def touch(self, pages: list[int]) -> None:
+        """Take a reference on cached pages found by `lookup`."""
+        for page in pages:
+            if self.ref_count[page] == 0:
+                del self._free[page]
+            self.ref_count[page] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one reference on each page; the tail of a sequence is freed first."""
+        for page in reversed(pages):
+            self.ref_count[page] -= 1
+            assert self.ref_count[page] >= 0, f"page {page} freed twice"
+            if self.ref_count[page] == 0:
+                self._free[page] = None
+                if page not in self._page_hash:
+                    self._free.move_to_end(page, last=False)
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """Pages of the longest cached prefix of `hashes` (no reference taken)."""
+        pages = []
+        if self.enable_caching:
+            for h in hashes:
+                page = self._cached.get(h)
+                if page is None:
+                    break
+                pages.append(page)
+        return pages
+
+    def register(self, page: int, page_hash: bytes) -> None:
+        """Mark a held, full page as holding the tokens `page_hash` names."""
+        if not self.enable_caching or page in self._page_hash or page_hash in self._cached:
+            return
+        self._page_hash[page] = page_hash
+        self._cached[page_hash] = page
+
+    def page_hash(self, page: int) -> bytes | None:
+        return self._page_hash.get(page)
+
+    def reset(self) -> None:
+        """Forget every cached hash; only valid when no page is held."""
+        assert all(r == 0 for r in self.ref_count), "reset with pages held"
+        self._page_hash.clear()
+        self._cached.clear()
+        self._free = OrderedDict((p, None) for p in range(self.num_pages))

@@ -1,0 +1,34 @@
+"""The device page pool: owner of the KV tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.kv.layout import KVLayout
+
+
+class PagePool:
+    """Allocates the KV tensor once and hands out per-layer views.
+
+    Attention layers never hold the tensor themselves: the runner binds
+    `layer_caches()` into the ForwardContext each step.
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+        if num_pages < 2:
+            raise ValueError(
+                f"the KV cache holds only {num_pages} page(s) of {layout.page_size} tokens; "
+                "give it more memory (kv_cache_size_gib / gpu_memory_utilization)"
+            )
+        self.layout = layout
+        self.num_pages = num_pages
+        self.device = device
+        self.kv = torch.zeros(layout.pool_shape(num_pages), dtype=layout.dtype, device=device)
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k_cache, v_cache), each [num_pages, page_size, num_kv_heads, head_dim]."""
+        return [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.layout.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()

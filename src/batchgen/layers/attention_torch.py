@@ -1,0 +1,76 @@
+"""Reference attention over the paged KV cache, in plain torch.
+
+Correct for any mix of prefill chunks and decodes, GQA, a cached prefix (the causal
+mask is offset by it) and an optional sliding window. Math runs in float32.
+Decodes are gathered into one batched attention; prefill chunks run one by one (the
+per-step token budget keeps them few).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.forward_context import AttentionMetadata
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hkv, D] into flat slots of the [pages, page_size, Hkv, D] caches."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, Q, H, D], k/v [B, S, Hkv, D], allowed [B, Q, S] -> [B, Q, H, D] in q's dtype."""
+    b, nq, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.float().view(b, nq, hkv, h // hkv, d)
+    scores = torch.einsum("bqkgd,bskd->bkgqs", qg, k.float()) * scale
+    scores = scores.masked_fill(~allowed[:, None, None, :, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgqs,bskd->bqkgd", probs, v.float())
+    return out.reshape(b, nq, h, v.shape[-1]).to(q.dtype)
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]; every query's own K/V must already be in the cache."""
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None and meta.decode_rows.numel() > 0:
+        table = meta.decode_page_table
+        max_len = meta.decode_max_seq_len
+        k = k_cache[table].flatten(1, 2)[:, :max_len]
+        v = v_cache[table].flatten(1, 2)[:, :max_len]
+        k_pos = torch.arange(max_len, device=q.device)[None, None, :]
+        q_pos = (meta.decode_seq_lens - 1)[:, None, None]
+        allowed = _window_mask(q_pos, k_pos, sliding_window)
+        out[meta.decode_rows] = _attend(q[meta.decode_rows][:, None], k, v, allowed, scale)[:, 0]
+    for seq in meta.prefills:
+        k = k_cache[seq.pages].flatten(0, 1)[: seq.seq_len][None]
+        v = v_cache[seq.pages].flatten(0, 1)[: seq.seq_len][None]
+        rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        q_pos = torch.arange(seq.seq_len - seq.q_len, seq.seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq.seq_len, device=q.device)[None, :]
+        allowed = _window_mask(q_pos, k_pos, sliding_window)[None]
+        out[rows] = _attend(q[rows][None], k, v, allowed, scale)[0]
+    return out

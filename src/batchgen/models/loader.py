@@ -1,0 +1,163 @@
+"""Loading a model: transformers config and tokenizer, weights from safetensors or GGUF."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchgen.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelSource:
+    """Where a model lives: an HF directory, or a GGUF file (config and tokenizer inside)."""
+
+    path: Path
+    gguf_file: str | None = None
+
+    @classmethod
+    def resolve(cls, model: str | Path) -> ModelSource:
+        path = Path(model).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            return cls(path.parent, path.name)
+        if path.is_dir():
+            if (path / "config.json").is_file():
+                return cls(path)
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return cls(path, ggufs[0].name)
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        raise FileNotFoundError(f"model path {path} does not exist (a directory or a .gguf file)")
+
+    def _kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+    def load_config(self):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(self.path), **self._kwargs())
+        if not getattr(config, "architectures", None) and self.gguf_file:
+            config.architectures = [_GGUF_ARCHS.get(config.model_type, config.model_type)]
+        return config
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path), **self._kwargs())
+
+    def checkpoint_dtype(self, config) -> torch.dtype | None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+    def weights(self, config) -> Iterator[tuple[str, torch.Tensor]]:
+        """(transformers name, tensor) pairs, read lazily where the format allows."""
+        if self.gguf_file:
+            yield from _gguf_weights(self.path / self.gguf_file, config)
+        else:
+            yield from _safetensors_weights(self.path)
+
+
+_GGUF_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise FileNotFoundError(f"weight file {file} listed in the index is missing")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield key, f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"weight file {file} is truncated or corrupt: {e}") from e
+
+
+def _gguf_weights(file: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized GGUF tensors under transformers' names (its own GGUF name map)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        names_only = AutoModelForCausalLM.from_config(config)
+    try:
+        parsed = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=names_only)
+    except (ValueError, OSError, IndexError) as e:
+        raise ValueError(f"GGUF file {file} is truncated or corrupt: {e}") from e
+    yield from parsed["tensors"].items()
+
+
+def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device,
+                max_positions: int) -> torch.nn.Module:
+    """Build on the meta device, allocate on `device`, fill every weight from the checkpoint."""
+    cls = model_class(config)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(config, max_positions)
+    finally:
+        torch.set_default_dtype(old)
+    model.to_empty(device=device)
+    expected = {n for n, _ in model.named_parameters()}
+    loaded: set[str] = set()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for ckpt_name, tensor in source.weights(config):
+        try:
+            target = model.checkpoint_target(ckpt_name)
+        except KeyError:
+            logger.warning("checkpoint weight %s is not used by %s", ckpt_name, cls.__name__)
+            continue
+        if target is None:
+            continue
+        module, param, shard = target
+        try:
+            if hasattr(module, "load"):
+                module.load(param, tensor, shard)
+            else:
+                with torch.no_grad():
+                    getattr(module, param).copy_(tensor)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"checkpoint weight {ckpt_name}: {e}") from e
+        loaded.add(names[id(getattr(module, param))] + (f"[{shard}]" if shard else ""))
+    missing = sorted(_unfilled(model, expected, loaded))
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:10])}"
+                         + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+    model.rotary.materialize(device)
+    return model.eval()
+
+
+def _unfilled(model: torch.nn.Module, expected: set[str], loaded: set[str]) -> list[str]:
+    missing = []
+    for name in expected:
+        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        shards = getattr(module, "shards", None)
+        if shards and name.endswith(".weight") or (shards and name.endswith(".bias")):
+            missing += [f"{name}[{s}]" for s in shards if f"{name}[{s}]" not in loaded]
+        elif name not in loaded:
+            missing.append(name)
+    return missing

@@ -1,0 +1,59 @@
+"""The plain data the scheduler hands the runner, and what the runner hands back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchgen.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [start, start + len(new_token_ids)).
+
+        all tokens:  | computed (KV in pages) | new_token_ids | not yet scheduled |
+                     0                      start        start + n
+    `sample` is true when the step reaches the request's last known token, so the
+    logits of its last new token choose the next token.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    start: int
+    page_table: list[int]
+    sample: bool
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.new_token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class TokenLogprobs:
+    """Raw logprobs at one sampled position."""
+
+    sampled_logprob: float
+    sampled_rank: int
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per sampled request (in scheduled order): the new token and, if asked, logprobs."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]

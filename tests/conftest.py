@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random checkpoints of every supported architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]
+
+
+def tiny_config(arch: str, **overrides):
+    """A small random config of `arch` (GQA, 2+ layers)."""
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    if arch == "LlamaForCausalLM":
+        cfg = transformers.LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+            "rope_theta": 500000.0})
+    elif arch == "Qwen2ForCausalLM":
+        cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True})
+    elif arch == "Qwen3ForCausalLM":
+        cfg = transformers.Qwen3Config(**common, head_dim=32)
+    elif arch == "MistralForCausalLM":
+        cfg = transformers.MistralConfig(**common, sliding_window=None)
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    cfg.architectures = [arch]
+    return cfg
+
+
+def save_tiny_model(path, arch: str, seed: int = 0, **overrides):
+    """Write a random transformers checkpoint of `arch` (safetensors) and return the model."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger weights give peaked distributions: fewer near-ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
