@@ -12,15 +12,32 @@ def tiny_config(arch: str, **overrides):
     """A small random config of `arch` (GQA, 2+ layers)."""
     import transformers
 
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
-                  eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if arch == "LlamaForCausalLM":
-        cfg = transformers.LlamaConfig(**common, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
-            "rope_theta": 500000.0})
+        cfg = transformers.LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "rope_theta": 500000.0,
+            },
+        )
     elif arch == "Qwen2ForCausalLM":
         cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True})
     elif arch == "Qwen3ForCausalLM":
@@ -47,7 +64,31 @@ def save_tiny_model(path, arch: str, seed: int = 0, **overrides):
             if p.dim() == 2:
                 p.normal_(0, 0.15)
     model.save_pretrained(path)
+    save_tiny_tokenizer(path, cfg.vocab_size)
     return model.eval()
+
+
+def save_tiny_tokenizer(path, vocab_size: int) -> None:
+    """A word-level tokenizer: ids 0-2 are <pad> <s> </s>, id i >= 3 is the word "w{i}"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<pad>",
+    )
+    fast.chat_template = (
+        "{% for m in messages %}w10 {{ m['content'] }} w11 {% endfor %}"
+        "{% if add_generation_prompt %}w12 {% endif %}"
+    )
+    fast.save_pretrained(path)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -55,7 +55,9 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 positive_int(name)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -27,8 +27,8 @@ class PrefillSeq:
 class AttentionMetadata:
     """Packed variable-length batch, queries ordered as the scheduler listed requests.
 
-        packed rows: | req0 chunk ....... | req1 (1 decode) | req2 chunk ... |
-        slot_mapping[t] = page_table[req][pos_t // page_size] * page_size + pos_t % page_size
+    packed rows: | req0 chunk ....... | req1 (1 decode) | req2 chunk ... |
+    slot_mapping[t] = page_table[req][pos_t // page_size] * page_size + pos_t % page_size
     """
 
     num_tokens: int

@@ -45,8 +45,14 @@ class SamplingParams:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             if not is_num(getattr(self, name)):
                 fail(name, "must be a number")
             if getattr(self, name) != getattr(self, name):
@@ -103,5 +109,8 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -65,20 +65,25 @@ class LLM:
         for i, conv in enumerate(convs):
             if not conv:
                 raise ValueError(f"conversation {i} has no messages")
-            prompts.append(self.apply_chat_template(conv, add_generation_prompt,
-                                                    **(chat_template_kwargs or {})))
+            prompts.append(
+                self.apply_chat_template(
+                    conv, add_generation_prompt, **(chat_template_kwargs or {})
+                )
+            )
         params = _params_for(prompts, sampling_params)
         encoded = [(self.tokenizer.encode(p, add_special_tokens=False), p) for p in prompts]
         for i, (ids, _) in enumerate(encoded):
             self.engine.validate(ids, params[i], f"conversation {i}")
         return self._run(encoded, params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict[str, str]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; use generate()")
         return self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
     def _encode(self, prompt: PromptLike, index: int) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
@@ -87,17 +92,23 @@ class LLM:
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or "
-                                 "'prompt_token_ids'")
+                raise ValueError(
+                    f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'"
+                )
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt), prompt
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt, None
-        raise TypeError(f"prompt {index}: expected a string or a list of token ids, "
-                        f"got {type(prompt).__name__}")
+        raise TypeError(
+            f"prompt {index}: expected a string or a list of token ids, got {type(prompt).__name__}"
+        )
 
-    def _run(self, encoded: list[tuple[list[int], str | None]], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        encoded: list[tuple[list[int], str | None]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         batch = next(self._ids)
         ids = [f"{batch}-{i}" for i in range(len(encoded))]
         for rid, (tokens, _), p in zip(ids, encoded, params):
@@ -125,16 +136,23 @@ class LLM:
         if req.params.logprobs is not None:
             logprobs = []
             for token, lp in zip(req.output_token_ids, req.logprobs):
-                entry = {tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
-                         for rank, (tid, val) in enumerate(lp.top)}
-                entry[token] = Logprob(lp.sampled_logprob, lp.sampled_rank,
-                                       self.tokenizer.decode([token]))
+                entry = {
+                    tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
+                    for rank, (tid, val) in enumerate(lp.top)
+                }
+                entry[token] = Logprob(
+                    lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token])
+                )
                 logprobs.append(entry)
         completion = CompletionOutput(
-            index=0, text=req.text, token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason, logprobs=logprobs,
-            cumulative_logprob=sum(lp.sampled_logprob for lp in req.logprobs) if logprobs
-            else None)
+            index=0,
+            text=req.text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=sum(lp.sampled_logprob for lp in req.logprobs) if logprobs else None,
+        )
         return RequestOutput(req.request_id, prompt, req.prompt_token_ids, [completion])
 
 

@@ -17,8 +17,9 @@ class Detokenizer:
         self.tokenizer = tokenizer
 
     def decode(self, req: Request) -> str:
-        return self.tokenizer.decode(req.output_token_ids,
-                                     skip_special_tokens=req.params.skip_special_tokens)
+        return self.tokenizer.decode(
+            req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens
+        )
 
     def find_stop(self, req: Request) -> str | None:
         """Search the new text for a stop string; on a hit, cut req.text and return it."""

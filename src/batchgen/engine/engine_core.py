@@ -33,8 +33,15 @@ class EngineStats:
 class EngineCore:
     """Owns the model, the page pool, the scheduler and the runner for one process."""
 
-    def __init__(self, config: EngineConfig, model, hf_config, tokenizer,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model,
+        hf_config,
+        tokenizer,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.config = config
         self.model = model
         self.hf_config = hf_config
@@ -61,17 +68,33 @@ class EngineCore:
             )
         self.pool = PagePool(self.layout, num_pages, device)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.eos_token_ids)
-        self.runner = ModelRunner(model, self.pool.layer_caches(), config.page_size, device,
-                                  hf_config.vocab_size, self.eos_token_ids,
-                                  debug=config.batchgen_debug)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self.eos_token_ids,
+        )
+        self.runner = ModelRunner(
+            model,
+            self.pool.layer_caches(),
+            config.page_size,
+            device,
+            hf_config.vocab_size,
+            self.eos_token_ids,
+            debug=config.batchgen_debug,
+        )
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._arrival = itertools.count()
-        logger.info("KV cache: %d pages of %d tokens (%.2f GiB) on %s", num_pages,
-                    config.page_size, self.pool.nbytes / 2**30, device)
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.2f GiB) on %s",
+            num_pages,
+            config.page_size,
+            self.pool.nbytes / 2**30,
+            device,
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -94,19 +117,40 @@ class EngineCore:
         n = min(num_tokens, self.max_model_len)
         pages = -(-n // self.config.page_size)
         pool = PagePool(self.layout, pages + 1, self.device)
-        runner = ModelRunner(self.model, pool.layer_caches(), self.config.page_size,
-                             self.device, self.hf_config.vocab_size, self.eos_token_ids)
-        runner.execute(SchedulerOutput([ScheduledRequest(
-            "profile", [0] * n, 0, list(range(pages)), True, SamplingParams(temperature=0),
-            [0] * n, [])]))
+        runner = ModelRunner(
+            self.model,
+            pool.layer_caches(),
+            self.config.page_size,
+            self.device,
+            self.hf_config.vocab_size,
+            self.eos_token_ids,
+        )
+        runner.execute(
+            SchedulerOutput(
+                [
+                    ScheduledRequest(
+                        "profile",
+                        [0] * n,
+                        0,
+                        list(range(pages)),
+                        True,
+                        SamplingParams(temperature=0),
+                        [0] * n,
+                        [],
+                    )
+                ]
+            )
+        )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, what: str) -> None:
         """Raise ValueError naming `what` for a prompt the engine cannot run."""
         if not prompt_token_ids:
             raise ValueError(f"{what}: the prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"{what}: the prompt has {len(prompt_token_ids)} tokens; "
-                             f"max_model_len is {self.max_model_len} (room is needed for output)")
+            raise ValueError(
+                f"{what}: the prompt has {len(prompt_token_ids)} tokens; "
+                f"max_model_len is {self.max_model_len} (room is needed for output)"
+            )
         vocab = self.hf_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -114,15 +158,17 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{what}: sampling params must be a SamplingParams, got {type(params)}")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Request:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
         self.validate(prompt_token_ids, params, f"request {request_id}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or room, room)
-        req = Request(request_id, list(prompt_token_ids), params, max_tokens,
-                      arrival=next(self._arrival))
+        req = Request(
+            request_id, list(prompt_token_ids), params, max_tokens, arrival=next(self._arrival)
+        )
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -158,8 +204,10 @@ class EngineCore:
 def eos_token_ids(hf_config, tokenizer) -> list[int]:
     """End-of-sequence ids from the generation config, the model config and the tokenizer."""
     ids: list[int] = []
-    for source in (getattr(hf_config, "eos_token_id", None),
-                   getattr(tokenizer, "eos_token_id", None)):
+    for source in (
+        getattr(hf_config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
         if isinstance(source, int):
             ids.append(source)
         elif isinstance(source, (list, tuple)):

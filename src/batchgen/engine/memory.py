@@ -13,8 +13,12 @@ from batchgen.kv.layout import KVLayout
 logger = logging.getLogger(__name__)
 
 
-def plan_num_pages(config: EngineConfig, layout: KVLayout, device: torch.device,
-                   profile_forward: Callable[[int], None]) -> int:
+def plan_num_pages(
+    config: EngineConfig,
+    layout: KVLayout,
+    device: torch.device,
+    profile_forward: Callable[[int], None],
+) -> int:
     """Pages for the pool: fixed by config, else a fraction of what a warm-up forward
     at the largest token budget leaves free on the GPU (cpu_kv_cache_gib on the CPU)."""
     if config.num_kv_pages is not None:
@@ -34,6 +38,9 @@ def plan_num_pages(config: EngineConfig, layout: KVLayout, device: torch.device,
     budget = total * config.gpu_memory_utilization - peak - in_use_elsewhere
     torch.cuda.empty_cache()
     pages = int(budget // layout.bytes_per_page)
-    logger.info("memory plan: peak %.2f GiB during warm-up, %.2f GiB for KV", peak / 2**30,
-                pages * layout.bytes_per_page / 2**30)
+    logger.info(
+        "memory plan: peak %.2f GiB during warm-up, %.2f GiB for KV",
+        peak / 2**30,
+        pages * layout.bytes_per_page / 2**30,
+    )
     return max(pages, 0)

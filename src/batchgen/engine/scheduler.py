@@ -19,8 +19,14 @@ class Scheduler:
     while pages, the token budget and max_num_seqs allow.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,8 +71,12 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
             i += 1
-        while (not out.preempted_ids and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+        while (
+            not out.preempted_ids
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
             req = self.waiting[0]
             hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
             cached = len(hits) * self.kv.page_size
@@ -81,20 +91,23 @@ class Scheduler:
             budget -= n
         for req, n in scheduled:
             start = req.num_computed_tokens
-            out.requests.append(ScheduledRequest(
-                request_id=req.request_id,
-                new_token_ids=req.token_ids[start : start + n],
-                start=start,
-                page_table=self.kv.pages[req.request_id],
-                sample=start + n == req.num_tokens,
-                params=req.params,
-                prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=req.output_token_ids,
-            ))
+            out.requests.append(
+                ScheduledRequest(
+                    request_id=req.request_id,
+                    new_token_ids=req.token_ids[start : start + n],
+                    start=start,
+                    page_table=self.kv.pages[req.request_id],
+                    sample=start + n == req.num_tokens,
+                    params=req.params,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
+                )
+            )
         return out
 
-    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput,
-               requests: dict[str, Request]) -> list[Request]:
+    def update(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
+    ) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops.
         Returns the requests that got a new token this step."""
         for s in sched.requests:

@@ -58,8 +58,11 @@ class KVCacheManager:
         done = self._num_registered.get(request_id, 0)
         if full <= done:
             return
-        hashes = hash_full_pages(token_ids[: full * self.page_size], self.page_size,
-                                 self._hashes.get(request_id, [])[:full])
+        hashes = hash_full_pages(
+            token_ids[: full * self.page_size],
+            self.page_size,
+            self._hashes.get(request_id, [])[:full],
+        )
         self._hashes[request_id] = hashes
         pages = self.pages[request_id]
         for i in range(done, full):

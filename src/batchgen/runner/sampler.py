@@ -1,0 +1,298 @@
+"""Turn one step's logits into next tokens, vLLM v1 style, without host synchronisation.
+
+Per step the runner calls ``SamplingMetadata.build`` (host lists -> device tensors) and then
+``Sampler()(logits, meta)``. Processing order, as in vLLM v1::
+
+    raw logits --log_softmax--> logprobs, ranks, top-k logprobs (what is reported)
+        |
+        +-> min_tokens block -> penalties (repetition, frequency, presence)
+              +-> argmax                                      (greedy rows)
+              +-> / temperature -> min_p -> top_k -> top_p
+                    -> softmax -> argmax(probs / Exponential(1))   (sampled rows)
+
+Invariant: the noise of a seeded row depends only on (seed, tokens generated so far) and
+the vocabulary size, never on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.sampling_params import SamplingParams
+
+# Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
+_SAMPLING_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Seed of a seeded row's generator at ``step`` (tokens already generated): a 63-bit
+    mix of both, so neighbouring seeds or steps give unrelated noise streams."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) >> 1
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a CPU tensor to ``device``, through pinned memory when it is a CUDA device."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling state of a batch of B rows (those of the logits), on their device.
+
+    The ``use_*`` flags are host-side hints set by ``build`` so that unused filters cost
+    nothing; leaving them True is always correct."""
+
+    temperature: torch.Tensor  # [B] float32, 0.0 = greedy row
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = disabled
+    min_p: torch.Tensor  # [B] float32
+    all_greedy: bool
+    generators: list[torch.Generator | None]  # per row; None = the shared generator
+    max_logprobs: int  # max over rows of params.logprobs (0 if none asked)
+    presence_penalty: torch.Tensor | None  # [B]; the penalty fields are None when no row
+    frequency_penalty: torch.Tensor | None  # [B]  of the batch uses any penalty
+    repetition_penalty: torch.Tensor | None  # [B]
+    output_token_counts: torch.Tensor | None  # [B, V] int32 counts of the row's output tokens
+    prompt_token_mask: torch.Tensor | None  # [B, V] bool: token appears in the row's prompt
+    min_tokens_block: list[tuple[int, list[int]]]  # (row, ids to forbid) under min_tokens
+    use_top_k: bool = True
+    use_top_p: bool = True
+    use_min_p: bool = True
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+        eos_token_ids: list[int],
+    ) -> SamplingMetadata:
+        """Gather the batch's parameters into tensors on ``device``.
+
+        ``output_token_ids[i]`` is what row i has generated so far: its length is the step
+        index used for seeded noise and for ``min_tokens``. Prompt and output token ids
+        are only read for rows that use a penalty.
+        """
+        device = torch.device(device)
+        n = len(params)
+        greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        # One float32 [width, B] tensor crosses to the device: temperature, top_p, min_p,
+        # top_k, then the presence, frequency and repetition penalties if any row uses one.
+        rows = [
+            (0.0, 1.0, 0.0, 0)
+            if g
+            else (p.temperature, p.top_p, p.min_p, p.top_k if 0 < p.top_k < vocab_size else 0)
+            for p, g in zip(params, greedy)
+        ]
+        width = 7 if penalised else 4
+        if penalised:
+            rows = [
+                r + (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+                for r, p in zip(rows, params)
+            ]
+        packed = torch.tensor(rows, dtype=torch.float32).view(n, width).t().contiguous()
+        packed = _to_device(packed, device)
+        presence = frequency = repetition = counts = prompt_mask = None
+        if penalised:
+            presence, frequency, repetition = packed[4], packed[5], packed[6]
+            outs = [(i, output_token_ids[i]) for i in penalised]
+            rep = [(i, prompt_token_ids[i]) for i in penalised if params[i].repetition_penalty != 1]
+            counts, prompt_mask = _token_stats(n, vocab_size, device, outs, rep)
+        generators: list[torch.Generator | None] = [None] * n
+        min_tokens_block: list[tuple[int, list[int]]] = []
+        for i, p in enumerate(params):
+            step = len(output_token_ids[i])
+            if p.seed is not None and not greedy[i]:
+                generators[i] = torch.Generator(device=device)
+                generators[i].manual_seed(step_seed(p.seed, step))
+            if step < p.min_tokens:
+                ids = ([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)
+                ids = sorted({t for t in ids if 0 <= t < vocab_size})
+                if ids:
+                    min_tokens_block.append((i, ids))
+        return cls(
+            temperature=packed[0],
+            top_p=packed[1],
+            top_k=packed[3].to(torch.int64),
+            min_p=packed[2],
+            all_greedy=all(greedy),
+            generators=generators,
+            max_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            output_token_counts=counts,
+            prompt_token_mask=prompt_mask,
+            min_tokens_block=min_tokens_block,
+            use_top_k=any(r[3] > 0 for r in rows),
+            use_top_p=any(r[1] < 1.0 for r in rows),
+            use_min_p=any(r[2] > 0.0 for r in rows),
+        )
+
+
+def _token_stats(
+    n: int,
+    vocab_size: int,
+    device: torch.device,
+    outputs: list[tuple[int, list[int]]],
+    prompts: list[tuple[int, list[int]]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output-token counts [n, V] int32 and prompt-token mask [n, V] bool of the given
+    (row, token ids) pairs. Only flat (row * V + token) indices cross to the device; the
+    [n, V] tensors are filled there."""
+    out_idx, prompt_idx = _flat_index(outputs, vocab_size), _flat_index(prompts, vocab_size)
+    flat = _to_device(torch.cat([out_idx, prompt_idx]), device)
+    out_flat, prompt_flat = flat[: out_idx.numel()], flat[out_idx.numel() :]
+    counts = torch.zeros(n * vocab_size, dtype=torch.int32, device=device)
+    counts.index_add_(0, out_flat, torch.ones_like(out_flat, dtype=torch.int32))
+    mask = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
+    mask.index_fill_(0, prompt_flat, True)
+    return counts.view(n, vocab_size), mask.view(n, vocab_size)
+
+
+def _flat_index(pairs: list[tuple[int, list[int]]], vocab_size: int) -> torch.Tensor:
+    tokens = torch.tensor(list(itertools.chain.from_iterable(t for _, t in pairs)))
+    lengths = torch.tensor([len(t) for _, t in pairs], dtype=torch.int64)
+    rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64)
+    return torch.repeat_interleave(rows, lengths) * vocab_size + tokens.to(torch.int64)
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result; every tensor is on the logits' device, rows as in the batch."""
+
+    sampled_token_ids: torch.Tensor  # [B] int64
+    sampled_logprobs: torch.Tensor  # [B] float32, raw logprob of the sampled token
+    sampled_ranks: torch.Tensor  # [B] int64, 1-based rank of it in the raw distribution
+    topk_token_ids: torch.Tensor | None  # [B, max_logprobs] int64 (None when max_logprobs == 0)
+    topk_logprobs: torch.Tensor | None  # [B, max_logprobs] float32
+
+
+def apply_min_tokens(logits: torch.Tensor, block: list[tuple[int, list[int]]]) -> torch.Tensor:
+    """Return ``logits`` (not modified) with each blocked (row, token) set to -inf."""
+    if not block:
+        return logits
+    rows = [r for r, ids in block for _ in ids]
+    cols = [t for _, ids in block for t in ids]
+    index = _to_device(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
+    neg_inf = logits.new_full((1,), float("-inf"))
+    return logits.index_put((index[0], index[1]), neg_inf)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Return ``logits`` (not modified) with the repetition, frequency and presence penalties.
+
+    Repetition (prompt and output tokens): positive logits are divided by it, the others
+    multiplied. Frequency subtracts penalty * count; presence subtracts penalty once.
+    """
+    counts = meta.output_token_counts
+    if counts is None or meta.repetition_penalty is None:
+        return logits
+    seen = counts > 0
+    if meta.prompt_token_mask is not None:
+        seen = seen | meta.prompt_token_mask
+    rep = torch.where(seen, meta.repetition_penalty.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    if meta.frequency_penalty is not None:
+        logits = logits - meta.frequency_penalty.unsqueeze(1) * counts
+    if meta.presence_penalty is not None:
+        logits = logits - meta.presence_penalty.unsqueeze(1) * (counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (in place) tokens whose probability is below min_p * the row's top probability.
+
+    Done in log space: logit < max_logit + log(min_p); min_p 0 masks nothing.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep each row's top_k logits (0 = all), then the smallest set of the most likely
+    tokens whose renormalised probability reaches top_p (at least one token is kept).
+    Returns a new tensor."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    """Samples one token per row; issues no host synchronisation.
+
+    ``generator`` is the shared generator of unseeded rows (None: torch's default one).
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample from ``logits`` [B, V] (not modified) under ``meta``."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        x = apply_min_tokens(logits.float(), meta.min_tokens_block)
+        x = apply_penalties(x, meta)
+        greedy_ids = x.argmax(dim=-1)
+        if meta.all_greedy:
+            token_ids = greedy_ids
+        else:
+            token_ids = torch.where(meta.temperature == 0, greedy_ids, self._sample(x, meta))
+        return _gather_logprobs(raw_logprobs, token_ids, meta.max_logprobs)
+
+    def _sample(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
+        x = x / temperature.unsqueeze(1)
+        if meta.use_min_p:
+            x = apply_min_p(x, meta.min_p)
+        if meta.use_top_k or meta.use_top_p:
+            top_k = meta.top_k if meta.use_top_k else None
+            x = apply_top_k_top_p(x, top_k, meta.top_p if meta.use_top_p else None)
+        probs = x.softmax(dim=-1)
+        return probs.div_(self._noise(probs, meta.generators)).argmax(dim=-1)
+
+    def _noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exponential(1) noise shaped like ``probs``; seeded rows from their own generator."""
+        q = torch.empty_like(probs)
+        if any(g is None for g in generators):
+            q.exponential_(generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                q[i].exponential_(generator=g)
+        # Guard against a zero draw: probs / 0 would be inf or NaN.
+        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+    sampled = raw.gather(1, token_ids.unsqueeze(1))
+    ranks = (raw >= sampled).sum(dim=-1)
+    topk_ids = topk_lp = None
+    if k > 0:
+        topk_lp, topk_ids = raw.topk(k, dim=-1)
+    return SamplerOutput(token_ids, sampled.squeeze(1), ranks, topk_ids, topk_lp)

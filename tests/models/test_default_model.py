@@ -1,0 +1,74 @@
+"""The embedded default model (SmolLM2-135M-Instruct GGUF) against transformers loading
+the same GGUF file: greedy outputs of varied chat prompts must be identical (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import reference_greedy
+
+from batchgen import LLM, SamplingParams
+from batchgen.models.default_model import default_model_path
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "What is 2 + 2?",
+    "Name three primary colors.",
+    "Explain photosynthesis in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Give me a synonym for 'happy'.",
+    "What is the boiling point of water in Celsius?",
+    "List the first five prime numbers.",
+    "Who wrote Romeo and Juliet?",
+    "Describe a cat in five words.",
+    "What does CPU stand for?",
+    "Suggest a name for a pet goldfish.",
+    "How many days are in a leap year?",
+    "What is the opposite of 'cold'?",
+    "Write one sentence about the moon.",
+    "What color is the sky on a clear day?",
+    "Say hello in French.",
+]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    return LLM(device="cpu", dtype="float32", max_model_len=1024, max_num_batched_tokens=256)
+
+
+def test_default_model_matches_transformers_on_the_same_gguf(default_llm):
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    eos = default_llm.engine.eos_token_ids
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    outs = default_llm.chat(
+        convs, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False
+    )
+    mismatches = []
+    for q, out in zip(QUESTIONS, outs):
+        ref_tokens, _ = reference_greedy(ref, out.prompt_token_ids, MAX_NEW, eos=eos[0])
+        ours = out.outputs[0].token_ids
+        if ours != ref_tokens:
+            mismatches.append((q, ours, ref_tokens))
+    assert not mismatches, mismatches[:3]
+    assert all(o.outputs[0].text for o in outs)
+    assert any(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_default_model_stop_strings_and_logprobs(default_llm):
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["Paris"], logprobs=3)
+    out = default_llm.chat([{"role": "user", "content": QUESTIONS[0]}], params, use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == "Paris"
+    assert "Paris" not in out.text
+    assert len(out.logprobs) == len(out.token_ids)
+    for step, tok in zip(out.logprobs, out.token_ids):
+        assert tok in step and len(step) >= 3
+        assert all(lp.logprob <= 0 for lp in step.values())

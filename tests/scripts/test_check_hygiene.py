@@ -1,0 +1,472 @@
+"""Tests for scripts/check_hygiene.py: each rule on a tiny throw-away git repository."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+from textwrap import dedent
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from hygiene.comments import looks_like_code  # noqa: E402
+from hygiene.review import check_change_folders  # noqa: E402
+from hygiene.source import Source, check_env_vars  # noqa: E402
+
+GIT_ENV = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+GOOD_MESSAGE = "feat(kv): change the pool\n\nThe scheduler needs it."
+
+CLEAN = {
+    "README.md": "# fake\n",
+    "bench_decode.py": "print('benchmarks may live in the root')\n",
+    "scripts/check_other.py": "print('scripts/ may hold check_ files')\n",
+    "tests/kv/test_pool.py": "def test_size():\n    print('tests may print')\n",
+    "src/batchgen/MODULE.md": "root\n",
+    "src/batchgen/__init__.py": """\
+        from batchgen.api.llm import LLM
+
+        __all__ = ["LLM"]
+        """,
+    "src/batchgen/config.py": "PAGE_SIZE = 16\n",
+    "src/batchgen/api/MODULE.md": "api\n",
+    "src/batchgen/api/__init__.py": "",
+    "src/batchgen/api/llm.py": """\
+        import os
+
+        from batchgen.config import PAGE_SIZE
+        from batchgen.engine.core import step
+
+        # The LLM wraps one engine; shapes are (batch, tokens).
+        # (B, T)
+        # TODO: stream results
+        # Note: pages are owned by the pool.
+        # if needed:
+        # a == b
+
+
+        class LLM:
+            def generate(self):
+                home = os.environ.get("HOME")  # x = 1 after code is fine
+                return step() * PAGE_SIZE, home, "# y = f(x)"
+        """,
+    "src/batchgen/engine/MODULE.md": "engine\n",
+    "src/batchgen/engine/__init__.py": "",
+    "src/batchgen/engine/core.py": """\
+        from typing import TYPE_CHECKING
+
+        from .. import config
+        from ..kv import pool
+
+        if TYPE_CHECKING:
+            from batchgen.api.llm import LLM
+
+
+        def step(llm: "LLM | None" = None) -> int:
+            return pool.SIZE + config.PAGE_SIZE
+        """,
+    "src/batchgen/kv/MODULE.md": "kv\n",
+    "src/batchgen/kv/__init__.py": "",
+    "src/batchgen/kv/pool.py": "SIZE = 4\n",
+}
+
+
+def git(repo: Path, *args: str) -> str:
+    identity = ["-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    result = subprocess.run(
+        ["git", *identity, *args], cwd=repo, env=GIT_ENV, capture_output=True, text=True, check=True
+    )
+    return result.stdout
+
+
+def write(repo: Path, files: dict[str, str]) -> None:
+    for path, text in files.items():
+        target = repo / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(dedent(text))
+
+
+def commit(repo: Path, message: str) -> None:
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", message)
+
+
+def check(repo: Path, *args: str) -> tuple[int, str]:
+    command = [sys.executable, str(SCRIPTS / "check_hygiene.py"), *args]
+    result = subprocess.run(command, cwd=repo, env=GIT_ENV, capture_output=True, text=True)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    git(tmp_path, "-c", "init.defaultBranch=main", "init", "-q")
+    write(tmp_path, CLEAN)
+    commit(tmp_path, "chore: start\n\nA clean baseline.")
+    return tmp_path
+
+
+@pytest.fixture
+def branch(repo: Path) -> Path:
+    git(repo, "checkout", "-q", "-b", "change")
+    return repo
+
+
+# --- the clean repository -------------------------------------------------------------
+
+
+def test_clean_repo_passes(repo):
+    assert check(repo) == (0, "blocking: 0, advisory: 0\n")
+
+
+def test_clean_change_passes_review(branch):
+    write(branch, {"src/batchgen/kv/pool.py": "SIZE = 4\n\n\ndef grow():\n    return SIZE\n"})
+    write(branch, {"src/batchgen/kv/MODULE.md": "kv: SIZE, grow()\n"})
+    commit(branch, GOOD_MESSAGE)
+    assert check(branch, "--base", "main", "--type", "core") == (0, "blocking: 0, advisory: 0\n")
+
+
+# --- file names and folders -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "src/batchgen/kv/test_pool.py",
+        "src/batchgen/kv/pool_test.py",
+        "src/batchgen/conftest.py",
+        "src/batchgen/kv/tests/helpers.py",
+    ],
+)
+def test_test_files_in_package_fail(repo, path):
+    write(repo, {path: "X = 1\n"})
+    code, out = check(repo)
+    assert code == 1
+    assert f"{path}: [test-in-package]" in out
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "debug_run.py",
+        "tmp_notes.txt",
+        "src/batchgen/check_pages.py",
+        "src/batchgen/kv/scratch_a.py",
+    ],
+)
+def test_scratch_files_fail(repo, path):
+    write(repo, {path: "X = 1\n"})
+    code, out = check(repo)
+    assert code == 1
+    assert f"{path}: [scratch-file]" in out
+
+
+ARTIFACTS = [
+    "data/x.log", "data/x.csv", "dist/x.whl", "ckpt/x.pt", "ckpt/x.pth", "ckpt/x.ckpt",
+    "ckpt/x.bin", "ckpt/x.safetensors", "ckpt/x.gguf", "src/x.pyc", "src/x.pyo", "lib/x.so",
+    "lib/x.o", "prof/x.trace", "prof/x.nsys-rep", "prof/x.qdrep", "prof/x.prof",
+    "prof/trace.json", "prof/trace_decode.json", "tests/data/tiny.safetensors",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ARTIFACTS)
+def test_artifacts_fail(repo, path):
+    write(repo, {path: "data\n"})
+    code, out = check(repo)
+    assert code == 1
+    assert f"{path}: [artifact]" in out
+
+
+def test_ignored_artifacts_are_skipped_but_force_added_ones_fail(repo):
+    write(repo, {".gitignore": "*.log\n", "ignored.log": "x\n", "forced.log": "x\n"})
+    git(repo, "add", "-f", "forced.log")
+    code, out = check(repo)
+    assert code == 1
+    assert "forced.log: [artifact]" in out
+    assert "ignored.log" not in out
+
+
+@pytest.mark.parametrize("folder", ["src/batchgen", "src/batchgen/kv"])
+def test_missing_module_md_fails(repo, folder):
+    (repo / folder / "MODULE.md").unlink()
+    code, out = check(repo)
+    assert code == 1
+    assert f"{folder}/MODULE.md: [module-md]" in out
+
+
+def test_new_package_folder_needs_module_md(repo):
+    write(repo, {"src/batchgen/models/llama.py": "X = 1\n"})
+    code, out = check(repo)
+    assert code == 1
+    assert "src/batchgen/models/MODULE.md: [module-md]" in out
+
+
+# --- package source -------------------------------------------------------------------
+
+
+def test_print_in_package_fails(repo):
+    source = """\
+        import logging
+
+        print("pages", 3)
+        logging.getLogger(__name__).info("print(x) in a string is fine")
+        """
+    write(repo, {"src/batchgen/kv/pool.py": source})
+    code, out = check(repo)
+    assert code == 1
+    assert "src/batchgen/kv/pool.py:3: [print]" in out
+    assert out.count("[print]") == 1
+
+
+def test_commented_code_in_package_fails(repo):
+    source = """\
+        #!/usr/bin/env python
+        # The pool owns every page.
+        # x = f(y)
+        SIZE = 4  # type: ignore
+            # return SIZE
+        # import os
+        """
+    write(repo, {"src/batchgen/kv/pool.py": source})
+    code, out = check(repo)
+    assert code == 1
+    flagged = [line.split(": [")[0] for line in out.splitlines() if "[commented-code]" in line]
+    assert flagged == [f"src/batchgen/kv/pool.py:{n}" for n in (3, 5, 6)]
+
+
+CODE_COMMENTS = [
+    "x = f(y)", "return foo", "import os", "from a import b", "self.flush()", "print(x)",
+    "pages[i] = j", "k, v = split(qkv)", "if x > 0:", "for p in pages:", "def f(x):",
+    "class Foo(Base):", "n += 1", "x: int = 0", "raise ValueError(msg)", "del cache[key]",
+    "with torch.no_grad():", "assert n > 0", "await stream.wait()", "while not done():",
+]  # fmt: skip
+PROSE_COMMENTS = [
+    "", "noqa: E501", "type: ignore[attr-defined]", "pragma: no cover", "!/usr/bin/env python",
+    "-*- coding: utf-8 -*-", "fmt: off", "TODO", "TODO(lead)", "TODO(lead): fix this",
+    "FIXME", "Note: pages are freed here", "The scheduler never touches tensors.",
+    "(B, T, H)", "[num_pages, page_size]", "a == b", "not used", "if needed:", "with care:",
+    "global state", "e.g. f(x)", "see https://example.com", "----", "returns", "step 1",
+    "return", "yield", "Returns: the list of pages", "1. allocate, 2. copy", "page 0 | page 1",
+    "Copyright (c) 2025", "SPDX-License-Identifier: Apache-2.0", "len(pages) <= n",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("comment", CODE_COMMENTS)
+def test_code_comments_are_code(comment):
+    assert looks_like_code(comment)
+
+
+@pytest.mark.parametrize("comment", PROSE_COMMENTS)
+def test_prose_comments_are_not_code(comment):
+    assert not looks_like_code(comment)
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        'os.environ["BATCHGEN_DEBUG"]',
+        'os.environ.get("BATCHGEN_DEBUG")',
+        'os.environ.get("BATCHGEN_DEBUG", "0")',
+        'os.getenv("BATCHGEN_DEBUG")',
+        'environ["BATCHGEN_DEBUG"]',
+        'getenv("BATCHGEN_DEBUG")',
+        '"BATCHGEN_DEBUG" in os.environ',
+    ],
+)
+def test_batchgen_env_var_read_fails(repo, expression):
+    source = f"import os\nfrom os import environ, getenv\n\nflag = {expression}\n"
+    write(repo, {"src/batchgen/kv/pool.py": source})
+    code, out = check(repo)
+    assert code == 1
+    assert "src/batchgen/kv/pool.py:4: [env-var]" in out
+    assert "BATCHGEN_DEBUG" in out
+
+
+def test_env_var_allow_list_is_honoured():
+    text = 'import os\n\nflag = os.getenv("BATCHGEN_X")\n'
+    source = Source("src/batchgen/kv/pool.py", text, ast.parse(text))
+    assert len(list(check_env_vars(source))) == 1
+    assert list(check_env_vars(source, allowed=frozenset({"BATCHGEN_X"}))) == []
+
+
+# --- layering -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "source", "line", "rule"),
+    [
+        ("src/batchgen/kv/bad.py", "from batchgen.engine import core\n", 1, "layering"),
+        ("src/batchgen/kv/bad.py", "import batchgen.api.llm\n", 1, "layering"),
+        ("src/batchgen/kv/bad.py", "from ..engine.core import step\n", 1, "layering"),
+        ("src/batchgen/kv/bad.py", "from .. import api\n", 1, "layering"),
+        ("src/batchgen/kv/bad.py", "def f():\n    from batchgen.api import llm\n", 2, "layering"),
+        ("src/batchgen/kernels/x.py", "import batchgen.models.llama\n", 1, "layering"),
+        ("src/batchgen/runner/x.py", "from ..distributed import tp\n", 1, "layering"),
+        ("src/batchgen/kv/bad.py", "from batchgen import LLM\n", 1, "init-import"),
+        ("src/batchgen/kv/bad.py", "from .. import LLM\n", 1, "init-import"),
+    ],
+)
+def test_upward_imports_fail(repo, path, source, line, rule):
+    write(repo, {path: source, str(Path(path).parent / "MODULE.md"): "doc\n"})
+    code, out = check(repo)
+    assert code == 1
+    assert f"{path}:{line}: [{rule}]" in out
+
+
+def test_downward_and_common_imports_pass(repo):
+    source = """\
+        import torch
+
+        from batchgen import config
+        from batchgen.kernels import paged_attention
+        from batchgen.sampling_params import SamplingParams
+
+        from . import pool
+        from .. import config as config2
+        from ..layers.norm import RMSNorm
+        """
+    write(repo, {"src/batchgen/kv/ok.py": source})
+    assert check(repo) == (0, "blocking: 0, advisory: 0\n")
+
+
+def test_type_checking_only_guards_its_body(repo):
+    source = """\
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            from batchgen.api.llm import LLM
+        else:
+            from batchgen.engine import core
+        """
+    write(repo, {"src/batchgen/kv/x.py": source})
+    code, out = check(repo)
+    assert code == 1
+    assert "src/batchgen/kv/x.py:6: [layering]" in out
+    assert out.count("[layering]") == 1
+
+
+def test_folder_outside_layer_order_is_advisory(repo):
+    write(repo, {"src/batchgen/misc/x.py": "X = 1\n", "src/batchgen/misc/MODULE.md": "misc\n"})
+    code, out = check(repo)
+    assert code == 0
+    assert "src/batchgen/misc: [layering, advisory]" in out
+
+
+# --- reviewing a change ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("message", "rule"),
+    [
+        ("add the pool\n\nBecause.", "commit-format"),
+        ("feature(kv): add the pool\n\nBecause.", "commit-format"),
+        ("feat(kv):add the pool\n\nBecause.", "commit-format"),
+        ("feat(kv): add the pool", "commit-body"),
+        ("feat(kv): add the pool\n\nSigned-off-by: t <t@t>", "commit-body"),
+        ("feat(kv): add the pool\n\nBecause.\n\nCo-authored-by: x <x@x>", "co-author"),
+    ],
+)
+def test_bad_commit_messages_fail(branch, message, rule):
+    write(branch, {"tests/kv/test_more.py": "def test_more():\n    pass\n"})
+    commit(branch, message)
+    code, out = check(branch, "--base", "main", "--type", "core")
+    assert code == 1
+    assert f"[{rule}]" in out
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "fix: free pages on preemption\n\nThey leaked.",
+        "perf(kv/pool): batch copies\n\nFewer launches.\n\nSigned-off-by: t <t@t>",
+        "docs(readme): explain resume\n\nNote: users asked for it.",
+    ],
+)
+def test_good_commit_messages_pass(branch, message):
+    write(branch, {"tests/kv/test_more.py": "def test_more():\n    pass\n"})
+    commit(branch, message)
+    assert check(branch, "--base", "main", "--type", "core") == (0, "blocking: 0, advisory: 0\n")
+
+
+def test_change_outside_type_folders_is_advisory(branch):
+    write(branch, {"src/batchgen/engine/core.py": CLEAN["src/batchgen/engine/core.py"] + "\n"})
+    commit(branch, GOOD_MESSAGE)
+    write(branch, {"README.md": "# changed, not committed\n", "scripts/new_tool.py": "X = 1\n"})
+    code, out = check(branch, "--base", "main", "--type", "kernel")
+    assert code == 0
+    for path in ("src/batchgen/engine/core.py", "README.md", "scripts/new_tool.py"):
+        assert f"{path}: [change-folder, advisory]" in out
+    assert out.endswith("blocking: 0, advisory: 3\n")
+
+
+@pytest.mark.parametrize(
+    ("change_type", "path", "allowed"),
+    [
+        ("model", "src/batchgen/models/llama.py", True),
+        ("model", "docs/models.md", True),
+        ("model", "src/batchgen/kv/pool.py", False),
+        ("kernel", "src/batchgen/kernels/decode.py", True),
+        ("kernel", "benchmarks/decode.py", True),
+        ("kernel", "src/batchgen/models/llama.py", False),
+        ("core", "src/batchgen/engine/core.py", True),
+        ("core", "README.md", True),
+        ("core", "scripts/x.py", False),
+        ("fix", "src/batchgen/kv/pool.py", True),
+        ("fix", "pyproject.toml", False),
+        ("infra", ".ci/test.sh", True),
+        ("infra", "CONTRIBUTING.md", True),
+        ("infra", "src/batchgen/config.py", False),
+        ("docs", "src/batchgen/kv/MODULE.md", True),
+        ("docs", "src/batchgen/kv/pool.py", False),
+    ],
+)
+def test_permitted_folders_table(change_type, path, allowed):
+    assert (list(check_change_folders({path}, change_type)) == []) == allowed
+
+
+@pytest.mark.parametrize(
+    ("source", "delta"),
+    [
+        ("SIZE = 4\n\n\ndef grow():\n    pass\n", "+grow"),
+        ("SIZE = 4\n\n\nclass Pool:\n    pass\n", "+Pool"),
+        ('SIZE = 4\n__all__ = ["SIZE"]\n', "+SIZE"),
+    ],
+)
+def test_public_api_change_without_module_md_is_advisory(branch, source, delta):
+    write(branch, {"src/batchgen/kv/pool.py": source})
+    commit(branch, GOOD_MESSAGE)
+    code, out = check(branch, "--base", "main", "--type", "core")
+    assert code == 0
+    assert f"src/batchgen/kv/pool.py: [module-md-api, advisory] public API changed ({delta})" in out
+
+
+def test_removed_module_counts_as_api_change(branch):
+    write(branch, {"src/batchgen/engine/core.py": "def step():\n    return 1\n"})
+    commit(branch, "chore: give core a public step\n\nSetup.")
+    git(branch, "checkout", "-q", "-b", "removal")
+    (branch / "src/batchgen/engine/core.py").unlink()
+    code, out = check(branch, "--base", "change", "--type", "core")
+    assert code == 0
+    assert "src/batchgen/engine/core.py: [module-md-api, advisory]" in out
+    assert "(-step)" in out
+
+
+def test_private_names_are_not_api(branch):
+    write(branch, {"src/batchgen/kv/pool.py": "SIZE = 4\n\n\ndef _grow():\n    pass\n"})
+    commit(branch, GOOD_MESSAGE)
+    assert check(branch, "--base", "main", "--type", "core") == (0, "blocking: 0, advisory: 0\n")
+
+
+def test_review_needs_base_and_type_together(repo):
+    code, out = check(repo, "--base", "main")
+    assert code == 2
+    assert "--base and --type go together" in out
+
+
+def test_unknown_base_ref_fails(repo):
+    code, out = check(repo, "--base", "no-such-ref", "--type", "core")
+    assert code == 1
+    assert "check_hygiene: git merge-base" in out
