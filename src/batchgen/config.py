@@ -39,6 +39,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
     cache_dir: str | None = None
     seed: int = 0
     batchgen_debug: bool = False
@@ -66,8 +67,27 @@ class EngineConfig:
             )
         if self.kv_cache_size_gib is not None and self.kv_cache_size_gib <= 0:
             raise ValueError(f"kv_cache_size_gib must be > 0, got {self.kv_cache_size_gib!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+            )
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
+
+    @classmethod
+    def resolved_attention_backend(self, device: torch.device) -> str:
+        """'auto' is triton on a GPU when triton imports, else the torch reference."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if device.type != "cuda":
+            return "torch"
+        try:
+            import triton  # noqa: F401
+
+            from batchgen.layers import attention_triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -39,12 +39,19 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64
     decode_max_seq_len: int = 0
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # the same prefill requests as padded tensors, for kernels that take them at once
+    prefill_q_start: torch.Tensor | None = None  # [num_prefills] int64
+    prefill_q_len: torch.Tensor | None = None  # [num_prefills] int64
+    prefill_seq_lens: torch.Tensor | None = None  # [num_prefills] int64
+    prefill_page_table: torch.Tensor | None = None  # [num_prefills, max_pages] int64
+    prefill_max_q_len: int = 0
 
 
 @dataclass
 class ForwardContext:
     metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    attention_backend: str = "torch"  # "torch" (reference) or "triton"
 
 
 _current: ForwardContext | None = None

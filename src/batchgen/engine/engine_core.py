@@ -83,6 +83,7 @@ class EngineCore:
             hf_config.vocab_size,
             self.eos_token_ids,
             debug=config.batchgen_debug,
+            attention_backend=config.resolved_attention_backend(device),
         )
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}

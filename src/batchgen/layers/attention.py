@@ -35,7 +35,25 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_id]
         meta = ctx.metadata
-        attention_torch.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        return attention_torch.paged_attention(
-            q, k_cache, v_cache, meta, self.scale, self.sliding_window
-        )
+        backend = _BACKENDS[ctx.attention_backend]
+        backend.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+
+
+def _triton_backend():
+    from batchgen.layers import attention_triton
+
+    return attention_triton
+
+
+class _Backends(dict):
+    """Backend modules by name, imported on first use (triton only when asked for)."""
+
+    def __missing__(self, name: str):
+        if name == "triton":
+            self[name] = _triton_backend()
+            return self[name]
+        raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
+
+
+_BACKENDS = _Backends(torch=attention_torch)

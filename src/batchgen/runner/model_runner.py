@@ -30,6 +30,7 @@ class ModelRunner:
         vocab_size: int,
         eos_token_ids: list[int],
         debug: bool = False,
+        attention_backend: str = "torch",
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -38,6 +39,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.debug = debug
+        self.attention_backend = attention_backend
         self.sampler = Sampler()
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
@@ -85,6 +87,14 @@ class ModelRunner:
             meta.decode_page_table = self._to_device(flat).view(len(decode_rows), width)
             meta.decode_seq_lens = self._to_device(decode_lens)
             meta.decode_max_seq_len = max(decode_lens)
+        if prefill_specs:
+            width = max(len(spec[3]) for spec in prefill_specs)
+            flat = [p for spec in prefill_specs for p in spec[3] + [0] * (width - len(spec[3]))]
+            meta.prefill_q_start = self._to_device([spec[0] for spec in prefill_specs])
+            meta.prefill_q_len = self._to_device([spec[1] for spec in prefill_specs])
+            meta.prefill_seq_lens = self._to_device([spec[2] for spec in prefill_specs])
+            meta.prefill_page_table = self._to_device(flat).view(len(prefill_specs), width)
+            meta.prefill_max_q_len = max(spec[1] for spec in prefill_specs)
         meta.prefills = [
             PrefillSeq(q_start, q_len, seq_len, self._to_device(pages))
             for q_start, q_len, seq_len, pages in prefill_specs
@@ -94,7 +104,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, meta, sample_rows = self.prepare(sched)
-        with bind_forward_context(ForwardContext(meta, self.kv_caches)):
+        with bind_forward_context(ForwardContext(meta, self.kv_caches, self.attention_backend)):
             hidden = self.model(input_ids, positions)
         sampled = [r for r in sched.requests if r.sample]
         if not sampled:

@@ -1,0 +1,338 @@
+"""A resumable batch job: input JSONL -> engine -> append-only output JSONL.
+
+    input ──read one line at a time──> parse/validate ──> engine (at most max_in_flight)
+      │                                     │ bad line              │ finished requests
+      │                                     v                       v
+      └── lines already answered ──>  OUTPUT.errors.jsonl        OUTPUT (append-only)
+          are skipped
+
+Invariants:
+- Every output line is written whole with one write() on an O_APPEND descriptor right
+  after its request finishes, and both files are fsync'ed at least every `sync_every_s`.
+- A rerun scans OUTPUT (custom_ids done) and the errors file (line numbers answered),
+  cuts a torn last line, and skips those input lines: each custom_id is written once.
+- Memory holds the custom_ids seen (for duplicate detection), the answered line numbers
+  and at most max_in_flight requests, never the input's contents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchgen.api import batch_file as bf
+
+logger = logging.getLogger(__name__)
+
+MAX_LINE_BYTES = 32 << 20
+
+
+@dataclass
+class JobOptions:
+    input: Path
+    output: Path
+    model_name: str
+    defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword defaults
+    seed: int | None = None  # base of the per-request seed of requests without one
+    max_in_flight: int = 64
+    progress: bool = True
+    sync_every_s: float = 2.0
+
+
+@dataclass
+class JobSummary:
+    succeeded: int = 0
+    failed: int = 0
+    skipped: int = 0  # answered by an earlier run (success)
+    failed_earlier: int = 0  # answered by an earlier run (error record)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    interrupted: bool = False
+
+    def describe(self, errors_path: Path) -> str:
+        rate = self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+        failed = f"{self.failed} failed"
+        if self.failed_earlier:
+            failed += f" (+{self.failed_earlier} in earlier runs)"
+        text = (
+            f"{self.succeeded} succeeded, {failed}, {self.skipped} skipped as already done;"
+            f" tokens in {self.prompt_tokens}, out {self.completion_tokens};"
+            f" {self.wall_s:.1f} s, {rate:.1f} output tok/s"
+        )
+        if self.failed or self.failed_earlier:
+            text += f"; error records in {errors_path}"
+        return text
+
+
+def errors_path(output: Path) -> Path:
+    """OUTPUT's sibling errors file: out.jsonl -> out.errors.jsonl."""
+    stem = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
+    return output.with_name(stem + ".errors.jsonl")
+
+
+def scan_answered(path: Path, key: str) -> set:
+    """Values of `key` (custom_id or line) in a JSONL file written by an earlier run.
+
+    Lines that are not whole JSON objects (a torn last line after a crash) are cut: the
+    file is truncated after its last good line, or rewritten without bad lines if any sit
+    in the middle.
+    """
+    found: set = set()
+    if not path.exists():
+        return found
+    good_end, bad_inside, bad_seen, size = 0, False, False, path.stat().st_size
+    with open(path, "rb") as f:
+        while raw := f.readline():
+            record = _record(raw)
+            if record is None:
+                bad_seen = True
+                continue
+            bad_inside, good_end = bad_inside or bad_seen, f.tell()
+            value = (record.get("error") or {}).get("line") if key == "line" else record.get(key)
+            if value is not None:
+                found.add(value)
+    if bad_inside:
+        logger.warning("%s: dropping lines that are not whole JSON records", path)
+        tmp = path.with_name(path.name + ".repair")
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            for raw in src:
+                if _record(raw) is not None:
+                    dst.write(raw)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+    elif good_end < size:
+        logger.warning("%s: cutting a torn last line (%d bytes)", path, size - good_end)
+        os.truncate(path, good_end)
+    return found
+
+
+def _record(raw: bytes) -> dict | None:
+    """The JSON object of one whole line, or None for a torn or garbled one."""
+    if not raw.endswith(b"\n"):
+        return None
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+class Appender:
+    """Append-only JSONL writer: whole lines per write(), fsync every `sync_every_s`."""
+
+    def __init__(self, path: Path, sync_every_s: float) -> None:
+        self.path, self.sync_every_s = path, sync_every_s
+        self.fd: int | None = None
+        self.last_sync = time.monotonic()
+
+    def write(self, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        data = memoryview(b"".join(lines))
+        while data:
+            data = data[os.write(self.fd, data) :]
+        if time.monotonic() - self.last_sync >= self.sync_every_s:
+            self.sync()
+
+    def sync(self) -> None:
+        if self.fd is not None:
+            os.fsync(self.fd)
+        self.last_sync = time.monotonic()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            self.sync()
+            os.close(self.fd)
+            self.fd = None
+
+
+def read_lines(path: Path):
+    """Yield (line number, bytes) one line at a time; a line over MAX_LINE_BYTES yields
+    None in place of its bytes (its rest is read past, never held)."""
+    with open(path, "rb", buffering=1 << 20) as f:
+        number = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                while raw and not raw.endswith(b"\n"):
+                    raw = f.readline(1 << 20)
+                yield number, None
+            else:
+                yield number, raw.rstrip(b"\r\n")
+
+
+class _LineCounter(threading.Thread):
+    """Counts the input's lines in the background, for the progress bar's total."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.path, self.total = path, None
+
+    def run(self) -> None:
+        n, last = 0, b"\n"
+        with open(self.path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                n, last = n + chunk.count(b"\n"), chunk[-1:]
+        self.total = n + (last != b"\n")
+
+
+class _Signals:
+    """First SIGINT/SIGTERM: stop admitting, finish what is in flight. Second: stop now."""
+
+    def __init__(self) -> None:
+        self.stop = self.abandon = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.stop:
+            self.abandon = True
+            return
+        self.stop = True
+        logger.warning(
+            "%s: no new requests; finishing those in flight (send it again to stop "
+            "now; a rerun resumes either way)",
+            signal.Signals(signum).name,
+        )
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def run_batch_job(llm, opts: JobOptions) -> JobSummary:
+    """Run every unanswered line of opts.input through llm; see the module docstring."""
+    start = time.monotonic()
+    summary = JobSummary()
+    err_path = errors_path(opts.output)
+    done_ids: set[str] = scan_answered(opts.output, "custom_id")
+    answered_lines: set[int] = scan_answered(err_path, "line")
+    if done_ids or answered_lines:
+        logger.info(
+            "resuming: %d requests and %d error records already written",
+            len(done_ids),
+            len(answered_lines),
+        )
+    out, errs = Appender(opts.output, opts.sync_every_s), Appender(err_path, opts.sync_every_s)
+    seen: set[str] = set()
+    pending: dict[str, bf.Pending] = {}
+    engine = llm.engine
+    bar, counter = _progress(opts)
+
+    def fail(line: int, cid: str | None, message: str) -> None:
+        summary.failed += 1
+        errs.write([bf.dumps(bf.error_line(line, cid, message))])
+        if bar is not None:
+            bar.update(1)
+
+    def admit(line: int, raw: bytes | None) -> None:
+        item, error = None, None
+        try:
+            if raw is None:
+                raise bf.LineError(f"the line is longer than {MAX_LINE_BYTES} bytes")
+            item = bf.parse_line(raw, line)
+        except bf.LineError as e:
+            error = e
+        cid = item.custom_id if item is not None else error.custom_id
+        if cid is not None:
+            if cid in seen:
+                item, error = None, bf.LineError(f"duplicate custom_id {cid!r}", cid)
+            seen.add(cid)
+        if line in answered_lines or (item is not None and cid in done_ids):
+            done_ids.discard(cid)
+            summary.skipped += line not in answered_lines
+            summary.failed_earlier += line in answered_lines
+            if bar is not None:
+                bar.update(1)
+            return
+        if item is None:
+            return fail(line, cid, str(error))
+        try:
+            ids, params = _prepare(llm, item, opts)
+            engine.add_request(str(line), ids, params)
+        except Exception as e:  # noqa: BLE001 - a bad line must never stop the job
+            return fail(line, cid, str(e) or type(e).__name__)
+        pending[str(line)] = bf.Pending(line, cid, item.url, params.logprobs)
+
+    lines = read_lines(opts.input)
+    exhausted = False
+    try:
+        with _Signals() as sig:
+            while not sig.abandon:
+                while not (sig.stop or exhausted) and len(pending) < opts.max_in_flight:
+                    nxt = next(lines, None)
+                    exhausted = nxt is None
+                    if nxt is not None:
+                        admit(*nxt)
+                if not engine.has_unfinished:
+                    if exhausted or sig.stop:
+                        break
+                    continue
+                finished = engine.step()
+                out.write(
+                    [_finish(pending.pop(r.request_id), r, opts, llm, summary) for r in finished]
+                )
+                if bar is not None:
+                    bar.update(len(finished))
+                    if bar.total is None and counter.total is not None:
+                        bar.total = counter.total
+                    elapsed = time.monotonic() - start
+                    bar.set_postfix_str(
+                        f"{summary.completion_tokens / elapsed:.0f} out tok/s", refresh=False
+                    )
+            summary.interrupted = sig.stop and not (exhausted and not pending)
+    finally:
+        lines.close()
+        out.close()
+        errs.close()
+        if bar is not None:
+            bar.close()
+    summary.wall_s = time.monotonic() - start
+    return summary
+
+
+def _prepare(llm, item: bf.BatchItem, opts: JobOptions):
+    defaults = opts.defaults
+    if opts.seed is not None:  # a seed from the custom_id: reruns sample the same tokens
+        digest = hashlib.blake2b(f"{opts.seed}:{item.custom_id}".encode(), digest_size=8)
+        defaults = {**defaults, "seed": int.from_bytes(digest.digest(), "little") >> 1}
+    params = bf.sampling_params(item.body, item.url, defaults)
+    ids = bf.encode(llm, item)
+    llm.engine.validate(ids, params, f"request {item.custom_id!r}")
+    return ids, params
+
+
+def _finish(p: bf.Pending, req, opts: JobOptions, llm, summary: JobSummary) -> bytes:
+    summary.succeeded += 1
+    summary.prompt_tokens += len(req.prompt_token_ids)
+    summary.completion_tokens += len(req.output_token_ids)
+    return bf.dumps(bf.output_line(p, req, opts.model_name, llm.tokenizer))
+
+
+def _progress(opts: JobOptions):
+    if not opts.progress or not sys.stderr.isatty():
+        return None, None
+    from tqdm.auto import tqdm
+
+    counter = _LineCounter(opts.input)
+    counter.start()
+    bar = tqdm(total=None, desc="batch", unit="req", dynamic_ncols=True, file=sys.stderr)
+    return bar, counter

@@ -1,0 +1,187 @@
+"""The `batchgen` command.
+
+    batchgen run INPUT -o OUTPUT [--model PATH] [--max-tokens N] [--temperature T] ...
+
+Exit codes (also in docs/batch-jobs.md):
+    0  every line has its answer in OUTPUT
+    1  some lines failed; each has an error record in OUTPUT's .errors.jsonl file
+    2  usage error (bad option, missing input, unknown model); nothing was run
+    3  interrupted (SIGINT/SIGTERM); rerun the same command to resume
+    4  internal error; what was written is intact, rerun the same command to resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_INTERNAL = 0, 1, 2, 3, 4
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchgen", description="Offline, high-throughput batch generation for LLMs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser(
+        "run",
+        help="run an OpenAI batch file (JSONL); resumable",
+        description="Run every request of an OpenAI batch file (or the plain "
+        '{"id", "prompt"|"messages"} form) and append OpenAI batch output lines to '
+        "OUTPUT. Rerunning the same command resumes: lines already in OUTPUT are skipped. "
+        "Bad lines get error records in OUTPUT's .errors.jsonl sibling. Options set in a "
+        "request's body override the defaults below. Exit codes: 0 all done, 1 some lines "
+        "failed, 2 usage error, 3 interrupted (rerun to resume), 4 internal error.",
+    )
+    run.add_argument("input", type=Path, metavar="INPUT", help="input JSONL file")
+    run.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        required=True,
+        metavar="OUTPUT",
+        help="output JSONL file (appended to; errors go to OUTPUT.errors.jsonl)",
+    )
+    run.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help=f"HF model directory or .gguf file (default: the embedded {DEFAULT_MODEL_NAME})",
+    )
+    run.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    run.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="default max tokens per completion (default: up to the context)",
+    )
+    run.add_argument("--temperature", type=float, default=1.0, help="default: 1.0; 0 = greedy")
+    run.add_argument("--top-p", type=float, default=1.0, help="default: 1.0")
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="base seed: a request without its own seed gets one derived from "
+        "this and its custom_id, so reruns reproduce it",
+    )
+    run.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        metavar="N",
+        help="most sequences in one engine step (default: 256)",
+    )
+    run.add_argument(
+        "--debug",
+        action="store_true",
+        help="engine self-checks (offload read-back, NaN/Inf checks)",
+    )
+    run.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no info logs except the final summary",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
+        return int(e.code or 0)
+    _setup_logging(args.quiet)
+    return _run(args)
+
+
+def _usage_error(message: str) -> int:
+    logger.error("error: %s", message)
+    return EXIT_USAGE
+
+
+def _run(args: argparse.Namespace) -> int:
+    from batchgen.api.batch_job import JobOptions, errors_path, run_batch_job
+
+    if not args.input.is_file():
+        return _usage_error(f"input file {args.input} does not exist or is not a file")
+    out = args.output
+    if out.is_dir():
+        return _usage_error(f"output {out} is a directory")
+    if out.exists() and out.resolve() == args.input.resolve():
+        return _usage_error("the output file must differ from the input file")
+    for name, value, low in (
+        ("--max-tokens", args.max_tokens, 1),
+        ("--max-num-seqs", args.max_num_seqs, 1),
+    ):
+        if value is not None and value < low:
+            return _usage_error(f"{name} must be >= {low}, got {value}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        return _usage_error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        return _usage_error(f"model {args.model} not found (an HF model directory or a .gguf file)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return _usage_error(f"cannot create the output directory: {e}")
+
+    from batchgen.api.llm import LLM
+
+    kwargs = dict(
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        batchgen_debug=args.debug,
+    )
+    if args.seed is not None:
+        kwargs["seed"] = args.seed
+    try:
+        llm = LLM(model=args.model, **kwargs)
+    except (OSError, ValueError, RuntimeError) as e:
+        return _usage_error(f"could not load model {args.model or DEFAULT_MODEL_NAME}: {e}")
+    name = Path(args.model).name if args.model else DEFAULT_MODEL_NAME
+    opts = JobOptions(
+        input=args.input,
+        output=out,
+        model_name=name.removesuffix(".gguf"),
+        defaults={
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+        },
+        seed=args.seed,
+        max_in_flight=4 * args.max_num_seqs,
+        progress=not args.quiet,
+    )
+    try:
+        summary = run_batch_job(llm, opts)
+    except Exception:
+        logger.exception(
+            "the job stopped on an internal error; what was written is intact, "
+            "rerun the same command to resume"
+        )
+        return EXIT_INTERNAL
+    if summary.interrupted:
+        logger.warning(
+            "interrupted: %s. Rerun the same command to resume.", summary.describe(errors_path(out))
+        )
+        return EXIT_INTERRUPTED
+    logger.info("done: %s", summary.describe(errors_path(out)))
+    return EXIT_FAILED_LINES if summary.failed or summary.failed_earlier else EXIT_OK
+
+
+def _setup_logging(quiet: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if quiet:
+        logging.getLogger("batchgen").setLevel(logging.WARNING)
+        logger.setLevel(logging.INFO)  # the summary still shows
