@@ -25,24 +25,11 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 URLS = (CHAT, COMPLETIONS)
 
-# body key -> SamplingParams field, besides the ones handled by name below
+# body keys read as the SamplingParams field of the same name
 _PASSTHROUGH = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-    "n",
-)
+    "temperature top_p top_k min_p seed stop stop_token_ids presence_penalty frequency_penalty "
+    "repetition_penalty min_tokens ignore_eos skip_special_tokens include_stop_str_in_output n"
+).split()
 
 
 class LineError(Exception):

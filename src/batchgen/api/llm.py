@@ -126,6 +126,9 @@ class LLM:
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(out_tok=self.engine.stats.output_tokens, refresh=False)
+        except BaseException:
+            self.engine.abort(rid for rid in ids if rid not in done)
+            raise
         finally:
             if bar is not None:
                 bar.close()

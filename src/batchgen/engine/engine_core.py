@@ -175,6 +175,13 @@ class EngineCore:
         self.stats.prompt_tokens += len(prompt_token_ids)
         return req
 
+    def abort(self, request_ids) -> None:
+        """Drop unfinished requests (e.g. after a failed step), releasing their pages."""
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.abort(req)
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

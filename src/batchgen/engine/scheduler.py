@@ -83,6 +83,7 @@ class Scheduler:
             n = min(req.num_tokens - cached, budget)
             if not self.kv.allocate(req.request_id, cached + n, hits):
                 break
+            self.kv.note_admission(req.num_tokens)
             req.num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
             self.waiting.popleft()
@@ -137,6 +138,16 @@ class Scheduler:
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return "length", None
         return None
+
+    def abort(self, req: Request) -> None:
+        """Drop a request wherever it is, releasing its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "abort"
+        self.kv.forget(req.request_id)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         if req.is_finished:

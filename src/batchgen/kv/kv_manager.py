@@ -31,9 +31,7 @@ class KVCacheManager:
         hashes = hash_full_pages(token_ids, self.page_size, self._hashes.get(request_id))
         self._hashes[request_id] = hashes
         max_pages = (len(token_ids) - 1) // self.page_size
-        hits = self.allocator.lookup(hashes[:max_pages])
-        self.prefix_query_tokens += len(token_ids)
-        return hits
+        return self.allocator.lookup(hashes[:max_pages])
 
     def allocate(self, request_id: str, num_tokens: int, hit_pages: list[int] = ()) -> bool:
         """Make the request's pages cover num_tokens tokens; False (nothing changed) if short."""
@@ -49,6 +47,10 @@ class KVCacheManager:
         if hit_pages:
             self._num_registered[request_id] = len(hit_pages)
         return True
+
+    def note_admission(self, num_tokens: int) -> None:
+        """Count an admitted request's tokens toward the prefix-cache query total."""
+        self.prefix_query_tokens += num_tokens
 
     def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register every full page whose tokens are all computed."""

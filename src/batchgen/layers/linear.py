@@ -28,6 +28,8 @@ class Linear(nn.Module):
 
     def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy a checkpoint tensor into `weight` or `bias`, whole or into a shard's rows."""
+        if param not in ("weight", "bias"):
+            raise ValueError(f"unexpected checkpoint parameter {param!r} (weight or bias)")
         target = self.weight if param == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a {param} this layer does not use")

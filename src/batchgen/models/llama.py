@@ -155,7 +155,10 @@ class LlamaForCausalLM(nn.Module):
             path[-1], shard = self.stacked[path[-1]]
         module = self
         for part in path:
-            module = module[int(part)] if part.isdigit() else getattr(module, part, None)
+            if part.isdigit():
+                module = module[int(part)] if int(part) < len(module) else None
+            else:
+                module = getattr(module, part, None)
             if module is None:
                 raise KeyError(name)
         return module, param, shard
