@@ -39,6 +39,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    host_kv_size_gib: float = 0.0
+    decode_append: str = "off"
     attention_backend: str = "auto"
     cache_dir: str | None = None
     seed: int = 0
@@ -70,6 +72,12 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+        if self.host_kv_size_gib < 0:
+            raise ValueError(f"host_kv_size_gib must be >= 0, got {self.host_kv_size_gib!r}")
+        if self.decode_append not in ("off", "batched", "layer"):
+            raise ValueError(
+                f"decode_append must be 'off', 'batched' or 'layer', got {self.decode_append!r}"
             )
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")

@@ -6,7 +6,7 @@ The runner binds one ForwardContext around each forward; layers fetch it with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -52,6 +52,7 @@ class ForwardContext:
     metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     attention_backend: str = "torch"  # "torch" (reference) or "triton"
+    on_kv_written: Callable[[int], None] | None = None  # hook(layer) after its K/V write
 
 
 _current: ForwardContext | None = None

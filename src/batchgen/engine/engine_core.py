@@ -13,9 +13,13 @@ from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.memory import plan_num_pages
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
+from batchgen.kv.copy_engine import CopyEngine
+from batchgen.kv.host_mirror import HostMirror
+from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
+from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.sampling_params import SamplingParams
@@ -68,6 +72,7 @@ class EngineCore:
             )
         self.pool = PagePool(self.layout, num_pages, device)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.tier = self._build_tier() if config.host_kv_size_gib > 0 else None
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -96,6 +101,47 @@ class EngineCore:
             self.pool.nbytes / 2**30,
             device,
         )
+
+    def _build_tier(self) -> TieredKVManager:
+        host = HostPool.sized(
+            self.layout, self.config.host_kv_size_gib, pin=self.device.type == "cuda"
+        )
+        copies = CopyEngine(self.device, ordered=True)
+        tier = TieredKVManager(
+            self.pool, host, self.kv.allocator, copies, debug=self.config.batchgen_debug
+        )
+        self.kv.mirror = HostMirror(tier, self.config.page_size, self.config.decode_append)
+        logger.info("host KV tier: %d pages (%.2f GiB)", host.num_pages, host.nbytes / 2**30)
+        return tier
+
+    def reconfigure(self, num_pages: int) -> None:
+        """Free and re-create the device pool with num_pages pages between steps.
+
+        Running requests are swapped to host first (recomputed if the host is full);
+        swapped requests and host prefixes survive; the device prefix cache starts empty.
+        """
+        for req in list(reversed(self.scheduler.running)):
+            self.scheduler.running.remove(req)
+            self.scheduler.preempt(req)
+        if self.tier is not None:
+            self.tier.drain()
+        del self.runner.kv_caches, self.pool
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.pool = PagePool(self.layout, num_pages, self.device)  # torch.zeros: rule 4
+        old = self.kv
+        self.kv = KVCacheManager(
+            num_pages, self.config.page_size, self.config.enable_prefix_caching, old.mirror
+        )
+        self.kv._hashes = old._hashes
+        self.kv.prefix_hit_tokens = old.prefix_hit_tokens
+        self.kv.prefix_query_tokens = old.prefix_query_tokens
+        self.kv.host_hit_tokens = old.host_hit_tokens
+        if self.tier is not None:
+            self.tier.device_pool = self.pool
+            self.tier.device_alloc = self.kv.allocator
+        self.scheduler.kv = self.kv
+        self.runner.kv_caches = self.pool.layer_caches()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -188,8 +234,13 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it."""
+        if self.tier is not None:
+            self.tier.poll()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self.tier is not None and self.tier.num_in_flight:
+                self.tier.drain()
+                return []
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request could be scheduled with an empty running set")
             return []
@@ -206,7 +257,36 @@ class EngineCore:
             if req.is_finished:
                 self.detokenizer.finalize(req)
                 finished.append(self.requests.pop(req.request_id))
+        if self.tier is not None and not self.scheduler.has_unfinished:
+            self.tier.drain()
         return finished
+
+    def metrics(self) -> dict:
+        """Counters for summaries: tokens, preemptions, prefix hits and host-tier traffic."""
+        out = {
+            "prompt_tokens": self.stats.prompt_tokens,
+            "output_tokens": self.stats.output_tokens,
+            "steps": self.stats.steps,
+            "computed_tokens": self.scheduler.num_computed_tokens_total,
+            "preemptions": self.scheduler.num_preemptions,
+            "recomputes": self.scheduler.num_recomputes,
+            "prefix_hit_tokens": self.kv.prefix_hit_tokens,
+        }
+        if self.tier is not None:
+            m = self.tier.metrics
+            out.update(
+                swaps_out=m.swaps_out,
+                swaps_in=m.swaps_in,
+                pages_offloaded=m.pages_offloaded,
+                pages_loaded=m.pages_loaded,
+                bytes_offloaded=m.bytes_offloaded,
+                bytes_loaded=m.bytes_loaded,
+                copy_gb_per_s=m.gb_per_s,
+                host_prefix_hit_pages=m.host_prefix_hit_pages,
+                host_prefix_hit_rate=m.host_prefix_hit_rate,
+                readback_checks=m.readback_checks,
+            )
+        return out
 
 
 def eos_token_ids(hf_config, tokenizer) -> list[int]:

@@ -35,6 +35,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_recomputes = 0
         self.num_computed_tokens_total = 0
 
     def add(self, request: Request) -> None:
@@ -44,10 +45,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
+    def preempt(self, request: Request) -> None:
+        """Swap the request's KV to host if the tier has room, else drop it (recompute)."""
+        if self.kv.swap_out(request.request_id, request.num_computed_tokens):
+            request.status = RequestStatus.SWAPPED
+        else:
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.num_recomputes += 1
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -62,7 +68,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
-                self._preempt(victim)
+                self.preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is req:
                     break
@@ -78,18 +84,29 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
-            cached = len(hits) * self.kv.page_size
-            n = min(req.num_tokens - cached, budget)
-            if not self.kv.allocate(req.request_id, cached + n, hits):
-                break
-            self.kv.note_admission(req.num_tokens)
-            req.num_computed_tokens = cached
+            if req.status == RequestStatus.SWAPPED:
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.swap_in(
+                    req.request_id, req.num_computed_tokens, req.num_computed_tokens + n
+                ):
+                    break
+            else:
+                hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
+                cached = self.kv.hit_tokens(hits)
+                n = min(req.num_tokens - cached, budget)
+                if not self.kv.allocate(req.request_id, cached + n, hits):
+                    break
+                self.kv.note_admission(req.num_tokens)
+                req.num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+        out.wait_for = self.kv.take_step_loads()
+        out.on_kv_written = self.kv.layer_append_hook(
+            [(r.request_id, r.num_computed_tokens) for r, n in scheduled if n == 1]
+        )
         for req, n in scheduled:
             start = req.num_computed_tokens
             out.requests.append(
@@ -116,6 +133,7 @@ class Scheduler:
             req.num_computed_tokens += len(s.new_token_ids)
             self.num_computed_tokens_total += len(s.new_token_ids)
             self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.kv.after_step([(s.request_id, s.start, len(s.new_token_ids)) for s in sched.requests])
         advanced = []
         for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
             req = requests[rid]

@@ -95,6 +95,7 @@ class CopyEngine:
         self._tasks.put((handle, producer, copy))
         return handle
 
+    @torch.inference_mode()
     def _run(self) -> None:
         while True:
             item = self._tasks.get()

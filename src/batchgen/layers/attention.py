@@ -37,6 +37,8 @@ class Attention(nn.Module):
         meta = ctx.metadata
         backend = _BACKENDS[ctx.attention_backend]
         backend.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if ctx.on_kv_written is not None:
+            ctx.on_kv_written(self.layer_id)
         return backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
 
 

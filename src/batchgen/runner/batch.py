@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchgen.sampling_params import SamplingParams
@@ -31,6 +32,10 @@ class ScheduledRequest:
 class SchedulerOutput:
     requests: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # copy handles (host -> device page loads) the forward must wait for on its stream
+    wait_for: list = field(default_factory=list)
+    # called with a layer index right after that layer's K/V write (per-layer appends)
+    on_kv_written: Callable[[int], None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -104,7 +104,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, meta, sample_rows = self.prepare(sched)
-        with bind_forward_context(ForwardContext(meta, self.kv_caches, self.attention_backend)):
+        for load in sched.wait_for:  # rule 3: compute reads loaded pages only after the copy
+            load.wait_on_current_stream()
+        with bind_forward_context(
+            ForwardContext(meta, self.kv_caches, self.attention_backend, sched.on_kv_written)
+        ):
             hidden = self.model(input_ids, positions)
         sampled = [r for r in sched.requests if r.sample]
         if not sampled:

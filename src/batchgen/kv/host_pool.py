@@ -1,0 +1,39 @@
+"""The host page pool: pinned memory with the device pool's page geometry."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.kv.layout import KVLayout
+
+
+class HostPool:
+    """Host pages, page-major: [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim].
+
+    A host page is contiguous, so a page moves in one copy; the same (layer, K|V, slot)
+    addressing as the device pool. Allocated with torch.empty: a host page is never
+    read before a copy has written it (the tier's lifecycle guarantees it).
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, pin: bool) -> None:
+        if num_pages < 1:
+            raise ValueError("the host KV pool needs at least one page (raise host_kv_size_gib)")
+        self.layout = layout
+        self.num_pages = num_pages
+        shape = (
+            num_pages,
+            layout.num_layers,
+            2,
+            layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
+        self.kv = torch.empty(shape, dtype=layout.dtype, pin_memory=pin)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @classmethod
+    def sized(cls, layout: KVLayout, gib: float, pin: bool) -> HostPool:
+        return cls(layout, int(gib * 2**30 // layout.bytes_per_page), pin)
