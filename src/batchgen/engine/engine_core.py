@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from batchgen.config import EngineConfig
 from batchgen.engine.detokenizer import Detokenizer
@@ -236,7 +237,8 @@ class EngineCore:
         """Run one step; returns the requests that finished in it."""
         if self.tier is not None:
             self.tier.poll()
-        sched = self.scheduler.schedule()
+        with record_function("batchgen.schedule"):
+            sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.tier is not None and self.tier.num_in_flight:
                 self.tier.drain()
@@ -245,7 +247,8 @@ class EngineCore:
                 raise RuntimeError("no request could be scheduled with an empty running set")
             return []
         result = self.runner.execute(sched)
-        advanced = self.scheduler.update(sched, result, self.requests)
+        with record_function("batchgen.update"):
+            advanced = self.scheduler.update(sched, result, self.requests)
         self.stats.steps += 1
         self.stats.output_tokens += len(advanced)
         finished = []

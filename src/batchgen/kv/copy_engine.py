@@ -37,7 +37,9 @@ class CopyHandle:
         self.keep = keep
         self.issued = threading.Event()
         self.error: BaseException | None = None
-        self.done_event = torch.cuda.Event() if cuda else None
+        self.done_event = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.start_event = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.cpu_seconds = 0.0
         self.submitted_at = time.perf_counter()
         self.completed_at: float | None = None
         self.on_complete: list[Callable[[], None]] = []
@@ -52,6 +54,12 @@ class CopyHandle:
             return False
         self._wait_issued()
         return self.done_event is None or self.done_event.query()
+
+    def copy_seconds(self) -> float:
+        """Time the copy itself took on its stream (after its producer was done)."""
+        if self.done_event is None:
+            return self.cpu_seconds
+        return self.start_event.elapsed_time(self.done_event) / 1000
 
     def synchronize(self) -> None:
         self._wait_issued()
@@ -109,10 +117,13 @@ class CopyEngine:
                     if self.ordered:
                         stream.wait_event(producer)
                     with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                        handle.start_event.record(stream)
                         copy()
                         handle.done_event.record(stream)
                 else:
+                    t0 = time.perf_counter()
                     copy()
+                    handle.cpu_seconds = time.perf_counter() - t0
             except BaseException as e:  # surfaced to whoever waits on the handle
                 handle.error = e
                 logger.exception("copy task %s failed", handle.kind)

@@ -16,7 +16,6 @@ Handles complete in `poll()`, which the engine calls once per step, or `drain()`
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -244,7 +243,7 @@ class TieredKVManager:
 
     def _complete(self, p: _Pending) -> None:
         p.handle.synchronize()
-        self.metrics.copy_seconds += time.perf_counter() - p.handle.submitted_at
+        self.metrics.copy_seconds += p.handle.copy_seconds()
         if p.kind == "load":
             self.complete_load(p)
         elif p.kind == "store":

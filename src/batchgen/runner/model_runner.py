@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from batchgen.forward_context import (
     AttentionMetadata,
@@ -103,11 +104,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        input_ids, positions, meta, sample_rows = self.prepare(sched)
+        with record_function("batchgen.prepare"):
+            input_ids, positions, meta, sample_rows = self.prepare(sched)
         for load in sched.wait_for:  # rule 3: compute reads loaded pages only after the copy
             load.wait_on_current_stream()
-        with bind_forward_context(
-            ForwardContext(meta, self.kv_caches, self.attention_backend, sched.on_kv_written)
+        with (
+            record_function("batchgen.forward"),
+            bind_forward_context(
+                ForwardContext(meta, self.kv_caches, self.attention_backend, sched.on_kv_written)
+            ),
         ):
             hidden = self.model(input_ids, positions)
         sampled = [r for r in sched.requests if r.sample]
@@ -116,6 +121,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows]).float()
         if self.debug:
             self._check_finite(logits, sampled)
+        with record_function("batchgen.sample"):
+            return self._sample(logits, sampled)
+
+    def _sample(self, logits: torch.Tensor, sampled) -> ModelRunnerOutput:
         smeta = SamplingMetadata.build(
             [r.params for r in sampled],
             [r.prompt_token_ids for r in sampled],

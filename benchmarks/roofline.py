@@ -1,0 +1,31 @@
+"""The W1 roofline: every decode step reads all weights and all live KV once; prefill
+runs at the matmul ceiling (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+COPY_BW = 4.23e12  # bytes/s, H200 device copy (measured)
+MATMUL_FLOPS = 790e12  # bf16 dense matmul (measured)
+
+
+def model_sizes(cfg: dict) -> tuple[float, float, float]:
+    """(weight bytes read per decode step, KV bytes per token, matmul params per token)."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    attn = h * hd * (heads + 2 * kv_heads) + heads * hd * h
+    mlp = 3 * h * inter
+    per_layer = attn + mlp
+    lm_head = cfg["vocab_size"] * h
+    params = layers * per_layer + lm_head
+    kv_per_token = 2 * layers * kv_heads * hd * 2
+    return params * 2, kv_per_token, layers * per_layer
+
+
+def roofline_seconds(cfg: dict, prompt_lens: list[int], out_lens: list[int]) -> float:
+    """Lower bound on wall time with all requests batched at once."""
+    weight_bytes, kv_tok, matmul_params = model_sizes(cfg)
+    prefill = sum(2 * matmul_params * n for n in prompt_lens) / MATMUL_FLOPS
+    decode = 0.0
+    for t in range(max(out_lens)):
+        live = [p + t for p, o in zip(prompt_lens, out_lens) if o > t]
+        decode += (weight_bytes + kv_tok * sum(live)) / COPY_BW
+    return prefill + decode
