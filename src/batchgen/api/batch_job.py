@@ -18,9 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -30,10 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.api import batch_file as bf
+from batchgen.api.batch_journal import (
+    MAX_LINE_BYTES,
+    Appender,
+    errors_path,
+    read_lines,
+    scan_answered,
+)
 
 logger = logging.getLogger(__name__)
-
-MAX_LINE_BYTES = 32 << 20
 
 
 @dataclass
@@ -72,106 +75,6 @@ class JobSummary:
         if self.failed or self.failed_earlier:
             text += f"; error records in {errors_path}"
         return text
-
-
-def errors_path(output: Path) -> Path:
-    """OUTPUT's sibling errors file: out.jsonl -> out.errors.jsonl."""
-    stem = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
-    return output.with_name(stem + ".errors.jsonl")
-
-
-def scan_answered(path: Path, key: str) -> set:
-    """Values of `key` (custom_id or line) in a JSONL file written by an earlier run.
-
-    Lines that are not whole JSON objects (a torn last line after a crash) are cut: the
-    file is truncated after its last good line, or rewritten without bad lines if any sit
-    in the middle.
-    """
-    found: set = set()
-    if not path.exists():
-        return found
-    good_end, bad_inside, bad_seen, size = 0, False, False, path.stat().st_size
-    with open(path, "rb") as f:
-        while raw := f.readline():
-            record = _record(raw)
-            if record is None:
-                bad_seen = True
-                continue
-            bad_inside, good_end = bad_inside or bad_seen, f.tell()
-            value = (record.get("error") or {}).get("line") if key == "line" else record.get(key)
-            if value is not None:
-                found.add(value)
-    if bad_inside:
-        logger.warning("%s: dropping lines that are not whole JSON records", path)
-        tmp = path.with_name(path.name + ".repair")
-        with open(path, "rb") as src, open(tmp, "wb") as dst:
-            for raw in src:
-                if _record(raw) is not None:
-                    dst.write(raw)
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, path)
-    elif good_end < size:
-        logger.warning("%s: cutting a torn last line (%d bytes)", path, size - good_end)
-        os.truncate(path, good_end)
-    return found
-
-
-def _record(raw: bytes) -> dict | None:
-    """The JSON object of one whole line, or None for a torn or garbled one."""
-    if not raw.endswith(b"\n"):
-        return None
-    try:
-        obj = json.loads(raw)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-class Appender:
-    """Append-only JSONL writer: whole lines per write(), fsync every `sync_every_s`."""
-
-    def __init__(self, path: Path, sync_every_s: float) -> None:
-        self.path, self.sync_every_s = path, sync_every_s
-        self.fd: int | None = None
-        self.last_sync = time.monotonic()
-
-    def write(self, lines: list[bytes]) -> None:
-        if not lines:
-            return
-        if self.fd is None:
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        data = memoryview(b"".join(lines))
-        while data:
-            data = data[os.write(self.fd, data) :]
-        if time.monotonic() - self.last_sync >= self.sync_every_s:
-            self.sync()
-
-    def sync(self) -> None:
-        if self.fd is not None:
-            os.fsync(self.fd)
-        self.last_sync = time.monotonic()
-
-    def close(self) -> None:
-        if self.fd is not None:
-            self.sync()
-            os.close(self.fd)
-            self.fd = None
-
-
-def read_lines(path: Path):
-    """Yield (line number, bytes) one line at a time; a line over MAX_LINE_BYTES yields
-    None in place of its bytes (its rest is read past, never held)."""
-    with open(path, "rb", buffering=1 << 20) as f:
-        number = 0
-        while raw := f.readline(MAX_LINE_BYTES + 1):
-            number += 1
-            if len(raw) > MAX_LINE_BYTES:
-                while raw and not raw.endswith(b"\n"):
-                    raw = f.readline(1 << 20)
-                yield number, None
-            else:
-                yield number, raw.rstrip(b"\r\n")
 
 
 class _LineCounter(threading.Thread):
@@ -268,7 +171,7 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
         try:
             ids, params = _prepare(llm, item, opts)
             engine.add_request(str(line), ids, params)
-        except Exception as e:  # noqa: BLE001 - a bad line must never stop the job
+        except Exception as e:  # a bad line must never stop the job
             return fail(line, cid, str(e) or type(e).__name__)
         pending[str(line)] = bf.Pending(line, cid, item.url, params.logprobs)
 
@@ -287,6 +190,7 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
                         break
                     continue
                 finished = engine.step()
+                errs.tick()
                 out.write(
                     [_finish(pending.pop(r.request_id), r, opts, llm, summary) for r in finished]
                 )

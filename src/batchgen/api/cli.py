@@ -79,6 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="most sequences in one engine step (default: 256)",
     )
     run.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context length: prompt + completion (default: the model's)",
+    )
+    run.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="fixed KV cache size (default: from free GPU memory; 1 GiB on the CPU)",
+    )
+    run.add_argument(
         "--debug",
         action="store_true",
         help="engine self-checks (offload read-back, NaN/Inf checks)",
@@ -97,8 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
         return int(e.code or 0)
-    _setup_logging(args.quiet)
-    return _run(args)
+    restore = _setup_logging(args.quiet)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # before the job's own handlers are installed
+        logger.warning("interrupted; rerun the same command to resume")
+        return EXIT_INTERRUPTED
+    finally:
+        restore()
 
 
 def _usage_error(message: str) -> int:
@@ -119,6 +139,8 @@ def _run(args: argparse.Namespace) -> int:
     for name, value, low in (
         ("--max-tokens", args.max_tokens, 1),
         ("--max-num-seqs", args.max_num_seqs, 1),
+        ("--max-model-len", args.max_model_len, 2),
+        ("--kv-cache-gib", args.kv_cache_gib, 1e-6),
     ):
         if value is not None and value < low:
             return _usage_error(f"{name} must be >= {low}, got {value}")
@@ -138,12 +160,14 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         batchgen_debug=args.debug,
+        max_model_len=args.max_model_len,
+        kv_cache_size_gib=args.kv_cache_gib,
     )
     if args.seed is not None:
         kwargs["seed"] = args.seed
     try:
         llm = LLM(model=args.model, **kwargs)
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # an unknown or broken model is a usage error
         return _usage_error(f"could not load model {args.model or DEFAULT_MODEL_NAME}: {e}")
     name = Path(args.model).name if args.model else DEFAULT_MODEL_NAME
     opts = JobOptions(
@@ -176,12 +200,21 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_FAILED_LINES if summary.failed or summary.failed_earlier else EXIT_OK
 
 
-def _setup_logging(quiet: bool) -> None:
+def _setup_logging(quiet: bool):
+    """Log to stderr (INFO; WARNING under --quiet, but the summary still shows); returns a
+    function that restores the previous levels (main() may run in-process)."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if quiet:
-        logging.getLogger("batchgen").setLevel(logging.WARNING)
-        logger.setLevel(logging.INFO)  # the summary still shows
+    loggers = [logging.getLogger("batchgen"), logger]
+    old = [lg.level for lg in loggers]
+    loggers[0].setLevel(logging.WARNING if quiet else logging.INFO)
+    logger.setLevel(logging.INFO)
+
+    def restore() -> None:
+        for lg, level in zip(loggers, old):
+            lg.setLevel(level)
+
+    return restore

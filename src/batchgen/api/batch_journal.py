@@ -1,0 +1,137 @@
+"""The job's files: resume scans that repair a torn output, the append-only writer
+that syncs at least every few seconds, and the line reader that never holds more than
+one line of the input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MAX_LINE_BYTES = 32 << 20
+
+
+def errors_path(output: Path) -> Path:
+    """OUTPUT's sibling errors file: out.jsonl -> out.errors.jsonl."""
+    stem = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
+    return output.with_name(stem + ".errors.jsonl")
+
+
+def scan_answered(path: Path, key: str) -> set:
+    """Values of `key` (custom_id or line) in a JSONL file written by an earlier run.
+
+    Lines that are not whole JSON objects (a torn last line after a crash) are cut: the
+    file is truncated after its last good line, or rewritten without bad lines if any sit
+    in the middle.
+    """
+    found: set = set()
+    if not path.exists():
+        return found
+    good_end, bad_inside, bad_seen, size = 0, False, False, path.stat().st_size
+    with open(path, "rb") as f:
+        while raw := f.readline():
+            record = _record(raw)
+            if record is None:
+                bad_seen = True
+                continue
+            bad_inside, good_end = bad_inside or bad_seen, f.tell()
+            value = (record.get("error") or {}).get("line") if key == "line" else record.get(key)
+            if value is not None:
+                found.add(value)
+    if bad_inside:
+        logger.warning("%s: dropping lines that are not whole JSON records", path)
+        tmp = path.with_name(path.name + ".repair")
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            for raw in src:
+                if _record(raw) is not None:
+                    dst.write(raw)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+    elif good_end < size:
+        logger.warning("%s: cutting a torn last line (%d bytes)", path, size - good_end)
+        os.truncate(path, good_end)
+    return found
+
+
+def _record(raw: bytes) -> dict | None:
+    """The JSON object of one whole line, or None for a torn or garbled one."""
+    if not raw.endswith(b"\n"):
+        return None
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+class Appender:
+    """Append-only JSONL writer: whole lines per write(); tick() fsyncs written lines once
+    `sync_every_s` has passed since the last sync; close() syncs what is left."""
+
+    def __init__(self, path: Path, sync_every_s: float) -> None:
+        self.path, self.sync_every_s = path, sync_every_s
+        self.fd: int | None = None
+        self.dirty = False
+        self.last_sync = time.monotonic()
+
+    def write(self, lines: list[bytes]) -> None:
+        if lines:
+            if self.fd is None:
+                created = not self.path.exists()
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                if created:
+                    _fsync_dir(self.path.parent)
+            data = memoryview(b"".join(lines))
+            while data:
+                data = data[os.write(self.fd, data) :]
+            self.dirty = True
+        self.tick()
+
+    def tick(self) -> None:
+        if self.dirty and time.monotonic() - self.last_sync >= self.sync_every_s:
+            self.sync()
+
+    def sync(self) -> None:
+        if self.fd is not None and self.dirty:
+            os.fsync(self.fd)
+        self.dirty, self.last_sync = False, time.monotonic()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            self.sync()
+            os.close(self.fd)
+            self.fd = None
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a new file's directory entry durable (POSIX; a no-op where dirs can't open)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_lines(path: Path):
+    """Yield (line number, bytes) one line at a time; a line over MAX_LINE_BYTES yields
+    None in place of its bytes (its rest is read past, never held)."""
+    with open(path, "rb", buffering=1 << 20) as f:
+        number = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                while raw and not raw.endswith(b"\n"):
+                    raw = f.readline(1 << 20)
+                yield number, None
+            else:
+                yield number, raw.rstrip(b"\r\n")

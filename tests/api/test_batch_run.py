@@ -1,0 +1,314 @@
+"""`batchgen run`: kill-and-resume, bad lines, torn lines, usage errors, bounded memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import save_tiny_model
+
+from batchgen.api.cli import main
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+N_KILL = 300
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny_model(path, "LlamaForCausalLM")
+    return str(path)
+
+
+def _chat(cid: str, words: str, **body) -> dict:
+    body = {"messages": [{"role": "user", "content": words}], **body}
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def _write_jsonl(path: Path, rows) -> Path:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _answers(path: Path) -> dict[str, tuple]:
+    """custom_id -> (text, finish_reason, usage); fails on a duplicate custom_id."""
+    out: dict[str, tuple] = {}
+    for rec in _read(path):
+        assert rec["custom_id"] not in out, f"duplicate {rec['custom_id']}"
+        body = rec["response"]["body"]
+        choice = body["choices"][0]
+        out[rec["custom_id"]] = (
+            choice["message"]["content"],
+            choice["finish_reason"],
+            body["usage"],
+        )
+    return out
+
+
+def _cli(model: str, inp: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "run", str(inp), "-o", str(out), "--model", model, "--device", "cpu", "--quiet",
+        "--kv-cache-gib", "0.02", *extra,
+    ]  # fmt: skip
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env["OMP_NUM_THREADS"] = "1"  # a tiny model: one thread is as fast, and robust to a busy CPU
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchgen", *argv],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+@pytest.fixture(scope="module")
+def kill_input(tmp_path_factory, tiny):
+    """N_KILL greedy chat requests and their answers from one uninterrupted run."""
+    d = tmp_path_factory.mktemp("kill")
+    rng = random.Random(0)
+    rows = [
+        _chat(
+            f"r{i}",
+            " ".join(f"w{rng.randint(3, 511)}" for _ in range(rng.randint(1, 12))),
+            max_tokens=64,
+            temperature=0,
+        )
+        for i in range(N_KILL)
+    ]
+    inp = _write_jsonl(d / "in.jsonl", rows)
+    ref = d / "ref.jsonl"
+    proc = _spawn(_cli(tiny, inp, ref, "--max-num-seqs", "8"))
+    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()[-2000:]
+    answers = _answers(ref)
+    assert len(answers) == N_KILL
+    return inp, answers
+
+
+def _kill_part_way(proc: subprocess.Popen, out: Path, sig: int) -> None:
+    """Send `sig` once `out` holds some lines but not all."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= 20:
+            proc.send_signal(sig)
+            return
+        time.sleep(0.02)
+    pytest.fail(
+        f"the run ended (rc={proc.returncode}) or stalled before it could be killed: "
+        f"{proc.stderr.read().decode()[-2000:]}"
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, tiny, kill_input, sig):
+    inp, expected = kill_input
+    out = tmp_path / "out.jsonl"
+    argv = _cli(tiny, inp, out, "--max-num-seqs", "8")
+    proc = _spawn(argv)
+    _kill_part_way(proc, out, sig)
+    rc = proc.wait(timeout=120)
+    stderr = proc.stderr.read().decode()
+    if sig == signal.SIGKILL:
+        assert rc == -signal.SIGKILL
+    else:
+        assert rc == 3, stderr[-2000:]
+        assert "Rerun the same command to resume" in stderr
+    partial = _answers(out)
+    assert 20 <= len(partial) < N_KILL, "the kill should land part-way"
+
+    proc = _spawn(argv)
+    rc = proc.wait(timeout=120)
+    stderr = proc.stderr.read().decode()
+    assert rc == 0, stderr[-2000:]
+    assert f"{len(partial)} skipped as already done" in stderr
+    assert _answers(out) == expected  # every custom_id once, the same greedy outputs
+    assert not (tmp_path / "out.errors.jsonl").exists()
+
+
+def test_bad_lines_get_error_records_and_good_lines_complete(tmp_path, tiny):
+    good = {f"g{i}": _chat(f"g{i}", f"w{10 + i} w20", max_tokens=4) for i in range(6)}
+    bad = [  # (line, expected reason)
+        ('{"custom_id": "x1", "method": "POST", "url": ', "malformed JSON"),
+        (_chat(None, "w5"), "missing custom_id"),
+        (_chat("g0", "w5 w6"), "duplicate custom_id 'g0'"),
+        ({**_chat("x2", "w5"), "custom_id": 17}, "custom_id must be a non-empty string"),
+        (_chat("x3", "w5", max_tokens="ten"), "max_tokens must be an integer"),
+        (_chat("x4", "w5", temperature="hot"), "temperature must be a number"),
+        ({**_chat("x5", "w5"), "url": "/v1/embeddings"}, "unknown url '/v1/embeddings'"),
+        ({**_chat("x6", "w5"), "body": {"messages": []}}, "body.messages is empty"),
+        ({**_chat("x7", "w5"), "body": {"messages": "w5"}}, "body.messages must be a list"),
+        (_chat("x8", " ".join(["w9"] * 1100)), "max_model_len is 1024"),
+        (b'{"custom_id": "x9", "prompt": "w5 \xff\xfe"}', "not valid UTF-8"),
+        ("", "the line is blank"),
+        ("   ", "the line is blank"),
+        ({**_chat("x10", "w5"), "method": "GET"}, 'method must be "POST"'),
+        ({**_chat("x11", "w5"), "body": [1]}, "body must be a JSON object"),
+        ("[1, 2]", "expected a JSON object"),
+        (_chat("x12", "w5", top_logprobs=2), "top_logprobs needs body.logprobs"),
+        ({"id": "x13", "prompt": ""}, "the prompt is empty"),
+        ({"id": "x14", "prompt": 5}, "body.prompt must be a string"),
+    ]
+    rows: list = []
+    for i, (line, _) in enumerate(bad):
+        rows.append(good[f"g{i}"] if i < len(good) else _chat(f"h{i}", "w30", max_tokens=2))
+        rows.append(line)
+    inp = tmp_path / "in.jsonl"
+    with open(inp, "wb") as f:
+        for row in rows:
+            f.write(
+                row
+                if isinstance(row, bytes)
+                else (row if isinstance(row, str) else json.dumps(row)).encode()
+            )
+            f.write(b"\n")
+    out = tmp_path / "out.jsonl"
+    assert main(_cli(tiny, inp, out)) == 1
+
+    done = _answers(out)
+    good_ids = {r["custom_id"] for r in rows[::2]}
+    assert set(done) == good_ids
+    errors = _read(tmp_path / "out.errors.jsonl")
+    assert [e["error"]["line"] for e in errors] == list(range(2, 2 * len(bad) + 1, 2))
+    for (_, reason), rec in zip(bad, errors):
+        assert rec["response"] is None and rec["error"]["code"] == "invalid_request"
+        assert rec["error"]["message"].startswith(f"line {rec['error']['line']}: ")
+        assert reason in rec["error"]["message"], rec["error"]["message"]
+
+    before = out.read_bytes(), (tmp_path / "out.errors.jsonl").read_bytes()
+    assert main(_cli(tiny, inp, out)) == 1  # a rerun writes nothing new
+    assert (out.read_bytes(), (tmp_path / "out.errors.jsonl").read_bytes()) == before
+
+
+def test_torn_last_line_is_repaired(tmp_path, tiny):
+    rows = [_chat(f"t{i}", f"w{40 + i}", max_tokens=3, temperature=0) for i in range(5)]
+    rows.append({"id": "p", "prompt": "w7 w8", "max_tokens": 3, "temperature": 0, "logprobs": 2})
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    assert main(_cli(tiny, inp, ref)) == 0
+    lines = ref.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(lines[:2]) + lines[2][: len(lines[2]) // 2])  # a torn write
+    assert main(_cli(tiny, inp, out)) == 0
+    recs = _read(out)
+    assert sorted(r["custom_id"] for r in recs) == sorted(r.get("custom_id", "p") for r in rows)
+    by_id = {r["custom_id"]: r["response"]["body"] for r in recs}
+    expected = {r["custom_id"]: _same_run(r["response"]["body"], True) for r in _read(ref)}
+    assert {k: _same_run(v) for k, v in by_id.items()} == expected
+    completion = by_id["p"]
+    assert completion["object"] == "text_completion"
+    assert len(completion["choices"][0]["logprobs"]["token_logprobs"]) == 3
+    assert completion["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+def _same_run(body: dict, approx: bool = False) -> dict:
+    """The parts of an output body that a rerun reproduces (logprobs to 1e-4: the batch
+    around a request changes float rounding)."""
+    choices = []
+    for c in body["choices"]:
+        lp = c["logprobs"]
+        if lp is not None:
+            vals = (
+                lp["token_logprobs"]
+                if "token_logprobs" in lp
+                else [t["logprob"] for t in lp["content"]]
+            )
+            lp = {
+                "tokens": lp.get("tokens"),
+                "values": pytest.approx(vals, abs=1e-4) if approx else vals,
+            }
+        choices.append({**c, "logprobs": lp})
+    return {**{k: v for k, v in body.items() if k not in ("id", "created")}, "choices": choices}
+
+
+def test_usage_errors_fail_at_once(tmp_path, tiny, caplog):
+    inp = _write_jsonl(tmp_path / "in.jsonl", [_chat("a", "w5")])
+    assert main(["run", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")]) == 2
+    assert "does not exist" in caplog.text
+    assert (
+        main(
+            [
+                "run",
+                str(inp),
+                "-o",
+                str(tmp_path / "o.jsonl"),
+                "--model",
+                str(tmp_path / "no-model"),
+            ]
+        )
+        == 2
+    )
+    assert "not found" in caplog.text
+    assert main(["run", str(inp)]) == 2  # no -o
+    assert main(_cli(tiny, inp, tmp_path / "o.jsonl", "--max-tokens", "0")) == 2
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_seed_makes_sampled_outputs_reproducible(tmp_path, tiny):
+    """With --seed, a sampled request's output depends on its custom_id only, not on the
+    batch around it, so a resumed job samples what an uninterrupted one would."""
+    rows = [_chat(f"s{i}", f"w{50 + i} w60", max_tokens=8, ignore_eos=True) for i in range(12)]
+    rows.append(
+        {
+            "id": "plain",
+            "messages": [{"role": "user", "content": "w70"}],
+            "seed": 3,
+            "max_tokens": 8,
+        }
+    )
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    a, b, c = (tmp_path / f"{x}.jsonl" for x in "abc")
+    assert main(_cli(tiny, inp, a, "--seed", "7", "--max-num-seqs", "2")) == 0
+    assert main(_cli(tiny, inp, b, "--seed", "7", "--max-num-seqs", "16")) == 0
+    assert main(_cli(tiny, inp, c, "--seed", "8", "--max-num-seqs", "16")) == 0
+    assert _answers(a) == _answers(b)
+    differs = [k for k, v in _answers(c).items() if v != _answers(a)[k]]
+    assert set(differs) == {f"s{i}" for i in range(12)}, differs  # "plain" has its own seed
+
+
+def _peak_rss_mib(argv: list[str]) -> float:
+    proc = _spawn(argv)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, proc.stderr.read().decode()[-2000:]
+    return usage.ru_maxrss / 1024  # KiB on Linux
+
+
+@pytest.mark.slow
+def test_memory_stays_bounded_on_a_large_input(tmp_path, tiny):
+    """Peak RSS with 100k requests stays within a few MiB of the peak with 10k.
+
+    Both peaks include the model and the KV pool; what may grow is the set of custom_ids
+    seen (~6 MiB for 100k). Holding the input's lines or results would add well over
+    100 MiB (100k parsed requests or output lines at >1 KiB each)."""
+
+    def make(n: int) -> Path:
+        path = tmp_path / f"in{n}.jsonl"
+        with open(path, "w") as f:
+            for i in range(n):
+                body = {"prompt": f"w{3 + i % 500} w{3 + i * 7 % 500}", "max_tokens": 1}
+                row = {
+                    "custom_id": f"m{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": body,
+                }
+                f.write(json.dumps(row) + "\n")
+        return path
+
+    small = _peak_rss_mib(_cli(tiny, make(10_000), tmp_path / "o10k.jsonl"))
+    large = _peak_rss_mib(_cli(tiny, make(100_000), tmp_path / "o100k.jsonl"))
+    assert sum(1 for _ in open(tmp_path / "o100k.jsonl")) == 100_000
+    assert large < small + 50, f"peak RSS {small:.0f} MiB (10k lines) -> {large:.0f} MiB (100k)"
