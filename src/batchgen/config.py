@@ -82,7 +82,6 @@ class EngineConfig:
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
 
-    @classmethod
     def resolved_attention_backend(self, device: torch.device) -> str:
         """'auto' is triton on a GPU when triton imports, else the torch reference."""
         if self.attention_backend != "auto":

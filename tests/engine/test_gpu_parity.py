@@ -38,10 +38,12 @@ def _count_rows(llm, ref, prompts, max_new, eos):
     return identical, close, len(prompts)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_tiny_models_match_transformers(tmp_path, arch):
+def test_bf16_tiny_models_match_transformers(tmp_path, arch, backend):
     ref = save_tiny_model(tmp_path, arch).to("cuda", torch.bfloat16)
     llm = LLM(
+        attention_backend=backend,
         model=str(tmp_path),
         device="cuda",
         dtype="bfloat16",
@@ -51,12 +53,13 @@ def test_bf16_tiny_models_match_transformers(tmp_path, arch):
         max_model_len=256,
     )
     identical, close, total = _count_rows(llm, ref, _prompts(), 16, None)
-    print(f"{arch}: {identical} identical, {close} close, {total} rows")
+    print(f"{arch}/{backend}: {identical} identical, {close} close, {total} rows")
     assert identical + close == total
     assert llm.engine.scheduler.num_preemptions > 0 or llm.engine.kv.prefix_hit_tokens > 0
 
 
-def test_bf16_default_model_matches_transformers():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bf16_default_model_matches_transformers(backend):
     from transformers import AutoModelForCausalLM
 
     from batchgen.models.default_model import default_model_path
@@ -69,7 +72,7 @@ def test_bf16_default_model_matches_transformers():
         .to("cuda")
         .eval()
     )
-    llm = LLM(device="cuda", dtype="bfloat16", max_model_len=1024)
+    llm = LLM(device="cuda", dtype="bfloat16", max_model_len=1024, attention_backend=backend)
     prompts = [
         llm.tokenizer.encode(
             llm.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False
@@ -77,5 +80,5 @@ def test_bf16_default_model_matches_transformers():
         for q in QUESTIONS
     ]
     identical, close, total = _count_rows(llm, ref, prompts, 40, llm.engine.eos_token_ids[0])
-    print(f"default model: {identical} identical, {close} close, {total} rows")
+    print(f"default model/{backend}: {identical} identical, {close} close, {total} rows")
     assert identical + close == total

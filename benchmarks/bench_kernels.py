@@ -1,0 +1,202 @@
+"""Triton attention kernels on the GPU: decode bandwidth, prefill throughput, store-KV.
+
+Qwen3-0.6B attention geometry (16 query heads, 8 KV heads, head_dim 128), bf16, pages of
+16 tokens scattered at random through the pool. Times are triton.testing.do_bench
+medians. Decode is judged on achieved bandwidth (K/V bytes read + q/out bytes over the
+time) against the H200 device-copy ceiling of 4.23 TB/s; prefill on attention TFLOP/s
+(4 * visible query-key pairs * heads * head_dim) against ~790 TFLOP/s bf16.
+
+    python benchmarks/bench_kernels.py            # defaults plus a small tuning sweep
+    python benchmarks/bench_kernels.py --quick    # defaults only
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+COPY_BW = 4.23e12  # bytes/s, H200 device copy (BENCHMARKS.md)
+MATMUL_FLOPS = 790e12  # bf16 dense matmul
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
+DTYPE = torch.bfloat16
+ELEM = 2  # bytes per bf16
+
+
+def _tables(seq_lens: list[int], num_pages: int, gen: torch.Generator) -> torch.Tensor:
+    need = [math.ceil(n / PAGE) for n in seq_lens]
+    perm = torch.randperm(num_pages, generator=gen)[: sum(need)].tolist()
+    width, rows, at = max(need), [], 0
+    for n in need:
+        rows.append(perm[at : at + n] + [0] * (width - n))
+        at += n
+    return torch.tensor(rows, dtype=torch.int64, device="cuda")
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+
+
+def bench_decode(caches, batch: int, ctx: int, sweep: bool, gen) -> list[tuple]:
+    from batchgen.kernels import decode_attention as da
+
+    k_cache, v_cache = caches
+    seq_lens = [ctx] * batch
+    table = _tables(seq_lens, k_cache.shape[0], gen)
+    lens = torch.tensor(seq_lens, device="cuda")
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    nbytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * ELEM * 2 + 2 * q.numel() * ELEM
+    auto = da.choose_num_splits(batch, KV_HEADS, ctx, q.device)
+    configs = [(da.GPU_TUNING, None)]
+    if sweep:
+        tunings = [
+            da.DecodeTuning(32, 4, 2),
+            da.DecodeTuning(64, 8, 2),
+            da.DecodeTuning(64, 4, 3),
+            da.DecodeTuning(128, 8, 2),
+        ]
+        configs += [(t, None) for t in tunings]
+        configs += [(da.GPU_TUNING, s) for s in (1, 2, 4, 8, 16) if s != auto]
+    rows = []
+    for tuning, splits in configs:
+
+        def run(tuning=tuning, splits=splits):
+            da.decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                table,
+                lens,
+                0.088,
+                out=out,
+                max_seq_len=ctx,
+                num_splits=splits,
+                tuning=tuning,
+            )
+
+        seconds = _bench(run)
+        bw = nbytes / seconds
+        label = f"n={tuning.block_n} w={tuning.num_warps} s={tuning.num_stages}"
+        split_label = f"{splits if splits else auto}{'' if splits else ' (auto)'}"
+        rows.append(
+            (
+                f"decode {batch}x{ctx}",
+                label,
+                split_label,
+                f"{seconds * 1e6:.1f} us",
+                f"{bw / 1e12:.2f} TB/s",
+                f"{100 * bw / COPY_BW:.0f}% of copy",
+            )
+        )
+    return rows
+
+
+def bench_prefill(caches, specs: list[tuple[int, int]], sweep: bool, gen) -> list[tuple]:
+    """specs: (cached prefix, chunk length) per request."""
+    from batchgen.kernels import prefill_attention as pa
+
+    k_cache, v_cache = caches
+    seq_lens = [p + n for p, n in specs]
+    q_len = [n for _, n in specs]
+    q_start = [sum(q_len[:i]) for i in range(len(specs))]
+    table = _tables(seq_lens, k_cache.shape[0], gen)
+    args = [torch.tensor(x, device="cuda") for x in (q_start, q_len, seq_lens)]
+    q = torch.randn(sum(q_len), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    pairs = sum(n * p + n * (n + 1) // 2 for p, n in specs)
+    flops = 4 * pairs * HEADS * HEAD_DIM
+    tunings = [pa.GPU_TUNING]
+    if sweep:
+        tunings += [
+            pa.PrefillTuning(64, 64, 4, 2),
+            pa.PrefillTuning(64, 64, 4, 3),
+            pa.PrefillTuning(128, 64, 8, 3),
+            pa.PrefillTuning(128, 32, 8, 2),
+            pa.PrefillTuning(64, 32, 4, 2),
+        ]
+    name = f"prefill {len(specs)}x{specs[0][1]} after {specs[0][0]}"
+    rows = []
+    for tuning in tunings:
+
+        def run(tuning=tuning):
+            pa.prefill_attention(
+                q, k_cache, v_cache, *args, table, max(q_len), 0.088, out=out, tuning=tuning
+            )
+
+        seconds = _bench(run)
+        label = f"m={tuning.block_m} n={tuning.block_n} w={tuning.num_warps} s={tuning.num_stages}"
+        rows.append(
+            (
+                name,
+                label,
+                "-",
+                f"{seconds * 1e6:.1f} us",
+                f"{flops / seconds / 1e12:.1f} TFLOP/s",
+                f"{sum(q_len) / seconds / 1e6:.2f} M tok/s",
+            )
+        )
+    return rows
+
+
+def bench_store_kv(caches, gen) -> list[tuple]:
+    from batchgen.kernels.store_kv import store_kv
+
+    k_cache, v_cache = caches
+    t = 8192
+    k = torch.randn(t, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    slots = torch.randperm(k_cache.shape[0] * PAGE, generator=gen)[:t].cuda()
+    seconds = _bench(lambda: store_kv(k_cache, v_cache, k, v, slots))
+    nbytes = 4 * k.numel() * ELEM  # read k, v; write both
+    bw = nbytes / seconds
+    return [
+        (
+            f"store_kv {t} tokens",
+            "-",
+            "-",
+            f"{seconds * 1e6:.1f} us",
+            f"{bw / 1e12:.2f} TB/s",
+            f"{100 * bw / COPY_BW:.0f}% of copy",
+        )
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="default launch parameters only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA device", file=sys.stderr)
+        return 1
+    import triton
+
+    gen = torch.Generator().manual_seed(0)
+    num_pages = 40_000  # 32 x 16000 tokens need 32,000 pages; 2 x 1.3 GB of K/V
+    pool = torch.empty(1, 2, num_pages, PAGE, KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    pool.normal_()
+    caches = (pool[0, 0], pool[0, 1])
+    sweep = not args.quick
+    print(
+        f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}"
+    )
+    rows = []
+    rows += bench_decode(caches, 256, 1000, sweep, gen)
+    rows += bench_decode(caches, 32, 16000, sweep, gen)
+    rows += bench_prefill(caches, [(2000, 512)] * 8, sweep, gen)
+    rows += bench_prefill(caches, [(0, 2048)] * 4, sweep, gen)
+    rows += bench_store_kv(caches, gen)
+    header = ("case", "launch", "splits", "median", "rate", "vs ceiling")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print("# first row of each case is the default launch; decode ceiling 4.23 TB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Store new K/V rows into the paged cache: one Triton program per token.
+
+    slot = slot_mapping[t] = page * page_size + offset
+    k_cache[page, offset, :, :] = k[t]        (same for v; cast to the cache dtype)
+
+A negative slot means "padding row, write nothing".
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_kc_page, stride_kc_off, stride_kc_h, stride_kc_d,
+    stride_vc_page, stride_vc_off, stride_vc_h, stride_vc_d, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+    kc = k_cache_ptr + page * stride_kc_page + off * stride_kc_off
+    vc = v_cache_ptr + page * stride_vc_page + off * stride_vc_off
+    tl.store(kc + h * stride_kc_h + d * stride_kc_d, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc + h * stride_vc_h + d * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hkv, D] into the [pages, page_size, Hkv, D] caches at flat slots.
+
+    k/v and the caches may be strided views (e.g. one layer of a pool tensor).
+    """
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"caches must be [P, S, Hkv, D]: {k_cache.shape} / {v_cache.shape}")
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"k/v {tuple(k.shape)} / {tuple(v.shape)} do not fit the cache")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be [{k.shape[0]}] int32/int64")
+    if not (k.device == v.device == k_cache.device == v_cache.device == slot_mapping.device):
+        raise ValueError("k, v, caches and slot_mapping must be on one device")
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def store_kv_reference(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The same write in plain torch (negative slots skipped)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    page_size = k_cache.shape[1]
+    pages, offs = slots // page_size, slots % page_size
+    k_cache[pages, offs] = k[keep].to(k_cache.dtype)
+    v_cache[pages, offs] = v[keep].to(v_cache.dtype)

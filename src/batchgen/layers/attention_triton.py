@@ -1,0 +1,89 @@
+"""Triton attention backend: the semantics of attention_torch, on the paged-attention kernels.
+
+Decode rows (q_len == 1) go through decode_attention in one launch (split along the
+sequence when the batch is small); prefill chunks go through prefill_attention in one
+launch from the padded prefill tensors. Both write straight into the packed output rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.forward_context import AttentionMetadata
+from batchgen.kernels.decode_attention import decode_attention
+from batchgen.kernels.prefill_attention import prefill_attention
+from batchgen.kernels.store_kv import store_kv as _store_kv
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hkv, D] into flat slots of the [pages, page_size, Hkv, D] caches."""
+    _store_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]; every query's own K/V must already be in the cache."""
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None and meta.decode_rows.numel() > 0:
+        decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_page_table,
+            meta.decode_seq_lens,
+            scale,
+            sliding_window,
+            rows=meta.decode_rows,
+            out=out,
+            max_seq_len=meta.decode_max_seq_len or None,
+        )
+    if meta.prefills or (meta.prefill_q_len is not None and meta.prefill_q_len.numel() > 0):
+        q_start, q_len, seq_lens, table, max_q_len = _padded_prefills(meta, q.device)
+        prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            q_start,
+            q_len,
+            seq_lens,
+            table,
+            max_q_len,
+            scale,
+            sliding_window,
+            out=out,
+        )
+    return out
+
+
+def _padded_prefills(meta: AttentionMetadata, device: torch.device):
+    """The padded prefill tensors; built from meta.prefills when the runner left them out."""
+    if meta.prefill_q_len is not None:
+        return (
+            meta.prefill_q_start,
+            meta.prefill_q_len,
+            meta.prefill_seq_lens,
+            meta.prefill_page_table,
+            meta.prefill_max_q_len,
+        )
+    seqs = meta.prefills
+    width = max(seq.pages.numel() for seq in seqs)
+    table = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)
+    for i, seq in enumerate(seqs):
+        table[i, : seq.pages.numel()] = seq.pages
+    q_start, q_len, seq_lens = (
+        torch.tensor(values, dtype=torch.int64, device=device)
+        for values in zip(*[(s.q_start, s.q_len, s.seq_len) for s in seqs])
+    )
+    return q_start, q_len, seq_lens, table, max(s.q_len for s in seqs)

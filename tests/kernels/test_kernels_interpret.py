@@ -1,0 +1,221 @@
+"""Each Triton kernel against its torch reference on small random inputs.
+
+Without CUDA the kernels run in Triton's interpreter (set before triton is imported);
+with CUDA the same small cases run compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from batchgen.forward_context import AttentionMetadata, PrefillSeq  # noqa: E402
+from batchgen.kernels.decode_attention import (  # noqa: E402
+    decode_attention,
+    decode_attention_reference,
+)
+from batchgen.kernels.prefill_attention import (  # noqa: E402
+    prefill_attention,
+    prefill_attention_reference,
+)
+from batchgen.kernels.store_kv import store_kv, store_kv_reference  # noqa: E402
+from batchgen.layers import attention_torch, attention_triton  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HEAD_DIM = 16
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def _caches(num_pages, page_size, num_kv_heads, dtype, layers=2):
+    """Layer 1's K and V views of a [L, 2, P, S, Hkv, D] pool, as the page pool hands out."""
+    shape = (layers, 2, num_pages, page_size, num_kv_heads, HEAD_DIM)
+    pool = torch.randn(shape, device=DEVICE).to(dtype)
+    return pool[1, 0], pool[1, 1]
+
+
+def _page_tables(seq_lens, page_size, num_pages, gen):
+    """Disjoint random pages per request, padded with page 0 to one width."""
+    need = [math.ceil(n / page_size) for n in seq_lens]
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    width = max(need)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return tables, torch.tensor(padded, dtype=torch.int64, device=DEVICE)
+
+
+def _assert_close(out, ref, dtype):
+    tol = TOL[dtype]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "src_dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_store_kv_matches_reference(src_dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = _caches(12, 4, 2, cache_dtype)
+    qkv = torch.randn(10, 3, 2, HEAD_DIM, device=DEVICE).to(src_dtype)
+    k, v = qkv[:, 1], qkv[:, 2]  # strided views, as after a fused qkv projection
+    slots = torch.randperm(48, generator=gen)[:10].to(DEVICE)
+    slots[3] = -1  # a padding row writes nothing
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kv_reference(ref_k, ref_v, k, v, slots)
+    store_kv(k_cache, v_cache, k, v, slots)
+    # the interpreter rounds float32 -> bfloat16 toward zero (the GPU to nearest even)
+    rtol = 2**-7 if src_dtype != cache_dtype and DEVICE.type == "cpu" else 0
+    torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=rtol)
+    torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=rtol)
+
+
+@pytest.mark.parametrize(
+    "dtype,group,page_size,window,num_splits",
+    [
+        (torch.float32, 1, 4, None, 1),
+        (torch.float32, 2, 16, None, 3),
+        (torch.bfloat16, 4, 4, None, 2),
+        (torch.float32, 2, 4, 9, 2),
+        (torch.bfloat16, 2, 16, 20, 1),
+    ],
+)
+def test_decode_attention_matches_reference(dtype, group, page_size, window, num_splits):
+    gen = torch.Generator().manual_seed(1)
+    num_kv_heads = 2
+    seq_lens = [1, 37, 70, 16]
+    num_pages = sum(math.ceil(n / page_size) for n in seq_lens) + 3
+    k_cache, v_cache = _caches(num_pages, page_size, num_kv_heads, dtype)
+    _, table = _page_tables(seq_lens, page_size, num_pages, gen)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    # packed batch of 7 rows; the decodes are rows 5, 0, 3, 6
+    q = torch.randn(7, num_kv_heads * group, HEAD_DIM, device=DEVICE).to(dtype)
+    rows = torch.tensor([5, 0, 3, 6], device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(
+        q, k_cache, v_cache, table, lens, 0.3, window, rows=rows, out=out, num_splits=num_splits
+    )
+    ref = decode_attention_reference(q[rows], k_cache, v_cache, table, lens, 0.3, window)
+    _assert_close(out[rows], ref, dtype)
+    assert torch.isnan(out[[1, 2, 4]]).all(), "rows of no decode must stay untouched"
+
+
+def test_decode_attention_without_rows_picks_splits():
+    gen = torch.Generator().manual_seed(2)
+    seq_lens = [300, 5]
+    k_cache, v_cache = _caches(90, 8, 1, torch.float32)
+    _, table = _page_tables(seq_lens, 8, 90, gen)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    q = torch.randn(2, 3, HEAD_DIM, device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, table, lens, 0.25, max_seq_len=300)
+    ref = decode_attention_reference(q, k_cache, v_cache, table, lens, 0.25)
+    _assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "dtype,group,page_size,window",
+    [
+        (torch.float32, 1, 4, None),
+        (torch.float32, 2, 16, None),
+        (torch.bfloat16, 2, 4, None),
+        (torch.float32, 2, 4, 7),
+        (torch.bfloat16, 4, 16, 24),
+    ],
+)
+def test_prefill_attention_matches_reference(dtype, group, page_size, window):
+    gen = torch.Generator().manual_seed(3)
+    num_kv_heads = 2
+    # (prefix, q_len): a fresh prompt, a chunk after a cached prefix, a short tail
+    specs = [(0, 21), (30, 18), (9, 2)]
+    seq_lens = [p + n for p, n in specs]
+    num_pages = sum(math.ceil(n / page_size) for n in seq_lens) + 2
+    k_cache, v_cache = _caches(num_pages, page_size, num_kv_heads, dtype)
+    _, table = _page_tables(seq_lens, page_size, num_pages, gen)
+    q_len = [n for _, n in specs]
+    q_start = [1 + sum(q_len[:i]) for i in range(len(specs))]  # row 0 is someone else's
+    total = 1 + sum(q_len) + 1
+    q = torch.randn(total, num_kv_heads * group, HEAD_DIM, device=DEVICE).to(dtype)
+    args = [torch.tensor(x, device=DEVICE) for x in (q_start, q_len, seq_lens)]
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, k_cache, v_cache, *args, table, max(q_len), 0.3, window, out=out)
+    ref = prefill_attention_reference(q, k_cache, v_cache, *args, table, 0.3, window)
+    rows = slice(1, total - 1)
+    _assert_close(out[rows], ref[rows], dtype)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[-1]).all()
+
+
+def _metadata(requests, page_size, tables):
+    """AttentionMetadata as the ModelRunner builds it. requests: (start, n) per request."""
+    slots, decode, prefill, row = [], [], [], 0
+    for (start, n), table in zip(requests, tables):
+        seq_len = start + n
+        slots += [table[p // page_size] * page_size + p % page_size for p in range(start, seq_len)]
+        (decode if n == 1 else prefill).append((row, n, seq_len, table))
+        row += n
+
+    def dev(values):
+        return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+    def padded(tabs):
+        width = max(len(t) for t in tabs)
+        return dev([t + [0] * (width - len(t)) for t in tabs])
+
+    meta = AttentionMetadata(num_tokens=row, slot_mapping=dev(slots))
+    meta.decode_rows = dev([d[0] for d in decode])
+    meta.decode_page_table = padded([d[3] for d in decode])
+    meta.decode_seq_lens = dev([d[2] for d in decode])
+    meta.decode_max_seq_len = max(d[2] for d in decode)
+    meta.prefill_q_start = dev([p[0] for p in prefill])
+    meta.prefill_q_len = dev([p[1] for p in prefill])
+    meta.prefill_seq_lens = dev([p[2] for p in prefill])
+    meta.prefill_page_table = padded([p[3] for p in prefill])
+    meta.prefill_max_q_len = max(p[1] for p in prefill)
+    meta.prefills = [PrefillSeq(p[0], p[1], p[2], dev(p[3])) for p in prefill]
+    return meta
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_triton_backend_matches_torch_backend_on_mixed_batch(window):
+    gen = torch.Generator().manual_seed(4)
+    page_size, num_kv_heads, group = 4, 2, 2
+    # (tokens already cached, new tokens): decode, prefix + chunk, decode, fresh prompt
+    requests = [(40, 1), (13, 19), (6, 1), (0, 11)]
+    seq_lens = [s + n for s, n in requests]
+    num_pages = sum(math.ceil(n / page_size) for n in seq_lens) + 2
+    tables, _ = _page_tables(seq_lens, page_size, num_pages, gen)
+    meta = _metadata(requests, page_size, tables)
+    k_cache, v_cache = _caches(num_pages, page_size, num_kv_heads, torch.float32)
+    torch_k, torch_v = k_cache.clone(), v_cache.clone()
+    t = meta.num_tokens
+    q = torch.randn(t, num_kv_heads * group, HEAD_DIM, device=DEVICE)
+    k = torch.randn(t, num_kv_heads, HEAD_DIM, device=DEVICE)
+    v = torch.randn(t, num_kv_heads, HEAD_DIM, device=DEVICE)
+
+    attention_torch.store_kv(torch_k, torch_v, k, v, meta.slot_mapping)
+    expected = attention_torch.paged_attention(q, torch_k, torch_v, meta, 0.3, window)
+    attention_triton.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    assert torch.equal(k_cache, torch_k) and torch.equal(v_cache, torch_v)
+    got = attention_triton.paged_attention(q, k_cache, v_cache, meta, 0.3, window)
+    _assert_close(got, expected.float(), torch.float32)
+
+    # the same step when the runner left the padded prefill tensors out
+    meta.prefill_q_start = meta.prefill_q_len = None
+    meta.prefill_seq_lens = meta.prefill_page_table = None
+    got = attention_triton.paged_attention(q, k_cache, v_cache, meta, 0.3, window)
+    _assert_close(got, expected.float(), torch.float32)
