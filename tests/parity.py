@@ -7,9 +7,8 @@ import torch
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None):
     """transformers' greedy continuation of one prompt and each step's raw logprobs."""
-    device = next(model.parameters()).device
     out = model.generate(
-        torch.tensor([prompt], device=device),
+        torch.tensor([prompt]),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=eos,

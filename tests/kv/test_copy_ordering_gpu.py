@@ -53,9 +53,9 @@ def test_offload_right_after_the_kernel_that_writes_its_source(ordered):
     tier, alloc = make(ordered)
     page = alloc.allocate(1)
     host = tier.host_alloc.allocate(1)
-    tier.host_pool.kv[host].fill_(-1)
+    tier.host_pool.kv[host[0]].fill_(-1)
     torch.cuda._sleep(SPIN)
-    tier.device_pool.kv[:, :, page].fill_(7.0)  # the producer, on the default stream
+    tier.device_pool.kv[:, :, page[0]].fill_(7.0)  # the producer, on the default stream
     tier.prepare_store(page, host, [None], [16], "offload")
     tier.drain()
     assert bool((tier.host_pool.kv[host[0]] == 7.0).all())
@@ -84,7 +84,7 @@ def test_decode_append_right_after_the_token_kv_write(ordered):
 def test_load_after_the_pool_is_recreated_with_torch_zeros(ordered):
     tier, alloc = make(ordered)
     host = tier.host_alloc.allocate(1)
-    tier.host_pool.kv[host].fill_(5.0)
+    tier.host_pool.kv[host[0]].fill_(5.0)
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)
     tier.device_pool = PagePool(LAYOUT, 64, torch.device("cuda"))  # memset after the spin
