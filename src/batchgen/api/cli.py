@@ -17,6 +17,8 @@ import logging
 import sys
 from pathlib import Path
 
+from batchgen.eval.cli import add_eval_parser, run_eval
+
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_INTERNAL = 0, 1, 2, 3, 4
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bar and no info logs except the final summary",
     )
+    add_eval_parser(sub)
     return parser
 
 
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     restore = _setup_logging(args.quiet)
     try:
-        return _run(args)
+        return run_eval(args) if args.command == "eval" else _run(args)
     except KeyboardInterrupt:  # before the job's own handlers are installed
         logger.warning("interrupted; rerun the same command to resume")
         return EXIT_INTERRUPTED
