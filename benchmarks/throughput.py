@@ -81,8 +81,10 @@ def profile_decode(llm, prompts, args):
 
     eng = llm.engine
     for i, p in enumerate(prompts[: args.max_num_seqs]):
-        eng.add_request(f"prof{i}", p, SamplingParams(max_tokens=64, ignore_eos=True))
-    for _ in range(8):  # prefill and settle into decode
+        eng.add_request(f"prof{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(200):  # every prompt prefilled: profile pure decode steps
+        if all(r.num_computed_tokens >= r.num_prompt_tokens for r in eng.requests.values()):
+            break
         eng.step()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device != "cpu" else [])
     steps = 16
@@ -95,7 +97,16 @@ def profile_decode(llm, prompts, args):
     wall_ms = (time.perf_counter() - t0) * 1000 / steps
     eng.abort(list(eng.requests))
     families = {
-        "attention": ("attn", "attention", "flash", "einsum", "bmm", "softmax"),
+        "attention": (
+            "attn",
+            "attention",
+            "flash",
+            "einsum",
+            "bmm",
+            "softmax",
+            "decode",
+            "prefill",
+        ),
         "gemm": ("gemm", "cutlass", "sm90", "matmul", "addmm", "linear", "nvjet"),
         "sampling": ("exponential", "argmax", "sort", "topk", "log_softmax"),
         "kv_write": ("index_copy", "store_kv", "index_put"),
@@ -177,6 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))

@@ -42,6 +42,7 @@ class EngineConfig:
     host_kv_size_gib: float = 0.0
     decode_append: str = "off"
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     cache_dir: str | None = None
     seed: int = 0
     batchgen_debug: bool = False

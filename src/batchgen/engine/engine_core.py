@@ -22,6 +22,7 @@ from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model
+from batchgen.runner.cuda_graphs import DecodeGraphs
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.sampling_params import SamplingParams
 
@@ -90,6 +91,7 @@ class EngineCore:
             self.eos_token_ids,
             debug=config.batchgen_debug,
             attention_backend=config.resolved_attention_backend(device),
+            graphs=self._decode_graphs(config.resolved_attention_backend(device)),
         )
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
@@ -101,6 +103,21 @@ class EngineCore:
             config.page_size,
             self.pool.nbytes / 2**30,
             device,
+        )
+
+    def _decode_graphs(self, backend: str) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps: on a GPU with the (graph-safe) Triton backend."""
+        if self.config.enforce_eager or self.device.type != "cuda" or backend != "triton":
+            return None
+        return DecodeGraphs(
+            self.model,
+            self.pool.layer_caches(),
+            backend,
+            self.config.max_num_seqs,
+            -(-self.max_model_len // self.config.page_size),
+            self.hf_config.hidden_size,
+            self.device,
+            self.dtype,
         )
 
     def _build_tier(self) -> TieredKVManager:
@@ -126,7 +143,8 @@ class EngineCore:
             self.scheduler.preempt(req)
         if self.tier is not None:
             self.tier.drain()
-        del self.runner.kv_caches, self.pool
+        self.runner.set_kv_caches([])
+        del self.pool
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.pool = PagePool(self.layout, num_pages, self.device)  # torch.zeros: rule 4
@@ -142,7 +160,7 @@ class EngineCore:
             self.tier.device_pool = self.pool
             self.tier.device_alloc = self.kv.allocator
         self.scheduler.kv = self.kv
-        self.runner.kv_caches = self.pool.layer_caches()
+        self.runner.set_kv_caches(self.pool.layer_caches())
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:

@@ -12,6 +12,7 @@ from batchgen.forward_context import (
     bind_forward_context,
 )
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from batchgen.runner.cuda_graphs import DecodeGraphs
 from batchgen.runner.sampler import Sampler, SamplingMetadata
 
 
@@ -32,6 +33,7 @@ class ModelRunner:
         eos_token_ids: list[int],
         debug: bool = False,
         attention_backend: str = "torch",
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -41,6 +43,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.debug = debug
         self.attention_backend = attention_backend
+        self.graphs = graphs
         self.sampler = Sampler()
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
@@ -102,19 +105,52 @@ class ModelRunner:
         ]
         return self._to_device(ids), self._to_device(positions), meta, sample_rows
 
+    def set_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point at a re-created pool; captured graphs baked the old one in."""
+        self.kv_caches = kv_caches
+        if self.graphs is not None:
+            self.graphs.kv_caches = kv_caches
+            self.graphs.graphs.clear()
+
+    def _graph_ok(self, sched: SchedulerOutput) -> bool:
+        return (
+            self.graphs is not None
+            and sched.on_kv_written is None
+            and len(sched.requests) <= self.graphs.max_bs
+            and all(len(r.new_token_ids) == 1 for r in sched.requests)
+        )
+
+    def _replay(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        ps = self.page_size
+        reqs = sched.requests
+        slots = [r.page_table[r.start // ps] * ps + r.start % ps for r in reqs]
+        tables = [r.page_table[: r.start // ps + 1] for r in reqs]
+        hidden = self.graphs.run(
+            [r.new_token_ids[0] for r in reqs], [r.start for r in reqs], slots, tables
+        )
+        return hidden, [i for i, r in enumerate(reqs) if r.sample]
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        with record_function("batchgen.prepare"):
-            input_ids, positions, meta, sample_rows = self.prepare(sched)
+        graph = self._graph_ok(sched)
+        if not graph:
+            with record_function("batchgen.prepare"):
+                input_ids, positions, meta, sample_rows = self.prepare(sched)
         for load in sched.wait_for:  # rule 3: compute reads loaded pages only after the copy
             load.wait_on_current_stream()
-        with (
-            record_function("batchgen.forward"),
-            bind_forward_context(
-                ForwardContext(meta, self.kv_caches, self.attention_backend, sched.on_kv_written)
-            ),
-        ):
-            hidden = self.model(input_ids, positions)
+        if graph:
+            with record_function("batchgen.replay"):
+                hidden, sample_rows = self._replay(sched)
+        else:
+            with (
+                record_function("batchgen.forward"),
+                bind_forward_context(
+                    ForwardContext(
+                        meta, self.kv_caches, self.attention_backend, sched.on_kv_written
+                    )
+                ),
+            ):
+                hidden = self.model(input_ids, positions)
         sampled = [r for r in sched.requests if r.sample]
         if not sampled:
             return ModelRunnerOutput([], [], [])

@@ -1,0 +1,124 @@
+"""CUDA graphs of the decode forward, captured for bucketed batch sizes.
+
+A pure-decode step (every scheduled request computes one token) copies its inputs into
+static buffers and replays the graph of the smallest bucket that holds it; padding rows
+have slot -1 (store_kv writes nothing) and a one-token context, and their outputs are
+ignored. The graphs bake in the KV pool's addresses: re-capture after the pool changes.
+Only graph-safe backends (no host syncs, shapes fixed by the static buffers) capture.
+
+    static buffers (max_bs rows):  input_ids | positions | slot_mapping | seq_lens
+                                   page_table [max_bs, max_pages]
+    bucket bs replays on rows [0, bs); rows [n, bs) are padding
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from batchgen.forward_context import AttentionMetadata, ForwardContext, bind_forward_context
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        backend: str,
+        max_bs: int,
+        max_pages: int,
+        hidden_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.max_pages = max_pages
+        self.buckets = [b for b in BUCKETS if b < max_bs] + [max_bs]
+        self.max_bs = max_bs
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_bs, **i64)
+        self.positions = torch.zeros(max_bs, **i64)
+        self.slots = torch.full((max_bs,), -1, **i64)
+        self.seq_lens = torch.ones(max_bs, **i64)
+        self.rows = torch.arange(max_bs, **i64)
+        self.table = torch.zeros(max_bs, max_pages, **i64)
+        self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._staging = torch.zeros(max_bs * (4 + max_pages), dtype=torch.int64, pin_memory=True)
+
+    def _ctx(self, bs: int) -> ForwardContext:
+        meta = AttentionMetadata(
+            num_tokens=bs,
+            slot_mapping=self.slots[:bs],
+            decode_rows=self.rows[:bs],
+            decode_page_table=self.table[:bs],
+            decode_seq_lens=self.seq_lens[:bs],
+            decode_max_seq_len=0,
+        )
+        return ForwardContext(meta, self.kv_caches, self.backend)
+
+    def _forward(self, bs: int) -> None:
+        with bind_forward_context(self._ctx(bs)):
+            self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool."""
+        pool = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.buckets):
+                self._forward(bs)  # warm-up: compiles kernels, settles allocations
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._forward(bs)
+                pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(
+        self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
+        """Replay the decode graph for len(ids) requests; returns hidden [n, hidden]."""
+        if not self.graphs:
+            self.capture()
+        n = len(ids)
+        bs = self.bucket(n)
+        mp = self.max_pages
+        pad = bs - n
+        flat = [p for t in tables for p in t + [0] * (mp - len(t))]
+        host = torch.tensor(
+            ids
+            + [0] * pad
+            + positions
+            + [0] * pad
+            + slots
+            + [-1] * pad
+            + [p + 1 for p in positions]
+            + [1] * pad
+            + flat
+            + [0] * (pad * mp),
+            dtype=torch.int64,
+        )
+        staged = self._staging[: host.numel()]
+        staged.copy_(host)
+        dev = staged.to(self.input_ids.device, non_blocking=True)
+        self.input_ids[:bs].copy_(dev[:bs])
+        self.positions[:bs].copy_(dev[bs : 2 * bs])
+        self.slots[:bs].copy_(dev[2 * bs : 3 * bs])
+        self.seq_lens[:bs].copy_(dev[3 * bs : 4 * bs])
+        self.table[:bs].copy_(dev[4 * bs :].view(bs, mp))
+        self.graphs[bs].replay()
+        return self.hidden[:n]
