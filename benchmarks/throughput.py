@@ -45,6 +45,7 @@ def run_batchgen(ckpt, prompts, out_lens, args):
         max_num_batched_tokens=args.max_batched_tokens,
         attention_backend=args.backend,
         max_model_len=2048,
+        enforce_eager=args.eager,
     )
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     eng = llm.engine
@@ -63,6 +64,7 @@ def run_batchgen(ckpt, prompts, out_lens, args):
         "wall_s": wall,
         "output_tokens": out,
         "tok_s": out / wall,
+        "cuda_graphs": eng.runner.graphs is not None,
         "steps": eng.stats.steps,
         "metrics": eng.metrics(),
         "backend": eng.runner.attention_backend,

@@ -38,6 +38,7 @@ class AttentionMetadata:
     decode_page_table: torch.Tensor | None = None  # [num_decodes, max_pages] int64
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64
     decode_max_seq_len: int = 0
+    decode_num_splits: int | None = None  # fixed split count (graph and eager alike)
     prefills: list[PrefillSeq] = field(default_factory=list)
     # the same prefill requests as padded tensors, for kernels that take them at once
     prefill_q_start: torch.Tensor | None = None  # [num_prefills] int64

@@ -22,7 +22,7 @@ from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model
-from batchgen.runner.cuda_graphs import DecodeGraphs
+from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.sampling_params import SamplingParams
 
@@ -82,6 +82,12 @@ class EngineCore:
             self.max_model_len,
             self.eos_token_ids,
         )
+        backend = config.resolved_attention_backend(device)
+        plan = None
+        if backend == "triton" and device.type == "cuda":
+            plan = DecodeSplitPlan(
+                config.max_num_seqs, self.layout.num_kv_heads, self.max_model_len, device
+            )
         self.runner = ModelRunner(
             model,
             self.pool.layer_caches(),
@@ -90,8 +96,9 @@ class EngineCore:
             hf_config.vocab_size,
             self.eos_token_ids,
             debug=config.batchgen_debug,
-            attention_backend=config.resolved_attention_backend(device),
-            graphs=self._decode_graphs(config.resolved_attention_backend(device)),
+            attention_backend=backend,
+            graphs=self._decode_graphs(backend, plan),
+            split_plan=plan,
         )
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
@@ -105,7 +112,7 @@ class EngineCore:
             device,
         )
 
-    def _decode_graphs(self, backend: str) -> DecodeGraphs | None:
+    def _decode_graphs(self, backend: str, plan) -> DecodeGraphs | None:
         """CUDA graphs for decode steps: on a GPU with the (graph-safe) Triton backend."""
         if self.config.enforce_eager or self.device.type != "cuda" or backend != "triton":
             return None

@@ -48,6 +48,7 @@ def paged_attention(
             rows=meta.decode_rows,
             out=out,
             max_seq_len=meta.decode_max_seq_len or None,
+            num_splits=meta.decode_num_splits,
         )
     if meta.prefills or (meta.prefill_q_len is not None and meta.prefill_q_len.numel() > 0):
         q_start, q_len, seq_lens, table, max_q_len = _padded_prefills(meta, q.device)

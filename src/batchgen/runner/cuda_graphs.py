@@ -24,6 +24,31 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+def bucket_for(n: int, max_bs: int) -> int:
+    """The captured batch size that a decode step of n <= max_bs requests replays."""
+    return next((b for b in BUCKETS if n <= b < max_bs), max_bs)
+
+
+class DecodeSplitPlan:
+    """The decode kernel's split count for a step of n decodes, a function of n's bucket
+    and the longest allowed context only, so an eager step and a graph replay of the
+    same batch run the same reduction order and give identical results."""
+
+    def __init__(self, max_bs: int, num_kv_heads: int, max_len: int, device: torch.device):
+        from batchgen.kernels.decode_attention import choose_num_splits
+
+        self._choose = choose_num_splits
+        self.max_bs, self.num_kv_heads = max_bs, num_kv_heads
+        self.max_len, self.device = max_len, device
+        self._cache: dict[int, int] = {}
+
+    def __call__(self, n: int) -> int:
+        bs = bucket_for(min(n, self.max_bs), self.max_bs)
+        if bs not in self._cache:
+            self._cache[bs] = self._choose(bs, self.num_kv_heads, self.max_len, self.device)
+        return self._cache[bs]
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -35,7 +60,9 @@ class DecodeGraphs:
         hidden_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        split_plan: DecodeSplitPlan,
     ) -> None:
+        self.split_plan = split_plan
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -61,6 +88,7 @@ class DecodeGraphs:
             decode_page_table=self.table[:bs],
             decode_seq_lens=self.seq_lens[:bs],
             decode_max_seq_len=0,
+            decode_num_splits=self.split_plan(bs),
         )
         return ForwardContext(meta, self.kv_caches, self.backend)
 
@@ -85,8 +113,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def bucket(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
+    def bucket(self, n: int) -> int:
+        return bucket_for(n, self.max_bs)
 
     def run(
         self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]

@@ -12,7 +12,7 @@ from batchgen.forward_context import (
     bind_forward_context,
 )
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from batchgen.runner.cuda_graphs import DecodeGraphs
+from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.sampler import Sampler, SamplingMetadata
 
 
@@ -34,6 +34,7 @@ class ModelRunner:
         debug: bool = False,
         attention_backend: str = "torch",
         graphs: DecodeGraphs | None = None,
+        split_plan: DecodeSplitPlan | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -44,6 +45,7 @@ class ModelRunner:
         self.debug = debug
         self.attention_backend = attention_backend
         self.graphs = graphs
+        self.split_plan = split_plan
         self.sampler = Sampler()
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
@@ -91,6 +93,8 @@ class ModelRunner:
             meta.decode_page_table = self._to_device(flat).view(len(decode_rows), width)
             meta.decode_seq_lens = self._to_device(decode_lens)
             meta.decode_max_seq_len = max(decode_lens)
+            if self.split_plan is not None:
+                meta.decode_num_splits = self.split_plan(len(decode_rows))
         if prefill_specs:
             width = max(len(spec[3]) for spec in prefill_specs)
             flat = [p for spec in prefill_specs for p in spec[3] + [0] * (width - len(spec[3]))]
