@@ -34,8 +34,10 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("n", [1, 5, 37])
+@pytest.mark.parametrize("n", [1, 8, 48])
 def test_graph_replay_matches_eager(model_dir, n):
+    """Batch sizes that are buckets: the same kernels see the same shapes, so eager steps
+    and replays must agree bit for bit."""
     prompts = _prompts(n)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     eager = LLM(model=model_dir, enforce_eager=True, num_kv_pages=2048, **KW)
