@@ -49,16 +49,35 @@ def test_graph_replay_matches_eager(model_dir, n):
     assert a == b
 
 
+def _rows(llm, prompts, params):
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs)
+        for o in llm.generate(prompts, params, use_tqdm=False)
+    ]
+
+
+def _collapsed(rows, ref) -> int:
+    """Rows departing from the reference beyond the logprob-closeness rule. In bf16 the
+    batch composition (and so GEMM shapes and prefix reuse) differs between the runs, so
+    near-ties may flip; nothing else may differ."""
+    bad = 0
+    for (a, alp), (b, blp) in zip(rows, ref):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is not None:
+            top_a = sorted(alp[i], key=lambda t: -alp[i][t].logprob)[:5]
+            top_b = sorted(blp[i], key=lambda t: -blp[i][t].logprob)[:5]
+            bad += not (a[i] in top_b and b[i] in top_a)
+    return bad
+
+
 def test_graphs_with_swaps_and_reconfigure(model_dir):
     prompts = _prompts(40, seed=2)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    ample = LLM(model=model_dir, num_kv_pages=4096, **KW)
-    ref = [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
+    ref = _rows(LLM(model=model_dir, num_kv_pages=4096, **KW), prompts, params)
     tight = LLM(model=model_dir, num_kv_pages=80, host_kv_size_gib=0.5, batchgen_debug=True, **KW)
-    outs = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    rows = _rows(tight, prompts, params)
     m = tight.engine.metrics()
     assert m["swaps_out"] > 0 and m["recomputes"] == 0
-    assert outs == ref
+    assert _collapsed(rows, ref) == 0
     tight.engine.reconfigure(120)
-    again = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
-    assert again == ref
+    assert _collapsed(_rows(tight, prompts, params), ref) == 0

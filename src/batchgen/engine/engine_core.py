@@ -125,6 +125,7 @@ class EngineCore:
             self.hf_config.hidden_size,
             self.device,
             self.dtype,
+            plan,
         )
 
     def _build_tier(self) -> TieredKVManager:
