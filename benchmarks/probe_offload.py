@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from workloads import QWEN3_0_6B, random_checkpoint  # noqa: E402
+from workloads import QWEN3_0_6B, SMALL_MODEL, random_checkpoint  # noqa: E402
 
 
 def close(a_tok, a_lp, b_tok, b_lp) -> bool:
@@ -72,16 +72,7 @@ def main(argv=None) -> int:
         dtype="bfloat16", device="cuda", max_model_len=2048, max_num_seqs=args.max_num_seqs
     )
     if args.small:
-        cfg = dict(
-            cfg,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=512,
-        )
+        cfg = SMALL_MODEL
         args.ckpt = args.ckpt.with_name(args.ckpt.name + "-small")
         common = dict(
             dtype="float32",
@@ -95,7 +86,7 @@ def main(argv=None) -> int:
     prompts = [
         [
             rng.randint(0, 10000 if not args.small else 500)
-            for _ in range(args.prompt_len + rng.randint(-50, 50))
+            for _ in range(max(1, args.prompt_len + rng.randint(-50, 50)))
         ]
         for _ in range(args.requests)
     ]

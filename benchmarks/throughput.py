@@ -20,17 +20,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from roofline import roofline_seconds  # noqa: E402
-from workloads import QWEN3_0_6B, random_checkpoint, small_requests, w1_requests  # noqa: E402
-
-SMALL_MODEL = dict(
+from workloads import (  # noqa: E402
     QWEN3_0_6B,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=512,
+    SMALL_MODEL,
+    random_checkpoint,
+    small_requests,
+    w1_requests,
 )
 
 

@@ -21,6 +21,18 @@ QWEN3_0_6B = dict(
     rope_theta=1000000.0,
 )
 
+# a CPU-sized model of the same architecture, for --small runs
+SMALL_MODEL = dict(
+    QWEN3_0_6B,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+)
+
 
 def w1_requests() -> tuple[list[list[int]], list[int]]:
     """W1 `nano`: 256 prompts of 100-1024 random tokens, outputs of 100-1024 tokens."""
