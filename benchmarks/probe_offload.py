@@ -23,14 +23,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from workloads import QWEN3_0_6B, SMALL_MODEL, random_checkpoint  # noqa: E402
 
+from batchgen.eval.closeness import close_under_top5, top5_from_logprobs  # noqa: E402
+
 
 def close(a_tok, a_lp, b_tok, b_lp) -> bool:
-    for i, (x, y) in enumerate(zip(a_tok, b_tok)):
-        if x != y:
-            top_a = sorted(a_lp[i], key=lambda t: -a_lp[i][t].logprob)[:5]
-            top_b = sorted(b_lp[i], key=lambda t: -b_lp[i][t].logprob)[:5]
-            return x in top_b and y in top_a
-    return True
+    return close_under_top5(a_tok, b_tok, top5_from_logprobs(a_lp), top5_from_logprobs(b_lp))
 
 
 def run(ckpt, prompts, params, **kw):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from batchgen.eval import closeness
+
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None):
     """transformers' greedy continuation of one prompt and each step's raw logprobs."""
@@ -22,26 +24,12 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | N
     return tokens, logprobs
 
 
-def compare_greedy(ours_tokens, ours_logprobs, ref_tokens, ref_logprobs, tol):
-    """Return (identical tokens, max |logprob diff| over the common positions)."""
-    worst = 0.0
-    for i, (tok, lp) in enumerate(zip(ours_tokens, ours_logprobs)):
-        if i >= len(ref_tokens):
-            break
-        worst = max(worst, abs(lp - ref_logprobs[i][tok].item()))
-    return ours_tokens == ref_tokens, worst
-
-
 def close_under_top5(ours_tokens, our_logprobs, ref_tokens, ref_logprobs) -> bool:
-    """The logprob-closeness rule: identical, or at the first position where the two
-    greedy sequences differ, each side's token is in the other side's top-5 (a near-tie
-    in reduced precision); after that the sequences may diverge freely.
-
-    our_logprobs[i] is a {token: Logprob} dict holding at least our top-5 at step i.
-    """
-    for i, (a, b) in enumerate(zip(ours_tokens, ref_tokens)):
-        if a != b:
-            ours_top5 = sorted(our_logprobs[i], key=lambda t: -our_logprobs[i][t].logprob)[:5]
-            ref_top5 = torch.topk(ref_logprobs[i], 5).indices.tolist()
-            return a in ref_top5 and b in ours_top5
-    return True
+    """The logprob-closeness rule (batchgen.eval.closeness) between our greedy tokens with
+    their {token: Logprob} dicts and transformers' tokens with raw logprob tensors."""
+    return closeness.close_under_top5(
+        ours_tokens,
+        ref_tokens,
+        closeness.top5_from_logprobs(our_logprobs),
+        lambda i: torch.topk(ref_logprobs[i], 5).indices.tolist(),
+    )
