@@ -103,10 +103,10 @@ class ModelRunner:
             meta.prefill_seq_lens = self._to_device([spec[2] for spec in prefill_specs])
             meta.prefill_page_table = self._to_device(flat).view(len(prefill_specs), width)
             meta.prefill_max_q_len = max(spec[1] for spec in prefill_specs)
-        meta.prefills = [
-            PrefillSeq(q_start, q_len, seq_len, self._to_device(pages))
-            for q_start, q_len, seq_len, pages in prefill_specs
-        ]
+            meta.prefills = [  # the reference backend's per-request view of the same table
+                PrefillSeq(q_start, q_len, seq_len, meta.prefill_page_table[i, : len(pages)])
+                for i, (q_start, q_len, seq_len, pages) in enumerate(prefill_specs)
+            ]
         return self._to_device(ids), self._to_device(positions), meta, sample_rows
 
     def set_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
