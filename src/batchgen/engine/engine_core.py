@@ -54,8 +54,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
-        limit = getattr(hf_config, "max_position_embeddings", None) or 4096
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.max_model_len = max_model_len(config, hf_config)
         self.eos_token_ids = eos_token_ids(hf_config, tokenizer)
         num_heads = hf_config.num_attention_heads
         self.layout = KVLayout(
@@ -179,9 +178,7 @@ class EngineCore:
         tokenizer = source.load_tokenizer()
         device = config.torch_device()
         dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
-        limit = getattr(hf_config, "max_position_embeddings", None) or 4096
-        max_len = min(config.max_model_len or limit, limit)
-        model = build_model(source, hf_config, dtype, device, max_len)
+        model = build_model(source, hf_config, dtype, device, max_model_len(config, hf_config))
         return cls(config, model, hf_config, tokenizer, device, dtype)
 
     def _profile_forward(self, num_tokens: int) -> None:
@@ -316,6 +313,12 @@ class EngineCore:
                 readback_checks=m.readback_checks,
             )
         return out
+
+
+def max_model_len(config: EngineConfig, hf_config) -> int:
+    """The configured context limit, capped by the model's max_position_embeddings."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or 4096
+    return min(config.max_model_len or limit, limit)
 
 
 def eos_token_ids(hf_config, tokenizer) -> list[int]:
