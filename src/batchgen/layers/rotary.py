@@ -1,9 +1,16 @@
-"""Rotary position embedding (neox layout), with transformers' scaling variants."""
+"""Rotary position embedding (neox layout), with transformers' scaling variants.
+
+`forward` is the op-by-op torch rope (each op rounded to q's dtype, as transformers does);
+`forward_qkv` is the CUDA path: one Triton kernel (kernels/qk_norm_rope.py) takes the fused
+qkv projection, applies the optional per-head q/k RMSNorm, and rotates in float32.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from batchgen.layers.norm import RMSNorm
 
 
 def rope_parameters(config) -> dict:
@@ -62,6 +69,30 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused path (LlamaAttention takes it on CUDA): qkv [T, (H + 2 Hkv) D] -> new
+        q [T, H, D], k [T, Hkv, D], each head normalised by q_norm/k_norm (both or neither)
+        and rotated by its token's position. qkv is only read; v stays a view of it."""
+        from batchgen.kernels.qk_norm_rope import qk_norm_rope
+
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("give both q_norm and k_norm or neither")
+        if q_norm is not None and q_norm.eps != k_norm.eps:
+            raise ValueError(f"q_norm eps {q_norm.eps} != k_norm eps {k_norm.eps}")
+        weights = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
+        eps = 0.0 if q_norm is None else q_norm.eps
+        return qk_norm_rope(
+            qkv, positions, self.cos, self.sin, num_heads, num_kv_heads, *weights, eps
+        )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
