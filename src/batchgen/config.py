@@ -25,6 +25,10 @@ class EngineConfig:
     kv_cache_size_gib, when set, fixes the device KV pool size; otherwise the pool
     takes gpu_memory_utilization of the device memory left after a warm-up forward
     (on the CPU: cpu_kv_cache_gib).
+
+    pipeline_decode queues each plain greedy decode step before the previous one's
+    tokens reach the host (the host's bookkeeping then overlaps the GPU); outputs are
+    the same either way.
     """
 
     model: str | None = None
@@ -43,6 +47,7 @@ class EngineConfig:
     decode_append: str = "off"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    pipeline_decode: bool = True
     cache_dir: str | None = None
     seed: int = 0
     batchgen_debug: bool = False

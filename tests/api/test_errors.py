@@ -348,19 +348,24 @@ def test_checkpoint_with_more_layers_than_the_config(broken):
 
 def test_error_during_generation_leaves_no_unfinished_work(model_dir):
     llm = LLM(model=str(model_dir), **KW)  # not the shared one: this test may leave work
-    execute = llm.engine.runner.execute
+    runner = llm.engine.runner
     calls = []
 
-    def fail_second_step(sched):
-        calls.append(sched)
-        if len(calls) == 2:
-            raise RuntimeError("simulated failure in the runner")
-        return execute(sched)
+    def failing(entry):
+        def call(*args):
+            calls.append(args)
+            if len(calls) == 3:  # prefill, a decode, then the failure
+                raise RuntimeError("simulated failure in the runner")
+            return entry(*args)
 
-    llm.engine.runner.execute = fail_second_step
+        return call
+
+    # a step runs through execute(), or launch_decode() when decode steps are pipelined
+    runner.execute = failing(runner.execute)
+    runner.launch_decode = failing(runner.launch_decode)
     with pytest.raises(RuntimeError, match="simulated"):
         llm.generate(
             [[1, 2, 3], [4, 5, 6]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
         )
-    llm.engine.runner.execute = execute
+    del runner.execute, runner.launch_decode
     assert_idle(llm)

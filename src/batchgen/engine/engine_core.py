@@ -12,6 +12,7 @@ from torch.profiler import record_function
 from batchgen.config import EngineConfig
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.memory import plan_num_pages
+from batchgen.engine.pipeline import next_decode
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.copy_engine import CopyEngine
@@ -22,6 +23,7 @@ from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model
+from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.sampling_params import SamplingParams
@@ -98,11 +100,16 @@ class EngineCore:
             attention_backend=backend,
             graphs=self._decode_graphs(backend, plan),
             split_plan=plan,
+            max_num_seqs=config.max_num_seqs,
+            max_pages=-(-self.max_model_len // config.page_size),
         )
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._arrival = itertools.count()
+        self._in_flight = None  # a queued decode step (pipelined decode)
+        self._finished_early: list[Request] = []
+        self._pipeline = config.pipeline_decode
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB) on %s",
             num_pages,
@@ -145,6 +152,7 @@ class EngineCore:
         Running requests are swapped to host first (recomputed if the host is full);
         swapped requests and host prefixes survive; the device prefix cache starts empty.
         """
+        self._drain()
         for req in list(reversed(self.scheduler.running)):
             self.scheduler.running.remove(req)
             self.scheduler.preempt(req)
@@ -183,8 +191,6 @@ class EngineCore:
 
     def _profile_forward(self, num_tokens: int) -> None:
         """One forward over num_tokens tokens through a throw-away pool (memory planning)."""
-        from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
-
         n = min(num_tokens, self.max_model_len)
         pages = -(-n // self.config.page_size)
         pool = PagePool(self.layout, pages + 1, self.device)
@@ -195,6 +201,8 @@ class EngineCore:
             self.device,
             self.hf_config.vocab_size,
             self.eos_token_ids,
+            max_num_seqs=1,
+            max_pages=pages,
         )
         runner.execute(
             SchedulerOutput(
@@ -251,32 +259,72 @@ class EngineCore:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self.scheduler.abort(req)
+        queued = self._in_flight
+        if queued is not None and not any(
+            r.request_id in self.requests for r in queued.sched.requests
+        ):
+            self._in_flight = None  # nothing left to read from it
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it."""
-        if self.tier is not None:
-            self.tier.poll()
-        with record_function("batchgen.schedule"):
-            sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if self.tier is not None and self.tier.num_in_flight:
-                self.tier.drain()
+        """Run one step; returns the requests that finished in it (and any finished by
+        a step drained early, e.g. by reconfigure()).
+
+        Pipelined decode: when a step is a plain greedy graph decode with nothing waiting,
+        the next decode step is queued on the GPU (its input tokens read there) before
+        this one's tokens reach the host, so the host's bookkeeping overlaps the GPU.
+        A request that stops on a token it could not foresee (EOS, a stop string) has
+        its queued extra token discarded."""
+        finished = self._step()
+        if self._finished_early:
+            finished, self._finished_early = self._finished_early + finished, []
+        return finished
+
+    def _step(self) -> list[Request]:
+        if self._in_flight is None:
+            if self.tier is not None:
+                self.tier.poll()
+            with record_function("batchgen.schedule"):
+                sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if self.tier is not None and self.tier.num_in_flight:
+                    self.tier.drain()
+                    return []
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError("no request could be scheduled with an empty running set")
                 return []
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("no request could be scheduled with an empty running set")
-            return []
-        result = self.runner.execute(sched)
+            if not (self._pipeline and self.runner.can_launch_decode(sched)):
+                return self._finish_step(sched, self.runner.execute(sched))
+            self._in_flight = self.runner.launch_decode(sched)
+        current = self._in_flight
+        following = next_decode(
+            current.sched, self.scheduler, self.kv, self.requests, self.max_model_len
+        )
+        if following is not None and not self.runner.can_launch_decode(following):
+            following = None
+        self._in_flight = (
+            self.runner.launch_decode(following, current) if following is not None else None
+        )
+        return self._finish_step(current.sched, current.result())
+
+    def _drain(self) -> None:
+        """Finish a queued decode step now; its finished requests go out with the next
+        step()."""
+        if self._in_flight is not None:
+            current, self._in_flight = self._in_flight, None
+            self._finished_early += self._finish_step(current.sched, current.result())
+
+    def _finish_step(self, sched: SchedulerOutput, result) -> list[Request]:
         with record_function("batchgen.update"):
             advanced = self.scheduler.update(sched, result, self.requests)
         self.stats.steps += 1
         self.stats.output_tokens += len(advanced)
         finished = []
         for req in advanced:
-            if not req.is_finished:
+            if req.params.stop_strings and not req.is_finished:
                 stop = self.detokenizer.find_stop(req)
                 if stop is not None:
                     self.scheduler.finish(req, "stop", stop)

@@ -16,7 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class Request:
     """Two counters, no phases: len(token_ids) tokens are known, num_computed_tokens
     of them have KV in the cache. A step computes some of the rest; when it reaches

@@ -37,6 +37,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.num_computed_tokens_total = 0
+        self._released: list[str] = []  # left the running set since the last schedule()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -56,17 +57,28 @@ class Scheduler:
             self.num_recomputes += 1
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._released.append(request.request_id)
         self.waiting.appendleft(request)
+
+    def take_released(self) -> list[str]:
+        """Ids that left the running set since the last call (for a step built outside
+        schedule(), which otherwise hands them on)."""
+        out, self._released = self._released, []
+        return out
+
+    def restore_released(self, ids: list[str]) -> None:
+        self._released[:0] = ids
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+        running, allocate = self.running, self.kv.allocate
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            while not allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self.preempt(victim)
                 out.preempted_ids.append(victim.request_id)
@@ -103,24 +115,26 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+        out.released_ids, self._released = self._released, []
         out.wait_for = self.kv.take_step_loads()
-        out.on_kv_written = self.kv.layer_append_hook(
-            [(r.request_id, r.num_computed_tokens) for r, n in scheduled if n == 1]
-        )
-        for req, n in scheduled:
-            start = req.num_computed_tokens
-            out.requests.append(
-                ScheduledRequest(
-                    request_id=req.request_id,
-                    new_token_ids=req.token_ids[start : start + n],
-                    start=start,
-                    page_table=self.kv.pages[req.request_id],
-                    sample=start + n == req.num_tokens,
-                    params=req.params,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=req.output_token_ids,
-                )
+        if self.kv.mirror is not None:
+            out.on_kv_written = self.kv.layer_append_hook(
+                [(r.request_id, r.num_computed_tokens) for r, n in scheduled if n == 1]
             )
+        pages = self.kv.pages
+        out.requests = [
+            ScheduledRequest(  # fields in order: id, new tokens, start, pages, sample, ...
+                req.request_id,
+                req.token_ids[req.num_computed_tokens : req.num_computed_tokens + n],
+                req.num_computed_tokens,
+                pages[req.request_id],
+                req.num_computed_tokens + n == len(req.token_ids),
+                req.params,
+                req.prompt_token_ids,
+                req.output_token_ids,
+            )
+            for req, n in scheduled
+        ]
         return out
 
     def update(
@@ -128,16 +142,27 @@ class Scheduler:
     ) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops.
         Returns the requests that got a new token this step."""
+        cache_computed, computed = self.kv.cache_computed, 0
         for s in sched.requests:
-            req = requests[s.request_id]
-            req.num_computed_tokens += len(s.new_token_ids)
-            self.num_computed_tokens_total += len(s.new_token_ids)
-            self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
-        self.kv.after_step([(s.request_id, s.start, len(s.new_token_ids)) for s in sched.requests])
+            req = requests.get(s.request_id)
+            if req is None or req.is_finished:  # stopped while a pipelined step was queued
+                continue
+            n = len(s.new_token_ids)
+            req.num_computed_tokens += n
+            computed += n
+            cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.num_computed_tokens_total += computed
+        if self.kv.mirror is not None:
+            self.kv.after_step(
+                [(s.request_id, s.start, len(s.new_token_ids)) for s in sched.requests]
+            )
         advanced = []
         for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
-            req = requests[rid]
-            req.append_token(token)
+            req = requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            req.output_token_ids.append(token)
+            req.token_ids.append(token)
             if lp is not None:
                 req.logprobs.append(lp)
             advanced.append(req)
@@ -166,6 +191,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = "abort"
         self.kv.forget(req.request_id)
+        self._released.append(req.request_id)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         if req.is_finished:
@@ -176,3 +202,4 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.kv.forget(req.request_id)
+        self._released.append(req.request_id)

@@ -63,7 +63,15 @@ class KVCacheManager:
     def allocate(self, request_id: str, num_tokens: int, hit_pages: list[int] = ()) -> bool:
         """Make the request's pages cover num_tokens tokens; False (nothing changed) if short.
         Host hits get new device pages, filled by loads the next forward waits for."""
-        held = self.pages.get(request_id, [])
+        held = self.pages.get(request_id)
+        if held is not None and not hit_pages:  # a running request grows (decode: mostly no-op)
+            need = self.pages_needed(num_tokens) - len(held)
+            if need > 0:
+                if need > self.allocator.num_free:
+                    return False
+                held += self.allocator.allocate(need)
+            return True
+        held = held or []
         host = list(getattr(hit_pages, "host_pages", ()))
         need = self.pages_needed(num_tokens) - len(held) - len(hit_pages)
         if need > self.allocator.num_free_after_touch(list(hit_pages)):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from batchgen.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute tokens [start, start + len(new_token_ids)).
 
@@ -36,6 +36,9 @@ class SchedulerOutput:
     wait_for: list = field(default_factory=list)
     # called with a layer index right after that layer's K/V write (per-layer appends)
     on_kv_written: Callable[[int], None] | None = None
+    # requests that left the running set since the last step (finished, aborted,
+    # preempted): the runner drops what it keeps per running request
+    released_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from batchgen.forward_context import AttentionMetadata, ForwardContext, bind_forward_context
@@ -78,7 +79,6 @@ class DecodeGraphs:
         self.table = torch.zeros(max_bs, max_pages, **i64)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._staging = torch.zeros(max_bs * (4 + max_pages), dtype=torch.int64, pin_memory=True)
 
     def _ctx(self, bs: int) -> ForwardContext:
         meta = AttentionMetadata(
@@ -98,7 +98,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, sharing one memory pool."""
+        """Capture every bucket, largest first, sharing one memory pool. The static
+        inputs are reset first: the warm-up forwards must write no KV (slot -1), whatever
+        an earlier replay left there (graphs are re-captured after a pool change)."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slots.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.table.zero_()
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -116,37 +123,33 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return bucket_for(n, self.max_bs)
 
-    def run(
-        self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
-    ) -> torch.Tensor:
-        """Replay the decode graph for len(ids) requests; returns hidden [n, hidden]."""
+    def run(self, ids, positions, slots, table, stage, device_ids=None) -> torch.Tensor:
+        """Replay the decode graph for len(ids) requests; returns hidden [n, hidden].
+
+        ids, positions, slots [n] and table [n, width] are int64 numpy arrays (table
+        entries past a row's own pages are ignored); stage(array) puts an int64 array on
+        the device; device_ids [n], when given, replaces ids (tokens still on the device).
+        Padding rows get token 0, slot -1 and a one-token context."""
         if not self.graphs:
             self.capture()
         n = len(ids)
         bs = self.bucket(n)
-        mp = self.max_pages
-        pad = bs - n
-        flat = [p for t in tables for p in t + [0] * (mp - len(t))]
-        host = torch.tensor(
-            ids
-            + [0] * pad
-            + positions
-            + [0] * pad
-            + slots
-            + [-1] * pad
-            + [p + 1 for p in positions]
-            + [1] * pad
-            + flat
-            + [0] * (pad * mp),
-            dtype=torch.int64,
-        )
-        staged = self._staging[: host.numel()]
-        staged.copy_(host)
-        dev = staged.to(self.input_ids.device, non_blocking=True)
+        width = table.shape[1]
+        buf = np.zeros(4 * bs + bs * width, dtype=np.int64)
+        buf[:n] = ids
+        buf[bs : bs + n] = positions
+        buf[2 * bs : 3 * bs] = -1
+        buf[2 * bs : 2 * bs + n] = slots
+        buf[3 * bs : 4 * bs] = 1
+        buf[3 * bs : 3 * bs + n] = positions + 1
+        buf[4 * bs : 4 * bs + n * width] = table.ravel()
+        dev = stage(buf)
         self.input_ids[:bs].copy_(dev[:bs])
+        if device_ids is not None:
+            self.input_ids[:n].copy_(device_ids)
         self.positions[:bs].copy_(dev[bs : 2 * bs])
         self.slots[:bs].copy_(dev[2 * bs : 3 * bs])
         self.seq_lens[:bs].copy_(dev[3 * bs : 4 * bs])
-        self.table[:bs].copy_(dev[4 * bs :].view(bs, mp))
+        self.table[:bs, :width].copy_(dev[4 * bs :].view(bs, width))
         self.graphs[bs].replay()
         return self.hidden[:n]

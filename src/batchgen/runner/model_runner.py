@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -13,7 +16,9 @@ from batchgen.forward_context import (
 )
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
+from batchgen.runner.page_rows import PageRows
 from batchgen.runner.sampler import Sampler, SamplingMetadata
+from batchgen.runner.staging import HostStaging
 
 
 class ModelRunner:
@@ -35,6 +40,8 @@ class ModelRunner:
         attention_backend: str = "torch",
         graphs: DecodeGraphs | None = None,
         split_plan: DecodeSplitPlan | None = None,
+        max_num_seqs: int = 256,
+        max_pages: int = 256,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -47,71 +54,82 @@ class ModelRunner:
         self.graphs = graphs
         self.split_plan = split_plan
         self.sampler = Sampler()
+        self.page_rows = PageRows(max_num_seqs, max_pages, pin=device.type == "cuda")
+        self.stage = HostStaging(device)
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+    def _width(self, pages: int) -> int:
+        """Page-table width for a step: a multiple of 16 (so the kernels' row stride keeps
+        one Triton specialisation), at most the table's."""
+        return min(-(-max(pages, 1) // 16) * 16, self.page_rows.max_pages)
 
     def prepare(
         self, sched: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Packed input ids, positions, attention metadata and the rows to sample from."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Packed input ids, positions, attention metadata and the rows to sample from.
+
+        Everything is computed with numpy from the persistent page rows and crosses to
+        the device in one copy; each part starts 16-byte aligned (Triton specialises
+        pointers on it)."""
+        reqs = sched.requests
         ps = self.page_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefill_specs: list[tuple[int, int, int, list[int]]] = []
-        sample_rows: list[int] = []
-        row = 0
-        for r in sched.requests:
-            n = len(r.new_token_ids)
-            seq_len = r.start + n
-            ids += r.new_token_ids
-            positions += range(r.start, seq_len)
-            table = r.page_table
-            slots += [table[p // ps] * ps + p % ps for p in range(r.start, seq_len)]
-            pages = table[: -(-seq_len // ps)]
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(pages)
-                decode_lens.append(seq_len)
-            else:
-                prefill_specs.append((row, n, seq_len, pages))
-            if r.sample:
-                sample_rows.append(row + n - 1)
-            row += n
-        meta = AttentionMetadata(num_tokens=row, slot_mapping=self._to_device(slots))
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            flat = [p for t in decode_tables for p in t + [0] * (width - len(t))]
-            meta.decode_rows = self._to_device(decode_rows)
-            meta.decode_page_table = self._to_device(flat).view(len(decode_rows), width)
-            meta.decode_seq_lens = self._to_device(decode_lens)
-            meta.decode_max_seq_len = max(decode_lens)
+        rows = np.asarray(self.page_rows.rows(reqs), dtype=np.int64)
+        num = len(reqs)
+        lens = np.fromiter((len(r.new_token_ids) for r in reqs), np.int64, num)
+        starts = np.fromiter((r.start for r in reqs), np.int64, num)
+        ends = np.cumsum(lens)
+        q_start = ends - lens
+        total = int(ends[-1])
+        owner = np.repeat(np.arange(num), lens)
+        positions = np.arange(total, dtype=np.int64) - q_start[owner] + starts[owner]
+        table = self.page_rows.table
+        slots = table[rows[owner], positions // ps] * ps + positions % ps
+        ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
+        seq_lens = starts + lens
+        sample = np.fromiter((r.sample for r in reqs), bool, num)
+        parts = [ids, positions, slots, ends[sample] - 1]
+        decode, prefill = np.flatnonzero(lens == 1), np.flatnonzero(lens > 1)
+        dec_width = pre_width = 0
+        if decode.size:
+            dec_width = self._width(-(-int(seq_lens[decode].max()) // ps))
+            parts += [q_start[decode], seq_lens[decode], table[rows[decode], :dec_width]]
+        if prefill.size:
+            pre_width = self._width(-(-int(seq_lens[prefill].max()) // ps))
+            pre_table = table[rows[prefill], :pre_width]
+            parts += [q_start[prefill], lens[prefill], seq_lens[prefill], pre_table]
+        sizes = [p.size for p in parts]
+        dev = self.stage(_packed(parts))
+        views = iter(_unpack(dev, sizes))
+        input_ids, pos_dev, slots_dev, sample_rows = (next(views) for _ in range(4))
+        meta = AttentionMetadata(num_tokens=total, slot_mapping=slots_dev)
+        if decode.size:
+            meta.decode_rows = next(views)
+            meta.decode_seq_lens = next(views)
+            meta.decode_page_table = next(views).view(decode.size, dec_width)
+            meta.decode_max_seq_len = int(seq_lens[decode].max())
             if self.split_plan is not None:
-                meta.decode_num_splits = self.split_plan(len(decode_rows))
-        if prefill_specs:
-            width = max(len(spec[3]) for spec in prefill_specs)
-            flat = [p for spec in prefill_specs for p in spec[3] + [0] * (width - len(spec[3]))]
-            meta.prefill_q_start = self._to_device([spec[0] for spec in prefill_specs])
-            meta.prefill_q_len = self._to_device([spec[1] for spec in prefill_specs])
-            meta.prefill_seq_lens = self._to_device([spec[2] for spec in prefill_specs])
-            meta.prefill_page_table = self._to_device(flat).view(len(prefill_specs), width)
-            meta.prefill_max_q_len = max(spec[1] for spec in prefill_specs)
+                meta.decode_num_splits = self.split_plan(int(decode.size))
+        if prefill.size:
+            meta.prefill_q_start = next(views)
+            meta.prefill_q_len = next(views)
+            meta.prefill_seq_lens = next(views)
+            meta.prefill_page_table = next(views).view(prefill.size, pre_width)
+            meta.prefill_max_q_len = int(lens[prefill].max())
             meta.prefills = [  # the reference backend's per-request view of the same table
-                PrefillSeq(q_start, q_len, seq_len, meta.prefill_page_table[i, : len(pages)])
-                for i, (q_start, q_len, seq_len, pages) in enumerate(prefill_specs)
+                PrefillSeq(qs, ql, sl, meta.prefill_page_table[i, : -(-sl // ps)])
+                for i, (qs, ql, sl) in enumerate(
+                    zip(
+                        q_start[prefill].tolist(),
+                        lens[prefill].tolist(),
+                        seq_lens[prefill].tolist(),
+                    )
+                )
             ]
-        return self._to_device(ids), self._to_device(positions), meta, sample_rows
+        return input_ids, pos_dev, meta, sample_rows
 
     def set_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Point at a re-created pool; captured graphs baked the old one in."""
         self.kv_caches = kv_caches
+        self.page_rows.reset()
         if self.graphs is not None:
             self.graphs.kv_caches = kv_caches
             self.graphs.graphs.clear()
@@ -124,18 +142,75 @@ class ModelRunner:
             and all(len(r.new_token_ids) == 1 for r in sched.requests)
         )
 
-    def _replay(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        ps = self.page_size
+    def _replay(
+        self, sched: SchedulerOutput, device_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         reqs = sched.requests
-        slots = [r.page_table[r.start // ps] * ps + r.start % ps for r in reqs]
-        tables = [r.page_table[: r.start // ps + 1] for r in reqs]
+        ps = self.page_size
+        n = len(reqs)
+        rows = np.asarray(self.page_rows.rows(reqs), dtype=np.int64)
+        starts = np.fromiter((r.start for r in reqs), np.int64, n)
+        if device_ids is None:
+            ids = np.fromiter((r.new_token_ids[0] for r in reqs), np.int64, n)
+        else:
+            ids = np.zeros(n, dtype=np.int64)
+        table = self.page_rows.table
+        slots = table[rows, starts // ps] * ps + starts % ps
+        width = self._width(int(starts.max()) // ps + 1)
         hidden = self.graphs.run(
-            [r.new_token_ids[0] for r in reqs], [r.start for r in reqs], slots, tables
+            ids, starts, slots, table[rows, :width], self.stage, device_ids=device_ids
         )
-        return hidden, [i for i, r in enumerate(reqs) if r.sample]
+        if all(r.sample for r in reqs):
+            return hidden, None
+        keep = [i for i, r in enumerate(reqs) if r.sample]
+        return hidden, torch.tensor(keep, dtype=torch.int64).to(hidden.device)
+
+    def can_launch_decode(self, sched: SchedulerOutput) -> bool:
+        """Whether `launch_decode` takes this step: a graph-replayed decode step whose
+        every request samples greedily with nothing reported but the token."""
+        reqs = sched.requests
+        return (
+            not self.debug
+            and not sched.wait_for
+            and sched.on_kv_written is None
+            and (self.graphs is None or len(reqs) <= self.graphs.max_bs)
+            and all(
+                len(r.new_token_ids) == 1 and r.sample and _plain_greedy(r.params) for r in reqs
+            )
+        )
+
+    @torch.inference_mode()
+    def launch_decode(
+        self, sched: SchedulerOutput, prev: InFlightDecode | None = None
+    ) -> InFlightDecode:
+        """Queue a decode step (replay, logits, argmax, token copy to the host) and return
+        without waiting. With `prev`, a request's input token is the one `prev` samples
+        for it, read on the device: the step can be queued before `prev` finishes."""
+        self.page_rows.release(sched.released_ids)
+        device_ids = None
+        if prev is not None:
+            at = {r.request_id: i for i, r in enumerate(prev.sched.requests)}
+            index = self.stage(np.fromiter((at[r.request_id] for r in sched.requests), np.int64))
+            device_ids = prev.tokens.index_select(0, index)
+        if self.graphs is not None:
+            hidden, _ = self._replay(sched, device_ids)
+        else:
+            input_ids, positions, meta, _ = self.prepare(sched)
+            ctx = ForwardContext(meta, self.kv_caches, self.attention_backend)
+            with bind_forward_context(ctx):
+                hidden = self.model(input_ids if device_ids is None else device_ids, positions)
+        tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+        if self.device.type != "cuda":
+            return InFlightDecode(sched, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return InFlightDecode(sched, tokens, host, done)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.page_rows.release(sched.released_ids)
         graph = self._graph_ok(sched)
         if not graph:
             with record_function("batchgen.prepare"):
@@ -158,13 +233,20 @@ class ModelRunner:
         sampled = [r for r in sched.requests if r.sample]
         if not sampled:
             return ModelRunnerOutput([], [], [])
-        logits = self.model.compute_logits(hidden[sample_rows]).float()
+        if sample_rows is not None and sample_rows.numel() != hidden.shape[0]:
+            hidden = hidden[sample_rows]
+        logits = self.model.compute_logits(hidden)
         if self.debug:
             self._check_finite(logits, sampled)
         with record_function("batchgen.sample"):
             return self._sample(logits, sampled)
 
     def _sample(self, logits: torch.Tensor, sampled) -> ModelRunnerOutput:
+        if all(_plain_greedy(r.params) for r in sampled):  # argmax is all there is to do
+            token_ids = logits.argmax(dim=-1).tolist()
+            return ModelRunnerOutput(
+                [r.request_id for r in sampled], token_ids, [None] * len(sampled)
+            )
         smeta = SamplingMetadata.build(
             [r.params for r in sampled],
             [r.prompt_token_ids for r in sampled],
@@ -197,3 +279,49 @@ class ModelRunner:
             raise FloatingPointError(
                 "non-finite logits for request(s) " + ", ".join(sampled[i].request_id for i in rows)
             )
+
+
+class InFlightDecode:
+    """A queued decode step: its batch, sampled tokens on the device and, once `done`
+    has passed, on the host."""
+
+    def __init__(self, sched, tokens, host, done) -> None:
+        self.sched, self.tokens, self._host, self._done = sched, tokens, host, done
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step's tokens (not for anything queued after it)."""
+        if self._done is not None:
+            self._done.synchronize()
+        reqs = self.sched.requests
+        return ModelRunnerOutput(
+            [r.request_id for r in reqs], self._host.tolist(), [None] * len(reqs)
+        )
+
+
+def _plain_greedy(params) -> bool:
+    """Greedy with nothing that changes or reports the distribution: the sample is the
+    argmax of the raw logits (exactly what the full sampler picks for such a row)."""
+    return (
+        params.temperature < 1e-5
+        and params.logprobs is None
+        and params.min_tokens == 0
+        and not params.has_penalties
+    )
+
+
+def _packed(parts: list[np.ndarray]) -> np.ndarray:
+    """The parts end to end, each padded to an even length (16-byte aligned starts)."""
+    out = np.zeros(sum(p.size + p.size % 2 for p in parts), dtype=np.int64)
+    at = 0
+    for p in parts:
+        out[at : at + p.size] = p.ravel()
+        at += p.size + p.size % 2
+    return out
+
+
+def _unpack(packed: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for size in sizes:
+        out.append(packed[at : at + size])
+        at += size + size % 2
+    return out

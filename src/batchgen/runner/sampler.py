@@ -71,6 +71,7 @@ class SamplingMetadata:
     use_top_k: bool = True
     use_top_p: bool = True
     use_min_p: bool = True
+    need_logprobs: bool = True  # False: no row reports logprobs (the output's are None)
 
     @classmethod
     def build(
@@ -143,6 +144,7 @@ class SamplingMetadata:
             use_top_k=any(r[3] > 0 for r in rows),
             use_top_p=any(r[1] < 1.0 for r in rows),
             use_min_p=any(r[2] > 0.0 for r in rows),
+            need_logprobs=any(p.logprobs is not None for p in params),
         )
 
 
@@ -178,8 +180,8 @@ class SamplerOutput:
     """One step's result; every tensor is on the logits' device, rows as in the batch."""
 
     sampled_token_ids: torch.Tensor  # [B] int64
-    sampled_logprobs: torch.Tensor  # [B] float32, raw logprob of the sampled token
-    sampled_ranks: torch.Tensor  # [B] int64, 1-based rank of it in the raw distribution
+    sampled_logprobs: torch.Tensor | None  # [B] float32, raw logprob of the sampled token
+    sampled_ranks: torch.Tensor | None  # [B] int64, 1-based rank of it in the raw distribution
     topk_token_ids: torch.Tensor | None  # [B, max_logprobs] int64 (None when max_logprobs == 0)
     topk_logprobs: torch.Tensor | None  # [B, max_logprobs] float32
 
@@ -256,7 +258,6 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` [B, V] (not modified) under ``meta``."""
-        raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         x = apply_min_tokens(logits.float(), meta.min_tokens_block)
         x = apply_penalties(x, meta)
         greedy_ids = x.argmax(dim=-1)
@@ -264,6 +265,9 @@ class Sampler:
             token_ids = greedy_ids
         else:
             token_ids = torch.where(meta.temperature == 0, greedy_ids, self._sample(x, meta))
+        if not meta.need_logprobs:  # the full-vocabulary log_softmax is skipped
+            return SamplerOutput(token_ids, None, None, None, None)
+        raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         return _gather_logprobs(raw_logprobs, token_ids, meta.max_logprobs)
 
     def _sample(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

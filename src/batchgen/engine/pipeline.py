@@ -1,0 +1,69 @@
+"""Pipelined decode: the next decode step, built before the queued one's tokens are known.
+
+    host:  build N+1 | launch N+1 | wait N's tokens | update N | build N+2 | launch ...
+    GPU:   ....... step N ........|........... step N+1 ..........|.... step N+2
+           (N+1 reads N's sampled tokens on the device)
+
+A request whose token from step N is its last by length is left out of N+1; one that
+stops on a token nobody could foresee (EOS, a stop string) computes one token too many
+in N+1, which the update discards (its pages are freed after N+1 was queued, so any
+reuse comes later in stream order).
+"""
+
+from __future__ import annotations
+
+from batchgen.engine.request import Request
+from batchgen.engine.scheduler import Scheduler
+from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+
+
+def could_admit(scheduler: Scheduler, kv: KVCacheManager) -> bool:
+    """A waiting request has a free seat and the pages for its prompt."""
+    if not scheduler.waiting or len(scheduler.running) >= scheduler.max_num_seqs:
+        return False
+    return kv.num_free_pages >= kv.pages_needed(len(scheduler.waiting[0].token_ids))
+
+
+def next_decode(
+    queued: SchedulerOutput,
+    scheduler: Scheduler,
+    kv: KVCacheManager,
+    requests: dict[str, Request],
+    max_model_len: int,
+) -> SchedulerOutput | None:
+    """The decode step after `queued` (a decode step whose tokens are not known yet), or
+    None when it cannot be built blind: a waiting request could be admitted now or once
+    a request ends by length with `queued`, or pages run short. Its requests' input tokens are placeholders (-1): the runner reads the
+    tokens `queued` samples on the device."""
+    if could_admit(scheduler, kv):
+        return None
+    nxt = SchedulerOutput(released_ids=scheduler.take_released())
+    for s in queued.requests:
+        req = requests.get(s.request_id)
+        if req is None or req.is_finished:
+            continue
+        if (
+            len(req.output_token_ids) + 1 >= req.max_tokens
+            or len(req.token_ids) + 1 >= max_model_len
+        ):
+            if scheduler.waiting:  # its seat goes to a waiting request: schedule() admits
+                scheduler.restore_released(nxt.released_ids)
+                return None
+            continue  # its token from `queued` is its last one
+        if not kv.allocate(req.request_id, s.start + 2):
+            scheduler.restore_released(nxt.released_ids)
+            return None
+        nxt.requests.append(
+            ScheduledRequest(
+                req.request_id,
+                [-1],
+                s.start + 1,
+                kv.pages[req.request_id],
+                True,
+                req.params,
+                req.prompt_token_ids,
+                req.output_token_ids,
+            )
+        )
+    return nxt if nxt.requests else None

@@ -1,0 +1,113 @@
+"""Pipelined decode (the next decode step queued before this one's tokens reach the
+host) gives exactly the outputs of plain stepping: length limits, unforeseeable stops
+(stop tokens, stop strings) whose queued extra token is discarded, admission of waiting
+requests, preemption under a small pool, and nothing left held afterwards."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import save_tiny_model
+
+from batchgen import LLM, SamplingParams
+
+KW = dict(device="cpu", dtype="float32", page_size=4, max_model_len=96, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipeline")
+    save_tiny_model(path, "LlamaForCausalLM")
+    return path
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randint(3, 500) for _ in range(rng.randint(2, 30))] for _ in range(n)]
+
+
+def _run(model_dir, prompts, params, pipeline: bool, **kw):
+    llm = LLM(model=str(model_dir), pipeline_decode=pipeline, **KW, **kw)
+    runner = llm.engine.runner
+    launches = []
+    launch = runner.launch_decode
+
+    def counted(sched, prev=None):
+        launches.append(prev is not None)
+        return launch(sched, prev)
+
+    runner.launch_decode = counted
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    assert not engine.has_unfinished and not engine.requests
+    assert engine.kv.num_free_pages == engine.kv.allocator.num_pages
+    rows = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+    return rows, sum(launches), engine
+
+
+def _same(model_dir, prompts, params, **kw):
+    plain, queued, _ = _run(model_dir, prompts, params, False, **kw)
+    assert queued == 0
+    piped, queued, engine = _run(model_dir, prompts, params, True, **kw)
+    assert queued > 0, "no decode step was queued ahead"
+    assert piped == plain
+    return plain, engine
+
+
+def test_length_limits_and_admission(model_dir):
+    prompts = _prompts(20)
+    params = [
+        SamplingParams(temperature=0, max_tokens=1 + i % 9, ignore_eos=True) for i in range(20)
+    ]
+    _same(model_dir, prompts, params, max_num_seqs=6)
+
+
+def test_preemption_under_a_small_pool(model_dir):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    _, engine = _same(model_dir, _prompts(12), params, max_num_seqs=8, num_kv_pages=40)
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_unforeseeable_stops_discard_the_queued_token(model_dir):
+    prompts = _prompts(10)
+    free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain, _, _ = _run(model_dir, prompts, free, False, max_num_seqs=16)
+    # a token and a piece of text that several outputs reach midway
+    stop_token = plain[0][0][6]
+    stop_text = plain[1][2].split()[4]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params.stop_token_ids = [stop_token]
+    rows, _ = _same(model_dir, prompts, params, max_num_seqs=16)
+    assert any(reason == "stop" for _, reason, _ in rows)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop_text])
+    rows, _ = _same(model_dir, prompts, params, max_num_seqs=16)
+    assert any(reason == "stop" for _, reason, _ in rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replays_pipelined_match_plain_steps(model_dir):
+    """On the GPU (bf16, Triton attention, decode graphs) with length limits only, the
+    batches are the same step for step, so the outputs must be identical."""
+    # a fixed pool: planned from free memory, a later engine could get a smaller one,
+    # preempt, and batch differently
+    gpu = dict(KW, device="cuda", dtype="bfloat16", attention_backend="triton", num_kv_pages=4096)
+    prompts = _prompts(40)
+    params = [
+        SamplingParams(temperature=0, max_tokens=3 + i % 17, ignore_eos=True) for i in range(40)
+    ]
+    runs, steps = [], []
+    for pipeline in (False, False, True):
+        llm = LLM(model=str(model_dir), pipeline_decode=pipeline, max_num_seqs=16, **gpu)
+        assert llm.engine.runner.graphs is not None
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        steps.append(llm.engine.stats.steps)
+        assert llm.engine.kv.num_free_pages == llm.engine.kv.allocator.num_pages
+        del llm
+    differ = [i for i in range(len(prompts)) if runs[0][i] != runs[2][i]]
+    assert runs[0] == runs[1], "plain steps are not deterministic run to run"
+    assert steps[0] == steps[2]
+    assert not differ, f"rows {differ}: {[(runs[0][i], runs[2][i]) for i in differ[:3]]}"
