@@ -41,6 +41,7 @@ def run_batchgen(ckpt, prompts, out_lens, args):
         attention_backend=args.backend,
         max_model_len=2048,
         enforce_eager=args.eager,
+        pipeline_decode=not args.no_pipeline,
     )
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     eng = llm.engine
@@ -48,10 +49,19 @@ def run_batchgen(ckpt, prompts, out_lens, args):
     start = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, out_lens)):
         eng.add_request(f"w{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    # per step: seconds, output tokens so far, tokens computed so far, running requests
     timeline = []
+    out0, computed0 = eng.stats.output_tokens, eng.scheduler.num_computed_tokens_total
     while eng.has_unfinished:
         eng.step()
-        timeline.append((time.perf_counter() - start, eng.stats.output_tokens))
+        timeline.append(
+            (
+                time.perf_counter() - start,
+                eng.stats.output_tokens - out0,
+                eng.scheduler.num_computed_tokens_total - computed0,
+                len(eng.scheduler.running),
+            )
+        )
     _sync(args.device)
     wall = time.perf_counter() - start
     out = sum(out_lens)
@@ -63,6 +73,7 @@ def run_batchgen(ckpt, prompts, out_lens, args):
         "steps": eng.stats.steps,
         "metrics": eng.metrics(),
         "backend": eng.runner.attention_backend,
+        "timeline": [[round(t, 4), o, c, r] for t, o, c, r in timeline],
     }
     if args.profile:
         result["profile"] = profile_decode(llm, prompts, args)
@@ -70,7 +81,14 @@ def run_batchgen(ckpt, prompts, out_lens, args):
 
 
 def profile_decode(llm, prompts, args):
-    """Where a decode step's time goes: GPU time by kernel family, host time by phase."""
+    """Where a decode step's time goes at batch max_num_seqs, three ways:
+
+    - ``step_wall_ms``: steps as the benchmark runs them (pipelined decode if on);
+    - ``phase_ms``: unpipelined steps with a device sync around each phase (schedule,
+      input prep + forward, logits, sampling, update), so each phase owns its GPU time;
+    - ``kernels``: the GPU kernels of plain steps by name (torch profiler), heaviest
+      first, and ``replay_gpu_ms``: one decode graph replay alone, timed with events.
+    """
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -78,48 +96,100 @@ def profile_decode(llm, prompts, args):
 
     eng = llm.engine
     for i, p in enumerate(prompts[: args.max_num_seqs]):
-        eng.add_request(f"prof{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)  # as W1
+        eng.add_request(f"prof{i}", p, params)
     for _ in range(200):  # every prompt prefilled: profile pure decode steps
         if all(r.num_computed_tokens >= r.num_prompt_tokens for r in eng.requests.values()):
             break
         eng.step()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device != "cpu" else [])
     steps = 16
     _sync(args.device)
     t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            eng.step()
-        _sync(args.device)
+    for _ in range(steps):
+        eng.step()
+    _sync(args.device)
     wall_ms = (time.perf_counter() - t0) * 1000 / steps
+
+    phases: dict[str, float] = {}
+    runner, sched = eng.runner, eng.scheduler
+    pipeline, eng._pipeline = eng._pipeline, False  # phases of plain steps
+    eng._drain()
+    targets = [
+        (sched, "schedule", "schedule"),
+        (runner, "prepare", "prepare"),
+        (runner, "_replay", "forward"),
+        (runner.model, "forward", "forward"),
+        (runner.model, "compute_logits", "logits"),
+        (runner, "_sample", "sample"),
+        (sched, "update", "update"),
+    ]
+    saved = []
+    for obj, name, phase in targets:
+        fn = getattr(obj, name)
+        saved.append((obj, name, obj.__dict__.get(name)))
+        setattr(obj, name, _synced(fn, phase, phases, args.device))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    synced_ms = (time.perf_counter() - t0) * 1000 / steps
+    for obj, name, old in saved:
+        if old is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+    eng._pipeline = pipeline
+    phase_ms = {k: v * 1000 / steps for k, v in phases.items()}
+    phase_ms["rest"] = synced_ms - sum(phase_ms.values())
+
+    kernels = []
+    if args.device != "cpu":
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(8):
+                eng.step()
+            _sync(args.device)
+        rows = []
+        for e in prof.key_averages():
+            dev_us = getattr(e, "self_device_time_total", 0) or 0
+            if dev_us:
+                rows.append((dev_us / 1000 / 8, e.count // 8, e.key[:70]))
+        rows.sort(reverse=True)
+        kernels = [f"{ms:7.3f} ms  x{n:<4d} {name}" for ms, n, name in rows[:25]]
+    replay_ms = None
+    graphs = runner.graphs
+    if graphs is not None and graphs.graphs:
+        bs = max(graphs.graphs)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graphs.graphs[bs].replay()
+        stop.record()
+        stop.synchronize()
+        replay_ms = start.elapsed_time(stop) / 10
+    ctx = [r.num_tokens for r in eng.requests.values()]
     eng.abort(list(eng.requests))
-    families = {
-        "attention": (
-            "attn",
-            "attention",
-            "flash",
-            "einsum",
-            "bmm",
-            "softmax",
-            "decode",
-            "prefill",
-        ),
-        "gemm": ("gemm", "cutlass", "sm90", "matmul", "addmm", "linear", "nvjet"),
-        "sampling": ("exponential", "argmax", "sort", "topk", "log_softmax"),
-        "kv_write": ("index_copy", "store_kv", "index_put"),
+    return {
+        "batch": len(ctx),
+        "mean_context": sum(ctx) / max(len(ctx), 1),
+        "step_wall_ms": wall_ms,
+        "synced_step_ms": synced_ms,
+        "phase_ms": phase_ms,
+        "replay_gpu_ms": replay_ms,
+        "kernels": kernels,
     }
-    gpu = {k: 0.0 for k in families} | {"other": 0.0}
-    host = {}
-    for e in prof.key_averages():
-        name = e.key.lower()
-        dev_us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-        if dev_us:
-            fam = next((k for k, pats in families.items() if any(p in name for p in pats)), "other")
-            gpu[fam] += dev_us / 1000 / steps
-        if e.key.startswith("batchgen."):
-            host[e.key] = e.cpu_time_total / 1000 / steps
-    del torch
-    return {"step_wall_ms": wall_ms, "gpu_ms_by_family": gpu, "host_ms_by_phase": host}
+
+
+def _synced(fn, phase, acc, device):
+    """fn wrapped so its host time and the GPU work it queued count toward `phase`."""
+
+    def call(*a, **kw):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        _sync(device)
+        acc[phase] = acc.get(phase, 0.0) + time.perf_counter() - t0
+        return out
+
+    return call
 
 
 def run_peer(ckpt, prompts, out_lens, args):
@@ -165,7 +235,7 @@ def plot(timeline, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    ts = [t for t, _ in timeline]
+    ts = [row[0] for row in timeline]
     rate = [
         (timeline[i][1] - timeline[i - 1][1]) / max(ts[i] - ts[i - 1], 1e-9)
         for i in range(1, len(timeline))
@@ -186,6 +256,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--no-pipeline", action="store_true", help="no pipelined decode")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))
