@@ -36,6 +36,9 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
     text: str = ""
+    detok_prefix: int = 0  # incremental detokenization: output ids decoded as context
+    detok_read: int = 0  # ... and the ids whose text is already in `text`
+    detok_stream: object = None  # or the tokenizers DecodeStream fed those ids
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
