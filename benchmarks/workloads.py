@@ -44,6 +44,62 @@ def w1_requests() -> tuple[list[list[int]], list[int]]:
     return prompts, out_lens
 
 
+def w2_requests(
+    n: int = 1024,
+    prompt_lens: tuple[int, int] = (512, 2048),
+    out_lens: tuple[int, int] = (128, 512),
+    max_token: int = 10000,
+) -> tuple[list[list[int]], list[int]]:
+    """W2 `pressure`: 1024 prompts of 512-2048 random tokens, outputs of 128-512 tokens.
+
+    Drawn like W1, in this order with Python's `random` after `random.seed(0)`:
+    `prompts = [[randint(0, 10000) for _ in range(randint(512, 2048))] for _ in range(1024)]`,
+    then `out_lens = [randint(128, 512) for _ in range(1024)]`. The arguments scale it
+    down for `--small` runs (same order of draws).
+    """
+    random.seed(0)
+    prompts = [
+        [random.randint(0, max_token) for _ in range(random.randint(*prompt_lens))]
+        for _ in range(n)
+    ]
+    return prompts, [random.randint(*out_lens) for _ in range(n)]
+
+
+def w3_requests(
+    num_prefixes: int = 64,
+    num_questions: int = 32,
+    prefix_len: int = 3000,
+    question_len: int = 100,
+    out_len: int = 16,
+    max_token: int = 10000,
+) -> tuple[list[list[int]], list[int]]:
+    """W3 `shared-prefix`: 64 prefixes of 3,000 random tokens x 32 questions of 100, 16
+    output tokens each; request k is question k // 64 after prefix k % 64.
+
+    Drawn in this order with Python's `random` after `random.seed(0)`:
+    `prefixes = [[randint(0, 10000) for _ in range(3000)] for _ in range(64)]`, then
+    `questions = [[[randint(0, 10000) for _ in range(100)] for _ in range(32)] for _ in
+    range(64)]` (questions[p][q]: question q of prefix p). The requests then go round-robin
+    over the prefixes, `[prefixes[p] + questions[p][q] for q in range(32) for p in
+    range(64)]`, so each prefix comes back only after all 63 others: far more than a
+    device pool of a few prefixes can keep, so a prefix is evicted from the device before
+    its next use (grouped by prefix, a prefix would never be needed after its eviction and
+    the host tier could not matter). The arguments scale it down for `--small` runs.
+    """
+    random.seed(0)
+    prefixes = [
+        [random.randint(0, max_token) for _ in range(prefix_len)] for _ in range(num_prefixes)
+    ]
+    questions = [
+        [[random.randint(0, max_token) for _ in range(question_len)] for _ in range(num_questions)]
+        for _ in range(num_prefixes)
+    ]
+    prompts = [
+        prefixes[p] + questions[p][q] for q in range(num_questions) for p in range(num_prefixes)
+    ]
+    return prompts, [out_len] * len(prompts)
+
+
 def small_requests(n: int = 8) -> tuple[list[list[int]], list[int]]:
     """A CPU-sized version of W1 for CI (`--small`)."""
     rng = random.Random(0)

@@ -1,0 +1,142 @@
+"""Timed batchgen runs for the host-tier benchmarks (pressure.py, shared_prefix.py).
+
+One engine per run: built, warmed up on prompts that share no page with the workload,
+timed over the workload, its counters taken for the timed part only, then freed (copy
+worker closed, del + gc + torch.cuda.empty_cache()) so the next run in the same process
+starts from the same device memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+# counters that are rates: recomputed from the timed part's deltas, not subtracted
+RATES = ("copy_gb_per_s", "host_prefix_hit_rate")
+
+
+def timed_run(
+    ckpt: Path,
+    prompts: list[list[int]],
+    out_lens: list[int],
+    warmup_len: int,
+    **engine_kw,
+) -> dict:
+    """Run every prompt greedily to exactly its output length (ignore_eos) on a fresh
+    engine built with engine_kw, then free it; returns wall time, output tok/s, the timed
+    part's counters (engine metrics() plus copy_seconds) and a per-step timeline."""
+    import torch
+
+    from batchgen import LLM
+
+    with _threads_for(engine_kw["device"]):
+        llm = LLM(model=str(ckpt), **engine_kw)
+        try:
+            return _timed(llm, prompts, out_lens, warmup_len)
+        finally:
+            if llm.engine.tier is not None:
+                llm.engine.tier.copies.close()
+            del llm
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+@contextmanager
+def _threads_for(device: str):
+    """One torch thread for CPU runs: the --small models' matrices are tiny, so one thread
+    is as fast, and it does not slow down 50x when another process holds the other cores
+    (OpenMP spin waits). The previous count is restored."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) -> dict:
+    from batchgen import SamplingParams
+
+    warmup = [[2 + i] * warmup_len for i in range(4)]
+    llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    eng = llm.engine
+    before = counters(eng)
+    _sync(eng.device)
+    start = time.perf_counter()
+    for i, (p, n) in enumerate(zip(prompts, out_lens)):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    lengths: dict[str, int] = {}
+    # per step: seconds, output tokens so far, tokens computed so far, running requests
+    timeline = []
+    while eng.has_unfinished:
+        for req in eng.step():
+            lengths[req.request_id] = len(req.output_token_ids)
+        timeline.append(
+            [
+                round(time.perf_counter() - start, 4),
+                eng.stats.output_tokens - before["output_tokens"],
+                eng.scheduler.num_computed_tokens_total - before["computed_tokens"],
+                len(eng.scheduler.running),
+            ]
+        )
+    _sync(eng.device)
+    wall = time.perf_counter() - start
+    out = sum(lengths.values())
+    return {
+        "wall_s": wall,
+        "output_tokens": out,
+        "tok_s": out / wall,
+        "all_outputs": all(lengths.get(f"r{i}") == n for i, n in enumerate(out_lens)),
+        "backend": eng.runner.attention_backend,
+        "cuda_graphs": eng.runner.graphs is not None,
+        "metrics": delta(before, counters(eng), len(prompts)),
+        "timeline": timeline,
+    }
+
+
+def counters(eng) -> dict:
+    """The engine's metrics() with the tier's copy time and host lookups beside them."""
+    m = {k: v for k, v in eng.metrics().items() if k not in RATES}
+    m["page_size"] = eng.config.page_size
+    if eng.tier is not None:
+        m["copy_seconds"] = eng.tier.metrics.copy_seconds
+        m["host_prefix_query_pages"] = eng.tier.metrics.host_prefix_query_pages
+    return m
+
+
+def delta(before: dict, after: dict, num_requests: int) -> dict:
+    """Counters of the timed part, rates recomputed from them, and the prefill tokens
+    computed: every computed token except the one decode token per output after a
+    request's first (so a recompute's re-prefill counts as prefill)."""
+    out = {k: v - before[k] for k, v in after.items() if k != "page_size"}
+    out["prefill_tokens_computed"] = out["computed_tokens"] - (out["output_tokens"] - num_requests)
+    if "copy_seconds" in out:
+        moved = out["bytes_offloaded"] + out["bytes_loaded"]
+        secs = out["copy_seconds"]
+        out["copy_gb_per_s"] = moved / secs / 1e9 if secs > 0 else 0.0
+        q = out["host_prefix_query_pages"]
+        out["host_prefix_hit_rate"] = out["host_prefix_hit_pages"] / q if q else 0.0
+        out["host_prefix_hit_tokens"] = out["host_prefix_hit_pages"] * after["page_size"]
+    return out
+
+
+def checks_line(checks: dict[str, bool]) -> str:
+    return "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items())
+
+
+def size(nbytes: int) -> str:
+    """A byte count for a summary line, in GiB or MiB."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)

@@ -1,0 +1,133 @@
+"""W2 `pressure`: KV larger than the device pool, host tier on (swap) vs off (recompute).
+
+    python benchmarks/pressure.py             # W2 on the GPU: 8 GiB device KV, 64 GiB host
+    python benchmarks/pressure.py --small     # CPU, seconds, for CI
+
+W1's model (random bf16 weights), 1024 requests from workloads.w2_requests() (prompts
+512-2048 tokens, outputs 128-512, greedy, ignore_eos). Two engines in one process, one
+after the other (the first freed before the second is built): host tier on (a preempted
+request is swapped to host and back) and off (host_kv_size_gib=0: it is recomputed).
+Prints output tok/s of both, their ratio, preemptions / swaps / recomputes, tokens
+computed, and the host<->device bandwidth of the tier's copies: bytes moved (write-through
+stores, swap-outs and loads) over the summed copy-stream time, against the 55 GB/s
+ceiling (BENCHMARKS.md; copies on the two copy streams may overlap, so the aggregate
+rate can be above this figure). Writes pressure.json into --out; exits 1 when a run
+lost output tokens, the tier-on run never swapped or the tier-off run never recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engine_runs import checks_line, size, timed_run  # noqa: E402
+from workloads import QWEN3_0_6B, SMALL_MODEL, random_checkpoint, w2_requests  # noqa: E402
+
+CEILING_GB_S = 55.0  # host<->device, each way, pinned (BENCHMARKS.md)
+
+
+def small_workload() -> tuple[list[list[int]], list[int]]:
+    """W2 scaled to the CPU: 24 requests, prompts 32-96 tokens, outputs 16-48; with a
+    20-page (320-token) device pool about three fit, so decode growth preempts."""
+    return w2_requests(n=24, prompt_lens=(32, 96), out_lens=(16, 48), max_token=500)
+
+
+def engine_kwargs(args) -> dict:
+    kw = dict(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
+        attention_backend=args.backend,
+        enforce_eager=args.eager,
+        pipeline_decode=not args.no_pipeline,
+        decode_append=args.decode_append,
+    )
+    if args.small:
+        return dict(kw, device="cpu", dtype="float32", max_model_len=96 + 48, num_kv_pages=20)
+    return dict(
+        kw, device="cuda", dtype="bfloat16", max_model_len=2048 + 512, kv_cache_size_gib=args.kv_gib
+    )
+
+
+def summary(result: dict) -> str:
+    on, off = result["tier_on"], result["tier_off"]
+    lines = [
+        f"{result['workload']}: {result['requests']} requests, {result['prompt_tokens']:,} "
+        f"prompt + {result['expected_output_tokens']:,} output tokens",
+    ]
+    for label, run in (("host tier on ", on), ("host tier off", off)):
+        m = run["metrics"]
+        lines.append(
+            f"{label} {run['tok_s']:10.1f} output tok/s ({run['wall_s']:.2f} s, "
+            f"{run['output_tokens']:,} tokens)  preemptions {m['preemptions']}  swaps out/in "
+            f"{m.get('swaps_out', 0)}/{m.get('swaps_in', 0)}  recomputes {m['recomputes']}  "
+            f"computed {m['computed_tokens']:,}"
+        )
+    m = on["metrics"]
+    lines += [
+        f"ratio on/off {result['ratio']:.2f}x",
+        f"tier copies: {size(m['bytes_offloaded'])} to host, {size(m['bytes_loaded'])} back, "
+        f"{m['copy_seconds']:.2f} s of copy-stream time -> {m['copy_gb_per_s']:.1f} GB/s = {100 * result['fraction_of_ceiling']:.1f}% of "
+        f"{CEILING_GB_S:.0f} GB/s ({result['wall_gb_per_s']:.1f} GB/s over the run's wall time)",
+        checks_line(result["checks"]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
+    ap.add_argument("--kv-gib", type=float, default=8.0, help="device KV pool (GiB)")
+    ap.add_argument("--host-gib", type=float, default=64.0, help="host KV pool of the tier-on run")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--no-pipeline", action="store_true", help="no pipelined decode")
+    ap.add_argument("--decode-append", default="off", choices=("off", "batched", "layer"))
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args(argv)
+    if args.small:
+        cfg, (prompts, out_lens) = SMALL_MODEL, small_workload()
+        args.ckpt = args.ckpt.with_name(args.ckpt.name + "-small")
+        args.host_gib, warmup_len = 0.002, 16
+    else:
+        cfg, (prompts, out_lens) = QWEN3_0_6B, w2_requests()
+        warmup_len = 512
+    ckpt = random_checkpoint(args.ckpt, cfg)
+    kw = engine_kwargs(args)
+    on = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=args.host_gib, **kw)
+    off = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=0.0, **kw)
+    m = on["metrics"]
+    moved = m["bytes_offloaded"] + m["bytes_loaded"]
+    result = {
+        "workload": "small" if args.small else "W2",
+        "requests": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "expected_output_tokens": sum(out_lens),
+        "engine": dict(kw, host_kv_size_gib=args.host_gib),
+        "tier_on": on,
+        "tier_off": off,
+        "ratio": on["tok_s"] / off["tok_s"],
+        "ceiling_gb_per_s": CEILING_GB_S,
+        "fraction_of_ceiling": m["copy_gb_per_s"] / CEILING_GB_S,
+        "wall_gb_per_s": moved / on["wall_s"] / 1e9,
+        "checks": {
+            "all_outputs": on["all_outputs"] and off["all_outputs"],
+            "same_output_tokens": on["output_tokens"] == off["output_tokens"] == sum(out_lens),
+            "tier_on_swapped": m["swaps_out"] > 0,
+            "tier_off_recomputed": off["metrics"]["recomputes"] > 0,
+        },
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pressure.json").write_text(json.dumps(result, indent=2))
+    sys.stdout.write(summary(result))
+    return 0 if all(result["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
