@@ -11,7 +11,7 @@ from torch.profiler import record_function
 
 from batchgen.config import EngineConfig
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.engine.memory import plan_num_pages
+from batchgen.engine.memory import plan_num_pages, warmup_forward
 from batchgen.engine.pipeline import next_decode
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
@@ -23,7 +23,7 @@ from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model
-from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+from batchgen.runner.batch import SchedulerOutput
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.sampling_params import SamplingParams
@@ -190,36 +190,8 @@ class EngineCore:
         return cls(config, model, hf_config, tokenizer, device, dtype)
 
     def _profile_forward(self, num_tokens: int) -> None:
-        """One forward over num_tokens tokens through a throw-away pool (memory planning)."""
         n = min(num_tokens, self.max_model_len)
-        pages = -(-n // self.config.page_size)
-        pool = PagePool(self.layout, pages + 1, self.device)
-        runner = ModelRunner(
-            self.model,
-            pool.layer_caches(),
-            self.config.page_size,
-            self.device,
-            self.hf_config.vocab_size,
-            self.eos_token_ids,
-            max_num_seqs=1,
-            max_pages=pages,
-        )
-        runner.execute(
-            SchedulerOutput(
-                [
-                    ScheduledRequest(
-                        "profile",
-                        [0] * n,
-                        0,
-                        list(range(pages)),
-                        True,
-                        SamplingParams(temperature=0),
-                        [0] * n,
-                        [],
-                    )
-                ]
-            )
-        )
+        warmup_forward(self.model, self.layout, self.device, self.hf_config, self.eos_token_ids, n)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, what: str) -> None:
         """Raise ValueError naming `what` for a prompt the engine cannot run."""

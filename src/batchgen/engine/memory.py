@@ -9,6 +9,10 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.kv.layout import KVLayout
+from batchgen.kv.page_pool import PagePool
+from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+from batchgen.runner.model_runner import ModelRunner
+from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -44,3 +48,26 @@ def plan_num_pages(
         pages * layout.bytes_per_page / 2**30,
     )
     return max(pages, 0)
+
+
+def warmup_forward(
+    model, layout: KVLayout, device: torch.device, hf_config, eos_token_ids, num_tokens: int
+) -> None:
+    """One forward of a num_tokens prompt through a throw-away pool: the peak memory of
+    the largest step, for plan_num_pages (the caller caps num_tokens at max_model_len)."""
+    pages = -(-num_tokens // layout.page_size)
+    pool = PagePool(layout, pages + 1, device)
+    runner = ModelRunner(
+        model,
+        pool.layer_caches(),
+        layout.page_size,
+        device,
+        hf_config.vocab_size,
+        eos_token_ids,
+        max_num_seqs=1,
+        max_pages=pages,
+    )
+    prompt = [0] * num_tokens
+    greedy = SamplingParams(temperature=0)
+    request = ScheduledRequest("profile", prompt, 0, list(range(pages)), True, greedy, prompt, [])
+    runner.execute(SchedulerOutput([request]))
