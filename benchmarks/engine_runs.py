@@ -114,7 +114,7 @@ def delta(before: dict, after: dict, num_requests: int) -> dict:
     """Counters of the timed part, rates recomputed from them, and the prefill tokens
     computed: every computed token except the one decode token per output after a
     request's first (so a recompute's re-prefill counts as prefill)."""
-    out = {k: v - before[k] for k, v in after.items() if k != "page_size"}
+    out = {k: v - before.get(k, 0) for k, v in after.items() if k != "page_size"}
     out["prefill_tokens_computed"] = out["computed_tokens"] - (out["output_tokens"] - num_requests)
     if "copy_seconds" in out:
         moved = out["bytes_offloaded"] + out["bytes_loaded"]

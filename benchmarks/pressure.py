@@ -9,7 +9,8 @@ after the other (the first freed before the second is built): host tier on (a pr
 request is swapped to host and back) and off (host_kv_size_gib=0: it is recomputed).
 Prints output tok/s of both, their ratio, preemptions / swaps / recomputes, tokens
 computed, and the host<->device bandwidth of the tier's copies: bytes moved (write-through
-stores, swap-outs and loads) over the summed copy-stream time, against the 55 GB/s
+stores, swap-outs and loads) over the summed copy-stream time, and of the swap traffic
+alone (swap-outs and swap-ins, from the engine's per-reason counters), against the 55 GB/s
 ceiling (BENCHMARKS.md; copies on the two copy streams may overlap, so the aggregate
 rate can be above this figure). Writes pressure.json into --out; exits 1 when a run
 lost output tokens, the tier-on run never swapped or the tier-off run never recomputed.
@@ -72,6 +73,9 @@ def summary(result: dict) -> str:
         f"tier copies: {size(m['bytes_offloaded'])} to host, {size(m['bytes_loaded'])} back, "
         f"{m['copy_seconds']:.2f} s of copy-stream time -> {m['copy_gb_per_s']:.1f} GB/s = {100 * result['fraction_of_ceiling']:.1f}% of "
         f"{CEILING_GB_S:.0f} GB/s ({result['wall_gb_per_s']:.1f} GB/s over the run's wall time)",
+        f"swap traffic: {size(result['swap_bytes'])} over {result['swap_copy_seconds']:.2f} s of "
+        f"copy-stream time -> {result['swap_gb_per_s']:.1f} GB/s = "
+        f"{100 * result['swap_gb_per_s'] / CEILING_GB_S:.1f}% of {CEILING_GB_S:.0f} GB/s",
         checks_line(result["checks"]),
     ]
     return "\n".join(lines) + "\n"
@@ -104,6 +108,8 @@ def main(argv=None) -> int:
     off = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=0.0, **kw)
     m = on["metrics"]
     moved = m["bytes_offloaded"] + m["bytes_loaded"]
+    swap_bytes = m.get("bytes_swap_out", 0) + m.get("bytes_swap_in", 0)
+    swap_seconds = m.get("copy_seconds_swap_out", 0.0) + m.get("copy_seconds_swap_in", 0.0)
     result = {
         "workload": "small" if args.small else "W2",
         "requests": len(prompts),
@@ -116,6 +122,10 @@ def main(argv=None) -> int:
         "ceiling_gb_per_s": CEILING_GB_S,
         "fraction_of_ceiling": m["copy_gb_per_s"] / CEILING_GB_S,
         "wall_gb_per_s": moved / on["wall_s"] / 1e9,
+        # the swap traffic alone (swap-outs and swap-ins, not write-through or appends)
+        "swap_bytes": swap_bytes,
+        "swap_copy_seconds": swap_seconds,
+        "swap_gb_per_s": swap_bytes / swap_seconds / 1e9 if swap_seconds > 0 else 0.0,
         "checks": {
             "all_outputs": on["all_outputs"] and off["all_outputs"],
             "same_output_tokens": on["output_tokens"] == off["output_tokens"] == sum(out_lens),

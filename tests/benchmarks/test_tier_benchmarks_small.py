@@ -39,6 +39,9 @@ def test_pressure_small_swaps_with_the_tier_and_recomputes_without(tmp_path):
     # swapping resumes where it stopped; recompute computes the dropped context again
     assert on["metrics"]["computed_tokens"] < off["metrics"]["computed_tokens"]
     assert result["ratio"] > 0 and result["fraction_of_ceiling"] > 0
+    m = on["metrics"]
+    assert result["swap_bytes"] == m["bytes_swap_out"] + m["bytes_swap_in"] > 0
+    assert result["swap_gb_per_s"] > 0
     assert all(result["checks"].values())
 
 

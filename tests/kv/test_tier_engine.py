@@ -74,6 +74,11 @@ def test_small_pool_swaps_instead_of_recomputing(model_dir):
     outs = [o.outputs[0].token_ids for o in on.generate(prompts, GREEDY, use_tqdm=False)]
     m = on.engine.metrics()
     assert m["swaps_out"] > 0 and m["recomputes"] == 0
+    # traffic by reason adds up to the totals; swaps moved pages both ways
+    assert m["bytes_swap_out"] > 0 and m["bytes_swap_in"] > 0 and m["bytes_write_through"] > 0
+    assert m["bytes_offloaded"] == m["bytes_write_through"] + m["bytes_swap_out"]
+    assert m["bytes_loaded"] == m["bytes_swap_in"] + m.get("bytes_prefix_load", 0)
+    assert m["copy_seconds_swap_out"] > 0 and m["copy_seconds_swap_in"] > 0
     off = LLM(model=model_dir, num_kv_pages=40, **BASE)
     outs_off = [o.outputs[0].token_ids for o in off.generate(prompts, GREEDY, use_tqdm=False)]
     assert off.engine.metrics()["recomputes"] > 0
@@ -107,6 +112,7 @@ def test_host_prefix_hits_cut_prefill_and_keep_outputs(model_dir):
     outs_on = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
     m_on, m_off = on.engine.metrics(), off.engine.metrics()
     assert m_on["host_prefix_hit_pages"] > 0
+    assert m_on["bytes_prefix_load"] == m_on["host_prefix_hit_pages"] * on.engine.tier.page_bytes
     assert m_on["computed_tokens"] < m_off["computed_tokens"]
     assert outs_on == outs_off == _reference(model_dir, prompts, params)
 

@@ -256,9 +256,9 @@ class EngineCore:
         return finished
 
     def _step(self) -> list[Request]:
+        if self.tier is not None:  # finished copies release their pages, pipelined or not
+            self.tier.poll()
         if self._in_flight is None:
-            if self.tier is not None:
-                self.tier.poll()
             with record_function("batchgen.schedule"):
                 sched = self.scheduler.schedule()
             if sched.is_empty:
@@ -332,6 +332,9 @@ class EngineCore:
                 host_prefix_hit_rate=m.host_prefix_hit_rate,
                 readback_checks=m.readback_checks,
             )
+            for reason, nbytes in m.bytes_by_reason.items():
+                out[f"bytes_{reason}"] = nbytes
+                out[f"copy_seconds_{reason}"] = m.seconds_by_reason.get(reason, 0.0)
         return out
 
 

@@ -49,9 +49,12 @@ class HostMirror:
         m.host_pages = list(host_pages)
         m.tokens = len(host_pages) * self.page_size
 
-    def load(self, rid: str, host_pages: list[int], dev_pages: list[int]) -> None:
+    def load(self, rid: str, host_pages: list[int], dev_pages: list[int], reason: str) -> None:
+        """Queue a load of host pages into device pages (reason: prefix_load or swap_in)."""
         if host_pages:
-            self.step_loads.append(self.tier.prepare_load(host_pages, dev_pages, f"request {rid}"))
+            self.step_loads.append(
+                self.tier.prepare_load(host_pages, dev_pages, f"request {rid}", reason)
+            )
 
     def store_missing(
         self, rid: str, dev_pages: list[int], hashes: list[bytes], num_tokens: int, full_only: bool
@@ -74,7 +77,12 @@ class HostMirror:
             for i in range(first, end_page)
         ]
         self.tier.prepare_store(
-            dev_pages[first:end_page], pages[first:end_page], page_hashes, ntoks, f"request {rid}"
+            dev_pages[first:end_page],
+            pages[first:end_page],
+            page_hashes,
+            ntoks,
+            f"request {rid}",
+            "write_through" if full_only else "swap_out",
         )
         m.host_pages = pages
         m.tokens = max(m.tokens, min(num_tokens, end_page * ps))

@@ -85,7 +85,7 @@ class KVCacheManager:
             first = len(held) + len(hit_pages)
             loaded = self.pages[request_id][first : first + len(host)]
             self.mirror.adopt_host_hits(request_id, hit_pages.host_mirror)
-            self.mirror.load(request_id, host, loaded)
+            self.mirror.load(request_id, host, loaded, "prefix_load")
             self.mirror.tier.metrics.host_prefix_hit_pages += len(host)
             self.host_hit_tokens += len(host) * self.page_size
             hashes = self._hashes[request_id]
@@ -150,7 +150,9 @@ class KVCacheManager:
         pages = self.allocator.allocate(need)
         self.pages[request_id] = pages
         k = self.pages_needed(num_computed)
-        self.mirror.load(request_id, self.mirror.mirror(request_id).host_pages[:k], pages[:k])
+        self.mirror.load(
+            request_id, self.mirror.mirror(request_id).host_pages[:k], pages[:k], "swap_in"
+        )
         self._num_registered[request_id] = 0
         self.mirror.tier.metrics.swaps_in += 1
         return True

@@ -52,6 +52,13 @@ class TierMetrics:
     swaps_in: int = 0
     recomputes: int = 0
     readback_checks: int = 0
+    # bytes and copy-stream seconds by why they moved: write_through, swap_out (stores),
+    # swap_in, prefix_load (loads), decode_append
+    bytes_by_reason: dict[str, int] = field(default_factory=dict)
+    seconds_by_reason: dict[str, float] = field(default_factory=dict)
+
+    def count(self, reason: str, nbytes: int) -> None:
+        self.bytes_by_reason[reason] = self.bytes_by_reason.get(reason, 0) + nbytes
 
     @property
     def gb_per_s(self) -> float:
@@ -74,6 +81,7 @@ class _Pending:
     num_tokens: list[int] = field(default_factory=list)  # per page: slots that were copied
     tag: str = ""
     finish: object = None  # callable run on completion (append scatter)
+    reason: str = ""  # a TierMetrics reason
 
 
 class TieredKVManager:
@@ -106,7 +114,9 @@ class TieredKVManager:
         return self.host_alloc.lookup(hashes)
 
     # ---- loads: host -> device ------------------------------------------------------
-    def prepare_load(self, host_pages: list[int], dev_pages: list[int], tag: str) -> CopyHandle:
+    def prepare_load(
+        self, host_pages: list[int], dev_pages: list[int], tag: str, reason: str = "prefix_load"
+    ) -> CopyHandle:
         """Copy host pages into (held) device pages; host pages stay referenced until
         complete_load. The caller's compute must wait on the returned handle."""
         wanted = set(host_pages)
@@ -122,9 +132,12 @@ class TieredKVManager:
             return host_to_device_pages(host_kv, dev_kv, host_pages, dev_pages)
 
         handle = self._submit("load", len(host_pages), copy)
-        self._pending.append(_Pending(handle, "load", list(host_pages), list(dev_pages), tag=tag))
+        self._pending.append(
+            _Pending(handle, "load", list(host_pages), list(dev_pages), tag=tag, reason=reason)
+        )
         self.metrics.pages_loaded += len(host_pages)
         self.metrics.bytes_loaded += len(host_pages) * self.page_bytes
+        self.metrics.count(reason, len(host_pages) * self.page_bytes)
         return handle
 
     def complete_load(self, p: _Pending) -> None:
@@ -138,6 +151,7 @@ class TieredKVManager:
         hashes: list[bytes | None],
         num_tokens: list[int],
         tag: str,
+        reason: str = "write_through",
     ) -> CopyHandle:
         """Copy device pages into host pages the caller holds. Both stay referenced by
         the copy until complete_store, which registers `hashes` in the host cache."""
@@ -160,10 +174,12 @@ class TieredKVManager:
                 list(hashes),
                 list(num_tokens),
                 tag,
+                reason=reason,
             )
         )
         self.metrics.pages_offloaded += len(dev_pages)
         self.metrics.bytes_offloaded += len(dev_pages) * self.page_bytes
+        self.metrics.count(reason, len(dev_pages) * self.page_bytes)
         return handle
 
     def complete_store(self, p: _Pending) -> None:
@@ -218,9 +234,12 @@ class TieredKVManager:
                 self.host_alloc.register(page, h)
             self.device_alloc.free(dev_pages)
 
-        self._pending.append(_Pending(handle, "append", pages, tag=tag, finish=finish))
+        self._pending.append(
+            _Pending(handle, "append", pages, tag=tag, finish=finish, reason="decode_append")
+        )
         self.metrics.appends += 1
         self.metrics.bytes_offloaded += pinned.numel() * pinned.element_size()
+        self.metrics.count("decode_append", pinned.numel() * pinned.element_size())
         return handle
 
     # ---- completion -------------------------------------------------------------------
@@ -243,7 +262,10 @@ class TieredKVManager:
 
     def _complete(self, p: _Pending) -> None:
         p.handle.synchronize()
-        self.metrics.copy_seconds += p.handle.copy_seconds()
+        seconds = p.handle.copy_seconds()
+        self.metrics.copy_seconds += seconds
+        by_reason = self.metrics.seconds_by_reason
+        by_reason[p.reason] = by_reason.get(p.reason, 0.0) + seconds
         if p.kind == "load":
             self.complete_load(p)
         elif p.kind == "store":
