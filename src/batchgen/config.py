@@ -26,9 +26,12 @@ class EngineConfig:
     takes gpu_memory_utilization of the device memory left after a warm-up forward
     (on the CPU: cpu_kv_cache_gib).
 
-    pipeline_decode queues each plain greedy decode step before the previous one's
-    tokens reach the host (the host's bookkeeping then overlaps the GPU); outputs are
-    the same either way.
+    pipeline_decode queues each decode step whose rows use no penalty and report no
+    logprobs before the previous one's tokens reach the host (the host's bookkeeping
+    then overlaps the GPU); outputs are the same either way.
+
+    seed seeds the generator that requests without their own seed sample from, so a run
+    is reproducible (requests with a seed do not depend on it).
     """
 
     model: str | None = None

@@ -86,6 +86,38 @@ def test_unforeseeable_stops_discard_the_queued_token(model_dir):
     assert any(reason == "stop" for _, reason, _ in rows)
 
 
+def test_sampling_seeded_and_unseeded(model_dir):
+    """Sampled rows pipeline too: seeded noise and min_tokens count the token in flight,
+    and the unseeded rows draw from the shared generator in the same order."""
+    prompts = _prompts(12)
+    free = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=16, ignore_eos=True)
+        for i in range(12)
+    ]
+    plain, _, _ = _run(model_dir, prompts, free, False, max_num_seqs=16, seed=5)
+    stop_token = plain[2][0][5]
+    seeded = [
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            seed=i,
+            max_tokens=16,
+            min_tokens=4,
+            ignore_eos=True,
+            stop_token_ids=[stop_token],
+        )
+        for i in range(12)
+    ]
+    rows, _ = _same(model_dir, prompts, seeded, max_num_seqs=16, seed=5)
+    assert any(reason == "stop" for _, reason, _ in rows)
+    assert all(len(ids) >= 4 for ids, _, _ in rows)
+    unseeded = [
+        SamplingParams(temperature=1.0, top_k=50, max_tokens=3 + i, ignore_eos=True)
+        for i in range(12)
+    ]
+    _same(model_dir, prompts, unseeded, max_num_seqs=16, seed=5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replays_pipelined_match_plain_steps(model_dir):

@@ -102,6 +102,7 @@ class EngineCore:
             split_plan=plan,
             max_num_seqs=config.max_num_seqs,
             max_pages=-(-self.max_model_len // config.page_size),
+            seed=config.seed,
         )
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
@@ -245,9 +246,10 @@ class EngineCore:
         """Run one step; returns the requests that finished in it (and any finished by
         a step drained early, e.g. by reconfigure()).
 
-        Pipelined decode: when a step is a plain greedy graph decode with nothing waiting,
-        the next decode step is queued on the GPU (its input tokens read there) before
-        this one's tokens reach the host, so the host's bookkeeping overlaps the GPU.
+        Pipelined decode: when a step is a decode step with no penalty or logprobs and
+        no request could be admitted, the next decode step is queued on the GPU (its
+        input tokens read there) before this one's tokens reach the host, so the host's
+        bookkeeping overlaps the GPU.
         A request that stops on a token it could not foresee (EOS, a stop string) has
         its queued extra token discarded."""
         finished = self._step()

@@ -42,6 +42,7 @@ class ModelRunner:
         split_plan: DecodeSplitPlan | None = None,
         max_num_seqs: int = 256,
         max_pages: int = 256,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -53,7 +54,8 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.graphs = graphs
         self.split_plan = split_plan
-        self.sampler = Sampler()
+        # unseeded rows draw from this generator: a run is reproducible for a given seed
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.page_rows = PageRows(max_num_seqs, max_pages, pin=device.type == "cuda")
         self.stage = HostStaging(device)
 
@@ -166,26 +168,27 @@ class ModelRunner:
         return hidden, torch.tensor(keep, dtype=torch.int64).to(hidden.device)
 
     def can_launch_decode(self, sched: SchedulerOutput) -> bool:
-        """Whether `launch_decode` takes this step: a graph-replayed decode step whose
-        every request samples greedily with nothing reported but the token."""
+        """Whether `launch_decode` takes this step: a decode step (graph-replayed when
+        graphs are on) whose every request samples with no penalty and reports nothing
+        but the token (greedy or not, seeded or not, min_tokens allowed)."""
         reqs = sched.requests
         return (
             not self.debug
             and not sched.wait_for
             and sched.on_kv_written is None
             and (self.graphs is None or len(reqs) <= self.graphs.max_bs)
-            and all(
-                len(r.new_token_ids) == 1 and r.sample and _plain_greedy(r.params) for r in reqs
-            )
+            and all(len(r.new_token_ids) == 1 and r.sample and _pipelinable(r.params) for r in reqs)
         )
 
     @torch.inference_mode()
     def launch_decode(
         self, sched: SchedulerOutput, prev: InFlightDecode | None = None
     ) -> InFlightDecode:
-        """Queue a decode step (replay, logits, argmax, token copy to the host) and return
-        without waiting. With `prev`, a request's input token is the one `prev` samples
-        for it, read on the device: the step can be queued before `prev` finishes."""
+        """Queue a decode step (replay, logits, sampling, token copy to the host) and
+        return without waiting. With `prev`, a request's input token is the one `prev`
+        samples for it, read on the device: the step can be queued before `prev`
+        finishes, and each request has that one token more than its output list shows
+        (seeded noise and min_tokens count it)."""
         self.page_rows.release(sched.released_ids)
         device_ids = None
         if prev is not None:
@@ -199,7 +202,22 @@ class ModelRunner:
             ctx = ForwardContext(meta, self.kv_caches, self.attention_backend)
             with bind_forward_context(ctx):
                 hidden = self.model(input_ids if device_ids is None else device_ids, positions)
-        tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+        logits = self.model.compute_logits(hidden)
+        reqs = sched.requests
+        if all(_plain_greedy(r.params) for r in reqs):
+            tokens = logits.argmax(dim=-1)
+        else:
+            in_flight = 0 if prev is None else 1
+            smeta = SamplingMetadata.build(
+                [r.params for r in reqs],
+                [r.prompt_token_ids for r in reqs],
+                [r.output_token_ids for r in reqs],
+                self.vocab_size,
+                self.device,
+                self.eos_token_ids,
+                steps=[len(r.output_token_ids) + in_flight for r in reqs],
+            )
+            tokens = self.sampler(logits, smeta).sampled_token_ids
         if self.device.type != "cuda":
             return InFlightDecode(sched, tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -296,6 +314,12 @@ class InFlightDecode:
         return ModelRunnerOutput(
             [r.request_id for r in reqs], self._host.tolist(), [None] * len(reqs)
         )
+
+
+def _pipelinable(params) -> bool:
+    """Nothing of the row's sampling depends on output tokens the host has not seen yet
+    (penalties count them) or reports more than the token (logprobs)."""
+    return params.logprobs is None and not params.has_penalties
 
 
 def _plain_greedy(params) -> bool:

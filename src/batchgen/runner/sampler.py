@@ -82,12 +82,14 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
         eos_token_ids: list[int],
+        steps: list[int] | None = None,
     ) -> SamplingMetadata:
         """Gather the batch's parameters into tensors on ``device``.
 
         ``output_token_ids[i]`` is what row i has generated so far: its length is the step
-        index used for seeded noise and for ``min_tokens``. Prompt and output token ids
-        are only read for rows that use a penalty.
+        index used for seeded noise and for ``min_tokens``, unless ``steps`` gives it
+        (a pipelined step: tokens sampled but not yet on the host count). Prompt and
+        output token ids are only read for rows that use a penalty.
         """
         device = torch.device(device)
         n = len(params)
@@ -118,7 +120,7 @@ class SamplingMetadata:
         generators: list[torch.Generator | None] = [None] * n
         min_tokens_block: list[tuple[int, list[int]]] = []
         for i, p in enumerate(params):
-            step = len(output_token_ids[i])
+            step = len(output_token_ids[i]) if steps is None else steps[i]
             if p.seed is not None and not greedy[i]:
                 generators[i] = torch.Generator(device=device)
                 generators[i].manual_seed(step_seed(p.seed, step))
