@@ -8,6 +8,7 @@ starts from the same device memory.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import time
 from contextlib import contextmanager
@@ -15,6 +16,28 @@ from pathlib import Path
 
 # counters that are rates: recomputed from the timed part's deltas, not subtracted
 RATES = ("copy_gb_per_s", "host_prefix_hit_rate")
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The engine and file options every benchmark script takes."""
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--no-pipeline", action="store_true", help="no pipelined decode")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))
+    ap.add_argument("--out", type=Path, default=Path("."))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the options of add_engine_args."""
+    return dict(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
+        attention_backend=args.backend,
+        enforce_eager=args.eager,
+        pipeline_decode=not args.no_pipeline,
+    )
 
 
 def timed_run(

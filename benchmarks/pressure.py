@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_runs import checks_line, size, timed_run  # noqa: E402
+from engine_runs import add_engine_args, checks_line, size, timed_run  # noqa: E402
+from engine_runs import engine_kwargs as common_engine_kwargs  # noqa: E402
 from workloads import QWEN3_0_6B, SMALL_MODEL, random_checkpoint, w2_requests  # noqa: E402
 
 CEILING_GB_S = 55.0  # host<->device, each way, pinned (BENCHMARKS.md)
@@ -38,14 +39,7 @@ def small_workload() -> tuple[list[list[int]], list[int]]:
 
 
 def engine_kwargs(args) -> dict:
-    kw = dict(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_batched_tokens,
-        attention_backend=args.backend,
-        enforce_eager=args.eager,
-        pipeline_decode=not args.no_pipeline,
-        decode_append=args.decode_append,
-    )
+    kw = common_engine_kwargs(args) | dict(decode_append=args.decode_append)
     if args.small:
         return dict(kw, device="cpu", dtype="float32", max_model_len=96 + 48, num_kv_pages=20)
     return dict(
@@ -86,14 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="device KV pool (GiB)")
     ap.add_argument("--host-gib", type=float, default=64.0, help="host KV pool of the tier-on run")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--no-pipeline", action="store_true", help="no pipelined decode")
     ap.add_argument("--decode-append", default="off", choices=("off", "batched", "layer"))
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-batched-tokens", type=int, default=8192)
-    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))
-    ap.add_argument("--out", type=Path, default=Path("."))
+    add_engine_args(ap)
     args = ap.parse_args(argv)
     if args.small:
         cfg, (prompts, out_lens) = SMALL_MODEL, small_workload()

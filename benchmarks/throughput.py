@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from engine_runs import add_engine_args, engine_kwargs  # noqa: E402
 from roofline import roofline_seconds  # noqa: E402
 from workloads import (  # noqa: E402
     QWEN3_0_6B,
@@ -36,12 +37,8 @@ def run_batchgen(ckpt, prompts, out_lens, args):
         model=str(ckpt),
         dtype=args.dtype,
         device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_batched_tokens,
-        attention_backend=args.backend,
         max_model_len=2048,
-        enforce_eager=args.eager,
-        pipeline_decode=not args.no_pipeline,
+        **engine_kwargs(args),
     )
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     eng = llm.engine
@@ -254,13 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--no-pipeline", action="store_true", help="no pipelined decode")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-batched-tokens", type=int, default=8192)
-    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))
-    ap.add_argument("--out", type=Path, default=Path("."))
+    add_engine_args(ap)
     args = ap.parse_args(argv)
     if args.small:
         cfg, (prompts, out_lens) = SMALL_MODEL, small_requests()

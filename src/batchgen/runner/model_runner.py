@@ -208,16 +208,8 @@ class ModelRunner:
             tokens = logits.argmax(dim=-1)
         else:
             in_flight = 0 if prev is None else 1
-            smeta = SamplingMetadata.build(
-                [r.params for r in reqs],
-                [r.prompt_token_ids for r in reqs],
-                [r.output_token_ids for r in reqs],
-                self.vocab_size,
-                self.device,
-                self.eos_token_ids,
-                steps=[len(r.output_token_ids) + in_flight for r in reqs],
-            )
-            tokens = self.sampler(logits, smeta).sampled_token_ids
+            steps = [len(r.output_token_ids) + in_flight for r in reqs]
+            tokens = self.sampler(logits, self._sampling(reqs, steps)).sampled_token_ids
         if self.device.type != "cuda":
             return InFlightDecode(sched, tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -259,21 +251,24 @@ class ModelRunner:
         with record_function("batchgen.sample"):
             return self._sample(logits, sampled)
 
+    def _sampling(self, reqs, steps: list[int] | None = None) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            [r.params for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs],
+            self.vocab_size,
+            self.device,
+            self.eos_token_ids,
+            steps=steps,
+        )
+
     def _sample(self, logits: torch.Tensor, sampled) -> ModelRunnerOutput:
         if all(_plain_greedy(r.params) for r in sampled):  # argmax is all there is to do
             token_ids = logits.argmax(dim=-1).tolist()
             return ModelRunnerOutput(
                 [r.request_id for r in sampled], token_ids, [None] * len(sampled)
             )
-        smeta = SamplingMetadata.build(
-            [r.params for r in sampled],
-            [r.prompt_token_ids for r in sampled],
-            [r.output_token_ids for r in sampled],
-            self.vocab_size,
-            self.device,
-            self.eos_token_ids,
-        )
-        out = self.sampler(logits, smeta)
+        out = self.sampler(logits, self._sampling(sampled))
         token_ids = out.sampled_token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(sampled)
         if any(r.params.logprobs is not None for r in sampled):
