@@ -11,6 +11,7 @@ from torch.profiler import record_function
 
 from batchgen.config import EngineConfig
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.limits import eos_token_ids, max_model_len
 from batchgen.engine.memory import plan_num_pages, warmup_forward
 from batchgen.engine.pipeline import next_decode
 from batchgen.engine.request import Request
@@ -321,40 +322,5 @@ class EngineCore:
             "prefix_hit_tokens": self.kv.prefix_hit_tokens,
         }
         if self.tier is not None:
-            m = self.tier.metrics
-            out.update(
-                swaps_out=m.swaps_out,
-                swaps_in=m.swaps_in,
-                pages_offloaded=m.pages_offloaded,
-                pages_loaded=m.pages_loaded,
-                bytes_offloaded=m.bytes_offloaded,
-                bytes_loaded=m.bytes_loaded,
-                copy_gb_per_s=m.gb_per_s,
-                host_prefix_hit_pages=m.host_prefix_hit_pages,
-                host_prefix_hit_rate=m.host_prefix_hit_rate,
-                readback_checks=m.readback_checks,
-            )
-            for reason, nbytes in m.bytes_by_reason.items():
-                out[f"bytes_{reason}"] = nbytes
-                out[f"copy_seconds_{reason}"] = m.seconds_by_reason.get(reason, 0.0)
+            out.update(self.tier.metrics.summary())
         return out
-
-
-def max_model_len(config: EngineConfig, hf_config) -> int:
-    """The configured context limit, capped by the model's max_position_embeddings."""
-    limit = getattr(hf_config, "max_position_embeddings", None) or 4096
-    return min(config.max_model_len or limit, limit)
-
-
-def eos_token_ids(hf_config, tokenizer) -> list[int]:
-    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
-    ids: list[int] = []
-    for source in (
-        getattr(hf_config, "eos_token_id", None),
-        getattr(tokenizer, "eos_token_id", None),
-    ):
-        if isinstance(source, int):
-            ids.append(source)
-        elif isinstance(source, (list, tuple)):
-            ids += [int(t) for t in source]
-    return sorted(set(ids))

@@ -70,6 +70,26 @@ class TierMetrics:
         q = self.host_prefix_query_pages
         return self.host_prefix_hit_pages / q if q else 0.0
 
+    def summary(self) -> dict:
+        """The counters engine.metrics() reports, traffic by reason as bytes_<reason> and
+        copy_seconds_<reason>."""
+        out = dict(
+            swaps_out=self.swaps_out,
+            swaps_in=self.swaps_in,
+            pages_offloaded=self.pages_offloaded,
+            pages_loaded=self.pages_loaded,
+            bytes_offloaded=self.bytes_offloaded,
+            bytes_loaded=self.bytes_loaded,
+            copy_gb_per_s=self.gb_per_s,
+            host_prefix_hit_pages=self.host_prefix_hit_pages,
+            host_prefix_hit_rate=self.host_prefix_hit_rate,
+            readback_checks=self.readback_checks,
+        )
+        for reason, nbytes in self.bytes_by_reason.items():
+            out[f"bytes_{reason}"] = nbytes
+            out[f"copy_seconds_{reason}"] = self.seconds_by_reason.get(reason, 0.0)
+        return out
+
 
 @dataclass
 class _Pending:
