@@ -84,7 +84,9 @@ def profile_decode(llm, prompts, args):
     - ``phase_ms``: unpipelined steps with a device sync around each phase (schedule,
       input prep + forward, logits, sampling, update), so each phase owns its GPU time;
     - ``kernels``: the GPU kernels of plain steps by name (torch profiler), heaviest
-      first, and ``replay_gpu_ms``: one decode graph replay alone, timed with events.
+      first, summed by family in ``gpu_ms_by_family`` (attention, gemm, norm_rope_act,
+      sampling, copies, other), and ``replay_gpu_ms``: one decode graph replay alone,
+      timed with events (``input_prep_ms``: the forward phase's host time around it).
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -138,19 +140,26 @@ def profile_decode(llm, prompts, args):
     phase_ms = {k: v * 1000 / steps for k, v in phases.items()}
     phase_ms["rest"] = synced_ms - sum(phase_ms.values())
 
-    kernels = []
+    kernels, families = [], {}
     if args.device != "cpu":
+        # pipelined steps: settle the queue on both sides, so the window holds whole steps
+        eng._drain()
+        _sync(args.device)
+        first = eng.stats.steps
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(8):
                 eng.step()
+            eng._drain()
             _sync(args.device)
+        done = max(eng.stats.steps - first, 1)
         rows = []
         for e in prof.key_averages():
             dev_us = getattr(e, "self_device_time_total", 0) or 0
             if dev_us:
-                rows.append((dev_us / 1000 / 8, e.count // 8, e.key[:70]))
+                rows.append((dev_us / 1000 / done, e.count / done, e.key))
         rows.sort(reverse=True)
-        kernels = [f"{ms:7.3f} ms  x{n:<4d} {name}" for ms, n, name in rows[:25]]
+        kernels = [f"{ms:7.3f} ms  x{n:<6.1f} {name[:70]}" for ms, n, name in rows[:25]]
+        families = kernel_families([(name, ms) for ms, _, name in rows])
     replay_ms = None
     graphs = runner.graphs
     if graphs is not None and graphs.graphs:
@@ -171,8 +180,35 @@ def profile_decode(llm, prompts, args):
         "synced_step_ms": synced_ms,
         "phase_ms": phase_ms,
         "replay_gpu_ms": replay_ms,
+        "gpu_ms_by_family": families,
+        # graph steps: the forward phase less the replay's GPU time; eager: prepare()
+        "input_prep_ms": (
+            phase_ms.get("forward", 0.0) - replay_ms
+            if replay_ms is not None
+            else phase_ms.get("prepare", 0.0)
+        ),
         "kernels": kernels,
     }
+
+
+# kernel name fragments by family, first match wins (lower case)
+FAMILIES = (
+    ("attention", ("decode_split", "decode_merge", "prefill_kernel", "store_kv")),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "sm90_")),
+    ("norm_rope_act", ("rms_norm", "qk_norm_rope", "silu")),
+    ("sampling", ("argmax", "softmax", "exponential", "topk", "sort", "reduce_kernel")),
+    ("copies", ("memcpy", "memset", "copy", "gather", "scatter")),
+)
+
+
+def kernel_families(rows: list[tuple[str, float]]) -> dict[str, float]:
+    """(kernel name, ms per step) rows summed by family; unmatched names go to other."""
+    out = {name: 0.0 for name, _ in FAMILIES} | {"other": 0.0}
+    for kernel, ms in rows:
+        low = kernel.lower()
+        fam = next((f for f, parts in FAMILIES if any(p in low for p in parts)), "other")
+        out[fam] += ms
+    return out
 
 
 def _synced(fn, phase, acc, device):

@@ -26,3 +26,23 @@ def test_small_run_writes_its_result(tmp_path):
     assert ours["tok_s"] > 0 and 0 < result["fraction_of_roofline"] < 1
     assert len(ours["timeline"]) >= max(out_lens)
     assert ours["timeline"][-1][1] == sum(out_lens)
+
+
+def test_kernel_families_group_the_profile_by_name():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import throughput
+    finally:
+        sys.path.remove(str(BENCH))
+    rows = [
+        ("_decode_split_kernel", 4.0),
+        ("_store_kv_kernel", 0.1),
+        ("nvjet_sm90_tst_64x32_64x16_1x2_h_bz_TNT", 0.5),
+        ("_rms_norm_kernel", 0.2),
+        ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16", 0.05),
+        ("Memcpy HtoD (Pinned -> Device)", 0.01),
+        ("something_new", 0.3),
+    ]
+    fam = throughput.kernel_families(rows)
+    assert fam["attention"] == 4.1 and fam["gemm"] == 0.5 and fam["norm_rope_act"] == 0.2
+    assert fam["sampling"] == 0.05 and fam["copies"] == 0.01 and fam["other"] == 0.3
