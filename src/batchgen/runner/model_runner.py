@@ -17,7 +17,7 @@ from batchgen.forward_context import (
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.page_rows import PageRows
-from batchgen.runner.sampler import Sampler, SamplingMetadata
+from batchgen.runner.sampler import SAMPLING_EPS, Sampler, SamplingMetadata
 from batchgen.runner.staging import HostStaging
 
 
@@ -195,13 +195,7 @@ class ModelRunner:
             at = {r.request_id: i for i, r in enumerate(prev.sched.requests)}
             index = self.stage(np.fromiter((at[r.request_id] for r in sched.requests), np.int64))
             device_ids = prev.tokens.index_select(0, index)
-        if self.graphs is not None:
-            hidden, _ = self._replay(sched, device_ids)
-        else:
-            input_ids, positions, meta, _ = self.prepare(sched)
-            ctx = ForwardContext(meta, self.kv_caches, self.attention_backend)
-            with bind_forward_context(ctx):
-                hidden = self.model(input_ids if device_ids is None else device_ids, positions)
+        hidden, _ = self._forward(sched, device_ids)  # every row samples (can_launch_decode)
         logits = self.model.compute_logits(hidden)
         reqs = sched.requests
         if all(_plain_greedy(r.params) for r in reqs):
@@ -218,9 +212,13 @@ class ModelRunner:
         done.record()
         return InFlightDecode(sched, tokens, host, done)
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.page_rows.release(sched.released_ids)
+    def _forward(
+        self, sched: SchedulerOutput, device_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's forward: a graph replay for a pure decode step, else prepare() and
+        an eager forward; page loads are awaited first. device_ids [T] replaces the input
+        ids (a pipelined step's tokens, still on the device). Returns the hidden states
+        and the rows to sample from (None: all of them)."""
         graph = self._graph_ok(sched)
         if not graph:
             with record_function("batchgen.prepare"):
@@ -229,17 +227,16 @@ class ModelRunner:
             load.wait_on_current_stream()
         if graph:
             with record_function("batchgen.replay"):
-                hidden, sample_rows = self._replay(sched)
-        else:
-            with (
-                record_function("batchgen.forward"),
-                bind_forward_context(
-                    ForwardContext(
-                        meta, self.kv_caches, self.attention_backend, sched.on_kv_written
-                    )
-                ),
-            ):
-                hidden = self.model(input_ids, positions)
+                return self._replay(sched, device_ids)
+        ctx = ForwardContext(meta, self.kv_caches, self.attention_backend, sched.on_kv_written)
+        with record_function("batchgen.forward"), bind_forward_context(ctx):
+            hidden = self.model(input_ids if device_ids is None else device_ids, positions)
+        return hidden, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.page_rows.release(sched.released_ids)
+        hidden, sample_rows = self._forward(sched)
         sampled = [r for r in sched.requests if r.sample]
         if not sampled:
             return ModelRunnerOutput([], [], [])
@@ -321,7 +318,7 @@ def _plain_greedy(params) -> bool:
     """Greedy with nothing that changes or reports the distribution: the sample is the
     argmax of the raw logits (exactly what the full sampler picks for such a row)."""
     return (
-        params.temperature < 1e-5
+        params.temperature < SAMPLING_EPS
         and params.logprobs is None
         and params.min_tokens == 0
         and not params.has_penalties

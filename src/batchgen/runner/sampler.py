@@ -24,7 +24,7 @@ import torch
 from batchgen.sampling_params import SamplingParams
 
 # Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
-_SAMPLING_EPS = 1e-5
+SAMPLING_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
@@ -93,7 +93,7 @@ class SamplingMetadata:
         """
         device = torch.device(device)
         n = len(params)
-        greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        greedy = [p.temperature < SAMPLING_EPS for p in params]
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         # One float32 [width, B] tensor crosses to the device: temperature, top_p, min_p,
         # top_k, then the presence, frequency and repetition penalties if any row uses one.
