@@ -299,7 +299,7 @@ class EngineCore:
         self.stats.output_tokens += len(advanced)
         finished = []
         for req in advanced:
-            if req.params.stop_strings and not req.is_finished:
+            if not req.is_finished:
                 stop = self.detokenizer.find_stop(req)
                 if stop is not None:
                     self.scheduler.finish(req, "stop", stop)

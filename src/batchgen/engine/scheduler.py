@@ -61,8 +61,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def take_released(self) -> list[str]:
-        """Ids that left the running set since the last call (for a step built outside
-        schedule(), which otherwise hands them on)."""
+        """Ids that left the running set since the last call; each step hands them to
+        the runner (schedule() does, and so does a pipelined step built outside it)."""
         out, self._released = self._released, []
         return out
 
@@ -115,7 +115,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
-        out.released_ids, self._released = self._released, []
+        out.released_ids = self.take_released()
         out.wait_for = self.kv.take_step_loads()
         if self.kv.mirror is not None:
             out.on_kv_written = self.kv.layer_append_hook(
@@ -161,8 +161,7 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            req.output_token_ids.append(token)
-            req.token_ids.append(token)
+            req.append_token(token)
             if lp is not None:
                 req.logprobs.append(lp)
             advanced.append(req)

@@ -63,27 +63,22 @@ class KVCacheManager:
     def allocate(self, request_id: str, num_tokens: int, hit_pages: list[int] = ()) -> bool:
         """Make the request's pages cover num_tokens tokens; False (nothing changed) if short.
         Host hits get new device pages, filled by loads the next forward waits for."""
-        held = self.pages.get(request_id)
-        if held is not None and not hit_pages:  # a running request grows (decode: mostly no-op)
-            need = self.pages_needed(num_tokens) - len(held)
-            if need > 0:
-                if need > self.allocator.num_free:
-                    return False
-                held += self.allocator.allocate(need)
-            return True
-        held = held or []
+        held = self.pages.get(request_id, [])
         host = list(getattr(hit_pages, "host_pages", ()))
         need = self.pages_needed(num_tokens) - len(held) - len(hit_pages)
+        if need <= 0 and not hit_pages and not host:
+            return True  # already covered: most decode steps
         if need > self.allocator.num_free_after_touch(list(hit_pages)):
             return False
         if hit_pages:
             self.allocator.touch(list(hit_pages))
             self.prefix_hit_tokens += len(hit_pages) * self.page_size
-        new = self.allocator.allocate(max(need, 0))
-        self.pages[request_id] = held + list(hit_pages) + new
+        first = len(held) + len(hit_pages)
+        # grown in place: the runner's page rows then write only the pages added
+        held += list(hit_pages) + self.allocator.allocate(max(need, 0))
+        self.pages[request_id] = held
         if host:
-            first = len(held) + len(hit_pages)
-            loaded = self.pages[request_id][first : first + len(host)]
+            loaded = held[first : first + len(host)]
             self.mirror.adopt_host_hits(request_id, hit_pages.host_mirror)
             self.mirror.load(request_id, host, loaded, "prefix_load")
             self.mirror.tier.metrics.host_prefix_hit_pages += len(host)
