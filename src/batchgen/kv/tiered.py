@@ -38,12 +38,14 @@ class KVReadbackError(RuntimeError):
     """batchgen_debug found an offloaded page that differs from its device source."""
 
 
+_OFFLOADS = ("write_through", "swap_out", "decode_append")  # TierMetrics reasons by direction
+_LOADS = ("swap_in", "prefix_load")
+
+
 @dataclass
 class TierMetrics:
     pages_offloaded: int = 0
     pages_loaded: int = 0
-    bytes_offloaded: int = 0
-    bytes_loaded: int = 0
     copy_seconds: float = 0.0
     appends: int = 0
     host_prefix_hit_pages: int = 0
@@ -59,6 +61,16 @@ class TierMetrics:
 
     def count(self, reason: str, nbytes: int) -> None:
         self.bytes_by_reason[reason] = self.bytes_by_reason.get(reason, 0) + nbytes
+
+    @property
+    def bytes_offloaded(self) -> int:
+        """Device -> host bytes: stores and decode appends."""
+        return sum(self.bytes_by_reason.get(r, 0) for r in _OFFLOADS)
+
+    @property
+    def bytes_loaded(self) -> int:
+        """Host -> device bytes."""
+        return sum(self.bytes_by_reason.get(r, 0) for r in _LOADS)
 
     @property
     def gb_per_s(self) -> float:
@@ -156,7 +168,6 @@ class TieredKVManager:
             _Pending(handle, "load", list(host_pages), list(dev_pages), tag=tag, reason=reason)
         )
         self.metrics.pages_loaded += len(host_pages)
-        self.metrics.bytes_loaded += len(host_pages) * self.page_bytes
         self.metrics.count(reason, len(host_pages) * self.page_bytes)
         return handle
 
@@ -198,7 +209,6 @@ class TieredKVManager:
             )
         )
         self.metrics.pages_offloaded += len(dev_pages)
-        self.metrics.bytes_offloaded += len(dev_pages) * self.page_bytes
         self.metrics.count(reason, len(dev_pages) * self.page_bytes)
         return handle
 
@@ -258,7 +268,6 @@ class TieredKVManager:
             _Pending(handle, "append", pages, tag=tag, finish=finish, reason="decode_append")
         )
         self.metrics.appends += 1
-        self.metrics.bytes_offloaded += pinned.numel() * pinned.element_size()
         self.metrics.count("decode_append", pinned.numel() * pinned.element_size())
         return handle
 
