@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchgen.layers.norm import as_rows
+
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] on the last dim -> silu(gate) * up, op by op."""
@@ -21,7 +23,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         from batchgen.kernels.silu_and_mul import silu_and_mul as fused
 
-        rows = x.reshape(-1, x.shape[-1])
-        out = fused(rows if rows.stride(-1) == 1 else rows.contiguous())
+        out = fused(as_rows(x))
         return out.view(*x.shape[:-1], out.shape[-1])
     return silu_and_mul_torch(x)

@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             from batchgen.kernels.rms_norm import rms_norm
 
-            out = rms_norm(_rows(x), self.weight, self.eps)
+            out = rms_norm(as_rows(x), self.weight, self.eps)
             return out.view(*x.shape[:-1], out.shape[-1])
         return rms_norm_torch(x, self.weight, self.eps)
 
@@ -42,13 +42,13 @@ class RMSNorm(nn.Module):
         if x.is_cuda and residual.dtype == x.dtype:
             from batchgen.kernels.rms_norm import rms_norm
 
-            out, new_residual = rms_norm(_rows(x), self.weight, self.eps, _rows(residual))
+            out, new_residual = rms_norm(as_rows(x), self.weight, self.eps, as_rows(residual))
             return out.view(*x.shape[:-1], out.shape[-1]), new_residual.view(x.shape)
         x = x + residual
         return self.forward(x), x
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last dim], contiguous within a row (a view when x already is)."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
