@@ -12,18 +12,7 @@ import torch
 from batchgen.forward_context import AttentionMetadata
 from batchgen.kernels.decode_attention import decode_attention
 from batchgen.kernels.prefill_attention import prefill_attention
-from batchgen.kernels.store_kv import store_kv as _store_kv
-
-
-def store_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write k, v [T, Hkv, D] into flat slots of the [pages, page_size, Hkv, D] caches."""
-    _store_kv(k_cache, v_cache, k, v, slot_mapping)
+from batchgen.kernels.store_kv import store_kv  # noqa: F401  (the backend's K/V write)
 
 
 def paged_attention(
