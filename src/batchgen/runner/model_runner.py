@@ -56,7 +56,7 @@ class ModelRunner:
         self.split_plan = split_plan
         # unseeded rows draw from this generator: a run is reproducible for a given seed
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
-        self.page_rows = PageRows(max_num_seqs, max_pages, pin=device.type == "cuda")
+        self.page_rows = PageRows(max_num_seqs, max_pages)
         self.stage = HostStaging(device)
 
     def _width(self, pages: int) -> int:

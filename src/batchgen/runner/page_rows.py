@@ -2,11 +2,12 @@
 
 A decode step changes a request's page list by at most one page, so rebuilding every
 table from Python lists each step (O(batch x pages)) is waste. Each request keeps a row
-of a pinned int64 array while it runs; a step writes only the pages added since the last
-one, and the step's tables are numpy gathers of rows:
+of an int64 array while it runs; a step writes only the pages added since the last
+one, and the step's tables are numpy gathers of rows (copied on to the device with the
+step's other inputs):
 
-    rows (max_rows x max_pages, pinned):   row 0  | 12 13 40 41 .. |   <- request "a"
-                                           row 1  | 7  9  .       |   <- request "b"
+    rows (max_rows x max_pages):  row 0  | 12 13 40 41 .. |   <- request "a"
+                                  row 1  | 7  9  .       |   <- request "b"
     synced[row] = (the page list mirrored, how many of its entries are written)
 
 A row is rewritten whole when its request's page list is a different object (swap-in,
@@ -16,15 +17,13 @@ recompute, a re-created pool) or shrank; rows of released requests are reused.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 
 class PageRows:
-    def __init__(self, max_rows: int, max_pages: int, pin: bool) -> None:
+    def __init__(self, max_rows: int, max_pages: int) -> None:
         self.max_rows = max_rows
         self.max_pages = max_pages
-        self.tensor = torch.zeros(max_rows, max_pages, dtype=torch.int64, pin_memory=pin)
-        self.table = self.tensor.numpy()
+        self.table = np.zeros((max_rows, max_pages), dtype=np.int64)
         self._row_of: dict[str, int] = {}
         self._free = list(range(max_rows - 1, -1, -1))
         self._source: list[list[int] | None] = [None] * max_rows
@@ -69,7 +68,3 @@ class PageRows:
                 written[row] = len(pages)
             out.append(row)
         return out
-
-    def gather(self, rows: list[int] | np.ndarray, width: int) -> np.ndarray:
-        """[len(rows), width] copy of the rows' first width entries."""
-        return self.table[np.asarray(rows, dtype=np.int64), :width]
