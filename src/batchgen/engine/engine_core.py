@@ -275,9 +275,7 @@ class EngineCore:
                 return self._finish_step(sched, self.runner.execute(sched))
             self._in_flight = self.runner.launch_decode(sched)
         current = self._in_flight
-        following = next_decode(
-            current.sched, self.scheduler, self.kv, self.requests, self.max_model_len
-        )
+        following = next_decode(current.sched, self.scheduler, self.kv, self.requests)
         if following is not None and not self.runner.can_launch_decode(following):
             following = None
         self._in_flight = (

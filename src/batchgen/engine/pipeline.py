@@ -30,31 +30,26 @@ def next_decode(
     scheduler: Scheduler,
     kv: KVCacheManager,
     requests: dict[str, Request],
-    max_model_len: int,
 ) -> SchedulerOutput | None:
     """The decode step after `queued` (a decode step whose tokens are not known yet), or
     None when it cannot be built blind: a waiting request could be admitted now or once
-    a request ends by length with `queued`, or pages run short. Its requests' input tokens are placeholders (-1): the runner reads the
-    tokens `queued` samples on the device."""
+    a request ends by length with `queued`, or pages run short. Its requests' input
+    tokens are placeholders (-1): the runner reads the tokens `queued` samples on the
+    device."""
     if could_admit(scheduler, kv):
         return None
-    nxt = SchedulerOutput(released_ids=scheduler.take_released())
+    following = []
     for s in queued.requests:
         req = requests.get(s.request_id)
         if req is None or req.is_finished:
             continue
-        if (
-            len(req.output_token_ids) + 1 >= req.max_tokens
-            or len(req.token_ids) + 1 >= max_model_len
-        ):
+        if scheduler.reaches_length(req, ahead=1):  # its token from `queued` is its last
             if scheduler.waiting:  # its seat goes to a waiting request: schedule() admits
-                scheduler.restore_released(nxt.released_ids)
                 return None
-            continue  # its token from `queued` is its last one
+            continue
         if not kv.allocate(req.request_id, s.start + 2):
-            scheduler.restore_released(nxt.released_ids)
             return None
-        nxt.requests.append(
+        following.append(
             ScheduledRequest(
                 req.request_id,
                 [-1],
@@ -66,4 +61,6 @@ def next_decode(
                 req.output_token_ids,
             )
         )
-    return nxt if nxt.requests else None
+    if not following:
+        return None
+    return SchedulerOutput(following, released_ids=scheduler.take_released())

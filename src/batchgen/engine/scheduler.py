@@ -66,9 +66,6 @@ class Scheduler:
         out, self._released = self._released, []
         return out
 
-    def restore_released(self, ids: list[str]) -> None:
-        self._released[:0] = ids
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -177,9 +174,17 @@ class Scheduler:
                 return "stop", None
             if token in p.stop_token_ids:
                 return "stop", token
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if self.reaches_length(req):
             return "length", None
         return None
+
+    def reaches_length(self, req: Request, ahead: int = 0) -> bool:
+        """The request is at its length limit (max_tokens or max_model_len) once it has
+        `ahead` more tokens."""
+        return (
+            len(req.output_token_ids) + ahead >= req.max_tokens
+            or len(req.token_ids) + ahead >= self.max_model_len
+        )
 
     def abort(self, req: Request) -> None:
         """Drop a request wherever it is, releasing its pages."""
