@@ -32,6 +32,20 @@ class EngineConfig:
 
     seed seeds the generator that requests without their own seed sample from, so a run
     is reproducible (requests with a seed do not depend on it).
+
+    admission orders the waiting requests: "prefix" admits first those whose prompt
+    starts with pages already cached (longest first) and holds back a request whose next
+    uncached page a running request is computing, so one computed prefix serves many
+    requests; "arrival" admits in arrival order (what vLLM does).
+
+    tier_policy decides when the host tier loads KV instead of recomputing it: "auto"
+    loads (host prefix hits, swap-ins) only where moving a token's KV over the measured
+    copy rate costs less than recomputing it at the measured prefill rate, and otherwise
+    leaves the tier idle (no write-through, preemption recomputes); "always" loads and
+    swaps whatever it costs.
+
+    load_format "dummy" builds the model with random weights from its config alone (no
+    checkpoint read): for benchmarks, as in vLLM.
     """
 
     model: str | None = None
@@ -53,6 +67,9 @@ class EngineConfig:
     pipeline_decode: bool = True
     cache_dir: str | None = None
     seed: int = 0
+    admission: str = "prefix"
+    tier_policy: str = "auto"
+    load_format: str = "auto"
     batchgen_debug: bool = False
 
     def __post_init__(self) -> None:
@@ -88,6 +105,14 @@ class EngineConfig:
             raise ValueError(
                 f"decode_append must be 'off', 'batched' or 'layer', got {self.decode_append!r}"
             )
+        for name, allowed in (
+            ("admission", ("prefix", "arrival")),
+            ("tier_policy", ("auto", "always")),
+            ("load_format", ("auto", "dummy")),
+        ):
+            if getattr(self, name) not in allowed:
+                choices = " or ".join(repr(a) for a in allowed)
+                raise ValueError(f"{name} must be {choices}, got {getattr(self, name)!r}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
 

@@ -224,7 +224,16 @@ def test_unknown_llm_kwarg_is_a_type_error(model_dir):
 
 
 @pytest.mark.parametrize(
-    "kwarg, value", [("page_size", 0), ("max_num_seqs", -1), ("dtype", "int3"), ("device", "tpu")]
+    "kwarg, value",
+    [
+        ("page_size", 0),
+        ("max_num_seqs", -1),
+        ("dtype", "int3"),
+        ("device", "tpu"),
+        ("admission", "lpm"),
+        ("tier_policy", "never"),
+        ("load_format", "pt"),
+    ],
 )
 def test_bad_llm_value_names_it(model_dir, kwarg, value):
     with pytest.raises(ValueError, match=kwarg):

@@ -140,6 +140,7 @@ class Scheduler:
         """Advance counters, append sampled tokens, finish on token-level stops.
         Returns the requests that got a new token this step."""
         cache_computed, computed = self.kv.cache_computed, 0
+        live = []  # (id, start, n) of the requests this step computed for
         for s in sched.requests:
             req = requests.get(s.request_id)
             if req is None or req.is_finished:  # stopped while a pipelined step was queued
@@ -148,11 +149,10 @@ class Scheduler:
             req.num_computed_tokens += n
             computed += n
             cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+            live.append((s.request_id, s.start, n))
         self.num_computed_tokens_total += computed
         if self.kv.mirror is not None:
-            self.kv.after_step(
-                [(s.request_id, s.start, len(s.new_token_ids)) for s in sched.requests]
-            )
+            self.kv.after_step(live)
         advanced = []
         for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
             req = requests.get(rid)

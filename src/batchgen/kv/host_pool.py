@@ -30,6 +30,10 @@ class HostPool:
         )
         self.kv = torch.empty(shape, dtype=layout.dtype, pin_memory=pin)
 
+    def page(self, page: int) -> torch.Tensor:
+        """One host page, [num_layers, 2, page_size, num_kv_heads, head_dim] (a view)."""
+        return self.kv[page]
+
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()

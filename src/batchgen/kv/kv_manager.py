@@ -46,16 +46,32 @@ class KVCacheManager:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def page_hashes(self, request_id: str, token_ids: list[int]) -> list[bytes]:
+        """Chained hashes of the request's full pages (kept, extended as tokens grow)."""
+        hashes = self._hashes.get(request_id)
+        if hashes is None or len(hashes) < len(token_ids) // self.page_size:
+            hashes = hash_full_pages(token_ids, self.page_size, hashes)
+            self._hashes[request_id] = hashes
+        return hashes
+
     def lookup_prefix(self, request_id: str, token_ids: list[int]) -> PrefixHit:
         """Cached pages for the request's longest hit; at least one token stays to compute."""
-        hashes = hash_full_pages(token_ids, self.page_size, self._hashes.get(request_id))
-        self._hashes[request_id] = hashes
+        hashes = self.page_hashes(request_id, token_ids)
         max_pages = (len(token_ids) - 1) // self.page_size
         device = self.allocator.lookup(hashes[:max_pages])
         if self.mirror is None or not self.allocator.enable_caching:
             return PrefixHit(device)
         host = self.mirror.tier.lookup(hashes[:max_pages])
         return PrefixHit(device, host[len(device) :], host)
+
+    def cached_prefix_pages(self, request_id: str, token_ids: list[int]) -> int:
+        """Pages of the request's longest cached prefix (device, then host), as
+        lookup_prefix would find it, without counting a query: for admission order."""
+        hashes = self.page_hashes(request_id, token_ids)[: (len(token_ids) - 1) // self.page_size]
+        device = len(self.allocator.lookup(hashes))
+        if self.mirror is None or not self.allocator.enable_caching or device == len(hashes):
+            return device
+        return max(device, len(self.mirror.tier.host_alloc.lookup(hashes)))
 
     def hit_tokens(self, hit: list[int]) -> int:
         return (len(hit) + len(getattr(hit, "host_pages", ()))) * self.page_size
