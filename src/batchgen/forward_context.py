@@ -54,6 +54,9 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     attention_backend: str = "torch"  # "torch" (reference) or "triton"
     on_kv_written: Callable[[int], None] | None = None  # hook(layer) after its K/V write
+    # hook(layer) before a layer touches its KV pages: waits for the pages a copy loads
+    # into that layer (or must read from it first) on the compute stream
+    before_layer: Callable[[int], None] | None = None
 
 
 _current: ForwardContext | None = None

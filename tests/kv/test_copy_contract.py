@@ -48,7 +48,7 @@ def _submitted(node, parents, tree) -> bool:
 
 
 def test_copy_bodies_are_only_called_inside_submitted_closures():
-    assert {"device_to_host_pages", "host_to_device_pages", "device_to_host_slots"} <= COPY_BODIES
+    assert {"device_to_host_pages", "host_to_device_pages"} <= COPY_BODIES
     calls = 0
     for path in KV_DIR.glob("*.py"):
         if path.name == "page_copies.py":
@@ -91,12 +91,12 @@ def test_submit_records_the_producer_event_on_the_current_stream_at_call_time():
     )
     src = ast.unparse(submit)
     assert "record(torch.cuda.current_stream(" in src
-    assert "self._tasks.put" in src
+    assert "q.put(" in src
     record = src.index("record(torch.cuda.current_stream(")
-    assert record < src.index("self._tasks.put"), "the event must be recorded before queueing"
+    assert record < src.index("q.put("), "the event must be recorded before queueing"
     assert "handle" not in src.split("record(")[0].split("if self.cuda")[-1]
     run = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_run")
     body = ast.unparse(run)
-    assert body.index("stream.wait_event(producer)") < body.index("copy()"), (
+    assert body.index("stream.wait_event(producer)") < body.index("copy(handle)"), (
         "the copy stream must wait for the producer before copying"
     )

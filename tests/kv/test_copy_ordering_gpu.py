@@ -1,19 +1,20 @@
-"""GPU regression tests for the copy-ordering contract.
+"""GPU regression tests for the copy-ordering contract, one per copy path.
 
-Each scenario delays the compute (default) stream with a spin kernel, issues the write
-the copy depends on, then the copy. With the ordering (the producer event recorded at
-call time and awaited by the copy stream) the copy sees the write; with it removed
-(CopyEngine(ordered=False), a test-only argument) the copy races ahead and the data is
-wrong, so the unordered runs are strict xfails: if they ever pass, the test is no longer
-able to see the race.
+Each scenario delays one side with a spin kernel, issues the write the copy depends on,
+then the copy (or the compute that depends on the copy). With the ordering in place the
+right value is read. In the unordered variant one piece of the ordering is removed (the
+producer wait: CopyEngine(ordered=False), a test-only argument; a consumer wait: patched
+out) and the test must fail on its assertion that the stale value was read — a strict
+xfail limited to AssertionError, so any other error still fails the test.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import save_tiny_model
 
-from batchgen.kv.copy_engine import CopyEngine
+from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_allocator import PageAllocator
@@ -24,73 +25,170 @@ from batchgen.layers.attention_torch import store_kv
 pytestmark = pytest.mark.gpu
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
-SPIN = 200_000_000  # cycles the default stream spins before the producing write (~0.1 s)
-ORDERING = [
-    pytest.param(True, id="ordered"),
-    pytest.param(
-        False,
-        id="unordered",
-        marks=pytest.mark.xfail(
-            strict=True, reason="ordering removed: the copy must race the producer"
-        ),
-    ),
-]
+SPIN = 200_000_000  # cycles a stream spins (~0.1 s)
+STALE = pytest.mark.xfail(strict=True, raises=AssertionError, reason="ordering removed")
+ORDERING = [pytest.param(True, id="ordered"), pytest.param(False, id="unordered", marks=STALE)]
 
 
-def make(ordered: bool):
+def make(ordered: bool = True):
     device = torch.device("cuda")
     assert torch.cuda.current_stream().cuda_stream == 0, "runs on the default stream"
     pool = PagePool(LAYOUT, 64, device)
     alloc = PageAllocator(64)
-    tier = TieredKVManager(
-        pool, HostPool(LAYOUT, 16, pin=True), alloc, CopyEngine(device, ordered=ordered)
-    )
+    host = HostPool(LAYOUT, 16, pin=True)
+    host.kv.fill_(-1)
+    tier = TieredKVManager(pool, host, alloc, CopyEngine(device, ordered=ordered))
     return tier, alloc
 
 
+def host_page(tier, page_hash):
+    (page,) = tier.lookup([page_hash])
+    return tier.host_pool.page(page)
+
+
+def no_wait(monkeypatch, *names):
+    for name in names:
+        monkeypatch.setattr(CopyHandle, name, lambda self, *a: None)
+
+
 @pytest.mark.parametrize("ordered", ORDERING)
-def test_offload_right_after_the_kernel_that_writes_its_source(ordered):
+def test_write_through_right_after_the_kernel_that_writes_its_source(ordered):
     tier, alloc = make(ordered)
     page = alloc.allocate(1)
-    host = tier.host_alloc.allocate(1)
-    tier.host_pool.kv[host[0]].fill_(-1)
     torch.cuda._sleep(SPIN)
     tier.device_pool.kv[:, :, page[0]].fill_(7.0)  # the producer, on the default stream
-    tier.prepare_store(page, host, [None], [16], "offload")
+    tier.queue_store(page, [b"wt"], "write_through", "r")
+    tier.flush()
     tier.drain()
-    assert bool((tier.host_pool.kv[host[0]] == 7.0).all())
+    assert bool((host_page(tier, b"wt") == 7.0).all())
 
 
 @pytest.mark.parametrize("ordered", ORDERING)
-def test_decode_append_right_after_the_token_kv_write(ordered):
+def test_write_back_reads_the_evicted_page_after_its_last_write(ordered):
     tier, alloc = make(ordered)
     page = alloc.allocate(1)[0]
-    host = tier.host_alloc.allocate(1)[0]
-    s = LAYOUT.page_size
-    layer = 2
-    k = torch.randn(1, 8, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    slot = torch.tensor([page * s + 5], device="cuda")
-    k_cache, v_cache = tier.device_pool.layer_caches()[layer]
     torch.cuda._sleep(SPIN)
-    store_kv(k_cache, v_cache, k, v, slot)  # the token's K/V write
-    tier.append_slots([page * s + 5], [host * s + 5], layer, "append")
+    tier.device_pool.kv[:, :, page].fill_(7.0)  # the old owner's last write
+    tier.queue_write_back(page, b"wb", "write_back", "r")
+    (store,) = tier.flush()
+    store.wait_layer(0)  # the step's forward waits before the new owner writes
+    tier.device_pool.kv[:, :, page].fill_(9.0)
     tier.drain()
-    got = tier.host_pool.kv[host, layer, :, 5]
-    assert torch.equal(got[0], k[0].cpu()) and torch.equal(got[1], v[0].cpu())
+    assert bool((host_page(tier, b"wb") == 7.0).all())
+
+
+@pytest.mark.parametrize("wait", [True, pytest.param(False, id="no-wait", marks=STALE)])
+def test_new_owner_writes_an_evicted_page_only_after_the_write_back_read_it(wait):
+    tier, alloc = make()
+    page = alloc.allocate(1)[0]
+    tier.device_pool.kv[:, :, page].fill_(7.0)
+    torch.cuda.synchronize()
+    stream = tier.copies.streams[0]  # the write-back's stream starts late
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SPIN)
+    tier.queue_write_back(page, b"wb", "write_back", "r")
+    (store,) = tier.flush()
+    if wait:
+        store.wait_layer(0)
+    tier.device_pool.kv[:, :, page].fill_(9.0)  # the new owner's K/V write
+    tier.drain()
+    assert bool((host_page(tier, b"wb") == 7.0).all())
+
+
+@pytest.mark.parametrize("ordered", ORDERING)
+def test_layer_store_right_after_the_token_kv_write(ordered):
+    tier, alloc = make(ordered)
+    page = alloc.allocate(1)[0]
+    host = tier.host_alloc.allocate(1)
+    s = LAYOUT.page_size
+    k = torch.randn(s, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.arange(page * s, page * s + s, device="cuda")
+    torch.cuda._sleep(SPIN)
+    for layer in range(LAYOUT.num_layers):
+        k_cache, v_cache = tier.device_pool.layer_caches()[layer]
+        store_kv(k_cache, v_cache, k, v, slots)  # the tokens' K/V write
+        tier.store_layer([page], host, layer, [b"ls"], ["r"])
+    tier.drain()
+    got = host_page(tier, b"ls")
+    assert torch.equal(got[:, 0], k.cpu().expand(LAYOUT.num_layers, *k.shape))
+    assert torch.equal(got[:, 1], v.cpu().expand(LAYOUT.num_layers, *v.shape))
+
+
+@pytest.mark.parametrize("wait", [True, pytest.param(False, id="no-wait", marks=STALE)])
+def test_load_of_a_host_page_waits_for_the_store_writing_it(wait, monkeypatch):
+    tier, alloc = make()
+    src = alloc.allocate(1)
+    tier.device_pool.kv[:, :, src[0]].fill_(7.0)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(tier.copies.streams[0]):  # the store's stream starts late
+        torch.cuda._sleep(SPIN)
+    tier.queue_store(src, [b"sl"], "write_through", "r")
+    tier.flush()
+    (host,) = list(tier._writing)  # in flight: not in the host cache yet
+    if not wait:
+        no_wait(monkeypatch, "wait_on_current_stream")  # the store-before-load wait
+    dst = alloc.allocate(1)
+    tier.queue_load([host], dst, "prefix_load", "r")
+    (load,) = tier.flush()
+    load.wait_gates()
+    got = tier.device_pool.kv[:, :, dst[0]].clone()
+    tier.drain()
+    assert bool((got == 7.0).all())
 
 
 @pytest.mark.parametrize("ordered", ORDERING)
 def test_load_after_the_pool_is_recreated_with_torch_zeros(ordered):
     tier, alloc = make(ordered)
     host = tier.host_alloc.allocate(1)
-    tier.host_pool.kv[host[0]].fill_(5.0)
+    tier.host_pool.kv[:, host[0]].fill_(5.0)
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)
-    tier.device_pool = PagePool(LAYOUT, 64, torch.device("cuda"))  # memset after the spin
+    tier.attach_device(PagePool(LAYOUT, 64, torch.device("cuda")), alloc)  # memset after spin
     page = alloc.allocate(1)
-    handle = tier.prepare_load(host, page, "load")
-    handle.wait_on_current_stream()
+    tier.queue_load(host, page, "prefix_load", "r")
+    (load,) = tier.flush()
+    load.wait_gates()
     got = tier.device_pool.kv[:, :, page[0]].clone()
     tier.drain()
     assert bool((got == 5.0).all())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ordering-llama")
+    save_tiny_model(path, "LlamaForCausalLM")
+    return str(path)
+
+
+@pytest.mark.parametrize("wait", [True, pytest.param(False, id="no-wait", marks=STALE)])
+def test_forward_waits_layer_by_layer_for_a_host_prefix_load(wait, model_dir, monkeypatch):
+    """A prefix evicted to host comes back through the engine; its load is held back by
+    a spin on the copy streams, so only the runner's per-layer wait makes the forward
+    read the loaded pages instead of the zeros of a re-created pool."""
+    from batchgen import LLM, SamplingParams
+
+    llm = LLM(
+        model=model_dir,
+        device="cuda",
+        dtype="float32",
+        page_size=16,
+        num_kv_pages=64,
+        host_kv_size_gib=0.05,
+        tier_policy="always",
+        enforce_eager=True,
+    )
+    prompt = [[(7 * i) % 500 + 3 for i in range(80)]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
+    llm.engine.reconfigure(64)  # the prefix (shared: hit once) goes to host; zeros after
+    torch.cuda.synchronize()
+    for stream in llm.engine.tier.copies.streams:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SPIN)
+    if not wait:
+        no_wait(monkeypatch, "wait_layer", "wait_gates")
+    again = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.engine.metrics()["host_prefix_hit_pages"] > 0
+    assert again == ref

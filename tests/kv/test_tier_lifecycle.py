@@ -1,5 +1,9 @@
 """TieredKVManager bookkeeping on the CPU: pages in flight are never freed, evicted or
-reused; host LRU order; batchgen_debug readback."""
+reused; a load waits for the store writing its host pages; host LRU order; the copy
+worker pauses for graph captures; batchgen_debug readback.
+
+On the CPU each copy stream has its own worker thread, so copies on two streams run
+concurrently: a missing wait between them is seen here, not only on a GPU."""
 
 from __future__ import annotations
 
@@ -17,89 +21,117 @@ from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tiered import KVReadbackError, TieredKVManager
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float32)
+PAUSE = 0.3  # seconds a copy that must wait is given to (wrongly) run
 
 
 def make(dev_pages=6, host_pages=4, debug=False):
     pool = PagePool(LAYOUT, dev_pages, torch.device("cpu"))
     pool.kv.normal_()
     alloc = PageAllocator(dev_pages)
-    tier = TieredKVManager(
-        pool,
-        HostPool(LAYOUT, host_pages, pin=False),
-        alloc,
-        CopyEngine(torch.device("cpu")),
-        debug=debug,
-    )
+    host = HostPool(LAYOUT, host_pages, pin=False)
+    host.kv.fill_(-1.0)  # a page nothing wrote reads -1
+    tier = TieredKVManager(pool, host, alloc, CopyEngine(torch.device("cpu")), debug=debug)
     return tier, alloc
 
 
-def gate(tier):
-    """Block the copy worker until the returned event is set (copies queue behind it)."""
+def block_streams(tier, streams=None):
+    """Queue a task that blocks until the returned event is set on each copy stream (or
+    on the next `streams` of them): copies submitted after it on that stream wait."""
     ev = threading.Event()
-    tier.copies.submit("gate", 0, lambda: ev.wait(10))
+    for _ in range(streams or len(tier.copies._queues)):
+        tier.copies.submit("gate", 0, lambda h: ev.wait(10))
     return ev
 
 
-def test_device_pages_read_by_a_store_are_not_freed_until_it_completes():
+def device_page(tier, page):
+    return tier.device_pool.kv[:, :, page]  # [L, 2, S, H, D]
+
+
+def test_store_holds_its_device_pages_and_registers_host_pages_on_completion():
     tier, alloc = make()
     pages = alloc.allocate(2)
-    host = tier.host_alloc.allocate(2)
-    expected = tier.device_pool.kv[:, :, pages].clone()
-    release = gate(tier)
-    tier.prepare_store(pages, host, [None, None], [4, 4], "r")
+    expected = [device_page(tier, p).clone() for p in pages]
+    release = block_streams(tier)
+    tier.queue_store(pages, [b"h0", b"h1"], "write_through", "request r")
+    tier.flush()
     alloc.free(pages)  # the request lets go; the copy still holds them
     assert all(alloc.ref_count[p] == 1 for p in pages)
-    grabbed = alloc.allocate(alloc.num_free)  # everything allocatable
+    grabbed = alloc.allocate(alloc.num_free)
     assert not set(grabbed) & set(pages)
+    assert tier.lookup([b"h0"]) == []  # not findable before its write completes
+    assert tier.holds(b"h0")  # but known to be on its way
     tier.poll()
     assert tier.num_in_flight == 1  # blocked: nothing completes early
     release.set()
     tier.drain()
     assert all(alloc.ref_count[p] == 0 for p in pages)
-    assert torch.equal(tier.host_pool.kv[host].permute(1, 2, 0, 3, 4, 5), expected)
+    host = tier.lookup([b"h0", b"h1"])
+    assert len(host) == 2
+    for h, want in zip(host, expected):
+        assert torch.equal(tier.host_pool.page(h), want)
 
 
-def test_host_pages_written_by_a_store_are_not_evicted_until_it_completes():
-    tier, alloc = make(host_pages=2)
-    pages = alloc.allocate(2)
-    host = tier.host_alloc.allocate(2)
-    release = gate(tier)
-    tier.prepare_store(pages, host, [b"h0", b"h1"], [4, 4], "r")
-    tier.host_alloc.free(host)  # the owner lets go while the copy is in flight
-    assert tier.host_alloc.num_free == 0
-    with pytest.raises(RuntimeError):
-        tier.host_alloc.allocate(1)
-    assert tier.lookup([b"h0"]) == []  # not findable before its write completes
-    release.set()
-    tier.drain()
-    assert tier.lookup([b"h0", b"h1"]) == host
-    assert tier.host_alloc.num_free == 2  # free but cached
-
-
-def test_load_waits_for_a_store_in_flight_and_holds_host_pages():
+def test_load_waits_for_the_store_writing_its_host_pages():
     tier, alloc = make()
     src = alloc.allocate(1)
-    host = tier.host_alloc.allocate(1)
-    release = gate(tier)
-    tier.prepare_store(src, host, [b"x"], [4], "r")
+    release = block_streams(tier, streams=1)  # blocks the stream the store will go to
+    tier.copies.submit("spacer", 0, lambda h: None)  # the load goes to the free stream
+    tier.queue_store(src, [b"x"], "write_through", "r")
+    tier.flush()
+    host = tier.host_alloc.lookup([b"x"]) or list(tier._writing)  # in flight: not cached
     dst = alloc.allocate(1)
-    tier.prepare_load(host, dst, "r")
-    tier.host_alloc.free(host)
-    assert tier.host_alloc.ref_count[host[0]] == 2  # held by the store and the load
+    tier.queue_load(host, dst, "prefix_load", "r")
+    (load,) = tier.flush()
+    assert not load.completed.wait(PAUSE), "the load ran before the store wrote its page"
     release.set()
     tier.drain()
-    assert torch.equal(tier.device_pool.kv[:, :, dst], tier.device_pool.kv[:, :, src])
-    assert tier.host_alloc.ref_count[host[0]] == 0
+    assert torch.equal(device_page(tier, dst[0]), device_page(tier, src[0]))
+
+
+def test_load_holds_host_and_destination_pages_until_it_completes():
+    tier, alloc = make()
+    tier.queue_store(alloc.allocate(1), [b"p"], "write_through", "r")
+    tier.flush()
+    tier.drain()
+    host = tier.lookup([b"p"])
+    dst = alloc.allocate(2)
+    release = block_streams(tier)
+    tier.queue_load(host, dst[:1], "prefix_load", "r")
+    (load,) = tier.flush()
+    alloc.free(dst)  # the step failed and its request was aborted
+    assert alloc.ref_count[dst[0]] == 1 and alloc.ref_count[dst[1]] == 0
+    assert dst[0] not in alloc.allocate(alloc.num_free)  # never handed to someone else
+    assert tier.host_alloc.ref_count[host[0]] == 1
+    with pytest.raises(RuntimeError):
+        tier.host_alloc.allocate(tier.host_alloc.num_pages)  # held: not evictable
+    release.set()
+    tier.drain()
+    assert alloc.ref_count[dst[0]] == 0 and tier.host_alloc.ref_count[host[0]] == 0
+
+
+def test_write_back_copies_an_evicted_page_before_its_new_owner_writes_it():
+    tier, alloc = make()
+    page = alloc.allocate(1)[0]
+    old = device_page(tier, page).clone()
+    release = block_streams(tier)
+    tier.queue_write_back(page, b"evicted", "write_back", "a cached prefix page")
+    (store,) = tier.flush()
+    assert alloc.ref_count[page] == 1  # not held: the new owner has it already
+    assert not store.gates[0].event.wait(PAUSE)
+    release.set()
+    store.wait_layer(0)  # the forward's wait: the source has been read
+    device_page(tier, page).fill_(3.0)  # the new owner writes
+    tier.drain()
+    assert torch.equal(tier.host_pool.page(tier.lookup([b"evicted"])[0]), old)
 
 
 def test_host_lru_evicts_the_oldest_cached_page_first():
     tier, alloc = make(host_pages=3)
     dev = alloc.allocate(3)
     for i in range(3):
-        h = tier.host_alloc.allocate(1)
-        tier.prepare_store([dev[i]], h, [bytes([i])], [4], "r")
+        tier.queue_store([dev[i]], [bytes([i])], "write_through", "r")
+        tier.flush()
         tier.drain()
-        tier.host_alloc.free(h)
     assert tier.lookup([bytes([0])]) and tier.lookup([bytes([2])])
     tier.host_alloc.touch(tier.lookup([bytes([0])]))  # page 0 used again: now newest
     tier.host_alloc.free(tier.lookup([bytes([0])]))
@@ -108,59 +140,77 @@ def test_host_lru_evicts_the_oldest_cached_page_first():
     assert tier.lookup([bytes([0])]) and tier.lookup([bytes([2])])
 
 
-def test_append_fills_host_slots_and_holds_device_pages():
-    tier, alloc = make()
-    dev = alloc.allocate(1)
-    host = tier.host_alloc.allocate(1)
-    s = LAYOUT.page_size
-    release = gate(tier)
-    tier.append_slots(
-        [dev[0] * s + 1, dev[0] * s + 2], [host[0] * s + 1, host[0] * s + 2], None, "append"
-    )
-    alloc.free(dev)
-    assert alloc.ref_count[dev[0]] == 1
-    release.set()
+def test_a_full_host_pool_offloads_what_fits_and_releases_the_rest():
+    tier, alloc = make(host_pages=1)
+    pages = alloc.allocate(3)
+    assert tier.queue_store(pages, [b"a", b"b", b"c"], "write_through", "r") == 1
+    tier.flush()
     tier.drain()
-    got = tier.host_pool.kv[host[0], :, :, 1:3]
-    assert torch.equal(got, tier.device_pool.kv[:, :, dev[0], 1:3])
-    assert alloc.ref_count[dev[0]] == 0
+    assert [alloc.ref_count[p] for p in pages] == [1, 1, 1]  # only the owner's references
+    assert tier.lookup([b"a"]) and not tier.holds(b"b")
+
+
+def test_paused_blocks_new_copies_and_waits_for_the_one_issuing():
+    engine = CopyEngine(torch.device("cpu"))
+    running, release = threading.Event(), threading.Event()
+    engine.submit("slow", 0, lambda h: (running.set(), release.wait(10)))
+    assert running.wait(5)
+    entered = threading.Event()
+
+    def pause():
+        with engine.paused():
+            entered.set()
+            ran = engine.submit("queued", 0, lambda h: None)
+            ran2 = engine.submit("queued", 0, lambda h: None)
+            assert not ran.completed.wait(PAUSE) and not ran2.completed.wait(0)
+        ran.synchronize()
+        ran2.synchronize()
+
+    t = threading.Thread(target=pause)
+    t.start()
+    assert not entered.wait(PAUSE), "paused() returned while a copy was being issued"
+    release.set()
+    t.join(10)
+    assert entered.is_set() and not t.is_alive()
 
 
 def test_debug_readback_names_request_layer_and_page(monkeypatch):
     tier, alloc = make(debug=True)
     pages = alloc.allocate(1)
-    host = tier.host_alloc.allocate(1)
     real = page_copies.device_to_host_pages
 
-    def corrupting(dev_kv, host_kv, dev_pages, host_pages):
-        kept = real(dev_kv, host_kv, dev_pages, host_pages)
-        host_kv[host_pages[0], 1, 0, 0, 0, 0] += 1.0  # layer 1 differs
+    def corrupting(dev_kv, host_kv, dev_pages, host_pages, *args, **kw):
+        kept = real(dev_kv, host_kv, dev_pages, host_pages, *args, **kw)
+        host_kv[1, host_pages[0], 0, 0, 0, 0] += 1.0  # layer 1 differs
         return kept
 
     monkeypatch.setattr("batchgen.kv.tiered.device_to_host_pages", corrupting)
-    tier.prepare_store(pages, host, [None], [4], "request r7")
+    tier.queue_store(pages, [b"q"], "write_through", "request r7")
     with pytest.raises(KVReadbackError, match=r"request r7: layer 1 of device page \d+"):
-        tier.drain()
+        tier.flush()
 
 
 def test_debug_readback_catches_non_finite_pages():
     tier, alloc = make(debug=True)
     pages = alloc.allocate(1)
     tier.device_pool.kv[0, 1, pages[0], 2] = float("nan")
-    tier.prepare_store(pages, tier.host_alloc.allocate(1), [None], [4], "request q")
+    tier.queue_store(pages, [b"n"], "write_through", "request q")
     with pytest.raises(KVReadbackError, match="request q: non-finite"):
-        tier.drain()
+        tier.flush()
 
 
 def test_no_readback_cost_when_debug_is_off():
     tier, alloc = make(debug=False)
-    tier.prepare_store(alloc.allocate(1), tier.host_alloc.allocate(1), [None], [4], "r")
+    tier.queue_store(alloc.allocate(1), [b"z"], "write_through", "r")
+    tier.flush()
     tier.drain()
-    assert tier.metrics.readback_checks == 0
+    assert tier.metrics.readback_checks == 0 and tier.metrics.pages_offloaded == 1
 
 
 def test_copy_errors_surface_to_the_waiter():
     engine = CopyEngine(torch.device("cpu"))
-    handle = engine.submit("boom", 0, lambda: 1 / 0)
+    handle = engine.submit("boom", 0, lambda h: 1 / 0, num_gates=1)
     with pytest.raises(RuntimeError, match="boom copy failed"):
         handle.synchronize()
+    with pytest.raises(RuntimeError, match="boom copy failed"):
+        handle.wait_layer(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from dataclasses import dataclass
@@ -12,12 +13,16 @@ from torch.profiler import record_function
 from batchgen.config import EngineConfig
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.limits import eos_token_ids, max_model_len
-from batchgen.engine.memory import plan_num_pages, warmup_forward
+from batchgen.engine.memory import (
+    copy_bytes_per_second,
+    plan_num_pages,
+    recompute_seconds_per_token,
+    warmup_forward,
+)
 from batchgen.engine.pipeline import next_decode
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.copy_engine import CopyEngine
-from batchgen.kv.host_mirror import HostMirror
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
@@ -68,14 +73,11 @@ class EngineCore:
             dtype=dtype,
         )
         num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
-        if num_pages * config.page_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_pages * config.page_size} tokens, fewer than "
-                f"max_model_len={self.max_model_len}: lower max_model_len or give the cache "
-                "more memory"
-            )
+        self._check_pool_size(num_pages)
         self.pool = PagePool(self.layout, num_pages, device)
-        self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_pages, config.page_size, config.enable_prefix_caching, None, config.decode_append
+        )
         self.tier = self._build_tier() if config.host_kv_size_gib > 0 else None
         self.scheduler = Scheduler(
             self.kv,
@@ -134,49 +136,108 @@ class EngineCore:
             self.device,
             self.dtype,
             plan,
+            # rule 6: no copy task issues CUDA work while a graph is captured
+            capture_guard=self.tier.copies.paused if self.tier is not None else None,
         )
 
     def _build_tier(self) -> TieredKVManager:
         host = HostPool.sized(
             self.layout, self.config.host_kv_size_gib, pin=self.device.type == "cuda"
         )
-        copies = CopyEngine(self.device, ordered=True)
+        self.tier_cost = self._tier_cost()
         tier = TieredKVManager(
-            self.pool, host, self.kv.allocator, copies, debug=self.config.batchgen_debug
+            self.pool,
+            host,
+            self.kv.allocator,
+            CopyEngine(self.device),
+            debug=self.config.batchgen_debug,
+            loads_pay=self.tier_cost["loads_pay"],
         )
-        self.kv.mirror = HostMirror(tier, self.config.page_size, self.config.decode_append)
-        logger.info("host KV tier: %d pages (%.2f GiB)", host.num_pages, host.nbytes / 2**30)
+        self.kv.tier = tier
+        logger.info(
+            "host KV tier: %d pages (%.2f GiB); %s",
+            host.num_pages,
+            host.nbytes / 2**30,
+            "loads KV it holds" if tier.loads_pay else "idle: recomputing is cheaper",
+        )
         return tier
+
+    def _tier_cost(self) -> dict:
+        """The cost rule: load a token's KV from host when moving its bytes at the
+        measured copy rate takes less time than recomputing it at the measured prefill
+        rate (tier_policy="always" loads regardless)."""
+        per_token = self.layout.bytes_per_page / self.config.page_size
+        num = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
+        if self.device.type != "cuda":
+            num = min(num, 256)  # keeps a CPU start quick; tiny models are launch-bound
+        recompute = recompute_seconds_per_token(self._profile_forward, num, self.device)
+        load = per_token / copy_bytes_per_second(self.device)
+        loads_pay = self.config.tier_policy == "always" or load < recompute
+        logger.info(
+            "tier cost rule: load %.3g us/token, recompute %.3g us/token -> %s",
+            load * 1e6,
+            recompute * 1e6,
+            "load" if loads_pay else "recompute",
+        )
+        return dict(
+            loads_pay=loads_pay,
+            load_us_per_token=load * 1e6,
+            recompute_us_per_token=recompute * 1e6,
+        )
+
+    def _check_pool_size(self, num_pages: int) -> None:
+        if not isinstance(num_pages, int) or num_pages * self.config.page_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_pages * self.config.page_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}: lower max_model_len or give the cache "
+                "more memory"
+            )
 
     def reconfigure(self, num_pages: int) -> None:
         """Free and re-create the device pool with num_pages pages between steps.
 
-        Running requests are swapped to host first (recomputed if the host is full);
-        swapped requests and host prefixes survive; the device prefix cache starts empty.
+        Running requests are preempted first (their KV kept by the tier where it is
+        active, else recomputed later); swapped requests and host prefixes survive; the
+        device prefix cache starts empty. The old pool is released before the new one
+        is allocated; if that allocation fails, a pool of the old size is re-created and
+        the error raised, so the engine is never left without one.
         """
+        self._check_pool_size(num_pages)
         self._drain()
         for req in list(reversed(self.scheduler.running)):
             self.scheduler.running.remove(req)
             self.scheduler.preempt(req)
         if self.tier is not None:
+            self.kv.keep_cached_on_host()
+            self.kv.take_step_copies()  # nothing may stay queued against the old pool
             self.tier.drain()
+        old_pages = self.pool.num_pages
+        self._release_pool()
+        try:
+            self.pool = PagePool(self.layout, num_pages, self.device)  # torch.zeros: rule 4
+        except (RuntimeError, MemoryError) as e:
+            self.pool = PagePool(self.layout, old_pages, self.device)
+            self._attach_pool()
+            raise RuntimeError(
+                f"reconfigure({num_pages}) could not allocate the KV pool ({e}); "
+                f"it was re-created with its previous {old_pages} pages"
+            ) from e
+        self._attach_pool()
+
+    def _release_pool(self) -> None:
+        """Drop every reference to the device pool so its memory is free for the next."""
         self.runner.set_kv_caches([])
-        del self.pool
+        if self.tier is not None:
+            self.tier.attach_device(None, None)
+        self.pool = None
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.pool = PagePool(self.layout, num_pages, self.device)  # torch.zeros: rule 4
-        old = self.kv
-        self.kv = KVCacheManager(
-            num_pages, self.config.page_size, self.config.enable_prefix_caching, old.mirror
-        )
-        self.kv._hashes = old._hashes
-        self.kv.prefix_hit_tokens = old.prefix_hit_tokens
-        self.kv.prefix_query_tokens = old.prefix_query_tokens
-        self.kv.host_hit_tokens = old.host_hit_tokens
+
+    def _attach_pool(self) -> None:
+        self.kv.resize(self.pool.num_pages)
         if self.tier is not None:
-            self.tier.device_pool = self.pool
-            self.tier.device_alloc = self.kv.allocator
-        self.scheduler.kv = self.kv
+            self.tier.attach_device(self.pool, self.kv.allocator)
         self.runner.set_kv_caches(self.pool.layer_caches())
 
     @classmethod
@@ -222,6 +283,7 @@ class EngineCore:
         req = Request(
             request_id, list(prompt_token_ids), params, max_tokens, arrival=next(self._arrival)
         )
+        self.kv.want(request_id, req.token_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -321,4 +383,5 @@ class EngineCore:
         }
         if self.tier is not None:
             out.update(self.tier.metrics.summary())
+            out.update({f"tier_{k}": v for k, v in self.tier_cost.items()})
         return out

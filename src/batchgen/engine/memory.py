@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -71,3 +72,36 @@ def warmup_forward(
     greedy = SamplingParams(temperature=0)
     request = ScheduledRequest("profile", prompt, 0, list(range(pages)), True, greedy, prompt, [])
     runner.execute(SchedulerOutput([request]))
+
+
+def recompute_seconds_per_token(
+    profile_forward: Callable[[int], None], num_tokens: int, device: torch.device
+) -> float:
+    """Seconds a prefill forward of num_tokens spends per token: the second of two runs
+    (the first compiles and warms up), for the host tier's cost rule."""
+    profile_forward(num_tokens)
+    _sync(device)
+    start = time.perf_counter()
+    profile_forward(num_tokens)
+    _sync(device)
+    return (time.perf_counter() - start) / num_tokens
+
+
+def copy_bytes_per_second(device: torch.device, nbytes: int = 64 * 2**20) -> float:
+    """Host->device bandwidth of one large copy from pinned memory (a plain memory copy
+    on the CPU), for the host tier's cost rule."""
+    cuda = device.type == "cuda"
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=cuda)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(3):
+        dev.copy_(host, non_blocking=cuda)
+    _sync(device)
+    return 3 * nbytes / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

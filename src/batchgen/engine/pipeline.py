@@ -63,4 +63,7 @@ def next_decode(
         )
     if not following:
         return None
-    return SchedulerOutput(following, released_ids=scheduler.take_released())
+    # new pages may have evicted cached ones the tier writes back first
+    return SchedulerOutput(
+        following, wait_for=kv.take_step_copies(), released_ids=scheduler.take_released()
+    )

@@ -93,31 +93,26 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            if req.status == RequestStatus.SWAPPED:
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.kv.swap_in(
-                    req.request_id, req.num_computed_tokens, req.num_computed_tokens + n
-                ):
-                    break
-            else:
-                hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
-                cached = self.kv.hit_tokens(hits)
-                n = min(req.num_tokens - cached, budget)
-                if not self.kv.allocate(req.request_id, cached + n, hits):
-                    break
+            # a swapped request comes back like any other: its full pages from the device
+            # prefix cache or the host, its last partial page recomputed
+            hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
+            cached = self.kv.hit_tokens(hits)
+            n = min(req.num_tokens - cached, budget)
+            if not self.kv.allocate(req.request_id, cached + n, hits):
+                break
+            if req.num_preemptions == 0:
                 self.kv.note_admission(req.num_tokens)
-                req.num_computed_tokens = cached
+            req.num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
         out.released_ids = self.take_released()
-        out.wait_for = self.kv.take_step_loads()
-        if self.kv.mirror is not None:
-            out.on_kv_written = self.kv.layer_append_hook(
-                [(r.request_id, r.num_computed_tokens) for r, n in scheduled if n == 1]
-            )
+        out.on_kv_written = self.kv.layer_store_hook(
+            [(r.request_id, r.num_computed_tokens) for r, n in scheduled if n == 1]
+        )
+        out.wait_for = self.kv.take_step_copies()
         pages = self.kv.pages
         out.requests = [
             ScheduledRequest(  # fields in order: id, new tokens, start, pages, sample, ...
@@ -140,7 +135,6 @@ class Scheduler:
         """Advance counters, append sampled tokens, finish on token-level stops.
         Returns the requests that got a new token this step."""
         cache_computed, computed = self.kv.cache_computed, 0
-        live = []  # (id, start, n) of the requests this step computed for
         for s in sched.requests:
             req = requests.get(s.request_id)
             if req is None or req.is_finished:  # stopped while a pipelined step was queued
@@ -149,10 +143,8 @@ class Scheduler:
             req.num_computed_tokens += n
             computed += n
             cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
-            live.append((s.request_id, s.start, n))
         self.num_computed_tokens_total += computed
-        if self.kv.mirror is not None:
-            self.kv.after_step(live)
+        self.kv.after_step()
         advanced = []
         for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
             req = requests.get(rid)

@@ -3,15 +3,21 @@
     issuing thread                        worker thread (copy stream S)
     ---------------------------------     ---------------------------------------
     producer = Event(); producer.record(  S.wait_event(producer)        (rule 2)
-        torch.cuda.current_stream())      with stream(S): copy ...
-        (rule 1, default stream too)      done.record(S)
-    queue.put(task) ------------------->  task.issued.set()
+        torch.cuda.current_stream())      with stream(S): copy(handle)
+        (rule 1, default stream too)        gate events: handle.mark(layer)
+    queue.put(task) ------------------->  done.record(S); task.issued.set()
 
-Consumers never read a copy's destination before `done` (rule 3): compute waits with
-`handle.wait_on_current_stream()`; host-side readers call `handle.synchronize()`.
-Tensors touched by the copy stay referenced by the task until the handle completes
-(rule 5). On the CPU the same code runs; events are stand-ins and the copy happens on
-the worker thread, so `synchronize()` waits for the worker.
+Consumers never read a copy's destination before it is written (rule 3): compute waits
+with `handle.wait_layer(layer)` (a load's pages of one layer, or a store's source pages
+read) or `handle.wait_on_current_stream()` (all of it); host-side readers call
+`handle.synchronize()`. Tensors touched by the copy stay referenced by the handle until
+it completes (rule 5). No task issues CUDA work inside `paused()` (rule 6: a CUDA-graph
+capture in global mode fails when another thread issues CUDA work).
+
+On the CPU the same code runs with one worker thread per copy stream, so copies on
+different streams run concurrently as they would on a GPU and a missing wait between
+them shows up on the CPU too; a "stream wait" there is the waiting thread blocking until
+the event is set. CPU compute is synchronous, so a producer is always done at call time.
 """
 
 from __future__ import annotations
@@ -20,40 +26,68 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 
+class _Gate:
+    """A point inside a copy that consumers may wait for: a CUDA event on a GPU, a
+    threading.Event on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.event = torch.cuda.Event() if cuda else threading.Event()
+
+    def mark(self) -> None:
+        if isinstance(self.event, threading.Event):
+            self.event.set()
+        else:
+            self.event.record()  # on the copy stream: the worker made it current
+
+    def wait_on_current_stream(self) -> None:
+        if isinstance(self.event, threading.Event):
+            self.event.wait()
+        else:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
 class CopyHandle:
     """A submitted copy: completion can be polled, awaited by the host, or awaited by
-    a stream. `keep` holds the tensors the copy reads or writes until it completes."""
+    a stream, whole or gate by gate. `keep` holds the tensors the copy reads or writes
+    until it completes. `num_gates` gates are points inside the copy (a load marks one
+    per layer once that layer's pages are written; a store marks one once its source
+    pages are read)."""
 
-    def __init__(self, kind: str, nbytes: int, cuda: bool, keep: tuple = ()) -> None:
+    def __init__(self, kind: str, nbytes: int, cuda: bool, num_gates: int = 0) -> None:
         self.kind = kind
         self.nbytes = nbytes
-        self.keep = keep
+        self.keep: tuple = ()
         self.issued = threading.Event()
+        self.completed = threading.Event()  # CPU: the copy ran
         self.error: BaseException | None = None
+        self.cuda = cuda
         self.done_event = torch.cuda.Event(enable_timing=True) if cuda else None
         self.start_event = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.gates = [_Gate(cuda) for _ in range(num_gates)]
         self.cpu_seconds = 0.0
-        self.submitted_at = time.perf_counter()
-        self.completed_at: float | None = None
-        self.on_complete: list[Callable[[], None]] = []
 
     def _wait_issued(self) -> None:
         self.issued.wait()
         if self.error is not None:
             raise RuntimeError(f"{self.kind} copy failed on the copy worker") from self.error
 
+    def mark(self, gate: int) -> None:
+        """Called by the copy body, on its stream, when gate `gate` is reached."""
+        self.gates[gate].mark()
+
     def is_done(self) -> bool:
         if not self.issued.is_set():
             return False
         self._wait_issued()
-        return self.done_event is None or self.done_event.query()
+        return self.done_event.query() if self.cuda else self.completed.is_set()
 
     def copy_seconds(self) -> float:
         """Time the copy itself took on its stream (after its producer was done)."""
@@ -63,18 +97,37 @@ class CopyHandle:
 
     def synchronize(self) -> None:
         self._wait_issued()
-        if self.done_event is not None:
+        if self.cuda:
             self.done_event.synchronize()
+        else:
+            self.completed.wait()
 
     def wait_on_current_stream(self) -> None:
-        """Make the caller's current stream wait for this copy (rule 3)."""
+        """Make the caller's current stream wait for the whole copy (rule 3)."""
         self._wait_issued()
-        if self.done_event is not None:
+        if self.cuda:
             torch.cuda.current_stream().wait_event(self.done_event)
+        else:
+            self.completed.wait()
+
+    def wait_gates(self) -> None:
+        """Wait (on the current stream) for every gate: a load's pages all written, a
+        store's source read; the whole copy without gates."""
+        self.wait_layer(len(self.gates) - 1)
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the caller's current stream wait until what layer `layer` of the forward
+        touches is safe: that layer's loaded pages are written (one gate per layer), or
+        the store's source pages are read (one gate); the whole copy without gates."""
+        self._wait_issued()
+        if not self.gates:
+            self.wait_on_current_stream()
+        else:
+            self.gates[min(layer, len(self.gates) - 1)].wait_on_current_stream()
 
 
 class CopyEngine:
-    """Runs copy tasks on a pool of non-blocking copy streams from one worker thread.
+    """Runs copy tasks on a pool of non-blocking copy streams.
 
     `ordered=False` exists only for the regression tests that prove the ordering is
     needed: it skips the producer-event wait. Nothing else may pass it.
@@ -87,49 +140,93 @@ class CopyEngine:
         self.streams = (
             [torch.cuda.Stream(device=device) for _ in range(num_streams)] if self.cuda else []
         )
-        self._next_stream = 0
-        self._tasks: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._run, name="batchgen-copy", daemon=True)
-        self._worker.start()
+        self._next = 0
+        self._cond = threading.Condition()
+        self._paused = False
+        self._issuing = 0
+        # one worker issues to every CUDA stream; on the CPU one worker per stream
+        self._queues = [queue.Queue() for _ in range(1 if self.cuda else num_streams)]
+        self._workers = [
+            threading.Thread(target=self._run, args=(q,), name="batchgen-copy", daemon=True)
+            for q in self._queues
+        ]
+        for w in self._workers:
+            w.start()
 
-    def submit(self, kind: str, nbytes: int, copy: Callable[[], None], keep: tuple = ()):
-        """Submit `copy` (which issues the actual copies) ordered after all work already
-        queued on the caller's current stream. Every copy path goes through here."""
+    def submit(
+        self, kind: str, nbytes: int, copy: Callable[[CopyHandle], object], num_gates: int = 0
+    ) -> CopyHandle:
+        """Submit `copy(handle)` (which issues the actual copies and returns what they
+        must keep alive) ordered after all work already queued on the caller's current
+        stream. Every copy path goes through here."""
         producer = None
         if self.cuda:
             producer = torch.cuda.Event()
             producer.record(torch.cuda.current_stream(self.device))
-        handle = CopyHandle(kind, nbytes, self.cuda, keep)
-        self._tasks.put((handle, producer, copy))
+        handle = CopyHandle(kind, nbytes, self.cuda, num_gates)
+        q = self._queues[self._next % len(self._queues)]
+        stream = self.streams[self._next % len(self.streams)] if self.cuda else None
+        self._next += 1
+        q.put((handle, producer, copy, stream))
         return handle
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No copy task issues CUDA work while the block runs (copies already issued
+        keep running on their streams; queued ones wait)."""
+        with self._cond:
+            while self._paused:
+                self._cond.wait()
+            self._paused = True
+            while self._issuing:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused = False
+                self._cond.notify_all()
+
     @torch.inference_mode()
-    def _run(self) -> None:
+    def _run(self, tasks: queue.Queue) -> None:
         while True:
-            item = self._tasks.get()
+            item = tasks.get()
             if item is None:
                 return
-            handle, producer, copy = item
+            with self._cond:
+                while self._paused:
+                    self._cond.wait()
+                self._issuing += 1
+            handle, producer, copy, stream = item
+            del item  # the worker keeps no reference to a task once it is issued
             try:
                 if self.cuda:
-                    stream = self.streams[self._next_stream]
-                    self._next_stream = (self._next_stream + 1) % len(self.streams)
                     if self.ordered:
                         stream.wait_event(producer)
                     with torch.cuda.device(self.device), torch.cuda.stream(stream):
                         handle.start_event.record(stream)
-                        copy()
+                        handle.keep = (copy(handle),)
                         handle.done_event.record(stream)
                 else:
                     t0 = time.perf_counter()
-                    copy()
+                    handle.keep = (copy(handle),)
                     handle.cpu_seconds = time.perf_counter() - t0
             except BaseException as e:  # surfaced to whoever waits on the handle
                 handle.error = e
                 logger.exception("copy task %s failed", handle.kind)
+                for gate in handle.gates:  # nobody may wait forever on a failed copy
+                    if not self.cuda:
+                        gate.mark()
             finally:
+                handle.completed.set()
                 handle.issued.set()
+                with self._cond:
+                    self._issuing -= 1
+                    self._cond.notify_all()
+                del handle, producer, copy, stream
 
     def close(self) -> None:
-        self._tasks.put(None)
-        self._worker.join(timeout=10)
+        for q in self._queues:
+            q.put(None)
+        for w in self._workers:
+            w.join(timeout=10)

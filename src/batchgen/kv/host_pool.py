@@ -8,9 +8,9 @@ from batchgen.kv.layout import KVLayout
 
 
 class HostPool:
-    """Host pages, page-major: [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim].
-
-    A host page is contiguous, so a page moves in one copy; the same (layer, K|V, slot)
+    """Host pages, layer-major: [num_layers, num_pages, 2, page_size, num_kv_heads,
+    head_dim]. One layer of a run of consecutive host pages is contiguous, so a
+    layer-by-layer transfer moves it in one copy; the same (layer, page, K|V, slot)
     addressing as the device pool. Allocated with torch.empty: a host page is never
     read before a copy has written it (the tier's lifecycle guarantees it).
     """
@@ -21,8 +21,8 @@ class HostPool:
         self.layout = layout
         self.num_pages = num_pages
         shape = (
-            num_pages,
             layout.num_layers,
+            num_pages,
             2,
             layout.page_size,
             layout.num_kv_heads,
@@ -32,7 +32,7 @@ class HostPool:
 
     def page(self, page: int) -> torch.Tensor:
         """One host page, [num_layers, 2, page_size, num_kv_heads, head_dim] (a view)."""
-        return self.kv[page]
+        return self.kv[:, page]
 
     @property
     def nbytes(self) -> int:

@@ -1,21 +1,29 @@
 """Per-request page tables over the page allocator, with prefix-cache lookups and, when
-a host tier is attached, host mirrors (swap, host prefix hits, write-through)."""
+a host tier is attached and loading pays, the host side of the cache.
+
+With the tier active, the device prefix cache and the host cache act as one: a device
+page evicted while an unfinished request still wants its tokens (its `demand`), or
+after a prefix hit showed it shared, is written back to host before its new owner
+writes it. So a preempted (swapped) request finds its full pages again on the device
+or on the host (only its last partial page is recomputed), and a shared prefix outlives
+its requests on the host. Nothing else is copied: pages no one wants are dropped.
+Host prefix hits are loaded into new device pages with the step's load.
+"""
 
 from __future__ import annotations
 
-from batchgen.kv.host_mirror import HostMirror
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.prefix_hash import hash_full_pages
+from batchgen.kv.tiered import TieredKVManager
 
 
 class PrefixHit(list):
     """Device pages of a request's cached prefix; `host_pages` continue it from the host
     tier (loaded into new device pages at allocation)."""
 
-    def __init__(self, device_pages=(), host_pages=(), host_mirror=()) -> None:
+    def __init__(self, device_pages=(), host_pages=()) -> None:
         super().__init__(device_pages)
         self.host_pages = list(host_pages)
-        self.host_mirror = list(host_mirror)  # host copies of every hit page, from page 0
 
 
 class KVCacheManager:
@@ -31,17 +39,42 @@ class KVCacheManager:
         num_pages: int,
         page_size: int,
         enable_prefix_caching: bool,
-        mirror: HostMirror | None = None,
+        tier: TieredKVManager | None = None,
+        decode_append: str = "off",
     ) -> None:
+        if decode_append not in ("off", "batched", "layer"):
+            raise ValueError(f"decode_append must be off, batched or layer, got {decode_append!r}")
         self.page_size = page_size
-        self.allocator = PageAllocator(num_pages, enable_prefix_caching)
-        self.mirror = mirror
+        self.tier = tier
+        self.decode_append = decode_append
+        self.allocator = PageAllocator(num_pages, enable_prefix_caching, self._evicted)
         self.pages: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_registered: dict[str, int] = {}
+        self._demand: dict[bytes, int] = {}  # unfinished requests whose pages these are
+        self._counted: dict[str, int] = {}  # per request: hashes counted in _demand
+        self._swapped: dict[str, list[bytes]] = {}  # swapped request -> its cached pages
+        self._swapped_by: dict[bytes, str] = {}  # page hash -> a swapped request holding it
+        self._waits: list = []  # in-flight loads of device pages this step hit
+        self._reused: set[int] = set()  # device pages a prefix hit found (shared prefixes)
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         self.host_hit_tokens = 0
+
+    @property
+    def tier_active(self) -> bool:
+        """Host pages are kept and loaded (the cost rule says loading beats recompute)."""
+        return self.tier is not None and self.tier.loads_pay and self.allocator.enable_caching
+
+    def resize(self, num_pages: int) -> None:
+        """A new, empty device pool of num_pages (after reconfigure): page tables and the
+        device prefix cache start empty; hashes, demand, swapped requests and counters
+        carry over. Only valid when no request holds pages."""
+        if self.pages or self._waits:
+            raise RuntimeError("resize() with requests holding device pages")
+        self.allocator = PageAllocator(num_pages, self.allocator.enable_caching, self._evicted)
+        self._num_registered.clear()
+        self._reused.clear()
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -54,31 +87,42 @@ class KVCacheManager:
             self._hashes[request_id] = hashes
         return hashes
 
+    def want(self, request_id: str, token_ids: list[int]) -> None:
+        """Count the request's full pages as wanted until it finishes: an evicted page
+        someone wants is written back to host (tier active only)."""
+        if not self.tier_active:
+            return
+        hashes = self.page_hashes(request_id, token_ids)
+        done = self._counted.get(request_id, 0)
+        for h in hashes[done:]:
+            self._demand[h] = self._demand.get(h, 0) + 1
+        self._counted[request_id] = len(hashes)
+
     def lookup_prefix(self, request_id: str, token_ids: list[int]) -> PrefixHit:
         """Cached pages for the request's longest hit; at least one token stays to compute."""
         hashes = self.page_hashes(request_id, token_ids)
         max_pages = (len(token_ids) - 1) // self.page_size
         device = self.allocator.lookup(hashes[:max_pages])
-        if self.mirror is None or not self.allocator.enable_caching:
+        if not self.tier_active or len(device) == max_pages:
             return PrefixHit(device)
-        host = self.mirror.tier.lookup(hashes[:max_pages])
-        return PrefixHit(device, host[len(device) :], host)
+        host = self.tier.lookup(hashes[len(device) : max_pages])
+        return PrefixHit(device, host)
 
     def cached_prefix_pages(self, request_id: str, token_ids: list[int]) -> int:
         """Pages of the request's longest cached prefix (device, then host), as
         lookup_prefix would find it, without counting a query: for admission order."""
         hashes = self.page_hashes(request_id, token_ids)[: (len(token_ids) - 1) // self.page_size]
         device = len(self.allocator.lookup(hashes))
-        if self.mirror is None or not self.allocator.enable_caching or device == len(hashes):
+        if not self.tier_active or device == len(hashes):
             return device
-        return max(device, len(self.mirror.tier.host_alloc.lookup(hashes)))
+        return device + len(self.tier.host_alloc.lookup(hashes[device:]))
 
     def hit_tokens(self, hit: list[int]) -> int:
         return (len(hit) + len(getattr(hit, "host_pages", ()))) * self.page_size
 
     def allocate(self, request_id: str, num_tokens: int, hit_pages: list[int] = ()) -> bool:
         """Make the request's pages cover num_tokens tokens; False (nothing changed) if short.
-        Host hits get new device pages, filled by loads the next forward waits for."""
+        Host hits get new device pages, filled by the step's load (the forward waits)."""
         held = self.pages.get(request_id, [])
         host = list(getattr(hit_pages, "host_pages", ()))
         need = self.pages_needed(num_tokens) - len(held) - len(hit_pages)
@@ -89,21 +133,26 @@ class KVCacheManager:
         if hit_pages:
             self.allocator.touch(list(hit_pages))
             self.prefix_hit_tokens += len(hit_pages) * self.page_size
+            self._reused.update(hit_pages)
+            if self.tier is not None:
+                self._waits += self.tier.loads_of(hit_pages)
         first = len(held) + len(hit_pages)
         # grown in place: the runner's page rows then write only the pages added
         held += list(hit_pages) + self.allocator.allocate(max(need, 0))
         self.pages[request_id] = held
+        swapped = self._swapped.pop(request_id, None)
+        if swapped is not None:
+            self._resumed(request_id, swapped)
         if host:
             loaded = held[first : first + len(host)]
-            self.mirror.adopt_host_hits(request_id, hit_pages.host_mirror)
-            self.mirror.load(request_id, host, loaded, "prefix_load")
-            self.mirror.tier.metrics.host_prefix_hit_pages += len(host)
+            reason = "swap_in" if swapped is not None else "prefix_load"
+            self.tier.queue_load(host, loaded, reason, f"request {request_id}")
+            self.tier.metrics.host_prefix_hit_pages += len(host)
             self.host_hit_tokens += len(host) * self.page_size
             hashes = self._hashes[request_id]
             for i, page in enumerate(loaded, start=first):
                 self.allocator.register(page, hashes[i])
-        elif hit_pages and self.mirror is not None:
-            self.mirror.adopt_host_hits(request_id, hit_pages.host_mirror)
+            self._reused.update(loaded)
         if hit_pages or host:
             self._num_registered[request_id] = len(hit_pages) + len(host)
         return True
@@ -113,119 +162,133 @@ class KVCacheManager:
         self.prefix_query_tokens += num_tokens
 
     def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Register every full page whose tokens are all computed."""
+        """Register every full page whose tokens are all computed (and, with
+        decode_append="batched", write it through to host)."""
         if not self.allocator.enable_caching:
             return
         full = num_computed // self.page_size
         done = self._num_registered.get(request_id, 0)
         if full <= done:
             return
-        hashes = hash_full_pages(
-            token_ids[: full * self.page_size],
-            self.page_size,
-            self._hashes.get(request_id, [])[:full],
-        )
-        self._hashes[request_id] = hashes
+        hashes = self.page_hashes(request_id, token_ids[: full * self.page_size])
         pages = self.pages[request_id]
         for i in range(done, full):
             self.allocator.register(pages[i], hashes[i])
         self._num_registered[request_id] = full
+        if self.tier_active:
+            self.want(request_id, token_ids[: full * self.page_size])
+            if self.decode_append != "off":
+                new = [i for i in range(done, full) if not self.tier.holds(hashes[i])]
+                self.tier.queue_store(
+                    [pages[i] for i in new],
+                    [hashes[i] for i in new],
+                    "write_through",
+                    f"request {request_id}",
+                )
 
     # ---- host tier -----------------------------------------------------------------
+    def _evicted(self, page: int, page_hash: bytes) -> None:
+        """The allocator reuses a cached page: keep its tokens on host if an unfinished
+        request wants them or a prefix hit has shown them shared (the step's forward
+        waits for the copy to read the page)."""
+        reused = page in self._reused
+        self._reused.discard(page)
+        if not self.tier_active or self.tier.holds(page_hash):
+            return
+        if not reused and not self._demand.get(page_hash):
+            return
+        owner = self._swapped_by.get(page_hash)
+        reason = "swap_out" if owner is not None else "write_back"
+        tag = f"request {owner}" if owner is not None else "a cached prefix page"
+        self.tier.queue_write_back(page, page_hash, reason, tag)
+
     def swap_out(self, request_id: str, num_computed: int) -> bool:
-        """Move a preempted request's KV to host pages; False (nothing changed) when there
-        is no host tier or it is full. Device pages are released (the store holds them
-        until its copy completes)."""
-        if self.mirror is None or num_computed == 0:
+        """Preempt a request keeping its KV: its full pages stay in the device cache and
+        are written back to host if evicted; False (nothing changed) when the tier is
+        inactive or the host pool has no room for them."""
+        if not self.tier_active or num_computed < self.page_size:
             return False
-        if not self.mirror.store_missing(
-            request_id,
-            self.pages.get(request_id, []),
-            self._hashes.get(request_id, []),
-            num_computed,
-            full_only=False,
-        ):
+        hashes = self._hashes.get(request_id, [])[: num_computed // self.page_size]
+        missing = sum(1 for h in hashes if not self.tier.holds(h))
+        if missing > self.tier.host_room():
             return False
+        self._swapped[request_id] = hashes
+        for h in hashes:
+            self._swapped_by[h] = request_id
         self.allocator.free(self.pages.pop(request_id, []))
         self._num_registered.pop(request_id, None)
-        self.mirror.tier.metrics.swaps_out += 1
+        self.tier.metrics.swaps_out += 1
         return True
 
-    def swap_in(self, request_id: str, num_computed: int, num_tokens: int) -> bool:
-        """Give a swapped request device pages for num_tokens and load its computed ones."""
-        if self.pages.get(request_id):
-            raise RuntimeError(f"request {request_id} is swapped but holds device pages")
-        need = self.pages_needed(num_tokens)
-        if need > self.allocator.num_free:
-            return False
-        pages = self.allocator.allocate(need)
-        self.pages[request_id] = pages
-        k = self.pages_needed(num_computed)
-        self.mirror.load(
-            request_id, self.mirror.mirror(request_id).host_pages[:k], pages[:k], "swap_in"
-        )
-        self._num_registered[request_id] = 0
-        self.mirror.tier.metrics.swaps_in += 1
-        return True
+    def _resumed(self, request_id: str, hashes: list[bytes]) -> None:
+        for h in hashes:
+            if self._swapped_by.get(h) == request_id:
+                del self._swapped_by[h]
+        self.tier.metrics.swaps_in += 1
 
-    def after_step(self, computed: list[tuple[str, int, int]]) -> None:
-        """Write-through after a step: (request id, start, n) for each computed range."""
-        if self.mirror is None:
-            return
-        appends, registers = [], []
-        for rid, start, n in computed:
-            pages, hashes = self.pages[rid], self._hashes.get(rid, [])
-            m = self.mirror.mirror(rid)
-            if n == 1 and self.mirror.decode_append == "layer" and m.tokens > start:
-                if (start + 1) % self.page_size == 0 and len(hashes) * self.page_size > start:
-                    page = (start + 1) // self.page_size - 1
-                    self.mirror.tier.host_alloc.register(m.host_pages[page], hashes[page])
-                continue
-            if n == 1 and self.mirror.decode_append == "batched":
-                plan = self.mirror.append_plan(rid, start, 1, pages)
-                if plan is not None:
-                    appends += plan
-                    if (start + 1) % self.page_size == 0 and len(hashes) * self.page_size > start:
-                        page = (start + 1) // self.page_size - 1
-                        registers.append((self.mirror.mirror(rid).host_pages[page], hashes[page]))
-                    continue
-            self.mirror.store_missing(rid, pages, hashes, start + n, full_only=True)
-        if appends:
-            self.mirror.tier.append_slots(
-                [a for a, _ in appends], [b for _, b in appends], None, "decode append", registers
-            )
+    def after_step(self) -> None:
+        """Submit the write-through stores queued while the step's results were
+        recorded (nothing waits on them but later loads of their host pages)."""
+        if self.tier is not None:
+            self.tier.flush(stores_only=True)
 
-    def layer_append_hook(self, decodes: list[tuple[str, int]]):
-        """decode_append="layer": plan the mirroring of this step's decode tokens and
-        return hook(layer) that copies one layer's slots right after its K/V write."""
-        if self.mirror is None or self.mirror.decode_append != "layer":
+    def layer_store_hook(self, decodes: list[tuple[str, int]]):
+        """decode_append="layer": for the decode tokens that fill a page this step, return
+        hook(layer) that copies that layer of those pages to host right after its K/V
+        write; None when no page fills."""
+        if not self.tier_active or self.decode_append != "layer":
             return None
-        dev, host = [], []
-        for rid, start in decodes:
-            plan = self.mirror.append_plan(rid, start, 1, self.pages[rid])
-            for a, b in plan or ():
-                dev.append(a)
-                host.append(b)
-        if not dev:
+        ps = self.page_size
+        filled = [(rid, start // ps) for rid, start in decodes if (start + 1) % ps == 0]
+        dev, hashes, tags = [], [], []
+        for rid, i in filled:
+            page_hash = self._hashes.get(rid, [])
+            if i < len(page_hash) and not self.tier.holds(page_hash[i]):
+                dev.append(self.pages[rid][i])
+                hashes.append(page_hash[i])
+                tags.append(f"request {rid}")
+        room = min(len(dev), self.tier.host_room())
+        if room == 0:
             return None
-        tier = self.mirror.tier
-        return lambda layer: tier.append_slots(dev, host, layer, f"layer {layer} append")
+        dev, hashes, tags = dev[:room], hashes[:room], tags[:room]
+        host = self.tier.host_alloc.allocate(room)
+        tier = self.tier
+        return lambda layer: tier.store_layer(dev, host, layer, hashes, tags)
 
-    def take_step_loads(self) -> list:
-        return self.mirror.take_step_loads() if self.mirror is not None else []
+    def keep_cached_on_host(self) -> None:
+        """Before the device pool is dropped (reconfigure): queue the write-back of every
+        device-cached page that is wanted or shared, as its eviction would."""
+        for page, page_hash in self.allocator.cached_pages():
+            self._evicted(page, page_hash)
+
+    def take_step_copies(self) -> list:
+        """Submit the copies the step planned; the handles its forward must wait on."""
+        if self.tier is None:
+            return []
+        waits, self._waits = self.tier.flush() + self._waits, []
+        return waits
 
     # ---- release -------------------------------------------------------------------
     def free(self, request_id: str) -> None:
         """Release the request's pages (they stay findable by hash until evicted)."""
         self.allocator.free(self.pages.pop(request_id, []))
         self._num_registered.pop(request_id, None)
-        if self.mirror is not None:
-            self.mirror.release(request_id)
 
     def forget(self, request_id: str) -> None:
         """Drop everything kept for a finished request."""
         self.free(request_id)
-        self._hashes.pop(request_id, None)
+        hashes = self._hashes.pop(request_id, [])
+        for h in hashes[: self._counted.pop(request_id, 0)]:
+            left = self._demand[h] - 1
+            if left:
+                self._demand[h] = left
+            else:
+                del self._demand[h]
+        swapped = self._swapped.pop(request_id, None)
+        if swapped is not None:
+            for h in swapped:
+                if self._swapped_by.get(h) == request_id:
+                    del self._swapped_by[h]
 
     @property
     def num_free_pages(self) -> int:

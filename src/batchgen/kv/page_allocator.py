@@ -13,12 +13,19 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        enable_caching: bool = True,
+        on_evict: Callable[[int, bytes], None] | None = None,
+    ) -> None:
         self.num_pages = num_pages
         self.enable_caching = enable_caching
+        self.on_evict = on_evict  # (page, hash) of a cached page allocate() reuses
         self.ref_count = [0] * num_pages
         self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
         self._page_hash: dict[int, bytes] = {}
@@ -43,6 +50,8 @@ class PageAllocator:
             if h is not None:
                 del self._cached[h]
                 self.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(page, h)
             self.ref_count[page] = 1
             pages.append(page)
         return pages
@@ -81,6 +90,10 @@ class PageAllocator:
             return
         self._page_hash[page] = page_hash
         self._cached[page_hash] = page
+
+    def cached_pages(self) -> list[tuple[int, bytes]]:
+        """(page, hash) of every page holding a cached prefix page, held or free."""
+        return list(self._page_hash.items())
 
     def page_hash(self, page: int) -> bytes | None:
         return self._page_hash.get(page)

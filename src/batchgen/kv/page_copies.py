@@ -1,7 +1,16 @@
 """The copy bodies the CopyEngine runs on a copy stream. Each returns what it must keep
-alive until its completion event fires (rule 5)."""
+alive until its completion event fires (rule 5).
+
+    device pool  dev_kv  [L, 2, P,  S, H, D]   (layer, K|V, page, slot, head, dim)
+    host pool    host_kv [L, Ph, 2, S, H, D]   layer-major: a run of consecutive host
+                                               pages of one layer is one contiguous block
+A transfer moves, per layer, one block per run of consecutive host pages through a
+device staging tensor; the device side gathers or scatters pages with one kernel.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -19,38 +28,48 @@ def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
 
 
 def device_to_host_pages(
-    dev_kv: torch.Tensor, host_kv: torch.Tensor, dev_pages: list[int], host_pages: list[int]
+    dev_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    dev_pages: list[int],
+    host_pages: list[int],
+    layers: range | None = None,
+    on_read: Callable[[], None] | None = None,
 ) -> tuple:
-    """dev_kv [L, 2, P, S, H, D] pages -> host_kv [Ph, L, 2, S, H, D] pages."""
+    """Device pages -> host pages, every layer or `layers`. The source pages are
+    gathered into staging by one kernel, then `on_read()` (they may be overwritten
+    from then on), then each layer's runs cross to the host."""
+    layers = range(dev_kv.shape[0]) if layers is None else layers
     idx = torch.tensor(dev_pages, dtype=torch.int64).to(dev_kv.device, non_blocking=True)
-    staged = dev_kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
-    for i, first, n in _runs(host_pages):
-        host_kv[first : first + n].copy_(staged[i : i + n], non_blocking=True)
+    lay = dev_kv[layers.start : layers.stop]
+    staged = lay.index_select(2, idx).transpose(1, 2).contiguous()  # [L', n, 2, S, H, D]
+    if on_read is not None:
+        on_read()
+    runs = _runs(host_pages)
+    for j, layer in enumerate(layers):
+        for i, first, n in runs:
+            host_kv[layer, first : first + n].copy_(staged[j, i : i + n], non_blocking=True)
     return (staged, idx)
 
 
 def host_to_device_pages(
-    host_kv: torch.Tensor, dev_kv: torch.Tensor, host_pages: list[int], dev_pages: list[int]
+    host_kv: torch.Tensor,
+    dev_kv: torch.Tensor,
+    host_pages: list[int],
+    dev_pages: list[int],
+    on_layer: Callable[[int], None] | None = None,
 ) -> tuple:
-    """host_kv pages -> dev_kv pages."""
-    staged = torch.empty(
-        (len(host_pages), *host_kv.shape[1:]), dtype=host_kv.dtype, device=dev_kv.device
-    )
-    for i, first, n in _runs(host_pages):
-        staged[i : i + n].copy_(host_kv[first : first + n], non_blocking=True)
+    """Host pages -> device pages, layer by layer; `on_layer(layer)` once that layer's
+    pages are written, so compute on that layer can start while later layers load."""
+    n = len(host_pages)
+    staging = torch.empty(
+        (n, *host_kv.shape[2:]), dtype=host_kv.dtype, device=dev_kv.device
+    )  # one layer's pages [n, 2, S, H, D], reused layer after layer (same stream)
     idx = torch.tensor(dev_pages, dtype=torch.int64).to(dev_kv.device, non_blocking=True)
-    dev_kv.index_copy_(2, idx, staged.permute(1, 2, 0, 3, 4, 5))
-    return (staged, idx)
-
-
-def device_to_host_slots(
-    dev_kv: torch.Tensor, dev_slots: list[int], layer: int | None, pinned: torch.Tensor
-) -> tuple:
-    """Gather token slots (page * page_size + offset) of one layer (or all) into a pinned
-    staging tensor [n, L', 2, H, D]; the host pool is filled from it on completion."""
-    lay = dev_kv if layer is None else dev_kv[layer : layer + 1]
-    flat = lay.flatten(2, 3)  # [L', 2, P*S, H, D]
-    idx = torch.tensor(dev_slots, dtype=torch.int64).to(dev_kv.device, non_blocking=True)
-    staged = flat.index_select(2, idx).permute(2, 0, 1, 3, 4).contiguous()
-    pinned.copy_(staged, non_blocking=True)
-    return (staged, idx, pinned)
+    runs = _runs(host_pages)
+    for layer in range(dev_kv.shape[0]):
+        for i, first, k in runs:
+            staging[i : i + k].copy_(host_kv[layer, first : first + k], non_blocking=True)
+        dev_kv[layer].index_copy_(1, idx, staging.transpose(0, 1))
+        if on_layer is not None:
+            on_layer(layer)
+    return (staging, idx)

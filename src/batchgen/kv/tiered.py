@@ -1,15 +1,24 @@
-"""TieredKVManager: the host tier's page lifecycle (lookup, prepare/complete load,
-prepare/complete store, decode appends), with every copy through the CopyEngine.
+"""TieredKVManager: the host tier's page lifecycle, with every copy through the CopyEngine.
+
+A step's copies are queued while the scheduler plans it and submitted together by
+`flush()` (one load task, one store task per kind), before the step's forward:
+
+    schedule():  evictions -> queue_write_back   admissions -> queue_load
+    flush():     [write-backs: gather pages | read gate | D2H]  [write-throughs]
+                 [load: wait stores it reads; per layer: H2D, scatter | gate l]
+    forward:     layer l waits the load's gate l and the write-backs' read gate
 
 Who may free or reuse a page:
-- A device page read by a store, and a host page written by one, carry an extra
-  reference (taken in prepare_store) until complete_store: neither can be freed,
-  evicted or reallocated while the copy is in flight.
-- A host page read by a load carries an extra reference until complete_load. A load
-  of a host page whose store is still in flight waits for that store's completion
-  event on the copy stream ("a host page is not read before its write completes").
-- Compute that reads loaded device pages waits on the load handle first (the runner
-  calls `wait_on_current_stream()` on every handle the step needs).
+- A load holds its host pages and its destination device pages (extra references,
+  taken at queue time) until it completes: neither can be evicted or reallocated while
+  the copy is in flight, whatever fails in between. A load of host pages whose store
+  is in flight waits for that store on the copy stream.
+- A write-through store holds its source device pages and its host pages until it
+  completes; then the host pages join the host cache under their hashes.
+- A write-back store copies a device page the allocator has just evicted and handed to
+  a new owner: the page is reused at once, so the step's compute waits on the store's
+  read gate (the gather of its source pages) before anything writes it, and a load into
+  such a page waits on that gate on the copy stream.
 Handles complete in `poll()`, which the engine calls once per step, or `drain()`.
 """
 
@@ -24,96 +33,37 @@ import torch
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.page_allocator import PageAllocator
-from batchgen.kv.page_copies import (
-    device_to_host_pages,
-    device_to_host_slots,
-    host_to_device_pages,
-)
+from batchgen.kv.page_copies import device_to_host_pages, host_to_device_pages
 from batchgen.kv.page_pool import PagePool
+from batchgen.kv.tier_metrics import TierMetrics
 
 logger = logging.getLogger(__name__)
+
+MAX_PAGES_PER_COPY = 256  # bounds a store's device staging (all layers of n pages)
 
 
 class KVReadbackError(RuntimeError):
     """batchgen_debug found an offloaded page that differs from its device source."""
 
 
-_OFFLOADS = ("write_through", "swap_out", "decode_append")  # TierMetrics reasons by direction
-_LOADS = ("swap_in", "prefix_load")
-
-
-@dataclass
-class TierMetrics:
-    pages_offloaded: int = 0
-    pages_loaded: int = 0
-    copy_seconds: float = 0.0
-    appends: int = 0
-    host_prefix_hit_pages: int = 0
-    host_prefix_query_pages: int = 0
-    swaps_out: int = 0
-    swaps_in: int = 0
-    recomputes: int = 0
-    readback_checks: int = 0
-    # bytes and copy-stream seconds by why they moved: write_through, swap_out (stores),
-    # swap_in, prefix_load (loads), decode_append
-    bytes_by_reason: dict[str, int] = field(default_factory=dict)
-    seconds_by_reason: dict[str, float] = field(default_factory=dict)
-
-    def count(self, reason: str, nbytes: int) -> None:
-        self.bytes_by_reason[reason] = self.bytes_by_reason.get(reason, 0) + nbytes
-
-    @property
-    def bytes_offloaded(self) -> int:
-        """Device -> host bytes: stores and decode appends."""
-        return sum(self.bytes_by_reason.get(r, 0) for r in _OFFLOADS)
-
-    @property
-    def bytes_loaded(self) -> int:
-        """Host -> device bytes."""
-        return sum(self.bytes_by_reason.get(r, 0) for r in _LOADS)
-
-    @property
-    def gb_per_s(self) -> float:
-        moved = self.bytes_offloaded + self.bytes_loaded
-        return moved / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
-
-    @property
-    def host_prefix_hit_rate(self) -> float:
-        q = self.host_prefix_query_pages
-        return self.host_prefix_hit_pages / q if q else 0.0
-
-    def summary(self) -> dict:
-        """The counters engine.metrics() reports, traffic by reason as bytes_<reason> and
-        copy_seconds_<reason>."""
-        out = dict(
-            swaps_out=self.swaps_out,
-            swaps_in=self.swaps_in,
-            pages_offloaded=self.pages_offloaded,
-            pages_loaded=self.pages_loaded,
-            bytes_offloaded=self.bytes_offloaded,
-            bytes_loaded=self.bytes_loaded,
-            copy_gb_per_s=self.gb_per_s,
-            host_prefix_hit_pages=self.host_prefix_hit_pages,
-            host_prefix_hit_rate=self.host_prefix_hit_rate,
-            readback_checks=self.readback_checks,
-        )
-        for reason, nbytes in self.bytes_by_reason.items():
-            out[f"bytes_{reason}"] = nbytes
-            out[f"copy_seconds_{reason}"] = self.seconds_by_reason.get(reason, 0.0)
-        return out
-
-
 @dataclass
 class _Pending:
     handle: CopyHandle
-    kind: str  # "load" | "store" | "append"
+    kind: str  # "load" | "store"
     host_pages: list[int]
-    dev_pages: list[int] = field(default_factory=list)
+    dev_pages: list[int]
     hashes: list[bytes | None] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)  # per page: slots that were copied
-    tag: str = ""
-    finish: object = None  # callable run on completion (append scatter)
-    reason: str = ""  # a TierMetrics reason
+    hold_dev: bool = True  # device pages carry an extra reference until completion
+    reason: str = ""
+
+
+@dataclass
+class _Queued:
+    dev_pages: list[int] = field(default_factory=list)
+    host_pages: list[int] = field(default_factory=list)
+    hashes: list[bytes | None] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)  # whose page it is, for error messages
 
 
 class TieredKVManager:
@@ -124,6 +74,7 @@ class TieredKVManager:
         device_alloc: PageAllocator,
         copies: CopyEngine,
         debug: bool = False,
+        loads_pay: bool = True,
     ) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -131,153 +82,211 @@ class TieredKVManager:
         self.host_alloc = PageAllocator(host_pool.num_pages, enable_caching=True)
         self.copies = copies
         self.debug = debug
+        self.loads_pay = loads_pay  # the cost rule's verdict: load rather than recompute
         self.metrics = TierMetrics()
         self._pending: deque[_Pending] = deque()
         self._writing: dict[int, CopyHandle] = {}  # host page -> store in flight
+        self._loading: dict[int, CopyHandle] = {}  # device page -> load in flight
+        self._storing: dict[bytes, int] = {}  # hashes queued or in flight to host
+        self._loads = _Queued()
+        self._stores = _Queued()  # write-through: sources held
+        self._write_backs = _Queued()  # evicted sources: compute waits the read gate
 
     @property
     def page_bytes(self) -> int:
         return self.device_pool.layout.bytes_per_page
 
-    # ---- lookup -------------------------------------------------------------------
+    def attach_device(self, pool: PagePool | None, alloc: PageAllocator | None) -> None:
+        """Point at a re-created device pool (None while it is being replaced)."""
+        if self._pending or self._loads.dev_pages or self._stores.dev_pages:
+            raise RuntimeError("the device pool changed with tier copies in flight")
+        self.device_pool, self.device_alloc = pool, alloc
+
+    # ---- lookups ---------------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """Host pages of the longest cached prefix of `hashes` (no reference taken)."""
         self.metrics.host_prefix_query_pages += len(hashes)
         return self.host_alloc.lookup(hashes)
 
-    # ---- loads: host -> device ------------------------------------------------------
-    def prepare_load(
-        self, host_pages: list[int], dev_pages: list[int], tag: str, reason: str = "prefix_load"
-    ) -> CopyHandle:
-        """Copy host pages into (held) device pages; host pages stay referenced until
-        complete_load. The caller's compute must wait on the returned handle."""
-        wanted = set(host_pages)
-        if any(q.kind == "append" and wanted & set(q.host_pages) for q in self._pending):
-            self.drain()  # appends fill host pages on the host side, at completion
+    def holds(self, page_hash: bytes) -> bool:
+        """The host cache has (or is writing) the page `page_hash` names."""
+        return page_hash in self._storing or bool(self.host_alloc.lookup([page_hash]))
+
+    def loads_of(self, dev_pages: list[int]) -> list[CopyHandle]:
+        """Loads in flight that write any of `dev_pages` (a prefix hit on a page still
+        being loaded must wait for it like the step that asked for the load)."""
+        return list({id(h): h for p in dev_pages if (h := self._loading.get(p))}.values())
+
+    def host_room(self) -> int:
+        """Host pages a store could take now (free, or cached and evictable)."""
+        return self.host_alloc.num_free
+
+    # ---- queueing (copies of the step being planned) -------------------------------------
+    def queue_load(
+        self, host_pages: list[int], dev_pages: list[int], reason: str, tag: str
+    ) -> None:
+        """Copy host pages into device pages with the step's load. Both are held until
+        the load completes; the forward waits on it layer by layer."""
         self.host_alloc.touch(host_pages)
-        after = [self._writing[p] for p in host_pages if p in self._writing]
-        host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
-
-        def copy():
-            for h in after:
-                h.wait_on_current_stream()
-            return host_to_device_pages(host_kv, dev_kv, host_pages, dev_pages)
-
-        handle = self._submit("load", len(host_pages), copy)
-        self._pending.append(
-            _Pending(handle, "load", list(host_pages), list(dev_pages), tag=tag, reason=reason)
-        )
-        self.metrics.pages_loaded += len(host_pages)
-        self.metrics.count(reason, len(host_pages) * self.page_bytes)
-        return handle
-
-    def complete_load(self, p: _Pending) -> None:
-        self.host_alloc.free(p.host_pages)
-
-    # ---- stores: device -> host -----------------------------------------------------
-    def prepare_store(
-        self,
-        dev_pages: list[int],
-        host_pages: list[int],
-        hashes: list[bytes | None],
-        num_tokens: list[int],
-        tag: str,
-        reason: str = "write_through",
-    ) -> CopyHandle:
-        """Copy device pages into host pages the caller holds. Both stay referenced by
-        the copy until complete_store, which registers `hashes` in the host cache."""
         self.device_alloc.touch(dev_pages)
-        self.host_alloc.touch(host_pages)
+        q = self._loads
+        q.host_pages += host_pages
+        q.dev_pages += dev_pages
+        q.reasons += [reason] * len(host_pages)
+        q.tags += [tag] * len(host_pages)
+
+    def queue_store(self, dev_pages: list[int], hashes: list[bytes], reason: str, tag: str) -> int:
+        """Write full device pages through to new host pages, registered under `hashes`
+        once written. The device pages are held until then. Returns pages queued (fewer
+        when the host pool is out of room)."""
+        room = min(len(dev_pages), self.host_room())
+        self.device_alloc.touch(dev_pages[:room])
+        q = self._stores
+        q.dev_pages += dev_pages[:room]
+        q.hashes += hashes[:room]
+        self._note_storing(hashes[:room], 1)
+        q.reasons += [reason] * room
+        q.tags += [tag] * room
+        return room
+
+    def queue_write_back(self, dev_page: int, page_hash: bytes, reason: str, tag: str) -> None:
+        """Copy an evicted (already reallocated) device page to host before its new owner
+        writes it; the step's forward waits on the read gate."""
+        q = self._write_backs
+        q.dev_pages.append(dev_page)
+        q.hashes.append(page_hash)
+        self._note_storing([page_hash], 1)
+        q.reasons.append(reason)
+        q.tags.append(tag)
+
+    def _note_storing(self, hashes: list, delta: int) -> None:
+        for h in hashes:
+            if h is None:
+                continue
+            left = self._storing.get(h, 0) + delta
+            if left > 0:
+                self._storing[h] = left
+            else:
+                self._storing.pop(h, None)
+
+    # ---- submission --------------------------------------------------------------------
+    def flush(self, stores_only: bool = False) -> list[CopyHandle]:
+        """Submit the queued copies (stores first, so a load can wait for them); returns
+        the handles the step's forward must wait on (write-backs, loads)."""
+        waits = []
+        q, self._stores = self._stores, _Queued()
+        for chunk in self._chunks(q):
+            self._submit_store(chunk, hold_dev=True)
+        if stores_only:
+            return waits
+        q, self._write_backs = self._write_backs, _Queued()
+        for chunk in self._chunks(q):
+            h = self._submit_store(chunk, hold_dev=False)
+            if h is not None:
+                waits.append(h)
+        read_gates = list(waits)
+        q, self._loads = self._loads, _Queued()
+        if q.dev_pages:
+            waits.append(self._submit_load(q, read_gates))
+        return waits
+
+    def _chunks(self, q: _Queued):
+        for i in range(0, len(q.dev_pages), MAX_PAGES_PER_COPY):
+            s = slice(i, i + MAX_PAGES_PER_COPY)
+            yield _Queued(q.dev_pages[s], [], q.hashes[s], q.reasons[s], q.tags[s])
+
+    def _submit_store(self, q: _Queued, hold_dev: bool) -> CopyHandle | None:
+        n = min(len(q.dev_pages), self.host_room())
+        if n < len(q.dev_pages):
+            logger.debug("host KV pool full: %d page(s) not offloaded", len(q.dev_pages) - n)
+            self._note_storing(q.hashes[n:], -1)
+            if hold_dev:
+                self.device_alloc.free(q.dev_pages[n:])
+        if n == 0:
+            return None
+        dev_pages, hashes = q.dev_pages[:n], q.hashes[:n]
+        host_pages = self.host_alloc.allocate(n)
         dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
-        handle = self._submit(
+        handle = self.copies.submit(
             "store",
-            len(dev_pages),
-            lambda: device_to_host_pages(dev_kv, host_kv, dev_pages, host_pages),
+            n * self.page_bytes,
+            lambda h: device_to_host_pages(
+                dev_kv, host_kv, dev_pages, host_pages, on_read=lambda: h.mark(0)
+            ),
+            num_gates=1,
         )
         for p in host_pages:
             self._writing[p] = handle
+        for reason in q.reasons[:n]:
+            self.metrics.count(reason, self.page_bytes)
+        self.metrics.pages_offloaded += n
+        self._pending.append(
+            _Pending(handle, "store", host_pages, dev_pages, hashes, hold_dev, q.reasons[0])
+        )
+        if self.debug:
+            self._readback(dev_pages, host_pages, handle, range(dev_kv.shape[0]), q.tags)
+        return handle
+
+    def _submit_load(self, q: _Queued, read_gates: list[CopyHandle]) -> CopyHandle:
+        host_pages, dev_pages = q.host_pages, q.dev_pages
+        after = {self._writing[p] for p in host_pages if p in self._writing}
+        host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
+
+        def copy(handle: CopyHandle):
+            for store in after:  # a host page is not read before its write completes
+                store.wait_on_current_stream()
+            for store in read_gates:  # nor a device page written before a store read it
+                store.wait_layer(0)
+            return host_to_device_pages(host_kv, dev_kv, host_pages, dev_pages, handle.mark)
+
+        handle = self.copies.submit(
+            "load", len(host_pages) * self.page_bytes, copy, num_gates=dev_kv.shape[0]
+        )
+        for reason in q.reasons:
+            self.metrics.count(reason, self.page_bytes)
+        self.metrics.pages_loaded += len(host_pages)
+        for p in dev_pages:
+            self._loading[p] = handle
+        self._pending.append(_Pending(handle, "load", host_pages, dev_pages, reason=q.reasons[0]))
+        return handle
+
+    def store_layer(
+        self, dev_pages: list[int], host_pages: list[int], layer: int, hashes: list, tags: list
+    ) -> None:
+        """decode_append="layer": copy one layer of full pages to host pages the caller
+        allocated, right after that layer's K/V write (called inside the forward). The
+        last layer's completion registers `hashes` and releases the host pages."""
+        dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
+        last = layer == dev_kv.shape[0] - 1
+        layers = range(layer, layer + 1)
+        handle = self.copies.submit(
+            "store",
+            len(dev_pages) * self.page_bytes // dev_kv.shape[0],
+            lambda h: device_to_host_pages(dev_kv, host_kv, dev_pages, host_pages, layers),
+        )
+        self.device_alloc.touch(dev_pages)
+        for p in host_pages:
+            self._writing[p] = handle
+        if layer == 0:
+            self._note_storing(hashes, 1)
+        self.metrics.count("decode_append", handle.nbytes)
+        self.metrics.appends += 1
+        if last:
+            self.metrics.pages_offloaded += len(dev_pages)
         self._pending.append(
             _Pending(
                 handle,
                 "store",
-                list(host_pages),
-                list(dev_pages),
-                list(hashes),
-                list(num_tokens),
-                tag,
-                reason=reason,
+                host_pages if last else [],
+                dev_pages,
+                hashes if last else [],
+                reason="decode_append",
             )
         )
-        self.metrics.pages_offloaded += len(dev_pages)
-        self.metrics.count(reason, len(dev_pages) * self.page_bytes)
-        return handle
-
-    def complete_store(self, p: _Pending) -> None:
         if self.debug:
-            self._readback(p)
-        for page, h in zip(p.host_pages, p.hashes):
-            if self._writing.get(page) is p.handle:
-                del self._writing[page]
-            if h is not None:
-                self.host_alloc.register(page, h)
-        self.device_alloc.free(p.dev_pages)
-        self.host_alloc.free(p.host_pages)
+            self._readback(dev_pages, host_pages, handle, layers, tags)
 
-    # ---- decode appends: token slots -> host pages ------------------------------------
-    def append_slots(
-        self,
-        dev_slots: list[int],
-        host_slots: list[int],
-        layer: int | None,
-        tag: str,
-        register: list[tuple[int, bytes]] = (),
-    ) -> CopyHandle:
-        """Mirror freshly written token slots (all layers, or one layer right after its
-        K/V write) into host slots. Host pages are filled when the copy completes; then
-        `register` (host page, hash) pairs of pages it completed join the host cache."""
-        layout = self.device_pool.layout
-        nl = layout.num_layers if layer is None else 1
-        pin = self.device_pool.device.type == "cuda"
-        pinned = torch.empty(
-            (len(dev_slots), nl, 2, layout.num_kv_heads, layout.head_dim),
-            dtype=layout.dtype,
-            pin_memory=pin,
-        )
-        dev_kv = self.device_pool.kv
-        handle = self._submit(
-            "append", 0, lambda: device_to_host_slots(dev_kv, dev_slots, layer, pinned)
-        )
-        s = layout.page_size
-        pages = sorted({h // s for h in host_slots})
-        dev_pages = sorted({d // s for d in dev_slots})
-        self.host_alloc.touch(pages)
-        self.device_alloc.touch(dev_pages)
-        layers = slice(None) if layer is None else slice(layer, layer + 1)
-        host_kv = self.host_pool.kv
-
-        def finish() -> None:
-            for i, slot in enumerate(host_slots):
-                host_kv[slot // s, layers, :, slot % s] = pinned[i]
-            if self.debug:
-                self._readback_slots(dev_slots, host_slots, layers, tag)
-            for page, h in register:
-                self.host_alloc.register(page, h)
-            self.device_alloc.free(dev_pages)
-
-        self._pending.append(
-            _Pending(handle, "append", pages, tag=tag, finish=finish, reason="decode_append")
-        )
-        self.metrics.appends += 1
-        self.metrics.count("decode_append", pinned.numel() * pinned.element_size())
-        return handle
-
-    # ---- completion -------------------------------------------------------------------
-    def _submit(self, kind: str, pages: int, copy) -> CopyHandle:
-        holder: list = []
-        handle = self.copies.submit(kind, pages * self.page_bytes, lambda: holder.append(copy()))
-        handle.keep = (holder,)
-        return handle
-
+    # ---- completion --------------------------------------------------------------------
     def poll(self) -> None:
         """Complete every copy that has finished, in submission order."""
         while self._pending and self._pending[0].handle.is_done():
@@ -295,44 +304,40 @@ class TieredKVManager:
         self.metrics.copy_seconds += seconds
         by_reason = self.metrics.seconds_by_reason
         by_reason[p.reason] = by_reason.get(p.reason, 0.0) + seconds
-        if p.kind == "load":
-            self.complete_load(p)
-        elif p.kind == "store":
-            self.complete_store(p)
+        if p.kind == "store":
+            for page, h in zip(p.host_pages, p.hashes):
+                if self._writing.get(page) is p.handle:
+                    del self._writing[page]
+                if h is not None:
+                    self.host_alloc.register(page, h)
+            self._note_storing(p.hashes, -1)
         else:
-            p.finish()
-            self.host_alloc.free(p.host_pages)
+            for page in p.dev_pages:
+                if self._loading.get(page) is p.handle:
+                    del self._loading[page]
+        self.host_alloc.free(p.host_pages)
+        if p.hold_dev:
+            self.device_alloc.free(p.dev_pages)
         p.handle.keep = ()
 
     @property
     def num_in_flight(self) -> int:
         return len(self._pending)
 
-    def _readback_slots(self, dev_slots, host_slots, layers, tag: str) -> None:
-        s = self.device_pool.layout.page_size
-        flat = self.device_pool.kv[layers].flatten(2, 3)
-        src = flat[:, :, torch.tensor(dev_slots, device=flat.device)].cpu()
-        for i, slot in enumerate(host_slots):
-            self.metrics.readback_checks += 1
-            dst = self.host_pool.kv[slot // s, layers, :, slot % s]
-            if not torch.isfinite(dst.float()).all() or not torch.equal(src[:, :, i], dst):
-                raise KVReadbackError(
-                    f"{tag}: appended slot {dev_slots[i]} (device page {dev_slots[i] // s}) "
-                    f"differs from host page {slot // s} or is not finite"
-                )
-
-    def _readback(self, p: _Pending) -> None:
-        """batchgen_debug: compare each stored host page with its device source."""
+    def _readback(self, dev_pages, host_pages, handle: CopyHandle, layers: range, tags) -> None:
+        """batchgen_debug: wait for the store and compare each host page with its device
+        source (nothing has written the source yet: debug runs no step ahead)."""
+        handle.synchronize()
         dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
-        for dev, host, n in zip(p.dev_pages, p.host_pages, p.num_tokens):
-            src = dev_kv[:, :, dev, :n].cpu()
-            dst = host_kv[host, :, :, :n]
+        for dev, host, tag in zip(dev_pages, host_pages, tags):
+            src = dev_kv[layers.start : layers.stop, :, dev].cpu()
+            dst = host_kv[layers.start : layers.stop, host]
             self.metrics.readback_checks += 1
             if not torch.isfinite(dst.float()).all():
-                raise KVReadbackError(f"{p.tag}: non-finite KV in offloaded page {dev}")
+                raise KVReadbackError(f"{tag}: non-finite KV in offloaded device page {dev}")
             if not torch.equal(src, dst):
                 bad = (src != dst).flatten(1).any(-1).nonzero()[0, 0].item()
                 raise KVReadbackError(
-                    f"{p.tag}: layer {bad} of device page {dev} differs from its host copy "
-                    f"(host page {host})"
+                    f"{tag}: layer {layers.start + bad} of device page {dev} differs from its host "
+                    f"copy (host page {host})"
                 )

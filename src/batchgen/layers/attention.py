@@ -33,6 +33,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
         ctx = get_forward_context()
+        if ctx.before_layer is not None:
+            ctx.before_layer(self.layer_id)
         k_cache, v_cache = ctx.kv_caches[self.layer_id]
         meta = ctx.metadata
         backend = _BACKENDS[ctx.attention_backend]

@@ -14,6 +14,8 @@ Only graph-safe backends (no host syncs, shapes fixed by the static buffers) cap
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
@@ -62,8 +64,12 @@ class DecodeGraphs:
         device: torch.device,
         dtype: torch.dtype,
         split_plan: DecodeSplitPlan,
+        capture_guard: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         self.split_plan = split_plan
+        # held around every capture: a global-mode capture fails if another thread
+        # issues CUDA work meanwhile (the host tier's copy worker pauses under it)
+        self.capture_guard = capture_guard or nullcontext
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -100,7 +106,12 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool. The static
         inputs are reset first: the warm-up forwards must write no KV (slot -1), whatever
-        an earlier replay left there (graphs are re-captured after a pool change)."""
+        an earlier replay left there (graphs are re-captured after a pool change).
+        Runs under `capture_guard()`."""
+        with self.capture_guard():
+            self._capture()
+
+    def _capture(self) -> None:
         self.input_ids.zero_()
         self.positions.zero_()
         self.slots.fill_(-1)

@@ -174,7 +174,6 @@ class ModelRunner:
         reqs = sched.requests
         return (
             not self.debug
-            and not sched.wait_for
             and sched.on_kv_written is None
             and (self.graphs is None or len(reqs) <= self.graphs.max_bs)
             and all(len(r.new_token_ids) == 1 and r.sample and _pipelinable(r.params) for r in reqs)
@@ -216,19 +215,27 @@ class ModelRunner:
         self, sched: SchedulerOutput, device_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's forward: a graph replay for a pure decode step, else prepare() and
-        an eager forward; page loads are awaited first. device_ids [T] replaces the input
-        ids (a pipelined step's tokens, still on the device). Returns the hidden states
-        and the rows to sample from (None: all of them)."""
+        an eager forward. The step's copies (sched.wait_for) are awaited on the compute
+        stream (rule 3): before a graph replay, all of them; in an eager forward, layer by
+        layer, so layer i computes while layer i+1's pages load. device_ids [T] replaces
+        the input ids (a pipelined step's tokens, still on the device). Returns the hidden
+        states and the rows to sample from (None: all of them)."""
         graph = self._graph_ok(sched)
-        if not graph:
-            with record_function("batchgen.prepare"):
-                input_ids, positions, meta, sample_rows = self.prepare(sched)
-        for load in sched.wait_for:  # rule 3: compute reads loaded pages only after the copy
-            load.wait_on_current_stream()
         if graph:
+            for copy in sched.wait_for:
+                copy.wait_gates()
             with record_function("batchgen.replay"):
                 return self._replay(sched, device_ids)
-        ctx = ForwardContext(meta, self.kv_caches, self.attention_backend, sched.on_kv_written)
+        with record_function("batchgen.prepare"):
+            input_ids, positions, meta, sample_rows = self.prepare(sched)
+        waits = sched.wait_for
+        ctx = ForwardContext(
+            meta,
+            self.kv_caches,
+            self.attention_backend,
+            sched.on_kv_written,
+            (lambda layer: [c.wait_layer(layer) for c in waits]) if waits else None,
+        )
         with record_function("batchgen.forward"), bind_forward_context(ctx):
             hidden = self.model(input_ids if device_ids is None else device_ids, positions)
         return hidden, sample_rows

@@ -1,0 +1,82 @@
+"""What the host tier keeps and when it loads: pages reach the host only when evicted
+while wanted or shared; the cost rule leaves the tier idle when recomputing is cheaper."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import save_tiny_model
+
+from batchgen import LLM, SamplingParams
+from batchgen.engine import engine_core
+
+BASE = dict(device="cpu", page_size=4, max_model_len=96, max_num_batched_tokens=48)
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tier-policy")
+    save_tiny_model(path, "Qwen2ForCausalLM")
+    return str(path)
+
+
+def _rows(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+def _random(n, lo, hi, seed):
+    rng = random.Random(seed)
+    return [[rng.randint(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_a_shared_prefix_outlives_its_requests_on_the_host(model_dir):
+    rng = random.Random(4)
+    header = [rng.randint(3, 500) for _ in range(40)]
+    # the second call hits the first's header pages: a shared prefix
+    calls = [[header + [7, 8, 9]], [header + [10, 11]], _random(8, 40, 60, seed=5)]
+    second = [header + [12, 13, 14]]  # after the filler evicted the header from the device
+    kw = dict(BASE, num_kv_pages=30, max_num_seqs=2)
+    rows, metrics = [], []
+    for host in (0.01, 0.0):
+        llm = LLM(model=model_dir, host_kv_size_gib=host, **kw)
+        out = [_rows(llm.generate(batch, GREEDY, use_tqdm=False)) for batch in calls]
+        before = llm.engine.metrics()["computed_tokens"]
+        out.append(_rows(llm.generate(second, GREEDY, use_tqdm=False)))
+        rows.append(out)
+        metrics.append((llm.engine.metrics(), llm.engine.metrics()["computed_tokens"] - before))
+    (on, on_computed), (off, off_computed) = metrics
+    assert rows[0] == rows[1]
+    assert on["host_prefix_hit_pages"] >= 10 - 1  # the header's 10 full pages (bar the last)
+    assert on_computed <= off_computed - 9 * 4
+
+
+def test_pages_no_one_wants_are_never_copied(model_dir):
+    prompts = _random(12, 20, 40, seed=6)  # no shared pages; an ample pool: no preemption
+    llm = LLM(model=model_dir, num_kv_pages=120, host_kv_size_gib=0.01, **BASE)
+    for _ in range(3):  # later calls evict the earlier calls' finished pages
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+        prompts = _random(12, 20, 40, seed=len(prompts) + _)
+    m = llm.engine.metrics()
+    assert m["preemptions"] == 0 and m["bytes_offloaded"] == 0 and m["bytes_loaded"] == 0
+
+
+@pytest.mark.parametrize("policy", ["auto", "always"])
+def test_cost_rule_idles_the_tier_when_recompute_is_cheaper(model_dir, monkeypatch, policy):
+    monkeypatch.setattr(engine_core, "recompute_seconds_per_token", lambda *a: 1e-12)
+    prompts = _random(10, 20, 30, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = dict(BASE, num_kv_pages=40, host_kv_size_gib=0.02, tier_policy=policy)
+    llm = LLM(model=model_dir, **kw)
+    rows = _rows(llm.generate(prompts, params, use_tqdm=False))
+    m = llm.engine.metrics()
+    ref = LLM(model=model_dir, num_kv_pages=400, **BASE)
+    assert rows == _rows(ref.generate(prompts, params, use_tqdm=False))
+    assert m["preemptions"] > 0
+    assert m["tier_loads_pay"] is (policy == "always")
+    if policy == "auto":
+        assert m["swaps_out"] == 0 and m["recomputes"] == m["preemptions"]
+        assert m["bytes_offloaded"] == m["bytes_loaded"] == 0
+    else:
+        assert m["swaps_out"] > 0 and m["bytes_loaded"] > 0
