@@ -1,0 +1,177 @@
+"""The host-tier matrix on the GPU (bf16, Triton attention): tier on x CUDA graphs
+{on (default), enforce_eager} x pipelined decode {on, off} x decode_append {off, batched,
+layer}, debug off, the mixed-endings batch of tier_workload.py. Rows are compared with
+the tier-off run under the logprob-closeness rule (batchgen.eval.closeness): identical,
+close (at the first differing token both tokens are in the top-5 of a tier-off scoring
+pass of prompt + common prefix) or broken; none may break. Plus the reported crash:
+decode graphs captured lazily while the copy worker issues write-through stores.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+from tier_workload import (
+    KINDS,
+    assert_nothing_held,
+    build,
+    endings,
+    rows,
+    spy_finishes,
+    spy_launches,
+)
+
+from batchgen import LLM, SamplingParams
+from batchgen.eval.closeness import close_under_top5, top5_from_logprobs
+
+pytestmark = pytest.mark.gpu
+
+GPU = dict(
+    device="cuda",
+    dtype="bfloat16",
+    attention_backend="triton",
+    page_size=4,
+    max_model_len=160,
+    max_num_batched_tokens=48,
+    max_num_seqs=32,  # 7 graph buckets per engine
+)
+TIER = dict(num_kv_pages=40, host_kv_size_gib=0.02)
+SCORE = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+ROWS = [
+    pytest.param(graphs, pipeline, append, id=f"{g}-{p}-append-{append}")
+    for graphs, g in ((True, "graphs"), (False, "eager"))
+    for pipeline, p in ((True, "pipelined"), (False, "plain"))
+    for append in ("off", "batched", "layer")
+]  # the first row is the default configuration
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    """The model, prompts, params, the tier-off reference rows and the tier-off engine
+    (kept for scoring passes)."""
+    path, prompts, params = build(tmp_path_factory, num_kv_pages=600, **GPU)
+    ref = LLM(model=path, num_kv_pages=600, **GPU)
+    reference = rows(ref.generate(prompts, params, use_tqdm=False))
+    counts = endings(reference)
+    assert all(counts[k] >= 1 for k in KINDS), f"the workload lost an ending kind: {counts}"
+    return path, prompts, params, reference, ref
+
+
+def _classify(ref: LLM, prompt: list[int], got: tuple, want: tuple) -> str:
+    """identical, close or broken (a row equal in tokens must be equal in everything)."""
+    if got == want:
+        return "identical"
+    a, b = got[0], want[0]
+    if all(x == y for x, y in zip(a, b)):  # one is a prefix of the other: endings differ
+        return "broken"
+
+    def top5(i: int) -> list[int]:
+        out = ref.generate([prompt + a[:i]], SCORE, use_tqdm=False)[0].outputs[0]
+        return top5_from_logprobs(out.logprobs)(0)
+
+    return "close" if close_under_top5(a, b, top5, top5) else "broken"
+
+
+def _judge(ref, prompts, got, reference) -> tuple[Counter, list]:
+    verdicts = [_classify(ref, p, g, w) for p, g, w in zip(prompts, got, reference)]
+    broken = [(i, got[i], reference[i]) for i, v in enumerate(verdicts) if v == "broken"]
+    return Counter(verdicts), broken
+
+
+@pytest.mark.parametrize("graphs,pipeline,decode_append", ROWS)
+def test_mixed_endings_close_to_tier_off(workload, graphs, pipeline, decode_append):
+    path, prompts, params, reference, ref = workload
+    llm = LLM(
+        model=path,
+        enforce_eager=not graphs,
+        pipeline_decode=pipeline,
+        decode_append=decode_append,
+        **TIER,
+        **GPU,
+    )
+    launches = spy_launches(llm)
+    finishes = spy_finishes(llm.engine)
+    counts, broken = _judge(
+        ref, prompts, rows(llm.generate(prompts, params, use_tqdm=False)), reference
+    )
+    m = llm.engine.metrics()
+    assert_nothing_held(llm.engine)
+    # again: the prompts' pages are gone from the device and come back from host
+    again, broken2 = _judge(
+        ref, prompts, rows(llm.generate(prompts, params, use_tqdm=False)), reference
+    )
+    counts += again
+    msg = f"{dict(counts)} of {2 * len(prompts)} rows; broken: {(broken + broken2)[:2]}"
+    assert counts["broken"] == 0, msg
+    assert m["swaps_out"] > 0 and m["swaps_in"] > 0, m
+    hits = llm.engine.metrics()["host_prefix_hit_pages"]
+    assert hits > m["host_prefix_hit_pages"], "no host prefix hit in the second call"
+    assert_nothing_held(llm.engine)
+    runner = llm.engine.runner
+    if not graphs:
+        assert runner.graphs is None
+    else:
+        # FAILS for decode_append="layer" on today's code: every decode step carries a
+        # per-layer append hook (SchedulerOutput.on_kv_written) and ModelRunner._graph_ok
+        # refuses such steps, so "layer" silently runs every decode step eager.
+        assert runner.graphs.graphs, f"decode_append={decode_append!r}: no graph replayed"
+    if not pipeline:
+        assert not launches, "pipeline_decode=False launched a pipelined decode step"
+        return
+    # FAILS for decode_append="layer" on today's code: can_launch_decode refuses steps
+    # with on_kv_written too, so "layer" silently turns pipelined decode off.
+    assert sum(launches) > 0, f"decode_append={decode_append!r}: no decode step was queued"
+    assert sum(finishes.values()) > 0, "no request ended by a stop while a step was queued"
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "plain"])
+@pytest.mark.parametrize("decode_append", ["off", "batched"])
+def test_graphs_captured_while_stores_are_issued(workload, pipeline, decode_append):
+    """The reported crash: the first decode step captures the graphs lazily right after
+    a prefill whose write-through stores are queued. The copy worker is held back and
+    let go from inside the capture, so it issues those copies while the stream captures
+    (the worst case of the real race); generate() must complete with sound rows, and
+    again after reconfigure() re-captures. A fix that drains copies before capturing
+    passes too (the hold then times out after 2 s)."""
+    path, prompts, params, reference, ref = workload
+    llm = LLM(
+        model=path,
+        pipeline_decode=pipeline,
+        decode_append=decode_append,
+        host_kv_size_gib=0.02,
+        **{**GPU, "num_kv_pages": 600, "max_num_batched_tokens": 2048},  # one prefill step
+    )
+    engine = llm.engine
+    graphs = engine.runner.graphs
+    hold = threading.Event()
+    engine.tier.copies.submit("hold", 0, lambda: hold.wait(2.0))  # later copies queue
+    forward, stored_before_capture = graphs._forward, []
+
+    def forward_releasing_copies(bs: int) -> None:
+        if torch.cuda.is_current_stream_capturing() and not hold.is_set():
+            stored_before_capture.append(engine.tier.metrics.pages_offloaded)
+            hold.set()  # the worker now issues the queued stores, mid-capture
+            time.sleep(0.05)
+        forward(bs)
+
+    graphs._forward = forward_releasing_copies
+    captured_up_front = bool(graphs.graphs)  # a fix may capture before any copy exists
+    got = rows(llm.generate(prompts, params, use_tqdm=False))
+    assert graphs.graphs, "the decode graphs were never captured"
+    if not captured_up_front:
+        assert stored_before_capture and stored_before_capture[0] > 0, stored_before_capture
+    counts, broken = _judge(ref, prompts, got, reference)
+    assert counts["broken"] == 0, f"{dict(counts)}; broken: {broken[:2]}"
+    assert_nothing_held(engine)
+    # reconfigure() drops the graphs; they are captured again, lazily, while this call's
+    # host prefix loads and write-through stores are in flight (natural timing)
+    engine.reconfigure(600)
+    got = rows(llm.generate(prompts, params, use_tqdm=False))
+    assert graphs.graphs and engine.metrics()["host_prefix_hit_pages"] > 0
+    counts, broken = _judge(ref, prompts, got, reference)
+    assert counts["broken"] == 0, f"after reconfigure(): {dict(counts)}; broken: {broken[:2]}"
+    assert_nothing_held(engine)
