@@ -115,15 +115,11 @@ def test_mixed_endings_close_to_tier_off(workload, graphs, pipeline, decode_appe
     if not graphs:
         assert runner.graphs is None
     else:
-        # FAILS for decode_append="layer" on today's code: every decode step carries a
-        # per-layer append hook (SchedulerOutput.on_kv_written) and ModelRunner._graph_ok
-        # refuses such steps, so "layer" silently runs every decode step eager.
+        # decode_append="layer" hooks only the steps that fill a page: others replay
         assert runner.graphs.graphs, f"decode_append={decode_append!r}: no graph replayed"
     if not pipeline:
         assert not launches, "pipeline_decode=False launched a pipelined decode step"
         return
-    # FAILS for decode_append="layer" on today's code: can_launch_decode refuses steps
-    # with on_kv_written too, so "layer" silently turns pipelined decode off.
     assert sum(launches) > 0, f"decode_append={decode_append!r}: no decode step was queued"
     assert sum(finishes.values()) > 0, "no request ended by a stop while a step was queued"
 
@@ -148,7 +144,7 @@ def test_graphs_captured_while_stores_are_issued(workload, pipeline, decode_appe
     engine = llm.engine
     graphs = engine.runner.graphs
     hold = threading.Event()
-    engine.tier.copies.submit("hold", 0, lambda: hold.wait(2.0))  # later copies queue
+    engine.tier.copies.submit("hold", 0, lambda h: hold.wait(2.0))  # later copies queue
     forward, stored_before_capture = graphs._forward, []
 
     def forward_releasing_copies(bs: int) -> None:
@@ -162,7 +158,7 @@ def test_graphs_captured_while_stores_are_issued(workload, pipeline, decode_appe
     captured_up_front = bool(graphs.graphs)  # a fix may capture before any copy exists
     got = rows(llm.generate(prompts, params, use_tqdm=False))
     assert graphs.graphs, "the decode graphs were never captured"
-    if not captured_up_front:
+    if not captured_up_front and decode_append != "off":  # "off" stores only on eviction
         assert stored_before_capture and stored_before_capture[0] > 0, stored_before_capture
     counts, broken = _judge(ref, prompts, got, reference)
     assert counts["broken"] == 0, f"{dict(counts)}; broken: {broken[:2]}"

@@ -153,7 +153,7 @@ def assert_nothing_held(engine) -> None:
     assert not engine.has_unfinished and not engine.requests
     assert not engine.kv.pages
     if engine.tier is not None:
-        assert not engine.kv.mirror.mirrors
+        assert not engine.kv._swapped and not engine.kv._demand  # nothing kept for anyone
         engine.tier.drain()
         held = [p for p, r in enumerate(engine.tier.host_alloc.ref_count) if r]
         assert not held, f"host pages still referenced: {held[:10]}"
