@@ -101,6 +101,11 @@ class EngineConfig:
             )
         if self.host_kv_size_gib < 0:
             raise ValueError(f"host_kv_size_gib must be >= 0, got {self.host_kv_size_gib!r}")
+        if self.host_kv_size_gib > 0 and not self.enable_prefix_caching:
+            raise ValueError(
+                "host_kv_size_gib needs enable_prefix_caching=True: host pages are found by "
+                "the prefix cache's page hashes"
+            )
         if self.decode_append not in ("off", "batched", "layer"):
             raise ValueError(
                 f"decode_append must be 'off', 'batched' or 'layer', got {self.decode_append!r}"

@@ -240,6 +240,11 @@ def test_bad_llm_value_names_it(model_dir, kwarg, value):
         LLM(model=str(model_dir), **{**KW, kwarg: value})
 
 
+def test_host_tier_without_prefix_caching_is_refused(model_dir):
+    with pytest.raises(ValueError, match="host_kv_size_gib needs enable_prefix_caching"):
+        LLM(model=str(model_dir), host_kv_size_gib=0.01, enable_prefix_caching=False, **KW)
+
+
 def test_kv_cache_smaller_than_max_model_len(model_dir):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model=str(model_dir), **{**KW, "num_kv_pages": 4})  # 64 tokens < 128
