@@ -249,7 +249,10 @@ class EngineCore:
         tokenizer = source.load_tokenizer()
         device = config.torch_device()
         dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
-        model = build_model(source, hf_config, dtype, device, max_model_len(config, hf_config))
+        max_len = max_model_len(config, hf_config)
+        model = build_model(
+            source, hf_config, dtype, device, max_len, config.load_format, config.seed
+        )
         return cls(config, model, hf_config, tokenizer, device, dtype)
 
     def _profile_forward(self, num_tokens: int) -> None:

@@ -83,7 +83,10 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
+        raise FileNotFoundError(
+            f"the model's weights are missing: no *.safetensors weight files in {path} "
+            "(load_format='dummy' builds the model with random weights from config.json alone)"
+        )
     for name in files:
         file = path / name
         if not file.is_file():
@@ -111,9 +114,17 @@ def _gguf_weights(file: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(
-    source: ModelSource, config, dtype: torch.dtype, device: torch.device, max_positions: int
+    source: ModelSource,
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> torch.nn.Module:
-    """Build on the meta device, allocate on `device`, fill every weight from the checkpoint."""
+    """Build on the meta device, allocate on `device`, fill every weight from the
+    checkpoint (load_format "auto") or with random values (load_format "dummy": no
+    checkpoint read, see init_dummy_weights)."""
     cls = model_class(config)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -123,6 +134,38 @@ def build_model(
     finally:
         torch.set_default_dtype(old)
     model.to_empty(device=device)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    elif load_format == "auto":
+        _load_checkpoint(model, source, config)
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    model.rotary.materialize(device)
+    return model.eval()
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in place, where the parameters already live (no host copy), as a
+    transformers model initialised and then given normal(0, std) matrices: every weight
+    of two or more dimensions (embeddings, projections, lm_head) from normal(0, std),
+    norm weights 1, biases 0. The same seed, device and dtype give the same weights."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                g = generators.get(p.device)
+                if g is None:
+                    g = generators[p.device] = torch.Generator(p.device).manual_seed(seed)
+                p.normal_(0.0, std, generator=g)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+
+
+def _load_checkpoint(model: torch.nn.Module, source: ModelSource, config) -> None:
+    """Copy every checkpoint tensor into its parameter; ValueError naming what is missing."""
+    cls = type(model)
     expected = {n for n, _ in model.named_parameters()}
     loaded: set[str] = set()
     names = {id(p): n for n, p in model.named_parameters()}
@@ -150,8 +193,6 @@ def build_model(
             f"checkpoint is missing weights: {', '.join(missing[:10])}"
             + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         )
-    model.rotary.materialize(device)
-    return model.eval()
 
 
 def _unfilled(model: torch.nn.Module, expected: set[str], loaded: set[str]) -> list[str]:

@@ -1,0 +1,74 @@
+"""load_format="dummy": a model directory with config.json and a tokenizer, no weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import save_tiny_tokenizer, tiny_config
+
+from batchgen import LLM, SamplingParams
+from batchgen.models.loader import ModelSource, build_model
+
+KW = dict(device="cpu", dtype="float32", num_kv_pages=32, max_model_len=64, page_size=4)
+
+
+def config_only(path, arch: str = "LlamaForCausalLM"):
+    """config.json and tokenizer files, nothing else."""
+    tiny_config(arch).save_pretrained(path)
+    save_tiny_tokenizer(path, 512)
+    assert not list(path.glob("*.safetensors"))
+    return path
+
+
+def _build(path, seed: int = 0, dtype=torch.float32):
+    source = ModelSource.resolve(path)
+    return build_model(source, source.load_config(), dtype, torch.device("cpu"), 64, "dummy", seed)
+
+
+def test_a_config_only_directory_generates_with_dummy_weights(tmp_path):
+    llm = LLM(model=str(config_only(tmp_path)), load_format="dummy", **KW)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7, 8, 9], [10, 11]], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+    again = LLM(model=str(tmp_path), load_format="dummy", **KW)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in again.generate([[5, 6, 7, 8, 9], [10, 11]], params)
+    ]
+
+
+def test_two_dummy_loads_give_the_same_weights_and_another_seed_others(tmp_path):
+    config_only(tmp_path)
+    a, b, c = _build(tmp_path), _build(tmp_path), _build(tmp_path, seed=1)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert sa.keys() == sb.keys() and len(sa) > 10
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    matrices = [k for k in sa if sa[k].dim() == 2]
+    assert matrices and not any(torch.equal(sa[k], sc[k]) for k in matrices)
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_dummy_weights_have_the_benchmark_checkpoints_distribution(tmp_path, arch):
+    """As workloads.random_checkpoint: matrices normal(0, 0.02), norms 1, biases 0."""
+    model = _build(config_only(tmp_path, arch), dtype=torch.bfloat16)
+    kinds = set()
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and p.device.type == "cpu"
+        if p.dim() == 2:
+            kinds.add("matrix")
+            assert abs(p.float().mean().item()) < 2e-3, name
+            assert abs(p.float().std().item() - 0.02) < 2e-3, name
+        elif name.endswith("bias"):
+            kinds.add("bias")
+            assert not p.any(), name
+        else:
+            kinds.add("norm")
+            assert (p == 1).all(), name
+    assert kinds == (
+        {"matrix", "norm", "bias"} if arch == "Qwen2ForCausalLM" else {"matrix", "norm"}
+    )
+
+
+def test_a_config_only_directory_without_dummy_names_the_missing_weights(tmp_path):
+    config_only(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"weights are missing.*safetensors.*dummy"):
+        LLM(model=str(tmp_path), **KW)
