@@ -14,6 +14,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from workloads import MODELS, config_dir
+
 # counters that are rates: recomputed from the timed part's deltas, not subtracted
 RATES = ("copy_gb_per_s", "host_prefix_hit_rate")
 
@@ -27,6 +29,51 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))
     ap.add_argument("--out", type=Path, default=Path("."))
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """--model (a workloads.MODELS name) with random weights, and --ckpt as the directory
+    for its config.json and placeholder tokenizer (no weights: load_format="dummy")."""
+    ap.add_argument(
+        "--model",
+        default="qwen3-0.6b",
+        choices=sorted(MODELS),
+        help="architecture, random bf16 weights (--small: a CPU-sized one of the same kind)",
+    )
+    ap.set_defaults(ckpt=None)
+
+
+def dummy_model(args: argparse.Namespace) -> tuple[dict, Path]:
+    """--model's config (--small: its CPU-sized version) and a directory with its
+    config.json and placeholder tokenizer only: --ckpt, else /tmp/batchgen-<model>-config
+    (+ "-small"). The engine draws the weights (load_format="dummy")."""
+    full, small = MODELS[args.model]
+    config = small if args.small else full
+    path = args.ckpt or Path(f"/tmp/batchgen-{args.model}-config")
+    if args.small:
+        path = path.with_name(path.name + "-small")
+    return config, config_dir(path, config)
+
+
+def engine_default(name: str):
+    """An EngineConfig field's default."""
+    from batchgen.config import EngineConfig
+
+    return EngineConfig.__dataclass_fields__[name].default
+
+
+def add_policy_args(ap: argparse.ArgumentParser, admission: bool = True) -> None:
+    """--tier-policy (and --admission), defaulting to the engine's defaults."""
+    if admission:
+        ap.add_argument(
+            "--admission", default=engine_default("admission"), choices=("prefix", "arrival")
+        )
+    ap.add_argument(
+        "--tier-policy",
+        default=engine_default("tier_policy"),
+        choices=("auto", "always"),
+        help="when the host tier loads KV instead of recomputing it (tier-on runs)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -1,19 +1,31 @@
 """W2 `pressure`: KV larger than the device pool, host tier on (swap) vs off (recompute).
 
-    python benchmarks/pressure.py             # W2 on the GPU: 8 GiB device KV, 64 GiB host
-    python benchmarks/pressure.py --small     # CPU, seconds, for CI
+On the GPU (from the repository root; device time includes building both engines):
 
-W1's model (random bf16 weights), 1024 requests from workloads.w2_requests() (prompts
-512-2048 tokens, outputs 128-512, greedy, ignore_eos). Two engines in one process, one
-after the other (the first freed before the second is built): host tier on (a preempted
-request is swapped to host and back) and off (host_kv_size_gib=0: it is recomputed).
+    PYTHONPATH=src python3 benchmarks/pressure.py --out $OUT                       # W2, ~2 min
+    PYTHONPATH=src python3 benchmarks/pressure.py --model llama-3.1-8b --out $OUT  # W2-8B, ~5 min
+    PYTHONPATH=src python3 benchmarks/pressure.py --small --out /tmp/w2   # CPU, seconds, for CI
+
+--model picks the architecture: qwen3-0.6b (W1's model, the default) or llama-3.1-8b
+(W2-8B: 32 layers, hidden 4096, 8 KV heads, llama3 rope scaling, untied embeddings), both
+with random bf16 weights drawn on the GPU (load_format="dummy": the model directory, --ckpt
+or /tmp/batchgen-<model>-config, holds only config.json and a placeholder tokenizer).
+1024 requests from workloads.w2_requests() (prompts 512-2048 tokens, outputs 128-512,
+greedy, ignore_eos), device KV pool 8 GiB (--kv-gib). Two engines in one process, one
+after the other (the first freed before the second is built): host tier on (64 GiB,
+--host-gib: a preempted request is swapped to host and back) and off
+(host_kv_size_gib=0: it is recomputed). --admission and --tier-policy pass through to
+both (default: the engine's defaults; under tier_policy="auto" the tier may judge a swap
+dearer than a recompute and not swap; "always" swaps whatever it costs).
+
 Prints output tok/s of both, their ratio, preemptions / swaps / recomputes, tokens
 computed, and the host<->device bandwidth of the tier's copies: bytes moved (write-through
 stores, swap-outs and loads) over the summed copy-stream time, and of the swap traffic
 alone (swap-outs and swap-ins, from the engine's per-reason counters), against the 55 GB/s
 ceiling (BENCHMARKS.md; copies on the two copy streams may overlap, so the aggregate
 rate can be above this figure). Writes pressure.json into --out; exits 1 when a run
-lost output tokens, the tier-on run never swapped or the tier-off run never recomputed.
+lost output tokens, the tier-off run never recomputed (the workload did not press), or,
+under tier_policy="always", the tier-on run never swapped.
 """
 
 from __future__ import annotations
@@ -25,9 +37,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_runs import add_engine_args, checks_line, size, timed_run  # noqa: E402
+from engine_runs import (  # noqa: E402
+    add_engine_args,
+    add_model_args,
+    add_policy_args,
+    checks_line,
+    dummy_model,
+    size,
+    timed_run,
+)
 from engine_runs import engine_kwargs as common_engine_kwargs  # noqa: E402
-from workloads import QWEN3_0_6B, SMALL_MODEL, random_checkpoint, w2_requests  # noqa: E402
+from workloads import w2_requests  # noqa: E402
 
 CEILING_GB_S = 55.0  # host<->device, each way, pinned (BENCHMARKS.md)
 
@@ -39,7 +59,12 @@ def small_workload() -> tuple[list[list[int]], list[int]]:
 
 
 def engine_kwargs(args) -> dict:
-    kw = common_engine_kwargs(args) | dict(decode_append=args.decode_append)
+    kw = common_engine_kwargs(args) | dict(
+        decode_append=args.decode_append,
+        admission=args.admission,
+        tier_policy=args.tier_policy,
+        load_format="dummy",
+    )
     if args.small:
         return dict(kw, device="cpu", dtype="float32", max_model_len=96 + 48, num_kv_pages=20)
     return dict(
@@ -50,8 +75,9 @@ def engine_kwargs(args) -> dict:
 def summary(result: dict) -> str:
     on, off = result["tier_on"], result["tier_off"]
     lines = [
-        f"{result['workload']}: {result['requests']} requests, {result['prompt_tokens']:,} "
-        f"prompt + {result['expected_output_tokens']:,} output tokens",
+        f"{result['workload']} on {result['model']}: {result['requests']} requests, "
+        f"{result['prompt_tokens']:,} prompt + {result['expected_output_tokens']:,} output "
+        f"tokens, admission {result['admission']}, tier_policy {result['tier_policy']}",
     ]
     for label, run in (("host tier on ", on), ("host tier off", off)):
         m = run["metrics"]
@@ -82,15 +108,16 @@ def main(argv=None) -> int:
     ap.add_argument("--host-gib", type=float, default=64.0, help="host KV pool of the tier-on run")
     ap.add_argument("--decode-append", default="off", choices=("off", "batched", "layer"))
     add_engine_args(ap)
+    add_model_args(ap)
+    add_policy_args(ap)
     args = ap.parse_args(argv)
     if args.small:
-        cfg, (prompts, out_lens) = SMALL_MODEL, small_workload()
-        args.ckpt = args.ckpt.with_name(args.ckpt.name + "-small")
+        prompts, out_lens = small_workload()
         args.host_gib, warmup_len = 0.002, 16
     else:
-        cfg, (prompts, out_lens) = QWEN3_0_6B, w2_requests()
+        prompts, out_lens = w2_requests()
         warmup_len = 512
-    ckpt = random_checkpoint(args.ckpt, cfg)
+    _, ckpt = dummy_model(args)
     kw = engine_kwargs(args)
     on = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=args.host_gib, **kw)
     off = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=0.0, **kw)
@@ -98,8 +125,18 @@ def main(argv=None) -> int:
     moved = m["bytes_offloaded"] + m["bytes_loaded"]
     swap_bytes = m.get("bytes_swap_out", 0) + m.get("bytes_swap_in", 0)
     swap_seconds = m.get("copy_seconds_swap_out", 0.0) + m.get("copy_seconds_swap_in", 0.0)
+    checks = {
+        "all_outputs": on["all_outputs"] and off["all_outputs"],
+        "same_output_tokens": on["output_tokens"] == off["output_tokens"] == sum(out_lens),
+        "tier_off_recomputed": off["metrics"]["recomputes"] > 0,
+    }
+    if args.tier_policy == "always":
+        checks["tier_on_swapped"] = m.get("swaps_out", 0) > 0
     result = {
         "workload": "small" if args.small else "W2",
+        "model": args.model + (" (small)" if args.small else ""),
+        "admission": args.admission,
+        "tier_policy": args.tier_policy,
         "requests": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "expected_output_tokens": sum(out_lens),
@@ -114,12 +151,7 @@ def main(argv=None) -> int:
         "swap_bytes": swap_bytes,
         "swap_copy_seconds": swap_seconds,
         "swap_gb_per_s": swap_bytes / swap_seconds / 1e9 if swap_seconds > 0 else 0.0,
-        "checks": {
-            "all_outputs": on["all_outputs"] and off["all_outputs"],
-            "same_output_tokens": on["output_tokens"] == off["output_tokens"] == sum(out_lens),
-            "tier_on_swapped": m["swaps_out"] > 0,
-            "tier_off_recomputed": off["metrics"]["recomputes"] > 0,
-        },
+        "checks": checks,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pressure.json").write_text(json.dumps(result, indent=2))

@@ -34,6 +34,53 @@ SMALL_MODEL = dict(
 )
 
 
+# Llama-3.1-8B's architecture (W2-8B, W3-8B), random weights: load_format="dummy"
+LLAMA_3_1_8B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
+
+# a CPU-sized model of the same architecture (llama3 rope scaling, untied embeddings)
+SMALL_LLAMA = dict(
+    LLAMA_3_1_8B,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# --model names: (config, its CPU-sized version for --small)
+MODELS = {
+    "qwen3-0.6b": (QWEN3_0_6B, SMALL_MODEL),
+    "llama-3.1-8b": (LLAMA_3_1_8B, SMALL_LLAMA),
+}
+
+
 def w1_requests() -> tuple[list[list[int]], list[int]]:
     """W1 `nano`: 256 prompts of 100-1024 random tokens, outputs of 100-1024 tokens."""
     random.seed(0)
@@ -127,6 +174,46 @@ def random_checkpoint(
                 p.normal_(0, std)
     model.save_pretrained(path)
     _placeholder_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+# the config.json fields that make two models the same shape
+SHAPE = (
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
+def config_dir(path: Path, config: dict, dtype: str = "bfloat16") -> Path:
+    """A model directory holding only config.json and a placeholder tokenizer, for
+    load_format="dummy" (weights drawn on the device, nothing of the model's size on
+    disk). A directory whose config.json has the same shape is used as it is; one with a
+    different model's config.json is an error (it is never overwritten)."""
+    import json
+
+    import transformers
+
+    existing = path / "config.json"
+    if existing.is_file():
+        have = json.loads(existing.read_text())
+        differ = [k for k in SHAPE if k in config and have.get(k) != config[k]]
+        if differ:
+            raise ValueError(
+                f"{path} holds another model's config.json ({', '.join(differ)} differ): "
+                "give this model another directory"
+            )
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = transformers.AutoConfig.for_model(**config, dtype=dtype)
+    _placeholder_tokenizer(path, cfg.vocab_size)
+    cfg.save_pretrained(path)  # last: a directory with config.json is complete
     return path
 
 

@@ -18,15 +18,15 @@ def _import(name: str):
         sys.path.remove(str(BENCH))
 
 
-def _run(script: str, tmp_path: Path) -> dict:
+def _run(script: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "out"
-    argv = ["--small", "--out", str(out), "--ckpt", str(tmp_path / "ckpt")]
+    argv = ["--small", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"), *extra]
     assert _import(script).main(argv) == 0
     return json.loads((out / f"{script}.json").read_text())
 
 
 def test_pressure_small_swaps_with_the_tier_and_recomputes_without(tmp_path):
-    result = _run("pressure", tmp_path)
+    result = _run("pressure", tmp_path, "--tier-policy", "always")
     _, out_lens = _import("pressure").small_workload()
     on, off = result["tier_on"], result["tier_off"]
     for run in (on, off):
@@ -42,6 +42,21 @@ def test_pressure_small_swaps_with_the_tier_and_recomputes_without(tmp_path):
     m = on["metrics"]
     assert result["swap_bytes"] == m["bytes_swap_out"] + m["bytes_swap_in"] > 0
     assert result["swap_gb_per_s"] > 0
+    assert result["checks"]["tier_on_swapped"] and all(result["checks"].values())
+    assert result["engine"]["tier_policy"] == "always"
+    assert result["engine"]["load_format"] == "dummy"
+
+
+def test_pressure_small_llama_with_admission_and_policy_passed_through(tmp_path):
+    result = _run("pressure", tmp_path, "--model", "llama-3.1-8b", "--admission", "arrival")
+    assert result["model"] == "llama-3.1-8b (small)"
+    assert result["engine"]["admission"] == "arrival"
+    assert result["engine"]["tier_policy"] == "auto"  # the engine's default
+    config = json.loads((tmp_path / "ckpt-small" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and not config["tie_word_embeddings"]
+    assert config["rope_parameters"]["rope_type"] == "llama3"
+    assert not list((tmp_path / "ckpt-small").glob("*.safetensors"))  # weights: dummy
+    assert "tier_on_swapped" not in result["checks"]  # "auto" may recompute instead
     assert all(result["checks"].values())
 
 
