@@ -92,11 +92,14 @@ def timed_run(
     prompts: list[list[int]],
     out_lens: list[int],
     warmup_len: int,
+    after=None,
     **engine_kw,
 ) -> dict:
     """Run every prompt greedily to exactly its output length (ignore_eos) on a fresh
     engine built with engine_kw, then free it; returns wall time, output tok/s, the timed
-    part's counters (engine metrics() plus copy_seconds) and a per-step timeline."""
+    part's counters (engine metrics() plus copy_seconds) and a per-step timeline.
+    after(llm), if given, runs on the engine after the timed part (e.g. a profile); what
+    it returns is the result's "after"."""
     import torch
 
     from batchgen import LLM
@@ -104,7 +107,10 @@ def timed_run(
     with _threads_for(engine_kw["device"]):
         llm = LLM(model=str(ckpt), **engine_kw)
         try:
-            return _timed(llm, prompts, out_lens, warmup_len)
+            result = _timed(llm, prompts, out_lens, warmup_len)
+            if after is not None:
+                result["after"] = after(llm)
+            return result
         finally:
             if llm.engine.tier is not None:
                 llm.engine.tier.copies.close()

@@ -1,24 +1,61 @@
-"""W3 `shared-prefix`: few-shot evaluation shape, host prefix hits on vs off.
+"""W3 `shared-prefix`: few-shot evaluation shape; batchgen's defaults vs recompute.
 
-    python benchmarks/shared_prefix.py            # W3 on the GPU: 4 GiB device KV, 64 GiB host
-    python benchmarks/shared_prefix.py --small    # CPU, seconds, for CI
+On the GPU (from the repository root). Device time per engine: building it (warm-up,
+CUDA graphs, and for tier-on runs pinning the 64 GiB host pool) ~20-30 s, plus the timed
+part: W1's model ~30-40 s for the arrival-order runs, less for the others; W3-8B ~3 min
+for the baseline (6.35M prompt tokens recomputed), ~1-1.5 min for tier-on-arrival, ~0.5-1
+min each for defaults and tier-off-prefix.
 
-W1's model (random bf16 weights), 2048 requests from workloads.w3_requests(): 64
-prefixes of 3,000 random tokens x 32 questions of 100, 16 output tokens each (greedy,
-ignore_eos). The requests go round-robin over the prefixes (question q of every prefix
-before question q + 1 of any): each prefix returns only after the 63 others, while the
-4 GiB device pool holds about 12 requests' worth of pages, so every prefix is evicted
-from the device before its next use. Grouped by prefix instead, an evicted prefix would
-never be wanted again and the host tier could not matter.
+    # W3, W1's model, all four runs: ~4 min
+    PYTHONPATH=src python3 benchmarks/shared_prefix.py --out $OUT
+    # W3-8B, all four runs: ~8-9 min, close to a 10-minute limit per command
+    PYTHONPATH=src python3 benchmarks/shared_prefix.py --model llama-3.1-8b --out $OUT
+    # W3-8B in two calls instead: the headline (~4.5 min), then the other two runs
+    # (~3 min; --profile adds ~30 s: the trace of tier-on-arrival, the first tier-on run)
+    PYTHONPATH=src python3 benchmarks/shared_prefix.py --model llama-3.1-8b --runs defaults,baseline --out $OUT/a
+    PYTHONPATH=src python3 benchmarks/shared_prefix.py --model llama-3.1-8b --runs tier-off-prefix,tier-on-arrival --profile --out $OUT/b
+    # CPU, seconds, for CI
+    PYTHONPATH=src python3 benchmarks/shared_prefix.py --small --out /tmp/w3
 
-Two engines in one process, one after the other (the first freed before the second is
-built), both with the device prefix cache on: host tier on (pages written through to a
-64 GiB host pool come back as host prefix hits) and off (host_kv_size_gib=0: an evicted
-prefix is computed again). Prints output tok/s and the prefill tokens computed in each
-(all computed tokens but one decode token per output after a request's first), the
-device and host prefix hits and the host->device traffic. Writes shared_prefix.json into
---out; exits 1 when a run lost output tokens, the tier-on run had no host prefix hit or
-did not compute fewer prefill tokens than the tier-off run.
+--model: qwen3-0.6b (W1's model, the default) or llama-3.1-8b (W3-8B), random bf16
+weights drawn on the GPU (load_format="dummy": the model directory, --ckpt or
+/tmp/batchgen-<model>-config, holds only config.json and a placeholder tokenizer).
+2048 requests from workloads.w3_requests(): 64 prefixes of 3,000 random tokens x 32
+questions of 100, 16 output tokens each (greedy, ignore_eos), device KV pool 4 GiB
+(--kv-gib), host pool 64 GiB (--host-gib) for the tier-on runs. The requests arrive
+round-robin over the prefixes (question q of every prefix before question q + 1 of any):
+in arrival order each prefix returns only after the 63 others, while the 4 GiB pool holds
+about 12 requests' worth of pages (10 for W3-8B), so every prefix is evicted from the
+device before its next use.
+
+Up to four engines, one after the other in one process (each freed before the next;
+--runs picks a subset, in this order):
+
+    defaults         batchgen's defaults: admission="prefix", host tier on, tier_policy
+                     (--tier-policy, default the engine's "auto")
+    baseline         recompute: host tier off, admission="arrival" (what vLLM does
+                     without offload): an evicted prefix is computed again
+    tier-off-prefix  host tier off, admission="prefix"
+    tier-on-arrival  host tier on (tier_policy as above), admission="arrival"
+
+The headline is defaults vs baseline; tier on vs off is compared under each admission
+and prefix vs arrival under each tier setting, for every pair whose two runs ran. Per run
+it prints output tok/s, wall time, prefill tokens computed (all computed tokens but one
+decode token per output after a request's first), device and host prefix hits and
+preemptions, and for tier-on runs the prefix-load traffic alone (bytes_prefix_load over
+copy_seconds_prefix_load) in GB/s and as a fraction of 55 GB/s.
+
+--profile: after the timed part of the first tier-on run, the first 128 requests of the
+workload are submitted again (their prefixes are then mostly on the host only) and a
+torch.profiler trace of CUDA activity is taken over up to --profile-steps steps; from its
+events: the time host->device copies were active on the copy streams, the fraction of it
+during which a kernel ran on the compute stream (the stream with the most kernel time),
+that stream's busy time and its kernels by family (throughput.kernel_families). The trace
+is kept as shared_prefix_trace.json in --out. Skipped, with a message, on the CPU.
+
+Writes shared_prefix.json into --out; exits 1 when a run lost output tokens, the
+defaults did not compute fewer prefill tokens than the baseline, or (tier_policy
+"always") the tier-on-arrival run had no host prefix hit.
 """
 
 from __future__ import annotations
@@ -26,13 +63,43 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_runs import add_engine_args, checks_line, size, timed_run  # noqa: E402
+from engine_runs import (  # noqa: E402
+    add_engine_args,
+    add_model_args,
+    add_policy_args,
+    checks_line,
+    dummy_model,
+    size,
+    timed_run,
+)
 from engine_runs import engine_kwargs as common_engine_kwargs  # noqa: E402
-from workloads import QWEN3_0_6B, SMALL_MODEL, random_checkpoint, w3_requests  # noqa: E402
+from throughput import kernel_families  # noqa: E402
+from workloads import w3_requests  # noqa: E402
+
+CEILING_GB_S = 55.0  # host<->device, each way, pinned (BENCHMARKS.md)
+
+# name: (admission, host tier on)
+RUNS = {
+    "defaults": ("prefix", True),
+    "baseline": ("arrival", False),
+    "tier-off-prefix": ("prefix", False),
+    "tier-on-arrival": ("arrival", True),
+}
+
+# name: (a, b). Reported: output tok/s a / b, prefill tokens computed b / a, wall time
+# b / a (each above 1 when a is the better run)
+RATIOS = {
+    "defaults_vs_baseline": ("defaults", "baseline"),
+    "tier_on_vs_off_prefix": ("defaults", "tier-off-prefix"),
+    "tier_on_vs_off_arrival": ("tier-on-arrival", "baseline"),
+    "prefix_vs_arrival_tier_on": ("defaults", "tier-on-arrival"),
+    "prefix_vs_arrival_tier_off": ("tier-off-prefix", "baseline"),
+}
 
 
 def small_workload() -> tuple[list[list[int]], list[int]]:
@@ -44,7 +111,7 @@ def small_workload() -> tuple[list[list[int]], list[int]]:
 
 
 def engine_kwargs(args) -> dict:
-    kw = common_engine_kwargs(args)
+    kw = common_engine_kwargs(args) | dict(tier_policy=args.tier_policy, load_format="dummy")
     if args.small:
         return dict(kw, device="cpu", dtype="float32", max_model_len=96 + 8 + 4, num_kv_pages=16)
     return dict(
@@ -52,55 +119,322 @@ def engine_kwargs(args) -> dict:
     )
 
 
-def summary(result: dict) -> str:
-    on, off = result["host_hits_on"], result["host_hits_off"]
-    lines = [
-        f"{result['workload']}: {result['requests']} requests ({result['prefixes']} prefixes x "
-        f"{result['questions']} questions, round-robin), {result['prompt_tokens']:,} prompt + "
-        f"{result['expected_output_tokens']:,} output tokens",
-    ]
-    for label, run in (("host prefix hits on ", on), ("host prefix hits off", off)):
-        m = run["metrics"]
-        lines.append(
-            f"{label} {run['tok_s']:10.1f} output tok/s ({run['wall_s']:.2f} s)  prefill "
-            f"computed {m['prefill_tokens_computed']:,}  device hits {m['prefix_hit_tokens']:,}"
-            f"  host hits {m.get('host_prefix_hit_tokens', 0):,} tokens  preemptions "
-            f"{m['preemptions']}"
+def parse_runs(text: str) -> list[str]:
+    """A comma list of RUNS names -> those names in RUNS' order."""
+    wanted = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = wanted - set(RUNS)
+    if unknown or not wanted:
+        raise argparse.ArgumentTypeError(
+            f"--runs takes a comma list of {', '.join(RUNS)}; got {text!r}"
         )
-    m = on["metrics"]
-    lines += [
-        f"prefill computed off/on {result['prefill_ratio']:.2f}x, output tok/s on/off "
-        f"{result['ratio']:.2f}x",
-        f"tier copies: {size(m['bytes_loaded'])} host->device, {size(m['bytes_offloaded'])} "
-        f"device->host, {m['copy_gb_per_s']:.1f} GB/s over {m['copy_seconds']:.2f} s of "
-        "copy-stream time",
-        checks_line(result["checks"]),
+    return [name for name in RUNS if name in wanted]
+
+
+def prefix_load_rate(metrics: dict) -> dict:
+    """The prefix-load traffic alone: bytes, copy-stream seconds, GB/s, fraction of 55."""
+    nbytes = metrics.get("bytes_prefix_load", 0)
+    secs = metrics.get("copy_seconds_prefix_load", 0.0)
+    rate = nbytes / secs / 1e9 if secs > 0 else 0.0
+    return {
+        "bytes": nbytes,
+        "copy_seconds": secs,
+        "gb_per_s": rate,
+        "fraction_of_ceiling": rate / CEILING_GB_S,
+    }
+
+
+def ratios(runs: dict) -> dict:
+    """Every RATIOS entry whose two runs ran."""
+    out = {}
+    for name, (a, b) in RATIOS.items():
+        if a in runs and b in runs:
+            ra, rb = runs[a], runs[b]
+            pa = ra["metrics"]["prefill_tokens_computed"]
+            pb = rb["metrics"]["prefill_tokens_computed"]
+            out[name] = {
+                "runs": [a, b],
+                "tok_s": ra["tok_s"] / rb["tok_s"],
+                "prefill_computed": pb / max(pa, 1),
+                "wall_s": rb["wall_s"] / ra["wall_s"],
+            }
+    return out
+
+
+# ---- --profile: host->device copies against compute, from a torch.profiler trace ---------
+
+
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, merged intervals."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def measure(spans: list[tuple[float, float]]) -> float:
+    """Total length of merged intervals."""
+    return sum(end - start for start, end in spans)
+
+
+def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list:
+    """The intersection of two merged interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def copy_overlap(events: list[dict]) -> dict:
+    """Host->device copies against compute, from a Chrome trace's GPU events (torch
+    profiler, CUDA activity: "kernel" and "gpu_memcpy" complete events, microseconds).
+
+    The compute stream is the stream with the most kernel time; the copy streams are the
+    other streams with host->device memcpy. Reported: the time copies were active on the
+    copy streams (per stream, overlapping copies counted once), the part of it during
+    which a kernel ran on the compute stream, the compute stream's busy time, its kernels
+    by family, and the host->device copies on the compute stream (input uploads)."""
+    kernels: dict = {}
+    copies: dict = {}
+    copy_bytes: dict = {}
+    rows: dict = {}
+    for e in events:
+        cat = e.get("cat")
+        if e.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy"):
+            continue
+        stream = (e.get("args") or {}).get("stream", e.get("tid"))
+        span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        if cat == "kernel":
+            kernels.setdefault(stream, []).append(span)
+            rows.setdefault(stream, []).append((e.get("name", ""), (span[1] - span[0]) / 1000))
+        elif "HtoD" in e.get("name", ""):
+            copies.setdefault(stream, []).append(span)
+            copy_bytes[stream] = copy_bytes.get(stream, 0) + int(
+                (e.get("args") or {}).get("bytes", 0)
+            )
+    if not kernels:
+        return {"error": "the trace has no kernel events"}
+    compute = max(kernels, key=lambda s: measure(union(kernels[s])))
+    busy = union(kernels[compute])
+    copy_us = overlap_us = 0.0
+    nbytes = count = 0
+    for stream, spans in copies.items():
+        if stream == compute:
+            continue
+        active = union(spans)
+        copy_us += measure(active)
+        overlap_us += measure(intersect(active, busy))
+        nbytes += copy_bytes[stream]
+        count += len(spans)
+    spans = [s for v in (*kernels.values(), *copies.values()) for s in v]
+    return {
+        "compute_stream": compute,
+        "copy_streams": sorted((s for s in copies if s != compute), key=str),
+        "window_ms": (max(e for _, e in spans) - min(s for s, _ in spans)) / 1000,
+        "compute_ms": measure(busy) / 1000,
+        "htod_copy_ms": copy_us / 1000,
+        "htod_overlapped_ms": overlap_us / 1000,
+        "overlap_fraction": overlap_us / copy_us if copy_us else 0.0,
+        "htod_copies": count,
+        "htod_bytes": nbytes,
+        "htod_gb_per_s": nbytes / copy_us / 1e3 if copy_us else 0.0,
+        "htod_on_compute_stream_ms": measure(union(copies.get(compute, []))) / 1000,
+        "compute_ms_by_family": kernel_families(rows[compute]),
+    }
+
+
+def profile_prefix_loads(
+    llm, *, prompts, out_lens, num_requests: int, steps: int, out: Path
+) -> dict:
+    """Trace up to `steps` steps of the first num_requests requests of the workload, run
+    again after the timed part, and measure copy/compute overlap in the trace."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from batchgen import SamplingParams
+
+    eng = llm.engine
+    tier = eng.tier
+    for i in range(min(num_requests, len(prompts))):
+        params = SamplingParams(temperature=0, max_tokens=out_lens[i], ignore_eos=True)
+        eng.add_request(f"profile{i}", prompts[i], params)
+    loaded = tier.metrics.bytes_by_reason.get("prefix_load", 0)
+    done = 0
+    torch.cuda.synchronize(eng.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while eng.has_unfinished and done < steps:
+            eng.step()
+            done += 1
+        eng._drain()  # the queued decode step's GPU work inside the window
+        tier.drain()
+        torch.cuda.synchronize(eng.device)
+    loaded = tier.metrics.bytes_by_reason.get("prefix_load", 0) - loaded
+    eng.abort(list(eng.requests))
+    tier.drain()
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "shared_prefix_trace.json"
+    prof.export_chrome_trace(str(trace))
+    report = copy_overlap(json.loads(trace.read_text())["traceEvents"])
+    return dict(report, steps=done, prefix_load_bytes=loaded, trace=str(trace))
+
+
+# ---- the script -----------------------------------------------------------------------
+
+
+def run_line(name: str, run: dict) -> str:
+    m = run["metrics"]
+    return (
+        f"{name:<16} {run['admission']:<8} {'on ' if run['host_tier'] else 'off'} "
+        f"{run['tok_s']:10.1f} {run['wall_s']:8.2f} {m['prefill_tokens_computed']:>12,} "
+        f"{m['prefix_hit_tokens']:>12,} {m.get('host_prefix_hit_tokens', 0):>12,} "
+        f"{m['preemptions']:>6}"
+    )
+
+
+def summary(result: dict) -> str:
+    lines = [
+        f"{result['workload']} on {result['model']}: {result['requests']} requests "
+        f"({result['prefixes']} prefixes x {result['questions']} questions, round-robin), "
+        f"{result['prompt_tokens']:,} prompt + {result['expected_output_tokens']:,} output "
+        f"tokens, tier_policy {result['tier_policy']}",
+        f"{'run':<16} {'admit':<8} tier {'tok/s':>9} {'wall s':>8} {'prefill comp.':>12} "
+        f"{'device hits':>12} {'host hits':>12} {'preempt':>6}",
     ]
+    runs = result["runs"]
+    lines += [run_line(name, run) for name, run in runs.items()]
+    for name, run in runs.items():
+        if run["host_tier"]:
+            m, load = run["metrics"], run["prefix_load"]
+            lines.append(
+                f"{name}: prefix loads {size(load['bytes'])} over {load['copy_seconds']:.2f} s "
+                f"of copy-stream time -> {load['gb_per_s']:.1f} GB/s = "
+                f"{100 * load['fraction_of_ceiling']:.1f}% of {CEILING_GB_S:.0f} GB/s; all tier "
+                f"copies {size(m['bytes_loaded'])} host->device, {size(m['bytes_offloaded'])} "
+                f"device->host"
+            )
+    for name, r in result["ratios"].items():
+        a, b = r["runs"]
+        lines.append(
+            f"{name}: output tok/s {a} / {b} {r['tok_s']:.2f}x, prefill tokens computed "
+            f"{b} / {a} {r['prefill_computed']:.2f}x"
+        )
+    prof = result.get("profile")
+    if prof:
+        if "skipped" in prof:
+            lines.append(f"profile: skipped: {prof['skipped']}")
+        elif "error" in prof:
+            lines.append(f"profile: {prof['error']}")
+        else:
+            lines.append(
+                f"profile ({prof['run']}, {prof['steps']} steps, {prof['window_ms']:.1f} ms, "
+                f"{size(prof['prefix_load_bytes'])} of prefix loads): host->device copies "
+                f"active {prof['htod_copy_ms']:.2f} ms ({size(prof['htod_bytes'])}, "
+                f"{prof['htod_gb_per_s']:.1f} GB/s), {100 * prof['overlap_fraction']:.1f}% "
+                f"of it under compute kernels ({prof['htod_overlapped_ms']:.2f} ms); compute "
+                f"stream busy {prof['compute_ms']:.2f} ms; trace {prof['trace']}"
+            )
+    lines.append(checks_line(result["checks"]))
     return "\n".join(lines) + "\n"
+
+
+def checks(runs: dict, expected: int, tier_policy: str) -> dict[str, bool]:
+    out = {
+        "all_outputs": all(r["all_outputs"] for r in runs.values()),
+        "same_output_tokens": all(r["output_tokens"] == expected for r in runs.values()),
+    }
+    prefill = {name: r["metrics"]["prefill_tokens_computed"] for name, r in runs.items()}
+    if "defaults" in runs and "baseline" in runs:
+        out["defaults_fewer_prefill_than_baseline"] = prefill["defaults"] < prefill["baseline"]
+    if tier_policy == "always" and "tier-on-arrival" in runs:
+        hits = runs["tier-on-arrival"]["metrics"].get("host_prefix_hit_pages", 0)
+        out["tier_on_arrival_host_prefix_hits"] = hits > 0
+    return out
+
+
+def profile_target(args, device: str) -> tuple[str | None, str | None]:
+    """(the run --profile traces, None) or (None, why it is skipped); (None, None) without
+    --profile."""
+    if not args.profile:
+        return None, None
+    if device == "cpu":
+        return None, (
+            "--profile traces CUDA activity (copy streams against compute kernels); this "
+            "run is on the CPU"
+        )
+    tier_on = [name for name in args.runs if RUNS[name][1]]
+    if not tier_on:
+        return None, "--profile traces a tier-on run; none of --runs has the host tier on"
+    return tier_on[0], None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
     ap.add_argument("--kv-gib", type=float, default=4.0, help="device KV pool (GiB)")
-    ap.add_argument("--host-gib", type=float, default=64.0, help="host KV pool of the tier-on run")
+    ap.add_argument("--host-gib", type=float, default=64.0, help="host KV pool of tier-on runs")
+    ap.add_argument(
+        "--runs",
+        type=parse_runs,
+        default=list(RUNS),
+        help=f"comma list of runs (default all): {', '.join(RUNS)}",
+    )
+    ap.add_argument("--profile", action="store_true", help="trace the first tier-on run (GPU)")
+    ap.add_argument("--profile-steps", type=int, default=32)
     add_engine_args(ap)
+    add_model_args(ap)
+    add_policy_args(ap, admission=False)
     args = ap.parse_args(argv)
     if args.small:
-        cfg, (prompts, out_lens) = SMALL_MODEL, small_workload()
-        args.ckpt = args.ckpt.with_name(args.ckpt.name + "-small")
+        prompts, out_lens = small_workload()
         args.host_gib, warmup_len, prefixes, questions = 0.002, 16, 8, 4
     else:
-        cfg, (prompts, out_lens) = QWEN3_0_6B, w3_requests()
+        prompts, out_lens = w3_requests()
         warmup_len, prefixes, questions = 512, 64, 32
-    ckpt = random_checkpoint(args.ckpt, cfg)
+    _, ckpt = dummy_model(args)
     kw = engine_kwargs(args)
-    on = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=args.host_gib, **kw)
-    off = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=0.0, **kw)
-    prefill_on = on["metrics"]["prefill_tokens_computed"]
-    prefill_off = off["metrics"]["prefill_tokens_computed"]
+    profile_run, skipped = profile_target(args, kw["device"])
+    profile = {"skipped": skipped} if skipped else None
+    runs = {}
+    for name in args.runs:
+        admission, tier = RUNS[name]
+        after = None
+        if name == profile_run:
+            after = partial(
+                profile_prefix_loads,
+                prompts=prompts,
+                out_lens=out_lens,
+                num_requests=2 * prefixes,
+                steps=args.profile_steps,
+                out=args.out,
+            )
+        run = timed_run(
+            ckpt,
+            prompts,
+            out_lens,
+            warmup_len,
+            after=after,
+            admission=admission,
+            host_kv_size_gib=args.host_gib if tier else 0.0,
+            **kw,
+        )
+        if name == profile_run:
+            profile = dict(run.pop("after"), run=name)
+        run.update(admission=admission, host_tier=tier)
+        if tier:
+            run["prefix_load"] = prefix_load_rate(run["metrics"])
+        runs[name] = run
     result = {
         "workload": "small" if args.small else "W3",
+        "model": args.model + (" (small)" if args.small else ""),
+        "tier_policy": args.tier_policy,
         "requests": len(prompts),
         "prefixes": prefixes,
         "questions": questions,
@@ -109,17 +443,13 @@ def main(argv=None) -> int:
         "prompt_tokens": sum(len(p) for p in prompts),
         "expected_output_tokens": sum(out_lens),
         "engine": dict(kw, host_kv_size_gib=args.host_gib),
-        "host_hits_on": on,
-        "host_hits_off": off,
-        "ratio": on["tok_s"] / off["tok_s"],
-        "prefill_ratio": prefill_off / max(prefill_on, 1),
-        "checks": {
-            "all_outputs": on["all_outputs"] and off["all_outputs"],
-            "same_output_tokens": on["output_tokens"] == off["output_tokens"] == sum(out_lens),
-            "host_prefix_hits": on["metrics"]["host_prefix_hit_pages"] > 0,
-            "fewer_prefill_tokens": prefill_on < prefill_off,
-        },
+        "ceiling_gb_per_s": CEILING_GB_S,
+        "runs": runs,
+        "ratios": ratios(runs),
+        "checks": checks(runs, sum(out_lens), args.tier_policy),
     }
+    if profile is not None:
+        result["profile"] = profile
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "shared_prefix.json").write_text(json.dumps(result, indent=2))
     sys.stdout.write(summary(result))

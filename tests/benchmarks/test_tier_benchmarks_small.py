@@ -130,21 +130,104 @@ def test_pressure_small_llama_with_admission_and_policy_passed_through(tmp_path)
     assert all(result["checks"].values())
 
 
-def test_shared_prefix_small_computes_less_prefill_with_host_hits(tmp_path):
-    result = _run("shared_prefix", tmp_path)
-    _, out_lens = _import("shared_prefix").small_workload()
-    on, off = result["host_hits_on"], result["host_hits_off"]
-    for run in (on, off):
-        assert run["all_outputs"] and run["output_tokens"] == sum(out_lens)
-    assert on["metrics"]["host_prefix_hit_pages"] > 0 and on["metrics"]["bytes_loaded"] > 0
-    assert "host_prefix_hit_pages" not in off["metrics"]
-    prefill_on = on["metrics"]["prefill_tokens_computed"]
-    prefill_off = off["metrics"]["prefill_tokens_computed"]
-    assert prefill_on < prefill_off
-    # nothing preempted: every prompt token is either computed or a prefix hit
-    for run in (on, off):
+def _prefill_accounting(result: dict) -> None:
+    """Without preemption every prompt token is either computed or a prefix hit."""
+    for run in result["runs"].values():
         m = run["metrics"]
-        assert m["preemptions"] == 0
-        hits = m["prefix_hit_tokens"] + m.get("host_prefix_hit_tokens", 0)
-        assert m["prefill_tokens_computed"] + hits == result["prompt_tokens"]
+        if m["preemptions"] == 0:
+            hits = m["prefix_hit_tokens"] + m.get("host_prefix_hit_tokens", 0)
+            assert m["prefill_tokens_computed"] + hits == result["prompt_tokens"]
+
+
+def test_shared_prefix_small_runs_the_four_engines(tmp_path):
+    sp = _import("shared_prefix")
+    result = _run("shared_prefix", tmp_path, "--tier-policy", "always")
+    _, out_lens = sp.small_workload()
+    runs = result["runs"]
+    assert list(runs) == ["defaults", "baseline", "tier-off-prefix", "tier-on-arrival"]
+    expected = {name: (admission, tier) for name, (admission, tier) in sp.RUNS.items()}
+    for name, run in runs.items():
+        assert (run["admission"], run["host_tier"]) == expected[name]
+        assert run["all_outputs"] and run["output_tokens"] == sum(out_lens)
+        m = run["metrics"]
+        if run["host_tier"]:
+            load = run["prefix_load"]
+            assert load["bytes"] == m["bytes_prefix_load"] > 0
+            assert load["gb_per_s"] > 0 and load["fraction_of_ceiling"] == load["gb_per_s"] / 55
+        else:
+            assert "host_prefix_hit_pages" not in m and "prefix_load" not in run
+    # round-robin arrival evicts every prefix before its next use: host hits replace
+    # recompute only with the tier on
+    on, off = runs["tier-on-arrival"]["metrics"], runs["baseline"]["metrics"]
+    assert on["host_prefix_hit_pages"] > 0
+    assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
+    assert set(result["ratios"]) == set(sp.RATIOS)
+    r = result["ratios"]["tier_on_vs_off_arrival"]
+    assert r["runs"] == ["tier-on-arrival", "baseline"]
+    assert r["prefill_computed"] == off["prefill_tokens_computed"] / on["prefill_tokens_computed"]
+    _prefill_accounting(result)
+    assert result["checks"]["defaults_fewer_prefill_than_baseline"]
+    assert result["checks"]["tier_on_arrival_host_prefix_hits"]
     assert all(result["checks"].values())
+    assert "profile" not in result
+
+
+def test_shared_prefix_small_runs_a_subset_and_skips_the_profile_on_the_cpu(tmp_path, capsys):
+    argv = ["--model", "llama-3.1-8b", "--runs", "tier-on-arrival,baseline", "--profile"]
+    result = _run("shared_prefix", tmp_path, *argv)
+    assert list(result["runs"]) == ["baseline", "tier-on-arrival"]
+    assert list(result["ratios"]) == ["tier_on_vs_off_arrival"]
+    assert result["model"] == "llama-3.1-8b (small)"
+    assert result["engine"]["tier_policy"] == "auto"
+    assert "tier_on_arrival_host_prefix_hits" not in result["checks"]  # "auto" may recompute
+    assert set(result["checks"]) == {"all_outputs", "same_output_tokens"}
+    assert "CPU" in result["profile"]["skipped"]
+    assert "profile: skipped" in capsys.readouterr().out
+    _prefill_accounting(result)
+
+
+def test_shared_prefix_runs_option_refuses_unknown_names(tmp_path, capsys):
+    sp = _import("shared_prefix")
+    with pytest.raises(SystemExit):
+        sp.main(["--small", "--runs", "defaults,nope", "--out", str(tmp_path)])
+    assert "nope" in capsys.readouterr().err
+
+
+def test_copy_overlap_measures_copies_under_compute_kernels():
+    """Chrome-trace events as torch.profiler writes them (microseconds): the compute
+    stream 7 is busy 0-100 and 150-250; copy stream 20 copies host->device 50-180 (two
+    overlapping copies) and stream 21 at 300-310 (nothing computes then)."""
+    sp = _import("shared_prefix")
+
+    def ev(cat, name, stream, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "tid": stream, "args": dict(args, stream=stream)}  # fmt: skip
+
+    events = [
+        ev("kernel", "nvjet_gemm", 7, 0, 60),
+        ev("kernel", "_prefill_kernel", 7, 60, 40),
+        ev("kernel", "_rms_norm_kernel", 7, 150, 100),
+        ev("kernel", "index_copy_kernel", 20, 180, 5),  # the copy stream's own scatter
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20, 50, 100, bytes=1000),
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20, 120, 60, bytes=600),
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 21, 300, 10, bytes=400),
+        ev("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 7, 140, 5, bytes=8),
+        ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 21, 260, 20, bytes=999),
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 0, "dur": 999},
+    ]
+    got = sp.copy_overlap(events)
+    assert got["compute_stream"] == 7 and got["copy_streams"] == [20, 21]
+    assert got["compute_ms"] == pytest.approx(0.2)
+    # copies active 50-180 and 300-310: 140 us; under compute 50-100 and 150-180: 80 us
+    assert got["htod_copy_ms"] == pytest.approx(0.14)
+    assert got["htod_overlapped_ms"] == pytest.approx(0.08)
+    assert got["overlap_fraction"] == pytest.approx(80 / 140)
+    assert got["htod_copies"] == 3 and got["htod_bytes"] == 2000
+    assert got["htod_on_compute_stream_ms"] == pytest.approx(0.005)
+    assert got["window_ms"] == pytest.approx(0.31)
+    fam = got["compute_ms_by_family"]
+    assert fam["gemm"] == pytest.approx(0.06) and fam["attention"] == pytest.approx(0.04)
+    assert fam["norm_rope_act"] == pytest.approx(0.1) and fam["copies"] == 0
+    assert sp.copy_overlap([ev("gpu_memcpy", "Memcpy HtoD", 3, 0, 1)]) == {
+        "error": "the trace has no kernel events"
+    }
