@@ -104,7 +104,7 @@ def timed_run(
 
     from batchgen import LLM
 
-    with _threads_for(engine_kw["device"]):
+    with threads_for(engine_kw["device"]):
         llm = LLM(model=str(ckpt), **engine_kw)
         try:
             result = _timed(llm, prompts, out_lens, warmup_len)
@@ -121,7 +121,7 @@ def timed_run(
 
 
 @contextmanager
-def _threads_for(device: str):
+def threads_for(device: str):
     """One torch thread for CPU runs: the --small models' matrices are tiny, so one thread
     is as fast, and it does not slow down 50x when another process holds the other cores
     (OpenMP spin waits). The previous count is restored."""

@@ -1,12 +1,42 @@
 """The 512-request decode probe for the host tier (issue: tiered KV cache).
 
-512 requests (prompts of ~1,000 tokens, 128 output tokens) with a device pool small
-enough to force swapping, batchgen_debug on (every offloaded page read back and
-compared), against an ample-pool run of the same requests. A row collapses when its
-greedy output departs from the ample run beyond the logprob-closeness rule (at the
-first differing token, each side's token is in the other side's top-5).
+512 requests (prompts of ~1,000 random tokens, up to 128 output tokens, greedy) with a
+device pool small enough to force preemption (4 GiB, --kv-gib) and a host tier (32 GiB,
+--host-gib), against an ample-pool run of the same requests without the tier. A row is
+broken when its output departs from the ample run's beyond the logprob-closeness rule
+(batchgen/eval/closeness.py): identical, or at the first differing position each side's
+token is among the other side's five most likely.
 
-    python benchmarks/probe_offload.py [--kv-gib 4] [--host-gib 32] [--small]
+On the GPU (from the repository root):
+
+    # the default configuration, W1's model: ~1.5 min
+    PYTHONPATH=src python3 benchmarks/probe_offload.py --out $OUT
+    # the same, the tier made to swap whatever it costs (auto may choose to recompute)
+    PYTHONPATH=src python3 benchmarks/probe_offload.py --tier-policy always --out $OUT
+    # Llama-3.1-8B's architecture, random weights: ~2 min
+    PYTHONPATH=src python3 benchmarks/probe_offload.py --model llama-3.1-8b --out $OUT
+    # the debug probe (batchgen_debug read-back of every offloaded page): ~3 min
+    PYTHONPATH=src python3 benchmarks/probe_offload.py --debug --out $OUT
+    # CPU, seconds, for CI
+    PYTHONPATH=src python3 benchmarks/probe_offload.py --small --out /tmp/probe
+
+Default mode: the engine's default configuration (debug off, pipelined decode, CUDA
+graphs, tier_policy and decode_append as given, default "auto" and "off"), requests that
+end at EOS or max_tokens (no ignore_eos) and report no logprobs, so they run as a user's
+would. The top-5 at a divergence comes from scoring afterwards: every non-identical row's
+prompt plus the common part of both outputs runs once more, for one token with
+logprobs=5, on the ample engine; both sides' tokens at the divergence must be in that
+top-5 (both sides continue the same tokens there, so one top-5 stands for both).
+--debug: the probe as first run (RESULTS.md, 2026-11-30): batchgen_debug=True on the tier
+run (every offloaded page read back and compared), ignore_eos, logprobs=5 on every token
+of both runs, each side's own top-5 at the divergence.
+
+--model: qwen3-0.6b (W1's model, the default) or llama-3.1-8b with random bf16 weights
+(load_format="dummy", the directory --ckpt or /tmp/batchgen-<model>-config holds only
+config.json and a tokenizer); "default" for batchgen's embedded default model (needs
+the gguf package); or the path of a model directory or GGUF file (its own weights).
+Prints identical / close / broken rows and the tier run's swaps, recomputes and host
+prefix hits; writes probe_offload.json into --out; exits 1 when a row is broken.
 """
 
 from __future__ import annotations
@@ -21,115 +51,224 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from workloads import QWEN3_0_6B, SMALL_MODEL, random_checkpoint  # noqa: E402
+from engine_runs import dummy_model, engine_default, threads_for  # noqa: E402
+from workloads import MODELS  # noqa: E402
 
 from batchgen.eval.closeness import close_under_top5, top5_from_logprobs  # noqa: E402
 
+# the tier run's counters worth a line (engine metrics() names)
+TIER_KEYS = (
+    "preemptions",
+    "swaps_out",
+    "swaps_in",
+    "recomputes",
+    "host_prefix_hit_pages",
+    "pages_offloaded",
+    "pages_loaded",
+    "copy_gb_per_s",
+    "readback_checks",
+)
 
-def close(a_tok, a_lp, b_tok, b_lp) -> bool:
-    return close_under_top5(a_tok, b_tok, top5_from_logprobs(a_lp), top5_from_logprobs(b_lp))
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where a and b differ, None when one is a prefix of the other."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def run(ckpt, prompts, params, **kw):
+def compare(prompts, tier_rows, ample_rows, score) -> dict:
+    """Rows of token ids under the closeness rule. score(prompts) -> the top-5 next-token
+    ids after each prompt; it is called once, with prompt + common output of every row
+    that is not identical. A row of different length with no differing token (one cut
+    short) is broken."""
+    identical, broken, diverging = [], [], []
+    for i, (a, b) in enumerate(zip(tier_rows, ample_rows)):
+        if a == b:
+            identical.append(i)
+            continue
+        d = first_divergence(a, b)
+        if d is None:
+            broken.append(i)
+        else:
+            diverging.append((i, d))
+    tops = score([prompts[i] + tier_rows[i][:d] for i, d in diverging]) if diverging else []
+    for (i, d), top in zip(diverging, tops):
+        if tier_rows[i][d] not in top or ample_rows[i][d] not in top:
+            broken.append(i)
+    return {
+        "identical_rows": len(identical),
+        "close_rows": len(tier_rows) - len(identical) - len(broken),
+        "broken_rows": len(broken),
+        "broken": sorted(broken)[:50],
+        "divergence_positions": sorted(d for _, d in diverging)[:50],
+    }
+
+
+def compare_debug(tier, ample) -> dict:
+    """(token ids, per-token logprobs) rows, each side's own top-5 at the divergence."""
+    identical = sum(a[0] == b[0] for a, b in zip(tier, ample))
+    broken = [
+        i
+        for i, (a, b) in enumerate(zip(tier, ample))
+        if not close_under_top5(a[0], b[0], top5_from_logprobs(a[1]), top5_from_logprobs(b[1]))
+    ]
+    return {
+        "identical_rows": identical,
+        "close_rows": len(tier) - identical - len(broken),
+        "broken_rows": len(broken),
+        "broken": broken[:50],
+    }
+
+
+def run(model, prompts, params, after=None, **kw):
+    """Generate on a fresh engine, then free it; after(llm, rows) runs on it first."""
     import torch
 
     from batchgen import LLM
 
-    llm = LLM(model=str(ckpt), **kw)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    metrics = llm.engine.metrics()
-    rows = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-    if llm.engine.tier is not None:
-        llm.engine.tier.copies.close()
-    del llm, outs
+    with threads_for(kw["device"]):
+        llm = LLM(model=model, **kw)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        metrics = llm.engine.metrics()
+        page_size = llm.engine.config.page_size
+        metrics["host_prefix_hit_tokens"] = metrics.get("host_prefix_hit_pages", 0) * page_size
+        rows = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+        extra = after(llm, rows) if after is not None else None
+        if llm.engine.tier is not None:
+            llm.engine.tier.copies.close()
+        del llm, outs
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return rows, metrics, wall
+    return rows, metrics, wall, extra
+
+
+def top5_scorer(llm):
+    """score(prompts): the top-5 next-token ids after each prompt (one greedy token,
+    logprobs=5), on an idle engine."""
+    from batchgen import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5, ignore_eos=True)
+
+    def score(prompts):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [top5_from_logprobs(o.outputs[0].logprobs)(0) for o in outs]
+
+    return score
+
+
+def resolve_model(args) -> tuple[str | None, dict, int]:
+    """(LLM's model argument, engine keywords it needs, largest prompt token id)."""
+    if args.model in MODELS:
+        config, path = dummy_model(args)
+        return str(path), {"load_format": "dummy"}, min(10000, config["vocab_size"] - 1)
+    if args.model == "default":
+        return None, {}, 10000  # SmolLM2's vocabulary has 49,152 tokens
+    from batchgen.models.loader import ModelSource
+
+    vocab = ModelSource.resolve(args.model).load_config().vocab_size
+    return args.model, {}, min(10000, vocab - 1)
+
+
+def make_prompts(n: int, length: int, max_token: int) -> list[list[int]]:
+    rng = random.Random(0)
+    jitter = min(50, length // 4)
+    return [
+        [rng.randint(0, max_token) for _ in range(max(1, length + rng.randint(-jitter, jitter)))]
+        for _ in range(n)
+    ]
 
 
 def main(argv=None) -> int:
     from batchgen import SamplingParams
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--prompt-len", type=int, default=1000)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--kv-gib", type=float, default=4.0)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=None, help="512 (--small: 16)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="1000 (--small: 48)")
+    ap.add_argument("--output-len", type=int, default=None, help="128 (--small: 16)")
+    ap.add_argument("--kv-gib", type=float, default=4.0, help="tier run's device KV pool")
+    ap.add_argument("--kv-pages", type=int, default=40, help="--small: tier run's pool pages")
     ap.add_argument("--host-gib", type=float, default=32.0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument(
+        "--tier-policy", default=engine_default("tier_policy"), choices=("auto", "always")
+    )
+    ap.add_argument(
+        "--decode-append",
+        default=engine_default("decode_append"),
+        choices=("off", "batched", "layer"),
+    )
+    ap.add_argument("--debug", action="store_true", help="the batchgen_debug probe (see above)")
+    ap.add_argument("--model", default="qwen3-0.6b", help="a name, 'default' or a path")
     ap.add_argument("--small", action="store_true", help="CPU-sized smoke run")
-    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))
+    ap.add_argument("--ckpt", type=Path, default=None, help="directory for --model's config")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
-    cfg = QWEN3_0_6B
-    common = dict(
-        dtype="bfloat16", device="cuda", max_model_len=2048, max_num_seqs=args.max_num_seqs
-    )
+    small = dict(requests=16, prompt_len=48, output_len=16)
+    full = dict(requests=512, prompt_len=1000, output_len=128)
+    for key, value in (small if args.small else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    model, model_kw, max_token = resolve_model(args)
+    prompts = make_prompts(args.requests, args.prompt_len, max_token)
+    common = dict(model_kw, max_num_seqs=args.max_num_seqs)
     if args.small:
-        cfg = SMALL_MODEL
-        args.ckpt = args.ckpt.with_name(args.ckpt.name + "-small")
-        common = dict(
-            dtype="float32",
-            device="cpu",
-            max_model_len=256,
-            page_size=4,
-            max_num_seqs=args.max_num_seqs,
+        common.update(dtype="float32", device="cpu", max_model_len=96, page_size=4)
+        tight = dict(num_kv_pages=args.kv_pages, host_kv_size_gib=0.002)
+    else:
+        dtype = "bfloat16" if model_kw else "auto"
+        common.update(dtype=dtype, device="cuda", max_model_len=2048)
+        tight = dict(kv_cache_size_gib=args.kv_gib, host_kv_size_gib=args.host_gib)
+    tight.update(tier_policy=args.tier_policy, decode_append=args.decode_append)
+
+    if args.debug:
+        params = SamplingParams(
+            temperature=0, max_tokens=args.output_len, ignore_eos=True, logprobs=5
         )
-    ckpt = random_checkpoint(args.ckpt, cfg)
-    rng = random.Random(0)
-    prompts = [
-        [
-            rng.randint(0, 10000 if not args.small else 500)
-            for _ in range(max(1, args.prompt_len + rng.randint(-50, 50)))
-        ]
-        for _ in range(args.requests)
-    ]
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, logprobs=5)
-    tight, m_tight, wall_tight = run(
-        ckpt,
-        prompts,
-        params,
-        kv_cache_size_gib=args.kv_gib,
-        host_kv_size_gib=args.host_gib,
-        batchgen_debug=True,
-        **common,
-    )
-    ample, m_ample, wall_ample = run(ckpt, prompts, params, **common)
-    identical = sum(a[0] == b[0] for a, b in zip(tight, ample))
-    collapsed = sum(not close(a[0], a[1], b[0], b[1]) for a, b in zip(tight, ample))
+        tier_rows, m_tier, wall_tier, _ = run(
+            model, prompts, params, batchgen_debug=True, **tight, **common
+        )
+        ample_rows, m_ample, wall_ample, _ = run(model, prompts, params, **common)
+        verdict = compare_debug(tier_rows, ample_rows)
+        verdict["readback_mismatches"] = 0  # a mismatch raises KVReadbackError
+    else:
+        params = SamplingParams(temperature=0, max_tokens=args.output_len)
+        tier_rows, m_tier, wall_tier, _ = run(model, prompts, params, **tight, **common)
+        tier_ids = [r[0] for r in tier_rows]
+
+        def judge(llm, rows):
+            return compare(prompts, tier_ids, [r[0] for r in rows], top5_scorer(llm))
+
+        ample_rows, m_ample, wall_ample, verdict = run(
+            model, prompts, params, after=judge, **common
+        )
+    lost = sum(not r[0] for r in tier_rows) + sum(not r[0] for r in ample_rows)
     result = {
+        "mode": "debug" if args.debug else "default",
+        "model": model or "batchgen default model",
         "requests": args.requests,
-        "identical_rows": identical,
-        "collapsed_rows": collapsed,
-        "readback_mismatches": 0,
-        "readback_checks": m_tight.get("readback_checks"),
-        "offload_run": m_tight,
-        "offload_wall_s": wall_tight,
+        "tier_run": dict(tight, **common),
+        **verdict,
+        "rows_without_output": lost,
+        "eos_endings": {
+            "tier": sum(len(r[0]) < args.output_len for r in tier_rows),
+            "ample": sum(len(r[0]) < args.output_len for r in ample_rows),
+        },
+        "offload_run": m_tier,
+        "offload_wall_s": wall_tier,
         "ample_run": m_ample,
         "ample_wall_s": wall_ample,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "probe_offload.json").write_text(json.dumps(result, indent=2))
-    sys.stdout.write(
-        json.dumps(
-            {k: v for k, v in result.items() if k not in ("offload_run", "ample_run")}, indent=1
-        )
-        + "\n"
-    )
-    keys = (
-        "swaps_out",
-        "swaps_in",
-        "recomputes",
-        "pages_offloaded",
-        "pages_loaded",
-        "copy_gb_per_s",
-        "host_prefix_hit_pages",
-    )
-    sys.stdout.write(json.dumps({k: m_tight.get(k) for k in keys}) + "\n")
-    return 0 if collapsed == 0 else 1
+    shown = {k: v for k, v in result.items() if k not in ("offload_run", "ample_run")}
+    sys.stdout.write(json.dumps(shown, indent=1) + "\n")
+    tier_line = {k: m_tier.get(k) for k in (*TIER_KEYS, "host_prefix_hit_tokens")}
+    sys.stdout.write("tier run: " + json.dumps(tier_line) + "\n")
+    if not m_tier.get("swaps_out"):
+        sys.stdout.write("note: the tier run swapped nothing (see tier_policy, --kv-gib)\n")
+    return 0 if verdict["broken_rows"] == 0 and lost == 0 else 1
 
 
 if __name__ == "__main__":

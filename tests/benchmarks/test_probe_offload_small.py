@@ -1,0 +1,82 @@
+"""benchmarks/probe_offload.py: the default-configuration and debug probes on the CPU, and
+the closeness verdict with top-5s scored after the run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _import(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _run(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "out"
+    argv = ["--small", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"), *extra]
+    assert _import("probe_offload").main(argv) == 0
+    return json.loads((out / "probe_offload.json").read_text())
+
+
+def test_default_configuration_probe_swaps_and_breaks_no_row(tmp_path):
+    result = _run(tmp_path, "--tier-policy", "always", "--decode-append", "batched")
+    assert result["mode"] == "default" and result["requests"] == 16
+    assert result["tier_run"]["tier_policy"] == "always"
+    assert result["tier_run"]["decode_append"] == "batched"
+    assert "batchgen_debug" not in result["tier_run"]
+    assert result["broken_rows"] == 0 and result["rows_without_output"] == 0
+    assert result["identical_rows"] + result["close_rows"] == 16
+    m = result["offload_run"]
+    assert m["swaps_out"] > 0 and m["swaps_in"] > 0 and m["readback_checks"] == 0
+    assert "swaps_out" not in result["ample_run"]
+
+
+def test_debug_probe_reads_back_every_offloaded_page(tmp_path):
+    result = _run(tmp_path, "--debug", "--tier-policy", "always")
+    assert result["mode"] == "debug" and result["broken_rows"] == 0
+    m = result["offload_run"]
+    assert m["readback_checks"] >= m["pages_offloaded"] > 0
+    assert result["eos_endings"] == {"tier": 0, "ample": 0}  # ignore_eos
+
+
+def test_compare_scores_each_divergence_once_with_the_common_prefix():
+    probe = _import("probe_offload")
+    prompts = [[1], [2], [3], [4], [5]]
+    tier = [[7, 8, 9], [7, 8, 9], [7, 8, 9], [7, 8], [7]]
+    ample = [[7, 8, 9], [7, 5, 6], [7, 8, 4], [7, 8, 3], [7, 2]]
+    asked = []
+
+    def score(ps):
+        asked.append(ps)
+        # row 1 diverges at 1: 8 and 5 both likely; row 2 at 2: 4 is not in the top-5
+        return [[8, 5, 0, 10, 11], [9, 1, 0, 10, 11]]
+
+    got = probe.compare(prompts, tier, ample, score)
+    # rows 3 and 4 are cut short: different lengths with no differing token
+    assert asked == [[[2, 7], [3, 7, 8]]]
+    assert got["identical_rows"] == 1 and got["close_rows"] == 1
+    assert got["broken_rows"] == 3 and got["broken"] == [2, 3, 4]
+    assert got["divergence_positions"] == [1, 2]
+    assert probe.compare(prompts, tier, tier, score)["identical_rows"] == 5
+    assert len(asked) == 1  # nothing to score: no call
+
+
+def test_top5_scorer_ranks_the_greedy_token_first(tmp_path):
+    probe = _import("probe_offload")
+    workloads = _import("workloads")
+    from batchgen import LLM, SamplingParams
+
+    path = workloads.config_dir(tmp_path / "m", workloads.SMALL_MODEL)
+    llm = LLM(model=str(path), load_format="dummy", device="cpu", num_kv_pages=32, max_model_len=64)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    tops = probe.top5_scorer(llm)(prompts)
+    assert [len(t) for t in tops] == [5, 5]
+    assert [t[0] for t in tops] == [o.outputs[0].token_ids[0] for o in greedy]
