@@ -18,6 +18,9 @@ from workloads import MODELS, config_dir
 
 # counters that are rates: recomputed from the timed part's deltas, not subtracted
 RATES = ("copy_gb_per_s", "host_prefix_hit_rate")
+# metrics() keys that describe the engine rather than count its work (the tier's cost
+# rule: tier_loads_pay, tier_load_us_per_token, ...): reported as they are
+STATIC = ("tier_",)
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -190,7 +193,11 @@ def delta(before: dict, after: dict, num_requests: int) -> dict:
     """Counters of the timed part, rates recomputed from them, and the prefill tokens
     computed: every computed token except the one decode token per output after a
     request's first (so a recompute's re-prefill counts as prefill)."""
-    out = {k: v - before.get(k, 0) for k, v in after.items() if k != "page_size"}
+    out = {
+        k: v if k.startswith(STATIC) else v - before.get(k, 0)
+        for k, v in after.items()
+        if k != "page_size"
+    }
     out["prefill_tokens_computed"] = out["computed_tokens"] - (out["output_tokens"] - num_requests)
     if "copy_seconds" in out:
         moved = out["bytes_offloaded"] + out["bytes_loaded"]
@@ -200,6 +207,18 @@ def delta(before: dict, after: dict, num_requests: int) -> dict:
         out["host_prefix_hit_rate"] = out["host_prefix_hit_pages"] / q if q else 0.0
         out["host_prefix_hit_tokens"] = out["host_prefix_hit_pages"] * after["page_size"]
     return out
+
+
+def cost_rule(metrics: dict) -> str:
+    """The tier's cost-rule verdict in words ("" for a run without a tier)."""
+    if "tier_loads_pay" not in metrics:
+        return ""
+    verdict = "loads" if metrics["tier_loads_pay"] else "idle (recomputes)"
+    return (
+        f"cost rule: load {metrics.get('tier_load_us_per_token', 0.0):.3g} us/token vs "
+        f"recompute {metrics.get('tier_recompute_us_per_token', 0.0):.3g} us/token -> tier "
+        f"{verdict}"
+    )
 
 
 def checks_line(checks: dict[str, bool]) -> str:

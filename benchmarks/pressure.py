@@ -42,6 +42,7 @@ from engine_runs import (  # noqa: E402
     add_model_args,
     add_policy_args,
     checks_line,
+    cost_rule,
     dummy_model,
     size,
     timed_run,
@@ -88,6 +89,8 @@ def summary(result: dict) -> str:
             f"computed {m['computed_tokens']:,}"
         )
     m = on["metrics"]
+    if cost_rule(m):
+        lines.append(f"host tier on: {cost_rule(m)} (tier_policy {result['tier_policy']})")
     lines += [
         f"ratio on/off {result['ratio']:.2f}x",
         f"tier copies: {size(m['bytes_offloaded'])} to host, {size(m['bytes_loaded'])} back, "

@@ -67,6 +67,9 @@ TIER_KEYS = (
     "pages_loaded",
     "copy_gb_per_s",
     "readback_checks",
+    "tier_loads_pay",
+    "tier_load_us_per_token",
+    "tier_recompute_us_per_token",
 )
 
 

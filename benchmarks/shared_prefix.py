@@ -73,6 +73,7 @@ from engine_runs import (  # noqa: E402
     add_model_args,
     add_policy_args,
     checks_line,
+    cost_rule,
     dummy_model,
     size,
     timed_run,
@@ -318,7 +319,7 @@ def summary(result: dict) -> str:
                 f"of copy-stream time -> {load['gb_per_s']:.1f} GB/s = "
                 f"{100 * load['fraction_of_ceiling']:.1f}% of {CEILING_GB_S:.0f} GB/s; all tier "
                 f"copies {size(m['bytes_loaded'])} host->device, {size(m['bytes_offloaded'])} "
-                f"device->host"
+                f"device->host; {cost_rule(m)}"
             )
     for name, r in result["ratios"].items():
         a, b = r["runs"]

@@ -99,6 +99,9 @@ def test_pressure_small_swaps_with_the_tier_and_recomputes_without(tmp_path, obs
         assert run["metrics"]["output_tokens"] == sum(out_lens)
         assert run["metrics"]["preemptions"] > 0
     assert on["metrics"]["swaps_out"] > 0 and on["metrics"]["swaps_in"] > 0
+    # the cost rule's figures are reported as the engine gives them, not as deltas
+    assert on["metrics"]["tier_loads_pay"] is True  # tier_policy="always"
+    assert on["metrics"]["tier_recompute_us_per_token"] > 0
     assert on["metrics"]["bytes_offloaded"] > 0 and on["metrics"]["copy_seconds"] > 0
     assert "swaps_out" not in off["metrics"] and off["metrics"]["recomputes"] > 0
     # swapping resumes where it stopped; recompute computes the dropped context again
