@@ -51,7 +51,9 @@ torch.profiler trace of CUDA activity is taken over up to --profile-steps steps;
 events: the time host->device copies were active on the copy streams, the fraction of it
 during which a kernel ran on the compute stream (the stream with the most kernel time),
 that stream's busy time and its kernels by family (throughput.kernel_families). The trace
-is kept as shared_prefix_trace.json in --out. Skipped, with a message, on the CPU.
+is kept as shared_prefix_trace.json in --out. Skipped, with a message, on the CPU. A tier
+the cost rule left idle (tier_policy "auto", printed per run) loads nothing to trace:
+--tier-policy always makes it load.
 
 Writes shared_prefix.json into --out; exits 1 when a run lost output tokens, the
 defaults did not compute fewer prefill tokens than the baseline, or (tier_policy
@@ -342,6 +344,11 @@ def summary(result: dict) -> str:
                 f"of it under compute kernels ({prof['htod_overlapped_ms']:.2f} ms); compute "
                 f"stream busy {prof['compute_ms']:.2f} ms; trace {prof['trace']}"
             )
+            if not prof["prefix_load_bytes"]:
+                lines.append(
+                    "profile: no prefix load in the window (an idle tier? see the cost "
+                    "rule above; --tier-policy always loads regardless)"
+                )
     lines.append(checks_line(result["checks"]))
     return "\n".join(lines) + "\n"
 

@@ -234,3 +234,28 @@ def test_copy_overlap_measures_copies_under_compute_kernels():
     assert sp.copy_overlap([ev("gpu_memcpy", "Memcpy HtoD", 3, 0, 1)]) == {
         "error": "the trace has no kernel events"
     }
+
+
+def test_summary_reports_the_profile_and_a_window_without_loads():
+    sp = _import("shared_prefix")
+    kernel = {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 10, "args": {"stream": 7}}
+    profile = dict(sp.copy_overlap([kernel]), run="defaults", steps=3, trace="t.json")
+    result = {
+        "workload": "W3",
+        "model": "m",
+        "requests": 1,
+        "prefixes": 1,
+        "questions": 1,
+        "prompt_tokens": 1,
+        "expected_output_tokens": 1,
+        "tier_policy": "auto",
+        "runs": {},
+        "ratios": {},
+        "checks": {"all_outputs": True},
+        "profile": dict(profile, prefix_load_bytes=0),
+    }
+    text = sp.summary(result)
+    assert "profile (defaults, 3 steps" in text and "0.0% of it under compute" in text
+    assert "no prefix load in the window" in text
+    result["profile"]["prefix_load_bytes"] = 1
+    assert "no prefix load" not in sp.summary(result)
