@@ -54,7 +54,7 @@ class _Pending:
     dev_pages: list[int]
     hashes: list[bytes | None] = field(default_factory=list)
     hold_dev: bool = True  # device pages carry an extra reference until completion
-    reason: str = ""
+    reasons: list[str] = field(default_factory=list)  # per page; copy time split by them
 
 
 @dataclass
@@ -221,7 +221,7 @@ class TieredKVManager:
             self.metrics.count(reason, self.page_bytes)
         self.metrics.pages_offloaded += n
         self._pending.append(
-            _Pending(handle, "store", host_pages, dev_pages, hashes, hold_dev, q.reasons[0])
+            _Pending(handle, "store", host_pages, dev_pages, hashes, hold_dev, q.reasons[:n])
         )
         if self.debug:
             self._readback(dev_pages, host_pages, handle, range(dev_kv.shape[0]), q.tags)
@@ -247,7 +247,7 @@ class TieredKVManager:
         self.metrics.pages_loaded += len(host_pages)
         for p in dev_pages:
             self._loading[p] = handle
-        self._pending.append(_Pending(handle, "load", host_pages, dev_pages, reason=q.reasons[0]))
+        self._pending.append(_Pending(handle, "load", host_pages, dev_pages, reasons=q.reasons))
         return handle
 
     def store_layer(
@@ -280,7 +280,7 @@ class TieredKVManager:
                 host_pages if last else [],
                 dev_pages,
                 hashes if last else [],
-                reason="decode_append",
+                reasons=["decode_append"],
             )
         )
         if self.debug:
@@ -303,7 +303,8 @@ class TieredKVManager:
         seconds = p.handle.copy_seconds()
         self.metrics.copy_seconds += seconds
         by_reason = self.metrics.seconds_by_reason
-        by_reason[p.reason] = by_reason.get(p.reason, 0.0) + seconds
+        for reason in p.reasons:  # a task moves pages of equal size: split its time by them
+            by_reason[reason] = by_reason.get(reason, 0.0) + seconds / len(p.reasons)
         if p.kind == "store":
             for page, h in zip(p.host_pages, p.hashes):
                 if self._writing.get(page) is p.handle:
