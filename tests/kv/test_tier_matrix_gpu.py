@@ -167,7 +167,9 @@ def test_graphs_captured_while_stores_are_issued(workload, pipeline, decode_appe
     # host prefix loads and write-through stores are in flight (natural timing)
     engine.reconfigure(600)
     got = rows(llm.generate(prompts, params, use_tqdm=False))
-    assert graphs.graphs and engine.metrics()["host_prefix_hit_pages"] > 0
+    assert graphs.graphs
+    if decode_append == "batched":  # "off" keeps on host only pages wanted or shared
+        assert engine.metrics()["host_prefix_hit_pages"] > 0
     counts, broken = _judge(ref, prompts, got, reference)
     assert counts["broken"] == 0, f"after reconfigure(): {dict(counts)}; broken: {broken[:2]}"
     assert_nothing_held(engine)

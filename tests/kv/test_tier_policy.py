@@ -80,3 +80,14 @@ def test_cost_rule_idles_the_tier_when_recompute_is_cheaper(model_dir, monkeypat
         assert m["bytes_offloaded"] == m["bytes_loaded"] == 0
     else:
         assert m["swaps_out"] > 0 and m["bytes_loaded"] > 0
+
+
+def test_a_swapped_request_finding_its_own_pages_does_not_mark_them_shared(model_dir):
+    prompts = _random(10, 20, 30, seed=3)  # nothing shared; a small pool: swaps
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = LLM(model=model_dir, num_kv_pages=40, host_kv_size_gib=0.02, **BASE)
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(_random(10, 20, 30, seed=9), params, use_tqdm=False)  # evicts the first
+    m = llm.engine.metrics()
+    assert m["swaps_out"] > 0 and m["swaps_in"] > 0 and m["bytes_swap_out"] > 0
+    assert m.get("bytes_write_back", 0) == 0  # only swapped requests' own pages moved

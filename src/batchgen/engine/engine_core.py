@@ -257,7 +257,10 @@ class EngineCore:
 
     def _profile_forward(self, num_tokens: int) -> None:
         n = min(num_tokens, self.max_model_len)
-        warmup_forward(self.model, self.layout, self.device, self.hf_config, self.eos_token_ids, n)
+        backend = self.config.resolved_attention_backend(self.device)
+        warmup_forward(
+            self.model, self.layout, self.device, self.hf_config, self.eos_token_ids, n, backend
+        )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, what: str) -> None:
         """Raise ValueError naming `what` for a prompt the engine cannot run."""

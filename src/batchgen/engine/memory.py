@@ -52,10 +52,17 @@ def plan_num_pages(
 
 
 def warmup_forward(
-    model, layout: KVLayout, device: torch.device, hf_config, eos_token_ids, num_tokens: int
+    model,
+    layout: KVLayout,
+    device: torch.device,
+    hf_config,
+    eos_token_ids,
+    num_tokens: int,
+    attention_backend: str = "torch",
 ) -> None:
-    """One forward of a num_tokens prompt through a throw-away pool: the peak memory of
-    the largest step, for plan_num_pages (the caller caps num_tokens at max_model_len)."""
+    """One forward of a num_tokens prompt through a throw-away pool, on the attention
+    backend the engine runs: the peak memory of the largest step, for plan_num_pages,
+    and its time, for the tier's cost rule (the caller caps num_tokens at max_model_len)."""
     pages = -(-num_tokens // layout.page_size)
     pool = PagePool(layout, pages + 1, device)
     runner = ModelRunner(
@@ -65,6 +72,7 @@ def warmup_forward(
         device,
         hf_config.vocab_size,
         eos_token_ids,
+        attention_backend=attention_backend,
         max_num_seqs=1,
         max_pages=pages,
     )

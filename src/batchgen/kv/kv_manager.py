@@ -56,7 +56,8 @@ class KVCacheManager:
         self._swapped: dict[str, list[bytes]] = {}  # swapped request -> its cached pages
         self._swapped_by: dict[bytes, str] = {}  # page hash -> a swapped request holding it
         self._waits: list = []  # in-flight loads of device pages this step hit
-        self._reused: set[int] = set()  # device pages a prefix hit found (shared prefixes)
+        self._reused: set[int] = set()  # device pages another request's hit found: shared
+        self._preempted: set[str] = set()  # dropped for recompute: its own hits are no sign
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         self.host_hit_tokens = 0
@@ -130,10 +131,13 @@ class KVCacheManager:
             return True  # already covered: most decode steps
         if need > self.allocator.num_free_after_touch(list(hit_pages)):
             return False
+        resuming = request_id in self._swapped or request_id in self._preempted
+        self._preempted.discard(request_id)
         if hit_pages:
             self.allocator.touch(list(hit_pages))
             self.prefix_hit_tokens += len(hit_pages) * self.page_size
-            self._reused.update(hit_pages)
+            if not resuming:  # a request finding its own pages again shows no sharing
+                self._reused.update(hit_pages)
             if self.tier is not None:
                 self._waits += self.tier.loads_of(hit_pages)
         first = len(held) + len(hit_pages)
@@ -152,7 +156,8 @@ class KVCacheManager:
             hashes = self._hashes[request_id]
             for i, page in enumerate(loaded, start=first):
                 self.allocator.register(page, hashes[i])
-            self._reused.update(loaded)
+            if not resuming:
+                self._reused.update(loaded)
         if hit_pages or host:
             self._num_registered[request_id] = len(hit_pages) + len(host)
         return True
@@ -270,13 +275,16 @@ class KVCacheManager:
 
     # ---- release -------------------------------------------------------------------
     def free(self, request_id: str) -> None:
-        """Release the request's pages (they stay findable by hash until evicted)."""
+        """Release the request's pages (they stay findable by hash until evicted): a
+        preemption for recompute, or the end of a request (forget)."""
         self.allocator.free(self.pages.pop(request_id, []))
         self._num_registered.pop(request_id, None)
+        self._preempted.add(request_id)
 
     def forget(self, request_id: str) -> None:
         """Drop everything kept for a finished request."""
         self.free(request_id)
+        self._preempted.discard(request_id)
         hashes = self._hashes.pop(request_id, [])
         for h in hashes[: self._counted.pop(request_id, 0)]:
             left = self._demand[h] - 1
