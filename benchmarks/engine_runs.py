@@ -25,6 +25,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-pipeline", action="store_true", help="no pipelined decode")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--admission", choices=["prefix", "arrival"], default="prefix")
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))
     ap.add_argument("--out", type=Path, default=Path("."))
 
@@ -37,6 +38,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.backend,
         enforce_eager=args.eager,
         pipeline_decode=not args.no_pipeline,
+        admission=args.admission,
     )
 
 
