@@ -1,4 +1,8 @@
-"""Scheduler + KVCacheManager driven with fabricated ModelRunnerOutputs (no model)."""
+"""Scheduler + KVCacheManager driven with fabricated ModelRunnerOutputs (no model).
+
+Every test runs under both admission orders: with prompts that share no cached prefix,
+prefix admission behaves as arrival admission (tests/engine/test_waiting.py covers where
+they differ)."""
 
 from __future__ import annotations
 
@@ -17,10 +21,18 @@ PS = 4
 EOS = 2
 
 
+@pytest.fixture(autouse=True, params=["prefix", "arrival"])
+def admission(request, monkeypatch):
+    monkeypatch.setattr(Driver, "admission", request.param)
+    return request.param
+
+
 class Driver:
     """Plays the engine's role: schedule, fabricate the sampled tokens, update.
 
     Every step checks the invariants the runner relies on."""
+
+    admission = "prefix"
 
     def __init__(
         self,
@@ -31,7 +43,9 @@ class Driver:
         caching: bool = True,
     ) -> None:
         self.kv = KVCacheManager(num_pages, PS, caching)
-        self.sched = Scheduler(self.kv, max_num_seqs, budget, max_model_len, [EOS])
+        self.sched = Scheduler(
+            self.kv, max_num_seqs, budget, max_model_len, [EOS], admission=self.admission
+        )
         self.requests: dict[str, Request] = {}
         self.outputs: list[SchedulerOutput] = []
         self.finished: list[Request] = []
@@ -92,6 +106,8 @@ class Driver:
             assert refs == held.get(page, 0), page
         assert self.kv.num_free_pages == self.kv.allocator.num_pages - len(held)
         assert set(self.kv.pages) == {r.request_id for r in sched.running}
+        # prefix admission: only running requests claim the pages they compute
+        assert set(getattr(sched.waiting, "_claimed", ())) <= set(self.kv.pages)
 
     def run(self, max_steps: int = 1000, token=None) -> None:
         for _ in range(max_steps):

@@ -215,3 +215,35 @@ def test_free_then_realloc_after_preemption_reuses_cached_pages():
     assert len(kv.pages["a"]) == 3
     kv.cache_computed("a", tokens, len(tokens))
     assert [kv.allocator.ref_count[p] for p in kv.pages["a"]] == [1, 1, 1]
+
+
+def test_is_cached_sees_device_then_host_pages_and_counts_nothing():
+    from types import SimpleNamespace
+
+    from batchgen.kv.page_allocator import PageAllocator
+
+    kv = make()
+    prompt = list(range(9))
+    run_prompt(kv, "a", prompt)
+    h0, h1 = kv.page_hashes("a", prompt)
+    other = hash_full_pages(list(range(100, 104)), PS)[0]
+    assert kv.is_cached(h0) and kv.is_cached(h1) and not kv.is_cached(other)
+    host = PageAllocator(2)
+    host.register(host.allocate(1)[0], other)
+    kv.tier = SimpleNamespace(host_alloc=host, loads_pay=False)
+    assert not kv.is_cached(other)  # the cost rule idles the tier: host pages are not hits
+    kv.tier.loads_pay = True
+    assert kv.is_cached(other)
+    assert kv.prefix_hit_tokens == 0 and kv.prefix_query_tokens == 9
+    assert not make(caching=False).is_cached(h0)
+
+
+def test_free_pages_to_admit_counts_held_prefix_pages_as_free():
+    kv = make()
+    prefix = list(range(8))
+    run_prompt(kv, "a", prefix + [1, 2])
+    b = prefix + [3, 4, 5, 6, 7]  # 4 pages, 2 of them held by a
+    assert kv.free_pages_to_admit("b", b) == 2
+    kv.forget("a")  # cached but free: reviving them takes free pages
+    assert kv.free_pages_to_admit("b", b) == 4
+    assert kv.prefix_hit_tokens == 0

@@ -105,7 +105,9 @@ def _shared_prefix_batch():
 def test_host_prefix_hits_cut_prefill_and_keep_outputs(model_dir):
     prompts = _shared_prefix_batch()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    kw = dict(BASE, max_num_seqs=2, max_num_batched_tokens=64)
+    # arrival order evicts each prefix before its next use (prefix admission would group
+    # the requests and leave the host nothing to serve)
+    kw = dict(BASE, max_num_seqs=2, max_num_batched_tokens=64, admission="arrival")
     off = LLM(model=model_dir, num_kv_pages=42, **kw)
     on = LLM(model=model_dir, num_kv_pages=42, host_kv_size_gib=0.02, **kw)
     outs_off = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]

@@ -85,6 +85,7 @@ class EngineCore:
             config.max_num_batched_tokens,
             self.max_model_len,
             self.eos_token_ids,
+            admission=config.admission,
         )
         backend = config.resolved_attention_backend(device)
         plan = None

@@ -19,10 +19,14 @@ from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
 
 
 def could_admit(scheduler: Scheduler, kv: KVCacheManager) -> bool:
-    """A waiting request has a free seat and the pages for its prompt."""
+    """The waiting request schedule() would admit first has a free seat and the pages
+    for its prompt (a request deferred by prefix admission is not asked about)."""
     if not scheduler.waiting or len(scheduler.running) >= scheduler.max_num_seqs:
         return False
-    return kv.num_free_pages >= kv.pages_needed(len(scheduler.waiting[0].token_ids))
+    if not kv.num_free_pages:  # every admission takes a page: skip the ordering
+        return False
+    candidate = scheduler.admission_candidate()
+    return candidate is not None and kv.num_free_pages >= candidate[1]
 
 
 def next_decode(

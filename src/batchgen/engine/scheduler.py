@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 
 from batchgen.engine.request import Request, RequestStatus
+from batchgen.engine.waiting import PrefixWaiting
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.runner.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -16,7 +18,13 @@ class Scheduler:
     decode token each); when pages run out, the newest running request is preempted
     (its pages are dropped and it is recomputed later, from the prefix cache where
     its pages survive). Then, if nothing was preempted, waiting requests are admitted
-    while pages, the token budget and max_num_seqs allow.
+    while pages, the token budget and max_num_seqs allow; the first that does not fit
+    ends admission for the step.
+
+    admission="arrival" admits in arrival order (preempted requests first);
+    admission="prefix" admits preempted requests first, then by cached prefix length,
+    deferring a request whose next uncached page a running request is computing
+    (`PrefixWaiting`).
     """
 
     def __init__(
@@ -26,13 +34,19 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        admission: str = "prefix",
     ) -> None:
+        if admission not in ("prefix", "arrival"):
+            raise ValueError(f'admission must be "prefix" or "arrival", got {admission!r}')
         self.kv = kv
+        self.admission = admission
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] | PrefixWaiting = (
+            deque() if admission == "arrival" else PrefixWaiting()
+        )
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_recomputes = 0
@@ -40,7 +54,14 @@ class Scheduler:
         self._released: list[str] = []  # left the running set since the last schedule()
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        if self.admission == "arrival":
+            self.waiting.append(request)
+        elif not self.kv.allocator.enable_caching:
+            self.waiting.add(request, [])  # nothing is ever cached: arrival order
+        else:
+            ids = request.token_ids
+            hashes = self.kv.page_hashes(request.request_id, ids)
+            self.waiting.add(request, hashes[: (len(ids) - 1) // self.kv.page_size])
 
     @property
     def has_unfinished(self) -> bool:
@@ -57,7 +78,7 @@ class Scheduler:
             self.num_recomputes += 1
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._released.append(request.request_id)
+        self._left_running(request)
         self.waiting.appendleft(request)
 
     def take_released(self) -> list[str]:
@@ -86,13 +107,11 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
             i += 1
-        while (
-            not out.preempted_ids
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            req = self.waiting[0]
+        candidates = iter(()) if out.preempted_ids else self._candidates()
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            req = next(candidates, None)
+            if req is None:
+                break
             # a swapped request comes back like any other: its full pages from the device
             # prefix cache or the host, its last partial page recomputed
             hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
@@ -104,7 +123,7 @@ class Scheduler:
                 self.kv.note_admission(req.num_tokens)
             req.num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
-            self.waiting.popleft()
+            self._admitted(req)
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
@@ -128,6 +147,49 @@ class Scheduler:
             for req, n in scheduled
         ]
         return out
+
+    def _candidates(self) -> Iterator[Request]:
+        """Waiting requests in the order admission tries them; each is admitted
+        (`_admitted`) before the next is asked for, or the caller stops."""
+        if self.admission == "prefix":
+            if self.kv.num_free_pages:  # an admission takes at least one page
+                yield from self.waiting.candidates(self.kv)
+            return
+        while self.waiting:
+            yield self.waiting[0]
+
+    def _admitted(self, req: Request) -> None:
+        """Out of `waiting`; under prefix admission it claims the pages it computes
+        (those after its prefix hit, device or host)."""
+        if self.admission == "arrival":
+            self.waiting.popleft()
+            return
+        self.waiting.take(req)
+        if self.kv.allocator.enable_caching:
+            hashes = self.kv.page_hashes(req.request_id, req.token_ids)
+            start = req.num_computed_tokens // self.kv.page_size
+            self.waiting.claim(req.request_id, hashes[start:])
+
+    def _left_running(self, req: Request) -> None:
+        self._released.append(req.request_id)
+        if self.admission == "prefix":
+            self.waiting.release(req.request_id)
+
+    def admission_candidate(self) -> tuple[Request, int] | None:
+        """The request schedule() would try to admit first and the free device pages its
+        whole prompt would take (prefix admission counts the cached pages running
+        requests hold as free); None when nothing waits or all waiting are deferred."""
+        if self.admission == "arrival":
+            if not self.waiting:
+                return None
+            req = self.waiting[0]
+            return req, self.kv.pages_needed(len(req.token_ids))
+        req = next(self._candidates(), None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.SWAPPED:
+            return req, self.kv.pages_needed(len(req.token_ids))
+        return req, self.kv.free_pages_to_admit(req.request_id, req.token_ids)
 
     def update(
         self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
@@ -187,7 +249,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = "abort"
         self.kv.forget(req.request_id)
-        self._released.append(req.request_id)
+        self._left_running(req)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         if req.is_finished:
@@ -198,4 +260,4 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.kv.forget(req.request_id)
-        self._released.append(req.request_id)
+        self._left_running(req)

@@ -118,6 +118,23 @@ class KVCacheManager:
             return device
         return device + len(self.tier.host_alloc.lookup(hashes[device:]))
 
+    def is_cached(self, page_hash: bytes) -> bool:
+        """The page is in the device prefix cache or in the host tier's (no reference
+        taken, no counter touched): for admission order."""
+        if not self.allocator.enable_caching:
+            return False
+        if self.allocator.lookup([page_hash]):
+            return True
+        return self.tier_active and bool(self.tier.host_alloc.lookup([page_hash]))
+
+    def free_pages_to_admit(self, request_id: str, token_ids: list[int]) -> int:
+        """Free device pages admitting the whole request would take: the pages of its
+        cached prefix that running requests hold cost none (no counter touched)."""
+        hashes = self.page_hashes(request_id, token_ids)[: (len(token_ids) - 1) // self.page_size]
+        ref = self.allocator.ref_count
+        held = sum(1 for page in self.allocator.lookup(hashes) if ref[page] > 0)
+        return self.pages_needed(len(token_ids)) - held
+
     def hit_tokens(self, hit: list[int]) -> int:
         return (len(hit) + len(getattr(hit, "host_pages", ()))) * self.page_size
 

@@ -1,0 +1,143 @@
+"""A radix tree of the waiting requests over their page hashes, for prefix admission.
+
+Each request is filed under the chained hashes of its lookup-able full pages (those a
+prefix hit may cover: all but the page of its last token). Chained hashes name a whole
+prefix, so two requests share a path exactly as far as their prompts share full pages.
+
+Invariants:
+- An edge holds the hashes of the pages between its parent's depth and its node's depth;
+  a node's children are keyed by the first hash of their edge, so siblings' edges differ
+  from their first page on.
+- A request sits at the node where its hashes end (`members`, in (arrival, seq) order);
+  `size` counts the requests in a node's subtree and `first` is the earliest of them.
+- A node whose subtree empties is detached from its parent (single-child chains left by
+  removals are not merged back: they only add a step to the walk).
+
+Because the cache holds whole prefixes, every request of the subtree below an edge that
+is cached up to page k (and not at k) has the same cached prefix, of depth + k pages, and
+the same first uncached page: `frontier` hands out such subtrees as groups, so a step's
+walk visits the nodes of cached prefixes and their children, never every waiting page.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections.abc import Callable, Iterator
+
+from batchgen.engine.request import Request
+
+Key = tuple[int, int]  # (arrival, seq): the admission order among equals
+
+
+class Node:
+    __slots__ = ("edge", "depth", "parent", "children", "members", "size", "first")
+
+    def __init__(self, edge: list[bytes], depth: int, parent: Node | None) -> None:
+        self.edge = edge
+        self.depth = depth
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.members: list[tuple[Key, Request]] = []
+        self.size = 0
+        self.first: tuple[Key, Request] | None = None
+
+    def earliest(self) -> tuple[Key, Request] | None:
+        """The earliest request of the subtree, from the members and the children's."""
+        best = self.members[0] if self.members else None
+        for child in self.children.values():
+            if child.first is not None and (best is None or child.first[0] < best[0]):
+                best = child.first
+        return best
+
+
+class WaitingTree:
+    def __init__(self) -> None:
+        self.root = Node([], 0, None)
+        self._where: dict[str, tuple[Node, Key]] = {}  # request id -> its node and key
+
+    def __len__(self) -> int:
+        return self.root.size
+
+    def __contains__(self, req: Request) -> bool:
+        return req.request_id in self._where
+
+    def __iter__(self) -> Iterator[Request]:
+        """The requests in (arrival, seq) order (for inspection: sorts them all)."""
+        entries = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            entries += node.members
+            stack += node.children.values()
+        return (req for _, req in sorted(entries, key=lambda e: e[0]))
+
+    def insert(self, req: Request, key: Key, hashes: list[bytes]) -> None:
+        """File `req` under `hashes` (its lookup-able page hashes): O(len(hashes))."""
+        node, i = self.root, 0
+        while i < len(hashes):
+            child = node.children.get(hashes[i])
+            if child is None:
+                child = Node(hashes[i:], node.depth + len(hashes) - i, node)
+                node.children[hashes[i]] = child
+                node, i = child, len(hashes)
+                break
+            edge, k = child.edge, 1
+            while k < len(edge) and i + k < len(hashes) and edge[k] == hashes[i + k]:
+                k += 1
+            if k < len(edge):
+                child = self._split(child, k)
+            node, i = child, i + k
+        insort(node.members, (key, req), key=lambda e: e[0])
+        self._where[req.request_id] = (node, key)
+        entry = (key, req)
+        while node is not None:
+            node.size += 1
+            if node.first is None or key < node.first[0]:
+                node.first = entry
+            node = node.parent
+
+    def _split(self, child: Node, k: int) -> Node:
+        """Cut `child`'s edge after k pages; returns the new node in between."""
+        parent = child.parent
+        mid = Node(child.edge[:k], parent.depth + k, parent)
+        mid.size, mid.first = child.size, child.first
+        parent.children[child.edge[0]] = mid
+        child.edge = child.edge[k:]
+        child.parent = mid
+        mid.children[child.edge[0]] = child
+        return mid
+
+    def remove(self, req: Request) -> None:
+        """Take `req` out: O(its node's members + the children along its path)."""
+        node, key = self._where.pop(req.request_id)
+        node.members.remove((key, req))
+        while node is not None:
+            node.size -= 1
+            parent = node.parent
+            if node.size == 0 and parent is not None:
+                del parent.children[node.edge[0]]
+            elif node.first is not None and node.first[1] is req:
+                node.first = node.earliest()
+            node = parent
+
+    def frontier(self, cached_run: Callable[[list[bytes]], int]) -> list[tuple[int, Node, bytes]]:
+        """The groups of requests that share their cached prefix and first uncached page:
+        (cached pages, node, uncached hash) for the subtree of `node` (whose edge is
+        cached up to that hash), and (cached pages, node, b"") for the members of a node
+        cached all the way (nothing uncached to compute but their last page).
+
+        `cached_run(edge)` is how many leading pages of an edge are cached. The walk
+        visits the nodes whose edges are fully cached and their children."""
+        out = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.members:
+                out.append((node.depth, node, b""))
+            for child in node.children.values():
+                k = cached_run(child.edge)
+                if k == len(child.edge):
+                    stack.append(child)
+                else:
+                    out.append((node.depth + k, child, child.edge[k]))
+        return out
