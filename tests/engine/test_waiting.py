@@ -298,3 +298,43 @@ def test_a_step_costs_the_groups_not_the_waiting_pages():
     assert got[-1] == ("p3q0", 0)  # p2's questions wait for p2q0's prefix
     assert calls <= 2 * 64 + 2 * 32
     assert calls * 1000 < waiting_pages
+
+
+def test_requests_sharing_nothing_are_not_looked_up_every_step():
+    """A workload with nothing shared (W2's shape): after the first look every group is
+    cold, and a step looks up only RECHECK of them again, in arrival order."""
+    from batchgen.engine.waiting import RECHECK
+
+    eng = Engine(num_pages=4096, seqs=4, budget=10_000)
+    for i in range(2000):
+        eng.add(f"r{i}", tokens(10 * i + 1_000_000, 40))
+    calls = 0
+    is_cached = eng.kv.is_cached
+
+    def counted(h):
+        nonlocal calls
+        calls += 1
+        return is_cached(h)
+
+    eng.kv.is_cached = counted
+    out = eng.step()
+    assert [s.request_id for s in out.requests] == ["r0", "r1", "r2", "r3"]
+    assert calls <= 2000 + 4
+    for _ in range(5):
+        calls = 0
+        assert eng.sched.admission_candidate()[0].request_id == "r4"
+        assert calls <= RECHECK + 4
+
+
+def test_a_first_page_cached_without_a_claim_is_found_by_the_second_look():
+    from batchgen.engine.waiting import RECHECK
+
+    eng = Engine(num_pages=512)
+    n = 3 * RECHECK
+    for i in range(n):
+        eng.add(f"r{i}", tokens(100 * i + 10_000, 13))
+    target = eng.add("t", tokens(90_000, 13))
+    assert eng.sched.admission_candidate()[0].request_id == "r0"  # all cold now
+    eng.cache(target.token_ids[:12])  # cached behind the scheduler's back: no claim
+    seen = [eng.sched.admission_candidate()[0].request_id for _ in range(n // RECHECK + 2)]
+    assert seen[-1] == "t" and seen[0] == "r0"

@@ -20,7 +20,17 @@ Invariants:
 Cost of a step: the waiting requests sit in a `WaitingTree` built from hashes computed
 once per request at `add`; `candidates` walks the nodes of cached prefixes and their
 children (a few lookups per edge), then pops groups from a heap: proportional to the
-groups and the requests admitted, not to the waiting pages.
+groups with a cached or claimed first page and the requests admitted, not to the waiting
+pages nor to the waiting requests.
+
+Cold groups: a child of the root whose first page is neither cached nor claimed (every
+request of a workload with nothing shared is one) scores 0, so among them only arrival
+order counts; they wait in a heap by their earliest request and are not looked up each
+step. A first page becomes cached only when a request computes it, and an admitted
+request claims its pages first (`claim` marks such a child for a look), or when a new
+request joins the child (`WaitingTree.take_touched`). Anything else (a page-0 completed
+by generated tokens, say) is caught by looking again at `RECHECK` cold groups per step,
+round robin: a late look orders a request later than it might have been, never wrongly.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from batchgen.engine.request import Request
 from batchgen.engine.waiting_tree import Node, WaitingTree
 from batchgen.kv.kv_manager import KVCacheManager
 
+RECHECK = 16  # cold groups looked at again per step, round robin
+
 
 class PrefixWaiting:
     """Deque-like for callers: len, bool, `in`, `remove`, `appendleft` (a preempted
@@ -45,6 +57,11 @@ class PrefixWaiting:
         self._seq = itertools.count()
         self._claims: dict[bytes, int] = {}  # page hash -> running requests computing it
         self._claimed: dict[str, list[bytes]] = {}  # request id -> the hashes it claims
+        self._warm: set[Node] = set()  # root children looked up each step
+        self._cold: set[Node] = set()  # root children neither cached nor claimed
+        self._cold_heap: list[tuple[tuple[int, int], int, Node]] = []  # by earliest request
+        self._cold_ring: deque[Node] = deque()  # the round-robin second look
+        self._order = itertools.count()
 
     def __len__(self) -> int:
         return len(self.resumed) + len(self.tree)
@@ -86,6 +103,11 @@ class PrefixWaiting:
         self._claimed[request_id] = hashes
         for h in hashes:
             self._claims[h] = self._claims.get(h, 0) + 1
+        if hashes:  # a claimed page 0 may be a root child's first page: look at it
+            child = self.tree.root.children.get(hashes[0])
+            if child is not None:
+                self._warm.add(child)
+                self._cold.discard(child)
 
     def release(self, request_id: str) -> None:
         """The request left the running set: its claims go."""
@@ -110,21 +132,94 @@ class PrefixWaiting:
             return
         heap = []
         order = itertools.count()
-        for score, node, miss in self.tree.frontier(lambda edge: _cached_run(kv, edge)):
+        for score, node, miss in self._groups(kv):
             lead = _leader(node, miss)
             heap.append((-score, lead[0], next(order), node, miss))
         heapq.heapify(heap)
-        while heap:
-            neg, _, _, node, miss = heapq.heappop(heap)
-            if miss and miss in self._claims:
-                continue  # deferred: a running request is computing its next page
-            req = _leader(node, miss)[1]  # groups are disjoint: only `take` changes it
-            yield req
-            if req in self.tree:
+        while True:
+            cold = self._cold_top()
+            if heap and (cold is None or (heap[0][0], heap[0][1]) < (0, cold.first[0])):
+                neg, _, _, node, miss = heapq.heappop(heap)
+                if miss and miss in self._claims:
+                    continue  # deferred: a running request is computing its next page
+                req = _leader(node, miss)[1]  # groups are disjoint: only `take` changes it
+                yield req
+                if req in self.tree:
+                    return
+                lead = _leader(node, miss)
+                if lead is not None:
+                    heapq.heappush(heap, (neg, lead[0], next(order), node, miss))
+            elif cold is not None:
+                if cold.edge[0] in self._claims:  # claimed this step: deferred from now on
+                    self._cold.discard(cold)
+                    self._warm.add(cold)
+                    continue
+                req = cold.first[1]
+                yield req
+                if req in self.tree:
+                    return
+            else:
                 return
-            lead = _leader(node, miss)
-            if lead is not None:
-                heapq.heappush(heap, (neg, lead[0], next(order), node, miss))
+
+    def _groups(self, kv: KVCacheManager) -> list[tuple[int, Node, bytes]]:
+        """`WaitingTree.frontier` without the cold root children (see the module doc):
+        the warm ones, those new or joined since the last step and RECHECK cold ones are
+        looked up; the uncached and unclaimed among them turn cold."""
+        tree, root = self.tree, self.tree.root
+        look = self._warm
+        look.update(tree.take_touched())
+        for _ in range(min(RECHECK, len(self._cold_ring))):
+            node = self._cold_ring.popleft()
+            if node in self._cold:
+                self._cold.discard(node)
+                look.add(node)
+        self._warm = set()
+        groups = [(0, root, b"")] if root.members else []
+        below = []
+        for child in look:
+            if not tree.is_root_child(child):
+                continue
+            k = _cached_run(kv, child.edge)
+            if k == 0 and child.edge[0] not in self._claims:
+                self._make_cold(child)
+                continue
+            self._warm.add(child)
+            if k == len(child.edge):
+                below.append(child)
+            else:
+                groups.append((k, child, child.edge[k]))
+        groups += tree.frontier_below(below, lambda edge: _cached_run(kv, edge))
+        return groups
+
+    def _make_cold(self, node: Node) -> None:
+        self._cold.add(node)
+        heapq.heappush(self._cold_heap, (node.first[0], next(self._order), node))
+        self._cold_ring.append(node)
+        limit = 2 * len(self._cold) + 64
+        if len(self._cold_heap) > limit or len(self._cold_ring) > limit:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale entries: cold nodes detached since, duplicates."""
+        tree = self.tree
+        self._cold = {n for n in self._cold if tree.is_root_child(n) and n.size}
+        self._cold_heap = [(n.first[0], next(self._order), n) for n in self._cold]
+        heapq.heapify(self._cold_heap)
+        self._cold_ring = deque(self._cold)
+
+    def _cold_top(self) -> Node | None:
+        """The cold root child with the earliest request (entries checked lazily)."""
+        heap, tree = self._cold_heap, self.tree
+        while heap:
+            key, _, node = heap[0]
+            if node not in self._cold or not tree.is_root_child(node) or not node.size:
+                heapq.heappop(heap)
+                continue
+            if node.first[0] != key:  # its earliest request was admitted or replaced
+                heapq.heapreplace(heap, (node.first[0], next(self._order), node))
+                continue
+            return node
+        return None
 
 
 def _leader(node: Node, miss: bytes):

@@ -54,6 +54,7 @@ class WaitingTree:
     def __init__(self) -> None:
         self.root = Node([], 0, None)
         self._where: dict[str, tuple[Node, Key]] = {}  # request id -> its node and key
+        self._touched: list[Node] = []  # root children new or changed by insert
 
     def __len__(self) -> int:
         return self.root.size
@@ -79,6 +80,8 @@ class WaitingTree:
             if child is None:
                 child = Node(hashes[i:], node.depth + len(hashes) - i, node)
                 node.children[hashes[i]] = child
+                if node is self.root:
+                    self._touched.append(child)
                 node, i = child, len(hashes)
                 break
             edge, k = child.edge, 1
@@ -86,6 +89,8 @@ class WaitingTree:
                 k += 1
             if k < len(edge):
                 child = self._split(child, k)
+            if node is self.root:
+                self._touched.append(child)
             node, i = child, i + k
         insort(node.members, (key, req), key=lambda e: e[0])
         self._where[req.request_id] = (node, key)
@@ -120,6 +125,16 @@ class WaitingTree:
                 node.first = node.earliest()
             node = parent
 
+    def take_touched(self) -> list[Node]:
+        """Root children created or given a new request by insert since the last call
+        (a split at the root hands out the new node in between)."""
+        out, self._touched = self._touched, []
+        return out
+
+    def is_root_child(self, node: Node) -> bool:
+        """`node` is still a child of the root (not detached, not split away)."""
+        return node.parent is self.root and self.root.children.get(node.edge[0]) is node
+
     def frontier(self, cached_run: Callable[[list[bytes]], int]) -> list[tuple[int, Node, bytes]]:
         """The groups of requests that share their cached prefix and first uncached page:
         (cached pages, node, uncached hash) for the subtree of `node` (whose edge is
@@ -128,8 +143,14 @@ class WaitingTree:
 
         `cached_run(edge)` is how many leading pages of an edge are cached. The walk
         visits the nodes whose edges are fully cached and their children."""
+        return self.frontier_below([self.root], cached_run)
+
+    def frontier_below(
+        self, nodes: list[Node], cached_run: Callable[[list[bytes]], int]
+    ) -> list[tuple[int, Node, bytes]]:
+        """`frontier` of the subtrees of `nodes`, each cached all the way down its edge."""
         out = []
-        stack = [self.root]
+        stack = list(nodes)
         while stack:
             node = stack.pop()
             if node.members:
