@@ -11,7 +11,7 @@ def h(i: int) -> bytes:
 
 def free_order(alloc: PageAllocator) -> list[int]:
     """The pages allocation would hand out next, first to last (without allocating)."""
-    return list(alloc._free)
+    return list(alloc._free) + list(alloc._kept)
 
 
 def test_allocate_takes_pages_in_order_with_one_reference():
@@ -221,3 +221,25 @@ def test_reset_forgets_hashes_and_refuses_when_held():
     assert alloc.lookup([h(0)]) == []
     assert alloc.num_free == 3
     assert free_order(alloc) == [0, 1, 2]
+
+
+def test_wanted_pages_are_evicted_after_every_unwanted_one():
+    wanted = {h(0), h(1)}
+    alloc = PageAllocator(4, wanted=lambda x: x in wanted)
+    pages = alloc.allocate(4)
+    for i, p in enumerate(pages):
+        alloc.register(p, h(i))
+    alloc.free(pages[:2])  # wanted: kept
+    alloc.free(pages[2:])  # nobody wants them
+    assert free_order(alloc) == [pages[3], pages[2], pages[1], pages[0]]
+    assert alloc.allocate(2) == [pages[3], pages[2]]
+    assert alloc.lookup([h(0), h(1)]) == pages[:2]
+    alloc.unwant(h(1))  # back to the LRU queue, taken before the kept page
+    alloc.want(h(5))  # not cached: nothing to keep
+    assert free_order(alloc) == [pages[1], pages[0]] and alloc.num_free == 2
+    alloc.touch([pages[0]])  # a hit revives a kept page
+    assert free_order(alloc) == [pages[1]] and alloc.ref_count[pages[0]] == 1
+    alloc.free([pages[0]])
+    alloc.want(h(1))  # wanted again while free: kept, after the page kept before it
+    assert free_order(alloc) == [pages[0], pages[1]]
+    assert alloc.allocate(2) == [pages[0], pages[1]] and alloc.evictions == 4

@@ -164,16 +164,17 @@ class EngineCore:
         return tier
 
     def _tier_cost(self) -> dict:
-        """The cost rule: load a token's KV from host when moving its bytes at the
-        measured copy rate takes less time than recomputing it at the measured prefill
-        rate (tier_policy="always" loads regardless)."""
+        """The cost rule: keep a token's KV on host and load it back when moving its
+        bytes twice at the measured copy rate (the write-back the step waits for, then
+        the load) takes less time than recomputing it at the measured prefill rate
+        (tier_policy="always" loads regardless)."""
         per_token = self.layout.bytes_per_page / self.config.page_size
         num = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
         if self.device.type != "cuda":
             num = min(num, 256)  # keeps a CPU start quick; tiny models are launch-bound
         recompute = recompute_seconds_per_token(self._profile_forward, num, self.device)
         load = per_token / copy_bytes_per_second(self.device)
-        loads_pay = self.config.tier_policy == "always" or load < recompute
+        loads_pay = self.config.tier_policy == "always" or 2 * load < recompute
         logger.info(
             "tier cost rule: load %.3g us/token, recompute %.3g us/token -> %s",
             load * 1e6,

@@ -1,13 +1,16 @@
 """Per-request page tables over the page allocator, with prefix-cache lookups and, when
 a host tier is attached and loading pays, the host side of the cache.
 
-With the tier active, the device prefix cache and the host cache act as one: a device
-page evicted while an unfinished request still wants its tokens (its `demand`), or
-after a prefix hit showed it shared, is written back to host before its new owner
-writes it. So a preempted (swapped) request finds its full pages again on the device
-or on the host (only its last partial page is recomputed), and a shared prefix outlives
-its requests on the host. Nothing else is copied: pages no one wants are dropped.
-Host prefix hits are loaded into new device pages with the step's load.
+Every unfinished request's full prompt pages are wanted (`demand`): free cached pages
+someone wants are evicted only after those nobody wants (`PageAllocator`). With the tier
+active, the device prefix cache and the host cache act as one: a device page evicted
+while it is still wanted is written back to host before its new owner writes it. So a
+preempted (swapped) request finds its full pages again on the device or on the host
+(only its last partial page is recomputed), and a prefix that queued requests share
+outlives its running ones on the host. Nothing else is copied: pages no one wants are
+dropped (the write-back is on the step's critical path, so it is kept to what a known
+request will load). Host prefix hits are loaded into new device pages with the step's
+load.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ class KVCacheManager:
         self.page_size = page_size
         self.tier = tier
         self.decode_append = decode_append
-        self.allocator = PageAllocator(num_pages, enable_prefix_caching, self._evicted)
+        self.allocator = PageAllocator(
+            num_pages, enable_prefix_caching, self._evicted, self._is_wanted
+        )
         self.pages: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_registered: dict[str, int] = {}
@@ -56,8 +61,6 @@ class KVCacheManager:
         self._swapped: dict[str, list[bytes]] = {}  # swapped request -> its cached pages
         self._swapped_by: dict[bytes, str] = {}  # page hash -> a swapped request holding it
         self._waits: list = []  # in-flight loads of device pages this step hit
-        self._reused: set[int] = set()  # device pages another request's hit found: shared
-        self._preempted: set[str] = set()  # dropped for recompute: its own hits are no sign
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         self.host_hit_tokens = 0
@@ -73,9 +76,10 @@ class KVCacheManager:
         carry over. Only valid when no request holds pages."""
         if self.pages or self._waits:
             raise RuntimeError("resize() with requests holding device pages")
-        self.allocator = PageAllocator(num_pages, self.allocator.enable_caching, self._evicted)
+        self.allocator = PageAllocator(
+            num_pages, self.allocator.enable_caching, self._evicted, self._is_wanted
+        )
         self._num_registered.clear()
-        self._reused.clear()
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -89,15 +93,23 @@ class KVCacheManager:
         return hashes
 
     def want(self, request_id: str, token_ids: list[int]) -> None:
-        """Count the request's full pages as wanted until it finishes: an evicted page
-        someone wants is written back to host (tier active only)."""
-        if not self.tier_active:
+        """Count the request's full pages as wanted until it finishes: a free cached page
+        someone wants is evicted after those nobody wants, and written back to host if
+        evicted all the same (tier active only)."""
+        if not self.allocator.enable_caching:
             return
         hashes = self.page_hashes(request_id, token_ids)
         done = self._counted.get(request_id, 0)
+        demand = self._demand
         for h in hashes[done:]:
-            self._demand[h] = self._demand.get(h, 0) + 1
+            n = demand.get(h, 0)
+            demand[h] = n + 1
+            if not n:
+                self.allocator.want(h)
         self._counted[request_id] = len(hashes)
+
+    def _is_wanted(self, page_hash: bytes) -> bool:
+        return page_hash in self._demand
 
     def lookup_prefix(self, request_id: str, token_ids: list[int]) -> PrefixHit:
         """Cached pages for the request's longest hit; at least one token stays to compute."""
@@ -148,13 +160,9 @@ class KVCacheManager:
             return True  # already covered: most decode steps
         if need > self.allocator.num_free_after_touch(list(hit_pages)):
             return False
-        resuming = request_id in self._swapped or request_id in self._preempted
-        self._preempted.discard(request_id)
         if hit_pages:
             self.allocator.touch(list(hit_pages))
             self.prefix_hit_tokens += len(hit_pages) * self.page_size
-            if not resuming:  # a request finding its own pages again shows no sharing
-                self._reused.update(hit_pages)
             if self.tier is not None:
                 self._waits += self.tier.loads_of(hit_pages)
         first = len(held) + len(hit_pages)
@@ -173,8 +181,6 @@ class KVCacheManager:
             hashes = self._hashes[request_id]
             for i, page in enumerate(loaded, start=first):
                 self.allocator.register(page, hashes[i])
-            if not resuming:
-                self._reused.update(loaded)
         if hit_pages or host:
             self._num_registered[request_id] = len(hit_pages) + len(host)
         return True
@@ -211,13 +217,14 @@ class KVCacheManager:
     # ---- host tier -----------------------------------------------------------------
     def _evicted(self, page: int, page_hash: bytes) -> None:
         """The allocator reuses a cached page: keep its tokens on host if an unfinished
-        request wants them or a prefix hit has shown them shared (the step's forward
-        waits for the copy to read the page)."""
-        reused = page in self._reused
-        self._reused.discard(page)
-        if not self.tier_active or self.tier.holds(page_hash):
-            return
-        if not reused and not self._demand.get(page_hash):
+        request wants them (the step's forward waits for the copy to read the page).
+        Wanted pages are evicted last (`PageAllocator`), so this is rare; a page nobody
+        wants is not copied on the chance that a later call asks for it."""
+        if self.tier_active and page_hash in self._demand:
+            self._write_back(page, page_hash)
+
+    def _write_back(self, page: int, page_hash: bytes) -> None:
+        if self.tier.holds(page_hash):
             return
         owner = self._swapped_by.get(page_hash)
         reason = "swap_out" if owner is not None else "write_back"
@@ -279,9 +286,12 @@ class KVCacheManager:
 
     def keep_cached_on_host(self) -> None:
         """Before the device pool is dropped (reconfigure): queue the write-back of every
-        device-cached page that is wanted or shared, as its eviction would."""
+        device-cached page, wanted or not (a one-off, off any step's critical path), while
+        the host has room: host prefixes survive the pool change."""
+        if not self.tier_active:
+            return
         for page, page_hash in self.allocator.cached_pages():
-            self._evicted(page, page_hash)
+            self._write_back(page, page_hash)
 
     def take_step_copies(self) -> list:
         """Submit the copies the step planned; the handles its forward must wait on."""
@@ -296,12 +306,10 @@ class KVCacheManager:
         preemption for recompute, or the end of a request (forget)."""
         self.allocator.free(self.pages.pop(request_id, []))
         self._num_registered.pop(request_id, None)
-        self._preempted.add(request_id)
 
     def forget(self, request_id: str) -> None:
-        """Drop everything kept for a finished request."""
-        self.free(request_id)
-        self._preempted.discard(request_id)
+        """Drop everything kept for a finished request (its demand first, so that its
+        pages go back to the LRU queue in order, tail first)."""
         hashes = self._hashes.pop(request_id, [])
         for h in hashes[: self._counted.pop(request_id, 0)]:
             left = self._demand[h] - 1
@@ -309,6 +317,8 @@ class KVCacheManager:
                 self._demand[h] = left
             else:
                 del self._demand[h]
+                self.allocator.unwant(h)
+        self.free(request_id)
         swapped = self._swapped.pop(request_id, None)
         if swapped is not None:
             for h in swapped:

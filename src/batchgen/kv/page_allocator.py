@@ -7,6 +7,9 @@ Invariants:
   prefix hit until allocation evicts it. The free queue is an LRU: allocation takes from
   the front; freed pages without a hash go to the front (worthless), freed cached pages
   to the back.
+- Free cached pages that an unfinished request wants (`wanted(hash)`, kept current by
+  `want` / `unwant`) wait in a second LRU queue, taken only once the first is empty: a
+  page nobody waits for is evicted before one a waiting or preempted request will hit.
 - Only the allocator changes ref counts; only `allocate` evicts a cached hash.
 """
 
@@ -22,30 +25,33 @@ class PageAllocator:
         num_pages: int,
         enable_caching: bool = True,
         on_evict: Callable[[int, bytes], None] | None = None,
+        wanted: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.num_pages = num_pages
         self.enable_caching = enable_caching
         self.on_evict = on_evict  # (page, hash) of a cached page allocate() reuses
+        self.wanted = wanted  # hash -> an unfinished request will look it up
         self.ref_count = [0] * num_pages
         self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
+        self._kept: OrderedDict[int, None] = OrderedDict()  # free, cached and wanted
         self._page_hash: dict[int, bytes] = {}
         self._cached: dict[bytes, int] = {}
         self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._kept)
 
     def num_free_after_touch(self, pages: list[int]) -> int:
         """Free pages left once `pages` (prefix hits) are taken out of the free queue."""
         return self.num_free - sum(1 for p in pages if self.ref_count[p] == 0)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} pages, {len(self._free)} free")
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} pages, {self.num_free} free")
         pages = []
         for _ in range(n):
-            page, _ = self._free.popitem(last=False)
+            page, _ = (self._free or self._kept).popitem(last=False)
             h = self._page_hash.pop(page, None)
             if h is not None:
                 del self._cached[h]
@@ -60,7 +66,8 @@ class PageAllocator:
         """Take a reference on cached pages found by `lookup`."""
         for page in pages:
             if self.ref_count[page] == 0:
-                del self._free[page]
+                if self._free.pop(page, 0) is not None:
+                    del self._kept[page]
             self.ref_count[page] += 1
 
     def free(self, pages: list[int]) -> None:
@@ -69,9 +76,26 @@ class PageAllocator:
             self.ref_count[page] -= 1
             assert self.ref_count[page] >= 0, f"page {page} freed twice"
             if self.ref_count[page] == 0:
-                self._free[page] = None
-                if page not in self._page_hash:
+                h = self._page_hash.get(page)
+                if h is None:
+                    self._free[page] = None
                     self._free.move_to_end(page, last=False)
+                elif self.wanted is not None and self.wanted(h):
+                    self._kept[page] = None
+                else:
+                    self._free[page] = None
+
+    def want(self, page_hash: bytes) -> None:
+        """An unfinished request now wants `page_hash`: a free page holding it is kept."""
+        page = self._cached.get(page_hash)
+        if page is not None and self._free.pop(page, 0) is None:
+            self._kept[page] = None
+
+    def unwant(self, page_hash: bytes) -> None:
+        """No unfinished request wants `page_hash` any more: back to the LRU queue."""
+        page = self._cached.get(page_hash)
+        if page is not None and self._kept.pop(page, 0) is None:
+            self._free[page] = None
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """Pages of the longest cached prefix of `hashes` (no reference taken)."""
@@ -104,3 +128,4 @@ class PageAllocator:
         self._page_hash.clear()
         self._cached.clear()
         self._free = OrderedDict((p, None) for p in range(self.num_pages))
+        self._kept.clear()
