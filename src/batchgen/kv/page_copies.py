@@ -5,7 +5,10 @@ alive until its completion event fires (rule 5).
     host pool    host_kv [L, Ph, 2, S, H, D]   layer-major: a run of consecutive host
                                                pages of one layer is one contiguous block
 A transfer moves, per layer, one block per run of consecutive host pages through a
-device staging tensor; the device side gathers or scatters pages with one kernel.
+device staging tensor; the device side gathers or scatters pages with one kernel. The
+pages are taken in host-page order (the device side's index follows it), so pages whose
+host ids run backwards or interleave, as a sequence evicted tail first leaves them, still
+cross in long blocks instead of one small copy per page and layer.
 """
 
 from __future__ import annotations
@@ -27,6 +30,14 @@ def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _by_host_page(host_pages: list[int], dev_pages: list[int]) -> tuple[list, list]:
+    """Both lists reordered by host page id (pairs kept together)."""
+    if all(a < b for a, b in zip(host_pages, host_pages[1:])):
+        return host_pages, dev_pages
+    pairs = sorted(zip(host_pages, dev_pages))
+    return [h for h, _ in pairs], [d for _, d in pairs]
+
+
 def device_to_host_pages(
     dev_kv: torch.Tensor,
     host_kv: torch.Tensor,
@@ -39,6 +50,7 @@ def device_to_host_pages(
     gathered into staging by one kernel, then `on_read()` (they may be overwritten
     from then on), then each layer's runs cross to the host."""
     layers = range(dev_kv.shape[0]) if layers is None else layers
+    host_pages, dev_pages = _by_host_page(host_pages, dev_pages)
     idx = torch.tensor(dev_pages, dtype=torch.int64).to(dev_kv.device, non_blocking=True)
     lay = dev_kv[layers.start : layers.stop]
     staged = lay.index_select(2, idx).transpose(1, 2).contiguous()  # [L', n, 2, S, H, D]
@@ -61,6 +73,7 @@ def host_to_device_pages(
     """Host pages -> device pages, layer by layer; `on_layer(layer)` once that layer's
     pages are written, so compute on that layer can start while later layers load."""
     n = len(host_pages)
+    host_pages, dev_pages = _by_host_page(host_pages, dev_pages)
     staging = torch.empty(
         (n, *host_kv.shape[2:]), dtype=host_kv.dtype, device=dev_kv.device
     )  # one layer's pages [n, 2, S, H, D], reused layer after layer (same stream)
