@@ -10,6 +10,7 @@ Checks the files git tracks plus untracked files that are not ignored:
   layering         no import of a higher layer (see hygiene/layering.py)
   init-import      subpackages do not import names from batchgen/__init__.py
   module-md        every package folder has a MODULE.md
+  copy-R1..R8      the KV copy-ordering contract (see hygiene/copy_contract.py)
 
 With `--base REF --type TYPE` it also reviews the change since REF: commit messages
 (blocking), files outside the type's folders and public API changes without a MODULE.md
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hygiene import comments, layering, paths, review, source  # noqa: E402
+from hygiene import comments, copy_contract, layering, paths, review, source  # noqa: E402
 from hygiene.git import GitError, listed_files, repo_root  # noqa: E402
 from hygiene.report import Finding, summarise  # noqa: E402
 
@@ -56,6 +57,9 @@ def check_sources(root: Path, listed: list[str]) -> list[Finding]:
         findings += source.check_env_vars(src)
         findings += comments.check_commented_code(src.path, src.text)
     findings += layering.check_layering(sources, listed)
+    files = [root / src.path for src in sources]  # those that parse; the others are reported
+    if files:
+        findings += copy_contract.check_copy_contract(root / paths.PACKAGE, files)
     return findings
 
 

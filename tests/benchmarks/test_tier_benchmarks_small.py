@@ -142,9 +142,10 @@ def _prefill_accounting(result: dict) -> None:
             assert m["prefill_tokens_computed"] + hits == result["prompt_tokens"]
 
 
-def test_shared_prefix_small_runs_the_four_engines(tmp_path):
+def test_shared_prefix_small_runs_the_four_engines(tmp_path, observed):
     sp = _import("shared_prefix")
     result = _run("shared_prefix", tmp_path, "--tier-policy", "always")
+    moved, pages = observed()
     _, out_lens = sp.small_workload()
     runs = result["runs"]
     assert list(runs) == ["defaults", "baseline", "tier-off-prefix", "tier-on-arrival"]
@@ -161,6 +162,13 @@ def test_shared_prefix_small_runs_the_four_engines(tmp_path):
             assert run["prefix_load"]["bytes"] == m.get("bytes_prefix_load", 0)
         else:
             assert "host_prefix_hit_pages" not in m and "prefix_load" not in run
+    # the prefix-load traffic reported is what the copy bodies moved for prefix loads
+    # (only the tier runs copy), whole pages of the model's KV geometry
+    assert "unattributed" not in pages
+    reported = sum(run["prefix_load"]["bytes"] for run in runs.values() if run["host_tier"])
+    assert reported == moved["prefix_load"] > 0
+    small_model = _import("workloads").SMALL_MODEL
+    assert moved["prefix_load"] == pages["prefix_load"] * page_bytes(small_model)
     # round-robin arrival evicts every prefix before its next use: host hits replace
     # recompute only with the tier on
     on, off = runs["tier-on-arrival"]["metrics"], runs["baseline"]["metrics"]

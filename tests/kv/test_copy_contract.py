@@ -1,102 +1,723 @@
-"""Static check of the copy-ordering contract over the kv package's source.
+"""The copy-ordering contract checker (scripts/hygiene/copy_contract.py) on mutated copies
+of the package: each mutation breaks the contract the way a real change could, and the
+checker must name the rule it breaks; the real tree must pass.
 
-Every copy between device and host pages must go through the one helper that records
-the producer event at call time (CopyEngine.submit): the copy bodies live in
-page_copies.py and are only ever called from inside a closure handed to a submit.
+Every mutation edits a copy of src/batchgen in a temporary folder, never the source.
+Mutations find their place through the AST (a function by name, a call by what it calls),
+then edit the text with replacements that must match exactly once, so a refactor that
+moves a target makes the test fail loudly instead of mutating nothing.
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
+import sys
 from pathlib import Path
+from textwrap import dedent, indent
 
-import batchgen.kv
+import pytest
 
-KV_DIR = Path(batchgen.kv.__file__).parent
-COPY_BODIES = {
-    node.name
-    for node in ast.parse((KV_DIR / "page_copies.py").read_text()).body
-    if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
-}
-COPY_CALLS = {"copy_", "index_copy_", "to", "cpu", "cuda", "pin_memory"}
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from hygiene.copy_contract import check_copy_contract  # noqa: E402
 
 
-def _parents(tree):
-    parents = {}
-    for node in ast.walk(tree):
-        for child in ast.iter_child_nodes(node):
-            parents[child] = node
-    return parents
+class Source:
+    """One file of the copied package, edited by checked replacements."""
+
+    def __init__(self, root: Path, rel: str) -> None:
+        self.path, self.rel = root / rel, rel
+        assert self.path.is_file(), f"mutation target {rel} is gone"
+        self.text = self.path.read_text()
+        self.tree = ast.parse(self.text)
+
+    def replace(self, old: str, new: str) -> None:
+        count = self.text.count(old)
+        assert count == 1, f"{self.rel}: expected exactly one {old!r}, found {count}"
+        self._write(self.text.replace(old, new), new)
+
+    def replace_in(self, node: ast.AST, old: str, new: str) -> None:
+        """Replace old, which must occur once in node's source, there only."""
+        seg = self.segment(node)
+        assert seg.count(old) == 1, f"{self.rel}: expected one {old!r} in {seg!r}"
+        self.replace(seg, seg.replace(old, new))
+
+    def _write(self, text: str, new: str) -> None:
+        assert text != self.text and new in text, f"{self.rel}: the mutation changed nothing"
+        self.text, self.tree = text, ast.parse(text)
+        self.path.write_text(text)
+
+    def func(self, name: str, tree: ast.AST | None = None) -> ast.FunctionDef:
+        found = [n for n in ast.walk(tree or self.tree) if getattr(n, "name", None) == name]
+        found = [n for n in found if isinstance(n, ast.FunctionDef)]
+        assert len(found) == 1, f"{self.rel}: expected one def {name}, found {len(found)}"
+        return found[0]
+
+    def cls(self, name: str) -> ast.ClassDef:
+        return self.only(self.tree, f"class {name}", lambda n: is_class(n, name))
+
+    def only(self, scope: ast.AST, what: str, pred) -> ast.AST:
+        found = [n for n in ast.walk(scope) if pred(n)]
+        assert len(found) == 1, f"{self.rel}: expected one {what}, found {len(found)}"
+        return found[0]
+
+    def segment(self, node: ast.AST) -> str:
+        return ast.get_source_segment(self.text, node)
+
+    def lines(self, stmt: ast.AST) -> str:
+        return "".join(self.text.splitlines(True)[stmt.lineno - 1 : stmt.end_lineno])
+
+    def statement(self, body_owner: ast.AST, node: ast.AST) -> ast.stmt:
+        """The statement of body_owner.body that holds node."""
+        return next(s for s in body_owner.body if any(n is node for n in ast.walk(s)))
+
+    def insert_before(self, stmt: ast.stmt, code: str, after: bool = False) -> None:
+        """Insert code, indented like stmt, on the line before (or after) it."""
+        lines = self.text.splitlines(True)
+        first = lines[stmt.lineno - 1]
+        block = indent(dedent(code), first[: len(first) - len(first.lstrip())])
+        at = stmt.end_lineno if after else stmt.lineno - 1
+        assert block not in self.text
+        self._write("".join(lines[:at]) + block + "".join(lines[at:]), block)
+
+    def insert_after(self, stmt: ast.stmt, code: str) -> None:
+        self.insert_before(stmt, code, after=True)
+
+    def insert_at_top(self, fn: ast.FunctionDef, code: str) -> None:
+        body = fn.body[1:] if ast.get_docstring(fn) else fn.body
+        self.insert_before(body[0], code)
+
+    def delete(self, stmt: ast.stmt, within: ast.AST | None = None) -> None:
+        """Replace a statement by `pass` (its block keeps a body); `within`: a def whose
+        text holds the statement's once, where the file holds it more than once."""
+        old = self.lines(stmt)
+        new = old[: len(old) - len(old.lstrip())] + "pass\n"
+        if within is None:
+            self.replace(old, new)
+        else:
+            self.replace_in(within, old.strip(), new.strip())
+
+    def append(self, code: str) -> None:
+        self._write(self.text + "\n\n" + dedent(code), dedent(code))
 
 
-def _is_submit(node) -> bool:
-    return isinstance(node, ast.Call) and getattr(node.func, "attr", "").endswith("submit")
+def is_class(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.ClassDef) and node.name == name
 
 
-def _submitted(node, parents, tree) -> bool:
-    """True when `node` sits in a lambda passed to a *submit(...) call, or in a nested
-    def whose name is passed to one."""
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.Lambda) and _is_submit(parents.get(node)):
-            return True
-        if isinstance(node, ast.FunctionDef):
-            uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == node.name]
-            if any(_is_submit(parents.get(u)) for u in uses):
-                return True
-    return False
+def callee(node: ast.AST) -> str:
+    if not isinstance(node, ast.Call):
+        return ""
+    return getattr(node.func, "attr", None) or getattr(node.func, "id", "")
 
 
-def test_copy_bodies_are_only_called_inside_submitted_closures():
-    assert {"device_to_host_pages", "host_to_device_pages"} <= COPY_BODIES
-    calls = 0
-    for path in KV_DIR.glob("*.py"):
-        if path.name == "page_copies.py":
-            continue
-        tree = ast.parse(path.read_text())
-        parents = _parents(tree)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in COPY_BODIES:
-                calls += 1
-                assert _submitted(node, parents, tree), (
-                    f"{path.name}:{node.lineno} calls {node.func.id} outside a submitted copy"
-                )
-    assert calls >= 3
+def calling(name: str):
+    return lambda n: callee(n) == name
 
 
-def test_no_other_kv_module_issues_copies_or_touches_streams():
-    allowed = {
-        "page_copies.py": None,  # the copy bodies themselves
-        "copy_engine.py": {"record", "wait_event"},  # the helper
+def copy_call(prefix: str):
+    return lambda n: callee(n).startswith(prefix)
+
+
+def submitted_closure(src: Source, fn: ast.FunctionDef, body_prefix: str) -> ast.AST:
+    """The closure fn hands to a submit that runs a copy body named body_prefix*."""
+    body = src.only(fn, f"{body_prefix}* call", copy_call(body_prefix))
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Lambda, ast.FunctionDef)) and node is not fn:
+            if any(n is body for n in ast.walk(node)):
+                return node
+    raise AssertionError(f"{src.rel}: no closure around {body_prefix}* in {fn.name}")
+
+
+def hoist(src: Source, fn: ast.FunctionDef, call: ast.Call) -> None:
+    """Run `call` synchronously in fn, just before the statement holding it: `kept = call`."""
+    stmt = src.statement(fn, call)
+    old, seg = src.lines(stmt), src.segment(call)
+    assert old.count(seg) == 1
+    pad = old[: len(old) - len(old.lstrip())]
+    src.replace(old, f"{pad}kept = {seg}\n" + old.replace(seg, "kept"))
+
+
+def load_closure_waits(src: Source) -> list[ast.For]:
+    """The loops of the load closure in _submit_load that wait before the copy body."""
+    closure = submitted_closure(src, src.func("_submit_load"), "host_to_device")
+    assert isinstance(closure, ast.FunctionDef), "_submit_load no longer submits a def"
+    return [s for s in closure.body if isinstance(s, ast.For)]
+
+
+def store_before_load_wait(src: Source) -> ast.For:
+    waits = [
+        s
+        for s in load_closure_waits(src)
+        if any(callee(n) == "wait_on_current_stream" for n in ast.walk(s))
+    ]
+    assert len(waits) == 1, f"expected one whole-store wait in the load closure: {waits}"
+    return waits[0]
+
+
+def stream_waits(src: Source, scope: ast.AST) -> list[ast.stmt]:
+    """Statements `S.wait_*(...)` in scope (or the `if` guarding one) on a stream S that a
+    `with torch.cuda.stream(S)` uses."""
+    streams = {
+        src.segment(item.context_expr.args[0])
+        for n in ast.walk(scope)
+        if isinstance(n, ast.With)
+        for item in n.items
+        if callee(item.context_expr) == "stream"
     }
-    for path in KV_DIR.glob("*.py"):
-        if path.name in allowed:
-            continue
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in {"Stream", "stream"}:
-                raise AssertionError(f"{path.name}:{node.lineno} uses CUDA streams directly")
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                name = node.func.attr
-                if name in COPY_CALLS - {"cpu"} and name != "to":
-                    raise AssertionError(f"{path.name}:{node.lineno} calls .{name}(...)")
-                if name == "to" and any(k.arg == "non_blocking" for k in node.keywords):
-                    raise AssertionError(f"{path.name}:{node.lineno} issues an async copy")
+    waits = [
+        n
+        for n in ast.walk(scope)
+        if isinstance(n, ast.Expr)
+        and callee(n.value).startswith("wait_")
+        and src.segment(n.value.func.value) in streams
+    ]
+    guards = {
+        id(w): g
+        for g in ast.walk(scope)
+        if isinstance(g, ast.If) and len(g.body) == 1
+        for w in waits
+        if g.body[0] is w
+    }
+    return [guards.get(id(w), w) for w in waits]
 
 
-def test_submit_records_the_producer_event_on_the_current_stream_at_call_time():
-    tree = ast.parse((KV_DIR / "copy_engine.py").read_text())
-    submit = next(
-        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "submit"
+# --- R1: copy bodies run only in closures handed to CopyEngine.submit -------------------
+
+
+def sync_store_with_noop_closure(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("_submit_store")
+    hoist(src, fn, src.only(fn, "device_to_host* call", copy_call("device_to_host")))
+
+
+def sync_load_with_noop_closure(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("_submit_load")
+    hoist(src, fn, src.only(fn, "host_to_device* call", copy_call("host_to_device")))
+
+
+def sync_layer_store_with_noop_closure(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("store_layer")
+    hoist(src, fn, src.only(fn, "device_to_host* call", copy_call("device_to_host")))
+
+
+def closure_reference_instead_of_call(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("store_layer")
+    closure = submitted_closure(src, fn, "device_to_host")
+    assert isinstance(closure, ast.Lambda), "store_layer no longer submits a lambda"
+    call = closure.body
+    args = ", ".join(map(src.segment, call.args))
+    src.replace(src.segment(closure), f"functools.partial({src.segment(call.func)}, {args})")
+
+
+def submitted_closure_also_called(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("_submit_load")
+    closure = submitted_closure(src, fn, "host_to_device")
+    assert isinstance(closure, ast.FunctionDef), "_submit_load no longer submits a def"
+    src.insert_after(closure, f"{closure.name}(None)\n")
+
+
+def closure_handed_to_another_executor(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("_submit_store")
+    submit = src.only(fn, "submit(...)", calling("submit"))
+    src.replace_in(submit, src.segment(submit.func), "futures.ThreadPoolExecutor(1).submit")
+
+
+def submit_runs_the_copy_it_is_given(root):
+    src = Source(root, "kv/copy_engine.py")
+    submit = src.func("submit")
+    put = src.only(submit, "q.put(...)", calling("put"))
+    src.insert_before(src.statement(submit, put), "handle.keep = (copy(handle), 'run at once')\n")
+
+
+def copy_body_through_its_module(root):
+    src = Source(root, "kv/tiered.py")
+    src.insert_at_top(
+        src.func("_submit_store"),
+        """\
+        from batchgen.kv import page_copies
+        page_copies.device_to_host_pages(self.device_pool.kv, self.host_pool.kv, [0], [0])
+        """,
     )
-    src = ast.unparse(submit)
-    assert "record(torch.cuda.current_stream(" in src
-    assert "q.put(" in src
-    record = src.index("record(torch.cuda.current_stream(")
-    assert record < src.index("q.put("), "the event must be recorded before queueing"
-    assert "handle" not in src.split("record(")[0].split("if self.cuda")[-1]
-    run = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_run")
-    body = ast.unparse(run)
-    assert body.index("stream.wait_event(producer)") < body.index("copy(handle)"), (
-        "the copy stream must wait for the producer before copying"
+
+
+def copy_body_through_a_module_alias(root):
+    src = Source(root, "kv/tiered.py")
+    src.insert_at_top(
+        src.func("_submit_load"),
+        """\
+        import batchgen.kv.page_copies as pc
+        pc.host_to_device_pages(self.host_pool.kv, self.device_pool.kv, q.host_pages, q.dev_pages)
+        """,
     )
+
+
+def copy_body_through_a_relative_name_alias(root):
+    src = Source(root, "kv/kv_manager.py")
+    src.insert_at_top(
+        src.func("swap_out"),
+        """\
+        from .page_copies import device_to_host_pages as gather
+        gather(self.tier.device_pool.kv, self.tier.host_pool.kv, [0], [0])
+        """,
+    )
+
+
+def copy_body_by_dotted_path_outside_kv(root):
+    src = Source(root, "engine/engine_core.py")
+    src.insert_at_top(
+        src.func("_build_tier"),
+        """\
+        import batchgen.kv.page_copies
+        batchgen.kv.page_copies.device_to_host_pages(self.pool.kv, None, [0], [0])
+        """,
+    )
+
+
+def copy_body_without_a_direction(root):
+    Source(root, "kv/page_copies.py").append(
+        """\
+        def move_pages(src, dst, pages):
+            dst[:, pages].copy_(src[:, pages], non_blocking=True)
+        """
+    )
+
+
+# --- R2: nothing else copies between pools ----------------------------------------------
+
+
+def slice_assignment_between_pools(root):
+    src = Source(root, "kv/tiered.py")
+    src.insert_at_top(
+        src.func("_submit_store"),
+        "self.host_pool.kv[:, 0] = self.device_pool.kv[:, :, q.dev_pages[0]].cpu()\n",
+    )
+
+
+def slice_assignment_through_a_local(root):
+    src = Source(root, "kv/tiered.py")
+    src.insert_at_top(
+        src.func("_submit_store"),
+        """\
+        pinned = self.host_pool.kv
+        pinned[:, 0] = 0
+        """,
+    )
+
+
+def slice_assignment_into_a_host_page_view(root):
+    src = Source(root, "kv/tiered.py")
+    src.insert_at_top(
+        src.func("_submit_load"),
+        """\
+        view = self.host_pool.page(q.host_pages[0])
+        view[:] = 0
+        """,
+    )
+
+
+def blocking_to_cpu(root):
+    src = Source(root, "kv/tiered.py")
+    src.insert_at_top(
+        src.func("_submit_store"), "staged = self.device_pool.kv[:, :, q.dev_pages].to('cpu')\n"
+    )
+
+
+def blocking_copy_between_pools(root):
+    src = Source(root, "kv/tiered.py")
+    src.insert_at_top(
+        src.func("_submit_load"),
+        "self.device_pool.kv[0, :, 0].copy_(self.host_pool.kv[0, 0].to(self.device_pool.kv.device))\n",
+    )
+
+
+def copy_into_host_pool_from_the_engine(root):
+    src = Source(root, "engine/engine_core.py")
+    fn = src.func("_build_tier")
+    made = src.only(fn, "TieredKVManager(...)", calling("TieredKVManager"))
+    src.insert_after(
+        src.statement(fn, made), "tier.host_pool.kv[:, 0].copy_(self.pool.kv[:, :, 0])\n"
+    )
+
+
+def write_into_device_pool_from_another_kv_module(root):
+    src = Source(root, "kv/kv_manager.py")
+    src.insert_at_top(src.func("_evicted"), "self.tier.device_pool.kv[:, :, page] = 0\n")
+
+
+def readback_before_the_store_completes(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("_readback")
+    sync = src.only(fn, "synchronize()", calling("synchronize"))
+    src.delete(src.statement(fn, sync))
+
+
+# --- R3: the engine's CopyEngine is ordered ---------------------------------------------
+
+
+def engine_construction(src: Source) -> ast.Call:
+    return src.only(src.tree, "CopyEngine(...)", calling("CopyEngine"))
+
+
+def unordered_engine_in_engine_core(root):
+    src = Source(root, "engine/engine_core.py")
+    src.replace(src.segment(engine_construction(src)), "CopyEngine(self.device, ordered=False)")
+
+
+def unordered_engine_by_position(root):
+    src = Source(root, "engine/engine_core.py")
+    src.replace(src.segment(engine_construction(src)), "CopyEngine(self.device, 2, False)")
+
+
+def unordered_engine_by_keyword_dict(root):
+    src = Source(root, "engine/engine_core.py")
+    src.replace(
+        src.segment(engine_construction(src)), 'CopyEngine(self.device, **{"ordered": False})'
+    )
+
+
+def unordered_engine_under_another_name(root):
+    src = Source(root, "engine/engine_core.py")
+    src.replace(
+        "from batchgen.kv.copy_engine import CopyEngine\n",
+        "from batchgen.kv.copy_engine import CopyEngine as Copies\n",
+    )
+    src.replace(src.segment(engine_construction(src)), "Copies(self.device, ordered=False)")
+
+
+def unordered_engine_through_partial(root):
+    src = Source(root, "engine/engine_core.py")
+    src.replace(
+        src.segment(engine_construction(src)),
+        "functools.partial(CopyEngine, ordered=False)(self.device)",
+    )
+
+
+def engine_made_unordered_after_construction(root):
+    src = Source(root, "engine/engine_core.py")
+    fn = src.func("_build_tier")
+    made = src.only(fn, "TieredKVManager(...)", calling("TieredKVManager"))
+    src.insert_after(src.statement(fn, made), "tier.copies.ordered = False\n")
+
+
+def unordered_default(root):
+    src = Source(root, "kv/copy_engine.py")
+    init = src.func("__init__", src.cls("CopyEngine"))
+    args = init.args
+    default = args.defaults[[a.arg for a in args.args][-len(args.defaults) :].index("ordered")]
+    line = src.text.splitlines(True)[default.lineno - 1]
+    src.replace(line, line[: default.col_offset] + "False" + line[default.end_col_offset :])
+
+
+# --- R4: a side stream waits before it works --------------------------------------------
+
+
+def side_stream_copy_without_wait(root):
+    Source(root, "runner/staging.py").append(
+        """\
+        def _side_copy(src, dst):
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                dst.copy_(src, non_blocking=True)
+        """
+    )
+
+
+def worker_wait_deleted(root):
+    src = Source(root, "kv/copy_engine.py")
+    waits = stream_waits(src, src.cls("CopyEngine"))
+    assert len(waits) == 1, f"expected one wait before the copy stream block, found {len(waits)}"
+    src.delete(waits[0])
+
+
+def graph_capture_wait_deleted(root):
+    src = Source(root, "runner/cuda_graphs.py")
+    waits = stream_waits(src, src.func("_capture"))
+    assert len(waits) == 1, f"expected one wait before the capture stream, found {len(waits)}"
+    src.delete(waits[0])
+
+
+# --- R5: a load waits for the stores of its host pages ----------------------------------
+
+
+def store_before_load_wait_deleted(root):
+    src = Source(root, "kv/tiered.py")
+    src.delete(store_before_load_wait(src))
+
+
+def store_before_load_waits_only_for_a_gate(root):
+    src = Source(root, "kv/tiered.py")
+    wait = store_before_load_wait(src)
+    old = src.lines(wait)
+    src.replace(old, old.replace("wait_on_current_stream()", "wait_layer(0)"))
+
+
+def load_waits_for_the_stores_of_other_pages(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("_submit_load")
+    lookup = src.only(
+        fn, "store lookup", lambda n: isinstance(n, ast.SetComp) and "_writing" in ast.unparse(n)
+    )
+    old = src.segment(lookup)
+    src.replace(old, old.replace("host_pages", "dev_pages"))
+
+
+def layer_store_not_recorded_for_loads(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("store_layer")
+    record = src.only(
+        fn,
+        "loop recording the store",
+        lambda n: isinstance(n, ast.For) and "_writing" in ast.unparse(n),
+    )
+    src.delete(record, within=fn)
+
+
+# --- R6: submit records the producer, the worker waits on it ----------------------------
+
+
+def producer_recorded_on_a_side_stream(root):
+    src = Source(root, "kv/copy_engine.py")
+    current = src.only(src.func("submit"), "current_stream()", calling("current_stream"))
+    src.replace(src.segment(current), "self.streams[0]")
+
+
+def producer_skipped_on_the_default_stream(root):
+    src = Source(root, "kv/copy_engine.py")
+    submit = src.func("submit")
+    record = src.only(submit, "record()", calling("record"))
+    stmt = next(s for s in ast.walk(submit) if isinstance(s, ast.Expr) and s.value is record)
+    old = src.lines(stmt)
+    pad = old[: len(old) - len(old.lstrip())]
+    guard = f"{pad}if torch.cuda.current_stream(self.device).cuda_stream != 0:\n"
+    src.replace(old, guard + "    " + old)
+
+
+def task_queued_before_the_producer_is_recorded(root):
+    src = Source(root, "kv/copy_engine.py")
+    submit = src.func("submit")
+    record = src.only(submit, "record()", calling("record"))
+    queue = src.only(submit, "q.put(...)", calling("put"))
+    first, last = src.statement(submit, record), src.statement(submit, queue)
+    old = "".join(src.text.splitlines(True)[first.lineno - 1 : last.end_lineno])
+    moved = src.lines(last)  # same body, same indentation
+    src.replace(old, moved + old.replace(moved, ""))
+
+
+def worker_waits_on_another_event(root):
+    src = Source(root, "kv/copy_engine.py")
+    run = src.func("_run")
+    wait = src.only(run, "wait_event()", calling("wait_event"))
+    src.replace(src.segment(wait), f"{src.segment(wait.func)}(handle.start_event)")
+
+
+def worker_copies_before_its_stream_waits(root):
+    src = Source(root, "kv/copy_engine.py")
+    run = src.func("_run")
+    block = src.only(
+        run,
+        "copy stream block",
+        lambda n: (
+            isinstance(n, ast.With) and any(callee(i.context_expr) == "stream" for i in n.items)
+        ),
+    )
+    task = [s for s in block.body if any(callee(n) == "copy" for n in ast.walk(s))]
+    assert len(task) == 1, f"expected the copy stream block to run the task once: {task}"
+    cuda = next(s for s in ast.walk(run) if isinstance(s, ast.If) and block in s.body)
+    old, moved = src.lines(cuda), src.lines(task[0])
+    assert old.count(moved) == 1
+    pad = old[: len(old) - len(old.lstrip())]
+    src.replace(old, pad + moved.lstrip() + old.replace(moved, ""))
+
+
+# --- R7: compute waits for the step's copies --------------------------------------------
+
+
+def replay_wait_deleted(root):
+    src = Source(root, "runner/model_runner.py")
+    fn = src.func("_forward")
+    wait = src.only(fn, "wait_gates()", calling("wait_gates"))
+    src.delete(src.statement(next(s for s in ast.walk(fn) if isinstance(s, ast.If)), wait))
+
+
+def replay_before_its_wait(root):
+    src = Source(root, "runner/model_runner.py")
+    fn = src.func("_forward")
+    branch = next(s for s in ast.walk(fn) if isinstance(s, ast.If))
+    wait, replay = branch.body[0], branch.body[-1]
+    assert isinstance(wait, ast.For) and src.segment(replay).count("_replay") == 1
+    old = "".join(src.text.splitlines(True)[wait.lineno - 1 : replay.end_lineno])
+    pad = old[: len(old) - len(old.lstrip())]
+    call = src.only(replay, "_replay()", calling("_replay"))
+    src.replace(old, f"{pad}out = {src.segment(call)}\n{src.lines(wait)}{pad}return out\n")
+
+
+def eager_forward_without_layer_waits(root):
+    src = Source(root, "runner/model_runner.py")
+    fn = src.func("_forward")
+    ctx = src.only(fn, "ForwardContext(...)", calling("ForwardContext"))
+    src.replace(src.segment(ctx.args[4]), "None")
+
+
+def eager_hook_that_waits_on_nothing(root):
+    src = Source(root, "runner/model_runner.py")
+    wait = src.only(src.func("_forward"), "wait_layer()", calling("wait_layer"))
+    src.replace(src.segment(wait), f"{src.segment(wait.func.value)}.is_done()")
+
+
+def layer_reads_kv_before_its_hook(root):
+    src = Source(root, "layers/attention.py")
+    fn = src.func("forward")
+    hook = src.only(fn, "before_layer()", calling("before_layer"))
+    src.delete(src.statement(fn, hook))
+
+
+# --- R8: no copy overlaps a graph capture -----------------------------------------------
+
+
+def capture_guard_removed(root):
+    src = Source(root, "runner/cuda_graphs.py")
+    fn = src.func("capture")
+    guard = src.only(fn, "with the guard", lambda n: isinstance(n, ast.With))
+    old = src.lines(guard)
+    src.replace(old, src.lines(guard.body[0]).replace("    ", "", 1))
+
+
+def engine_passes_no_capture_guard(root):
+    src = Source(root, "engine/engine_core.py")
+    graphs = src.only(src.tree, "DecodeGraphs(...)", calling("DecodeGraphs"))
+    guard = next(k for k in graphs.keywords if k.arg == "capture_guard")
+    src.replace(src.segment(guard), "capture_guard=None")
+
+
+def engine_passes_a_guard_that_pauses_nothing(root):
+    src = Source(root, "engine/engine_core.py")
+    graphs = src.only(src.tree, "DecodeGraphs(...)", calling("DecodeGraphs"))
+    guard = next(k for k in graphs.keywords if k.arg == "capture_guard")
+    src.replace(src.segment(guard), "capture_guard=contextlib.nullcontext")
+
+
+def capture_guard_not_taken_from_the_constructor(root):
+    src = Source(root, "runner/cuda_graphs.py")
+    init = src.func("__init__", src.cls("DecodeGraphs"))
+    stmt = src.only(
+        init,
+        "self.capture_guard = ...",
+        lambda n: isinstance(n, ast.Assign) and src.segment(n.targets[0]) == "self.capture_guard",
+    )
+    src.replace(src.segment(stmt), "self.capture_guard = nullcontext")
+
+
+def worker_ignores_the_pause(root):
+    src = Source(root, "kv/copy_engine.py")
+    run = src.func("_run")
+    loop = src.only(
+        run,
+        "while self._paused",
+        lambda n: isinstance(n, ast.While) and src.segment(n.test) == "self._paused",
+    )
+    src.delete(loop)
+
+
+def new_capture_outside_the_guard(root):
+    src = Source(root, "runner/cuda_graphs.py")
+    graphs = src.cls("DecodeGraphs")
+    last = graphs.body[-1]
+    src.insert_after(
+        last,
+        """\
+
+        def recapture(self, bs: int) -> None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._forward(bs)
+            self.graphs[bs] = graph
+        """,
+    )
+
+
+MUTATIONS = [
+    (sync_store_with_noop_closure, "R1"),
+    (sync_load_with_noop_closure, "R1"),
+    (sync_layer_store_with_noop_closure, "R1"),
+    (closure_reference_instead_of_call, "R1"),
+    (submitted_closure_also_called, "R1"),
+    (closure_handed_to_another_executor, "R1"),
+    (submit_runs_the_copy_it_is_given, "R1"),
+    (copy_body_through_its_module, "R1"),
+    (copy_body_through_a_module_alias, "R1"),
+    (copy_body_through_a_relative_name_alias, "R1"),
+    (copy_body_by_dotted_path_outside_kv, "R1"),
+    (copy_body_without_a_direction, "R1"),
+    (slice_assignment_between_pools, "R2"),
+    (slice_assignment_through_a_local, "R2"),
+    (slice_assignment_into_a_host_page_view, "R2"),
+    (blocking_to_cpu, "R2"),
+    (blocking_copy_between_pools, "R2"),
+    (copy_into_host_pool_from_the_engine, "R2"),
+    (write_into_device_pool_from_another_kv_module, "R2"),
+    (readback_before_the_store_completes, "R2"),
+    (unordered_engine_in_engine_core, "R3"),
+    (unordered_engine_by_position, "R3"),
+    (unordered_engine_by_keyword_dict, "R3"),
+    (unordered_engine_under_another_name, "R3"),
+    (unordered_engine_through_partial, "R3"),
+    (engine_made_unordered_after_construction, "R3"),
+    (unordered_default, "R3"),
+    (side_stream_copy_without_wait, "R4"),
+    (worker_wait_deleted, "R4"),
+    (graph_capture_wait_deleted, "R4"),
+    (store_before_load_wait_deleted, "R5"),
+    (store_before_load_waits_only_for_a_gate, "R5"),
+    (load_waits_for_the_stores_of_other_pages, "R5"),
+    (layer_store_not_recorded_for_loads, "R5"),
+    (worker_wait_deleted, "R6"),
+    (producer_recorded_on_a_side_stream, "R6"),
+    (producer_skipped_on_the_default_stream, "R6"),
+    (task_queued_before_the_producer_is_recorded, "R6"),
+    (worker_waits_on_another_event, "R6"),
+    (worker_copies_before_its_stream_waits, "R6"),
+    (replay_wait_deleted, "R7"),
+    (replay_before_its_wait, "R7"),
+    (eager_forward_without_layer_waits, "R7"),
+    (eager_hook_that_waits_on_nothing, "R7"),
+    (layer_reads_kv_before_its_hook, "R7"),
+    (capture_guard_removed, "R8"),
+    (engine_passes_no_capture_guard, "R8"),
+    (engine_passes_a_guard_that_pauses_nothing, "R8"),
+    (capture_guard_not_taken_from_the_constructor, "R8"),
+    (worker_ignores_the_pause, "R8"),
+    (new_capture_outside_the_guard, "R8"),
+]
+
+
+@pytest.fixture
+def package(tmp_path) -> Path:
+    root = tmp_path / "src" / "batchgen"
+    shutil.copytree(REPO / "src" / "batchgen", root, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def test_the_real_tree_keeps_the_contract(package):
+    assert [str(f) for f in check_copy_contract(REPO / "src" / "batchgen")] == []
+    assert [str(f) for f in check_copy_contract(package)] == []  # the copy mutations start from
+
+
+@pytest.mark.parametrize(
+    ("mutate", "rule"), MUTATIONS, ids=[f"{r}-{m.__name__}" for m, r in MUTATIONS]
+)
+def test_a_mutation_that_breaks_the_contract_is_reported(package, mutate, rule):
+    before = {p.relative_to(package): p.read_text() for p in package.rglob("*.py")}
+    mutate(package)
+    after = {p.relative_to(package): p.read_text() for p in package.rglob("*.py")}
+    assert after != before, "the mutation changed nothing"
+    findings = check_copy_contract(package)
+    assert f"copy-{rule}" in {f.rule for f in findings}, [str(f) for f in findings]
+    assert all(f.where.startswith("src/batchgen/") and f.line > 0 for f in findings)

@@ -37,9 +37,13 @@ def test_allocate_grows_the_table_and_keeps_its_pages():
     assert kv.allocate("r", 4)  # same page
     assert kv.pages["r"] == first
     assert kv.allocate("r", 5)  # one more
-    assert kv.pages["r"][:1] == first and len(kv.pages["r"]) == 2
+    second = list(kv.pages["r"])
+    assert len(second) == 2 and second[:1] == first and second[1] != first[0]
     assert kv.allocate("r", 13)
-    assert kv.pages["r"][:2] == [first[0], kv.pages["r"][1]] and len(kv.pages["r"]) == 4
+    pages = kv.pages["r"]
+    assert len(pages) == 4 and pages[:2] == second  # earlier pages kept, in order
+    assert len(set(pages)) == 4  # the two new pages are fresh, not repeats
+    assert all(kv.allocator.ref_count[p] == 1 for p in pages)
     assert kv.num_free_pages == 12
 
 
@@ -47,11 +51,19 @@ def test_allocate_returns_false_and_changes_nothing_when_short():
     kv = make(num_pages=4)
     assert kv.allocate("a", 8)
     assert kv.allocate("b", 4)
-    before = (dict(kv.pages), list(kv.allocator.ref_count), kv.num_free_pages)
+
+    def snapshot():  # by value: allocate grows a request's page list in place
+        return (
+            {r: list(p) for r, p in kv.pages.items()},
+            list(kv.allocator.ref_count),
+            kv.num_free_pages,
+        )
+
+    before = snapshot()
     assert not kv.allocate("c", 8)  # needs 2, 1 free
     assert not kv.allocate("b", 12)  # grow by 2, 1 free
     assert "c" not in kv.pages
-    assert (dict(kv.pages), list(kv.allocator.ref_count), kv.num_free_pages) == before
+    assert snapshot() == before
     assert kv.allocate("b", 8)  # exactly the last page
     assert kv.num_free_pages == 0
 

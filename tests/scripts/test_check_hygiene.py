@@ -355,6 +355,42 @@ def test_folder_outside_layer_order_is_advisory(repo):
     assert "src/batchgen/misc: [layering, advisory]" in out
 
 
+# --- copy-ordering contract (rules and mutations: tests/kv/test_copy_contract.py) ------
+
+
+def test_copy_contract_is_a_blocking_check_over_the_package(repo):
+    source = """\
+        import torch
+
+
+        def offload(src, dst):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)
+
+
+        def racing(src, dst, side):
+            with torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)
+        """
+    write(repo, {"src/batchgen/runner/streams.py": source})
+    write(repo, {"src/batchgen/runner/MODULE.md": "runner\n"})
+    code, out = check(repo)
+    assert code == 1
+    assert "src/batchgen/runner/streams.py:12: [copy-R4]" in out
+    assert out.count("[copy-") == 1
+
+
+def test_a_host_tier_without_its_copy_engine_is_reported(repo):
+    write(repo, {"src/batchgen/kv/copy_engine.py": "class Copies:\n    pass\n"})
+    code, out = check(repo)
+    assert code == 1
+    assert (
+        "src/batchgen/kv/copy_engine.py:1: [copy-R1] kv/copy_engine.py defines no CopyEngine" in out
+    )
+
+
 # --- reviewing a change ---------------------------------------------------------------
 
 
