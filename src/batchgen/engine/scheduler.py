@@ -129,7 +129,7 @@ class Scheduler:
             budget -= n
         out.released_ids = self.take_released()
         out.on_kv_written = self.kv.layer_store_hook(
-            [(r.request_id, r.num_computed_tokens) for r, n in scheduled if n == 1]
+            [(r.request_id, r.num_computed_tokens, r.token_ids) for r, n in scheduled if n == 1]
         )
         out.wait_for = self.kv.take_step_copies()
         pages = self.kv.pages

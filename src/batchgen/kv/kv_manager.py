@@ -261,17 +261,19 @@ class KVCacheManager:
         if self.tier is not None:
             self.tier.flush(stores_only=True)
 
-    def layer_store_hook(self, decodes: list[tuple[str, int]]):
-        """decode_append="layer": for the decode tokens that fill a page this step, return
-        hook(layer) that copies that layer of those pages to host right after its K/V
-        write; None when no page fills."""
+    def layer_store_hook(self, decodes: list[tuple[str, int, list[int]]]):
+        """decode_append="layer": for the decode tokens (request id, position, the
+        request's tokens) that fill a page this step, return hook(layer) that copies that
+        layer of those pages to host right after its K/V write; None when no page fills."""
         if not self.tier_active or self.decode_append != "layer":
             return None
         ps = self.page_size
-        filled = [(rid, start // ps) for rid, start in decodes if (start + 1) % ps == 0]
         dev, hashes, tags = [], [], []
-        for rid, i in filled:
-            page_hash = self._hashes.get(rid, [])
+        for rid, start, token_ids in decodes:
+            if (start + 1) % ps:
+                continue
+            i = start // ps  # the page this step's token fills: its tokens are all known
+            page_hash = self.page_hashes(rid, token_ids[: start + 1])
             if i < len(page_hash) and not self.tier.holds(page_hash[i]):
                 dev.append(self.pages[rid][i])
                 hashes.append(page_hash[i])
