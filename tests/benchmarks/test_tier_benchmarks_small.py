@@ -269,3 +269,20 @@ def test_summary_reports_the_profile_and_a_window_without_loads():
     assert "no prefix load in the window" in text
     result["profile"]["prefix_load_bytes"] = 1
     assert "no prefix load" not in sp.summary(result)
+
+
+def test_tier_replay_small_replays_both_tiers_and_moves_pages(tmp_path):
+    replay = _import("tier_replay")
+    out = tmp_path / "replay"
+    assert replay.main(["--small", "--workload", "w2", "--out", str(out)]) == 0
+    result = json.loads((out / "tier_replay.json").read_text())
+    on, off = result["runs"]
+    assert on["host_tier"] and not off["host_tier"]
+    _, out_lens = replay.workload("w2", small=True)
+    # every request ran to its length: each sampled token was one computed decode token
+    # or a prompt's last, so computed tokens cover all output tokens but the last each
+    assert on["computed_tokens"] >= sum(out_lens) - len(out_lens)
+    assert off["recomputes"] > 0 and on["recomputes"] < off["recomputes"]
+    assert on["swaps_out"] > 0 and on["gib_by_reason"]["swap_in"] > 0
+    assert on["computed_tokens"] < off["computed_tokens"]
+    assert on["pages_per_block"] >= 1

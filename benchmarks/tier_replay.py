@@ -1,0 +1,179 @@
+"""Replay a workload's schedule and KV traffic on the CPU, without a model.
+
+    python3 benchmarks/tier_replay.py --workload w2                # W2, ~10 s
+    python3 benchmarks/tier_replay.py --workload w3 --admission arrival
+    python3 benchmarks/tier_replay.py --workload w3 --model llama-3.1-8b
+    python3 benchmarks/tier_replay.py --small                      # seconds, for CI
+
+The real Scheduler, KVCacheManager, PageAllocator and TieredKVManager run the workload
+step by step with page pools sized as the GPU runs size them (--kv-gib and --host-gib
+over the model's KV bytes per page), but with tiny pages (one layer, one head of 4
+floats) and a stand-in for the forward: every scheduled token counts as computed and
+every sampled token is drawn at random (ignore_eos, so each request runs to its length).
+Copies run on the CPU CopyEngine and finish at once, so a store is on host by the next
+step (on the GPU a store may still be in flight); otherwise the decisions are the
+engine's: admission order, preemption, swaps, evictions, write-backs and loads.
+
+What it is for: the tier's traffic and the scheduler's work at full workload size, in
+seconds and with no GPU: steps, tokens computed, preemptions, swaps, recomputes, bytes
+by reason (scaled to the model's bytes per token: qwen3-0.6b 112 KiB, llama-3.1-8b
+128 KiB) and the host blocks the page copies move (pages per block: how well host pages
+run together). It says nothing about time. Runs the host tier on and off, one after the
+other, and prints both; --out writes tier_replay.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from workloads import w2_requests, w3_requests  # noqa: E402
+
+from batchgen.engine.request import Request  # noqa: E402
+from batchgen.engine.scheduler import Scheduler  # noqa: E402
+from batchgen.kv import page_copies  # noqa: E402
+from batchgen.kv.copy_engine import CopyEngine  # noqa: E402
+from batchgen.kv.host_pool import HostPool  # noqa: E402
+from batchgen.kv.kv_manager import KVCacheManager  # noqa: E402
+from batchgen.kv.layout import KVLayout  # noqa: E402
+from batchgen.kv.page_pool import PagePool  # noqa: E402
+from batchgen.kv.tiered import TieredKVManager  # noqa: E402
+from batchgen.runner.batch import ModelRunnerOutput  # noqa: E402
+from batchgen.sampling_params import SamplingParams  # noqa: E402
+
+BYTES_PER_TOKEN = {"qwen3-0.6b": 28 * 2 * 8 * 128 * 2, "llama-3.1-8b": 32 * 2 * 8 * 128 * 2}
+PAGE_SIZE = 16
+
+
+def workload(name: str, small: bool) -> tuple[list[list[int]], list[int]]:
+    if name == "w2":
+        if small:
+            return w2_requests(n=24, prompt_lens=(32, 96), out_lens=(16, 48), max_token=500)
+        return w2_requests()
+    if small:
+        return w3_requests(8, 4, prefix_len=96, question_len=8, out_len=4, max_token=500)
+    return w3_requests()
+
+
+class BlockCounter:
+    """Counts the host blocks page_copies moves (one per run of consecutive host pages
+    and layer) while installed."""
+
+    def __init__(self) -> None:
+        self.copies = self.blocks = self.pages = 0
+        self._runs = page_copies._runs
+
+    def __enter__(self) -> BlockCounter:
+        def runs(pages):
+            out = self._runs(pages)
+            self.copies += 1
+            self.blocks += len(out)
+            self.pages += len(pages)
+            return out
+
+        page_copies._runs = runs
+        return self
+
+    def __exit__(self, *exc) -> None:
+        page_copies._runs = self._runs
+
+
+def replay(prompts, out_lens, args, tier_on: bool) -> dict:
+    page_bytes = BYTES_PER_TOKEN[args.model] * PAGE_SIZE
+    dev_pages = args.num_pages or int(args.kv_gib * 2**30 // page_bytes)
+    layout = KVLayout(1, 1, 4, PAGE_SIZE, torch.float32)
+    kv = KVCacheManager(dev_pages, PAGE_SIZE, True, None, "off")
+    if tier_on:
+        host_pages = int(args.host_gib * 2**30 // page_bytes)
+        kv.tier = TieredKVManager(
+            PagePool(layout, dev_pages, torch.device("cpu")),
+            HostPool(layout, host_pages, False),
+            kv.allocator,
+            CopyEngine(torch.device("cpu")),
+            debug=False,
+            loads_pay=True,
+        )
+    sched = Scheduler(kv, args.max_num_seqs, args.max_batched_tokens, 4096, [-1], args.admission)
+    requests = {}
+    for i, (prompt, n) in enumerate(zip(prompts, out_lens)):
+        req = Request(str(i), list(prompt), SamplingParams(max_tokens=n, ignore_eos=True), n, i)
+        requests[req.request_id] = req
+        sched.add(req)
+        kv.want(req.request_id, req.token_ids)
+    rng = random.Random(1)
+    computed = steps = 0
+    start = time.perf_counter()
+    with BlockCounter() as blocks:
+        while sched.has_unfinished:
+            if kv.tier is not None:
+                kv.tier.poll()
+            out = sched.schedule()
+            for handle in out.wait_for:
+                handle.synchronize()
+            ids = [s.request_id for s in out.requests if s.sample]
+            tokens = [rng.randint(0, 10_000) for _ in ids]
+            sched.update(out, ModelRunnerOutput(ids, tokens, [None] * len(ids)), requests)
+            computed += out.num_tokens
+            steps += 1
+            if out.is_empty and kv.tier is not None:
+                kv.tier.drain()
+        if kv.tier is not None:
+            kv.tier.drain()
+    result = {
+        "host_tier": tier_on,
+        "steps": steps,
+        "computed_tokens": computed,
+        "preemptions": sched.num_preemptions,
+        "recomputes": sched.num_recomputes,
+        "device_pages": dev_pages,
+        "replay_seconds": time.perf_counter() - start,
+    }
+    if kv.tier is not None:
+        scale = page_bytes / layout.bytes_per_page
+        m = kv.tier.metrics
+        result["swaps_out"], result["swaps_in"] = m.swaps_out, m.swaps_in
+        result["gib_by_reason"] = {
+            reason: n * scale / 2**30 for reason, n in m.bytes_by_reason.items() if n
+        }
+        result["copies"] = blocks.copies
+        result["pages_per_block"] = blocks.pages / max(blocks.blocks, 1)
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=("w2", "w3"), default="w2")
+    ap.add_argument("--model", choices=tuple(BYTES_PER_TOKEN), default="qwen3-0.6b")
+    ap.add_argument("--admission", choices=("prefix", "arrival"), default="prefix")
+    ap.add_argument("--kv-gib", type=float, default=None, help="device pool (W2 8, W3 4)")
+    ap.add_argument("--host-gib", type=float, default=64.0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--small", action="store_true", help="the CPU-sized workload")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.kv_gib is None:
+        args.kv_gib = 8.0 if args.workload == "w2" else 4.0
+    args.num_pages = 20 if args.small else None
+    if args.small:
+        args.host_gib = 0.01
+    prompts, out_lens = workload(args.workload, args.small)
+    runs = [replay(prompts, out_lens, args, tier) for tier in (True, False)]
+    for run in runs:
+        sys.stdout.write(json.dumps(run) + "\n")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        result = dict(vars(args), out=str(args.out), runs=runs)
+        (args.out / "tier_replay.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
