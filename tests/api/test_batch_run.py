@@ -161,6 +161,10 @@ def test_bad_lines_get_error_records_and_good_lines_complete(tmp_path, tiny):
         (_chat("x12", "w5", top_logprobs=2), "top_logprobs needs body.logprobs"),
         ({"id": "x13", "prompt": ""}, "the prompt is empty"),
         ({"id": "x14", "prompt": 5}, "body.prompt must be a string"),
+        (
+            {**_chat("x15", "w5"), "body": {"messages": [{"role": "bot", "content": "w5"}]}},
+            "body.messages[0].role must be one of system, user, assistant, developer, got 'bot'",
+        ),
     ]
     rows: list = []
     for i, (line, _) in enumerate(bad):

@@ -31,6 +31,13 @@ _PASSTHROUGH = (
     "repetition_penalty min_tokens ignore_eos skip_special_tokens include_stop_str_in_output n"
 ).split()
 
+# chat roles a batch line may use; "developer" (OpenAI's newer name for the system
+# message) reaches the chat template as "system", the role templates know. "tool" and
+# "function" are refused: a tool result needs the assistant's tool call and the tools
+# list, which batch lines cannot pass to the template.
+ROLES = ("system", "user", "assistant", "developer")
+_TEMPLATE_ROLE = {"developer": "system"}
+
 
 class LineError(Exception):
     """A reason why one input line cannot run; custom_id when it could be read."""
@@ -128,6 +135,11 @@ def _check_input(body: dict, url: str, cid: str) -> None:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise LineError(f"body.messages[{i}] must be an object with a string role", cid)
+            if m["role"] not in ROLES:
+                raise LineError(
+                    f"body.messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}",
+                    cid,
+                )
             content = m.get("content")
             if isinstance(content, list):
                 if not all(
@@ -208,7 +220,8 @@ def _flatten(message: dict) -> dict:
     content = message.get("content")
     if isinstance(content, list):
         content = "".join(p["text"] for p in content)
-    return {**message, "content": content if content is not None else ""}
+    role = _TEMPLATE_ROLE.get(message["role"], message["role"])
+    return {**message, "role": role, "content": content if content is not None else ""}
 
 
 def output_line(p: Pending, req: Request, model: str, tokenizer) -> dict:
