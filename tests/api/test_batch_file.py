@@ -67,3 +67,18 @@ def test_developer_role_reaches_the_template_as_system():
     messages = [{"role": "developer", "content": "w3"}, _user()]
     assert bf.encode(spy, bf.parse_line(_line(messages), 1)) == [5]
     assert [m["role"] for m in spy.seen] == ["system", "user"]
+
+
+@pytest.mark.parametrize("top", [21, 99, -1])
+def test_bad_top_logprobs_is_reported_as_top_logprobs(top):
+    body = {"messages": [_user()], "logprobs": True, "top_logprobs": top}
+    with pytest.raises(bf.LineError, match=r"^body\.top_logprobs must be .*got") as info:
+        bf.sampling_params(body, bf.CHAT, {})
+    assert "body.logprobs" not in str(info.value)
+
+
+def test_good_top_logprobs_and_completion_logprobs():
+    body = {"messages": [_user()], "logprobs": True, "top_logprobs": 20}
+    assert bf.sampling_params(body, bf.CHAT, {}).logprobs == 20
+    with pytest.raises(bf.LineError, match=r"^body\.logprobs must be"):  # its own field
+        bf.sampling_params({"prompt": "w5", "logprobs": 21}, bf.COMPLETIONS, {})

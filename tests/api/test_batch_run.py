@@ -165,6 +165,7 @@ def test_bad_lines_get_error_records_and_good_lines_complete(tmp_path, tiny):
             {**_chat("x15", "w5"), "body": {"messages": [{"role": "bot", "content": "w5"}]}},
             "body.messages[0].role must be one of system, user, assistant, developer, got 'bot'",
         ),
+        (_chat("x16", "w5", logprobs=True, top_logprobs=21), "body.top_logprobs must be"),
     ]
     rows: list = []
     for i, (line, _) in enumerate(bad):

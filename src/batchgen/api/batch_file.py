@@ -185,7 +185,10 @@ def sampling_params(body: dict, url: str, defaults: dict[str, Any]) -> SamplingP
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
-        raise LineError(str(e).replace("SamplingParams.", "body.")) from None
+        message = str(e)
+        if url == CHAT:  # a chat body's top-k is its top_logprobs (logprobs is a bool)
+            message = message.replace("SamplingParams.logprobs", "body.top_logprobs")
+        raise LineError(message.replace("SamplingParams.", "body.")) from None
 
 
 def requested_logprobs(body: dict, url: str) -> int | None:
