@@ -144,7 +144,7 @@ def test_bad_lines_get_error_records_and_good_lines_complete(tmp_path, tiny):
     bad = [  # (line, expected reason)
         ('{"custom_id": "x1", "method": "POST", "url": ', "malformed JSON"),
         (_chat(None, "w5"), "missing custom_id"),
-        (_chat("g0", "w5 w6"), "duplicate custom_id 'g0'"),
+        (_chat("g0", "w5 w6"), "duplicate custom_id 'g0': already answered by line 1"),
         ({**_chat("x2", "w5"), "custom_id": 17}, "custom_id must be a non-empty string"),
         (_chat("x3", "w5", max_tokens="ten"), "max_tokens must be an integer"),
         (_chat("x4", "w5", temperature="hot"), "temperature must be a number"),
@@ -196,6 +196,34 @@ def test_bad_lines_get_error_records_and_good_lines_complete(tmp_path, tiny):
     before = out.read_bytes(), (tmp_path / "out.errors.jsonl").read_bytes()
     assert main(_cli(tiny, inp, out)) == 1  # a rerun writes nothing new
     assert (out.read_bytes(), (tmp_path / "out.errors.jsonl").read_bytes()) == before
+
+
+def test_duplicate_custom_id_names_the_line_that_answered_it(tmp_path, tiny):
+    rows = [
+        _chat("a", "w5", max_tokens=2),  # line 1
+        _chat("b", "w6", max_tokens=2),
+        _chat("a", "w7", max_tokens=2),  # 3: a duplicate of line 1
+        {**_chat("z", "w5"), "body": {"messages": []}},  # 4: a bad line
+        _chat("z", "w8", max_tokens=2),  # 5: a duplicate of line 4, answered by its error
+        _chat("a", "w9", max_tokens=2),  # 6: a duplicate of line 1 again
+    ]
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
+    assert main(_cli(tiny, inp, out)) == 1
+    assert sorted(_answers(out)) == ["a", "b"]
+    errors = {e["error"]["line"]: e for e in _read(err)}
+    assert sorted(errors) == [3, 4, 5, 6]
+    assert "duplicate_of_line" not in errors[4]["error"]
+    for line, first in ((3, 1), (5, 4), (6, 1)):
+        rec = errors[line]["error"]
+        assert rec["duplicate_of_line"] == first
+        assert rec["message"].startswith(f"line {line}: duplicate custom_id ")
+        assert f"already answered by line {first}, whose answer stands" in rec["message"]
+        assert "this line was not run" in rec["message"]
+
+    before = out.read_bytes(), err.read_bytes()
+    assert main(_cli(tiny, inp, out)) == 1  # a rerun keeps the first answers, adds nothing
+    assert (out.read_bytes(), err.read_bytes()) == before
 
 
 def test_torn_last_line_is_repaired(tmp_path, tiny):

@@ -42,9 +42,12 @@ _TEMPLATE_ROLE = {"developer": "system"}
 class LineError(Exception):
     """A reason why one input line cannot run; custom_id when it could be read."""
 
-    def __init__(self, message: str, custom_id: str | None = None) -> None:
+    def __init__(
+        self, message: str, custom_id: str | None = None, duplicate_of: int | None = None
+    ) -> None:
         super().__init__(message)
         self.custom_id = custom_id
+        self.duplicate_of = duplicate_of  # the earlier line that has this custom_id
 
 
 @dataclass
@@ -258,14 +261,30 @@ def output_line(p: Pending, req: Request, model: str, tokenizer) -> dict:
     }
 
 
-def error_line(line: int, custom_id: str | None, message: str) -> dict:
-    """An error line: OpenAI's shape, plus the input line number."""
+def error_line(
+    line: int, custom_id: str | None, message: str, duplicate_of: int | None = None
+) -> dict:
+    """An error line: OpenAI's shape, plus the input line number and, for a duplicate
+    custom_id, the earlier line that has it (whose answer stands)."""
+    error = {"code": "invalid_request", "message": f"line {line}: {message}", "line": line}
+    if duplicate_of is not None:
+        error["duplicate_of_line"] = duplicate_of
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": custom_id,
         "response": None,
-        "error": {"code": "invalid_request", "message": f"line {line}: {message}", "line": line},
+        "error": error,
     }
+
+
+def duplicate_error(custom_id: str, first_line: int) -> LineError:
+    """The error of a line whose custom_id an earlier line already has."""
+    return LineError(
+        f"duplicate custom_id {custom_id!r}: already answered by line {first_line}, whose "
+        "answer stands; this line was not run",
+        custom_id,
+        duplicate_of=first_line,
+    )
 
 
 def _logprobs(p: Pending, req: Request, tokenizer) -> dict:

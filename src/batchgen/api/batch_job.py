@@ -11,8 +11,8 @@ Invariants:
   after its request finishes, and both files are fsync'ed at least every `sync_every_s`.
 - A rerun scans OUTPUT (custom_ids done) and the errors file (line numbers answered),
   cuts a torn last line, and skips those input lines: each custom_id is written once.
-- Memory holds the custom_ids seen (for duplicate detection), the answered line numbers
-  and at most max_in_flight requests, never the input's contents.
+- Memory holds the custom_ids seen with their first line (for duplicate detection), the
+  answered line numbers and at most max_in_flight requests, never the input's contents.
 """
 
 from __future__ import annotations
@@ -135,14 +135,16 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
             len(answered_lines),
         )
     out, errs = Appender(opts.output, opts.sync_every_s), Appender(err_path, opts.sync_every_s)
-    seen: set[str] = set()
+    seen: dict[str, int] = {}  # custom_id -> the first line that has it
     pending: dict[str, bf.Pending] = {}
     engine = llm.engine
     bar, counter = _progress(opts)
 
-    def fail(line: int, cid: str | None, message: str) -> None:
+    def fail(line: int, cid: str | None, error: Exception) -> None:
         summary.failed += 1
-        errs.write([bf.dumps(bf.error_line(line, cid, message))])
+        message = str(error) or type(error).__name__
+        duplicate_of = getattr(error, "duplicate_of", None)
+        errs.write([bf.dumps(bf.error_line(line, cid, message, duplicate_of))])
         if bar is not None:
             bar.update(1)
 
@@ -157,8 +159,9 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
         cid = item.custom_id if item is not None else error.custom_id
         if cid is not None:
             if cid in seen:
-                item, error = None, bf.LineError(f"duplicate custom_id {cid!r}", cid)
-            seen.add(cid)
+                item, error = None, bf.duplicate_error(cid, seen[cid])
+            else:
+                seen[cid] = line
         if line in answered_lines or (item is not None and cid in done_ids):
             done_ids.discard(cid)
             summary.skipped += line not in answered_lines
@@ -167,12 +170,12 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
                 bar.update(1)
             return
         if item is None:
-            return fail(line, cid, str(error))
+            return fail(line, cid, error)
         try:
             ids, params = _prepare(llm, item, opts)
             engine.add_request(str(line), ids, params)
         except Exception as e:  # a bad line must never stop the job
-            return fail(line, cid, str(e) or type(e).__name__)
+            return fail(line, cid, e)
         pending[str(line)] = bf.Pending(line, cid, item.url, params.logprobs)
 
     lines = read_lines(opts.input)
