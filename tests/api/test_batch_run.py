@@ -226,6 +226,44 @@ def test_duplicate_custom_id_names_the_line_that_answered_it(tmp_path, tiny):
     assert (out.read_bytes(), err.read_bytes()) == before
 
 
+def test_rerun_of_a_finished_job_does_not_load_the_model(tmp_path, tiny, monkeypatch, caplog):
+    import batchgen.api.llm as llm_module
+
+    rows = [_chat(f"f{i}", f"w{20 + i}", max_tokens=2) for i in range(4)]
+    rows.append(_chat("f0", "w30", max_tokens=2))  # a duplicate: answered by an error record
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
+    assert main(_cli(tiny, inp, out)) == 1
+    before = out.read_bytes(), err.read_bytes()
+
+    loads = []
+    real_llm = llm_module.LLM
+
+    def counting_llm(*args, **kwargs):
+        loads.append(kwargs)
+        return real_llm(*args, **kwargs)
+
+    monkeypatch.setattr(llm_module, "LLM", counting_llm)
+    caplog.clear()
+    assert main(_cli(tiny, inp, out)) == 1  # the earlier failure still counts
+    assert loads == []
+    assert "nothing to run (the model was not loaded)" in caplog.text
+    assert "0 succeeded, 0 failed (+1 in earlier runs), 4 skipped as already done" in caplog.text
+    assert (out.read_bytes(), err.read_bytes()) == before
+
+    _write_jsonl(inp, [*rows, _chat("f5", "w31", max_tokens=2)])  # one line left to run
+    assert main(_cli(tiny, inp, out)) == 1
+    assert len(loads) == 1
+    assert sorted(_answers(out)) == ["f0", "f1", "f2", "f3", "f5"]
+
+    _write_jsonl(inp, [r for r in rows if r is not rows[-1]] + [_chat("f5", "w31")])
+    err.unlink()  # the duplicate line is gone: every line now has its answer in OUTPUT
+    caplog.clear()
+    assert main(_cli(tiny, inp, out)) == 0
+    assert len(loads) == 1
+    assert "0 succeeded, 0 failed, 5 skipped as already done" in caplog.text
+
+
 def test_torn_last_line_is_repaired(tmp_path, tiny):
     rows = [_chat(f"t{i}", f"w{40 + i}", max_tokens=3, temperature=0) for i in range(5)]
     rows.append({"id": "p", "prompt": "w7 w8", "max_tokens": 3, "temperature": 0, "logprobs": 2})

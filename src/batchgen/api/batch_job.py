@@ -31,6 +31,7 @@ from batchgen.api import batch_file as bf
 from batchgen.api.batch_journal import (
     MAX_LINE_BYTES,
     Appender,
+    count_lines,
     errors_path,
     read_lines,
     scan_answered,
@@ -85,11 +86,7 @@ class _LineCounter(threading.Thread):
         self.path, self.total = path, None
 
     def run(self) -> None:
-        n, last = 0, b"\n"
-        with open(self.path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                n, last = n + chunk.count(b"\n"), chunk[-1:]
-        self.total = n + (last != b"\n")
+        self.total = count_lines(self.path)
 
 
 class _Signals:
@@ -121,21 +118,75 @@ class _Signals:
             signal.signal(sig, old)
 
 
+class _Answers:
+    """What earlier runs answered (custom_ids in OUTPUT, line numbers in the errors file,
+    after the resume scan's repair) and the custom_ids read so far with their first line;
+    decides, line by line, which input lines an earlier run already answered."""
+
+    def __init__(self, output: Path) -> None:
+        self.done_ids: set[str] = scan_answered(output, "custom_id")
+        self.lines: set[int] = scan_answered(errors_path(output), "line")
+        self.seen: dict[str, int] = {}  # custom_id -> the first line that has it
+
+    def read(self, line: int, raw: bytes | None):
+        """(item, error, custom_id) of one input line; a repeated custom_id is an error."""
+        item, error = None, None
+        try:
+            if raw is None:
+                raise bf.LineError(f"the line is longer than {MAX_LINE_BYTES} bytes")
+            item = bf.parse_line(raw, line)
+        except bf.LineError as e:
+            error = e
+        cid = item.custom_id if item is not None else error.custom_id
+        if cid is not None:
+            if cid in self.seen:
+                item, error = None, bf.duplicate_error(cid, self.seen[cid])
+            else:
+                self.seen[cid] = line
+        return item, error, cid
+
+    def earlier(self, line: int, item, cid: str | None) -> str | None:
+        """How an earlier run answered this line: "failed", "done", or None (not yet)."""
+        if line in self.lines:
+            return "failed"
+        if item is not None and cid in self.done_ids:
+            self.done_ids.discard(cid)
+            return "done"
+        return None
+
+
+def answered_earlier(opts: JobOptions) -> JobSummary | None:
+    """Without a model: the summary of a job whose every input line earlier runs
+    answered (nothing is left to run), or None when some line is still to run."""
+    start = time.monotonic()
+    answers = _Answers(opts.output)
+    if count_lines(opts.input) > len(answers.done_ids) + len(answers.lines):
+        return None  # each answer covers one line at most: some line is unanswered
+    summary = JobSummary()
+    for line, raw in read_lines(opts.input):
+        item, _, cid = answers.read(line, raw)
+        verdict = answers.earlier(line, item, cid)
+        if verdict is None:
+            return None
+        summary.skipped += verdict == "done"
+        summary.failed_earlier += verdict == "failed"
+    summary.wall_s = time.monotonic() - start
+    return summary
+
+
 def run_batch_job(llm, opts: JobOptions) -> JobSummary:
     """Run every unanswered line of opts.input through llm; see the module docstring."""
     start = time.monotonic()
     summary = JobSummary()
     err_path = errors_path(opts.output)
-    done_ids: set[str] = scan_answered(opts.output, "custom_id")
-    answered_lines: set[int] = scan_answered(err_path, "line")
-    if done_ids or answered_lines:
+    answers = _Answers(opts.output)
+    if answers.done_ids or answers.lines:
         logger.info(
             "resuming: %d requests and %d error records already written",
-            len(done_ids),
-            len(answered_lines),
+            len(answers.done_ids),
+            len(answers.lines),
         )
     out, errs = Appender(opts.output, opts.sync_every_s), Appender(err_path, opts.sync_every_s)
-    seen: dict[str, int] = {}  # custom_id -> the first line that has it
     pending: dict[str, bf.Pending] = {}
     engine = llm.engine
     bar, counter = _progress(opts)
@@ -149,23 +200,11 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
             bar.update(1)
 
     def admit(line: int, raw: bytes | None) -> None:
-        item, error = None, None
-        try:
-            if raw is None:
-                raise bf.LineError(f"the line is longer than {MAX_LINE_BYTES} bytes")
-            item = bf.parse_line(raw, line)
-        except bf.LineError as e:
-            error = e
-        cid = item.custom_id if item is not None else error.custom_id
-        if cid is not None:
-            if cid in seen:
-                item, error = None, bf.duplicate_error(cid, seen[cid])
-            else:
-                seen[cid] = line
-        if line in answered_lines or (item is not None and cid in done_ids):
-            done_ids.discard(cid)
-            summary.skipped += line not in answered_lines
-            summary.failed_earlier += line in answered_lines
+        item, error, cid = answers.read(line, raw)
+        verdict = answers.earlier(line, item, cid)
+        if verdict is not None:
+            summary.skipped += verdict == "done"
+            summary.failed_earlier += verdict == "failed"
             if bar is not None:
                 bar.update(1)
             return

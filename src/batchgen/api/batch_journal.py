@@ -122,6 +122,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def count_lines(path: Path) -> int:
+    """How many lines read_lines yields for `path` (a last line without a newline counts)."""
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            n, last = n + chunk.count(b"\n"), chunk[-1:]
+    return n + (last != b"\n")
+
+
 def read_lines(path: Path):
     """Yield (line number, bytes) one line at a time; a line over MAX_LINE_BYTES yields
     None in place of its bytes (its rest is read past, never held)."""

@@ -130,7 +130,12 @@ def _usage_error(message: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from batchgen.api.batch_job import JobOptions, errors_path, run_batch_job
+    from batchgen.api.batch_job import (
+        JobOptions,
+        answered_earlier,
+        errors_path,
+        run_batch_job,
+    )
 
     if not args.input.is_file():
         return _usage_error(f"input file {args.input} does not exist or is not a file")
@@ -156,6 +161,33 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as e:
         return _usage_error(f"cannot create the output directory: {e}")
 
+    name = Path(args.model).name if args.model else DEFAULT_MODEL_NAME
+    opts = JobOptions(
+        input=args.input,
+        output=out,
+        model_name=name.removesuffix(".gguf"),
+        defaults={
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+        },
+        seed=args.seed,
+        max_in_flight=4 * args.max_num_seqs,
+        progress=not args.quiet,
+    )
+    try:
+        finished = answered_earlier(opts)
+    except Exception:
+        logger.exception("the job stopped on an internal error while reading %s", out)
+        return EXIT_INTERNAL
+    if finished is not None:
+        logger.info(
+            "done: every input line already has its answer, nothing to run (the model "
+            "was not loaded): %s",
+            finished.describe(errors_path(out)),
+        )
+        return _exit_code(finished)
+
     from batchgen.api.llm import LLM
 
     kwargs = dict(
@@ -172,20 +204,6 @@ def _run(args: argparse.Namespace) -> int:
         llm = LLM(model=args.model, **kwargs)
     except Exception as e:  # an unknown or broken model is a usage error
         return _usage_error(f"could not load model {args.model or DEFAULT_MODEL_NAME}: {e}")
-    name = Path(args.model).name if args.model else DEFAULT_MODEL_NAME
-    opts = JobOptions(
-        input=args.input,
-        output=out,
-        model_name=name.removesuffix(".gguf"),
-        defaults={
-            "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-        },
-        seed=args.seed,
-        max_in_flight=4 * args.max_num_seqs,
-        progress=not args.quiet,
-    )
     try:
         summary = run_batch_job(llm, opts)
     except Exception:
@@ -200,6 +218,10 @@ def _run(args: argparse.Namespace) -> int:
         )
         return EXIT_INTERRUPTED
     logger.info("done: %s", summary.describe(errors_path(out)))
+    return _exit_code(summary)
+
+
+def _exit_code(summary) -> int:
     return EXIT_FAILED_LINES if summary.failed or summary.failed_earlier else EXIT_OK
 
 
