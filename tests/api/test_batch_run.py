@@ -264,6 +264,45 @@ def test_rerun_of_a_finished_job_does_not_load_the_model(tmp_path, tiny, monkeyp
     assert "0 succeeded, 0 failed, 5 skipped as already done" in caplog.text
 
 
+def test_a_second_run_on_a_locked_output_is_refused(tmp_path, tiny, monkeypatch, caplog):
+    import fcntl
+
+    import batchgen.api.llm as llm_module
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", [_chat("a", "w5", max_tokens=2)])
+    out = tmp_path / "out.jsonl"
+    loads = []
+    real_llm = llm_module.LLM
+    monkeypatch.setattr(llm_module, "LLM", lambda *a, **k: loads.append(1) or real_llm(*a, **k))
+    with open(tmp_path / "out.jsonl.lock", "a+") as held:  # another run's lock, own descriptor
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(_cli(tiny, inp, out)) == 2
+        assert f"another batchgen run is writing to {out}" in caplog.text
+        assert loads == [] and not out.exists()
+        linked = tmp_path / "link"
+        linked.symlink_to(tmp_path)  # the same output under another path
+        assert main(_cli(tiny, inp, linked / "out.jsonl")) == 2
+        assert loads == [] and not out.exists()
+    assert main(_cli(tiny, inp, out)) == 0  # the lock is free again
+    assert list(_answers(out)) == ["a"]
+
+
+def test_two_concurrent_runs_write_each_answer_once(tmp_path, tiny, kill_input, caplog):
+    inp, expected = kill_input
+    out = tmp_path / "out.jsonl"
+    argv = _cli(tiny, inp, out, "--max-num-seqs", "8")
+    first = _spawn(argv)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 20):
+        assert first.poll() is None and time.monotonic() < deadline, "the first run ended early"
+        time.sleep(0.02)
+    assert main(argv) == 2  # refused while the first run holds the output
+    assert f"another batchgen run is writing to {out} (process {first.pid})" in caplog.text
+    assert first.poll() is None, "the first run should still be going"
+    assert first.wait(timeout=120) == 0, first.stderr.read().decode()[-2000:]
+    assert _answers(out) == expected  # every custom_id once
+
+
 def test_torn_last_line_is_repaired(tmp_path, tiny):
     rows = [_chat(f"t{i}", f"w{40 + i}", max_tokens=3, temperature=0) for i in range(5)]
     rows.append({"id": "p", "prompt": "w7 w8", "max_tokens": 3, "temperature": 0, "logprobs": 2})

@@ -4,6 +4,8 @@ one line of the input."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -19,6 +21,58 @@ def errors_path(output: Path) -> Path:
     """OUTPUT's sibling errors file: out.jsonl -> out.errors.jsonl."""
     stem = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
     return output.with_name(stem + ".errors.jsonl")
+
+
+class OutputLocked(Exception):
+    """Another process holds the output's lock: it is running a job on the same output."""
+
+
+class OutputLock:
+    """An exclusive, non-blocking flock on OUTPUT.lock, held from acquire() to release()
+    by one job at a time, so two runs never append the same results to one output. The
+    kernel drops the lock when its holder dies, so a killed job leaves no stale lock. The
+    file itself stays (removing it would let a later run lock a fresh file while an
+    earlier one still holds the old); it holds the holder's pid, for the error."""
+
+    def __init__(self, output: Path) -> None:
+        self.output = output
+        real = output.resolve()  # one lock whatever path (relative, via a link) names it
+        self.path = real.with_name(real.name + ".lock")
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise OutputLocked at once (OSError if it cannot be created)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip()
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            by = f" (process {holder})" if holder.isdigit() else ""
+            raise OutputLocked(
+                f"another batchgen run is writing to {self.output}{by}: it holds "
+                f"{self.path}. Wait for it to end (or stop it), then rerun this command"
+            ) from None
+        self.fd = fd
+        try:  # the holder's pid, for the message above; the lock works without it
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the only descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def scan_answered(path: Path, key: str) -> set:

@@ -130,12 +130,7 @@ def _usage_error(message: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from batchgen.api.batch_job import (
-        JobOptions,
-        answered_earlier,
-        errors_path,
-        run_batch_job,
-    )
+    from batchgen.api.batch_journal import OutputLock, OutputLocked
 
     if not args.input.is_file():
         return _usage_error(f"input file {args.input} does not exist or is not a file")
@@ -160,6 +155,26 @@ def _run(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         return _usage_error(f"cannot create the output directory: {e}")
+    lock = OutputLock(out)
+    try:
+        lock.acquire()
+    except OutputLocked as e:
+        return _usage_error(str(e))
+    except OSError as e:
+        return _usage_error(f"cannot create the lock file {lock.path}: {e}")
+    try:  # held for the whole run: a second run on this output is refused
+        return _run_job(args, out)
+    finally:
+        lock.release()
+
+
+def _run_job(args: argparse.Namespace, out: Path) -> int:
+    from batchgen.api.batch_job import (
+        JobOptions,
+        answered_earlier,
+        errors_path,
+        run_batch_job,
+    )
 
     name = Path(args.model).name if args.model else DEFAULT_MODEL_NAME
     opts = JobOptions(
