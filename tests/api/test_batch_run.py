@@ -303,6 +303,51 @@ def test_two_concurrent_runs_write_each_answer_once(tmp_path, tiny, kill_input, 
     assert _answers(out) == expected  # every custom_id once
 
 
+def test_full_disk_stops_with_a_message_and_a_rerun_completes(tmp_path, tiny, monkeypatch, caplog):
+    import errno
+
+    from batchgen.api.batch_journal import Appender
+
+    rows = [_chat(f"d{i}", f"w{60 + i} w7", max_tokens=4, temperature=0) for i in range(24)]
+    rows.insert(3, _chat("d0", "w5"))  # a duplicate, for an error record
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    assert main(_cli(tiny, inp, ref, "--max-num-seqs", "4")) == 1
+    expected = _answers(ref)
+
+    real_write = Appender._write
+
+    def full_disk(self, data: bytes) -> None:
+        """Write some results, then half a line, then fail as a full disk does."""
+        if self.path == out and out.exists() and out.read_bytes().count(b"\n") >= 8:
+            real_write(self, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(self, data)
+
+    monkeypatch.setattr(Appender, "_write", full_disk)
+    caplog.clear()
+    assert main(_cli(tiny, inp, out, "--max-num-seqs", "4")) == 4
+    written = len(_read_whole(out))
+    assert 8 <= written < 24 and not out.read_bytes().endswith(b"\n")  # a torn last line
+    text = caplog.text
+    assert "Traceback" not in text
+    assert f"the disk is full ([Errno 28] No space left on device: '{out}')" in text
+    assert f"Safely written: {written} results in {out} and 1 error records" in text
+    assert "rerun the same command to resume" in text
+
+    monkeypatch.undo()
+    caplog.clear()
+    assert main(_cli(tiny, inp, out, "--max-num-seqs", "4")) == 1
+    assert f"{written} skipped as already done" in caplog.text
+    assert _answers(out) == expected  # every custom_id once, the uninterrupted answers
+    assert len(_read(tmp_path / "out.errors.jsonl")) == 1
+
+
+def _read_whole(path: Path) -> list[dict]:
+    """The whole lines of a file that may end in a torn one."""
+    return [json.loads(line) for line in path.read_bytes().split(b"\n")[:-1]]
+
+
 def test_torn_last_line_is_repaired(tmp_path, tiny):
     rows = [_chat(f"t{i}", f"w{40 + i}", max_tokens=3, temperature=0) for i in range(5)]
     rows.append({"id": "p", "prompt": "w7 w8", "max_tokens": 3, "temperature": 0, "logprobs": 2})

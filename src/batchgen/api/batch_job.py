@@ -247,10 +247,12 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
             summary.interrupted = sig.stop and not (exhausted and not pending)
     finally:
         lines.close()
-        out.close()
-        errs.close()
         if bar is not None:
             bar.close()
+        try:  # both files are synced and closed, even when one fails (a full disk)
+            out.close()
+        finally:
+            errs.close()
     summary.wall_s = time.monotonic() - start
     return summary
 

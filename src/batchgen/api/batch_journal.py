@@ -112,6 +112,14 @@ def scan_answered(path: Path, key: str) -> set:
     return found
 
 
+def count_records(path: Path) -> int:
+    """Whole JSON lines in a file (a torn last line is not counted); nothing is repaired."""
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        return sum(_record(raw) is not None for raw in f)
+
+
 def _record(raw: bytes) -> dict | None:
     """The JSON object of one whole line, or None for a torn or garbled one."""
     if not raw.endswith(b"\n"):
@@ -134,17 +142,25 @@ class Appender:
         self.last_sync = time.monotonic()
 
     def write(self, lines: list[bytes]) -> None:
+        """Append whole lines; an OSError (a full disk: ENOSPC) names this file."""
         if lines:
-            if self.fd is None:
-                created = not self.path.exists()
-                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                if created:
-                    _fsync_dir(self.path.parent)
-            data = memoryview(b"".join(lines))
-            while data:
-                data = data[os.write(self.fd, data) :]
-            self.dirty = True
+            try:
+                if self.fd is None:
+                    created = not self.path.exists()
+                    self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                    if created:
+                        _fsync_dir(self.path.parent)
+                self.dirty = True
+                self._write(b"".join(lines))
+            except OSError as e:
+                self._name(e)
+                raise
         self.tick()
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
 
     def tick(self) -> None:
         if self.dirty and time.monotonic() - self.last_sync >= self.sync_every_s:
@@ -152,14 +168,25 @@ class Appender:
 
     def sync(self) -> None:
         if self.fd is not None and self.dirty:
-            os.fsync(self.fd)
+            try:
+                os.fsync(self.fd)
+            except OSError as e:
+                self._name(e)
+                raise
         self.dirty, self.last_sync = False, time.monotonic()
 
     def close(self) -> None:
+        """Sync and close; the descriptor is closed even when the sync fails."""
         if self.fd is not None:
-            self.sync()
-            os.close(self.fd)
-            self.fd = None
+            try:
+                self.sync()
+            finally:
+                os.close(self.fd)
+                self.fd = None
+
+    def _name(self, error: OSError) -> None:
+        if error.filename is None:  # os.write/os.fsync errors name no file
+            error.filename = str(self.path)
 
 
 def _fsync_dir(path: Path) -> None:

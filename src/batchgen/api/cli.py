@@ -192,9 +192,8 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
     )
     try:
         finished = answered_earlier(opts)
-    except Exception:
-        logger.exception("the job stopped on an internal error while reading %s", out)
-        return EXIT_INTERNAL
+    except Exception as e:
+        return _job_error(e, out, f"the job stopped on an internal error while reading {out}")
     if finished is not None:
         logger.info(
             "done: every input line already has its answer, nothing to run (the model "
@@ -221,12 +220,13 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         return _usage_error(f"could not load model {args.model or DEFAULT_MODEL_NAME}: {e}")
     try:
         summary = run_batch_job(llm, opts)
-    except Exception:
-        logger.exception(
+    except Exception as e:
+        return _job_error(
+            e,
+            out,
             "the job stopped on an internal error; what was written is intact, "
-            "rerun the same command to resume"
+            "rerun the same command to resume",
         )
-        return EXIT_INTERNAL
     if summary.interrupted:
         logger.warning(
             "interrupted: %s. Rerun the same command to resume.", summary.describe(errors_path(out))
@@ -234,6 +234,31 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         return EXIT_INTERRUPTED
     logger.info("done: %s", summary.describe(errors_path(out)))
     return _exit_code(summary)
+
+
+def _job_error(error: Exception, out: Path, internal: str) -> int:
+    """Log why the job stopped and return its exit code: a full disk is told plainly,
+    with what is safely written and how to resume; anything else with its traceback."""
+    import errno
+
+    from batchgen.api.batch_journal import count_records, errors_path
+
+    if not (isinstance(error, OSError) and error.errno == errno.ENOSPC):
+        logger.exception(internal)
+        return EXIT_INTERNAL
+    errs = errors_path(out)
+    logger.error(
+        "error: the disk is full (%s); the job stopped. Safely written: %d results in %s "
+        "and %d error records in %s, each line whole (a line cut short by the full disk "
+        "is repaired on resume). Free some space, then rerun the same command to resume: "
+        "it skips every line already answered and runs the rest.",
+        error,
+        count_records(out),
+        out,
+        count_records(errs),
+        errs,
+    )
+    return EXIT_INTERNAL
 
 
 def _exit_code(summary) -> int:
