@@ -12,7 +12,7 @@ from torch.profiler import record_function
 
 from batchgen.config import EngineConfig
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.engine.limits import eos_token_ids, max_model_len
+from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
 from batchgen.engine.memory import (
     copy_bytes_per_second,
     plan_num_pages,
@@ -63,7 +63,7 @@ class EngineCore:
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len(config, hf_config)
-        self.eos_token_ids = eos_token_ids(hf_config, tokenizer)
+        self.eos_token_ids = eos_token_ids(hf_config, tokenizer, generation_eos(config.model))
         num_heads = hf_config.num_attention_heads
         self.layout = KVLayout(
             num_layers=hf_config.num_hidden_layers,
