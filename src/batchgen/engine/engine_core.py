@@ -367,7 +367,7 @@ class EngineCore:
         self.stats.output_tokens += len(advanced)
         finished = []
         for req in advanced:
-            if not req.is_finished:
+            if req.finish_reason in (None, "length"):  # a stop string beats the length limit
                 stop = self.detokenizer.find_stop(req)
                 if stop is not None:
                     self.scheduler.finish(req, "stop", stop)
