@@ -90,3 +90,28 @@ def test_stop_on_the_last_allowed_token_wins_over_max_model_len(model_dir, free_
     assert out.token_ids == ids
     assert out.text == text[: text.index(stop)]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_no_stop_string_before_min_tokens(model_dir, free_runs, pipeline):
+    """A stop string completed by output token j (1-based) ends the request only when
+    j > min_tokens, as EOS and stop ids do (their first allowed place is min_tokens+1)."""
+    j = 4
+    prompt, ids, text, stop = _pick(free_runs, j - 1)
+    held = SamplingParams(temperature=0, max_tokens=MAX, min_tokens=j, stop=[stop])
+    out = _generate(model_dir, prompt, held, pipeline)
+    assert out.token_ids == ids and out.text == text  # the only match is held back
+    assert out.finish_reason == "length" and out.stop_reason is None
+    allowed = SamplingParams(temperature=0, max_tokens=MAX, min_tokens=j - 1, stop=[stop])
+    out = _generate(model_dir, prompt, allowed, pipeline)
+    assert out.token_ids == ids[:j] and out.text == text[: text.index(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_min_tokens_text_is_not_searched_later(model_dir, free_runs):
+    """A stop string inside the first min_tokens tokens' text is not found once the
+    output grows past min_tokens."""
+    prompt, ids, text, stop = _pick(free_runs, 1)
+    params = SamplingParams(temperature=0, max_tokens=MAX, min_tokens=5, stop=[stop])
+    out = _generate(model_dir, prompt, params, True)
+    assert out.token_ids == ids and out.finish_reason == "length"
