@@ -32,6 +32,7 @@ from batchgen.models.loader import ModelSource, build_model
 from batchgen.runner.batch import SchedulerOutput
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.model_runner import ModelRunner
+from batchgen.runner.sampler import request_seed
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -288,8 +289,12 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or room, room)
+        arrival = next(self._arrival)
+        # an unseeded request gets a seed of its own: its draws depend on its arrival
+        # index and step only, never on the batch (pipelined or not)
+        seed = params.seed if params.seed is not None else request_seed(self.config.seed, arrival)
         req = Request(
-            request_id, list(prompt_token_ids), params, max_tokens, arrival=next(self._arrival)
+            request_id, list(prompt_token_ids), params, max_tokens, arrival=arrival, seed=seed
         )
         self.kv.want(request_id, req.token_ids)
         self.requests[request_id] = req

@@ -143,6 +143,7 @@ class Scheduler:
                 req.params,
                 req.prompt_token_ids,
                 req.output_token_ids,
+                req.seed,
             )
             for req, n in scheduled
         ]
