@@ -30,8 +30,9 @@ class EngineConfig:
     logprobs before the previous one's tokens reach the host (the host's bookkeeping
     then overlaps the GPU); outputs are the same either way.
 
-    seed seeds the generator that requests without their own seed sample from, so a run
-    is reproducible (requests with a seed do not depend on it).
+    seed gives each request without a seed of its own one derived from it and the
+    request's arrival index, so a run is reproducible and no request's draws depend on
+    the batch (requests with a seed do not depend on it).
 
     admission orders the waiting requests: "prefix" admits first those whose prompt
     starts with pages already cached (longest first) and holds back a request whose next

@@ -88,7 +88,7 @@ def test_unforeseeable_stops_discard_the_queued_token(model_dir):
 
 def test_sampling_seeded_and_unseeded(model_dir):
     """Sampled rows pipeline too: seeded noise and min_tokens count the token in flight,
-    and the unseeded rows draw from the shared generator in the same order."""
+    and unseeded rows draw from their request's own derived seed."""
     prompts = _prompts(12)
     free = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=16, ignore_eos=True)
@@ -116,6 +116,37 @@ def test_sampling_seeded_and_unseeded(model_dir):
         for i in range(12)
     ]
     _same(model_dir, prompts, unseeded, max_num_seqs=16, seed=5)
+
+
+def test_unseeded_sampling_with_early_stops(model_dir):
+    """Defaults (EOS on, no seeds): requests ending on a stop string or a stop id make
+    the pipelined step compute a row it discards; no other row's draws may move."""
+    prompts = _prompts(12)
+    free = SamplingParams(temperature=1.0, max_tokens=16)
+    plain, _, _ = _run(model_dir, prompts, free, False, max_num_seqs=16, seed=3)
+    stop_token = plain[0][0][4]
+    stop_text = plain[1][2].split()[3]
+    params = SamplingParams(
+        temperature=1.0, max_tokens=16, stop=[stop_text], stop_token_ids=[stop_token]
+    )
+    rows, _ = _same(model_dir, prompts, params, max_num_seqs=16, seed=3)
+    assert sum(reason == "stop" for _, reason, _ in rows) >= 2
+    assert sum(len(ids) < 16 for ids, _, _ in rows) >= 2
+
+
+def test_unseeded_draws_do_not_depend_on_the_batch(model_dir):
+    """An unseeded request samples from the engine seed and its arrival index: other
+    requests' lengths (what shares its steps) change nothing of its output."""
+    prompts = _prompts(8)
+    short = [SamplingParams(temperature=1.0, max_tokens=2 + 3 * i) for i in range(8)]
+    long = [SamplingParams(temperature=1.0, max_tokens=20) for _ in range(8)]
+    for i in (0, 5):
+        short[i] = long[i]
+    a, _, _ = _run(model_dir, prompts, short, True, max_num_seqs=16, seed=3)
+    b, _, _ = _run(model_dir, prompts, long, True, max_num_seqs=16, seed=3)
+    c, _, _ = _run(model_dir, prompts, long, True, max_num_seqs=16, seed=4)
+    assert a[0] == b[0] and a[5] == b[5]
+    assert b != c  # the engine seed still decides the unseeded draws
 
 
 @pytest.mark.gpu

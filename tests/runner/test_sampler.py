@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from batchgen.runner.sampler import Sampler, SamplingMetadata, apply_penalties, step_seed
+from batchgen.runner.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_penalties,
+    request_seed,
+    step_seed,
+)
 from batchgen.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -237,6 +243,25 @@ def test_different_seeds_and_steps_differ():
     assert 0 <= step_seed(-5, 3) < 2**63
 
 
+def test_seeds_override_params_seed():
+    """The engine's per-request seeds: an unseeded row given a seed samples as a row
+    seeded with it, and a row given None draws from the shared generator."""
+    vocab = 1000
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    outputs = [[0] * 4, [0] * 9, []]
+    params = [SamplingParams(), SamplingParams(seed=5, top_k=50), SamplingParams()]
+    seeded = [SamplingParams(seed=77), SamplingParams(seed=78, top_k=50), SamplingParams()]
+    given = SamplingMetadata.build(
+        params, [[]] * 3, outputs, vocab, CPU, [EOS], seeds=[77, 78, None]
+    )
+    assert given.generators[2] is None
+    a = Sampler(torch.Generator().manual_seed(3))(logits, given).sampled_token_ids
+    b = Sampler(torch.Generator().manual_seed(3))(logits, build(seeded, logits, outputs=outputs))
+    assert a.tolist() == b.sampled_token_ids.tolist()
+    assert len({request_seed(0, i) for i in range(100)} | {request_seed(1, 0)}) == 101
+    assert all(0 <= request_seed(s, 3) < 2**63 for s in (-1, 0, 2**70))
+
+
 def test_no_nan_when_all_but_one_token_filtered():
     logits = torch.full((3, 20), float("-inf"))
     logits[:, 4] = 1.0
@@ -298,6 +323,27 @@ def test_cuda_call_has_no_host_sync():
     assert out.sampled_token_ids.device.type == "cuda"
     assert out.topk_logprobs.shape == (4, 5)
     assert int(out.sampled_token_ids[0]) == int(apply_penalties(logits.float(), meta)[0].argmax())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_engine_seeds_have_no_host_sync():
+    """Every sampled row seeded (as the engine seeds them): still no host sync."""
+    vocab, dev = 5000, torch.device("cuda")
+    params, prompts, outputs = mixed_batch(vocab)
+    seeds = [request_seed(0, i) for i in range(4)]
+    logits = torch.randn(4, vocab, device=dev, dtype=torch.bfloat16)
+    sampler = Sampler()
+    meta = SamplingMetadata.build(params, prompts, outputs, vocab, dev, [EOS], seeds=seeds)
+    sampler(logits, meta)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        meta = SamplingMetadata.build(params, prompts, outputs, vocab, dev, [EOS], seeds=seeds)
+        out = sampler(logits, meta)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.sampled_token_ids.device.type == "cuda"
 
 
 @pytest.mark.gpu

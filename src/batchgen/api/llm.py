@@ -114,6 +114,7 @@ class LLM:
         for rid, (tokens, _), p in zip(ids, encoded, params):
             self.engine.add_request(rid, tokens, p)
         done: dict[str, Request] = {}
+        tokens_before = self.engine.stats.output_tokens  # the bar counts this call's tokens
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -125,7 +126,8 @@ class LLM:
                     done[req.request_id] = req
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(out_tok=self.engine.stats.output_tokens, refresh=False)
+                        out_tok = self.engine.stats.output_tokens - tokens_before
+                        bar.set_postfix(out_tok=out_tok, refresh=False)
         except BaseException:
             self.engine.abort(rid for rid in ids if rid not in done)
             raise

@@ -56,18 +56,24 @@ class Detokenizer:
         return full[len(seen) :]
 
     def find_stop(self, req: Request) -> str | None:
-        """Search the new text for a stop string; on a hit, cut req.text and return it."""
+        """Search the new text for a stop string; on a hit, cut req.text and return it.
+
+        Only a stop string that ends in the new text counts, and none before the output
+        has more than min_tokens tokens (as in vLLM: the text of the first min_tokens
+        tokens is kept whole; it is still read, so later searches start after it)."""
         stops = req.params.stop_strings
         if not stops:
             return None
         longest = max(len(s) for s in stops)
-        begin = max(0, len(req.text) - longest + 1)
+        seen = len(req.text)
         req.text += self._new_text(req)
-        hit = _first_stop(req.text, stops, begin)
+        if len(req.output_token_ids) <= req.params.min_tokens:
+            return None
+        hit = _first_stop(req.text, stops, seen)
         if hit is None:
             return None
         text, exact = req.text, self.decode(req)
-        exact_hit = _first_stop(exact, stops, max(0, begin - longest))
+        exact_hit = _first_stop(exact, stops, max(0, seen - longest))
         if exact_hit is not None:  # cut the exact text (it equals the incremental one
             text, hit = exact, exact_hit  # for tokenizers that decode piecewise)
         at, s = hit
@@ -80,11 +86,11 @@ class Detokenizer:
             req.text = self.decode(req)
 
 
-def _first_stop(text: str, stops: list[str], begin: int) -> tuple[int, str] | None:
-    """The earliest (position, stop string) in text at or after begin."""
+def _first_stop(text: str, stops: list[str], seen: int) -> tuple[int, str] | None:
+    """The earliest (position, stop string) in text that ends after text[:seen]."""
     hit: tuple[int, str] | None = None
     for s in stops:
-        at = text.find(s, begin)
+        at = text.find(s, max(0, seen - len(s) + 1))
         if at >= 0 and (hit is None or at < hit[0]):
             hit = (at, s)
     return hit

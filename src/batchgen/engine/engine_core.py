@@ -12,7 +12,7 @@ from torch.profiler import record_function
 
 from batchgen.config import EngineConfig
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.engine.limits import eos_token_ids, max_model_len
+from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
 from batchgen.engine.memory import (
     copy_bytes_per_second,
     plan_num_pages,
@@ -32,6 +32,7 @@ from batchgen.models.loader import ModelSource, build_model
 from batchgen.runner.batch import SchedulerOutput
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.model_runner import ModelRunner
+from batchgen.runner.sampler import request_seed
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class EngineCore:
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len(config, hf_config)
-        self.eos_token_ids = eos_token_ids(hf_config, tokenizer)
+        self.eos_token_ids = eos_token_ids(hf_config, tokenizer, generation_eos(config.model))
         num_heads = hf_config.num_attention_heads
         self.layout = KVLayout(
             num_layers=hf_config.num_hidden_layers,
@@ -288,8 +289,12 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or room, room)
+        arrival = next(self._arrival)
+        # an unseeded request gets a seed of its own: its draws depend on its arrival
+        # index and step only, never on the batch (pipelined or not)
+        seed = params.seed if params.seed is not None else request_seed(self.config.seed, arrival)
         req = Request(
-            request_id, list(prompt_token_ids), params, max_tokens, arrival=next(self._arrival)
+            request_id, list(prompt_token_ids), params, max_tokens, arrival=arrival, seed=seed
         )
         self.kv.want(request_id, req.token_ids)
         self.requests[request_id] = req
@@ -367,7 +372,7 @@ class EngineCore:
         self.stats.output_tokens += len(advanced)
         finished = []
         for req in advanced:
-            if not req.is_finished:
+            if req.finish_reason in (None, "length"):  # a stop string beats the length limit
                 stop = self.detokenizer.find_stop(req)
                 if stop is not None:
                     self.scheduler.finish(req, "stop", stop)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from batchgen.config import EngineConfig
 
 
@@ -11,10 +14,29 @@ def max_model_len(config: EngineConfig, hf_config) -> int:
     return min(config.max_model_len or limit, limit)
 
 
-def eos_token_ids(hf_config, tokenizer) -> list[int]:
-    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+def generation_eos(model) -> int | list[int] | None:
+    """`eos_token_id` of an HF directory's generation_config.json (an id or a list), or
+    None: no such file, or `model` is not an HF directory (a GGUF file keeps its EOS in
+    its metadata, which the model config and the tokenizer carry)."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        generation = json.loads((path / "generation_config.json").read_text())
+    except FileNotFoundError:
+        return None
+    return generation.get("eos_token_id") if isinstance(generation, dict) else None
+
+
+def eos_token_ids(hf_config, tokenizer, generation=None) -> list[int]:
+    """End-of-sequence ids from the generation config (`generation`: its eos_token_id,
+    see `generation_eos`), the model config and the tokenizer; each gives an id or a
+    list of ids."""
     ids: list[int] = []
     for source in (
+        generation,
         getattr(hf_config, "eos_token_id", None),
         getattr(tokenizer, "eos_token_id", None),
     ):

@@ -63,6 +63,7 @@ def next_decode(
                 req.params,
                 req.prompt_token_ids,
                 req.output_token_ids,
+                req.seed,
             )
         )
     if not following:

@@ -27,6 +27,7 @@ class Request:
     params: SamplingParams
     max_tokens: int
     arrival: int = 0
+    seed: int | None = None  # of its sampling noise: params.seed, or one the engine derives
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

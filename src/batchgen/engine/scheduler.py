@@ -143,6 +143,7 @@ class Scheduler:
                 req.params,
                 req.prompt_token_ids,
                 req.output_token_ids,
+                req.seed,
             )
             for req, n in scheduled
         ]
@@ -252,7 +253,12 @@ class Scheduler:
         self._left_running(req)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End the request and release its pages. A request already ended by length can
+        still be given a stop (a stop string its last token completed wins, as in vLLM
+        and OpenAI); any other finished request keeps its reason."""
         if req.is_finished:
+            if req.finish_reason == "length" and reason == "stop":
+                req.finish_reason, req.stop_reason = reason, stop_reason
             return
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

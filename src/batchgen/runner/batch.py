@@ -15,7 +15,8 @@ class ScheduledRequest:
         all tokens:  | computed (KV in pages) | new_token_ids | not yet scheduled |
                      0                      start        start + n
     `sample` is true when the step reaches the request's last known token, so the
-    logits of its last new token choose the next token.
+    logits of its last new token choose the next token. `seed` seeds its sampling noise
+    (with the step; None: the shared generator).
     """
 
     request_id: str
@@ -26,6 +27,7 @@ class ScheduledRequest:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    seed: int | None = None
 
 
 @dataclass

@@ -54,7 +54,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.graphs = graphs
         self.split_plan = split_plan
-        # unseeded rows draw from this generator: a run is reproducible for a given seed
+        # rows without a seed draw from this generator (the engine seeds every request)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.page_rows = PageRows(max_num_seqs, max_pages)
         self.stage = HostStaging(device)
@@ -264,6 +264,7 @@ class ModelRunner:
             self.device,
             self.eos_token_ids,
             steps=steps,
+            seeds=[r.seed for r in reqs],
         )
 
     def _sample(self, logits: torch.Tensor, sampled) -> ModelRunnerOutput:

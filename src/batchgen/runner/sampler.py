@@ -11,7 +11,9 @@ Per step the runner calls ``SamplingMetadata.build`` (host lists -> device tenso
                     -> softmax -> argmax(probs / Exponential(1))   (sampled rows)
 
 Invariant: the noise of a seeded row depends only on (seed, tokens generated so far) and
-the vocabulary size, never on the other rows of the batch.
+the vocabulary size, never on the other rows of the batch. The engine gives every request
+a seed (its own, or `request_seed(engine seed, arrival index)`), so no row's draws depend
+on what else is in the batch or on a row a pipelined step discards.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def step_seed(seed: int, step: int) -> int:
     """Seed of a seeded row's generator at ``step`` (tokens already generated): a 63-bit
     mix of both, so neighbouring seeds or steps give unrelated noise streams."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) >> 1
+
+
+def request_seed(engine_seed: int, index: int) -> int:
+    """Seed of the ``index``-th request an engine seeded with ``engine_seed`` takes that has
+    no seed of its own: a 63-bit mix of both, apart from the seeds users give (it is
+    derived once per request; ``step_seed`` then mixes in the step)."""
+    return _splitmix64(_splitmix64((engine_seed & _MASK64) ^ 0x5EED5EED5EED5EED) ^ index) >> 1
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -83,12 +92,15 @@ class SamplingMetadata:
         device: torch.device,
         eos_token_ids: list[int],
         steps: list[int] | None = None,
+        seeds: list[int | None] | None = None,
     ) -> SamplingMetadata:
         """Gather the batch's parameters into tensors on ``device``.
 
         ``output_token_ids[i]`` is what row i has generated so far: its length is the step
         index used for seeded noise and for ``min_tokens``, unless ``steps`` gives it
-        (a pipelined step: tokens sampled but not yet on the host count). Prompt and
+        (a pipelined step: tokens sampled but not yet on the host count). ``seeds``, when
+        given, replaces each row's ``params.seed`` (the engine's per-request seeds); a
+        sampled row with no seed draws from the Sampler's shared generator. Prompt and
         output token ids are only read for rows that use a penalty.
         """
         device = torch.device(device)
@@ -121,9 +133,10 @@ class SamplingMetadata:
         min_tokens_block: list[tuple[int, list[int]]] = []
         for i, p in enumerate(params):
             step = len(output_token_ids[i]) if steps is None else steps[i]
-            if p.seed is not None and not greedy[i]:
+            seed = p.seed if seeds is None else seeds[i]
+            if seed is not None and not greedy[i]:
                 generators[i] = torch.Generator(device=device)
-                generators[i].manual_seed(step_seed(p.seed, step))
+                generators[i].manual_seed(step_seed(seed, step))
             if step < p.min_tokens:
                 ids = ([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)
                 ids = sorted({t for t in ids if 0 <= t < vocab_size})
