@@ -22,9 +22,18 @@ class LLM:
     arguments name EngineConfig fields (dtype, device, max_num_seqs,
     max_num_batched_tokens, max_model_len, page_size, kv_cache_size_gib,
     gpu_memory_utilization, ...); unknown ones raise TypeError.
+
+    trust_remote_code is accepted for compatibility with vLLM's signature and ignored:
+    batchgen runs its own model classes and loads configs and tokenizers with
+    transformers' built-in classes, so no code shipped with a checkpoint is ever run
+    (a checkpoint that needs such code fails to load either way).
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, trust_remote_code: bool = False, **kwargs: Any
+    ) -> None:
+        if not isinstance(trust_remote_code, bool):
+            raise TypeError(f"trust_remote_code must be a bool, got {trust_remote_code!r}")
         unknown = set(kwargs) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s): {', '.join(sorted(unknown))}")
@@ -32,6 +41,10 @@ class LLM:
         self.engine = EngineCore.from_config(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The tokenizer the engine encodes prompts and decodes outputs with."""
+        return self.engine.tokenizer
 
     def generate(
         self,
