@@ -14,6 +14,10 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters.
     Logprobs, when asked, are those of the model's raw distribution (before
     temperature, penalties and filters), as vLLM reports them.
+
+    n completions per prompt; best_of (>= n, default n) are sampled and the n with the
+    highest cumulative logprob returned, best first. Sample i of a seeded request is
+    drawn with seed + i.
     """
 
     temperature: float = 1.0
@@ -33,6 +37,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     n: int = 1
+    best_of: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,8 +90,10 @@ class SamplingParams:
             not is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS
         ):
             fail("logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}] or None")
-        if self.n != 1:
-            fail("n", "must be 1 (one completion per request)")
+        if not is_int(self.n) or self.n < 1:
+            fail("n", "must be an integer >= 1")
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
+            fail("best_of", f"must be an integer >= n ({self.n}) or None")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is None:
             stop = []

@@ -51,6 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.num_computed_tokens_total = 0
+        self.num_prompt_tokens_computed = 0  # prompt positions computed, recomputes included
         self._released: list[str] = []  # left the running set since the last schedule()
 
     def add(self, request: Request) -> None:
@@ -204,6 +205,8 @@ class Scheduler:
             n = len(s.new_token_ids)
             req.num_computed_tokens += n
             computed += n
+            if s.start < len(s.prompt_token_ids):
+                self.num_prompt_tokens_computed += min(n, len(s.prompt_token_ids) - s.start)
             cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
         self.num_computed_tokens_total += computed
         self.kv.after_step()
