@@ -18,6 +18,10 @@ class SamplingParams:
     n completions per prompt; best_of (>= n, default n) are sampled and the n with the
     highest cumulative logprob returned, best first. Sample i of a seeded request is
     drawn with seed + i.
+
+    prompt_logprobs=k reports, per prompt position after the first, the logprob and
+    rank of the prompt token and the top k; such a request computes its whole prompt
+    (prefix-cache hits would skip positions), as in vLLM.
     """
 
     temperature: float = 1.0
@@ -33,6 +37,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -90,6 +95,10 @@ class SamplingParams:
             not is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS
         ):
             fail("logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS
+        ):
+            fail("prompt_logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}] or None")
         if not is_int(self.n) or self.n < 1:
             fail("n", "must be an integer >= 1")
         if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):

@@ -167,21 +167,22 @@ class LLM:
         self, request_id: str, reqs: list[Request], prompt: str | None, params: SamplingParams
     ) -> RequestOutput:
         samples = [self._completion(req) for req in reqs]
-        return RequestOutput(request_id, prompt, reqs[0].prompt_token_ids, select(params, samples))
+        out = RequestOutput(request_id, prompt, reqs[0].prompt_token_ids, select(params, samples))
+        if params.prompt_logprobs is not None:  # the first sample computed them
+            first = reqs[0]
+            out.prompt_logprobs = [None] + [
+                self._logprob_entry(token, first.prompt_logprobs[i])
+                for i, token in enumerate(first.prompt_token_ids[1:], start=1)
+            ]
+        return out
 
     def _completion(self, req: Request) -> CompletionOutput:
         logprobs = None
         if req.params.logprobs is not None:
-            logprobs = []
-            for token, lp in zip(req.output_token_ids, req.logprobs):
-                entry = {
-                    tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
-                    for rank, (tid, val) in enumerate(lp.top)
-                }
-                entry[token] = Logprob(
-                    lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token])
-                )
-                logprobs.append(entry)
+            logprobs = [
+                self._logprob_entry(token, lp)
+                for token, lp in zip(req.output_token_ids, req.logprobs)
+            ]
         return CompletionOutput(
             index=0,
             text=req.text,
@@ -191,6 +192,16 @@ class LLM:
             logprobs=logprobs,
             cumulative_logprob=sum(lp.sampled_logprob for lp in req.logprobs) if logprobs else None,
         )
+
+    def _logprob_entry(self, token: int, lp) -> dict[int, Logprob]:
+        """The top-k of a TokenLogprobs by rank, and the token itself (which may rank
+        below them)."""
+        entry = {
+            tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
+            for rank, (tid, val) in enumerate(lp.top)
+        }
+        entry[token] = Logprob(lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token]))
+        return entry
 
 
 def _as_list(prompts) -> list:

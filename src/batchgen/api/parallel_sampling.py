@@ -27,7 +27,8 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
     """The parameters of each child request: one sample each; child i of a seeded
     request has seed + i (so a seeded n=1 request and child 0 sample alike). When best_of
     exceeds n the children report their sampled token's logprob (logprobs=0 at least),
-    which ranks them."""
+    which ranks them. Only child 0 reports prompt logprobs: the others keep their prefix
+    hits."""
     count = num_samples(params)
     if count == 1 and params.n == 1 and params.best_of is None:
         return [params]
@@ -42,6 +43,7 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
             best_of=None,
             seed=None if params.seed is None else params.seed + i,
             logprobs=logprobs,
+            prompt_logprobs=params.prompt_logprobs if i == 0 else None,
         )
         for i in range(count)
     ]
