@@ -14,6 +14,14 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters.
     Logprobs, when asked, are those of the model's raw distribution (before
     temperature, penalties and filters), as vLLM reports them.
+
+    n completions per prompt; best_of (>= n, default n) are sampled and the n with the
+    highest cumulative logprob returned, best first. Sample i of a seeded request is
+    drawn with seed + i.
+
+    prompt_logprobs=k reports, per prompt position after the first, the logprob and
+    rank of the prompt token and the top k; such a request computes its whole prompt
+    (prefix-cache hits would skip positions), as in vLLM.
     """
 
     temperature: float = 1.0
@@ -29,10 +37,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     n: int = 1
+    best_of: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,8 +95,14 @@ class SamplingParams:
             not is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS
         ):
             fail("logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}] or None")
-        if self.n != 1:
-            fail("n", "must be 1 (one completion per request)")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS
+        ):
+            fail("prompt_logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}] or None")
+        if not is_int(self.n) or self.n < 1:
+            fail("n", "must be an integer >= 1")
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
+            fail("best_of", f"must be an integer >= n ({self.n}) or None")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is None:
             stop = []

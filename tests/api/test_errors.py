@@ -163,7 +163,8 @@ def test_the_vocab_edge_and_string_prompts_work(llm):
         ("repetition_penalty", -1.0),
         ("seed", "x"),
         ("seed", 1.5),
-        ("n", 2),
+        ("n", 0),
+        ("best_of", 0),
         ("ignore_eos", "yes"),
     ],
 )

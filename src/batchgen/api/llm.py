@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from batchgen.api.parallel_sampling import child_params, select
 from batchgen.config import EngineConfig
 from batchgen.engine.engine_core import EngineCore
 from batchgen.engine.request import Request
@@ -22,9 +23,18 @@ class LLM:
     arguments name EngineConfig fields (dtype, device, max_num_seqs,
     max_num_batched_tokens, max_model_len, page_size, kv_cache_size_gib,
     gpu_memory_utilization, ...); unknown ones raise TypeError.
+
+    trust_remote_code is accepted for compatibility with vLLM's signature and ignored:
+    batchgen runs its own model classes and loads configs and tokenizers with
+    transformers' built-in classes, so no code shipped with a checkpoint is ever run
+    (a checkpoint that needs such code fails to load either way).
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, trust_remote_code: bool = False, **kwargs: Any
+    ) -> None:
+        if not isinstance(trust_remote_code, bool):
+            raise TypeError(f"trust_remote_code must be a bool, got {trust_remote_code!r}")
         unknown = set(kwargs) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s): {', '.join(sorted(unknown))}")
@@ -32,6 +42,10 @@ class LLM:
         self.engine = EngineCore.from_config(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The tokenizer the engine encodes prompts and decodes outputs with."""
+        return self.engine.tokenizer
 
     def generate(
         self,
@@ -48,7 +62,7 @@ class LLM:
         params = _params_for(items, sampling_params)
         encoded = [self._encode(p, i) for i, p in enumerate(items)]
         for i, (ids, _) in enumerate(encoded):
-            self.engine.validate(ids, params[i], f"prompt {i}")
+            self._validate(ids, params[i], f"prompt {i}")
         return self._run(encoded, params, use_tqdm)
 
     def chat(
@@ -73,8 +87,14 @@ class LLM:
         params = _params_for(prompts, sampling_params)
         encoded = [(self.tokenizer.encode(p, add_special_tokens=False), p) for p in prompts]
         for i, (ids, _) in enumerate(encoded):
-            self.engine.validate(ids, params[i], f"conversation {i}")
+            self._validate(ids, params[i], f"conversation {i}")
         return self._run(encoded, params, use_tqdm)
+
+    def _validate(self, ids: list[int], params: SamplingParams, what: str) -> None:
+        """The engine's checks, on the parameters of one sample (the engine runs one)."""
+        if isinstance(params, SamplingParams):
+            params = child_params(params)[0]
+        self.engine.validate(ids, params, what)
 
     def apply_chat_template(
         self, conversation: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
@@ -110,9 +130,15 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         batch = next(self._ids)
-        ids = [f"{batch}-{i}" for i in range(len(encoded))]
-        for rid, (tokens, _), p in zip(ids, encoded, params):
-            self.engine.add_request(rid, tokens, p)
+        groups: list[list[str]] = []  # per prompt: its engine requests, one per sample
+        for i, ((tokens, _), p) in enumerate(zip(encoded, params)):
+            children = child_params(p)
+            rid = f"{batch}-{i}"
+            group = [rid] if len(children) == 1 else [f"{rid}#{k}" for k in range(len(children))]
+            for child_id, child in zip(group, children):  # consecutive: one prompt prefill
+                self.engine.add_request(child_id, tokens, child)
+            groups.append(group)
+        ids = [rid for group in groups for rid in group]
         done: dict[str, Request] = {}
         tokens_before = self.engine.stats.output_tokens  # the bar counts this call's tokens
         bar = None
@@ -134,22 +160,32 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [self._output(done[rid], text) for rid, (_, text) in zip(ids, encoded)]
+        return [
+            self._output(f"{batch}-{i}", [done[rid] for rid in group], text, p)
+            for i, (group, (_, text), p) in enumerate(zip(groups, encoded, params))
+        ]
 
-    def _output(self, req: Request, prompt: str | None) -> RequestOutput:
+    def _output(
+        self, request_id: str, reqs: list[Request], prompt: str | None, params: SamplingParams
+    ) -> RequestOutput:
+        samples = [self._completion(req) for req in reqs]
+        out = RequestOutput(request_id, prompt, reqs[0].prompt_token_ids, select(params, samples))
+        if params.prompt_logprobs is not None:  # the first sample computed them
+            first = reqs[0]
+            out.prompt_logprobs = [None] + [
+                self._logprob_entry(token, first.prompt_logprobs[i])
+                for i, token in enumerate(first.prompt_token_ids[1:], start=1)
+            ]
+        return out
+
+    def _completion(self, req: Request) -> CompletionOutput:
         logprobs = None
         if req.params.logprobs is not None:
-            logprobs = []
-            for token, lp in zip(req.output_token_ids, req.logprobs):
-                entry = {
-                    tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
-                    for rank, (tid, val) in enumerate(lp.top)
-                }
-                entry[token] = Logprob(
-                    lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token])
-                )
-                logprobs.append(entry)
-        completion = CompletionOutput(
+            logprobs = [
+                self._logprob_entry(token, lp)
+                for token, lp in zip(req.output_token_ids, req.logprobs)
+            ]
+        return CompletionOutput(
             index=0,
             text=req.text,
             token_ids=list(req.output_token_ids),
@@ -158,7 +194,16 @@ class LLM:
             logprobs=logprobs,
             cumulative_logprob=sum(lp.sampled_logprob for lp in req.logprobs) if logprobs else None,
         )
-        return RequestOutput(req.request_id, prompt, req.prompt_token_ids, [completion])
+
+    def _logprob_entry(self, token: int, lp) -> dict[int, Logprob]:
+        """The top-k of a TokenLogprobs by rank, and the token itself (which may rank
+        below them)."""
+        entry = {
+            tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
+            for rank, (tid, val) in enumerate(lp.top)
+        }
+        entry[token] = Logprob(lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token]))
+        return entry
 
 
 def _as_list(prompts) -> list:

@@ -280,6 +280,11 @@ class EngineCore:
             raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {vocab})")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{what}: sampling params must be a SamplingParams, got {type(params)}")
+        if params.n != 1 or params.best_of not in (None, 1):
+            raise ValueError(
+                f"{what}: the engine runs one sample per request (n={params.n}, "
+                f"best_of={params.best_of}); LLM.generate and LLM.chat fan n > 1 out"
+            )
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -390,6 +395,7 @@ class EngineCore:
             "output_tokens": self.stats.output_tokens,
             "steps": self.stats.steps,
             "computed_tokens": self.scheduler.num_computed_tokens_total,
+            "prefill_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             "preemptions": self.scheduler.num_preemptions,
             "recomputes": self.scheduler.num_recomputes,
             "prefix_hit_tokens": self.kv.prefix_hit_tokens,

@@ -35,6 +35,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by position
     num_preemptions: int = 0
     text: str = ""
     detok_prefix: int = 0  # incremental detokenization: output ids decoded as context

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.waiting import PrefixWaiting
-from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.kv.kv_manager import KVCacheManager, PrefixHit
 from batchgen.runner.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -51,6 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.num_computed_tokens_total = 0
+        self.num_prompt_tokens_computed = 0  # prompt positions computed, recomputes included
         self._released: list[str] = []  # left the running set since the last schedule()
 
     def add(self, request: Request) -> None:
@@ -114,7 +115,11 @@ class Scheduler:
                 break
             # a swapped request comes back like any other: its full pages from the device
             # prefix cache or the host, its last partial page recomputed
-            hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
+            hits = (
+                PrefixHit()  # every prompt position must be computed to report it
+                if _prompt_logprobs_due(req)
+                else self.kv.lookup_prefix(req.request_id, req.token_ids)
+            )
             cached = self.kv.hit_tokens(hits)
             n = min(req.num_tokens - cached, budget)
             if not self.kv.allocate(req.request_id, cached + n, hits):
@@ -205,9 +210,14 @@ class Scheduler:
             n = len(s.new_token_ids)
             req.num_computed_tokens += n
             computed += n
+            if s.start < len(s.prompt_token_ids):
+                self.num_prompt_tokens_computed += min(n, len(s.prompt_token_ids) - s.start)
             cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
         self.num_computed_tokens_total += computed
         self.kv.after_step()
+        for rid, entries in result.prompt_logprobs.items():
+            if rid in requests:
+                requests[rid].prompt_logprobs.update(entries)
         advanced = []
         for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
             req = requests.get(rid)
@@ -267,3 +277,11 @@ class Scheduler:
             self.running.remove(req)
         self.kv.forget(req.request_id)
         self._left_running(req)
+
+
+def _prompt_logprobs_due(req: Request) -> bool:
+    """The request reports prompt logprobs and some are still to compute."""
+    return (
+        req.params.prompt_logprobs is not None
+        and len(req.prompt_logprobs) < req.num_prompt_tokens - 1
+    )

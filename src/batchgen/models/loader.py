@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.models.hub import looks_like_repo_id, snapshot_path
 from batchgen.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class ModelSource:
             if len(ggufs) == 1:
                 return cls(path, ggufs[0].name)
             raise FileNotFoundError(f"model directory {path} has no config.json")
+        if not path.exists() and looks_like_repo_id(str(model)):
+            return cls.resolve(snapshot_path(str(model)))
         raise FileNotFoundError(f"model path {path} does not exist (a directory or a .gguf file)")
 
     def _kwargs(self) -> dict:

@@ -62,8 +62,11 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per sampled request (in scheduled order): the new token and, if asked, logprobs."""
+    """Per sampled request (in scheduled order): the new token and, if asked, logprobs;
+    per request asking for prompt logprobs, those of the prompt positions computed
+    ({position: TokenLogprobs}, see runner/prompt_logprobs.py)."""
 
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = field(default_factory=dict)

@@ -17,6 +17,7 @@ from batchgen.forward_context import (
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.page_rows import PageRows
+from batchgen.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from batchgen.runner.sampler import SAMPLING_EPS, Sampler, SamplingMetadata
 from batchgen.runner.staging import HostStaging
 
@@ -244,16 +245,21 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.page_rows.release(sched.released_ids)
         hidden, sample_rows = self._forward(sched)
+        prompt = {}
+        if wants_prompt_logprobs(sched.requests):
+            prompt = prompt_logprobs(self.model, hidden, sched.requests)
         sampled = [r for r in sched.requests if r.sample]
         if not sampled:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], [], prompt)
         if sample_rows is not None and sample_rows.numel() != hidden.shape[0]:
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden)
         if self.debug:
             self._check_finite(logits, sampled)
         with record_function("batchgen.sample"):
-            return self._sample(logits, sampled)
+            out = self._sample(logits, sampled)
+        out.prompt_logprobs = prompt
+        return out
 
     def _sampling(self, reqs, steps: list[int] | None = None) -> SamplingMetadata:
         return SamplingMetadata.build(

@@ -1,0 +1,46 @@
+"""A model named by its Hugging Face id ("org/name"), resolved to a local snapshot
+directory: from the local Hugging Face cache first, downloaded only where it is missing
+and the network allows."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# what a download fetches: configs, safetensors weights, tokenizer files (no pickles)
+_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+
+
+def looks_like_repo_id(model: str) -> bool:
+    """ "name" or "org/name": no other separators, not a relative or home path, no .gguf."""
+    parts = model.split("/")
+    return (
+        len(parts) <= 2
+        and all(parts)
+        and not model.startswith((".", "~"))
+        and "\\" not in model
+        and not model.endswith(".gguf")
+    )
+
+
+def snapshot_path(repo_id: str) -> Path:
+    """The directory of repo_id's snapshot in the Hugging Face cache (HF_HUB_CACHE, read
+    at call time, else huggingface_hub's default). The cache is asked first, with no
+    network access at all; only a model it does not hold is downloaded (configs,
+    safetensors, tokenizer files), which fails where the network is off or
+    HF_HUB_OFFLINE is set. Raises FileNotFoundError naming the id when neither works."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache_dir = os.environ.get("HF_HUB_CACHE") or None
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=_PATTERNS))
+    except Exception as e:  # offline, unknown repo, gated, HTTP or disk errors alike
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not a local path, not in the Hugging Face cache "
+            f"({cache_dir or 'the default cache'}) and could not be downloaded: {e}"
+        ) from e
