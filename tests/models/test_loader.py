@@ -1,9 +1,12 @@
-"""load_format="dummy": a model directory with config.json and a tokenizer, no weights."""
+"""Loading: load_format="dummy" (config and tokenizer, no weights); the checkpoint dtype."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import transformers
 from conftest import save_tiny_tokenizer, tiny_config
 
 from batchgen import LLM, SamplingParams
@@ -72,3 +75,27 @@ def test_a_config_only_directory_without_dummy_names_the_missing_weights(tmp_pat
     config_only(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"weights are missing.*safetensors.*dummy"):
         LLM(model=str(tmp_path), **KW)
+
+
+class _WarnsOnTorchDtype(transformers.LlamaConfig):
+    """A config whose deprecated `torch_dtype` alias fails the test when read."""
+
+    @property
+    def torch_dtype(self):
+        raise AssertionError("read the deprecated torch_dtype attribute")
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_checkpoint_dtype_never_reads_the_deprecated_torch_dtype(tmp_path, dtype):
+    """A GGUF config has no dtype; reading `torch_dtype` then warned on every load."""
+    config = _WarnsOnTorchDtype(dtype=dtype)
+    got = ModelSource(tmp_path).checkpoint_dtype(config)
+    assert got == (torch.bfloat16 if dtype else None)
+
+
+def test_checkpoint_dtype_reads_a_config_json_torch_dtype(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "torch_dtype": "float16"})
+    )
+    source = ModelSource(tmp_path)
+    assert source.checkpoint_dtype(source.load_config()) == torch.float16

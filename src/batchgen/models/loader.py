@@ -53,7 +53,10 @@ class ModelSource:
         return AutoTokenizer.from_pretrained(str(self.path), **self._kwargs())
 
     def checkpoint_dtype(self, config) -> torch.dtype | None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        # `dtype` only: transformers maps a config.json's "torch_dtype" onto it, and its
+        # `torch_dtype` attribute is a deprecated alias that warns on every read.
+        # vars() covers a config object without `dtype` without reading that alias.
+        dtype = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None)
         return dtype if isinstance(dtype, torch.dtype) else None
