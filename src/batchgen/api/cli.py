@@ -1,6 +1,8 @@
 """The `batchgen` command.
 
     batchgen run INPUT -o OUTPUT [--model PATH] [--max-tokens N] [--temperature T] ...
+    batchgen eval mc|parity ...
+    batchgen --version
 
 Exit codes (also in docs/batch-jobs.md):
     0  every line has its answer in OUTPUT
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from batchgen.eval.cli import add_eval_parser, run_eval
@@ -29,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="batchgen", description="Offline, high-throughput batch generation for LLMs."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser(
         "run",
@@ -106,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_eval_parser(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (from its metadata)."""
+    try:
+        return metadata.version("batchgen")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         description='Score a JSONL file of {"question", "choices", "answer", "subject"?} '
         'lines (an optional first line {"fewshot": "..."} is a header shared by every '
         "question) by the next-token logprobs of the choice labels after 'Answer:'. "
-        "Reports accuracy with a 95%% Wilson interval, per subject.",
+        "Reports accuracy with a 95% Wilson interval, per subject.",
     )
     mc.add_argument("file", type=Path, metavar="FILE", help="questions, JSONL")
     mc.add_argument(
