@@ -10,6 +10,7 @@ import transformers
 from conftest import save_tiny_tokenizer, tiny_config
 
 from batchgen import LLM, SamplingParams
+from batchgen.models import loader
 from batchgen.models.loader import ModelSource, build_model
 
 KW = dict(device="cpu", dtype="float32", num_kv_pages=32, max_model_len=64, page_size=4)
@@ -99,3 +100,22 @@ def test_checkpoint_dtype_reads_a_config_json_torch_dtype(tmp_path):
     )
     source = ModelSource(tmp_path)
     assert source.checkpoint_dtype(source.load_config()) == torch.float16
+
+
+def test_a_directory_without_tokenizer_files_names_them(tmp_path):
+    """It failed with transformers' "install sentencepiece or tiktoken", both installed."""
+    tiny_config("LlamaForCausalLM").save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        LLM(model=str(tmp_path), load_format="dummy", **KW)
+    message = str(err.value)
+    assert "tokenizer files are missing" in message
+    assert str(tmp_path) in message
+    assert "tokenizer.json" in message and "tokenizer.model" in message
+    assert "install" not in message
+
+
+@pytest.mark.parametrize("name", ["tokenizer.model", "vocab.json", "o200k.tiktoken"])
+def test_one_tokenizer_file_is_enough_to_try_loading(tmp_path, name):
+    assert not loader._has_tokenizer_files(tmp_path)
+    (tmp_path / name).write_bytes(b"")
+    assert loader._has_tokenizer_files(tmp_path)

@@ -50,6 +50,11 @@ class ModelSource:
     def load_tokenizer(self):
         from transformers import AutoTokenizer
 
+        if not self.gguf_file and not _has_tokenizer_files(self.path):
+            raise FileNotFoundError(
+                f"the model's tokenizer files are missing: {self.path} has none of "
+                f"{', '.join(TOKENIZER_FILES)} (copy them from where the model came from)"
+            )
         return AutoTokenizer.from_pretrained(str(self.path), **self._kwargs())
 
     def checkpoint_dtype(self, config) -> torch.dtype | None:
@@ -67,6 +72,25 @@ class ModelSource:
             yield from _gguf_weights(self.path / self.gguf_file, config)
         else:
             yield from _safetensors_weights(self.path)
+
+
+# The files a tokenizer is read from (fast, SentencePiece, BPE, WordPiece, tiktoken and
+# Mistral's tekken formats); a directory with none of them cannot give one.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "tiktoken.model",
+    "*.tiktoken",
+    "tekken.json",
+)
+
+
+def _has_tokenizer_files(path: Path) -> bool:
+    return any(next(path.glob(pattern), None) is not None for pattern in TOKENIZER_FILES)
 
 
 _GGUF_ARCHS = {
