@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchgen.config import EngineConfig
+from batchgen.console import progress_enabled
 from batchgen.engine.engine_core import EngineCore
 from batchgen.engine.request import Request
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
@@ -115,7 +116,7 @@ class LLM:
             self.engine.add_request(rid, tokens, p)
         done: dict[str, Request] = {}
         bar = None
-        if use_tqdm:
+        if use_tqdm and progress_enabled():
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)

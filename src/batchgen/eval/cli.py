@@ -113,7 +113,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="KV cache size (default: from free GPU memory; 1 GiB on the CPU)",
     )
     p.add_argument("-o", "--output", type=Path, default=None, metavar="JSON", help="details")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars, no logs but errors (results still go to stdout)",
+    )
 
 
 def run_eval(args: argparse.Namespace) -> int:

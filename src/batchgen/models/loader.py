@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.console import library_progress_bars, progress_enabled
 from batchgen.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,8 @@ def _gguf_weights(file: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
     with torch.device("meta"):
         names_only = AutoModelForCausalLM.from_config(config)
     try:
-        parsed = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=names_only)
+        with library_progress_bars(progress_enabled()):  # its bar: a terminal only
+            parsed = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=names_only)
     except (ValueError, OSError, IndexError) as e:
         raise ValueError(f"GGUF file {file} is truncated or corrupt: {e}") from e
     yield from parsed["tensors"].items()
