@@ -86,6 +86,50 @@ def _run(model: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess
     )  # fmt: skip
 
 
+def _on_a_terminal(*argv: str, timeout: float = 300) -> tuple[int, str]:
+    """Run `batchgen ARGV` with stdout and stderr on a pseudo-terminal 120 columns wide;
+    returns the exit code and everything it wrote there."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchgen", *argv],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every writer closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    return proc.wait(timeout=timeout), b"".join(chunks).decode(errors="replace")
+
+
+def test_on_a_terminal_the_progress_bar_shows_and_quiet_removes_it(tmp_path, noisy):
+    inp = str(_input(tmp_path / "in.jsonl"))
+    common = ["--model", noisy, "--device", "cpu", "--kv-cache-gib", "0.02", "--max-tokens", "4"]
+    rc, shown = _on_a_terminal("run", inp, "-o", str(tmp_path / "a.jsonl"), *common)
+    assert rc == EXIT_OK, shown[-2000:]
+    assert "batch:" in shown and "req" in shown
+    rc, shown = _on_a_terminal("run", inp, "-o", str(tmp_path / "b.jsonl"), *common, "--quiet")
+    assert rc == EXIT_OK, shown[-2000:]
+    assert shown == ""
+
+
 def _foreign_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if not OWN_LOG.match(line)]
 
@@ -148,3 +192,10 @@ def test_the_readme_command_on_the_default_model_prints_no_library_noise(tmp_pat
     assert done.stdout == ""
     assert _foreign_lines(done.stderr) == []
     assert "done: 1 succeeded" in done.stderr
+    # on a terminal the de-quantization bar still shows
+    rc, shown = _on_a_terminal(
+        "run", str(inp), "-o", str(tmp_path / "tty.jsonl"), "--device", "cpu",
+        "--max-tokens", "2", "--max-model-len", "256", "--kv-cache-gib", "0.02",
+    )  # fmt: skip
+    assert rc == EXIT_OK, shown[-2000:]
+    assert "Converting and de-quantizing GGUF tensors" in shown
