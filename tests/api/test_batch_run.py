@@ -60,7 +60,7 @@ def _answers(path: Path) -> dict[str, tuple]:
 
 def _cli(model: str, inp: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "run", str(inp), "-o", str(out), "--model", model, "--device", "cpu", "--quiet",
+        "run", str(inp), "-o", str(out), "--model", model, "--device", "cpu",
         "--kv-cache-gib", "0.02", *extra,
     ]  # fmt: skip
 

@@ -1,12 +1,16 @@
-"""load_format="dummy": a model directory with config.json and a tokenizer, no weights."""
+"""Loading: load_format="dummy" (config and tokenizer, no weights); the checkpoint dtype."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import transformers
 from conftest import save_tiny_tokenizer, tiny_config
 
 from batchgen import LLM, SamplingParams
+from batchgen.models import loader
 from batchgen.models.loader import ModelSource, build_model
 
 KW = dict(device="cpu", dtype="float32", num_kv_pages=32, max_model_len=64, page_size=4)
@@ -72,3 +76,46 @@ def test_a_config_only_directory_without_dummy_names_the_missing_weights(tmp_pat
     config_only(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"weights are missing.*safetensors.*dummy"):
         LLM(model=str(tmp_path), **KW)
+
+
+class _WarnsOnTorchDtype(transformers.LlamaConfig):
+    """A config whose deprecated `torch_dtype` alias fails the test when read."""
+
+    @property
+    def torch_dtype(self):
+        raise AssertionError("read the deprecated torch_dtype attribute")
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_checkpoint_dtype_never_reads_the_deprecated_torch_dtype(tmp_path, dtype):
+    """A GGUF config has no dtype; reading `torch_dtype` then warned on every load."""
+    config = _WarnsOnTorchDtype(dtype=dtype)
+    got = ModelSource(tmp_path).checkpoint_dtype(config)
+    assert got == (torch.bfloat16 if dtype else None)
+
+
+def test_checkpoint_dtype_reads_a_config_json_torch_dtype(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "torch_dtype": "float16"})
+    )
+    source = ModelSource(tmp_path)
+    assert source.checkpoint_dtype(source.load_config()) == torch.float16
+
+
+def test_a_directory_without_tokenizer_files_names_them(tmp_path):
+    """It failed with transformers' "install sentencepiece or tiktoken", both installed."""
+    tiny_config("LlamaForCausalLM").save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        LLM(model=str(tmp_path), load_format="dummy", **KW)
+    message = str(err.value)
+    assert "tokenizer files are missing" in message
+    assert str(tmp_path) in message
+    assert "tokenizer.json" in message and "tokenizer.model" in message
+    assert "install" not in message
+
+
+@pytest.mark.parametrize("name", ["tokenizer.model", "vocab.json", "o200k.tiktoken"])
+def test_one_tokenizer_file_is_enough_to_try_loading(tmp_path, name):
+    assert not loader._has_tokenizer_files(tmp_path)
+    (tmp_path / name).write_bytes(b"")
+    assert loader._has_tokenizer_files(tmp_path)

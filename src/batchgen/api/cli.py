@@ -1,6 +1,8 @@
 """The `batchgen` command.
 
     batchgen run INPUT -o OUTPUT [--model PATH] [--max-tokens N] [--temperature T] ...
+    batchgen eval mc|parity ...
+    batchgen --version
 
 Exit codes (also in docs/batch-jobs.md):
     0  every line has its answer in OUTPUT
@@ -13,10 +15,13 @@ Exit codes (also in docs/batch-jobs.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+from importlib import metadata
 from pathlib import Path
 
+from batchgen.console import quiet_libraries
 from batchgen.eval.cli import add_eval_parser, run_eval
 
 logger = logging.getLogger(__name__)
@@ -29,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="batchgen", description="Offline, high-throughput batch generation for LLMs."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser(
         "run",
@@ -102,10 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--quiet",
         action="store_true",
-        help="no progress bar and no info logs except the final summary",
+        help="print nothing but errors (no progress bar, no logs, no summary)",
     )
     add_eval_parser(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (from its metadata)."""
+    try:
+        return metadata.version("batchgen")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,19 +280,23 @@ def _exit_code(summary) -> int:
 
 
 def _setup_logging(quiet: bool):
-    """Log to stderr (INFO; WARNING under --quiet, but the summary still shows); returns a
-    function that restores the previous levels (main() may run in-process)."""
+    """Log to stderr: batchgen's own records from INFO (the summary included), other
+    libraries' from ERROR, and no Python warnings or progress bars beyond a terminal's
+    (console.quiet_libraries); under --quiet errors only. Returns a function that puts
+    back what this changed (main() may run in-process)."""
     logging.basicConfig(
-        level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    loggers = [logging.getLogger("batchgen"), logger]
+    loggers = [logging.getLogger(), logging.getLogger("batchgen")]
     old = [lg.level for lg in loggers]
-    loggers[0].setLevel(logging.WARNING if quiet else logging.INFO)
-    logger.setLevel(logging.INFO)
+    loggers[0].setLevel(logging.ERROR)
+    loggers[1].setLevel(logging.ERROR if quiet else logging.INFO)
+    scope = contextlib.ExitStack()
+    scope.enter_context(quiet_libraries(quiet))
 
     def restore() -> None:
+        scope.close()
         for lg, level in zip(loggers, old):
             lg.setLevel(level)
 

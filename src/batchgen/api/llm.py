@@ -8,6 +8,7 @@ from typing import Any
 
 from batchgen.api.parallel_sampling import child_params, select
 from batchgen.config import EngineConfig
+from batchgen.console import progress_enabled
 from batchgen.engine.engine_core import EngineCore
 from batchgen.engine.request import Request
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
@@ -142,7 +143,7 @@ class LLM:
         done: dict[str, Request] = {}
         tokens_before = self.engine.stats.output_tokens  # the bar counts this call's tokens
         bar = None
-        if use_tqdm:
+        if use_tqdm and progress_enabled():
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)

@@ -38,7 +38,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         description='Score a JSONL file of {"question", "choices", "answer", "subject"?} '
         'lines (an optional first line {"fewshot": "..."} is a header shared by every '
         "question) by the next-token logprobs of the choice labels after 'Answer:'. "
-        "Reports accuracy with a 95%% Wilson interval, per subject.",
+        "Reports accuracy with a 95% Wilson interval, per subject.",
     )
     mc.add_argument("file", type=Path, metavar="FILE", help="questions, JSONL")
     mc.add_argument(
@@ -113,7 +113,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="KV cache size (default: from free GPU memory; 1 GiB on the CPU)",
     )
     p.add_argument("-o", "--output", type=Path, default=None, metavar="JSON", help="details")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars, no logs but errors (results still go to stdout)",
+    )
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from batchgen.console import progress_enabled
 from batchgen.engine.engine_core import EngineCore
 from batchgen.engine.request import Request
 from batchgen.sampling_params import SamplingParams
@@ -113,7 +114,7 @@ class EngineScorer:
         for i, ids_ in enumerate(prompts):
             self.engine.validate(ids_, params, f"prompt {i}")
         bar = None
-        if self.progress:
+        if self.progress and progress_enabled():
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc=desc, unit="req", dynamic_ncols=True)

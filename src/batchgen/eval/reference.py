@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.console import library_progress_bars, progress_enabled
 from batchgen.eval.engine_scorer import TOP_K, GreedyRun, Position, Query
 from batchgen.models.loader import ModelSource
 
@@ -48,7 +49,8 @@ class TransformersReference:
         if not isinstance(source, ModelSource):
             source = ModelSource.resolve(source)
         kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, **kwargs)
+        with library_progress_bars(progress and progress_enabled()):
+            model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, **kwargs)
         return cls(model.to(device), top_k, progress)
 
     @torch.inference_mode()
@@ -129,7 +131,7 @@ class TransformersReference:
         return results
 
     def _bar(self, items: list, desc: str):
-        if not self.progress:
+        if not (self.progress and progress_enabled()):
             return items
         from tqdm.auto import tqdm
 

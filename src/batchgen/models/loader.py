@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.console import library_progress_bars, progress_enabled
 from batchgen.models.hub import looks_like_repo_id, snapshot_path
 from batchgen.models.registry import model_class
 
@@ -53,10 +54,18 @@ class ModelSource:
     def load_tokenizer(self):
         from transformers import AutoTokenizer
 
+        if not self.gguf_file and not _has_tokenizer_files(self.path):
+            raise FileNotFoundError(
+                f"the model's tokenizer files are missing: {self.path} has none of "
+                f"{', '.join(TOKENIZER_FILES)} (copy them from where the model came from)"
+            )
         return AutoTokenizer.from_pretrained(str(self.path), **self._kwargs())
 
     def checkpoint_dtype(self, config) -> torch.dtype | None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        # `dtype` only: transformers maps a config.json's "torch_dtype" onto it, and its
+        # `torch_dtype` attribute is a deprecated alias that warns on every read.
+        # vars() covers a config object without `dtype` without reading that alias.
+        dtype = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None)
         return dtype if isinstance(dtype, torch.dtype) else None
@@ -67,6 +76,25 @@ class ModelSource:
             yield from _gguf_weights(self.path / self.gguf_file, config)
         else:
             yield from _safetensors_weights(self.path)
+
+
+# The files a tokenizer is read from (fast, SentencePiece, BPE, WordPiece, tiktoken and
+# Mistral's tekken formats); a directory with none of them cannot give one.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "tiktoken.model",
+    "*.tiktoken",
+    "tekken.json",
+)
+
+
+def _has_tokenizer_files(path: Path) -> bool:
+    return any(next(path.glob(pattern), None) is not None for pattern in TOKENIZER_FILES)
 
 
 _GGUF_ARCHS = {
@@ -110,7 +138,8 @@ def _gguf_weights(file: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
     with torch.device("meta"):
         names_only = AutoModelForCausalLM.from_config(config)
     try:
-        parsed = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=names_only)
+        with library_progress_bars(progress_enabled()):  # its bar: a terminal only
+            parsed = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=names_only)
     except (ValueError, OSError, IndexError) as e:
         raise ValueError(f"GGUF file {file} is truncated or corrupt: {e}") from e
     yield from parsed["tensors"].items()
