@@ -6,6 +6,7 @@ import tqdm.auto
 from conftest import save_tiny_model
 
 from batchgen import LLM, SamplingParams
+from batchgen.api import llm as llm_module
 
 
 class _Bar:
@@ -29,6 +30,7 @@ class _Bar:
 def test_each_call_counts_its_own_output_tokens(tmp_path, monkeypatch):
     save_tiny_model(tmp_path, "LlamaForCausalLM")
     monkeypatch.setattr(tqdm.auto, "tqdm", _Bar)
+    monkeypatch.setattr(llm_module, "progress_enabled", lambda: True)  # as on a terminal
     _Bar.last = []
     llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", page_size=4)
     params = SamplingParams(temperature=0, max_tokens=6, stop=["w7"])
