@@ -16,8 +16,8 @@ engine's: admission order, preemption, swaps, evictions, write-backs and loads.
 
 What it is for: the tier's traffic and the scheduler's work at full workload size, in
 seconds and with no GPU: steps, tokens computed, preemptions, swaps, recomputes, bytes
-by reason (scaled to the model's bytes per token: qwen3-0.6b 112 KiB, llama-3.1-8b
-128 KiB) and the host blocks the page copies move (pages per block: how well host pages
+by reason (scaled to the model's KV bytes per token, from its workloads.MODELS config:
+qwen3-0.6b 112 KiB, llama-3.1-8b 128 KiB) and the host blocks the page copies move (pages per block: how well host pages
 run together). It says nothing about time. Runs the host tier on and off, one after the
 other, and prints both; --out writes tier_replay.json.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from workloads import w2_requests, w3_requests  # noqa: E402
+from workloads import MODELS, w2_requests, w3_requests  # noqa: E402
 
 from batchgen.engine.request import Request  # noqa: E402
 from batchgen.engine.scheduler import Scheduler  # noqa: E402
@@ -48,8 +48,13 @@ from batchgen.kv.tiered import TieredKVManager  # noqa: E402
 from batchgen.runner.batch import ModelRunnerOutput  # noqa: E402
 from batchgen.sampling_params import SamplingParams  # noqa: E402
 
-BYTES_PER_TOKEN = {"qwen3-0.6b": 28 * 2 * 8 * 128 * 2, "llama-3.1-8b": 32 * 2 * 8 * 128 * 2}
 PAGE_SIZE = 16
+
+
+def bytes_per_token(model: str) -> int:
+    """KV bytes of one token of the workloads.MODELS model, K and V of every layer, bf16."""
+    cfg = MODELS[model][0]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
 
 
 def workload(name: str, small: bool) -> tuple[list[list[int]], list[int]]:
@@ -86,7 +91,7 @@ class BlockCounter:
 
 
 def replay(prompts, out_lens, args, tier_on: bool) -> dict:
-    page_bytes = BYTES_PER_TOKEN[args.model] * PAGE_SIZE
+    page_bytes = bytes_per_token(args.model) * PAGE_SIZE
     dev_pages = args.num_pages or int(args.kv_gib * 2**30 // page_bytes)
     layout = KVLayout(1, 1, 4, PAGE_SIZE, torch.float32)
     kv = KVCacheManager(dev_pages, PAGE_SIZE, True, None, "off")
@@ -150,7 +155,7 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("w2", "w3"), default="w2")
-    ap.add_argument("--model", choices=tuple(BYTES_PER_TOKEN), default="qwen3-0.6b")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
     ap.add_argument("--admission", choices=("prefix", "arrival"), default="prefix")
     ap.add_argument("--kv-gib", type=float, default=None, help="device pool (W2 8, W3 4)")
     ap.add_argument("--host-gib", type=float, default=64.0)
