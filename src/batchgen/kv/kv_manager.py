@@ -121,15 +121,6 @@ class KVCacheManager:
         host = self.tier.lookup(hashes[len(device) : max_pages])
         return PrefixHit(device, host)
 
-    def cached_prefix_pages(self, request_id: str, token_ids: list[int]) -> int:
-        """Pages of the request's longest cached prefix (device, then host), as
-        lookup_prefix would find it, without counting a query: for admission order."""
-        hashes = self.page_hashes(request_id, token_ids)[: (len(token_ids) - 1) // self.page_size]
-        device = len(self.allocator.lookup(hashes))
-        if not self.tier_active or device == len(hashes):
-            return device
-        return device + len(self.tier.host_alloc.lookup(hashes[device:]))
-
     def is_cached(self, page_hash: bytes) -> bool:
         """The page is in the device prefix cache or in the host tier's (no reference
         taken, no counter touched): for admission order."""

@@ -66,8 +66,7 @@ class PageAllocator:
         """Take a reference on cached pages found by `lookup`."""
         for page in pages:
             if self.ref_count[page] == 0:
-                if self._free.pop(page, 0) is not None:
-                    del self._kept[page]
+                del (self._free if page in self._free else self._kept)[page]
             self.ref_count[page] += 1
 
     def free(self, pages: list[int]) -> None:
@@ -88,13 +87,15 @@ class PageAllocator:
     def want(self, page_hash: bytes) -> None:
         """An unfinished request now wants `page_hash`: a free page holding it is kept."""
         page = self._cached.get(page_hash)
-        if page is not None and self._free.pop(page, 0) is None:
+        if page in self._free:
+            del self._free[page]
             self._kept[page] = None
 
     def unwant(self, page_hash: bytes) -> None:
         """No unfinished request wants `page_hash` any more: back to the LRU queue."""
         page = self._cached.get(page_hash)
-        if page is not None and self._kept.pop(page, 0) is None:
+        if page in self._kept:
+            del self._kept[page]
             self._free[page] = None
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
