@@ -176,7 +176,9 @@ class PrefixWaiting:
         self._warm = set()
         groups = [(0, root, b"")] if root.members else []
         below = []
-        for child in look:
+        # Arrival order, so the cold ring (and so which request a second look finds
+        # first) does not depend on where the nodes happen to sit in memory.
+        for child in sorted(look, key=_arrival):
             if not tree.is_root_child(child):
                 continue
             k = _cached_run(kv, child.edge)
@@ -220,6 +222,10 @@ class PrefixWaiting:
                 continue
             return node
         return None
+
+
+def _arrival(node: Node):
+    return node.first[0] if node.first is not None else (float("inf"), 0)
 
 
 def _leader(node: Node, miss: bytes):
