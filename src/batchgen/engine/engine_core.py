@@ -65,13 +65,8 @@ class EngineCore:
         self.dtype = dtype
         self.max_model_len = max_model_len(config, hf_config)
         self.eos_token_ids = eos_token_ids(hf_config, tokenizer, generation_eos(config.model))
-        num_heads = hf_config.num_attention_heads
-        self.layout = KVLayout(
-            num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
-            page_size=config.page_size,
-            dtype=dtype,
+        self.layout = KVLayout.of(
+            model.kv_state, hf_config.num_hidden_layers, config.page_size, dtype
         )
         num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
         self._check_pool_size(num_pages)
