@@ -83,7 +83,7 @@ class EngineCore:
             self.eos_token_ids,
             admission=config.admission,
         )
-        backend = config.resolved_attention_backend(device)
+        backend = self._attention_backend()
         plan = None
         if backend == "triton" and device.type == "cuda":
             plan = DecodeSplitPlan(
@@ -117,6 +117,20 @@ class EngineCore:
             config.page_size,
             self.pool.nbytes / 2**30,
             device,
+        )
+
+    def _attention_backend(self) -> str:
+        """The configured backend where the model's attention has it (a model lists its
+        own in `attention_backends`, e.g. MLA: torch only); "auto" falls back to torch."""
+        backend = self.config.resolved_attention_backend(self.device)
+        supported = getattr(self.model, "attention_backends", ("torch", "triton"))
+        if backend in supported:
+            return backend
+        if self.config.attention_backend == "auto":
+            return "torch"
+        raise ValueError(
+            f"{type(self.model).__name__} has no {backend!r} attention backend "
+            f"(it runs on {', '.join(supported)})"
         )
 
     def _decode_graphs(self, backend: str, plan) -> DecodeGraphs | None:
@@ -255,7 +269,7 @@ class EngineCore:
 
     def _profile_forward(self, num_tokens: int) -> None:
         n = min(num_tokens, self.max_model_len)
-        backend = self.config.resolved_attention_backend(self.device)
+        backend = self._attention_backend()
         warmup_forward(
             self.model, self.layout, self.device, self.hf_config, self.eos_token_ids, n, backend
         )
