@@ -120,11 +120,12 @@ class EngineCore:
         )
 
     def _attention_backend(self) -> str:
-        """The configured backend where the model's attention has it (a model lists its
-        own in `attention_backends`, e.g. MLA: torch only); "auto" falls back to torch."""
+        """The configured backend, where the model's attention has it: a model that
+        lists its own in `attention_backends` (MLA: torch only) is held to them, and
+        "auto" falls back to torch for it."""
         backend = self.config.resolved_attention_backend(self.device)
-        supported = getattr(self.model, "attention_backends", ("torch", "triton"))
-        if backend in supported:
+        supported = getattr(self.model, "attention_backends", None)
+        if supported is None or backend in supported:
             return backend
         if self.config.attention_backend == "auto":
             return "torch"
