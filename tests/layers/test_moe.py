@@ -275,6 +275,28 @@ def test_loading_rejects_unknown_names_and_wrong_shapes():
         module.load_weight("gate.e_score_correction_bias", torch.zeros(8))
 
 
+def test_built_as_the_loader_builds_the_router_stays_float32():
+    """build_model constructs on the meta device under the model's default dtype, then
+    to_empty; the router keeps float32, the experts take the model dtype."""
+    from batchgen.models.loader import init_dummy_weights
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            module = DeepseekV3MoE(tiny_config())
+    finally:
+        torch.set_default_dtype(old)
+    module.to_empty(device="cpu")
+    init_dummy_weights(module)
+    dtypes = {name: p.dtype for name, p in module.named_parameters()}
+    assert dtypes.pop("gate.weight") == dtypes.pop("gate.e_score_correction_bias") == torch.float32
+    assert set(dtypes.values()) == {torch.bfloat16}, dtypes
+    assert not module.gate.e_score_correction_bias.any()
+    out = module(torch.randn(5, HIDDEN, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and out.shape == (5, HIDDEN) and out.isfinite().all()
+
+
 # ---- the grouped-GEMM path ----------------------------------------------------------
 
 
