@@ -96,6 +96,33 @@ def save_tiny_tokenizer(path, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
+def byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the character that stands for byte b, by b."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+def save_byte_tokenizer(path) -> None:
+    """A byte-level BPE tokenizer: ids 0-2 are <pad> <s> </s>, id 3 + b is byte b, then
+    a few merges of JSON punctuation; every string encodes (structured outputs)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({c: 3 + b for b, c in enumerate(byte_chars())})
+    merges = [('"', ":"), ("{", '"'), ('"', ","), (",", '"'), ("Ġ", '"')]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(path)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -2,9 +2,89 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _MAX_LOGPROBS = 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a completion to a language; exactly one of the fields is given.
+
+    json: a JSON schema (dict or JSON text) the completion is an instance of.
+    regex: a regular expression the whole completion matches.
+    choice: the completion is exactly one of these strings.
+    grammar: an EBNF (GBNF-style) grammar whose `root` rule the completion derives.
+    json_object: any JSON object (OpenAI's `response_format={"type": "json_object"}`).
+
+    disable_any_whitespace: JSON is written without optional whitespace (compact
+    separators), which keeps small models from padding it out to max_tokens.
+
+    The constraint ends with the model's EOS: a completion that reaches max_tokens
+    first is cut short (finish_reason "length") and need not parse.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams takes exactly one of json, regex, choice, grammar, "
+                f"json_object; got {', '.join(given) if given else 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from e
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(
+                f"StructuredOutputsParams.json must be a dict or JSON text, got {type(self.json)}"
+            )
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of strings")
+        if not isinstance(self.json_object, bool) or not isinstance(
+            self.disable_any_whitespace, bool
+        ):
+            raise ValueError("StructuredOutputsParams flags must be bools")
+
+    @property
+    def key(self) -> tuple[str, Any, bool]:
+        """What the compiled grammar depends on (equal keys share one compilation)."""
+        if self.json is not None:
+            spec = (
+                self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            )
+            return ("json", spec, self.disable_any_whitespace)
+        if self.choice is not None:
+            return ("choice", tuple(self.choice), False)
+        if self.json_object:
+            return ("json_object", None, self.disable_any_whitespace)
+        kind = "regex" if self.regex is not None else "grammar"
+        return (kind, getattr(self, kind), False)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name for the same thing
 
 
 @dataclass
@@ -18,6 +98,10 @@ class SamplingParams:
     n completions per prompt; best_of (>= n, default n) are sampled and the n with the
     highest cumulative logprob returned, best first. Sample i of a seeded request is
     drawn with seed + i.
+
+    structured_outputs (or its earlier name guided_decoding) constrains the completion
+    to a JSON schema, a regex, a choice of strings or a grammar; see
+    StructuredOutputsParams.
 
     prompt_logprobs=k reports, per prompt position after the first, the logprob and
     rank of the prompt token and the top k; such a request computes its whole prompt
@@ -43,6 +127,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     n: int = 1
     best_of: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's earlier name
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +204,14 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a bool")
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                fail("guided_decoding", "must not be given together with structured_outputs")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            fail("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

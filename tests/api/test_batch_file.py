@@ -82,3 +82,62 @@ def test_good_top_logprobs_and_completion_logprobs():
     assert bf.sampling_params(body, bf.CHAT, {}).logprobs == 20
     with pytest.raises(bf.LineError, match=r"^body\.logprobs must be"):  # its own field
         bf.sampling_params({"prompt": "w5", "logprobs": 21}, bf.COMPLETIONS, {})
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ({"response_format": {"type": "json_object"}}, ("json_object", None, False)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA},
+                }
+            },
+            ("json", json.dumps(SCHEMA, sort_keys=True), False),
+        ),
+        ({"guided_json": SCHEMA}, ("json", json.dumps(SCHEMA, sort_keys=True), False)),
+        ({"guided_regex": "[0-9]+"}, ("regex", "[0-9]+", False)),
+        ({"guided_choice": ["a", "b"]}, ("choice", ("a", "b"), False)),
+        ({"guided_grammar": 'root ::= "x"'}, ("grammar", 'root ::= "x"', False)),
+        (
+            {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+            ("json_object", None, True),
+        ),
+    ],
+)
+def test_output_constraints_from_openai_and_vllm_fields(body, expected):
+    params = bf.sampling_params({"prompt": "w5", **body}, bf.COMPLETIONS, {})
+    assert params.structured_outputs.key == expected
+
+
+def test_text_response_format_is_no_constraint():
+    body = {"prompt": "w5", "response_format": {"type": "text"}}
+    assert bf.sampling_params(body, bf.COMPLETIONS, {}).structured_outputs is None
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"response_format": {"type": "xml"}}, "body.response_format: type must be"),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "body.response_format: .*json_schema.schema",
+        ),
+        ({"response_format": "json"}, "body.response_format: type must be"),
+        ({"guided_choice": []}, "body.guided_choice: choice must be a non-empty list"),
+        ({"guided_json": "{bad"}, "body.guided_json: json is not valid JSON"),
+        ({"structured_outputs": {"color": 1}}, "body.structured_outputs: .*color"),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "more than one output constraint: response_format, guided_regex",
+        ),
+    ],
+)
+def test_bad_output_constraints_name_the_field(body, message):
+    with pytest.raises(bf.LineError, match=message):
+        bf.sampling_params({"prompt": "w5", **body}, bf.COMPLETIONS, {})

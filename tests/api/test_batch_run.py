@@ -467,3 +467,44 @@ def test_memory_stays_bounded_on_a_large_input(tmp_path, tiny):
     large = _peak_rss_mib(_cli(tiny, make(100_000), tmp_path / "o100k.jsonl"))
     assert sum(1 for _ in open(tmp_path / "o100k.jsonl")) == 100_000
     assert large < small + 50, f"peak RSS {small:.0f} MiB (10k lines) -> {large:.0f} MiB (100k)"
+
+
+def test_response_format_answers_validate_and_bad_schemas_are_line_errors(tmp_path):
+    """OpenAI's response_format in a batch file, run with the defaults: every answer
+    parses and validates; a schema that does not compile is an error record naming
+    the request, and the other lines complete."""
+    import jsonschema
+    from conftest import save_byte_tokenizer
+
+    model = tmp_path / "model"
+    save_tiny_model(model, "LlamaForCausalLM")
+    save_byte_tokenizer(model)  # the grammar can spell JSON with it
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+            "b": {"type": "boolean"},
+        },
+        "required": ["n", "b"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "row", "schema": schema, "strict": True}}
+    rows = [_chat(f"r{i}", f"row {i}", response_format=fmt, max_tokens=120) for i in range(6)]
+    rows.append(
+        _chat(
+            "bad",
+            "x",
+            response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+        )
+    )
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert main(_cli(str(model), inp, out, "--temperature", "1.0")) == 1  # a line failed
+    answers = _answers(out)
+    assert sorted(answers) == [f"r{i}" for i in range(6)]
+    for text, reason, _ in answers.values():
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), schema)
+    errors = _read(out.with_name("out.errors.jsonl"))
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    assert "does not compile" in json.dumps(errors[0])

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.engine.request import Request
-from batchgen.sampling_params import SamplingParams
+from batchgen.sampling_params import SamplingParams, StructuredOutputsParams
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -185,6 +185,7 @@ def sampling_params(body: dict, url: str, defaults: dict[str, Any]) -> SamplingP
         if body.get(key) is not None:
             kw["max_tokens"] = body[key]
     kw["logprobs"] = requested_logprobs(body, url)
+    kw["structured_outputs"] = requested_structure(body)
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
@@ -192,6 +193,52 @@ def sampling_params(body: dict, url: str, defaults: dict[str, Any]) -> SamplingP
         if url == CHAT:  # a chat body's top-k is its top_logprobs (logprobs is a bool)
             message = message.replace("SamplingParams.logprobs", "body.top_logprobs")
         raise LineError(message.replace("SamplingParams.", "body.")) from None
+
+
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def requested_structure(body: dict) -> StructuredOutputsParams | None:
+    """The body's output constraint: OpenAI's `response_format` (json_object,
+    json_schema; text is none), or vLLM's `guided_json` / `guided_regex` /
+    `guided_choice` / `guided_grammar` and `structured_outputs` fields; at most one."""
+    given = [k for k in ("response_format", "structured_outputs", *_GUIDED) if k in body]
+    if body.get("response_format") in ({"type": "text"}, None) and "response_format" in given:
+        given.remove("response_format")
+    if not given:
+        return None
+    if len(given) > 1:
+        raise LineError(f"body gives more than one output constraint: {', '.join(given)}")
+    key = given[0]
+    value = body[key]
+    try:
+        if key == "response_format":
+            return _response_format(value)
+        if key == "structured_outputs":
+            if not isinstance(value, dict):
+                raise ValueError(f"must be an object, got {_json_type(value)}")
+            return StructuredOutputsParams(**value)
+        return StructuredOutputsParams(**{_GUIDED[key]: value})
+    except (TypeError, ValueError) as e:
+        raise LineError(f"body.{key}: {str(e).replace('StructuredOutputsParams.', '')}") from None
+
+
+def _response_format(value) -> StructuredOutputsParams:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError('type "json_schema" needs json_schema.schema, a JSON object')
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f'type must be "text", "json_object" or "json_schema", got {kind!r}')
 
 
 def requested_logprobs(body: dict, url: str) -> int | None:

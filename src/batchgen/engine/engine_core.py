@@ -111,6 +111,7 @@ class EngineCore:
         self._in_flight = None  # a queued decode step (pipelined decode)
         self._finished_early: list[Request] = []
         self._pipeline = config.pipeline_decode
+        self.grammar = None  # StructuredOutputs, built for the first constrained request
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB) on %s",
             num_pages,
@@ -295,6 +296,22 @@ class EngineCore:
                 f"{what}: the engine runs one sample per request (n={params.n}, "
                 f"best_of={params.best_of}); LLM.generate and LLM.chat fan n > 1 out"
             )
+        if params.structured_outputs is not None:
+            try:
+                self._grammar().compile(params.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"{what}: {e}") from e
+
+    def _grammar(self):
+        """The engine's StructuredOutputs (xgrammar is loaded on first use)."""
+        if self.grammar is None:
+            from batchgen.engine.structured import StructuredOutputs
+
+            self.grammar = StructuredOutputs(
+                self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids
+            )
+            self.runner.grammar = self.grammar
+        return self.grammar
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -311,6 +328,8 @@ class EngineCore:
         req = Request(
             request_id, list(prompt_token_ids), params, max_tokens, arrival=arrival, seed=seed
         )
+        if params.structured_outputs is not None:
+            self._grammar().add(request_id, params.structured_outputs)
         self.kv.want(request_id, req.token_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -323,6 +342,8 @@ class EngineCore:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self.scheduler.abort(req)
+            if self.grammar is not None:
+                self.grammar.remove(rid)
         queued = self._in_flight
         if queued is not None and not any(
             r.request_id in self.requests for r in queued.sched.requests
@@ -371,7 +392,10 @@ class EngineCore:
         self._in_flight = (
             self.runner.launch_decode(following, current) if following is not None else None
         )
-        return self._finish_step(current.sched, current.result())
+        finished = self._finish_step(current.sched, current.result())
+        if self._in_flight is not None:  # its masks read the tokens just handed over
+            self._in_flight.launch_sample()
+        return finished
 
     def _drain(self) -> None:
         """Finish a queued decode step now; its finished requests go out with the next
@@ -385,6 +409,8 @@ class EngineCore:
             advanced = self.scheduler.update(sched, result, self.requests)
         self.stats.steps += 1
         self.stats.output_tokens += len(advanced)
+        if self.grammar is not None:
+            self._advance_grammars(advanced)
         finished = []
         for req in advanced:
             if req.finish_reason in (None, "length"):  # a stop string beats the length limit
@@ -394,9 +420,27 @@ class EngineCore:
             if req.is_finished:
                 self.detokenizer.finalize(req)
                 finished.append(self.requests.pop(req.request_id))
+                if self.grammar is not None:
+                    self.grammar.remove(req.request_id)
         if self.tier is not None and not self.scheduler.has_unfinished:
             self.tier.drain()
         return finished
+
+    def _advance_grammars(self, advanced: list[Request]) -> None:
+        """Feed each constrained request's new token to its matcher. A token the grammar
+        rejects can only come from another mask forbidding every token it allowed
+        (min_tokens holding back the EOS of a complete grammar): the request stops."""
+        grammar = self.grammar
+        for req in advanced:
+            rid = req.request_id
+            if rid in grammar and not grammar.accept(rid, req.output_token_ids[-1]):
+                logger.warning(
+                    "request %s: its sampled token %d breaks its structured-output "
+                    "grammar (min_tokens beyond the grammar's end?); it stops here",
+                    rid,
+                    req.output_token_ids[-1],
+                )
+                self.scheduler.finish(req, "stop")
 
     def metrics(self) -> dict:
         """Counters for summaries: tokens, preemptions, prefix hits and host-tier traffic."""

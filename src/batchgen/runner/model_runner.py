@@ -18,7 +18,12 @@ from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogpr
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.page_rows import PageRows
 from batchgen.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
-from batchgen.runner.sampler import SAMPLING_EPS, Sampler, SamplingMetadata
+from batchgen.runner.sampler import (
+    SAMPLING_EPS,
+    Sampler,
+    SamplingMetadata,
+    apply_token_bitmask,
+)
 from batchgen.runner.staging import HostStaging
 
 
@@ -59,6 +64,8 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.page_rows = PageRows(max_num_seqs, max_pages)
         self.stage = HostStaging(device)
+        # structured outputs: the engine's StructuredOutputs once a request uses one
+        self.grammar = None
 
     def _width(self, pages: int) -> int:
         """Page-table width for a step: a multiple of 16 (so the kernels' row stride keeps
@@ -188,7 +195,12 @@ class ModelRunner:
         return without waiting. With `prev`, a request's input token is the one `prev`
         samples for it, read on the device: the step can be queued before `prev`
         finishes, and each request has that one token more than its output list shows
-        (seeded noise and min_tokens count it)."""
+        (seeded noise and min_tokens count it).
+
+        A step after `prev` with structured-output rows queues its forward only: their
+        masks need `prev`'s tokens in the matchers, so its sampling is queued by
+        `InFlightDecode.launch_sample()` once the engine has handed them over (the GPU
+        runs the forward meanwhile)."""
         self.page_rows.release(sched.released_ids)
         device_ids = None
         if prev is not None:
@@ -198,19 +210,45 @@ class ModelRunner:
         hidden, _ = self._forward(sched, device_ids)  # every row samples (can_launch_decode)
         logits = self.model.compute_logits(hidden)
         reqs = sched.requests
+        in_flight = 0 if prev is None else 1
+        steps = [len(r.output_token_ids) + in_flight for r in reqs]
+        flight = InFlightDecode(sched)
+        flight.pending = lambda: self._launch_sample(flight, logits, steps)
+        if prev is None or not self._constrained(reqs):
+            flight.launch_sample()
+        return flight
+
+    @torch.inference_mode()
+    def _launch_sample(self, flight: InFlightDecode, logits: torch.Tensor, steps) -> None:
+        reqs = flight.sched.requests
+        logits = self._constrain(logits, reqs)
         if all(_plain_greedy(r.params) for r in reqs):
             tokens = logits.argmax(dim=-1)
         else:
-            in_flight = 0 if prev is None else 1
-            steps = [len(r.output_token_ids) + in_flight for r in reqs]
             tokens = self.sampler(logits, self._sampling(reqs, steps)).sampled_token_ids
+        flight.tokens = tokens
         if self.device.type != "cuda":
-            return InFlightDecode(sched, tokens, tokens, None)
+            flight._host = tokens
+            return
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return InFlightDecode(sched, tokens, host, done)
+        flight._host, flight._done = host, torch.cuda.Event()
+        flight._done.record()
+
+    def _constrained(self, reqs) -> bool:
+        grammar = self.grammar
+        return grammar is not None and any(r.request_id in grammar for r in reqs)
+
+    def _constrain(self, logits: torch.Tensor, reqs) -> torch.Tensor:
+        """The logits with each structured-output row's forbidden tokens at -inf."""
+        if not self._constrained(reqs):
+            return logits
+        packed = self.grammar.bitmask([r.request_id for r in reqs])
+        if packed is None:
+            return logits
+        words = self.stage(packed.view(np.int64)).view(torch.int32)
+        rows = len(reqs)
+        return apply_token_bitmask(logits, words[: rows * self.grammar.words].view(rows, -1))
 
     def _forward(
         self, sched: SchedulerOutput, device_ids: torch.Tensor | None = None
@@ -256,6 +294,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if self.debug:
             self._check_finite(logits, sampled)
+        logits = self._constrain(logits, sampled)
         with record_function("batchgen.sample"):
             out = self._sample(logits, sampled)
         out.prompt_logprobs = prompt
@@ -307,13 +346,23 @@ class ModelRunner:
 
 class InFlightDecode:
     """A queued decode step: its batch, sampled tokens on the device and, once `done`
-    has passed, on the host."""
+    has passed, on the host. `pending`, until `launch_sample()` runs it, queues the
+    step's sampling (deferred for structured-output masks)."""
 
-    def __init__(self, sched, tokens, host, done) -> None:
-        self.sched, self.tokens, self._host, self._done = sched, tokens, host, done
+    def __init__(self, sched) -> None:
+        self.sched = sched
+        self.tokens = self._host = self._done = None
+        self.pending = None
+
+    def launch_sample(self) -> None:
+        """Queue the step's sampling if it is not queued yet."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending()
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the step's tokens (not for anything queued after it)."""
+        self.launch_sample()
         if self._done is not None:
             self._done.synchronize()
         reqs = self.sched.requests

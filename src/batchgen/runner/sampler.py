@@ -201,6 +201,17 @@ class SamplerOutput:
     topk_logprobs: torch.Tensor | None  # [B, max_logprobs] float32
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set to -inf, in place, the logits [B, V] of the tokens each row's packed mask
+    [B, W] int32 forbids (bit j of word i allows token 32 * i + j; structured outputs).
+    Elementwise on the device, nothing read back."""
+    rows, vocab = logits.shape
+    octets = bitmask.contiguous().view(torch.uint8)  # little-endian: octet k, tokens 8k..8k+7
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = ((octets.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :vocab]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
+
+
 def apply_min_tokens(logits: torch.Tensor, block: list[tuple[int, list[int]]]) -> torch.Tensor:
     """Return ``logits`` (not modified) with each blocked (row, token) set to -inf."""
     if not block:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_RING = 4  # buffers in turn: a step stages up to two arrays and one step may be queued
+_RING = 8  # buffers in turn: a step stages up to three arrays and one step may be queued
 
 
 class HostStaging:

@@ -1,0 +1,249 @@
+"""Structured outputs: every completion that ends by EOS parses and validates, in the
+default configuration (pipelined decode on, EOS endings, sampling), with the masks
+filled by xgrammar and applied on the logits' device.
+
+The tiny model is random, so whatever the grammar allows it picks nearly at random:
+schemas are bounded (enums, ranges, maxLength) so each completion ends well within
+max_tokens, and a constraint that failed would show as invalid text at once."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from conftest import save_byte_tokenizer, save_tiny_model
+
+from batchgen import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from batchgen.runner.sampler import apply_token_bitmask
+
+KW = dict(device="cpu", dtype="float32", page_size=4, max_model_len=192, max_num_batched_tokens=128)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "color": {"enum": ["red", "green", "blue"]},
+        "name": {"type": "string", "maxLength": 6},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["ok", "n", "color", "name", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("structured")
+    save_tiny_model(path, "LlamaForCausalLM")
+    save_byte_tokenizer(path)  # every string encodes: the grammar can write any JSON
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model=str(model_dir), **KW)
+
+
+PROMPTS = [[5 + i, 40 + 3 * i, 7] for i in range(12)]
+
+
+def _texts(outs) -> list[tuple[str, str]]:
+    return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def _generate(llm, spec, n_prompts=12, **kw):
+    params = SamplingParams(temperature=1.0, max_tokens=160, structured_outputs=spec, **kw)
+    outs = llm.generate(PROMPTS[:n_prompts], params, use_tqdm=False)
+    assert len(llm.engine.grammar) == 0  # every matcher released with its request
+    return _texts(outs)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_json_schema_outputs_validate(llm, compact):
+    rows = _generate(llm, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=compact))
+    spaced = []
+    for text, reason in rows:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)  # strict: no raw control characters
+        outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
+        spaced.append(bool(re.search(r"\s", outside_strings)))
+    assert any(spaced) is not compact  # optional whitespace only where allowed
+
+
+def test_json_object_is_an_object(llm):
+    # OpenAI's json_object: any JSON object, never a bare array or scalar
+    rows = _generate(llm, StructuredOutputsParams(json_object=True))
+    for text, reason in rows:
+        if reason == "stop":
+            assert isinstance(json.loads(text), dict), text
+    assert sum(reason == "stop" for _, reason in rows) >= len(rows) // 2
+
+
+def test_choice_regex_and_grammar(llm):
+    choices = ["yes", "no", 'say "maybe"\\n']
+    for text, reason in _generate(llm, StructuredOutputsParams(choice=choices)):
+        assert reason == "stop" and text in choices
+    for text, reason in _generate(llm, StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}")):
+        assert reason == "stop" and re.fullmatch(r"[a-c]{3}-[0-9]{2}", text), text
+    grammar = 'root ::= "(" item ("," item){0,3} ")"\nitem ::= [xyz] | "nil"'
+    for text, reason in _generate(llm, StructuredOutputsParams(grammar=grammar)):
+        assert reason == "stop" and re.fullmatch(r"\((?:[xyz]|nil)(?:,(?:[xyz]|nil)){0,3}\)", text)
+
+
+def test_constrained_and_free_requests_share_a_batch(llm):
+    """Rows without a constraint sample exactly as they would alone."""
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:4], free, use_tqdm=False)
+    spec = StructuredOutputsParams(regex=r"[0-9]{4}")
+    bound = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=spec)
+    mixed = llm.generate(PROMPTS[:4] * 2, [free] * 4 + [bound] * 4, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:4]] == [o.outputs[0].token_ids for o in alone]
+    assert all(re.fullmatch(r"[0-9]{4}", o.outputs[0].text) for o in mixed[4:])
+
+
+def _run(model_dir, params, pipeline: bool, **kw):
+    llm = LLM(model=str(model_dir), pipeline_decode=pipeline, **{**KW, **kw})
+    runner = llm.engine.runner
+    deferred = []
+    launch = runner.launch_decode
+
+    def counted(sched, prev=None):
+        flight = launch(sched, prev)
+        deferred.append(flight.pending is not None)
+        return flight
+
+    runner.launch_decode = counted
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return _texts(outs), sum(deferred), llm.engine
+
+
+def test_pipelined_decode_defers_sampling_and_changes_nothing(model_dir):
+    """With the pipeline on (the default) a step queued behind another samples only
+    once the other's tokens reached the matchers; the outputs are those of plain
+    stepping, and sampling stays unseeded (per-request seeds from the engine)."""
+    params = SamplingParams(
+        temperature=1.0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
+    plain, deferred, _ = _run(model_dir, params, False)
+    assert deferred == 0
+    piped, deferred, _ = _run(model_dir, params, True)
+    assert deferred > 0, "no step sampled after its predecessor's tokens"
+    assert piped == plain
+    for text, reason in piped:
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_preempted_requests_keep_their_grammar_state(model_dir):
+    """A pool too small for the batch preempts requests mid-JSON; recomputed or
+    swapped back, they continue where their matcher is."""
+    params = SamplingParams(
+        temperature=1.0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
+    ample, _, _ = _run(model_dir, params, True)
+    for extra in ({}, {"host_kv_size_gib": 0.01, "tier_policy": "always"}):
+        tight, _, engine = _run(model_dir, params, True, num_kv_pages=60, **extra)
+        assert engine.scheduler.num_preemptions > 0
+        assert tight == ample
+
+
+def test_n_samples_each_follow_the_grammar(llm):
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = SamplingParams(temperature=1.0, max_tokens=160, n=3, structured_outputs=spec)
+    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    texts = [c.text for o in outs for c in o.outputs]
+    assert len(texts) == 9 and len(set(texts)) > 1
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_guided_decoding_is_the_earlier_name(llm):
+    spec = GuidedDecodingParams(choice=["up", "down"])
+    params = SamplingParams(temperature=1.0, max_tokens=8, guided_decoding=spec)
+    assert params.structured_outputs is spec and params.guided_decoding is None
+    outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert all(o.outputs[0].text in ("up", "down") for o in outs)
+
+
+def test_bad_constraints_are_refused_before_anything_runs(llm):
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json=SCHEMA, regex="a+")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputsParams(json="{nope")
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="together"):
+        SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex="a"),
+            guided_decoding=StructuredOutputsParams(regex="b"),
+        )
+    good = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a"))
+    bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(a"))
+    steps = llm.engine.stats.steps
+    with pytest.raises(
+        ValueError, match=r"^prompt 1: the structured-output regex does not compile: Regex"
+    ):
+        llm.generate(PROMPTS[:2], [good, bad], use_tqdm=False)
+    assert llm.engine.stats.steps == steps and not llm.engine.requests
+
+
+def test_min_tokens_past_the_grammar_end_stops_the_request(llm):
+    """min_tokens holds back the EOS a complete grammar allows alone: the token then
+    sampled breaks the grammar, and the request stops there instead of failing."""
+    spec = StructuredOutputsParams(choice=["ok"])
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=6, structured_outputs=spec)
+    out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text.startswith("ok")
+    assert len(out.token_ids) <= 6
+
+
+def test_bitmask_bits_are_tokens_in_xgrammar_order():
+    """Bit j of word i is token 32 i + j: our unpacking masks exactly the logits
+    xgrammar's own CPU kernel masks."""
+    xgr = pytest.importorskip("xgrammar")
+    rng = np.random.default_rng(0)
+    rows, vocab = 5, 300
+    words = torch.from_numpy(rng.integers(-(2**31), 2**31, size=(rows, 10), dtype=np.int32))
+    logits = torch.randn(rows, vocab)
+    ours = apply_token_bitmask(logits.clone(), words)
+    theirs = logits.clone()
+    xgr.apply_token_bitmask_inplace(theirs, words)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    assert 0 < int(torch.isinf(ours).sum()) < rows * vocab
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_json_strings_forbid_control_characters_and_surrogates(model_dir, bounded):
+    """xgrammar's rule for a string with maxLength admits raw control characters, and
+    its string rules admit surrogate code points (bytes ED A0-BF ..): no strict JSON
+    parser accepts either; ours narrows both. Byte b is token 3 + b."""
+    from transformers import AutoTokenizer
+
+    from batchgen.engine.structured import StructuredOutputs
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    grammar = StructuredOutputs(tok, 512, [2])
+    string = {"type": "string", "maxLength": 6} if bounded else {"type": "string"}
+    schema = {"type": "object", "properties": {"s": string}, "required": ["s"]}
+    grammar.add("r", StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+
+    def allowed() -> set[int]:
+        words = grammar.bitmask(["r"])[: grammar.words].view(np.uint32)
+        return {b for b in range(256) if words[(3 + b) // 32] >> ((3 + b) % 32) & 1}
+
+    for b in b'{"s":"a':
+        assert grammar.accept("r", 3 + b)
+    ok = allowed()
+    assert {ord("b"), ord('"'), 0xED, 0xC3} <= ok
+    assert not ok & {0x00, 0x05, 0x0A, 0x09, 0x1F}
+    assert grammar.accept("r", 3 + 0xED)  # a lead byte of U+D000-U+DFFF
+    ok = allowed()
+    assert 0x80 in ok and 0x9F in ok  # U+D000-U+D7FF
+    assert not ok & set(range(0xA0, 0xC0))  # U+D800-U+DFFF: surrogates
