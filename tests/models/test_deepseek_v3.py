@@ -31,11 +31,21 @@ YARN = {
     "mscale": 0.9,  # != mscale_all_dim: cos/sin carry an attention factor too
     "mscale_all_dim": 1.0,
 }
-# every layer dense (first_k_dense_replace >= num_hidden_layers) until MoE layers land
-CONFIGS = {
+CONFIGS = {  # the base config is all dense (first_k_dense_replace = num_hidden_layers)
     "q_lora": {},
     "plain_q_no_interleave": {"q_lora_rank": None, "rope_interleave": False},
     "yarn": {"rope_scaling": YARN},
+    # a dense first layer, then MoE: 8 experts in 2 groups, 1 group kept, 2 experts a token
+    "moe_dense_first": {"first_k_dense_replace": 1},
+    # Kimi-K2's shape: no group limit, two shared experts, plain q, YaRN
+    "moe_kimi_like": {
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_shared_experts": 2,
+        "q_lora_rank": None,
+        "rope_scaling": YARN,
+    },
 }
 
 
@@ -81,8 +91,11 @@ def save_tiny_deepseek(path, seed: int = 0, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights give peaked distributions: fewer near-ties
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, stacked experts too
                 p.normal_(0, 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # choosing differs from weighting
+                b.normal_(0, 0.1)
     model.save_pretrained(path)
     save_tiny_tokenizer(path, config.vocab_size)
     return model.eval()
@@ -236,22 +249,38 @@ def test_refusals_name_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match="no 'triton' attention backend"):
         LLM(model=str(tmp_path), attention_backend="triton", num_kv_pages=40, **RUN)
     source = ModelSource.resolve(tmp_path)
-    moe = tiny_config(first_k_dense_replace=1)
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        build_model(source, moe, torch.float32, torch.device("cpu"), 64, "dummy")
     fp8 = tiny_config(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(NotImplementedError, match="weight_scale_inv"):
         build_model(source, fp8, torch.float32, torch.device("cpu"), 64, "dummy")
 
 
-def test_multi_token_prediction_layers_are_skipped(tmp_path):
-    save_tiny_deepseek(tmp_path)
+def test_checkpoint_names(tmp_path):
+    """Dense and MoE MLP names map to their parameters; multi-token-prediction layers
+    (past num_hidden_layers) are skipped; a checkpoint missing experts is refused."""
+    save_tiny_deepseek(tmp_path, first_k_dense_replace=1)
     source = ModelSource.resolve(tmp_path)
     config = source.load_config()
     model = build_model(source, config, torch.float32, torch.device("cpu"), 64)
     assert model.checkpoint_target("model.layers.2.self_attn.q_a_proj.weight") is None
-    module, param, shard = model.checkpoint_target("model.layers.1.mlp.up_proj.weight")
-    assert (module, param, shard) == (model.layers[1].mlp.gate_up_proj, "weight", "up")
+    module, param, shard = model.checkpoint_target("model.layers.0.mlp.up_proj.weight")
+    assert (module, param, shard) == (model.layers[0].mlp.gate_up_proj, "weight", "up")
+    experts = model.layers[1].mlp.experts
+    assert model.checkpoint_target("model.layers.1.mlp.experts.3.down_proj.weight") == (
+        experts,
+        "down_proj",
+        "3.down",
+    )
+    with pytest.raises(KeyError):
+        model.checkpoint_target("model.layers.1.mlp.up_proj.weight")  # an MoE layer
+    weights = dict(source.weights(config))
+    assert any(".mlp.experts.7.gate_proj." in n for n in weights)  # per-expert names
+    from safetensors.torch import save_file
+
+    (tmp_path / "model.safetensors").unlink()
+    kept = {n: t for n, t in weights.items() if "experts.5.up_proj" not in n}
+    save_file(kept, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"experts.gate_up_proj\[5.up\]"):
+        build_model(source, config, torch.float32, torch.device("cpu"), 64)
     with pytest.raises(KeyError):
         model.checkpoint_target("model.layers.0.self_attn.k_proj.weight")
     with pytest.raises(NotImplementedError, match="FP8"):

@@ -13,6 +13,7 @@ from batchgen.kv_state import KVState
 from batchgen.layers import mla
 from batchgen.layers.linear import Linear
 from batchgen.layers.mla import MLAttention
+from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.norm import RMSNorm
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.models.llama import LlamaMLP
@@ -26,20 +27,11 @@ def is_moe_layer(config, layer_id: int) -> bool:
     return bool(getattr(config, "n_routed_experts", None)) and layer_id >= first_moe
 
 
-def _moe_mlp(config) -> nn.Module:
-    """The mixture-of-experts MLP of the layers past first_k_dense_replace."""
-    raise NotImplementedError(
-        "DeepSeek-V3 mixture-of-experts layers are not supported yet "
-        f"(layers from first_k_dense_replace={config.first_k_dense_replace} on route to "
-        f"{config.n_routed_experts} experts)"
-    )
-
-
 class DeepseekV3DecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = MLAttention(config, layer_id, rotary)
-        self.mlp = _moe_mlp(config) if is_moe_layer(config, layer_id) else LlamaMLP(config)
+        self.mlp = DeepseekV3MoE(config) if is_moe_layer(config, layer_id) else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -53,7 +45,8 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """Weight names follow transformers' checkpoints; a dense MLP's gate/up are stacked.
+    """Weight names follow transformers' checkpoints; a dense MLP's gate/up are stacked,
+    a MoE MLP maps its own names (DeepseekV3MoE.checkpoint_target: per-expert or fused).
     Multi-token-prediction layers past num_hidden_layers are not loaded."""
 
     attention_backends = mla.BACKENDS
@@ -99,6 +92,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         layer = _LAYER.match(name)
         if "rotary_emb" in name or (layer and int(layer[1]) >= len(self.layers)):
             return None  # multi-token-prediction layers: not part of the decoder
+        mlp = f"{layer[0]}mlp." if layer else None
+        if mlp and name.startswith(mlp):
+            moe = self.layers[int(layer[1])].mlp
+            if isinstance(moe, DeepseekV3MoE):
+                return moe.checkpoint_target(name[len(mlp) :])
         *path, param = name.split(".")
         shard = None
         if len(path) >= 2 and path[-1] in self.stacked:
