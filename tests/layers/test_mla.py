@@ -154,3 +154,28 @@ def test_softmax_scale_takes_yarn_mscale_squared():
     assert softmax_scale(_config(rope_scaling=_yarn())) == pytest.approx(20**-0.5 * mscale**2)
     no_all_dim = {k: v for k, v in _yarn().items() if k != "mscale_all_dim"}
     assert softmax_scale(_config(rope_scaling=no_all_dim)) == pytest.approx(20**-0.5)
+
+
+def test_paged_decode_has_the_decode_kernels_semantics():
+    """mla_torch.paged_decode against kernels.mla_decode's reference, which the Triton
+    kernel that is to replace it is tested against."""
+    pytest.importorskip("triton")
+    from batchgen.kernels.mla_decode import mla_decode_reference
+    from batchgen.layers import mla_torch
+
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(10, PAGE, 1, 16 + 8, generator=gen)
+    table = torch.tensor([[4, 1, 7, 0], [2, 9, 0, 0], [5, 0, 0, 0]])
+    seq_lens = torch.tensor([14, 5, 1])
+    q_nope, q_pe = torch.randn(3, 4, 16, generator=gen), torch.randn(3, 4, 8, generator=gen)
+    meta = AttentionMetadata(
+        3,
+        torch.zeros(3, dtype=torch.int64),
+        decode_rows=torch.arange(3),
+        decode_page_table=table,
+        decode_seq_lens=seq_lens,
+        decode_max_seq_len=14,
+    )
+    ours = mla_torch.paged_decode(q_nope, q_pe, cache, meta, 0.3)
+    ref = mla_decode_reference(q_nope, q_pe, cache, table, seq_lens, 0.3)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)

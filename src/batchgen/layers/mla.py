@@ -109,8 +109,9 @@ class MLAttention(nn.Module):
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
         if meta.decode_rows is not None and meta.decode_rows.numel() > 0:
             rows = meta.decode_rows
-            q_latent = torch.cat((self.absorb(q_nope[rows]), q_pe[rows]), dim=-1)
-            o_latent = backend.paged_decode(q_latent, cache, meta, self.kv_lora_rank, self.scale)
+            o_latent = backend.paged_decode(
+                self.absorb(q_nope[rows]), q_pe[rows], cache, meta, self.scale
+            )
             out[rows] = self.unabsorb(o_latent).to(out.dtype)
         if meta.prefills:
             q = torch.cat((q_nope, q_pe), dim=-1)

@@ -46,20 +46,22 @@ def attend(
 
 
 def paged_decode(
-    q_latent: torch.Tensor,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
     cache: torch.Tensor,
     meta: AttentionMetadata,
-    kv_lora_rank: int,
     scale: float,
 ) -> torch.Tensor:
-    """Absorbed decode. q_latent [num_decodes, H, W]: each decode row's query with W_UK
-    folded into its nope part, then its rope part. Attends over the rows' latents as one
-    shared head -> [num_decodes, H, kv_lora_rank] in float32 (W_UV not yet applied)."""
+    """Absorbed decode, one query per decode row: q_nope [B, H, C] with W_UK folded in,
+    q_pe [B, H, R] with rope applied. Every head attends over its row's latents as one
+    shared head (key: all C + R values, value: the first C) -> [B, H, C] in float32,
+    W_UV not yet applied. The semantics of kernels.mla_decode.mla_decode."""
     max_len = meta.decode_max_seq_len
-    latent = cache[meta.decode_page_table].flatten(1, 2)[:, :max_len]  # [B, S, 1, W]
-    k_pos = torch.arange(max_len, device=q_latent.device)[None, None, :]
+    latent = cache[meta.decode_page_table].flatten(1, 2)[:, :max_len]  # [B, S, 1, C + R]
+    k_pos = torch.arange(max_len, device=q_nope.device)[None, None, :]
     allowed = k_pos < meta.decode_seq_lens[:, None, None]
-    out = attend(q_latent[:, None], latent, latent[..., :kv_lora_rank], allowed, scale)
+    q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1)[:, None]
+    out = attend(q, latent, latent[..., : q_nope.shape[-1]], allowed, scale)
     return out[:, 0]
 
 
