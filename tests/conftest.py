@@ -123,6 +123,14 @@ def save_byte_tokenizer(path) -> None:
     fast.save_pretrained(path)
 
 
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def engine_device(request) -> str:
+    """The device a module's engines run on: the CPU, and the GPU (marked gpu) with
+    every default of a GPU run (CUDA graphs, Triton attention, pipelined decode) except
+    the dtype: tests that compare runs token for token keep float32 there."""
+    return request.param
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
