@@ -15,7 +15,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from conftest import save_byte_tokenizer, save_tiny_model
+from conftest import record_launches, save_byte_tokenizer, save_tiny_model
 
 from batchgen import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from batchgen.runner.sampler import apply_token_bitmask
@@ -108,18 +108,11 @@ def test_constrained_and_free_requests_share_a_batch(llm):
 
 def _run(model_dir, params, pipeline: bool, **kw):
     llm = LLM(model=str(model_dir), pipeline_decode=pipeline, **{**KW, **kw})
-    runner = llm.engine.runner
-    deferred = []
-    launch = runner.launch_decode
-
-    def counted(sched, prev=None):
-        flight = launch(sched, prev)
-        deferred.append(flight.pending is not None)
-        return flight
-
-    runner.launch_decode = counted
+    launches = record_launches(llm.engine.runner)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return _texts(outs), sum(deferred), llm.engine
+    # a step whose sampling waited for its predecessor's tokens (still pending at launch)
+    deferred = sum(flight.deferred for flight, _ in launches)
+    return _texts(outs), deferred, llm.engine
 
 
 def test_pipelined_decode_defers_sampling_and_changes_nothing(model_dir):
