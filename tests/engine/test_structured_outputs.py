@@ -240,3 +240,18 @@ def test_json_strings_forbid_control_characters_and_surrogates(model_dir, bounde
     ok = allowed()
     assert 0x80 in ok and 0x9F in ok  # U+D000-U+D7FF
     assert not ok & set(range(0xA0, 0xC0))  # U+D800-U+DFFF: surrogates
+
+
+def test_compiled_constraints_are_bounded_and_reused(model_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from batchgen.engine import structured
+
+    monkeypatch.setattr(structured, "COMPILED_CACHE", 4)
+    grammar = structured.StructuredOutputs(AutoTokenizer.from_pretrained(str(model_dir)), 512, [2])
+    first = grammar.compile(StructuredOutputsParams(regex="a{1}"))
+    assert grammar.compile(StructuredOutputsParams(regex="a{1}")) is first  # by key
+    for k in range(2, 8):
+        grammar.compile(StructuredOutputsParams(regex=f"a{{{k}}}"))
+    assert len(grammar._compiled) == 4
+    assert grammar.compile(StructuredOutputsParams(regex="a{1}")) is not first  # dropped
