@@ -123,6 +123,29 @@ def save_byte_tokenizer(path) -> None:
     fast.save_pretrained(path)
 
 
+def record_launches(runner) -> list:
+    """Wrap `runner.launch_decode`: the list returned gets each queued step's
+    InFlightDecode and whether it was queued behind another, as (flight, behind)."""
+    launches = []
+    launch = runner.launch_decode
+
+    def recorded(sched, prev=None):
+        flight = launch(sched, prev)
+        launches.append((flight, prev is not None))
+        return flight
+
+    runner.launch_decode = recorded
+    return launches
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def engine_device(request) -> str:
+    """The device a module's engines run on: the CPU, and the GPU (marked gpu) with
+    every default of a GPU run (CUDA graphs, Triton attention, pipelined decode) except
+    the dtype: tests that compare runs token for token keep float32 there."""
+    return request.param
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

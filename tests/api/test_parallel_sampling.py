@@ -15,10 +15,11 @@ PROMPT = list(range(10, 32))  # 22 tokens: 5 full pages and a tail of 2
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm(tmp_path_factory, engine_device):
+    """On the CPU and on the GPU: the counted prompt work is the same on both."""
     path = tmp_path_factory.mktemp("n-samples")
     save_tiny_model(path, "LlamaForCausalLM")
-    return LLM(model=str(path), **KW)
+    return LLM(model=str(path), **dict(KW, device=engine_device))
 
 
 def _generate(llm, prompts, params):

@@ -23,8 +23,9 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoint):
-    return LLM(model=str(checkpoint[0]), **KW)
+def llm(checkpoint, engine_device):
+    """On the CPU and on the GPU (float32, Triton attention): the same reference."""
+    return LLM(model=str(checkpoint[0]), **dict(KW, device=engine_device))
 
 
 def _reference(model, prompt: list[int]) -> torch.Tensor:

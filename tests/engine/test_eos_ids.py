@@ -29,15 +29,16 @@ def _set_generation_eos(path, eos) -> None:
 
 
 @pytest.mark.parametrize("as_list", [True, False])
-def test_generation_config_eos_ends_requests(tmp_path, as_list):
+def test_generation_config_eos_ends_requests(tmp_path, as_list, engine_device):
     ref = save_tiny_model(tmp_path, "LlamaForCausalLM")  # config.json: eos_token_id 2
     prompts = _prompts(6)
     params = SamplingParams(temperature=0, max_tokens=16)
-    free = LLM(model=str(tmp_path), **KW).generate(prompts, params, use_tqdm=False)
+    kw = dict(KW, device=engine_device)
+    free = LLM(model=str(tmp_path), **kw).generate(prompts, params, use_tqdm=False)
     extra = free[0].outputs[0].token_ids[5]  # a token the first output reaches midway
     assert extra != 2
     _set_generation_eos(tmp_path, [2, extra] if as_list else extra)
-    llm = LLM(model=str(tmp_path), **KW)
+    llm = LLM(model=str(tmp_path), **kw)
     assert extra in llm.engine.eos_token_ids
     outs = llm.generate(prompts, params, use_tqdm=False)
     ended = 0

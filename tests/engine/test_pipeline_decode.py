@@ -29,7 +29,7 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def _run(model_dir, prompts, params, pipeline: bool, **kw):
-    llm = LLM(model=str(model_dir), pipeline_decode=pipeline, **KW, **kw)
+    llm = LLM(model=str(model_dir), pipeline_decode=pipeline, **{**KW, **kw})
     runner = llm.engine.runner
     launches = []
     launch = runner.launch_decode
@@ -118,18 +118,21 @@ def test_sampling_seeded_and_unseeded(model_dir):
     _same(model_dir, prompts, unseeded, max_num_seqs=16, seed=5)
 
 
-def test_unseeded_sampling_with_early_stops(model_dir):
+def test_unseeded_sampling_with_early_stops(model_dir, engine_device):
     """Defaults (EOS on, no seeds): requests ending on a stop string or a stop id make
-    the pipelined step compute a row it discards; no other row's draws may move."""
+    the pipelined step compute a row it discards; no other row's draws may move. On the
+    GPU with CUDA graphs too."""
     prompts = _prompts(12)
     free = SamplingParams(temperature=1.0, max_tokens=16)
-    plain, _, _ = _run(model_dir, prompts, free, False, max_num_seqs=16, seed=3)
+    dev = dict(device=engine_device)
+    plain, _, engine = _run(model_dir, prompts, free, False, max_num_seqs=16, seed=3, **dev)
+    assert (engine.runner.graphs is not None) == (engine_device == "cuda")
     stop_token = plain[0][0][4]
     stop_text = plain[1][2].split()[3]
     params = SamplingParams(
         temperature=1.0, max_tokens=16, stop=[stop_text], stop_token_ids=[stop_token]
     )
-    rows, _ = _same(model_dir, prompts, params, max_num_seqs=16, seed=3)
+    rows, _ = _same(model_dir, prompts, params, max_num_seqs=16, seed=3, **dev)
     assert sum(reason == "stop" for _, reason, _ in rows) >= 2
     assert sum(len(ids) < 16 for ids, _, _ in rows) >= 2
 

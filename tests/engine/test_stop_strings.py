@@ -22,8 +22,16 @@ def model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def on_device(engine_device):
+    """Every test on the CPU and on the GPU (module-level KW, reset afterwards)."""
+    KW["device"] = engine_device
+    yield engine_device
+    KW["device"] = "cpu"
+
+
 @pytest.fixture(scope="module")
-def free_runs(model_dir):
+def free_runs(model_dir, on_device):
     """Greedy outputs with no stop string: (prompt, token ids, text, finish reason)."""
     rng = random.Random(7)
     prompts = [[rng.randint(3, 500) for _ in range(rng.randint(2, 20))] for _ in range(24)]
@@ -63,6 +71,7 @@ def _generate(model_dir, prompt, params, pipeline: bool, **kw):
     llm.engine.runner.launch_decode = counted
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert any(queued) == pipeline
+    assert (llm.engine.runner.graphs is not None) == (KW["device"] == "cuda")
     return out
 
 

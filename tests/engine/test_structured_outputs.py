@@ -15,7 +15,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from conftest import save_byte_tokenizer, save_tiny_model
+from conftest import record_launches, save_byte_tokenizer, save_tiny_model
 
 from batchgen import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from batchgen.runner.sampler import apply_token_bitmask
@@ -108,18 +108,11 @@ def test_constrained_and_free_requests_share_a_batch(llm):
 
 def _run(model_dir, params, pipeline: bool, **kw):
     llm = LLM(model=str(model_dir), pipeline_decode=pipeline, **{**KW, **kw})
-    runner = llm.engine.runner
-    deferred = []
-    launch = runner.launch_decode
-
-    def counted(sched, prev=None):
-        flight = launch(sched, prev)
-        deferred.append(flight.pending is not None)
-        return flight
-
-    runner.launch_decode = counted
+    launches = record_launches(llm.engine.runner)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return _texts(outs), sum(deferred), llm.engine
+    # a step whose sampling waited for its predecessor's tokens (still pending at launch)
+    deferred = sum(flight.deferred for flight, _ in launches)
+    return _texts(outs), deferred, llm.engine
 
 
 def test_pipelined_decode_defers_sampling_and_changes_nothing(model_dir):
@@ -247,3 +240,18 @@ def test_json_strings_forbid_control_characters_and_surrogates(model_dir, bounde
     ok = allowed()
     assert 0x80 in ok and 0x9F in ok  # U+D000-U+D7FF
     assert not ok & set(range(0xA0, 0xC0))  # U+D800-U+DFFF: surrogates
+
+
+def test_compiled_constraints_are_bounded_and_reused(model_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from batchgen.engine import structured
+
+    monkeypatch.setattr(structured, "COMPILED_CACHE", 4)
+    grammar = structured.StructuredOutputs(AutoTokenizer.from_pretrained(str(model_dir)), 512, [2])
+    first = grammar.compile(StructuredOutputsParams(regex="a{1}"))
+    assert grammar.compile(StructuredOutputsParams(regex="a{1}")) is first  # by key
+    for k in range(2, 8):
+        grammar.compile(StructuredOutputsParams(regex=f"a{{{k}}}"))
+    assert len(grammar._compiled) == 4
+    assert grammar.compile(StructuredOutputsParams(regex="a{1}")) is not first  # dropped

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -33,6 +34,8 @@ _STRING_CHARS = {
     r"[^\0-\x1f\"\\\r\n]": r"[^\0-\x1f\"\\\ud800-\udfff]",  # any other string
 }
 
+
+COMPILED_CACHE = 256  # distinct constraints kept compiled (least recently used dropped)
 
 # "[03:12:12] /project/cpp/regex_converter.cc:94: " before xgrammar's error messages
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ", re.MULTILINE)
@@ -49,18 +52,22 @@ class StructuredOutputs:
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
         )
         threads = max(1, min(8, os.cpu_count() or 1))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
+        # one cache, ours: bounded, where xgrammar's own would keep every schema ever seen
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        self._compiled: dict[tuple, object] = {}
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._matchers: dict[str, object] = {}
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)  # int32 words per row
 
     def compile(self, spec: StructuredOutputsParams):
-        """The compiled grammar of `spec` (cached); ValueError saying what is wrong."""
+        """The compiled grammar of `spec` (the last COMPILED_CACHE kept); ValueError
+        saying what is wrong."""
         key = spec.key
         compiled = self._compiled.get(key)
-        if compiled is None:
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+        else:
             try:
                 compiled = self._compile(spec)
             except (RuntimeError, ValueError, TypeError) as e:
@@ -68,6 +75,8 @@ class StructuredOutputs:
                 why = _XGRAMMAR_LOG_PREFIX.sub("", str(e)).strip()
                 raise ValueError(f"the structured-output {kind} does not compile: {why}") from e
             self._compiled[key] = compiled
+            if len(self._compiled) > COMPILED_CACHE:  # matchers keep theirs alive
+                self._compiled.popitem(last=False)
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams):

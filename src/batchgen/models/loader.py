@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from batchgen.console import library_progress_bars, progress_enabled
+from batchgen.models import fp8
 from batchgen.models.hub import looks_like_repo_id, snapshot_path
 from batchgen.models.registry import model_class
 
@@ -74,8 +75,10 @@ class ModelSource:
         """(transformers name, tensor) pairs, read lazily where the format allows."""
         if self.gguf_file:
             yield from _gguf_weights(self.path / self.gguf_file, config)
-        else:
-            yield from _safetensors_weights(self.path)
+            return
+        block = fp8.block_size(config)  # FP8 block-scaled weights: dequantized as read
+        weights = _safetensors_weights(self.path)
+        yield from weights if block is None else fp8.dequantized_weights(weights, block)
 
 
 # The files a tokenizer is read from (fast, SentencePiece, BPE, WordPiece, tiktoken and

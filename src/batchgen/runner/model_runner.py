@@ -214,7 +214,8 @@ class ModelRunner:
         steps = [len(r.output_token_ids) + in_flight for r in reqs]
         flight = InFlightDecode(sched)
         flight.pending = lambda: self._launch_sample(flight, logits, steps)
-        if prev is None or not self._constrained(reqs):
+        flight.deferred = prev is not None and self._constrained(reqs)
+        if not flight.deferred:
             flight.launch_sample()
         return flight
 
@@ -347,12 +348,14 @@ class ModelRunner:
 class InFlightDecode:
     """A queued decode step: its batch, sampled tokens on the device and, once `done`
     has passed, on the host. `pending`, until `launch_sample()` runs it, queues the
-    step's sampling (deferred for structured-output masks)."""
+    step's sampling; `deferred`: it was not queued with the forward (structured-output
+    masks waiting for the previous step's tokens)."""
 
     def __init__(self, sched) -> None:
         self.sched = sched
         self.tokens = self._host = self._done = None
         self.pending = None
+        self.deferred = False
 
     def launch_sample(self) -> None:
         """Queue the step's sampling if it is not queued yet."""

@@ -1,0 +1,167 @@
+"""Structured outputs: the throughput cost of JSON-schema constraints on the GPU.
+
+    PYTHONPATH=src python3 benchmarks/structured_outputs.py --out $OUT            # GPU, ~1 min
+    PYTHONPATH=src python3 benchmarks/structured_outputs.py --small --out /tmp/so  # CPU, 4 requests
+
+The embedded default model (SmolLM2-135M-Instruct, its own tokenizer; --model for another)
+in the default configuration (bf16 on a GPU, CUDA graphs, pipelined decode). --n chat
+requests (256) each ask to extract a person record from a generated sentence into JSON
+under SCHEMA (strings bounded by maxLength), greedy, max_tokens 256.
+
+1. constrained: every request with `structured_outputs=json SCHEMA`, timed. Every answer
+   that ends by EOS must parse and validate against SCHEMA, and at least 95% must end so
+   (exit 1 otherwise); each request's output length is kept.
+2. unconstrained: the same prompts, each with max_tokens = its constrained length and
+   ignore_eos, so both runs produce the same number of tokens per request; timed.
+
+Prints output tok/s of both, their ratio (the cost of the constraint), and the host time
+spent filling masks (StructuredOutputs.bitmask, timed) per step and per token. A warm-up
+on other prompts compiles the schema and captures the graphs first. Writes
+structured_outputs.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 40},
+        "occupation": {"type": "string", "maxLength": 40},
+        "married": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "occupation", "married"],
+    "additionalProperties": False,
+}
+FIRST = "Maria Tom Aiko Kwame Ingrid Raj Lena Omar Chen Sofia Diego Amara Ivan Noor".split()
+LAST = "Lopez Berg Tanaka Mensah Patel Novak Haddad Wei Rossi Silva Okafor Petrov".split()
+CITIES = "Madrid Boston Kyoto Accra Oslo Mumbai Prague Cairo Lima Turin Lagos Kazan".split()
+JOBS = "teacher nurse baker pilot chemist carpenter lawyer farmer editor dentist".split()
+FORMS = [
+    "{name} is {age}, works as a {job} in {city} and is {status}.",
+    "Meet {name} ({age}), a {status} {job} from {city}.",
+    "{city}'s best-known {job}, {name}, turned {age} this year; {status}.",
+]
+
+
+def conversations(n: int, seed: int) -> list[list[dict]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        sentence = rng.choice(FORMS).format(
+            name=f"{rng.choice(FIRST)} {rng.choice(LAST)}",
+            age=rng.randint(18, 90),
+            job=rng.choice(JOBS),
+            city=rng.choice(CITIES),
+            status=rng.choice(["married", "single"]),
+        )
+        ask = "Extract the person's name, age, city, occupation and whether they are married"
+        out.append([{"role": "user", "content": f"{ask} as JSON.\n{sentence}"}])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the embedded default model")
+    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--small", action="store_true", help="CPU: 4 requests, max_tokens 96")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args(argv)
+
+    import jsonschema
+    import torch
+
+    from batchgen import LLM, SamplingParams, StructuredOutputsParams
+
+    n, max_tokens = (4, 96) if args.small else (args.n, args.max_tokens)
+    kw = dict(max_model_len=1024)
+    if args.small or not torch.cuda.is_available():
+        kw.update(device="cpu", dtype="float32", max_num_batched_tokens=512)
+    llm = LLM(model=args.model, **kw)
+    engine = llm.engine
+    spec = StructuredOutputsParams(json=SCHEMA)
+    bound = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)
+    warm = 1 if args.small else 8
+    llm.chat(conversations(warm, seed=1), bound, use_tqdm=False)  # compile, capture graphs
+
+    grammar = engine.grammar
+    fill = grammar.bitmask
+    fills: list[float] = []
+
+    def timed_fill(request_ids):
+        t = time.perf_counter()
+        mask = fill(request_ids)
+        fills.append(time.perf_counter() - t)
+        return mask
+
+    grammar.bitmask = timed_fill
+    convs = conversations(n, seed=0)
+    steps0 = engine.stats.steps
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, bound, use_tqdm=False)
+    constrained_s = time.perf_counter() - t0
+    steps = engine.stats.steps - steps0
+    grammar.bitmask = fill
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    stopped = bad = 0
+    for o in outs:
+        c = o.outputs[0]
+        if c.finish_reason != "stop":
+            continue
+        stopped += 1
+        try:
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+        except (ValueError, jsonschema.ValidationError):
+            bad += 1
+
+    free = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in lengths]
+    t0 = time.perf_counter()
+    free_outs = llm.chat(convs, free, use_tqdm=False)
+    free_s = time.perf_counter() - t0
+    free_tokens = sum(len(o.outputs[0].token_ids) for o in free_outs)
+
+    tokens = sum(lengths)
+    result = {
+        "model": args.model or "default (SmolLM2-135M-Instruct)",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "requests": n,
+        "output_tokens": tokens,
+        "unconstrained_output_tokens": free_tokens,
+        "ended_by_eos": stopped,
+        "invalid": bad,
+        "constrained_tok_s": tokens / constrained_s,
+        "unconstrained_tok_s": free_tokens / free_s,
+        "constrained_s": constrained_s,
+        "unconstrained_s": free_s,
+        "steps": steps,
+        "mask_fill_ms_per_step": 1e3 * sum(fills) / max(len(fills), 1),
+        "mask_fill_us_per_token": 1e6 * sum(fills) / max(tokens, 1),
+        "sample": outs[0].outputs[0].text,
+    }
+    result["throughput_ratio"] = result["constrained_tok_s"] / result["unconstrained_tok_s"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "structured_outputs.json").write_text(json.dumps(result, indent=2))
+    print(
+        f"{n} requests, {tokens} output tokens: constrained {result['constrained_tok_s']:,.0f} "
+        f"tok/s, unconstrained {result['unconstrained_tok_s']:,.0f} tok/s "
+        f"(ratio {result['throughput_ratio']:.3f}); mask fill "
+        f"{result['mask_fill_ms_per_step']:.2f} ms/step, "
+        f"{result['mask_fill_us_per_token']:.1f} us/token over {steps} steps; "
+        f"{stopped}/{n} ended by EOS, {bad} invalid"
+    )
+    print("first answer:", result["sample"])
+    ok = bad == 0 and stopped >= 0.95 * n and free_tokens == tokens
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
