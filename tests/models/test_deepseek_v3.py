@@ -249,9 +249,9 @@ def test_refusals_name_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match="no 'triton' attention backend"):
         LLM(model=str(tmp_path), attention_backend="triton", num_kv_pages=40, **RUN)
     source = ModelSource.resolve(tmp_path)
-    fp8 = tiny_config(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    with pytest.raises(NotImplementedError, match="weight_scale_inv"):
-        build_model(source, fp8, torch.float32, torch.device("cpu"), 64, "dummy")
+    gelu = tiny_config(hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        build_model(source, gelu, torch.float32, torch.device("cpu"), 64, "dummy")
 
 
 def test_checkpoint_names(tmp_path):
@@ -283,5 +283,40 @@ def test_checkpoint_names(tmp_path):
         build_model(source, config, torch.float32, torch.device("cpu"), 64)
     with pytest.raises(KeyError):
         model.checkpoint_target("model.layers.0.self_attn.k_proj.weight")
-    with pytest.raises(NotImplementedError, match="FP8"):
-        model.checkpoint_target("model.layers.0.self_attn.q_a_proj.weight_scale_inv")
+
+
+def test_fp8_checkpoint_equals_its_dequantized_weights(tmp_path):
+    """DeepSeek-V3's own format: every projection (attention, dense and expert MLPs) as
+    float8_e4m3fn with per-block scales loads as the same model as its dequantized
+    weights."""
+    from safetensors.torch import load_file, save_file
+    from test_fp8_checkpoint import BLOCK, _quantize
+
+    from batchgen.models import fp8
+
+    quant, plain = tmp_path / "fp8", tmp_path / "plain"
+    for d in (quant, plain):
+        save_tiny_deepseek(d, **CONFIGS["moe_dense_first"])
+    fp8_tensors, dequantized = {}, {}
+    for name, t in load_file(str(quant / "model.safetensors")).items():
+        if name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
+            q, scale = _quantize(t.float(), BLOCK)
+            fp8_tensors[name], fp8_tensors[name + "_scale_inv"] = q, scale
+            dequantized[name] = fp8.dequantize(q, scale, BLOCK).contiguous()
+        else:
+            fp8_tensors[name] = dequantized[name] = t
+    assert sum(n.endswith("_scale_inv") for n in fp8_tensors) > 30  # experts included
+    save_file(fp8_tensors, str(quant / "model.safetensors"))
+    save_file(dequantized, str(plain / "model.safetensors"))
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK)}
+    (quant / "config.json").write_text(json.dumps(config))
+    prompts = _prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    a = LLM(model=str(quant), num_kv_pages=64, **RUN).generate(prompts, params, use_tqdm=False)
+    b = LLM(model=str(plain), num_kv_pages=64, **RUN).generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            for tid, entry in lx.items():
+                assert entry.logprob == pytest.approx(ly[tid].logprob, abs=1e-6)

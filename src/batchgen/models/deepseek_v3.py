@@ -47,7 +47,8 @@ class DeepseekV3DecoderLayer(nn.Module):
 class DeepseekV3ForCausalLM(nn.Module):
     """Weight names follow transformers' checkpoints; a dense MLP's gate/up are stacked,
     a MoE MLP maps its own names (DeepseekV3MoE.checkpoint_target: per-expert or fused).
-    Multi-token-prediction layers past num_hidden_layers are not loaded."""
+    Multi-token-prediction layers past num_hidden_layers are not loaded; FP8 weights
+    arrive dequantized (the loader joins each with its weight_scale_inv)."""
 
     attention_backends = mla.BACKENDS
     stacked = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
@@ -83,8 +84,6 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, parameter, shard) for a transformers weight name; None to skip."""
-        if name.endswith("weight_scale_inv"):
-            raise NotImplementedError(_FP8_MESSAGE)
         if name.startswith("model."):
             name = name[len("model.") :]
         if name == "lm_head.weight" and self.lm_head is None:
@@ -109,17 +108,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return module, param, shard
 
 
-_FP8_MESSAGE = (
-    "FP8 block-scaled checkpoints (weights with weight_scale_inv) are not supported yet; "
-    "use a bf16 copy of the weights"
-)
-
-
 def _check_supported(config) -> None:
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
-        raise NotImplementedError(f"{method} quantization: {_FP8_MESSAGE}")
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"DeepSeek-V3 MLPs with hidden_act={act!r} are not supported (silu)")
