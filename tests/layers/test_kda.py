@@ -15,7 +15,8 @@ from batchgen.forward_context import (
     LinearSeq,
     bind_forward_context,
 )
-from batchgen.kv.state_pool import StateLayout, StatePool
+from batchgen.kv.page_copies import device_to_host_state, host_to_device_state
+from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool
 from batchgen.layers import kda_torch
 from batchgen.layers.kda import KimiDeltaAttention
 
@@ -190,6 +191,23 @@ def test_fresh_request_ignores_stale_slot(setup):
     x = torch.randn(6, config.hidden_size)
     (out,) = run_step(ours, pool, [(x, 0, False)])
     assert err(out, hf_prefill(hf, x)) < TOL
+
+
+def test_state_swapped_out_and_in_continues_exactly(setup):
+    """Prefill, move the slot to the host, let another request reuse the device slot,
+    bring the state back into a different slot, decode: as if it never moved."""
+    config, hf = setup
+    ours = our_layer(config, hf, chunk_size=16)
+    pool = pool_for(ours, num_slots=4)
+    host = HostStatePool(pool.layout, 2, pin=False)
+    x = torch.randn(24, config.hidden_size)
+    outs = run_step(ours, pool, [(x[:20], 0, False)])
+    device_to_host_state((pool.states, pool.windows), (host.states, host.windows), [0], [1])
+    run_step(ours, pool, [(torch.randn(7, config.hidden_size), 0, False)])  # slot 0 reused
+    host_to_device_state((host.states, host.windows), (pool.states, pool.windows), [1], [3])
+    for t in range(20, 24):
+        outs += run_step(ours, pool, [(x[t : t + 1], 3, True)])
+    assert err(torch.cat(outs), hf_prefill(hf, x)) < TOL
 
 
 def random_kda_inputs(length: int, heads: int = 3, dk: int = 8, dv: int = 6, seed: int = 0):

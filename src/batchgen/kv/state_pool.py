@@ -16,9 +16,10 @@ a request is admitted and released when it finishes, is aborted or is preempted.
 request's slot is not wiped here: the layers zero `fresh_slots` on the compute stream at
 the request's first step (LinearAttentionMetadata), so a released slot is reusable at once.
 
-Host tier (planned, not built): the same three paths as KV pages, all through
-`CopyEngine.submit` with copy bodies beside page_copies.py (`device_to_host_state`,
-`host_to_device_state`):
+Host tier: `HostStatePool` (pinned, same slot geometry) and the copy bodies in
+page_copies.py (`device_to_host_state`, `host_to_device_state`; a slot crosses like a
+page) exist; the paths that use them, all through `CopyEngine.submit` as KV pages do, are
+planned, not built:
 - swap-out (preemption, end of prefill): a request's slot -> a host slot of a pinned
   `HostStatePool` of the same geometry, one strided block per layer and kind; the device
   slot is released only after the copy's completion event (contract rule 3).
@@ -84,6 +85,29 @@ class StatePool:
     def layer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per KDA layer (states [slots, H, Dk, Dv], windows [slots, K - 1, C]), views."""
         return [(self.states[i], self.windows[i]) for i in range(self.layout.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.states, self.windows))
+
+
+class HostStatePool:
+    """Host slots with the device pool's slot geometry, pinned when `pin`: states
+    [L, num_slots, H, Dk, Dv] float32 and windows [L, num_slots, K - 1, C], layer-major
+    like HostPool. torch.empty: a host slot is read only after a copy wrote it. Copies
+    in and out are page_copies.device_to_host_state / host_to_device_state, run only
+    inside closures handed to CopyEngine.submit."""
+
+    def __init__(self, layout: StateLayout, num_slots: int, pin: bool) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host state pool needs at least one slot, got {num_slots}")
+        self.layout = layout
+        self.num_slots = num_slots
+        shape = layout.states_shape(num_slots)
+        self.states = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
+        self.windows = torch.empty(
+            layout.windows_shape(num_slots), dtype=layout.conv_dtype, pin_memory=pin
+        )
 
     @property
     def nbytes(self) -> int:
