@@ -24,10 +24,11 @@ TOL = 1e-5
 
 
 def inputs(rows: int, heads: int = 2, dk: int = 16, dv: int = 16, seed: int = 0):
+    """q, k, v as views of one packed row each, as the layer's conv output hands them."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(rows, heads, dk, generator=gen)
-    k = torch.randn(rows, heads, dk, generator=gen)
-    v = torch.randn(rows, heads, dv, generator=gen)
+    qkv = torch.randn(rows, heads * (2 * dk + dv), generator=gen)
+    q, k, v = qkv.split([heads * dk, heads * dk, heads * dv], dim=-1)
+    q, k, v = q.view(rows, heads, dk), k.view(rows, heads, dk), v.view(rows, heads, dv)
     g = -torch.rand(rows, heads, dk, generator=gen)
     beta = torch.rand(rows, heads, generator=gen)
     return q, k, v, g, beta

@@ -91,7 +91,8 @@ def fla_kda():
 def _kda_fla(q, k, v, g, beta, states, meta):
     chunk_kda, fused_recurrent_kda_fwd = fla_kda()
     scale = q.shape[-1] ** -0.5
-    q, k, v, g, beta = (x.unsqueeze(0) for x in (q, k, v, g.float(), beta))
+    # the kernels index rows as if contiguous: q, k, v arrive as views of the conv output
+    q, k, v, g, beta = (x.contiguous().unsqueeze(0) for x in (q, k, v, g.float(), beta))
     if meta.max_q_len == 1:
         o, _ = fused_recurrent_kda_fwd(
             q, k, v, g, beta,
