@@ -3,6 +3,7 @@ our recurrent, chunked and packed computations against each other."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -23,6 +24,22 @@ from batchgen.layers.kda import KimiDeltaAttention
 kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 TOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def transformers_torch_path():
+    """transformers binds fla-core's kernels in place of its torch KDA where fla-core is
+    installed; the reference here is its torch code, on the CPU."""
+    names = [
+        "chunk_kimi_delta_attention",
+        "recurrent_kimi_delta_attention",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    ]
+    with pytest.MonkeyPatch.context() as mp:
+        for name in names:
+            mp.setattr(kimi, name, inspect.unwrap(getattr(kimi, name)))
+        yield
 
 
 def tiny_config(**overrides):
