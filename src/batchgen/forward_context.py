@@ -49,6 +49,49 @@ class AttentionMetadata:
 
 
 @dataclass
+class LinearSeq:
+    """One request in the step, as linear-attention layers see it (host-side ints)."""
+
+    q_start: int  # first row of its tokens in the packed batch
+    q_len: int
+    slot: int  # its compressed-state slot (kv/state_pool.py)
+    has_state: bool  # tokens were computed before this step: continue from the slot
+
+
+@dataclass
+class LinearAttentionMetadata:
+    """Every request of the step with its token range and state slot, in packed order.
+
+    packed rows: | req0 (q_len 5) | req1 (1) | req2 (3) |
+    cu_seqlens = [0, 5, 6, 9]; state_slots = [slot0, slot1, slot2]
+
+    `seqs` serves the torch reference; the tensors serve kernels and CUDA graphs (a
+    decode-only step, max_q_len 1, needs no host ints). A layer zeroes `fresh_slots`
+    first, so afterwards every request continues from its slot.
+    """
+
+    seqs: list[LinearSeq]
+    cu_seqlens: torch.Tensor  # [num_reqs + 1] int64, on the device
+    state_slots: torch.Tensor  # [num_reqs] int64, on the device
+    fresh_slots: torch.Tensor  # int64 slots of requests without state: zeroed before use
+    max_q_len: int
+
+    @classmethod
+    def build(cls, seqs: list[LinearSeq], device: torch.device | str) -> LinearAttentionMetadata:
+        """From host-side seqs (packed order, contiguous rows)."""
+        starts = [s.q_start for s in seqs] + [seqs[-1].q_start + seqs[-1].q_len if seqs else 0]
+        return cls(
+            seqs=seqs,
+            cu_seqlens=torch.tensor(starts, dtype=torch.int64, device=device),
+            state_slots=torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=device),
+            fresh_slots=torch.tensor(
+                [s.slot for s in seqs if not s.has_state], dtype=torch.int64, device=device
+            ),
+            max_q_len=max((s.q_len for s in seqs), default=0),
+        )
+
+
+@dataclass
 class ForwardContext:
     metadata: AttentionMetadata
     # per layer, one cache per component of the model's KVState: (k, v) or (latent,)
@@ -58,6 +101,10 @@ class ForwardContext:
     # hook(layer) before a layer touches its KV pages: waits for the pages a copy loads
     # into that layer (or must read from it first) on the compute stream
     before_layer: Callable[[int], None] | None = None
+    # linear-attention (KDA) layers: per such layer (recurrent states [slots, H, Dk, Dv]
+    # float32, conv windows [slots, K - 1, conv_dim]), owned by kv/state_pool.py
+    linear_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    linear_metadata: LinearAttentionMetadata | None = None
 
 
 _current: ForwardContext | None = None

@@ -64,6 +64,7 @@ def next_decode(
                 req.prompt_token_ids,
                 req.output_token_ids,
                 req.seed,
+                s.state_slot,
             )
         )
     if not following:

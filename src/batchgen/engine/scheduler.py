@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.waiting import PrefixWaiting
 from batchgen.kv.kv_manager import KVCacheManager, PrefixHit
+from batchgen.kv.state_pool import StateSlots
 from batchgen.runner.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -20,6 +21,11 @@ class Scheduler:
     its pages survive). Then, if nothing was preempted, waiting requests are admitted
     while pages, the token budget and max_num_seqs allow; the first that does not fit
     ends admission for the step.
+
+    With `state_slots` (a model with linear-attention layers) each running request also
+    holds a compressed-state slot: admission needs a free one, and until the host tier
+    moves states a preempted request is recomputed (never swapped) and prefix hits are
+    not used (the recurrent state at the hit is unknown).
 
     admission="arrival" admits in arrival order (preempted requests first);
     admission="prefix" admits preempted requests first, then by cached prefix length,
@@ -35,10 +41,12 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: list[int],
         admission: str = "prefix",
+        state_slots: StateSlots | None = None,
     ) -> None:
         if admission not in ("prefix", "arrival"):
             raise ValueError(f'admission must be "prefix" or "arrival", got {admission!r}')
         self.kv = kv
+        self.state_slots = state_slots
         self.admission = admission
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -70,7 +78,8 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         """Swap the request's KV to host if the tier has room, else drop it (recompute)."""
-        if self.kv.swap_out(request.request_id, request.num_computed_tokens):
+        swap = self.state_slots is None  # a slot's state cannot be rebuilt from pages
+        if swap and self.kv.swap_out(request.request_id, request.num_computed_tokens):
             request.status = RequestStatus.SWAPPED
         else:
             self.kv.free(request.request_id)
@@ -115,9 +124,11 @@ class Scheduler:
                 break
             # a swapped request comes back like any other: its full pages from the device
             # prefix cache or the host, its last partial page recomputed
+            if self.state_slots is not None and not self.state_slots.num_free:
+                break
             hits = (
                 PrefixHit()  # every prompt position must be computed to report it
-                if _prompt_logprobs_due(req)
+                if _prompt_logprobs_due(req) or self.state_slots is not None
                 else self.kv.lookup_prefix(req.request_id, req.token_ids)
             )
             cached = self.kv.hit_tokens(hits)
@@ -126,6 +137,8 @@ class Scheduler:
                 break
             if req.num_preemptions == 0:
                 self.kv.note_admission(req.num_tokens)
+            if self.state_slots is not None:
+                self.state_slots.take(req.request_id)
             req.num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
             self._admitted(req)
@@ -149,6 +162,7 @@ class Scheduler:
                 req.prompt_token_ids,
                 req.output_token_ids,
                 req.seed,
+                None if self.state_slots is None else self.state_slots.slot(req.request_id),
             )
             for req, n in scheduled
         ]
@@ -178,13 +192,18 @@ class Scheduler:
 
     def _left_running(self, req: Request) -> None:
         self._released.append(req.request_id)
+        if self.state_slots is not None:
+            self.state_slots.release(req.request_id)
         if self.admission == "prefix":
             self.waiting.release(req.request_id)
 
     def admission_candidate(self) -> tuple[Request, int] | None:
         """The request schedule() would try to admit first and the free device pages its
         whole prompt would take (prefix admission counts the cached pages running
-        requests hold as free); None when nothing waits or all waiting are deferred."""
+        requests hold as free); None when nothing waits, all waiting are deferred or no
+        state slot is free."""
+        if self.state_slots is not None and not self.state_slots.num_free:
+            return None
         if self.admission == "arrival":
             if not self.waiting:
                 return None

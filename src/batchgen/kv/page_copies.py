@@ -11,6 +11,12 @@ device staging tensor; the device side gathers or scatters pages with one kernel
 pages are taken in host-page order (the device side's index follows it), so pages whose
 host ids run backwards or interleave, as a sequence evicted tail first leaves them, still
 cross in long blocks instead of one small copy per page and layer.
+
+Compressed-state slots of linear-attention layers (state_pool.py) cross the same way, a
+slot standing for a page:
+
+    device  states [L, slots, H, Dk, Dv]   windows [L, slots, K - 1, C]
+    host    states [L, slots_h, H, Dk, Dv] windows [L, slots_h, K - 1, C]  (layer-major)
 """
 
 from __future__ import annotations
@@ -88,3 +94,46 @@ def host_to_device_pages(
         if on_layer is not None:
             on_layer(layer)
     return (staging, idx)
+
+
+def device_to_host_state(
+    dev: tuple[torch.Tensor, torch.Tensor],
+    host: tuple[torch.Tensor, torch.Tensor],
+    dev_slots: list[int],
+    host_slots: list[int],
+) -> tuple:
+    """Device state slots -> host slots, (states, windows) alike, every layer: one gather
+    per tensor into staging, then per layer one block per run of consecutive host slots."""
+    host_slots, dev_slots = _by_host_page(host_slots, dev_slots)
+    idx = torch.tensor(dev_slots, dtype=torch.int64).to(dev[0].device, non_blocking=True)
+    staged = tuple(t.index_select(1, idx) for t in dev)  # [L, n, ...] each
+    runs = _runs(host_slots)
+    for src, dst in zip(staged, host):
+        for layer in range(dst.shape[0]):
+            for i, first, n in runs:
+                dst[layer, first : first + n].copy_(src[layer, i : i + n], non_blocking=True)
+    return (*staged, idx)
+
+
+def host_to_device_state(
+    host: tuple[torch.Tensor, torch.Tensor],
+    dev: tuple[torch.Tensor, torch.Tensor],
+    host_slots: list[int],
+    dev_slots: list[int],
+) -> tuple:
+    """Host state slots -> device slots, (states, windows) alike, every layer: per layer
+    one block per run of consecutive host slots into staging, then one scatter per tensor."""
+    host_slots, dev_slots = _by_host_page(host_slots, dev_slots)
+    idx = torch.tensor(dev_slots, dtype=torch.int64).to(dev[0].device, non_blocking=True)
+    runs = _runs(host_slots)
+    keep = [idx]
+    for src, dst in zip(host, dev):
+        staging = torch.empty(
+            (dst.shape[0], len(host_slots), *dst.shape[2:]), dtype=src.dtype, device=dst.device
+        )
+        for layer in range(src.shape[0]):
+            for i, first, n in runs:
+                staging[layer, i : i + n].copy_(src[layer, first : first + n], non_blocking=True)
+        dst.index_copy_(1, idx, staging)
+        keep.append(staging)
+    return tuple(keep)

@@ -16,7 +16,8 @@ class ScheduledRequest:
                      0                      start        start + n
     `sample` is true when the step reaches the request's last known token, so the
     logits of its last new token choose the next token. `seed` seeds its sampling noise
-    (with the step; None: the shared generator).
+    (with the step; None: the shared generator). `state_slot`: its compressed-state slot
+    in a model with linear-attention layers (kv/state_pool.py), else None.
     """
 
     request_id: str
@@ -28,6 +29,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed: int | None = None
+    state_slot: int | None = None
 
 
 @dataclass

@@ -1,0 +1,153 @@
+"""The compressed-state pool of linear-attention (KDA) layers: slots, not pages.
+
+A KDA layer keeps no per-token KV. Each running request owns one slot, the same index in
+every KDA layer, holding that layer's
+
+    recurrent state  [H, Dk, Dv]          float32 (rounding compounds over the recurrence)
+    conv window      [K - 1, conv_dim]    the last K - 1 inputs of the short convolution
+
+The pool allocates both once, layer-major, so a slot is one block per layer:
+
+    states   [L_kda, num_slots, H, Dk, Dv]          windows  [L_kda, num_slots, K - 1, C]
+              ^ layer i's view: states[i]  (what ForwardContext.linear_states[i] holds)
+
+`StateSlots` is the bookkeeping (no tensors; the scheduler's side): a slot is taken when
+a request is admitted and released when it finishes, is aborted or is preempted. A new
+request's slot is not wiped here: the layers zero `fresh_slots` on the compute stream at
+the request's first step (LinearAttentionMetadata), so a released slot is reusable at once.
+
+Host tier: `HostStatePool` (pinned, same slot geometry) and the copy bodies in
+page_copies.py (`device_to_host_state`, `host_to_device_state`; a slot crosses like a
+page) exist; the paths that use them, all through `CopyEngine.submit` as KV pages do, are
+planned, not built:
+- swap-out (preemption, end of prefill): a request's slot -> a host slot of a pinned
+  `HostStatePool` of the same geometry, one strided block per layer and kind; the device
+  slot is released only after the copy's completion event (contract rule 3).
+- swap-in (resume): host slot -> a freshly taken device slot; the request's first step
+  must not mark it fresh, and its layers wait on the load per layer (`before_layer`).
+- checkpoints for prefix reuse: at page-aligned positions (every `interval` pages), the
+  slot after the step that ends on that position is copied to a host checkpoint keyed by
+  the page hash of the prefix it summarises; a prefix hit in a hybrid model is usable only
+  up to the longest hit whose checkpoint exists, and loads that checkpoint into the new
+  slot. Until then hybrid models run with prefix caching off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Geometry of one slot: per KDA layer a [num_heads, head_k_dim, head_v_dim] float32
+    state and a [conv_kernel - 1, conv_dim] window in `conv_dtype`."""
+
+    num_layers: int
+    num_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_dim: int
+    conv_kernel: int
+    conv_dtype: torch.dtype
+
+    @property
+    def bytes_per_slot(self) -> int:
+        state = self.num_heads * self.head_k_dim * self.head_v_dim * 4
+        elem = torch.empty((), dtype=self.conv_dtype).element_size()
+        window = (self.conv_kernel - 1) * self.conv_dim * elem
+        return self.num_layers * (state + window)
+
+    def states_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (self.num_layers, num_slots, self.num_heads, self.head_k_dim, self.head_v_dim)
+
+    def windows_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (self.num_layers, num_slots, self.conv_kernel - 1, self.conv_dim)
+
+
+class StatePool:
+    """Owns the slot tensors on one device; layers get per-layer views through the
+    ForwardContext (`layer_states()`, bound by the runner), never the pool itself."""
+
+    def __init__(self, layout: StateLayout, num_slots: int, device: torch.device | str) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the state pool needs at least one slot, got {num_slots}")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        shape = layout.states_shape(num_slots)
+        self.states = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.windows = torch.zeros(
+            layout.windows_shape(num_slots), dtype=layout.conv_dtype, device=self.device
+        )
+
+    def layer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per KDA layer (states [slots, H, Dk, Dv], windows [slots, K - 1, C]), views."""
+        return [(self.states[i], self.windows[i]) for i in range(self.layout.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.states, self.windows))
+
+
+class HostStatePool:
+    """Host slots with the device pool's slot geometry, pinned when `pin`: states
+    [L, num_slots, H, Dk, Dv] float32 and windows [L, num_slots, K - 1, C], layer-major
+    like HostPool. torch.empty: a host slot is read only after a copy wrote it. Copies
+    in and out are page_copies.device_to_host_state / host_to_device_state, run only
+    inside closures handed to CopyEngine.submit."""
+
+    def __init__(self, layout: StateLayout, num_slots: int, pin: bool) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host state pool needs at least one slot, got {num_slots}")
+        self.layout = layout
+        self.num_slots = num_slots
+        shape = layout.states_shape(num_slots)
+        self.states = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
+        self.windows = torch.empty(
+            layout.windows_shape(num_slots), dtype=layout.conv_dtype, pin_memory=pin
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.states, self.windows))
+
+
+class StateSlots:
+    """Which request holds which slot. take() at admission, release() at the end
+    (finish, abort, preemption); a request holds at most one slot."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low ids first
+        self._owner: dict[str, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._owner
+
+    def slot(self, request_id: str) -> int:
+        """The slot of a request that holds one (KeyError otherwise)."""
+        return self._owner[request_id]
+
+    def take(self, request_id: str) -> int:
+        """A free slot for the request; RuntimeError when none is free or it holds one."""
+        if request_id in self._owner:
+            raise RuntimeError(
+                f"request {request_id} already holds state slot {self._owner[request_id]}"
+            )
+        if not self._free:
+            raise RuntimeError("no free state slot (admission must check num_free)")
+        slot = self._free.pop()
+        self._owner[request_id] = slot
+        return slot
+
+    def release(self, request_id: str) -> None:
+        """Give the request's slot back, if it holds one."""
+        slot = self._owner.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)

@@ -1,0 +1,122 @@
+"""Kimi Delta Attention, the linear-attention layer of Kimi Linear and Kimi-K3.
+
+    x ──qkv_proj──> conv1d (causal, K taps, SiLU; per-request window) ──> q | k | v
+    x ──f_a_proj──f_b_proj──> -exp(A_log) * softplus(. + dt_bias) = g   (log decay per key dim)
+    x ──b_proj──sigmoid──> beta
+    q, k, v, g, beta, state[slot] ──KDA (kda_ops)──> o        state[slot] moves on
+    o ──o_norm (RMSNorm per head, * sigmoid(g_b_proj(g_a_proj(x))))──o_proj──> out
+
+No per-token KV: each request owns one slot of the layer's compressed state (recurrent
+state [H, Dk, Dv] float32 and conv window [K - 1, 3 * H * D]) in kv/state_pool.py; the
+slot ids and token ranges come from `ForwardContext.linear_metadata`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen.forward_context import get_forward_context
+from batchgen.layers import kda_ops
+from batchgen.layers.kda_torch import gated_rms_norm, kda_gate
+from batchgen.layers.linear import Linear, merged_shards
+from batchgen.layers.norm import RMSNorm
+
+
+class ConvWeight(Linear):
+    """Depthwise conv taps [channels, K] stacked from q/k/v checkpoint tensors, which come
+    as Conv1d weights [channels, 1, K]."""
+
+    def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        super().load(param, tensor.squeeze(1) if tensor.dim() == 3 else tensor, shard)
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA layer. `layer_id`: its index among all decoder layers; `state_index`: its
+    index among the KDA layers (its entry in `ForwardContext.linear_states`)."""
+
+    def __init__(self, config, layer_id: int, state_index: int, chunk_size: int = 64) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.state_index = state_index
+        self.chunk_size = chunk_size
+        self.num_heads = config.linear_num_heads
+        self.head_dim = config.linear_head_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        self.eps = config.rms_norm_eps
+        hidden, heads, dim = config.hidden_size, self.num_heads, self.head_dim
+        width = heads * dim
+        self.proj_dim = width
+        parts = merged_shards({"q": width, "k": width, "v": width})
+        self.qkv_proj = Linear(hidden, 3 * width, shards=parts)
+        self.conv1d = ConvWeight(self.conv_kernel, 3 * width, shards=parts)
+        self.f_a_proj = Linear(hidden, dim)
+        self.f_b_proj = Linear(dim, width)
+        self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.zeros(width), requires_grad=False)
+        self.b_proj = Linear(hidden, heads)
+        self.g_a_proj = Linear(hidden, dim)
+        self.g_b_proj = Linear(dim, width)
+        self.o_norm = RMSNorm(dim, self.eps)
+        self.o_proj = Linear(width, hidden)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv window (q, k and v)."""
+        return 3 * self.proj_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (the packed step) -> [T, hidden]."""
+        ctx = get_forward_context()
+        if ctx.before_layer is not None:
+            ctx.before_layer(self.layer_id)
+        meta = ctx.linear_metadata
+        states, windows = ctx.linear_states[self.state_index]
+        kda_ops.reset_fresh_slots(states, windows, meta)
+        rows, heads, dim = x.shape[0], self.num_heads, self.head_dim
+        qkv = kda_ops.short_conv(self.qkv_proj(x), self.conv1d.weight, windows, meta)
+        q, k, v = (t.view(rows, heads, dim) for t in qkv.split(self.proj_dim, dim=-1))
+        g = kda_gate(
+            self.f_b_proj(self.f_a_proj(x)).view(rows, heads, dim), self.A_log, self.dt_bias
+        )
+        beta = torch.sigmoid(self.b_proj(x))
+        o = kda_ops.kda_attention(q, k, v, g, beta, states, meta, self.chunk_size)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(rows, heads, dim)
+        o = gated_rms_norm(o, self.o_norm.weight, gate, self.eps)
+        return self.o_proj(o.reshape(rows, heads * dim))
+
+    def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None]:
+        """(module, param, shard) for a checkpoint name relative to `self_attn.`, in the
+        Moonshot checkpoint's naming (q_proj, q_conv1d, f_a_proj, A_log, ...) or
+        transformers' (conv1d.weight stacked, forget_gate.*); KeyError for others."""
+        if name.startswith("forget_gate."):
+            name = name[len("forget_gate.") :]
+        if name in ("A_log", "dt_bias"):
+            return self, name, None
+        proj, _, param = name.rpartition(".")
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            return self.qkv_proj, param, proj[0]
+        if proj in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            return self.conv1d, param, proj[0]
+        if proj == "conv1d":
+            return self.conv1d, param, None
+        if proj in _PLAIN and param == "weight":
+            return getattr(self, proj), param, None
+        raise KeyError(name)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (name relative to `self_attn.`) into its place."""
+        module, param, shard = self.checkpoint_target(name)
+        if isinstance(module, Linear):
+            module.load(param, tensor, shard)
+            return
+        target = getattr(module, param)
+        if tensor.numel() != target.numel():
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor.reshape(target.shape))
+
+
+_PLAIN = ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj")

@@ -1,0 +1,294 @@
+"""KDA layer: ours against transformers' KimiLinearDeltaAttention (same weights, fp32), and
+our recurrent, chunked and packed computations against each other."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from batchgen.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    LinearAttentionMetadata,
+    LinearSeq,
+    bind_forward_context,
+)
+from batchgen.kv.page_copies import device_to_host_state, host_to_device_state
+from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool
+from batchgen.layers import kda_torch
+from batchgen.layers.kda import KimiDeltaAttention
+
+kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def transformers_torch_path():
+    """transformers binds fla-core's kernels in place of its torch KDA where fla-core is
+    installed; the reference here is its torch code, on the CPU."""
+    names = [
+        "chunk_kimi_delta_attention",
+        "recurrent_kimi_delta_attention",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    ]
+    with pytest.MonkeyPatch.context() as mp:
+        for name in names:
+            mp.setattr(kimi, name, inspect.unwrap(getattr(kimi, name)))
+        yield
+
+
+def tiny_config(**overrides):
+    from transformers import KimiLinearConfig
+
+    fields = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        linear_num_heads=2,
+        linear_head_dim=8,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+    )
+    return KimiLinearConfig(**{**fields, **overrides})
+
+
+def hf_layer(config, seed: int = 0):
+    """transformers' KDA module with random weights as transformers initialises them
+    (projections normal(0, initializer_range); A_log, dt_bias as fla does)."""
+    torch.manual_seed(seed)
+    layer = kimi.KimiLinearDeltaAttention(config, layer_idx=0).float().eval()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(1, 16).log())
+            elif name.endswith("dt_bias"):  # softplus(dt_bias) in [1e-3, 1e-1], as fla inits
+                dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif name.endswith("o_norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif "conv1d" in name:
+                p.normal_(0, 1 / math.sqrt(p.shape[-1]))
+            else:  # projections: transformers' initializer_range
+                p.normal_(0, config.initializer_range)
+    return layer
+
+
+def our_layer(config, hf, chunk_size: int = 16) -> KimiDeltaAttention:
+    layer = KimiDeltaAttention(config, layer_id=0, state_index=0, chunk_size=chunk_size)
+    for name, tensor in hf.state_dict().items():
+        layer.load_weight(name, tensor)
+    return layer
+
+
+def pool_for(layer: KimiDeltaAttention, num_slots: int = 4) -> StatePool:
+    layout = StateLayout(
+        num_layers=1,
+        num_heads=layer.num_heads,
+        head_k_dim=layer.head_dim,
+        head_v_dim=layer.head_dim,
+        conv_dim=layer.conv_dim,
+        conv_kernel=layer.conv_kernel,
+        conv_dtype=torch.float32,
+    )
+    return StatePool(layout, num_slots, "cpu")
+
+
+def run_step(layer, pool, parts: list[tuple[torch.Tensor, int, bool]]) -> list[torch.Tensor]:
+    """One packed step: parts are (x rows [n, hidden], slot, has_state); outputs per part."""
+    seqs, start = [], 0
+    for rows, slot, has_state in parts:
+        seqs.append(LinearSeq(q_start=start, q_len=rows.shape[0], slot=slot, has_state=has_state))
+        start += rows.shape[0]
+    x = torch.cat([rows for rows, _, _ in parts])
+    ctx = ForwardContext(
+        metadata=AttentionMetadata(
+            num_tokens=start, slot_mapping=torch.zeros(start, dtype=torch.int64)
+        ),
+        kv_caches=[],
+        linear_states=pool.layer_states(),
+        linear_metadata=LinearAttentionMetadata.build(seqs, "cpu"),
+    )
+    with torch.no_grad(), bind_forward_context(ctx):
+        out = layer(x)
+    return [out[s.q_start : s.q_start + s.q_len] for s in seqs]
+
+
+def hf_prefill(hf, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(x.unsqueeze(0))[0]
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = tiny_config()
+    hf = hf_layer(config)
+    return config, hf
+
+
+@pytest.mark.parametrize("length", [1, 5, 16, 40])
+def test_single_prompt_matches_transformers(setup, length):
+    config, hf = setup
+    ours = our_layer(config, hf, chunk_size=16)
+    x = torch.randn(length, config.hidden_size)
+    (out,) = run_step(ours, pool_for(ours), [(x, 0, False)])
+    assert err(out, hf_prefill(hf, x)) < TOL
+
+
+def test_prompt_across_fla_chunks_matches_transformers(setup):
+    """Chunk size 64 as fla and transformers use, 150 tokens: three chunks, the last short."""
+    config, hf = setup
+    ours = our_layer(config, hf, chunk_size=64)
+    x = torch.randn(150, config.hidden_size)
+    (out,) = run_step(ours, pool_for(ours), [(x, 1, False)])
+    assert err(out, hf_prefill(hf, x)) < TOL
+
+
+@pytest.mark.parametrize("split", [3, 16, 21])
+def test_chunked_prefill_carries_state(setup, split):
+    config, hf = setup
+    ours = our_layer(config, hf, chunk_size=16)
+    pool = pool_for(ours)
+    x = torch.randn(45, config.hidden_size)
+    (first,) = run_step(ours, pool, [(x[:split], 2, False)])
+    (second,) = run_step(ours, pool, [(x[split:], 2, True)])
+    assert err(torch.cat([first, second]), hf_prefill(hf, x)) < TOL
+
+
+def test_decode_after_prefill_matches_full_prefill(setup):
+    config, hf = setup
+    ours = our_layer(config, hf, chunk_size=16)
+    pool = pool_for(ours)
+    x = torch.randn(26, config.hidden_size)
+    outs = run_step(ours, pool, [(x[:20], 3, False)])
+    for t in range(20, 26):  # one token a step: the batched recurrent path
+        outs += run_step(ours, pool, [(x[t : t + 1], 3, True)])
+    assert err(torch.cat(outs), hf_prefill(hf, x)) < TOL
+
+
+def test_packed_batch_of_requests(setup):
+    """Several requests in one step, mixed prefill chunks and decodes, slots out of order;
+    then a decode-only step over all of them."""
+    config, hf = setup
+    ours = our_layer(config, hf, chunk_size=16)
+    pool = pool_for(ours, num_slots=6)
+    lengths, slots = [37, 1, 12, 20], [5, 0, 3, 1]
+    xs = [torch.randn(n + 1, config.hidden_size) for n in lengths]
+    # request 3 already computed its first 8 tokens in an earlier step
+    run_step(ours, pool, [(xs[3][:8], slots[3], False)])
+    parts = [
+        (xs[0][:37], 5, False),
+        (xs[1][:1], 0, False),
+        (xs[2][:12], 3, False),
+        (xs[3][8:20], 1, True),
+    ]
+    step1 = run_step(ours, pool, parts)
+    step2 = run_step(ours, pool, [(x[-1:], s, True) for x, s in zip(xs, slots)])
+    for i, x in enumerate(xs):
+        want = hf_prefill(hf, x)
+        got = torch.cat([step1[i], step2[i]])
+        assert err(got, want[-got.shape[0] :]) < TOL, f"request {i}"
+
+
+def test_fresh_request_ignores_stale_slot(setup):
+    """A slot released by one request and taken by another starts from zeros."""
+    config, hf = setup
+    ours = our_layer(config, hf, chunk_size=16)
+    pool = pool_for(ours)
+    run_step(ours, pool, [(torch.randn(9, config.hidden_size), 0, False)])
+    x = torch.randn(6, config.hidden_size)
+    (out,) = run_step(ours, pool, [(x, 0, False)])
+    assert err(out, hf_prefill(hf, x)) < TOL
+
+
+def test_state_swapped_out_and_in_continues_exactly(setup):
+    """Prefill, move the slot to the host, let another request reuse the device slot,
+    bring the state back into a different slot, decode: as if it never moved."""
+    config, hf = setup
+    ours = our_layer(config, hf, chunk_size=16)
+    pool = pool_for(ours, num_slots=4)
+    host = HostStatePool(pool.layout, 2, pin=False)
+    x = torch.randn(24, config.hidden_size)
+    outs = run_step(ours, pool, [(x[:20], 0, False)])
+    device_to_host_state((pool.states, pool.windows), (host.states, host.windows), [0], [1])
+    run_step(ours, pool, [(torch.randn(7, config.hidden_size), 0, False)])  # slot 0 reused
+    host_to_device_state((host.states, host.windows), (pool.states, pool.windows), [1], [3])
+    for t in range(20, 24):
+        outs += run_step(ours, pool, [(x[t : t + 1], 3, True)])
+    assert err(torch.cat(outs), hf_prefill(hf, x)) < TOL
+
+
+def random_kda_inputs(length: int, heads: int = 3, dk: int = 8, dv: int = 6, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(length, heads, dk, generator=gen)
+    k = torch.randn(length, heads, dk, generator=gen)
+    v = torch.randn(length, heads, dv, generator=gen)
+    g = -torch.rand(length, heads, dk, generator=gen) * 2  # log decay in (-2, 0]
+    beta = torch.rand(length, heads, generator=gen)
+    state = torch.randn(heads, dk, dv, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("length,chunk", [(1, 4), (7, 4), (33, 8), (64, 64), (65, 16)])
+def test_recurrent_equals_chunked(length, chunk):
+    args = random_kda_inputs(length)
+    o_rec, s_rec = kda_torch.kda_recurrent_loop(*args)
+    o_chk, s_chk = kda_torch.kda_chunk(*args, chunk_size=chunk)
+    assert err(o_rec, o_chk) < TOL
+    assert err(s_rec, s_chk) < TOL
+
+
+def test_recurrent_matches_transformers_recurrence():
+    q, k, v, g, beta, state = random_kda_inputs(12)
+    o, s = kda_torch.kda_recurrent_loop(q, k, v, g, beta, state)
+    want_o, want_s = kimi.recurrent_kimi_delta_attention(
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        state[None].clone(),
+        True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    assert err(o, want_o[0]) < TOL
+    assert err(s, want_s[0]) < TOL
+
+
+def test_gate_matches_transformers(setup):
+    config, hf = setup
+    ours = our_layer(config, hf)
+    x = torch.randn(5, config.hidden_size)
+    with torch.no_grad():
+        want = hf.forget_gate(x[None])[0]
+        f = ours.f_b_proj(ours.f_a_proj(x)).view(5, ours.num_heads, ours.head_dim)
+        got = kda_torch.kda_gate(f, ours.A_log, ours.dt_bias)
+    assert err(got, want) < TOL
+
+
+def test_loads_moonshot_checkpoint_names(setup):
+    """The Hub checkpoint's names: separate q/k/v conv weights, gate weights unnested."""
+    config, hf = setup
+    ours = our_layer(config, hf)
+    other = KimiDeltaAttention(config, layer_id=0, state_index=0)
+    sd = hf.state_dict()
+    width = ours.proj_dim
+    for name, tensor in sd.items():
+        if name == "conv1d.weight":
+            for i, part in enumerate("qkv"):
+                other.load_weight(f"{part}_conv1d.weight", tensor[i * width : (i + 1) * width])
+        else:
+            other.load_weight(name.removeprefix("forget_gate."), tensor)
+    for (name, a), (_, b) in zip(ours.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(KeyError):
+        other.checkpoint_target("q_norm.weight")
