@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.kv_state import KVState
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.attention import Attention
 from batchgen.layers.linear import Linear, merged_shards
@@ -119,6 +120,8 @@ class LlamaForCausalLM(nn.Module):
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.kv_state = KVState.mha(num_kv_heads, head_dim)  # per token per layer: K and V
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary, self.qkv_bias, self.qk_norm)
