@@ -129,6 +129,7 @@ class _Job:
         lines = read_lines(opts.input)
         try:
             self.pool.start()
+            start = time.monotonic()  # as the single engine's: from a loaded model on
             with Signals() as sig:
                 while not sig.abandon:
                     if not sig.stop:
@@ -136,14 +137,15 @@ class _Job:
                     self._write_finished()
                     if not sig.stop:
                         self._dispatch()
-                    if not self.calls:
-                        if self.queue and not sig.stop:
+                    done = self.exhausted and self.next_write == self.next_shard
+                    if done or (sig.stop and not self.calls):
+                        break
+                    if not self.calls and not self.pool.starting():
+                        if self.queue:
                             raise DataParallelError(
                                 "every engine died and none may be restarted "
                                 f"({self.pool.max_restarts} restarts allowed)"
                             )
-                        if sig.stop or (self.exhausted and self.next_write == self.next_shard):
-                            break
                         continue
                     self._collect()
                 self.summary.interrupted = not (
@@ -226,8 +228,13 @@ class _Job:
             engine.in_flight += 1
 
     def _collect(self) -> None:
-        ready, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=0.5)
+        """Wait up to 0.5 s for a shard call to end or an engine to start; handle it."""
+        starting = self.pool.starting()
+        ready, _ = self.ray.wait([*self.calls, *starting], num_returns=1, timeout=0.5)
         for ref in ready:
+            if ref not in self.calls:
+                self.pool.on_ready(ref)
+                continue
             engine, shard = self.calls.pop(ref)
             engine.in_flight -= 1
             try:
@@ -237,6 +244,7 @@ class _Job:
                 self._retry(shard, e)
             except self.ray.exceptions.RayError as e:  # the engine raised: run it again
                 self._retry(shard, e)
+        self.pool.check_starts()
 
     def _retry(self, shard: Shard, error: Exception) -> None:
         shard.attempts += 1

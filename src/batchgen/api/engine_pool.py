@@ -6,12 +6,16 @@ Invariants:
 - A slot holds one live actor at a time; a replacement gets a fresh name, so it never
   waits for the dead actor's name to be released.
 - At most `max_restarts` replacements per job; past that a dead slot stays empty.
+- Shards go only to engines whose model is loaded (`ready`): a replacement that cannot
+  be placed (its node is gone) never holds shards, and one that has not started within
+  start_timeout_s counts as dead.
 - Every actor this pool created is killed by close(), dead ones included.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -33,7 +37,8 @@ class Engine:
 
     def __init__(self, slot: int, handle, ready_ref) -> None:
         self.slot, self.handle, self.ready_ref = slot, handle, ready_ref
-        self.alive, self.in_flight = True, 0
+        self.alive, self.ready, self.in_flight = True, False, 0
+        self.spawned_at = time.monotonic()
 
 
 class EnginePool:
@@ -57,20 +62,45 @@ class EnginePool:
         failed = []
         for engine in list(self.engines):
             if engine.ready_ref in ready:
-                try:
-                    pid = self.ray.get(engine.ready_ref)
-                except Exception as e:
-                    failed.append((engine, e))
-                    continue
-                logger.info("engine %d ready (process %d)", engine.slot, pid)
-        if len(failed) == len(self.engines):
+                error = self._loaded(engine)
+                if error is not None:
+                    failed.append((engine, error))
+        if not any(e.ready for e in self.engines):
             raise DataParallelUsageError(f"no engine could start: {first_line(failed[0][1])}")
         for engine, error in failed:  # the others run; this one is replaced if it may be
             self.died(engine, error)
 
+    def starting(self) -> list:
+        """The ready refs of live engines still loading their model."""
+        return [e.ready_ref for e in self.engines if e.alive and not e.ready]
+
+    def on_ready(self, ref) -> None:
+        """An engine's ready() returned: it takes shards from now on, or it died."""
+        engine = next(e for e in self.created if e.ready_ref == ref)
+        error = self._loaded(engine)
+        if error is not None:
+            self.died(engine, error)
+
+    def _loaded(self, engine: Engine) -> Exception | None:
+        try:
+            pid = self.ray.get(engine.ready_ref)
+        except Exception as e:
+            return e
+        engine.ready = True
+        logger.info("engine %d ready (process %d)", engine.slot, pid)
+        return None
+
+    def check_starts(self) -> None:
+        """Count an engine that has not started within start_timeout_s as dead."""
+        timeout = self.dp.start_timeout_s
+        for engine in list(self.engines):
+            if engine.alive and not engine.ready:
+                if time.monotonic() - engine.spawned_at > timeout:
+                    self.died(engine, TimeoutError(f"it did not start within {timeout:g} s"))
+
     def with_room(self) -> Engine | None:
         """The least busy live engine that may take another shard, if any."""
-        live = [e for e in self.engines if e.alive and e.in_flight < self.per_engine]
+        live = [e for e in self.engines if e.ready and e.alive and e.in_flight < self.per_engine]
         return min(live, key=lambda e: e.in_flight) if live else None
 
     def died(self, engine: Engine, error: Exception) -> None:
