@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 from conftest import save_tiny_model
@@ -15,12 +16,16 @@ from batchgen.api.shard_worker import Shard, ShardWorker
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory) -> ShardWorker:
+def model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny")
     save_tiny_model(path, "LlamaForCausalLM")
-    opts = JobOptions(input=path / "in.jsonl", output=path / "out.jsonl", model_name="tiny")
+    return str(path)
+
+
+def _worker(model: str) -> ShardWorker:
+    opts = JobOptions(input=Path("in.jsonl"), output=Path("out.jsonl"), model_name="tiny")
     engine = {"device": "cpu", "kv_cache_size_gib": 0.02, "max_num_seqs": 4}
-    return ShardWorker(str(path), engine, opts)
+    return ShardWorker(model, engine, opts)
 
 
 def _item(line: int, words: str, max_tokens: int) -> bf.BatchItem:
@@ -46,7 +51,8 @@ def _run_all(worker: ShardWorker, shards: list[Shard]) -> list:
     return results
 
 
-def test_shards_share_the_engine_and_come_back_in_input_order(worker):
+def test_shards_share_the_engine_and_come_back_in_input_order(model):
+    worker = _worker(model)
     shards = [
         Shard(0, [_item(1, "w5 w6", 12), _item(2, "w7", 2), _item(3, "w9 " * 1100, 2)]),
         Shard(1, [_item(4, "w8", 3), _item(5, "w10 w11", 1)]),
@@ -61,11 +67,19 @@ def test_shards_share_the_engine_and_come_back_in_input_order(worker):
     assert first.completion_tokens == sum(u["completion_tokens"] for u in usage)
 
 
-def test_after_an_engine_error_every_shard_fails(worker, monkeypatch):
-    def broken_step():
+@pytest.mark.parametrize("where", ["step", "output_line"])
+def test_after_an_engine_error_every_shard_fails(model, monkeypatch, where):
+    """An error in the engine thread, in a step or while making a result line, fails
+    the shards in flight and every later one; no call waits forever."""
+    worker = _worker(model)
+
+    def broken(*args):
         raise RuntimeError("the device fell over")
 
-    monkeypatch.setattr(worker.llm.engine, "step", broken_step)
+    if where == "step":
+        monkeypatch.setattr(worker.llm.engine, "step", broken)
+    else:
+        monkeypatch.setattr(bf, "output_line", broken)
     results = _run_all(worker, [Shard(0, [_item(1, "w5", 2)]), Shard(1, [_item(2, "w6", 2)])])
     assert all(isinstance(r, RuntimeError) for r in results), results
     (later,) = _run_all(worker, [Shard(2, [_item(3, "w7", 2)])])

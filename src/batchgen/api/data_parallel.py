@@ -20,7 +20,8 @@ Invariants:
   output written only by data-parallel runs is in input order across kills and reruns.
 - At most `window` shards are read and not yet written: memory holds at most that many
   shards' requests and results, never the input.
-- A shard whose run fails (its actor died, or its engine raised) goes back to the queue;
+- A shard whose run fails (its actor died, or its engine raised: the actor is replaced)
+  goes back to the queue;
   after max_shard_attempts failures, or with no engine left, the job stops with
   DataParallelError after writing every shard it can in order: a rerun resumes.
 """
@@ -239,10 +240,8 @@ class _Job:
             engine.in_flight -= 1
             try:
                 self.finished[shard.index] = self.ray.get(ref)
-            except self.ray.exceptions.RayActorError as e:
-                self.pool.died(engine, e)
-                self._retry(shard, e)
-            except self.ray.exceptions.RayError as e:  # the engine raised: run it again
+            except self.ray.exceptions.RayError as e:  # died, or its engine raised
+                self.pool.died(engine, e)  # a worker whose engine raised is broken
                 self._retry(shard, e)
         self.pool.check_starts()
 

@@ -104,7 +104,8 @@ class EnginePool:
         return min(live, key=lambda e: e.in_flight) if live else None
 
     def died(self, engine: Engine, error: Exception) -> None:
-        """Mark `engine` dead (once) and put a new one in its slot if restarts are left."""
+        """Mark `engine` dead (once; it is killed, if it was alive but broken) and put a
+        new one in its slot if restarts are left."""
         if not engine.alive:
             return  # another of its calls already told
         engine.alive = False
@@ -113,15 +114,15 @@ class EnginePool:
             self.restarts_left -= 1
             self.engines[engine.slot] = self._spawn(engine.slot)
             logger.warning(
-                "engine %d died; its shards go back to the queue and a new engine takes "
-                "its place (%d restarts left): %s",
+                "engine %d failed; its shards go back to the queue and a new engine "
+                "takes its place (%d restarts left): %s",
                 engine.slot,
                 self.restarts_left,
                 first_line(error),
             )
         else:
             logger.warning(
-                "engine %d died; its shards go back to the queue (no restarts left): %s",
+                "engine %d failed; its shards go back to the queue (no restarts left): %s",
                 engine.slot,
                 first_line(error),
             )
@@ -155,6 +156,8 @@ class EnginePool:
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of an error's message (Ray's run to a traceback), or its type."""
+    """The first line of an error's message, or its type; for an error Ray raises on
+    behalf of an actor, of the actor's own error (Ray's message opens on a traceback)."""
+    error = getattr(error, "cause", None) or error
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__

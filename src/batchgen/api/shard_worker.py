@@ -13,8 +13,10 @@ Invariants:
 - Only the engine thread touches the engine; calls meet it through the inbox.
 - A ShardResult holds one record per item of its shard: an output line, or an error
   record for an item the engine refused; each list is sorted by input line.
-- After an engine error every shard in flight, and every later one, fails with it (the
-  driver reassigns them); the worker never returns a partial shard.
+- After an error in the engine thread (a step, or writing a result) every shard in
+  flight, and every later one, fails with it; the driver replaces the worker and runs
+  the shards elsewhere. The worker never returns a partial shard, and its calls never
+  wait on a dead thread.
 
 This module does not import Ray: the driver wraps ShardWorker with ray.remote.
 """
@@ -93,34 +95,42 @@ class ShardWorker:
         return run.result
 
     def _loop(self) -> None:
-        engine = self.llm.engine
         while True:
-            idle = self._broken is not None or not engine.has_unfinished
-            run = self._inbox.get() if idle else None
-            while True:
-                if run is not None:
-                    self._admit(run)
-                try:
-                    run = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-            if self._broken is not None or not engine.has_unfinished:
-                continue
             try:
-                finished = engine.step()
+                self._step()
             except Exception as e:  # the engine's state is unknown: fail all, run no more
                 self._broken = e
                 runs = {id(r): r for r, _ in self._pending.values()}
                 self._pending.clear()
                 for r in runs.values():
                     r.finish(e)
-                continue
-            for req in finished:
+
+    def _step(self) -> None:
+        """Admit every shard waiting in the inbox (block when idle), then one step."""
+        engine = self.llm.engine
+        idle = self._broken is not None or not engine.has_unfinished
+        run = self._inbox.get() if idle else None
+        while True:
+            if run is not None:
+                self._admit(run)
+            try:
+                run = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        if self._broken is None and engine.has_unfinished:
+            for req in engine.step():
                 self._record(req)
 
     def _admit(self, run: _ShardRun) -> None:
         if self._broken is not None:
             return run.finish(self._broken)
+        try:
+            self._add(run)
+        except Exception as e:  # the run may have no request in the engine to fail it
+            run.finish(e)
+            raise
+
+    def _add(self, run: _ShardRun) -> None:
         for item in run.shard.items:
             try:
                 ids, params = prepare_request(self.llm, item, self.opts)
@@ -137,10 +147,12 @@ class ShardWorker:
             run.finish()
 
     def _record(self, req) -> None:
-        run, pending = self._pending.pop(req.request_id)
+        run, pending = self._pending[req.request_id]  # popped once its line is made
         line = bf.output_line(pending, req, self.opts.model_name, self.llm.tokenizer)
+        record = bf.dumps(line)
+        del self._pending[req.request_id]
         result = run.result
-        result.outputs.append((pending.line, bf.dumps(line)))
+        result.outputs.append((pending.line, record))
         result.prompt_tokens += len(req.prompt_token_ids)
         result.completion_tokens += len(req.output_token_ids)
         run.left -= 1
