@@ -111,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--shard-size",
         type=int,
-        default=64,
+        default=None,
         metavar="N",
-        help="input lines per shard under --data-parallel (default: 64)",
+        help="input lines per shard under --data-parallel (default: 64; an error without it)",
     )
     run.add_argument(
         "--debug",
@@ -180,6 +180,8 @@ def _run(args: argparse.Namespace) -> int:
             return _usage_error(f"{name} must be >= {low}, got {value}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         return _usage_error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.shard_size is not None and args.data_parallel is None:
+        return _usage_error("--shard-size applies to --data-parallel runs only")
     if args.data_parallel is not None:
         from batchgen.api.data_parallel import RayNotInstalled, import_ray
 
@@ -286,11 +288,9 @@ def _run_data_parallel(args: argparse.Namespace, opts, kwargs: dict) -> int:
 
     out = opts.output
     try:
+        shard = {} if args.shard_size is None else {"shard_size": args.shard_size}
         dp = DataParallelOptions(
-            num_engines=args.data_parallel,
-            model=args.model,
-            engine_kwargs=kwargs,
-            shard_size=args.shard_size,
+            num_engines=args.data_parallel, model=args.model, engine_kwargs=kwargs, **shard
         )
         summary = run_data_parallel(opts, dp)
     except DataParallelUsageError as e:
