@@ -199,3 +199,12 @@ def test_the_readme_command_on_the_default_model_prints_no_library_noise(tmp_pat
     )  # fmt: skip
     assert rc == EXIT_OK, shown[-2000:]
     assert "Converting and de-quantizing GGUF tensors" in shown
+
+
+def test_shard_size_without_data_parallel_is_a_usage_error(tmp_path, caplog):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt": "w5"}\n')
+    code = main(["run", str(inp), "-o", str(tmp_path / "out.jsonl"), "--shard-size", "8"])
+    assert code == 2
+    assert "--shard-size applies to --data-parallel runs only" in caplog.text
+    assert not (tmp_path / "out.jsonl").exists()

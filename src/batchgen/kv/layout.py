@@ -34,7 +34,7 @@ class KVLayout:
 
     @property
     def bytes_per_page(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize  # no tensor: the tier asks for this per copy
         per_layer = self.num_components * self.page_size * self.num_kv_heads * self.head_dim
         return self.num_layers * per_layer * elem
 
