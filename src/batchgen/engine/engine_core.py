@@ -14,6 +14,7 @@ from batchgen.config import EngineConfig
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
 from batchgen.engine.memory import (
+    build_state_pool,
     copy_bytes_per_second,
     plan_num_pages,
     recompute_seconds_per_token,
@@ -27,6 +28,7 @@ from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
+from batchgen.kv.state_pool import StateSlots
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model
 from batchgen.runner.batch import SchedulerOutput
@@ -65,15 +67,18 @@ class EngineCore:
         self.dtype = dtype
         self.max_model_len = max_model_len(config, hf_config)
         self.eos_token_ids = eos_token_ids(hf_config, tokenizer, generation_eos(config.model))
-        self.layout = KVLayout.of(
-            model.kv_state, hf_config.num_hidden_layers, config.page_size, dtype
-        )
+        num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
+        self.layout = KVLayout.of(model.kv_state, num_kv_layers, config.page_size, dtype)
+        # allocated before the warm-up profile: its bytes count in the peak, so they come
+        # out of what the KV pool may use
+        self.state_pool = build_state_pool(model, config, dtype, device)
         num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
         self._check_pool_size(num_pages)
         self.pool = PagePool(self.layout, num_pages, device)
-        self.kv = KVCacheManager(
-            num_pages, config.page_size, config.enable_prefix_caching, None, config.decode_append
-        )
+        # hybrid models: no prefix hits until state checkpoints exist (a hit needs the
+        # recurrent state at the hit's last token), so nothing is cached at all
+        caching = config.enable_prefix_caching and self.state_pool is None
+        self.kv = KVCacheManager(num_pages, config.page_size, caching, None, config.decode_append)
         self.tier = self._build_tier() if config.host_kv_size_gib > 0 else None
         self.scheduler = Scheduler(
             self.kv,
@@ -82,6 +87,7 @@ class EngineCore:
             self.max_model_len,
             self.eos_token_ids,
             admission=config.admission,
+            state_slots=None if self.state_pool is None else StateSlots(config.max_num_seqs),
         )
         backend = self._attention_backend()
         plan = None
@@ -103,6 +109,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_pages=-(-self.max_model_len // config.page_size),
             seed=config.seed,
+            linear_states=None if self.state_pool is None else self.state_pool.layer_states(),
         )
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
@@ -136,8 +143,11 @@ class EngineCore:
         )
 
     def _decode_graphs(self, backend: str, plan) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps: on a GPU with the (graph-safe) Triton backend."""
+        """CUDA graphs for decode steps: on a GPU with the (graph-safe) Triton backend,
+        for models without linear-attention layers (graphs do not bind state slots yet)."""
         if self.config.enforce_eager or self.device.type != "cuda" or backend != "triton":
+            return None
+        if self.state_pool is not None:
             return None
         return DecodeGraphs(
             self.model,
@@ -272,8 +282,17 @@ class EngineCore:
     def _profile_forward(self, num_tokens: int) -> None:
         n = min(num_tokens, self.max_model_len)
         backend = self._attention_backend()
+        states = None if self.state_pool is None else self.state_pool.layer_states()
         warmup_forward(
-            self.model, self.layout, self.device, self.hf_config, self.eos_token_ids, n, backend
+            self.model,
+            self.layout,
+            self.device,
+            self.hf_config,
+            self.eos_token_ids,
+            n,
+            backend,
+            linear_states=states,
+            state_slot=self.config.max_num_seqs,  # the spare slot (build_state_pool)
         )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, what: str) -> None:

@@ -11,6 +11,7 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
+from batchgen.kv.state_pool import StateLayout, StatePool
 from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.sampling_params import SamplingParams
@@ -51,6 +52,50 @@ def plan_num_pages(
     return max(pages, 0)
 
 
+def state_layout(model, dtype: torch.dtype) -> StateLayout | None:
+    """The compressed-state slot geometry of a model's linear-attention (KDA) layers
+    (`model.linear_layers`, in state-index order), or None for a model without any."""
+    layers = list(getattr(model, "linear_layers", None) or [])
+    if not layers:
+        return None
+    first = layers[0]
+    return StateLayout(
+        num_layers=len(layers),
+        num_heads=first.num_heads,
+        head_k_dim=first.head_dim,
+        head_v_dim=first.head_dim,
+        conv_dim=first.conv_dim,
+        conv_kernel=first.conv_kernel,
+        conv_dtype=dtype,  # the window holds the projections' outputs
+    )
+
+
+def build_state_pool(
+    model, config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> StatePool | None:
+    """The compressed-state pool of a model with linear-attention (KDA) layers, None for
+    one without: a slot per running request (max_num_seqs) and a spare no request takes
+    (the warm-up forward's, and padding rows' of captured decode graphs). The engine
+    allocates it before the warm-up profile, so its bytes count in the peak and come out
+    of what the KV pool may use. The host tier cannot move states yet: refused."""
+    layout = state_layout(model, dtype)
+    if layout is None:
+        return None
+    if config.host_kv_size_gib > 0:
+        raise ValueError(
+            f"{type(model).__name__} has linear-attention layers: the host KV tier does "
+            "not move their compressed state yet (set host_kv_size_gib=0)"
+        )
+    pool = StatePool(layout, config.max_num_seqs + 1, device)
+    logger.info(
+        "compressed state: %d slots of %d KDA layers (%.2f GiB); prefix caching off",
+        pool.num_slots,
+        layout.num_layers,
+        pool.nbytes / 2**30,
+    )
+    return pool
+
+
 def warmup_forward(
     model,
     layout: KVLayout,
@@ -59,10 +104,14 @@ def warmup_forward(
     eos_token_ids,
     num_tokens: int,
     attention_backend: str = "torch",
+    linear_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    state_slot: int | None = None,
 ) -> None:
     """One forward of a num_tokens prompt through a throw-away pool, on the attention
     backend the engine runs: the peak memory of the largest step, for plan_num_pages,
-    and its time, for the tier's cost rule (the caller caps num_tokens at max_model_len)."""
+    and its time, for the tier's cost rule (the caller caps num_tokens at max_model_len).
+    A model with linear-attention layers runs on the engine's state pool (`linear_states`)
+    in `state_slot`, a slot no request holds (the layers zero it first)."""
     pages = -(-num_tokens // layout.page_size)
     pool = PagePool(layout, pages + 1, device)
     runner = ModelRunner(
@@ -75,10 +124,13 @@ def warmup_forward(
         attention_backend=attention_backend,
         max_num_seqs=1,
         max_pages=pages,
+        linear_states=linear_states,
     )
     prompt = [0] * num_tokens
     greedy = SamplingParams(temperature=0)
-    request = ScheduledRequest("profile", prompt, 0, list(range(pages)), True, greedy, prompt, [])
+    request = ScheduledRequest(
+        "profile", prompt, 0, list(range(pages)), True, greedy, prompt, [], None, state_slot
+    )
     runner.execute(SchedulerOutput([request]))
 
 

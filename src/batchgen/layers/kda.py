@@ -52,8 +52,11 @@ class KimiDeltaAttention(nn.Module):
         self.conv1d = ConvWeight(self.conv_kernel, 3 * width, shards=parts)
         self.f_a_proj = Linear(hidden, dim)
         self.f_b_proj = Linear(dim, width)
-        self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.zeros(width), requires_grad=False)
+        # the decay's parameters stay float32 whatever the model dtype (as checkpoints keep
+        # them): the gate is computed in float32 and its rounding compounds over the recurrence
+        fp32 = {"dtype": torch.float32}
+        self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1, **fp32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.zeros(width, **fp32), requires_grad=False)
         self.b_proj = Linear(hidden, heads)
         self.g_a_proj = Linear(hidden, dim)
         self.g_b_proj = Linear(dim, width)

@@ -9,6 +9,9 @@ Each token stores only its latent (see mla_torch for the page layout). Prefill c
 attend over their sequence's latent decompressed through kv_b_proj; decode rows attend
 absorbed: W_UK (kv_b_proj's key rows) folded into the query, W_UV applied after.
 Parameter names follow transformers' DeepseekV3Attention.
+
+NoPE (Kimi Linear's MLA layers, `rotary=None`): no rotation anywhere; the "rope" part of
+the query and of the latent is kept as computed, and the scale is 1/sqrt(qk head dim).
 """
 
 from __future__ import annotations
@@ -53,7 +56,10 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding) -> None:
+    """`layer_id`: the layer's index among the model's KV-cache layers (its entry in
+    `ForwardContext.kv_caches`); `rotary` None: NoPE (no position encoding)."""
+
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
@@ -78,7 +84,7 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
         self.interleaved = bool(getattr(config, "rope_interleave", True))
-        self.scale = softmax_scale(config)
+        self.scale = softmax_scale(config) if rotary is not None else qk_dim**-0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -88,10 +94,12 @@ class MLAttention(nn.Module):
             q = self.q_proj(x)
         q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        if self.interleaved:
-            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])
-        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe[:, 0]), dim=-1)
+        if self.rotary is not None:
+            if self.interleaved:
+                q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+            q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])
+            k_pe = k_pe[:, 0]
+        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
         return self.o_proj(self.attend(q_nope, q_pe, latent).reshape(t, -1))
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor):

@@ -175,7 +175,8 @@ def build_model(
         _load_checkpoint(model, source, config)
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    model.rotary.materialize(device)
+    if getattr(model, "rotary", None) is not None:  # None: a model without rope (NoPE)
+        model.rotary.materialize(device)
     return model.eval()
 
 

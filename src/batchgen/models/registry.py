@@ -6,6 +6,7 @@ import importlib
 
 _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("batchgen.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "KimiLinearForCausalLM": ("batchgen.models.kimi_linear", "KimiLinearForCausalLM"),
     "LlamaForCausalLM": ("batchgen.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("batchgen.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("batchgen.models.llama", "Qwen2ForCausalLM"),

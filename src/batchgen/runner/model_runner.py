@@ -16,6 +16,7 @@ from batchgen.forward_context import (
 )
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
+from batchgen.runner.linear_state import linear_metadata
 from batchgen.runner.page_rows import PageRows
 from batchgen.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from batchgen.runner.sampler import (
@@ -31,7 +32,9 @@ class ModelRunner:
     """Owns no policy: it computes exactly the tokens it is given and samples where told.
 
     The KV tensors belong to the page pool; the runner binds the per-layer views into
-    the ForwardContext for each forward.
+    the ForwardContext for each forward. `linear_states` (models with linear-attention
+    layers: per such layer (states, windows) of the state pool) is bound the same way,
+    with each step's `LinearAttentionMetadata` built from the requests' state slots.
     """
 
     def __init__(
@@ -49,9 +52,11 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_pages: int = 256,
         seed: int = 0,
+        linear_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.linear_states = linear_states
         self.page_size = page_size
         self.device = device
         self.vocab_size = vocab_size
@@ -276,6 +281,9 @@ class ModelRunner:
             sched.on_kv_written,
             (lambda layer: [c.wait_layer(layer) for c in waits]) if waits else None,
         )
+        if self.linear_states is not None:
+            ctx.linear_states = self.linear_states
+            ctx.linear_metadata = linear_metadata(sched.requests, self.device)
         with record_function("batchgen.forward"), bind_forward_context(ctx):
             hidden = self.model(input_ids if device_ids is None else device_ids, positions)
         return hidden, sample_rows
