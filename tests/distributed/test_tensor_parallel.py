@@ -1,0 +1,48 @@
+"""Tensor parallel on 2 gloo ranks (spawned processes) against one process: each
+parallel layer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.multiprocessing as mp
+from tp_workers import fail_on_rank_one, layer_diffs, run_ranks
+
+from batchgen.layers.parallel import ColumnParallelLinear, local_kv_heads
+from batchgen.layers.tp_group import TPGroup
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tmp_path_factory):
+    """Each rank's results, rank 0 first (one spawn of 2 ranks for the module)."""
+    return run_ranks(layer_diffs, 2, tmp_path_factory.mktemp("ranks"))
+
+
+def test_each_parallel_layer_equals_the_full_layer_on_both_ranks(tp2_runs):
+    assert len(tp2_runs) == 2
+    for rank, diffs in enumerate(tp2_runs):
+        assert len(diffs) == 9
+        for case, diff in diffs.items():
+            assert diff <= 1e-5, f"rank {rank}, {case}: max |diff| {diff}"
+
+
+def test_a_rank_that_fails_fails_the_run_without_hanging(tmp_path):
+    """Rank 1's error, or rank 0's lost connection to it, whichever is seen first."""
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match=r"rank 1 gives up|closed by peer"):
+        run_ranks(fail_on_rank_one, 2, tmp_path, timeout_s=60)
+    assert time.monotonic() - start < 40
+
+
+def test_kv_heads_must_split_evenly_and_the_error_names_both_numbers():
+    assert local_kv_heads(8, 4) == 2
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2 .* tensor_parallel_size=4"):
+        local_kv_heads(2, 4)
+
+
+def test_a_shard_that_does_not_split_evenly_is_refused():
+    with pytest.raises(ValueError, match=r"shard 'k' rows=3 is not divisible by .* size 2"):
+        ColumnParallelLinear(
+            8, 10, shards={"q": (0, 4), "k": (4, 7), "v": (7, 10)}, tp=TPGroup(0, 2)
+        )
