@@ -11,6 +11,9 @@ import torch
 import torch.multiprocessing as mp
 
 from batchgen.distributed import destroy_tensor_parallel, init_tensor_parallel
+from batchgen.forward_context import ForwardContext, bind_forward_context
+from batchgen.kv.layout import KVLayout
+from batchgen.kv.page_pool import PagePool
 from batchgen.layers.linear import Linear, merged_shards
 from batchgen.layers.parallel import (
     ColumnParallelLinear,
@@ -19,6 +22,10 @@ from batchgen.layers.parallel import (
     VocabParallelEmbedding,
 )
 from batchgen.layers.tp_group import TPGroup
+from batchgen.models.loader import ModelSource, build_model
+from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+from batchgen.runner.model_runner import ModelRunner
+from batchgen.sampling_params import SamplingParams
 
 
 def run_ranks(fn, world_size: int, workdir: Path, *args, timeout_s: float = 90.0) -> list:
@@ -122,6 +129,69 @@ def layer_diffs(tp: TPGroup) -> dict[str, float]:
     diffs["lm head"] = (logits - x @ table.t()).abs().max().item()
     diffs["lm head, vocab columns"] = float(logits.shape[-1] != vocab)
     return diffs
+
+
+# The steps every model run takes (page_size 4): a chunked prefill next to a whole one,
+# then a step mixing the chunk's rest, a decode and a new prompt, then pure decodes.
+PAGE_SIZE = 4
+PAGES = {"a": [3, 0, 7, 1], "b": [2, 5, 4], "c": [6, 8]}
+PROMPTS = {
+    "a": [5, 9, 13, 4, 100, 7, 8, 200, 11, 12, 50],
+    "b": [3, 4, 5, 6, 7, 300],
+    "c": [17, 18, 19],
+}
+DECODE_TOKENS = [[41, 42, 43], [61, 62, 63], [81, 82, 83]]
+
+
+def scheduled_steps() -> list[SchedulerOutput]:
+    params = SamplingParams(temperature=0)
+
+    def req(rid, tokens, start):
+        prompt = PROMPTS[rid]
+        return ScheduledRequest(rid, tokens, start, PAGES[rid], True, params, prompt, [])
+
+    a, b, c = PROMPTS["a"], PROMPTS["b"], PROMPTS["c"]
+    steps = [
+        [req("a", a[:7], 0), req("b", b, 0)],
+        [req("a", a[7:], 7), req("b", [21], 6), req("c", c, 0)],
+    ]
+    for i, (ta, tb, tc) in enumerate(DECODE_TOKENS):
+        steps.append([req("a", [ta], 11 + i), req("b", [tb], 7 + i), req("c", [tc], 3 + i)])
+    return [SchedulerOutput(requests=s) for s in steps]
+
+
+@torch.inference_mode()
+def model_logits(tp: TPGroup | None, path: str) -> list[torch.Tensor]:
+    """Logits of every packed row of each scheduled step, through the model's forward
+    (torch attention backend) over this rank's own KV pool."""
+    source = ModelSource.resolve(path)
+    config = source.load_config()
+    cpu = torch.device("cpu")
+    model = build_model(source, config, torch.float32, cpu, 64, tp=tp)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layout = KVLayout(
+        config.num_hidden_layers, model.num_local_kv_heads, head_dim, PAGE_SIZE, torch.float32
+    )
+    pool = PagePool(layout, 10, cpu)
+    runner = ModelRunner(
+        model, pool.layer_caches(), PAGE_SIZE, cpu, config.vocab_size, [2], max_pages=16
+    )
+    out = []
+    for sched in scheduled_steps():
+        input_ids, positions, meta, _ = runner.prepare(sched)
+        with bind_forward_context(ForwardContext(meta, pool.layer_caches(), "torch")):
+            hidden = model(input_ids, positions)
+        out.append(model.compute_logits(hidden))
+    return out
+
+
+def layers_and_models(tp: TPGroup, paths: dict[str, str]) -> dict:
+    """One spawn for every check (each start costs seconds): the layers' max diffs
+    and, by architecture, each model's logits."""
+    return {
+        "layers": layer_diffs(tp),
+        "logits": {arch: model_logits(tp, path) for arch, path in paths.items()},
+    }
 
 
 def fail_on_rank_one(tp: TPGroup) -> None:
