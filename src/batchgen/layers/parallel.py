@@ -160,8 +160,10 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, dim] -> logits [T, num_embeddings] over the whole vocabulary, the
         weight used as an output projection (tied embeddings, or ParallelLMHead)."""
-        local = hidden @ self.weight.t()
-        return self.tp.all_gather(local, dim=-1)[..., : self.num_embeddings]
+        logits = self.tp.all_gather(hidden @ self.weight.t(), dim=-1)
+        if logits.shape[-1] != self.num_embeddings:  # padding rows out, rows contiguous
+            logits = logits[..., : self.num_embeddings].contiguous()
+        return logits
 
     def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """`tensor` is the full [num_embeddings, dim] checkpoint tensor."""
