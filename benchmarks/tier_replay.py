@@ -17,7 +17,7 @@ engine's: admission order, preemption, swaps, evictions, write-backs and loads.
 What it is for: the tier's traffic and the scheduler's work at full workload size, in
 seconds and with no GPU: steps, tokens computed, preemptions, swaps, recomputes, bytes
 by reason (scaled to the model's KV bytes per token, from its workloads.MODELS config:
-qwen3-0.6b 112 KiB, llama-3.1-8b 128 KiB) and the host blocks the page copies move (pages per block: how well host pages
+qwen3-0.6b 112 KiB, llama-3.1-8b 128 KiB, moonlight-w4 30 KiB) and the host blocks the page copies move (pages per block: how well host pages
 run together). It says nothing about time. Runs the host tier on and off, one after the
 other, and prints both; --out writes tier_replay.json.
 """
@@ -52,9 +52,14 @@ PAGE_SIZE = 16
 
 
 def bytes_per_token(model: str) -> int:
-    """KV bytes of one token of the workloads.MODELS model, K and V of every layer, bf16."""
+    """KV bytes of one token of the workloads.MODELS model in bf16, every layer: K and V
+    (MHA/GQA), or the latent state (MLA: kv_lora_rank + qk_rope_head_dim)."""
     cfg = MODELS[model][0]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    if "kv_lora_rank" in cfg:
+        per_layer = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    else:
+        per_layer = 2 * cfg["num_key_value_heads"] * cfg["head_dim"]
+    return cfg["num_hidden_layers"] * per_layer * 2
 
 
 def workload(name: str, small: bool) -> tuple[list[list[int]], list[int]]:

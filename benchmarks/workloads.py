@@ -74,10 +74,66 @@ SMALL_LLAMA = dict(
     eos_token_id=2,
 )
 
+# W4: a scaled Moonlight-16B-A3B-like DeepSeek-V3 config (MLA + MoE), random weights
+MOONLIGHT_W4 = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    hidden_size=2048,
+    intermediate_size=11264,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.446,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    vocab_size=163840,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    bos_token_id=163584,
+    eos_token_id=163585,
+)
+
+# a CPU-sized model of the same architecture (MoE, dense first layer, MLA)
+SMALL_MOONLIGHT = dict(
+    MOONLIGHT_W4,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    vocab_size=512,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 # --model names: (config, its CPU-sized version for --small)
 MODELS = {
     "qwen3-0.6b": (QWEN3_0_6B, SMALL_MODEL),
     "llama-3.1-8b": (LLAMA_3_1_8B, SMALL_LLAMA),
+    "moonlight-w4": (MOONLIGHT_W4, SMALL_MOONLIGHT),
 }
 
 
@@ -145,6 +201,15 @@ def w3_requests(
         prefixes[p] + questions[p][q] for q in range(num_questions) for p in range(num_prefixes)
     ]
     return prompts, [out_len] * len(prompts)
+
+
+def w4_requests(
+    n: int = 512, prompt_len: int = 1024, out_len: int = 128, max_token: int = 100000
+) -> tuple[list[list[int]], list[int]]:
+    """W4 `mla`: 512 prompts of 1024 random tokens, 128 output tokens each."""
+    rng = random.Random(4)
+    prompts = [[rng.randint(3, max_token) for _ in range(prompt_len)] for _ in range(n)]
+    return prompts, [out_len] * n
 
 
 def small_requests(n: int = 8) -> tuple[list[list[int]], list[int]]:

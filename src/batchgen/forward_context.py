@@ -94,7 +94,8 @@ class LinearAttentionMetadata:
 @dataclass
 class ForwardContext:
     metadata: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # per layer, one cache per component of the model's KVState: (k, v) or (latent,)
+    kv_caches: list[tuple[torch.Tensor, ...]]
     attention_backend: str = "torch"  # "torch" (reference) or "triton"
     on_kv_written: Callable[[int], None] | None = None  # hook(layer) after its K/V write
     # hook(layer) before a layer touches its KV pages: waits for the pages a copy loads

@@ -168,10 +168,8 @@ def model_logits(tp: TPGroup | None, path: str) -> list[torch.Tensor]:
     config = source.load_config()
     cpu = torch.device("cpu")
     model = build_model(source, config, torch.float32, cpu, 64, tp=tp)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layout = KVLayout(
-        config.num_hidden_layers, model.num_local_kv_heads, head_dim, PAGE_SIZE, torch.float32
-    )
+    layout = KVLayout.of(model.kv_state, config.num_hidden_layers, PAGE_SIZE, torch.float32)
+    assert layout.num_kv_heads == model.num_local_kv_heads
     pool = PagePool(layout, 10, cpu)
     runner = ModelRunner(
         model, pool.layer_caches(), PAGE_SIZE, cpu, config.vocab_size, [2], max_pages=16

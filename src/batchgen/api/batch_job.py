@@ -89,14 +89,14 @@ class _LineCounter(threading.Thread):
         self.total = count_lines(self.path)
 
 
-class _Signals:
+class Signals:
     """First SIGINT/SIGTERM: stop admitting, finish what is in flight. Second: stop now."""
 
     def __init__(self) -> None:
         self.stop = self.abandon = False
         self._old: dict[int, Any] = {}
 
-    def __enter__(self) -> _Signals:
+    def __enter__(self) -> Signals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -118,7 +118,7 @@ class _Signals:
             signal.signal(sig, old)
 
 
-class _Answers:
+class Answers:
     """What earlier runs answered (custom_ids in OUTPUT, line numbers in the errors file,
     after the resume scan's repair) and the custom_ids read so far with their first line;
     decides, line by line, which input lines an earlier run already answered."""
@@ -159,7 +159,7 @@ def answered_earlier(opts: JobOptions) -> JobSummary | None:
     """Without a model: the summary of a job whose every input line earlier runs
     answered (nothing is left to run), or None when some line is still to run."""
     start = time.monotonic()
-    answers = _Answers(opts.output)
+    answers = Answers(opts.output)
     if count_lines(opts.input) > len(answers.done_ids) + len(answers.lines):
         return None  # each answer covers one line at most: some line is unanswered
     summary = JobSummary()
@@ -179,7 +179,7 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
     start = time.monotonic()
     summary = JobSummary()
     err_path = errors_path(opts.output)
-    answers = _Answers(opts.output)
+    answers = Answers(opts.output)
     if answers.done_ids or answers.lines:
         logger.info(
             "resuming: %d requests and %d error records already written",
@@ -189,7 +189,7 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
     out, errs = Appender(opts.output, opts.sync_every_s), Appender(err_path, opts.sync_every_s)
     pending: dict[str, bf.Pending] = {}
     engine = llm.engine
-    bar, counter = _progress(opts)
+    bar, counter = progress_bar(opts)
 
     def fail(line: int, cid: str | None, error: Exception) -> None:
         summary.failed += 1
@@ -211,7 +211,7 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
         if item is None:
             return fail(line, cid, error)
         try:
-            ids, params = _prepare(llm, item, opts)
+            ids, params = prepare_request(llm, item, opts)
             engine.add_request(str(line), ids, params)
         except Exception as e:  # a bad line must never stop the job
             return fail(line, cid, e)
@@ -220,7 +220,7 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
     lines = read_lines(opts.input)
     exhausted = False
     try:
-        with _Signals() as sig:
+        with Signals() as sig:
             while not sig.abandon:
                 while not (sig.stop or exhausted) and len(pending) < opts.max_in_flight:
                     nxt = next(lines, None)
@@ -257,7 +257,9 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
     return summary
 
 
-def _prepare(llm, item: bf.BatchItem, opts: JobOptions):
+def prepare_request(llm, item: bf.BatchItem, opts: JobOptions):
+    """(prompt token ids, SamplingParams) of one item, checked by the engine; raises on
+    a line the engine refuses (the caller writes its error record)."""
     defaults = opts.defaults
     if opts.seed is not None:  # a seed from the custom_id: reruns sample the same tokens
         digest = hashlib.blake2b(f"{opts.seed}:{item.custom_id}".encode(), digest_size=8)
@@ -275,7 +277,8 @@ def _finish(p: bf.Pending, req, opts: JobOptions, llm, summary: JobSummary) -> b
     return bf.dumps(bf.output_line(p, req, opts.model_name, llm.tokenizer))
 
 
-def _progress(opts: JobOptions):
+def progress_bar(opts: JobOptions):
+    """(tqdm bar, background line counter for its total), or (None, None) off a terminal."""
     if not opts.progress or not sys.stderr.isatty():
         return None, None
     from tqdm.auto import tqdm

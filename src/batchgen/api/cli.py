@@ -101,6 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="fixed KV cache size (default: from free GPU memory; 1 GiB on the CPU)",
     )
     run.add_argument(
+        "--data-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N engines as Ray actors (one GPU each, or one CPU with --device cpu) "
+        "over shards of the input; needs pip install 'batchgen[ray]'",
+    )
+    run.add_argument(
+        "--shard-size",
+        type=int,
+        default=64,
+        metavar="N",
+        help="input lines per shard under --data-parallel (default: 64)",
+    )
+    run.add_argument(
         "--debug",
         action="store_true",
         help="engine self-checks (offload read-back, NaN/Inf checks)",
@@ -158,11 +173,25 @@ def _run(args: argparse.Namespace) -> int:
         ("--max-num-seqs", args.max_num_seqs, 1),
         ("--max-model-len", args.max_model_len, 2),
         ("--kv-cache-gib", args.kv_cache_gib, 1e-6),
+        ("--data-parallel", args.data_parallel, 1),
+        ("--shard-size", args.shard_size, 1),
     ):
         if value is not None and value < low:
             return _usage_error(f"{name} must be >= {low}, got {value}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         return _usage_error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.data_parallel is not None:
+        from batchgen.api.data_parallel import RayNotInstalled, import_ray
+
+        if args.device not in ("auto", "cpu", "cuda"):
+            return _usage_error(
+                "--data-parallel gives each engine its own GPU: --device must be auto, "
+                f"cpu or cuda, got {args.device}"
+            )
+        try:
+            import_ray()
+        except RayNotInstalled as e:
+            return _usage_error(f"--data-parallel: {e}")
     if args.model is not None and not Path(args.model).expanduser().exists():
         return _usage_error(f"model {args.model} not found (an HF model directory or a .gguf file)")
     try:
@@ -216,8 +245,6 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         )
         return _exit_code(finished)
 
-    from batchgen.api.llm import LLM
-
     kwargs = dict(
         dtype=args.dtype,
         device=args.device,
@@ -228,6 +255,11 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
     )
     if args.seed is not None:
         kwargs["seed"] = args.seed
+    if args.data_parallel is not None:
+        return _run_data_parallel(args, opts, kwargs)
+
+    from batchgen.api.llm import LLM
+
     try:
         llm = LLM(model=args.model, **kwargs)
     except Exception as e:  # an unknown or broken model is a usage error
@@ -241,6 +273,49 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
             "the job stopped on an internal error; what was written is intact, "
             "rerun the same command to resume",
         )
+    return _job_done(summary, out)
+
+
+def _run_data_parallel(args: argparse.Namespace, opts, kwargs: dict) -> int:
+    from batchgen.api.data_parallel import (
+        DataParallelError,
+        DataParallelOptions,
+        DataParallelUsageError,
+        run_data_parallel,
+    )
+
+    out = opts.output
+    try:
+        dp = DataParallelOptions(
+            num_engines=args.data_parallel,
+            model=args.model,
+            engine_kwargs=kwargs,
+            shard_size=args.shard_size,
+        )
+        summary = run_data_parallel(opts, dp)
+    except DataParallelUsageError as e:
+        return _usage_error(f"--data-parallel: {e}")
+    except DataParallelError as e:
+        logger.error(
+            "error: the job stopped: %s. What was written is intact: rerun the same "
+            "command to resume",
+            e,
+        )
+        return EXIT_INTERNAL
+    except Exception as e:
+        return _job_error(
+            e,
+            out,
+            "the job stopped on an internal error; what was written is intact, "
+            "rerun the same command to resume",
+        )
+    return _job_done(summary, out)
+
+
+def _job_done(summary, out: Path) -> int:
+    """Log how the job ended and return its exit code."""
+    from batchgen.api.batch_journal import errors_path
+
     if summary.interrupted:
         logger.warning(
             "interrupted: %s. Rerun the same command to resume.", summary.describe(errors_path(out))

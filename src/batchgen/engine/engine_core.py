@@ -68,15 +68,8 @@ class EngineCore:
         self.dtype = dtype
         self.max_model_len = max_model_len(config, hf_config)
         self.eos_token_ids = eos_token_ids(hf_config, tokenizer, generation_eos(config.model))
-        num_heads = hf_config.num_attention_heads
-        self.layout = KVLayout(
-            num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=model.num_local_kv_heads
-            if tp_workers is not None
-            else getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
-            page_size=config.page_size,
-            dtype=dtype,
+        self.layout = KVLayout.of(
+            model.kv_state, hf_config.num_hidden_layers, config.page_size, dtype
         )
         num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
         self._check_pool_size(num_pages)
@@ -95,7 +88,7 @@ class EngineCore:
             self.eos_token_ids,
             admission=config.admission,
         )
-        backend = config.resolved_attention_backend(device)
+        backend = self._attention_backend()
         plan = None
         if backend == "triton" and device.type == "cuda":
             plan = DecodeSplitPlan(
@@ -132,6 +125,21 @@ class EngineCore:
             config.page_size,
             self.pool.nbytes / 2**30,
             device,
+        )
+
+    def _attention_backend(self) -> str:
+        """The configured backend, where the model's attention has it: a model that
+        lists its own in `attention_backends` (MLA: torch only) is held to them, and
+        "auto" falls back to torch for it."""
+        backend = self.config.resolved_attention_backend(self.device)
+        supported = getattr(self.model, "attention_backends", None)
+        if supported is None or backend in supported:
+            return backend
+        if self.config.attention_backend == "auto":
+            return "torch"
+        raise ValueError(
+            f"{type(self.model).__name__} has no {backend!r} attention backend "
+            f"(it runs on {', '.join(supported)})"
         )
 
     def _decode_graphs(self, backend: str, plan) -> DecodeGraphs | None:
@@ -296,7 +304,7 @@ class EngineCore:
 
     def _profile_forward(self, num_tokens: int) -> None:
         n = min(num_tokens, self.max_model_len)
-        backend = self.config.resolved_attention_backend(self.device)
+        backend = self._attention_backend()
         warmup_forward(
             self.model, self.layout, self.device, self.hf_config, self.eos_token_ids, n, backend
         )

@@ -141,7 +141,8 @@ def worker_main(rank: int, size: int, init: str, config: EngineConfig, source) -
         setup = _receive(tp)
         if setup is None:  # rank 0 failed before its pool existed
             return
-        layout = worker_layout(hf_config, model, config.page_size, dtype)
+        # its own KV heads (model.kv_state), the same pages as rank 0
+        layout = KVLayout.of(model.kv_state, hf_config.num_hidden_layers, config.page_size, dtype)
         pool = PagePool(layout, setup["num_pages"], device)
         runner = ModelRunner(
             model,
@@ -159,18 +160,6 @@ def worker_main(rank: int, size: int, init: str, config: EngineConfig, source) -
             runner.execute(sched)
     finally:
         destroy_tensor_parallel()
-
-
-def worker_layout(hf_config, model, page_size: int, dtype: torch.dtype) -> KVLayout:
-    """The page geometry of a rank's pool: its own KV heads, the full model's pages."""
-    num_heads = hf_config.num_attention_heads
-    return KVLayout(
-        num_layers=hf_config.num_hidden_layers,
-        num_kv_heads=model.num_local_kv_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
-        page_size=page_size,
-        dtype=dtype,
-    )
 
 
 def _receive(tp: TPGroup):

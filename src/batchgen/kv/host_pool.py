@@ -8,9 +8,9 @@ from batchgen.kv.layout import KVLayout
 
 
 class HostPool:
-    """Host pages, layer-major: [num_layers, num_pages, 2, page_size, num_kv_heads,
-    head_dim]. One layer of a run of consecutive host pages is contiguous, so a
-    layer-by-layer transfer moves it in one copy; the same (layer, page, K|V, slot)
+    """Host pages, layer-major: [num_layers, num_pages, num_components, page_size,
+    num_kv_heads, head_dim] (KVLayout.host_shape). One layer of a run of consecutive host pages is contiguous, so a
+    layer-by-layer transfer moves it in one copy; the same (layer, page, component, slot)
     addressing as the device pool. Allocated with torch.empty: a host page is never
     read before a copy has written it (the tier's lifecycle guarantees it).
     """
@@ -20,18 +20,11 @@ class HostPool:
             raise ValueError("the host KV pool needs at least one page (raise host_kv_size_gib)")
         self.layout = layout
         self.num_pages = num_pages
-        shape = (
-            layout.num_layers,
-            num_pages,
-            2,
-            layout.page_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
-        self.kv = torch.empty(shape, dtype=layout.dtype, pin_memory=pin)
+        self.kv = torch.empty(layout.host_shape(num_pages), dtype=layout.dtype, pin_memory=pin)
 
     def page(self, page: int) -> torch.Tensor:
-        """One host page, [num_layers, 2, page_size, num_kv_heads, head_dim] (a view)."""
+        """One host page, [num_layers, num_components, page_size, num_kv_heads, head_dim]
+        (a view)."""
         return self.kv[:, page]
 
     @property

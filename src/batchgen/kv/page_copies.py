@@ -1,9 +1,11 @@
 """The copy bodies the CopyEngine runs on a copy stream. Each returns what it must keep
 alive until its completion event fires (rule 5).
 
-    device pool  dev_kv  [L, 2, P,  S, H, D]   (layer, K|V, page, slot, head, dim)
-    host pool    host_kv [L, Ph, 2, S, H, D]   layer-major: a run of consecutive host
+    device pool  dev_kv  [L, C, P,  S, H, D]   (layer, component, page, slot, head, dim)
+    host pool    host_kv [L, Ph, C, S, H, D]   layer-major: a run of consecutive host
                                                pages of one layer is one contiguous block
+C is the layout's component count (2: K and V; 1: an MLA latent); nothing here depends
+on it, nor on what a component holds.
 A transfer moves, per layer, one block per run of consecutive host pages through a
 device staging tensor; the device side gathers or scatters pages with one kernel. The
 pages are taken in host-page order (the device side's index follows it), so pages whose
@@ -59,7 +61,7 @@ def device_to_host_pages(
     host_pages, dev_pages = _by_host_page(host_pages, dev_pages)
     idx = torch.tensor(dev_pages, dtype=torch.int64).to(dev_kv.device, non_blocking=True)
     lay = dev_kv[layers.start : layers.stop]
-    staged = lay.index_select(2, idx).transpose(1, 2).contiguous()  # [L', n, 2, S, H, D]
+    staged = lay.index_select(2, idx).transpose(1, 2).contiguous()  # [L', n, C, S, H, D]
     if on_read is not None:
         on_read()
     runs = _runs(host_pages)
@@ -82,7 +84,7 @@ def host_to_device_pages(
     host_pages, dev_pages = _by_host_page(host_pages, dev_pages)
     staging = torch.empty(
         (n, *host_kv.shape[2:]), dtype=host_kv.dtype, device=dev_kv.device
-    )  # one layer's pages [n, 2, S, H, D], reused layer after layer (same stream)
+    )  # one layer's pages [n, C, S, H, D], reused layer after layer (same stream)
     idx = torch.tensor(dev_pages, dtype=torch.int64).to(dev_kv.device, non_blocking=True)
     runs = _runs(host_pages)
     for layer in range(dev_kv.shape[0]):

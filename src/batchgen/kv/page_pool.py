@@ -25,9 +25,11 @@ class PagePool:
         self.device = device
         self.kv = torch.zeros(layout.pool_shape(num_pages), dtype=layout.dtype, device=device)
 
-    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k_cache, v_cache), each [num_pages, page_size, num_kv_heads, head_dim]."""
-        return [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.layout.num_layers)]
+    def layer_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer one view per component, each [num_pages, page_size, num_kv_heads,
+        head_dim]: (k_cache, v_cache) for MHA/GQA, (latent_cache,) for MLA."""
+        components = range(self.layout.num_components)
+        return [tuple(self.kv[i, c] for c in components) for i in range(self.layout.num_layers)]
 
     @property
     def nbytes(self) -> int:

@@ -25,7 +25,7 @@ Handles complete in `poll()`, which the engine calls once per step, or `drain()`
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -217,8 +217,8 @@ class TieredKVManager:
         )
         for p in host_pages:
             self._writing[p] = handle
-        for reason in q.reasons[:n]:
-            self.metrics.count(reason, self.page_bytes)
+        for reason, pages in Counter(q.reasons[:n]).items():
+            self.metrics.count(reason, pages * self.page_bytes)
         self.metrics.pages_offloaded += n
         self._pending.append(
             _Pending(handle, "store", host_pages, dev_pages, hashes, hold_dev, q.reasons[:n])
@@ -242,8 +242,8 @@ class TieredKVManager:
         handle = self.copies.submit(
             "load", len(host_pages) * self.page_bytes, copy, num_gates=dev_kv.shape[0]
         )
-        for reason in q.reasons:
-            self.metrics.count(reason, self.page_bytes)
+        for reason, pages in Counter(q.reasons).items():
+            self.metrics.count(reason, pages * self.page_bytes)
         self.metrics.pages_loaded += len(host_pages)
         for p in dev_pages:
             self._loading[p] = handle

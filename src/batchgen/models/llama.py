@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.kv_state import KVState
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.attention import Attention
 from batchgen.layers.linear import Linear, merged_shards
@@ -162,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads
+        # per token per layer: K and V of this rank's KV heads
+        self.kv_state = KVState.mha(self.num_local_kv_heads, head_dim)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

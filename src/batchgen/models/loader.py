@@ -234,12 +234,23 @@ def _load_checkpoint(model: torch.nn.Module, source: ModelSource, config) -> Non
 
 
 def _unfilled(model: torch.nn.Module, expected: set[str], loaded: set[str]) -> list[str]:
+    """Parameters no checkpoint tensor filled: whole, or every shard of a stacked one."""
     missing = []
     for name in expected:
-        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        shards = getattr(module, "shards", None)
-        if shards and name.endswith(".weight") or (shards and name.endswith(".bias")):
+        if name in loaded:
+            continue
+        module_name, _, param = name.rpartition(".")
+        shards = _shard_names(model.get_submodule(module_name) if module_name else model, param)
+        if shards:
             missing += [f"{name}[{s}]" for s in shards if f"{name}[{s}]" not in loaded]
-        elif name not in loaded:
+        else:
             missing.append(name)
     return missing
+
+
+def _shard_names(module: torch.nn.Module, param: str) -> list[str]:
+    """The shards a stacked parameter is filled by: a module's `shard_names(param)`
+    (stacked experts), else the row ranges of a Linear's `shards` (weight and bias)."""
+    if hasattr(module, "shard_names"):
+        return module.shard_names(param)
+    return list(getattr(module, "shards", None) or {}) if param in ("weight", "bias") else []

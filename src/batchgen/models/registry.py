@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 _MODELS: dict[str, tuple[str, str]] = {
+    "DeepseekV3ForCausalLM": ("batchgen.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "LlamaForCausalLM": ("batchgen.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("batchgen.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("batchgen.models.llama", "Qwen2ForCausalLM"),

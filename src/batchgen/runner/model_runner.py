@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
         page_size: int,
         device: torch.device,
         vocab_size: int,
@@ -136,7 +136,7 @@ class ModelRunner:
             ]
         return input_ids, pos_dev, meta, sample_rows
 
-    def set_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def set_kv_caches(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
         """Point at a re-created pool; captured graphs baked the old one in."""
         self.kv_caches = kv_caches
         self.page_rows.reset()

@@ -1,0 +1,181 @@
+"""W4 `mla`: a DeepSeek-V3-architecture model (MLA + MoE) against transformers, host tier on.
+
+    PYTHONPATH=src python3 benchmarks/mla.py --out $OUT               # W4 on the GPU, peer beside it
+    PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --out $OUT   # while iterating
+    PYTHONPATH=src python3 benchmarks/mla.py --small --out /tmp/w4    # CPU, seconds, for CI
+
+Model: workloads.MOONLIGHT_W4, a scaled Moonlight-16B-A3B-like config (27 layers, hidden
+2048, MLA with kv_lora_rank 512 and a 64-wide rope part, 16 heads, 64 routed experts top-6
+plus 2 shared, first layer dense), random bf16 weights. batchgen draws them on the device
+from config.json alone (load_format="dummy"); the peer, transformers' DeepseekV3 through
+`generate()` in padded batches of 64 (its continuous batching assumes K and V of one head
+size), gets its own random weights of the same shapes: throughput does not depend on the
+values, and greedy decoding with ignore_eos makes both produce exactly the output lengths.
+
+Workload: workloads.w4_requests(), 512 prompts of 1024 random tokens, 128 output tokens
+each, greedy, ignore_eos; batchgen in its defaults (CUDA graphs, pipelined decode, prefix
+admission) with the host tier on (--host-gib, 32). Prints output tok/s of both, their
+ratio and the fraction of the roofline (BENCHMARKS.md: ~13,350 tok/s), and a breakdown of
+batchgen's run: prefill and decode phases (from the per-step timeline), tier traffic.
+Writes mla.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engine_runs import add_engine_args, engine_kwargs  # noqa: E402
+from workloads import MOONLIGHT_W4, SMALL_MOONLIGHT, config_dir, w4_requests  # noqa: E402
+
+ROOFLINE_TOK_S = 13_350  # BENCHMARKS.md W4, H200
+PEER_BATCH = 64
+
+
+def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
+    from batchgen import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(ckpt),
+        dtype=args.dtype,
+        device=args.device,
+        load_format="dummy",
+        max_model_len=max(len(p) for p in prompts) + max(out_lens) + 16,
+        host_kv_size_gib=args.host_gib,
+        **engine_kwargs(args),
+    )
+    llm.generate([[5, 6, 7, 8]] * 4, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    eng = llm.engine
+    _sync(args.device)
+    before = eng.metrics()
+    start = time.perf_counter()
+    for i, (p, n) in enumerate(zip(prompts, out_lens)):
+        eng.add_request(f"w4-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    timeline = []  # (seconds, output tokens so far, running requests)
+    out0 = eng.stats.output_tokens
+    while eng.has_unfinished:
+        eng.step()
+        timeline.append((time.perf_counter() - start, eng.stats.output_tokens - out0))
+    _sync(args.device)
+    wall = time.perf_counter() - start
+    after = eng.metrics()
+    out = eng.stats.output_tokens - out0
+    # the prefill phase ends when every request has its first token
+    first_all = next((t for t, o in timeline if o >= len(prompts)), wall)
+    counters = {
+        k: after[k] - before.get(k, 0)
+        for k in after
+        if isinstance(after[k], (int, float)) and not k.startswith("tier_")
+    }
+    return {
+        "wall_s": wall,
+        "output_tokens": out,
+        "tok_s": out / wall,
+        "cuda_graphs": eng.runner.graphs is not None,
+        "backend": eng.runner.attention_backend,
+        "steps": len(timeline),
+        "prefill_phase_s": first_all,
+        "decode_phase_s": wall - first_all,
+        "decode_tok_s": (out - len(prompts)) / max(wall - first_all, 1e-9),
+        "counters": counters,
+        "kv_pool_pages": eng.kv.allocator.num_pages,
+    }
+
+
+def run_peer(ckpt: Path, prompts, out_lens, args) -> dict:
+    """transformers' DeepseekV3, random bf16 weights, generate() in padded batches."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(ckpt))
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype)).eval()
+    for p in model.parameters():
+        if p.dim() >= 2:
+            torch.nn.init.normal_(p, 0.0, 0.02)
+    got = 0
+    _sync(args.device)
+    start = time.perf_counter()
+    for b in range(0, len(prompts), PEER_BATCH):
+        batch = prompts[b : b + PEER_BATCH]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=args.device)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in batch], device=args.device
+        )
+        n = max(out_lens[b : b + PEER_BATCH])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        got += (out.shape[1] - width) * len(batch)
+    _sync(args.device)
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "output_tokens": got, "tok_s": got / wall, "batch": PEER_BATCH}
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--host-gib", type=float, default=32.0)
+    add_engine_args(ap)
+    ap.set_defaults(ckpt=None)
+    args = ap.parse_args(argv)
+    if args.small:
+        cfg = SMALL_MOONLIGHT
+        prompts, out_lens = w4_requests(n=6, prompt_len=24, out_len=6, max_token=500)
+        args.device, args.dtype, args.host_gib = "cpu", "float32", 0.01
+        ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w4-small-config"), cfg, "float32")
+    else:
+        cfg = MOONLIGHT_W4
+        prompts, out_lens = w4_requests()
+        args.device, args.dtype = "cuda", "bfloat16"
+        ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w4-config"), cfg)
+    ours = run_batchgen(ckpt, prompts, out_lens, args)
+    peer = None if args.skip_peer else run_peer(ckpt, prompts, out_lens, args)
+    result = {"workload": "small" if args.small else "W4", "batchgen": ours, "peer": peer}
+    if not args.small:
+        result["fraction_of_roofline"] = ours["tok_s"] / ROOFLINE_TOK_S
+    if peer:
+        result["ratio"] = ours["tok_s"] / peer["tok_s"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "mla.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        f"batchgen     {ours['tok_s']:10.1f} output tok/s ({ours['wall_s']:.2f} s, "
+        f"{ours['steps']} steps; prefill phase {ours['prefill_phase_s']:.2f} s, decode "
+        f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']})",
+    ]
+    if "fraction_of_roofline" in result:
+        lines.append(
+            f"roofline     {ROOFLINE_TOK_S:10.1f} -> {100 * result['fraction_of_roofline']:.1f}%"
+        )
+    if peer:
+        lines.append(
+            f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s) "
+            f"-> ratio {result['ratio']:.1f}x"
+        )
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0 if ours["output_tokens"] == sum(out_lens) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight) over the latent cache.
+
+    x ─ q_a_proj ─ q_a_layernorm ─ q_b_proj ─┐  (or q_proj alone when q_lora_rank is None)
+                                              ├─ q [H, nope | rope]
+    x ─ kv_a_proj_with_mqa ─┬─ c_kv ─ kv_a_layernorm ─┐
+                            └─ k_pe ─ rope ───────────┴─ latent [kv_lora | rope] -> cache
+
+Each token stores only its latent (see mla_torch for the page layout). Prefill chunks
+attend over their sequence's latent decompressed through kv_b_proj; decode rows attend
+absorbed: W_UK (kv_b_proj's key rows) folded into the query, W_UV applied after.
+Parameter names follow transformers' DeepseekV3Attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from batchgen.forward_context import get_forward_context
+from batchgen.layers import mla_torch
+from batchgen.layers.linear import Linear
+from batchgen.layers.norm import RMSNorm
+from batchgen.layers.rotary import RotaryEmbedding, rope_parameters
+
+# q_a_layernorm and kv_a_layernorm keep the checkpoint code's default epsilon, not
+# config.rms_norm_eps (transformers and DeepSeek's reference code build them so)
+LORA_NORM_EPS = 1e-6
+
+# attention math by backend name; there is no Triton MLA kernel yet
+_BACKENDS = {"torch": mla_torch}
+BACKENDS = tuple(_BACKENDS)
+
+
+def softmax_scale(config) -> float:
+    """1/sqrt(qk head dim), times mscale^2 under a scaled rope with `mscale_all_dim`
+    (YaRN: mscale = 0.1 * mscale_all_dim * ln(factor) + 1 for factor > 1)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(config)
+    all_dim = params.get("mscale_all_dim")
+    factor = params.get("factor") or 1.0
+    if params["rope_type"] != "default" and all_dim and factor > 1:
+        mscale = 0.1 * all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rope pairs stored interleaved (x0, x1), (x2, x3), ... regrouped as [evens | odds],
+    the layout the neox rotation pairs up (dimension i with i + D/2)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.kv_lora_rank = config.kv_lora_rank
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        hidden, heads = config.hidden_size, self.num_heads
+        qk_dim = self.nope_dim + self.rope_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        q_lora_rank = getattr(config, "q_lora_rank", None)
+        if q_lora_rank is None:
+            self.q_proj = Linear(hidden, heads * qk_dim)
+        else:
+            self.q_a_proj = Linear(hidden, q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = Linear(q_lora_rank, heads * qk_dim)
+        self.q_lora = q_lora_rank is not None
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
+        self.rotary = rotary
+        self.interleaved = bool(getattr(config, "rope_interleave", True))
+        self.scale = softmax_scale(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
+        if self.interleaved:
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])
+        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe[:, 0]), dim=-1)
+        return self.o_proj(self.attend(q_nope, q_pe, latent).reshape(t, -1))
+
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor):
+        """Store the step's latents [T, W] in this layer's pages, then attend:
+        q_nope [T, H, nope], q_pe [T, H, rope] (rope applied) -> [T, H, v_dim]."""
+        ctx = get_forward_context()
+        if ctx.before_layer is not None:
+            ctx.before_layer(self.layer_id)
+        (cache,) = ctx.kv_caches[self.layer_id]
+        meta = ctx.metadata
+        backend = _backend(ctx.attention_backend)
+        backend.store_latent(cache, latent, meta.slot_mapping)
+        if ctx.on_kv_written is not None:
+            ctx.on_kv_written(self.layer_id)
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
+        if meta.decode_rows is not None and meta.decode_rows.numel() > 0:
+            rows = meta.decode_rows
+            o_latent = backend.paged_decode(
+                self.absorb(q_nope[rows]), q_pe[rows], cache, meta, self.scale
+            )
+            out[rows] = self.unabsorb(o_latent).to(out.dtype)
+        if meta.prefills:
+            q = torch.cat((q_nope, q_pe), dim=-1)
+            backend.paged_prefill(q, cache, meta, self.expand, self.scale, out)
+        return out
+
+    def _w_kv_b(self) -> torch.Tensor:
+        """kv_b_proj's weight per head: [H, nope + v_dim, kv_lora_rank] (W_UK rows first)."""
+        return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
+
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [B, H, nope] -> q_nope W_UK [B, H, kv_lora_rank]: scores against c_kv
+        equal scores of q_nope against the decompressed keys' nope part."""
+        w_uk = self._w_kv_b()[:, : self.nope_dim]
+        return torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
+
+    def unabsorb(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """Attention output over c_kv [B, H, kv_lora_rank] -> through W_UV [B, H, v_dim]."""
+        w_uv = self._w_kv_b()[:, self.nope_dim :]
+        return torch.einsum("bhc,hvc->bhv", o_latent, w_uv.to(o_latent.dtype))
+
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decompress latents [S, W] into K [S, H, nope + rope] (the shared k_pe on every
+        head) and V [S, H, v_dim]."""
+        s = latent.shape[0]
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(s, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe[:, None].expand(s, self.num_heads, self.rope_dim)), dim=-1)
+        return k, v
+
+
+def _backend(name: str):
+    backend = _BACKENDS.get(name)
+    if backend is None:
+        raise ValueError(
+            f"MLA attention has no {name!r} backend (it runs on {', '.join(BACKENDS)})"
+        )
+    return backend

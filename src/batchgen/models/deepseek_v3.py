@@ -1,0 +1,114 @@
+"""DeepSeek-V3 decoders (and other checkpoints whose config names DeepseekV3ForCausalLM):
+MLA attention over a latent KV cache, dense MLPs in the first `first_k_dense_replace`
+layers, mixture-of-experts MLPs after them."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from batchgen.kv_state import KVState
+from batchgen.layers import mla
+from batchgen.layers.linear import Linear
+from batchgen.layers.mla import MLAttention
+from batchgen.layers.moe import DeepseekV3MoE
+from batchgen.layers.norm import RMSNorm
+from batchgen.layers.rotary import RotaryEmbedding
+from batchgen.models.llama import LlamaMLP
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def is_moe_layer(config, layer_id: int) -> bool:
+    """Layers from first_k_dense_replace on route tokens to experts (when there are any)."""
+    first_moe = getattr(config, "first_k_dense_replace", None) or 0
+    return bool(getattr(config, "n_routed_experts", None)) and layer_id >= first_moe
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(config, layer_id, rotary)
+        self.mlp = DeepseekV3MoE(config) if is_moe_layer(config, layer_id) else LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.forward_residual(x, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        return self.mlp(h), residual
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Weight names follow transformers' checkpoints; a dense MLP's gate/up are stacked,
+    a MoE MLP maps its own names (DeepseekV3MoE.checkpoint_target: per-expert or fused).
+    Multi-token-prediction layers past num_hidden_layers are not loaded; FP8 weights
+    arrive dequantized (the loader joins each with its weight_scale_inv)."""
+
+    attention_backends = mla.BACKENDS
+    stacked = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        _check_supported(config)
+        self.config = config
+        self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim, max_positions)
+        self.kv_state = KVState.latent(config.kv_lora_rank + config.qk_rope_head_dim)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Packed tokens [T] at positions [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm.forward_residual(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
+        """(module, parameter, shard) for a transformers weight name; None to skip."""
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None
+        layer = _LAYER.match(name)
+        if "rotary_emb" in name or (layer and int(layer[1]) >= len(self.layers)):
+            return None  # multi-token-prediction layers: not part of the decoder
+        mlp = f"{layer[0]}mlp." if layer else None
+        if mlp and name.startswith(mlp):
+            moe = self.layers[int(layer[1])].mlp
+            if isinstance(moe, DeepseekV3MoE):
+                return moe.checkpoint_target(name[len(mlp) :])
+        *path, param = name.split(".")
+        shard = None
+        if len(path) >= 2 and path[-1] in self.stacked:
+            path[-1], shard = self.stacked[path[-1]]
+        module = self
+        for part in path:
+            module = module[int(part)] if part.isdigit() else getattr(module, part, None)
+            if module is None:
+                raise KeyError(name)
+        return module, param, shard
+
+
+def _check_supported(config) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"DeepSeek-V3 MLPs with hidden_act={act!r} are not supported (silu)")

@@ -1,0 +1,208 @@
+"""`batchgen run --data-parallel N`: two CPU engines as Ray actors on a local cluster
+give the single engine's answers, in input order; a killed engine's shards are rerun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import save_tiny_model
+
+from batchgen.api.batch_job import JobOptions
+from batchgen.api.cli import main
+
+ray = pytest.importorskip("ray")
+
+N_ROWS = 96
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny_model(path, "LlamaForCausalLM")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray session for the module; its actors run one thread each."""
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the actors' processes
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("OMP_NUM_THREADS")
+    else:
+        os.environ["OMP_NUM_THREADS"] = old
+
+
+def _chat(cid: str, words: str, **body) -> dict:
+    body = {"messages": [{"role": "user", "content": words}], **body}
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory, tiny):
+    """N_ROWS greedy requests with a bad line, a duplicate and an overlong prompt among
+    them, and the single engine's answers to them."""
+    d = tmp_path_factory.mktemp("dp")
+    rows = [
+        _chat(f"r{i}", f"w{3 + i * 7 % 500} w{3 + i * 13 % 500}", max_tokens=24, temperature=0)
+        for i in range(N_ROWS)
+    ]
+    rows[10] = '{"custom_id": "broken", '  # malformed JSON: the driver's error record
+    rows[40] = _chat("r3", "w5")  # a duplicate custom_id
+    rows[70] = _chat("long", " ".join(["w9"] * 1100))  # the engine refuses it
+    inp = d / "in.jsonl"
+    inp.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    ref = d / "ref.jsonl"
+    assert main(_cli(tiny, inp, ref)) == 1
+    return inp, _answers(ref), _error_lines(ref)
+
+
+def _cli(model: str, inp: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "run", str(inp), "-o", str(out), "--model", model, "--device", "cpu",
+        "--kv-cache-gib", "0.02", "--max-num-seqs", "8", *extra,
+    ]  # fmt: skip
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _answers(path: Path) -> dict[str, tuple]:
+    """custom_id -> (text, finish_reason, usage); fails on a duplicate custom_id."""
+    out: dict[str, tuple] = {}
+    for rec in _records(path):
+        assert rec["custom_id"] not in out, f"duplicate {rec['custom_id']}"
+        body = rec["response"]["body"]
+        choice = body["choices"][0]
+        out[rec["custom_id"]] = (
+            choice["message"]["content"],
+            choice["finish_reason"],
+            body["usage"],
+        )
+    return out
+
+
+def _error_lines(out: Path) -> list[int]:
+    return [r["error"]["line"] for r in _records(out.with_name(out.stem + ".errors.jsonl"))]
+
+
+def _input_order(inp: Path) -> list[str]:
+    ids = []
+    for line in inp.read_text().splitlines():
+        try:
+            ids.append(json.loads(line)["custom_id"])
+        except ValueError:
+            continue
+    return ids
+
+
+def test_two_engines_give_the_single_engine_answers_in_input_order(
+    tmp_path, tiny, batch, local_ray
+):
+    inp, expected, expected_errors = batch
+    out = tmp_path / "out.jsonl"
+    assert main(_cli(tiny, inp, out, "--data-parallel", "2", "--shard-size", "8")) == 1
+    assert _answers(out) == expected  # every custom_id once, the same greedy outputs
+    written = [r["custom_id"] for r in _records(out)]
+    assert written == [c for c in dict.fromkeys(_input_order(inp)) if c in expected]
+    assert _error_lines(out) == expected_errors == [11, 41, 71]  # in input order too
+
+    before = out.read_bytes()
+    assert main(_cli(tiny, inp, out, "--data-parallel", "2")) == 1  # finished: runs nothing
+    assert out.read_bytes() == before
+
+
+def _engine_pids() -> list[int]:
+    names = sorted(n for n in ray.util.list_named_actors() if n.startswith("batchgen-engine"))
+    return [ray.get(ray.get_actor(name).ready.remote()) for name in names]
+
+
+def _run_killing(out: Path, inp: Path, tiny: str, kill: int, **dp_options):
+    """run_data_parallel with 2 engines; SIGKILL `kill` of them once `out` has 4 lines.
+    Returns its summary, or the exception it raised."""
+    from batchgen.api.data_parallel import DataParallelOptions, run_data_parallel
+
+    killed = threading.Event()
+
+    def kill_engines() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if out.exists() and out.read_bytes().count(b"\n") >= 4:
+                for pid in _engine_pids()[:kill]:
+                    os.kill(pid, signal.SIGKILL)
+                killed.set()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_engines, daemon=True)
+    watcher.start()
+    opts = JobOptions(input=inp, output=out, model_name="tiny", max_in_flight=16, progress=False)
+    engine = {"device": "cpu", "kv_cache_size_gib": 0.02, "max_num_seqs": 8}
+    dp = DataParallelOptions(
+        num_engines=2, model=tiny, engine_kwargs=engine, shard_size=4, **dp_options
+    )
+    try:
+        result = run_data_parallel(opts, dp)
+    except Exception as e:
+        result = e
+    watcher.join()
+    assert killed.is_set(), "the job ended before an engine could be killed"
+    return result
+
+
+def test_a_killed_engine_has_its_shards_rerun(tmp_path, tiny, batch, local_ray, caplog):
+    """SIGKILL one engine's process part-way: a new engine takes its place, its shards
+    run again, and the job ends with every custom_id once and the same answers."""
+    inp, expected, expected_errors = batch
+    out = tmp_path / "out.jsonl"
+    summary = _run_killing(out, inp, tiny, kill=1)
+    assert not isinstance(summary, Exception), summary
+    assert "its shards go back to the queue and a new engine takes its place" in caplog.text
+    assert not summary.interrupted
+    assert summary.succeeded + summary.failed == N_ROWS
+    assert _answers(out) == expected
+    assert _error_lines(out) == expected_errors
+
+
+def test_when_every_engine_dies_the_job_stops_and_a_rerun_completes(
+    tmp_path, tiny, batch, local_ray
+):
+    """No restarts allowed and both engines killed: the job stops with a clear error
+    (never a hang), keeps what it wrote, and a rerun completes it: every custom_id
+    once, the whole output in input order."""
+    from batchgen.api.data_parallel import DataParallelError
+
+    inp, expected, expected_errors = batch
+    out = tmp_path / "out.jsonl"
+    error = _run_killing(out, inp, tiny, kill=2, max_restarts=0)
+    assert isinstance(error, DataParallelError), error
+    assert "every engine died and none may be restarted" in str(error)
+    partial = _answers(out)
+    assert 4 <= len(partial) < len(expected)
+
+    assert main(_cli(tiny, inp, out, "--data-parallel", "2", "--shard-size", "8")) == 1
+    assert _answers(out) == expected
+    written = [r["custom_id"] for r in _records(out)]
+    assert written == [c for c in dict.fromkeys(_input_order(inp)) if c in expected]
+    assert _error_lines(out) == expected_errors
+
+
+def test_without_ray_the_flag_says_how_to_install_it(tmp_path, tiny, monkeypatch, caplog):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps(_chat("a", "w5")) + "\n")
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    out = tmp_path / "out.jsonl"
+    assert main(_cli(tiny, inp, out, "--data-parallel", "2")) == 2
+    assert "pip install 'batchgen[ray]'" in caplog.text
+    assert not out.exists()
