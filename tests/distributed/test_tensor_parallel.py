@@ -56,9 +56,9 @@ def test_tp2_logits_equal_tp1_through_prefill_and_decode(arch, checkpoints, tp2_
 
 
 def test_a_rank_that_fails_fails_the_run_without_hanging(tmp_path):
-    """Rank 1's error, or rank 0's lost connection to it, whichever is seen first."""
+    """Rank 1's error, or rank 0's connection to it closed or reset, whichever comes first."""
     start = time.monotonic()
-    with pytest.raises(mp.ProcessRaisedException, match=r"rank 1 gives up|closed by peer"):
+    with pytest.raises(mp.ProcessRaisedException, match=r"rank 1 gives up|by peer"):
         run_ranks(fail_on_rank_one, 2, tmp_path, timeout_s=60)
     assert time.monotonic() - start < 40
 
