@@ -72,6 +72,7 @@ class EngineConfig:
     tier_policy: str = "auto"
     load_format: str = "auto"
     batchgen_debug: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -79,7 +80,7 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             positive_int(name)
         for name in ("max_model_len", "num_kv_pages"):
             if getattr(self, name) is not None:

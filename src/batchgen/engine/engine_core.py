@@ -23,6 +23,7 @@ from batchgen.engine.memory import (
 from batchgen.engine.pipeline import next_decode
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.tensor_parallel import TPModelRunner, TPWorkers, check_supported
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
@@ -58,8 +59,10 @@ class EngineCore:
         tokenizer,
         device: torch.device,
         dtype: torch.dtype,
+        tp_workers: TPWorkers | None = None,
     ) -> None:
         self.config = config
+        self.tp_workers = tp_workers  # tensor parallel: this is rank 0 of the group
         self.model = model
         self.hf_config = hf_config
         self.tokenizer = tokenizer
@@ -74,6 +77,8 @@ class EngineCore:
         self.state_pool = build_state_pool(model, config, dtype, device)
         num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
         self._check_pool_size(num_pages)
+        if tp_workers is not None:  # each rank builds a pool of the same pages
+            tp_workers.send({"num_pages": num_pages, "eos_token_ids": self.eos_token_ids})
         self.pool = PagePool(self.layout, num_pages, device)
         # hybrid models: no prefix hits until state checkpoints exist (a hit needs the
         # recurrent state at the hit's last token), so nothing is cached at all
@@ -95,7 +100,8 @@ class EngineCore:
             plan = DecodeSplitPlan(
                 config.max_num_seqs, self.layout.num_kv_heads, self.max_model_len, device
             )
-        self.runner = ModelRunner(
+        runner_cls = ModelRunner if tp_workers is None else TPModelRunner
+        self.runner = runner_cls(
             model,
             self.pool.layer_caches(),
             config.page_size,
@@ -110,6 +116,7 @@ class EngineCore:
             max_pages=-(-self.max_model_len // config.page_size),
             seed=config.seed,
             linear_states=None if self.state_pool is None else self.state_pool.layer_states(),
+            **({} if tp_workers is None else {"workers": tp_workers}),
         )
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
@@ -227,6 +234,8 @@ class EngineCore:
         the error raised, so the engine is never left without one.
         """
         self._check_pool_size(num_pages)
+        if self.tp_workers is not None:
+            raise ValueError("reconfigure() is not supported with tensor_parallel_size > 1 yet")
         self._drain()
         for req in list(reversed(self.scheduler.running)):
             self.scheduler.running.remove(req)
@@ -274,10 +283,34 @@ class EngineCore:
         device = config.torch_device()
         dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
         max_len = max_model_len(config, hf_config)
-        model = build_model(
-            source, hf_config, dtype, device, max_len, config.load_format, config.seed
-        )
-        return cls(config, model, hf_config, tokenizer, device, dtype)
+        if config.tensor_parallel_size == 1:
+            model = build_model(
+                source, hf_config, dtype, device, max_len, config.load_format, config.seed
+            )
+            return cls(config, model, hf_config, tokenizer, device, dtype)
+        check_supported(config, device)
+        workers = TPWorkers.start(config, source)
+        try:
+            model = build_model(
+                source,
+                hf_config,
+                dtype,
+                device,
+                max_len,
+                config.load_format,
+                config.seed,
+                tp=workers.tp,
+            )
+            return cls(config, model, hf_config, tokenizer, device, dtype, workers)
+        except BaseException:
+            workers.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (a no-op otherwise)."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
+            self.tp_workers = None
 
     def _profile_forward(self, num_tokens: int) -> None:
         n = min(num_tokens, self.max_model_len)

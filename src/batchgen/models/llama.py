@@ -10,12 +10,28 @@ from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.attention import Attention
 from batchgen.layers.linear import Linear, merged_shards
 from batchgen.layers.norm import RMSNorm
+from batchgen.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    local_kv_heads,
+)
 from batchgen.layers.rotary import RotaryEmbedding
+from batchgen.layers.tp_group import TPGroup
 
 
 class LlamaAttention(nn.Module):
+    """With `tp`, this rank's share of the heads: num_heads and num_kv_heads are local."""
+
     def __init__(
-        self, config, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+        self,
+        config,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -26,13 +42,16 @@ class LlamaAttention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         attention_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(
-            config.hidden_size,
-            q_size + 2 * kv_size,
-            bias=qkv_bias or attention_bias,
-            shards=merged_shards({"q": q_size, "k": kv_size, "v": kv_size}),
-        )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=attention_bias)
+        qkv_args = (config.hidden_size, q_size + 2 * kv_size, qkv_bias or attention_bias)
+        qkv_shards = merged_shards({"q": q_size, "k": kv_size, "v": kv_size})
+        if tp is None:
+            self.qkv_proj = Linear(*qkv_args, shards=qkv_shards)
+            self.o_proj = Linear(q_size, config.hidden_size, bias=attention_bias)
+        else:  # whole heads per rank, checked before the projections split their rows
+            self.num_kv_heads = local_kv_heads(self.num_kv_heads, tp.size)
+            self.num_heads = tp.split(self.num_heads, "num_attention_heads")
+            self.qkv_proj = ColumnParallelLinear(*qkv_args, shards=qkv_shards, tp=tp)
+            self.o_proj = RowParallelLinear(q_size, config.hidden_size, attention_bias, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -65,17 +84,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TPGroup | None = None) -> None:
         super().__init__()
         inter = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(
-            config.hidden_size,
-            2 * inter,
-            bias=bias,
-            shards=merged_shards({"gate": inter, "up": inter}),
-        )
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        shards = merged_shards({"gate": inter, "up": inter})
+        if tp is None:
+            self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias, shards=shards)
+            self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        else:
+            self.gate_up_proj = ColumnParallelLinear(
+                config.hidden_size, 2 * inter, bias, shards=shards, tp=tp
+            )
+            self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -83,11 +104,17 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+        self,
+        config,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_id, rotary, qkv_bias, qk_norm, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -101,7 +128,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Weight names follow transformers' checkpoints; q/k/v and gate/up are stacked."""
+    """Weight names follow transformers' checkpoints; q/k/v and gate/up are stacked.
+
+    With `tp` (layers/tp_group.py) this rank's tensor-parallel share: heads, KV heads,
+    the MLP's intermediate features and the vocabulary split across ranks, one
+    all-reduce after o_proj and one after down_proj, logits gathered. None: one
+    process, the plain layers. `num_local_kv_heads`: the KV heads this rank's pool holds.
+    """
 
     qkv_bias = False
     qk_norm = False
@@ -113,25 +146,33 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.kv_state = KVState.mha(num_kv_heads, head_dim)  # per token per layer: K and V
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, self.qkv_bias, self.qk_norm)
+            LlamaDecoderLayer(config, i, self.rotary, self.qkv_bias, self.qk_norm, tp)
             for i in range(config.num_hidden_layers)
         )
+        self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads
+        # per token per layer: K and V of this rank's KV heads
+        self.kv_state = KVState.mha(self.num_local_kv_heads, head_dim)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (
-            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
-        )
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        elif tp is None:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Packed tokens [T] at positions [T] -> final hidden states [T, hidden]."""
@@ -143,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:  # every rank's vocabulary range, gathered
+            return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden @ weight.t()
 

@@ -156,16 +156,19 @@ def build_model(
     max_positions: int,
     load_format: str = "auto",
     seed: int = 0,
+    tp=None,
 ) -> torch.nn.Module:
     """Build on the meta device, allocate on `device`, fill every weight from the
     checkpoint (load_format "auto") or with random values (load_format "dummy": no
-    checkpoint read, see init_dummy_weights)."""
+    checkpoint read, see init_dummy_weights). With `tp` (a layers.tp_group.TPGroup) the
+    model is this rank's tensor-parallel share, its weights cut from the full checkpoint
+    tensors (dummy weights are drawn per rank: they do not match a TP=1 run's)."""
     cls = model_class(config)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(config, max_positions)
+            model = cls(config, max_positions) if tp is None else cls(config, max_positions, tp=tp)
     finally:
         torch.set_default_dtype(old)
     model.to_empty(device=device)

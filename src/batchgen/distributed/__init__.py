@@ -1,0 +1,23 @@
+"""Tensor parallel: the process group and collectives over it (tensor_parallel.py)."""
+
+from batchgen.distributed.tensor_parallel import (
+    all_gather,
+    all_reduce,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    local_init_method,
+    tp_group,
+    tp_rank,
+    tp_size,
+)
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "destroy_tensor_parallel",
+    "init_tensor_parallel",
+    "local_init_method",
+    "tp_group",
+    "tp_rank",
+    "tp_size",
+]

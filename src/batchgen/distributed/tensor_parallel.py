@@ -1,0 +1,95 @@
+"""The process's tensor-parallel group: setup, teardown, and collectives over it.
+
+One process per rank (per GPU under NCCL; gloo on the CPU for tests). The group is the
+whole torch.distributed world of the process: data parallel runs separate worlds (one
+engine per Ray actor), so a process belongs to one tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from batchgen.layers.tp_group import SINGLE, TPGroup
+
+_group: TPGroup = SINGLE
+
+
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    backend: str | None = None,
+    init_method: str = "env://",
+    timeout_s: float = 120.0,
+) -> TPGroup:
+    """Join the group as `rank` of `world_size` and make it the process's group.
+
+    backend: "gloo" (CPU) or "nccl" (CUDA; this process's GPU is `rank` modulo the GPUs
+    it sees); None picks nccl where CUDA is available, else gloo. init_method: a
+    torch.distributed init method ("tcp://host:port", "file:///path", "env://"). A
+    collective waiting on a dead peer raises after `timeout_s` instead of hanging. At
+    world_size 1 no process group is created and every collective is a no-op."""
+    global _group
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"tensor-parallel rank {rank} is not in [0, {world_size})")
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process")
+    if world_size == 1:
+        _group = SINGLE
+        return _group
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unknown backend {backend!r} (gloo, nccl)")
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    _group = TPGroup(rank, world_size, dist.group.WORLD)
+    return _group
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (if any); the process is single-rank again."""
+    global _group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _group = SINGLE
+
+
+def tp_group() -> TPGroup:
+    """The process's group (a single-rank one before init_tensor_parallel)."""
+    return _group
+
+
+def tp_rank() -> int:
+    return _group.rank
+
+
+def tp_size() -> int:
+    return _group.size
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum of x over the group (in place where x is contiguous); x itself at size 1."""
+    return _group.all_reduce(x)
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Every rank's x concatenated along dim, rank 0 first; x itself at size 1."""
+    return _group.all_gather(x, dim)
+
+
+def local_init_method() -> str:
+    """A tcp:// init method on a port free on this host right now (for ranks that all
+    run here)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"

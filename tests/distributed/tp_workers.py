@@ -1,0 +1,199 @@
+"""Running a function on N gloo ranks (spawned processes), and the functions the
+tensor-parallel tests run there. Importable by the spawned children (spawn hands them
+the parent's sys.path, which holds this folder under pytest)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from batchgen.distributed import destroy_tensor_parallel, init_tensor_parallel
+from batchgen.forward_context import ForwardContext, bind_forward_context
+from batchgen.kv.layout import KVLayout
+from batchgen.kv.page_pool import PagePool
+from batchgen.layers.linear import Linear, merged_shards
+from batchgen.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from batchgen.layers.tp_group import TPGroup
+from batchgen.models.loader import ModelSource, build_model
+from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+from batchgen.runner.model_runner import ModelRunner
+from batchgen.sampling_params import SamplingParams
+
+
+def run_ranks(fn, world_size: int, workdir: Path, *args, timeout_s: float = 90.0) -> list:
+    """fn(tp_group, *args) on `world_size` spawned gloo ranks; each rank's return value,
+    rank 0 first. A rank that raises or dies fails the call (the others are killed);
+    ranks still running after timeout_s are killed and TimeoutError raised."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    init = f"file://{workdir.resolve()}/rendezvous"
+    ctx = mp.start_processes(
+        _rank_main,
+        args=(fn, world_size, init, str(workdir), args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel ranks still running after {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    return [torch.load(workdir / f"rank{r}.pt") for r in range(world_size)]
+
+
+def _rank_main(rank: int, fn, world_size: int, init: str, workdir: str, args) -> None:
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    tp = init_tensor_parallel(rank, world_size, "gloo", init, timeout_s=30)
+    try:
+        torch.save(fn(tp, *args), f"{workdir}/rank{rank}.pt")
+    finally:
+        destroy_tensor_parallel()
+
+
+def _loaded(layer, tensors: dict[tuple[str, str | None], torch.Tensor]):
+    for (param, shard), tensor in tensors.items():
+        layer.load(param, tensor, shard)
+    return layer
+
+
+@torch.inference_mode()
+def layer_diffs(tp: TPGroup) -> dict[str, float]:
+    """Each parallel layer against the full layer on the same random weights and input
+    (every rank draws the same ones from one seed): max |difference| by case."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):  # outputs of order 1, so an absolute tolerance means something
+        return 0.3 * torch.randn(*shape, generator=g)
+
+    diffs = {}
+    hidden, rows = 24, 5
+    x = rand(rows, hidden)
+    sizes = {"q": 32, "k": 16, "v": 16}
+    shards = merged_shards(sizes)
+    parts = {
+        (p, s): rand(n, hidden) if p == "weight" else rand(n)
+        for s, n in sizes.items()
+        for p in ("weight", "bias")
+    }
+    full = _loaded(Linear(hidden, 64, True, shards), parts)
+    ref = full(x)
+    col = _loaded(ColumnParallelLinear(hidden, 64, True, shards, tp, gather_output=True), parts)
+    diffs["column stacked, gathered"] = (col(x) - ref).abs().max().item()
+    col.gather_output = False
+    slices = [(s + tp.rank * (e - s) // tp.size, (e - s) // tp.size) for s, e in shards.values()]
+    mine = torch.cat([ref[:, s : s + n] for s, n in slices], dim=-1)
+    diffs["column stacked, local slice"] = (col(x) - mine).abs().max().item()
+    whole = {("weight", None): full.weight.clone(), ("bias", None): full.bias.clone()}
+    fused = _loaded(ColumnParallelLinear(hidden, 64, True, shards, tp, True), whole)
+    diffs["column stacked, loaded fused"] = (fused(x) - ref).abs().max().item()
+
+    inter = 40
+    up_w, down_w, down_b = rand(inter, hidden), rand(hidden, inter), rand(hidden)
+    up = _loaded(Linear(hidden, inter), {("weight", None): up_w})
+    down = _loaded(Linear(inter, hidden, True), {("weight", None): down_w, ("bias", None): down_b})
+    ref = down(torch.relu(up(x)))
+    pup = _loaded(ColumnParallelLinear(hidden, inter, tp=tp), {("weight", None): up_w})
+    pdown = _loaded(
+        RowParallelLinear(inter, hidden, True, tp),
+        {("weight", None): down_w, ("bias", None): down_b},
+    )
+    diffs["column -> row (one all-reduce)"] = (pdown(torch.relu(pup(x))) - ref).abs().max().item()
+    n = inter // tp.size
+    xs = rand(rows, inter)
+    partial = RowParallelLinear(inter, hidden, True, tp, reduce_output=False)
+    _loaded(partial, {("weight", None): down_w, ("bias", None): down_b})
+    summed = tp.all_reduce(partial(xs[:, tp.rank * n : (tp.rank + 1) * n]))
+    diffs["row, reduced by the caller"] = (summed - down(xs)).abs().max().item()
+
+    vocab = 37  # not divisible by 2: the last rank's range is padded
+    table = rand(vocab, hidden)
+    ids = torch.tensor([0, 36, 18, 19, 5, 36, 1])
+    emb = _loaded(VocabParallelEmbedding(vocab, hidden, tp), {("weight", None): table})
+    diffs["vocab embedding"] = (emb(ids) - table[ids]).abs().max().item()
+    diffs["vocab embedding, tied logits"] = (emb.logits(x) - x @ table.t()).abs().max().item()
+    head = _loaded(ParallelLMHead(vocab, hidden, tp), {("weight", None): table})
+    logits = head(x)
+    diffs["lm head"] = (logits - x @ table.t()).abs().max().item()
+    diffs["lm head, vocab columns"] = float(logits.shape[-1] != vocab)
+    return diffs
+
+
+# The steps every model run takes (page_size 4): a chunked prefill next to a whole one,
+# then a step mixing the chunk's rest, a decode and a new prompt, then pure decodes.
+PAGE_SIZE = 4
+PAGES = {"a": [3, 0, 7, 1], "b": [2, 5, 4], "c": [6, 8]}
+PROMPTS = {
+    "a": [5, 9, 13, 4, 100, 7, 8, 200, 11, 12, 50],
+    "b": [3, 4, 5, 6, 7, 300],
+    "c": [17, 18, 19],
+}
+DECODE_TOKENS = [[41, 42, 43], [61, 62, 63], [81, 82, 83]]
+
+
+def scheduled_steps() -> list[SchedulerOutput]:
+    params = SamplingParams(temperature=0)
+
+    def req(rid, tokens, start):
+        prompt = PROMPTS[rid]
+        return ScheduledRequest(rid, tokens, start, PAGES[rid], True, params, prompt, [])
+
+    a, b, c = PROMPTS["a"], PROMPTS["b"], PROMPTS["c"]
+    steps = [
+        [req("a", a[:7], 0), req("b", b, 0)],
+        [req("a", a[7:], 7), req("b", [21], 6), req("c", c, 0)],
+    ]
+    for i, (ta, tb, tc) in enumerate(DECODE_TOKENS):
+        steps.append([req("a", [ta], 11 + i), req("b", [tb], 7 + i), req("c", [tc], 3 + i)])
+    return [SchedulerOutput(requests=s) for s in steps]
+
+
+@torch.inference_mode()
+def model_logits(tp: TPGroup | None, path: str) -> list[torch.Tensor]:
+    """Logits of every packed row of each scheduled step, through the model's forward
+    (torch attention backend) over this rank's own KV pool."""
+    source = ModelSource.resolve(path)
+    config = source.load_config()
+    cpu = torch.device("cpu")
+    model = build_model(source, config, torch.float32, cpu, 64, tp=tp)
+    layout = KVLayout.of(model.kv_state, config.num_hidden_layers, PAGE_SIZE, torch.float32)
+    assert layout.num_kv_heads == model.num_local_kv_heads
+    pool = PagePool(layout, 10, cpu)
+    runner = ModelRunner(
+        model, pool.layer_caches(), PAGE_SIZE, cpu, config.vocab_size, [2], max_pages=16
+    )
+    out = []
+    for sched in scheduled_steps():
+        input_ids, positions, meta, _ = runner.prepare(sched)
+        with bind_forward_context(ForwardContext(meta, pool.layer_caches(), "torch")):
+            hidden = model(input_ids, positions)
+        out.append(model.compute_logits(hidden))
+    return out
+
+
+def layers_and_models(tp: TPGroup, paths: dict[str, str]) -> dict:
+    """One spawn for every check (each start costs seconds): the layers' max diffs
+    and, by architecture, each model's logits."""
+    return {
+        "layers": layer_diffs(tp),
+        "logits": {arch: model_logits(tp, path) for arch, path in paths.items()},
+    }
+
+
+def fail_on_rank_one(tp: TPGroup) -> None:
+    """Rank 1 raises before the collective rank 0 waits in."""
+    if tp.rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    tp.all_reduce(torch.ones(3))
