@@ -28,7 +28,12 @@ from batchgen.kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
     prefill_attention_reference,
 )
-from batchgen.kernels.store_kv import store_kv, store_kv_reference  # noqa: E402
+from batchgen.kernels.store_kv import (  # noqa: E402
+    store_kv,
+    store_kv_reference,
+    store_latent,
+    store_latent_reference,
+)
 from batchgen.layers import attention_torch, attention_triton  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,6 +89,21 @@ def test_store_kv_matches_reference(src_dtype, cache_dtype):
     rtol = 2**-7 if src_dtype != cache_dtype and DEVICE.type == "cpu" else 0
     torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=rtol)
     torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_latent_matches_reference(dtype):
+    """MLA's one-component cache: layer 1 of a [L, P, S, 1, W] pool, W not a power of two."""
+    gen = torch.Generator().manual_seed(1)
+    width = 40
+    cache = torch.randn(2, 12, 4, 1, width, device=DEVICE).to(dtype)[1]
+    latent = torch.randn(9, width + 8, device=DEVICE).to(dtype)[:, :width]  # strided rows
+    slots = torch.randperm(48, generator=gen)[:9].to(DEVICE)
+    slots[[2, 8]] = -1  # padding rows of a graph batch write nothing
+    ref = cache.clone()
+    store_latent_reference(ref, latent, slots)
+    store_latent(cache, latent, slots)
+    torch.testing.assert_close(cache, ref, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +178,27 @@ def test_prefill_attention_matches_reference(dtype, group, page_size, window):
     rows = slice(1, total - 1)
     _assert_close(out[rows], ref[rows], dtype)
     assert torch.isnan(out[0]).all() and torch.isnan(out[-1]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_takes_narrower_values(dtype):
+    """MLA's decompressed heads: keys 40 wide (nope + rope), values 24; out is 24 wide."""
+    gen = torch.Generator().manual_seed(5)
+    page_size, heads, dk, dv = 4, 3, 40, 24
+    specs = [(0, 13), (10, 6)]
+    seq_lens = [p + n for p, n in specs]
+    num_pages = sum(math.ceil(n / page_size) for n in seq_lens) + 1
+    k_cache = torch.randn(num_pages, page_size, heads, dk, device=DEVICE).to(dtype)
+    v_cache = torch.randn(num_pages, page_size, heads, dv, device=DEVICE).to(dtype)
+    _, table = _page_tables(seq_lens, page_size, num_pages, gen)
+    q_len = [n for _, n in specs]
+    q_start = [0, q_len[0]]
+    q = torch.randn(sum(q_len), heads, dk, device=DEVICE).to(dtype)
+    args = [torch.tensor(x, device=DEVICE) for x in (q_start, q_len, seq_lens)]
+    out = prefill_attention(q, k_cache, v_cache, *args, table, max(q_len), 0.2)
+    assert out.shape == (sum(q_len), heads, dv)
+    ref = prefill_attention_reference(q, k_cache, v_cache, *args, table, 0.2)
+    _assert_close(out, ref, dtype)
 
 
 def _metadata(requests, page_size, tables):

@@ -98,7 +98,7 @@ class EngineCore:
         plan = None
         if backend == "triton" and device.type == "cuda":
             plan = DecodeSplitPlan(
-                config.max_num_seqs, self.layout.num_kv_heads, self.max_model_len, device
+                config.max_num_seqs, self._decode_split_heads(), self.max_model_len, device
             )
         runner_cls = ModelRunner if tp_workers is None else TPModelRunner
         self.runner = runner_cls(
@@ -136,8 +136,8 @@ class EngineCore:
 
     def _attention_backend(self) -> str:
         """The configured backend, where the model's attention has it: a model that
-        lists its own in `attention_backends` (MLA: torch only) is held to them, and
-        "auto" falls back to torch for it."""
+        lists its own in `attention_backends` is held to them, and "auto" falls back to
+        torch for it."""
         backend = self.config.resolved_attention_backend(self.device)
         supported = getattr(self.model, "attention_backends", None)
         if supported is None or backend in supported:
@@ -149,12 +149,30 @@ class EngineCore:
             f"(it runs on {', '.join(supported)})"
         )
 
+    def _decode_split_heads(self) -> int:
+        """What the split plan counts as KV heads: the model's decode programs per
+        (request, split) where it says (`decode_split_heads`: MLA's head blocks), else
+        the layout's KV heads (the GQA decode kernel's programs)."""
+        heads = getattr(self.model, "decode_split_heads", None)
+        return self.layout.num_kv_heads if heads is None else heads(self.dtype, self.device)
+
     def _decode_graphs(self, backend: str, plan) -> DecodeGraphs | None:
         """CUDA graphs for decode steps: on a GPU with the (graph-safe) Triton backend,
-        for models without linear-attention layers (graphs do not bind state slots yet)."""
+        for models without linear-attention layers (graphs do not bind state slots yet),
+        when the model's decode forward has no host sync for this dtype and device (its
+        optional `graph_safe(dtype, device)`; DeepSeek-V3's MoE only on the grouped-GEMM
+        path); otherwise decode runs eagerly."""
         if self.config.enforce_eager or self.device.type != "cuda" or backend != "triton":
             return None
         if self.state_pool is not None:
+            return None
+        graph_safe = getattr(self.model, "graph_safe", None)
+        if graph_safe is not None and not graph_safe(self.dtype, self.device):
+            logger.info(
+                "decode runs eagerly: %s cannot be captured in %s on this device",
+                type(self.model).__name__,
+                self.dtype,
+            )
             return None
         return DecodeGraphs(
             self.model,

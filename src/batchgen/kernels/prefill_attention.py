@@ -10,7 +10,8 @@ packed rows [q_start, q_start + q_len) and sit at the end of its sequence:
 
 A program walks the keys [lo, hi) its block can see (hi = one past its last query's
 position, lo from the window) in BLOCK_N steps with an online softmax, reading each key
-through the page table. Math in float32; q, caches and out share one dtype.
+through the page table. Math in float32; q, caches and out share one dtype. Values may
+be narrower than keys (MLA's decompressed heads: K 192 wide, V 128): out has V's width.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, q_start_ptr, q_len_ptr, seq_lens_ptr,
     page_table_ptr, scale_log2, window, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks,
     stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh,
-    stride_od, stride_pt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_od, stride_pt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)  # fastest: the heads sharing a KV head run together (L2 reuse)
     m0 = tl.program_id(1) * BLOCK_M
@@ -49,9 +50,11 @@ def _prefill_kernel(
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
+    dv_mask = offs_dv < V_DIM
     q_mask = m_mask[:, None] & d_mask[None, :]
     q_rows = q_start + offs_m.to(tl.int64)
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd
@@ -65,17 +68,18 @@ def _prefill_kernel(
     # finite start: a row whose keys in one block are all masked stays NaN-free
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     table = page_table_ptr + r.to(tl.int64) * stride_pt
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < hi
         page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_page = (pos % PAGE_SIZE).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
         k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
         k = tl.load(
-            k_cache_ptr + k_off[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
+            k_cache_ptr + k_off[:, None] + offs_d[None, :] * stride_kd,
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
         )
         qk = mma(q, tl.trans(k), DOT_F32) * scale_log2
         allowed = pos[None, :] <= q_pos[:, None]
@@ -88,14 +92,16 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
         v = tl.load(
-            v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
+            v_cache_ptr + v_off[:, None] + offs_dv[None, :] * stride_vd,
+            mask=n_mask[:, None] & dv_mask[None, :],
+            other=0.0,
         )
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_F32)
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
 
 
 @dataclass(frozen=True)
@@ -136,38 +142,42 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of each request's packed query rows over its paged K/V.
 
-    q [T, H, D] packed; caches [P, page_size, Hkv, D] already holding every query's own
-    K/V; q_start, q_len, seq_lens [R]; page_table [R, >= ceil(seq_len/page_size)];
-    max_q_len >= every q_len (a host int: it sizes the grid). Writes the rows of out (like
-    q; allocated when None) that belong to the requests and returns out. tuning overrides
-    the launch parameters picked for the device.
+    q [T, H, D] packed; k_cache [P, page_size, Hkv, D] and v_cache [P, page_size, Hkv,
+    Dv] already holding every query's own K/V; q_start, q_len, seq_lens [R]; page_table
+    [R, >= ceil(seq_len/page_size)]; max_q_len >= every q_len (a host int: it sizes the
+    grid). Writes the rows of out ([T, H, Dv] in q's dtype; allocated when None) that
+    belong to the requests and returns out. tuning overrides the launch parameters picked
+    for the device.
     """
     _check(q, k_cache, v_cache, q_start, q_len, seq_lens, page_table, out)
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v_cache.shape[3])
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or max_q_len == 0:
         return out
     _, page_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = q.shape[1]
+    num_heads, v_dim = q.shape[1], v_cache.shape[3]
     tuning = tuning or default_tuning(q)
     grid = (num_heads, triton.cdiv(max_q_len, tuning.block_m), num_reqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, q_start, q_len, seq_lens, page_table,
         scale * _LOG2E, sliding_window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), page_table.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, V_DIM=v_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=sliding_window is not None, DOT_F32=dot_in_f32(q),
         BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_DV=max(16, triton.next_power_of_2(v_dim)),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
     return out
 
 
 def _check(q, k_cache, v_cache, q_start, q_len, seq_lens, page_table, out) -> None:
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"caches must be [P, S, Hkv, D]: {k_cache.shape} / {v_cache.shape}")
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"caches must be [P, S, Hkv, D] and [P, S, Hkv, Dv]: {k_cache.shape} / {v_cache.shape}"
+        )
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
@@ -180,8 +190,9 @@ def _check(q, k_cache, v_cache, q_start, q_len, seq_lens, page_table, out) -> No
             raise ValueError(f"{name} must be [{num_reqs}], got {tuple(t.shape)}")
     if page_table.dim() != 2 or page_table.shape[0] != num_reqs or page_table.stride(1) != 1:
         raise ValueError(f"page_table must be [{num_reqs}, pages] with contiguous rows")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be like q")
+    out_shape = (*q.shape[:2], v_cache.shape[3])
+    if out is not None and (tuple(out.shape) != out_shape or out.dtype != q.dtype):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be {out_shape} {q.dtype}")
     tensors = [q, k_cache, v_cache, q_start, q_len, seq_lens, page_table]
     if any(t.device != q.device for t in tensors + ([out] if out is not None else [])):
         raise ValueError("all tensors must be on one device")
@@ -198,11 +209,11 @@ def prefill_attention_reference(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] -> float32 [T, H, D] (rows of no request are zero), in plain torch."""
+    """q [T, H, D] -> float32 [T, H, Dv] (rows of no request are zero), in plain torch."""
     num_heads = q.shape[1]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out = q.new_zeros(*q.shape[:2], v_cache.shape[3], dtype=torch.float32)
     specs = zip(q_start.tolist(), q_len.tolist(), seq_lens.tolist())
     for r, (start, n, seq_len) in enumerate(specs):
         pages = page_table[r, : math.ceil(seq_len / page_size)]

@@ -3,7 +3,8 @@
     slot = slot_mapping[t] = page * page_size + offset
     k_cache[page, offset, :, :] = k[t]        (same for v; cast to the cache dtype)
 
-A negative slot means "padding row, write nothing".
+A negative slot means "padding row, write nothing" (a CUDA-graph batch's padding rows).
+`store_latent` writes a one-component cache (MLA's latent rows) with the same kernel.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_kc_page, stride_kc_off, stride_kc_h, stride_kc_d,
     stride_vc_page, stride_vc_off, stride_vc_h, stride_vc_d, NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -31,11 +32,14 @@ def _store_kv_kernel(
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
     kc = k_cache_ptr + page * stride_kc_page + off * stride_kc_off
-    vc = v_cache_ptr + page * stride_vc_page + off * stride_vc_off
     tl.store(kc + h * stride_kc_h + d * stride_kc_d, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + h * stride_vc_h + d * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if HAS_V:
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+        vc = v_cache_ptr + page * stride_vc_page + off * stride_vc_off
+        tl.store(
+            vc + h * stride_vc_h + d * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask
+        )
 
 
 def store_kv(
@@ -64,8 +68,39 @@ def store_kv(
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_V=True,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def store_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write latent rows [T, W] into a one-component cache [pages, page_size, 1, W] (or
+    [pages, page_size, W]; any strides) at flat slots; negative slots are skipped. No
+    host synchronisation: CUDA-graph capturable."""
+    if cache.dim() == 4 and cache.shape[2] == 1:
+        cache = cache[:, :, 0]
+    if cache.dim() != 3:
+        raise ValueError(f"cache must be [P, S, 1, W] or [P, S, W], got {tuple(cache.shape)}")
+    page_size, width = cache.shape[1], cache.shape[2]
+    if latent.dim() != 2 or latent.shape[1] != width:
+        raise ValueError(f"latent {tuple(latent.shape)} does not fit rows of {width}")
+    if slot_mapping.shape != (latent.shape[0],) or slot_mapping.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise ValueError(f"slot_mapping must be [{latent.shape[0]}] int32/int64")
+    if not (latent.device == cache.device == slot_mapping.device):
+        raise ValueError("latent, cache and slot_mapping must be on one device")
+    num_tokens = latent.shape[0]
+    if num_tokens == 0:
+        return
+    # one head: the latent row; v arguments repeat k's and are never read (HAS_V False)
+    strides = (latent.stride(0), 0, latent.stride(1))
+    cache_strides = (cache.stride(0), cache.stride(1), 0, cache.stride(2))
+    _store_kv_kernel[(num_tokens,)](
+        latent, latent, cache, cache, slot_mapping, *strides, *strides, *cache_strides,
+        *cache_strides, NUM_KV_HEADS=1, HEAD_DIM=width, PAGE_SIZE=page_size, HAS_V=False,
+        BLOCK_H=1, BLOCK_D=triton.next_power_of_2(width),
     )  # fmt: skip
 
 
@@ -83,3 +118,12 @@ def store_kv_reference(
     pages, offs = slots // page_size, slots % page_size
     k_cache[pages, offs] = k[keep].to(k_cache.dtype)
     v_cache[pages, offs] = v[keep].to(v_cache.dtype)
+
+
+def store_latent_reference(
+    cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The latent write in plain torch (negative slots skipped)."""
+    keep = slot_mapping >= 0
+    rows = cache.view(-1, cache.shape[-1])
+    rows[slot_mapping[keep]] = latent[keep].to(cache.dtype)

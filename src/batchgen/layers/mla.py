@@ -31,9 +31,17 @@ from batchgen.layers.rotary import RotaryEmbedding, rope_parameters
 # config.rms_norm_eps (transformers and DeepSeek's reference code build them so)
 LORA_NORM_EPS = 1e-6
 
-# attention math by backend name; there is no Triton MLA kernel yet
-_BACKENDS = {"torch": mla_torch}
-BACKENDS = tuple(_BACKENDS)
+# the attention backends MLA runs on: mla_torch, and mla_triton (imported on first use)
+BACKENDS = ("torch", "triton")
+
+
+def decode_split_heads(num_heads: int, dtype: torch.dtype, device: torch.device | str) -> int:
+    """Programs per (request, split) of the Triton absorbed decode for `num_heads` query
+    heads: what a DecodeSplitPlan counts as KV heads for an MLA model (the GQA kernel has
+    one program per KV head; mla_decode one per block of query heads)."""
+    from batchgen.kernels.mla_decode import default_tuning, head_blocks
+
+    return head_blocks(num_heads, default_tuning(dtype, torch.device(device)))
 
 
 def softmax_scale(config) -> float:
@@ -153,9 +161,10 @@ class MLAttention(nn.Module):
 
 
 def _backend(name: str):
-    backend = _BACKENDS.get(name)
-    if backend is None:
-        raise ValueError(
-            f"MLA attention has no {name!r} backend (it runs on {', '.join(BACKENDS)})"
-        )
-    return backend
+    if name == "torch":
+        return mla_torch
+    if name == "triton":
+        from batchgen.layers import mla_triton
+
+        return mla_triton
+    raise ValueError(f"MLA attention has no {name!r} backend (it runs on {', '.join(BACKENDS)})")

@@ -33,9 +33,15 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` serves x without a host sync: bfloat16 on a CUDA device
     of compute capability 9.x or 10.x (Hopper, Blackwell), a torch that has the op. On other
     GPUs the op falls back to a loop that copies the offsets to the host."""
-    if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16):
+    return grouped_mm_serves(x.dtype, x.device)
+
+
+def grouped_mm_serves(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """grouped_mm_available for activations of `dtype` on `device`, before any exist."""
+    device = torch.device(device)
+    if not (hasattr(torch, "_grouped_mm") and device.type == "cuda" and dtype == torch.bfloat16):
         return False
-    return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 def grouped_mm_loop(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -201,6 +207,12 @@ class DeepseekV3MoE(nn.Module):
         self.shared_experts = (
             GatedMLP(hidden, inter * n_shared).to(device=device, dtype=dtype) if n_shared else None
         )
+
+    def graph_safe(self, dtype: torch.dtype, device: torch.device | str) -> bool:
+        """Whether forward runs without a host sync for `dtype` activations on `device`
+        (so a CUDA graph can capture it): fused_experts takes the grouped-GEMM path there."""
+        hidden, inter = self.experts.gate_up_proj.shape[2], self.experts.inter
+        return hidden % 8 == 0 and inter % 8 == 0 and grouped_mm_serves(dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

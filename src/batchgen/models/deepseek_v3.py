@@ -69,6 +69,22 @@ class DeepseekV3ForCausalLM(nn.Module):
             None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         )
 
+    def graph_safe(self, dtype: torch.dtype, device: torch.device | str) -> bool:
+        """Whether the decode forward (Triton backend) is free of host syncs for `dtype`
+        on `device`, so CUDA graphs may capture it. MLA, norms and dense MLPs always are;
+        MoE layers only where their experts take the grouped GEMM (bfloat16 on Hopper /
+        Blackwell, sizes multiples of 8). Elsewhere (float32 on a GPU, older GPUs) the
+        engine decodes eagerly."""
+        return all(
+            layer.mlp.graph_safe(dtype, device)
+            for layer in self.layers
+            if isinstance(layer.mlp, DeepseekV3MoE)
+        )
+
+    def decode_split_heads(self, dtype: torch.dtype, device: torch.device | str) -> int:
+        """Programs per (request, split) of the decode kernel, for the engine's split plan."""
+        return mla.decode_split_heads(self.config.num_attention_heads, dtype, device)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Packed tokens [T] at positions [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)

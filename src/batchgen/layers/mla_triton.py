@@ -1,0 +1,92 @@
+"""Triton MLA attention over the latent paged cache: the semantics of mla_torch, on kernels.
+
+- store: `kernels.store_kv.store_latent` (negative slots, a graph batch's padding rows,
+  write nothing).
+- decode rows: `kernels.mla_decode.mla_decode`, absorbed, one launch (two with a split);
+  the split count comes from the runner (`meta.decode_num_splits`, the DecodeSplitPlan's
+  for the batch's bucket) so a graph replay and an eager step reduce alike. Nothing is
+  read back to the host: capturable.
+- prefill chunks: the latent pages of the step's prefilling sequences are gathered and
+  decompressed through kv_b_proj into per-head K [nope | rope] and V, laid out as pages
+  of their own, then `kernels.prefill_attention` runs causally over them with the chunk's
+  cached prefix (keys 192 wide, values 128 in DeepSeek-V3: the kernel takes both).
+
+    gathered pages:  | seq 0's pages (ceil(seq_len / page_size)) | seq 1's pages | ...
+    page table row i: arange(first page of seq i, its last), padded with page 0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from batchgen.forward_context import AttentionMetadata
+from batchgen.kernels.mla_decode import mla_decode
+from batchgen.kernels.prefill_attention import prefill_attention
+from batchgen.kernels.store_kv import store_latent  # noqa: F401  (the backend's latent write)
+
+
+def paged_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed decode, one query per decode row: q_nope [B, H, C] with W_UK folded in,
+    q_pe [B, H, R] -> [B, H, C] in q_nope's dtype, W_UV not yet applied."""
+    return mla_decode(
+        q_nope,
+        q_pe.to(q_nope.dtype),
+        cache,
+        meta.decode_page_table,
+        meta.decode_seq_lens,
+        scale,
+        max_seq_len=meta.decode_max_seq_len or None,
+        num_splits=meta.decode_num_splits,
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Decompressed prefill into out's prefill rows: q [T, H, Dk] (nope, then rope);
+    out [T, H, Dv]. Every prefill chunk's own latents are already in the cache."""
+    seqs = meta.prefills
+    page_size = cache.shape[1]
+    counts = [s.pages.numel() for s in seqs]  # ceil(seq_len / page_size) each
+    pages = torch.cat([s.pages for s in seqs])
+    latent = cache[pages].reshape(pages.numel() * page_size, cache.shape[-1])
+    k, v = expand(latent)
+    k = k.view(pages.numel(), page_size, *k.shape[1:])
+    v = v.view(pages.numel(), page_size, *v.shape[1:])
+    num, width = len(seqs), max(counts)
+    host = np.zeros(3 * num + num * width, dtype=np.int64)  # q_start | q_len | seq_len | table
+    host[:num] = [s.q_start for s in seqs]
+    host[num : 2 * num] = [s.q_len for s in seqs]
+    host[2 * num : 3 * num] = [s.seq_len for s in seqs]
+    table = host[3 * num :].reshape(num, width)
+    first = 0
+    for i, n in enumerate(counts):
+        table[i, :n] = np.arange(first, first + n)
+        first += n
+    dev = torch.from_numpy(host).to(q.device)
+    prefill_attention(
+        q,
+        k,
+        v,
+        dev[:num],
+        dev[num : 2 * num],
+        dev[2 * num : 3 * num],
+        dev[3 * num :].view(num, width),
+        max(s.q_len for s in seqs),
+        scale,
+        out=out,
+    )

@@ -1,0 +1,85 @@
+"""MLA on the Triton backend (layers/mla_triton.py) against the torch reference, one
+layer, one mixed step: two prefill chunks (one after a cached prefix) and two decode rows
+in the same packed batch, plus a padding row (slot -1) as a graph batch has. Under the
+interpreter on the CPU, compiled on a GPU."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from test_mla import HIDDEN, PAGE, POISON, _config, _layer, _slots  # noqa: E402
+
+from batchgen.forward_context import (  # noqa: E402
+    AttentionMetadata,
+    ForwardContext,
+    PrefillSeq,
+    bind_forward_context,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _mixed_step():
+    """Packed rows: | prefill A (5, fresh) | decode B | prefill C (4, after 6 cached) |
+    decode D | padding |. Returns (positions, metadata, the cached positions per seq)."""
+    pages = {"A": [3, 9], "B": [0, 7, 11], "C": [5, 2, 14], "D": [6]}
+    rows = [("A", range(0, 5)), ("B", [9]), ("C", range(6, 10)), ("D", [2])]
+    positions, slots = [], []
+    for name, span in rows:
+        positions += list(span)
+        slots += _slots(pages[name], list(span)).tolist()
+    positions.append(0)
+    slots.append(-1)  # a padding row writes nothing
+    dev = dict(device=DEVICE)
+    meta = AttentionMetadata(
+        len(positions),
+        torch.tensor(slots, **dev),
+        decode_rows=torch.tensor([5, 10], **dev),
+        decode_page_table=torch.tensor([pages["B"], pages["D"] + [0, 0]], **dev),
+        decode_seq_lens=torch.tensor([10, 3], **dev),
+        decode_max_seq_len=10,
+        prefills=[
+            PrefillSeq(0, 5, 5, torch.tensor(pages["A"], **dev)),
+            PrefillSeq(6, 4, 10, torch.tensor(pages["C"], **dev)),
+        ],
+    )
+    # tokens before this step: B's 0..8, C's 0..5, D's 0..1
+    cached = {"B": range(0, 9), "C": range(0, 6), "D": range(0, 2)}
+    return torch.tensor(positions, **dev), meta, {n: (pages[n], list(s)) for n, s in cached.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_matches_torch_backend(dtype):
+    config = _config()
+    attn = _layer(config).to(DEVICE, dtype)
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    positions, meta, cached = _mixed_step()
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.full((16, PAGE, 1, width), POISON, dtype=dtype, device=DEVICE)
+    for pages, span in cached.values():  # earlier steps' latents
+        slots = _slots(pages, span).to(DEVICE)
+        cache.view(-1, width)[slots] = torch.randn(len(span), width, generator=gen).to(cache)
+    x = torch.randn(meta.num_tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
+    # the torch reference writes every slot: its padding row goes to page 15, unused
+    ref_meta = replace(meta, slot_mapping=meta.slot_mapping.clone())
+    ref_meta.slot_mapping[-1] = 15 * PAGE
+    outs, caches = {}, {}
+    for backend, m in (("torch", ref_meta), ("triton", meta)):
+        caches[backend] = cache.clone()
+        ctx = ForwardContext(m, [(caches[backend],)], backend)
+        with torch.no_grad(), bind_forward_context(ctx):
+            outs[backend] = attn(positions, x)[:-1].float()  # the padding row is ignored
+    assert (caches["triton"][15] == POISON).all(), "the padding row wrote its latent"
+    torch.testing.assert_close(caches["triton"][:15], caches["torch"][:15], atol=0, rtol=0)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=tol, rtol=tol)
