@@ -124,8 +124,15 @@ def test_two_engines_give_the_single_engine_answers_in_input_order(
 
 
 def _engine_pids() -> list[int]:
-    names = sorted(n for n in ray.util.list_named_actors() if n.startswith("batchgen-engine"))
-    return [ray.get(ray.get_actor(name).ready.remote()) for name in names]
+    """The pids of the live engines. An engine of an earlier job may still be listed
+    while Ray tears it down: it answers with an error, and is left out."""
+    pids = []
+    for name in sorted(n for n in ray.util.list_named_actors() if n.startswith("batchgen-engine")):
+        try:
+            pids.append(ray.get(ray.get_actor(name).ready.remote(), timeout=30))
+        except (ValueError, ray.exceptions.RayError):
+            continue
+    return pids
 
 
 def _run_killing(out: Path, inp: Path, tiny: str, kill: int, **dp_options):
@@ -136,13 +143,15 @@ def _run_killing(out: Path, inp: Path, tiny: str, kill: int, **dp_options):
     killed = threading.Event()
 
     def kill_engines() -> None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if out.exists() and out.read_bytes().count(b"\n") >= 4:
-                for pid in _engine_pids()[:kill]:
-                    os.kill(pid, signal.SIGKILL)
-                killed.set()
-                return
+                pids = _engine_pids()
+                if len(pids) >= kill:
+                    for pid in pids[:kill]:
+                        os.kill(pid, signal.SIGKILL)
+                    killed.set()
+                    return
             time.sleep(0.05)
 
     watcher = threading.Thread(target=kill_engines, daemon=True)
