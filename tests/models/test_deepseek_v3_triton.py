@@ -99,6 +99,7 @@ def test_graph_safety_and_split_heads():
         dtype=torch.float32,
         model=moe,
         layout=SimpleNamespace(num_kv_heads=1),
+        state_pool=None,  # no linear-attention layers: graphs hinge on graph_safe alone
     )
     assert EngineCore._decode_graphs(gpu, "triton", None) is None  # eager fallback
     assert EngineCore._decode_split_heads(gpu) == mla.decode_split_heads(4, torch.float32, "cuda")
