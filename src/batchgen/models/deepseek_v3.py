@@ -16,7 +16,7 @@ from batchgen.layers.mla import MLAttention
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.norm import RMSNorm
 from batchgen.layers.rotary import RotaryEmbedding
-from batchgen.models.llama import LlamaMLP
+from batchgen.models.llama import DecoderStack, LlamaMLP
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -44,7 +44,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(DecoderStack):
     """Weight names follow transformers' checkpoints; a dense MLP's gate/up are stacked,
     a MoE MLP maps its own names (DeepseekV3MoE.checkpoint_target: per-expert or fused).
     Multi-token-prediction layers past num_hidden_layers are not loaded; FP8 weights
@@ -84,19 +84,6 @@ class DeepseekV3ForCausalLM(nn.Module):
     def decode_split_heads(self, dtype: torch.dtype, device: torch.device | str) -> int:
         """Programs per (request, split) of the decode kernel, for the engine's split plan."""
         return mla.decode_split_heads(self.config.num_attention_heads, dtype, device)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Packed tokens [T] at positions [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm.forward_residual(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, parameter, shard) for a transformers weight name; None to skip."""

@@ -26,7 +26,7 @@ from batchgen.layers.linear import Linear
 from batchgen.layers.mla import MLAttention
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.norm import RMSNorm
-from batchgen.models.llama import LlamaMLP
+from batchgen.models.llama import DecoderStack, LlamaMLP
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 # Moonshot's checkpoint names (what save_pretrained writes too) -> transformers' modules
@@ -77,7 +77,7 @@ class KimiLinearDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class KimiLinearForCausalLM(nn.Module):
+class KimiLinearForCausalLM(DecoderStack):
     """Weight names: Moonshot's checkpoints (what transformers' save_pretrained writes:
     `block_sparse_moe.` for every MLP, experts' w1/w3/w2 for gate/up/down, per-projection
     q/k/v_conv1d, A_log and dt_bias beside the projections) and transformers' in-memory
@@ -108,19 +108,6 @@ class KimiLinearForCausalLM(nn.Module):
         self.lm_head = (
             None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         )
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Packed tokens [T] at positions [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm.forward_residual(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, parameter, shard) for a transformers weight name; None to skip."""

@@ -127,7 +127,26 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderStack(nn.Module):
+    """What every decoder-only model here shares: `embed_tokens`, `layers` (each
+    `layer(positions, x, residual) -> (x, residual)`), a final `norm`, and `lm_head`
+    (None: tied to the embeddings)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Packed tokens [T] at positions [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm.forward_residual(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+
+class LlamaForCausalLM(DecoderStack):
     """Weight names follow transformers' checkpoints; q/k/v and gate/up are stacked.
 
     With `tp` (layers/tp_group.py) this rank's tensor-parallel share: heads, KV heads,
@@ -174,20 +193,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Packed tokens [T] at positions [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm.forward_residual(x, residual)
-        return x
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp is not None:  # every rank's vocabulary range, gathered
             return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        return super().compute_logits(hidden)
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, 'weight'|'bias', shard) for a transformers weight name; None to skip."""
