@@ -72,7 +72,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         for k in after
         if isinstance(after[k], (int, float)) and not k.startswith("tier_")
     }
-    return {
+    result = {
         "wall_s": wall,
         "output_tokens": out,
         "tok_s": out / wall,
@@ -85,6 +85,21 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         "counters": counters,
         "kv_pool_pages": eng.kv.allocator.num_pages,
     }
+    if eng.tier is not None:
+        eng.tier.copies.close()
+    eng.shutdown()
+    return result
+
+
+def _release_device_memory() -> None:
+    """Collect the finished engine and give its pool back (the peer runs next)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_peer(ckpt: Path, prompts, out_lens, args) -> dict:
@@ -151,6 +166,8 @@ def main(argv=None) -> int:
         args.device, args.dtype = "cuda", "bfloat16"
         ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w4-config"), cfg)
     ours = run_batchgen(ckpt, prompts, out_lens, args)
+    _release_device_memory()
+    print(json.dumps({"batchgen": ours}), flush=True)
     peer = None if args.skip_peer else run_peer(ckpt, prompts, out_lens, args)
     result = {"workload": "small" if args.small else "W4", "batchgen": ours, "peer": peer}
     if not args.small:

@@ -124,9 +124,12 @@ def test_unseeded_sampling_with_early_stops(model_dir, engine_device):
     GPU with CUDA graphs too."""
     prompts = _prompts(12)
     free = SamplingParams(temperature=1.0, max_tokens=16)
-    dev = dict(device=engine_device)
+    # a fixed pool: each engine's would otherwise be planned from the memory the ones
+    # before it left free
+    dev = dict(device=engine_device, num_kv_pages=512)
     plain, _, engine = _run(model_dir, prompts, free, False, max_num_seqs=16, seed=3, **dev)
     assert (engine.runner.graphs is not None) == (engine_device == "cuda")
+    del engine
     stop_token = plain[0][0][4]
     stop_text = plain[1][2].split()[3]
     params = SamplingParams(

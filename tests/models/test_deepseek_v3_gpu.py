@@ -1,6 +1,7 @@
-"""DeepSeek-V3 on the GPU, Triton backend with decode CUDA graphs, against the torch
-backend (eager) under the logprob-closeness rule, bf16; and the eager fallback where the
-decode forward cannot be captured (float32: the MoE's reference path syncs)."""
+"""DeepSeek-V3 on the GPU, Triton backend with decode CUDA graphs, against the Triton
+backend run eagerly and against the torch backend (both judged by a float32 run) under
+the logprob-closeness rule, bf16; and the eager fallback where the decode forward cannot
+be captured (float32: the MoE's reference path syncs)."""
 
 from __future__ import annotations
 
@@ -48,34 +49,34 @@ def model_dir(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("n", [1, 7, 48])
-def test_graphs_match_torch_backend_bf16(model_dir, n):
+def test_graphs_match_eager_and_torch_backend_bf16(model_dir, n):
     """Decode steps replay captured graphs (padding rows in the 7-request bucket);
-    prefill chunks and prefix hits run the Triton prefill; every row stays close to the
-    torch backend's."""
+    prefill chunks and prefix hits run the Triton prefill.
+
+    Against the Triton backend run eagerly no row may collapse. Against the torch
+    backend the rule is relative: a bf16 MoE flips an expert choice wherever two router
+    scores are within rounding, and a flip moves the next token far beyond a near-tie
+    (measured on an H200: the torch backend in bf16 against itself in float32 collapses
+    7 of 48 rows of moe_kimi_like, 0 of q_lora). So both bf16 backends are judged
+    against the float32 torch run, and the Triton one may collapse at most 2 rows more
+    than the torch one."""
     prompts = _prompts(n)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
-    torch_llm = LLM(
-        model=model_dir,
-        dtype="bfloat16",
-        attention_backend="torch",
-        num_kv_pages=1024,
-        max_num_batched_tokens=256,
-        **KW,
-    )
-    ref = _rows(torch_llm, prompts, params)
-    llm = LLM(
-        model=model_dir,
-        dtype="bfloat16",
-        attention_backend="auto",
-        num_kv_pages=1024,
-        max_num_batched_tokens=256,
-        **KW,
-    )
-    runner = llm.engine.runner
+    kw = dict(model=model_dir, num_kv_pages=1024, max_num_batched_tokens=256, **KW)
+
+    def rows(**engine_kw):
+        llm = LLM(**kw, **engine_kw)
+        return _rows(llm, prompts, params), llm.engine.runner
+
+    ref32, _ = rows(dtype="float32", attention_backend="torch")
+    torch16, _ = rows(dtype="bfloat16", attention_backend="torch")
+    eager, runner = rows(dtype="bfloat16", attention_backend="triton", enforce_eager=True)
+    assert runner.graphs is None
+    graphs, runner = rows(dtype="bfloat16", attention_backend="auto")
     assert runner.attention_backend == "triton" and runner.graphs is not None
-    rows = _rows(llm, prompts, params)
     assert runner.graphs.graphs, "decode steps should have replayed graphs"
-    assert _collapsed(rows, ref) == 0
+    assert _collapsed(graphs, eager) == 0
+    assert _collapsed(graphs, ref32) <= _collapsed(torch16, ref32) + 2
 
 
 def test_dense_graph_replay_equals_eager(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ def plan_num_pages(
         return int(config.kv_cache_size_gib * 2**30 // layout.bytes_per_page)
     if device.type != "cuda":
         return int(config.cpu_kv_cache_gib * 2**30 // layout.bytes_per_page)
+    # an engine dropped with reference cycles still holds its pool until collected
+    gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
