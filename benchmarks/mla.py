@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/mla.py --out $OUT               # W4 on the GPU, peer beside it
     PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --out $OUT   # while iterating
+    PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --profile --out $OUT  # + decode step
     PYTHONPATH=src python3 benchmarks/mla.py --small --out /tmp/w4    # CPU, seconds, for CI
 
 Model: workloads.MOONLIGHT_W4, a scaled Moonlight-16B-A3B-like config (27 layers, hidden
@@ -85,6 +86,10 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         "counters": counters,
         "kv_pool_pages": eng.kv.allocator.num_pages,
     }
+    if args.profile:
+        from throughput import profile_decode
+
+        result["profile"] = profile_decode(llm, prompts, args, max_tokens=max(out_lens) + 16)
     if eng.tier is not None:
         eng.tier.copies.close()
     eng.shutdown()
@@ -152,6 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--host-gib", type=float, default=32.0)
+    ap.add_argument(
+        "--profile", action="store_true", help="+ where a decode step's time goes (throughput.py)"
+    )
     add_engine_args(ap)
     ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)
@@ -190,6 +198,8 @@ def main(argv=None) -> int:
             f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s) "
             f"-> ratio {result['ratio']:.1f}x"
         )
+    if "profile" in ours:
+        lines.append(json.dumps(ours["profile"], indent=1))
     sys.stdout.write("\n".join(lines) + "\n")
     return 0 if ours["output_tokens"] == sum(out_lens) else 1
 

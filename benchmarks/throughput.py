@@ -77,7 +77,7 @@ def run_batchgen(ckpt, prompts, out_lens, args):
     return result, timeline
 
 
-def profile_decode(llm, prompts, args):
+def profile_decode(llm, prompts, args, max_tokens: int = 300):
     """Where a decode step's time goes at batch max_num_seqs, three ways:
 
     - ``step_wall_ms``: steps as the benchmark runs them (pipelined decode if on);
@@ -95,7 +95,7 @@ def profile_decode(llm, prompts, args):
 
     eng = llm.engine
     for i, p in enumerate(prompts[: args.max_num_seqs]):
-        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)  # as W1
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)  # W1: 300
         eng.add_request(f"prof{i}", p, params)
     for _ in range(200):  # every prompt prefilled: profile pure decode steps
         if all(r.num_computed_tokens >= r.num_prompt_tokens for r in eng.requests.values()):
