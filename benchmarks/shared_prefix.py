@@ -45,15 +45,19 @@ decode token per output after a request's first), device and host prefix hits an
 preemptions, and for tier-on runs the prefix-load traffic alone (bytes_prefix_load over
 copy_seconds_prefix_load) in GB/s and as a fraction of 55 GB/s.
 
---profile: after the timed part of the first tier-on run, the first 128 requests of the
-workload are submitted again (their prefixes are then mostly on the host only) and a
-torch.profiler trace of CUDA activity is taken over up to --profile-steps steps; from its
-events: the time host->device copies were active on the copy streams, the fraction of it
-during which a kernel ran on the compute stream (the stream with the most kernel time),
-that stream's busy time and its kernels by family (throughput.kernel_families). The trace
-is kept as shared_prefix_trace.json in --out. Skipped, with a message, on the CPU. A tier
-the cost rule left idle (tier_policy "auto", printed per run) loads nothing to trace:
---tier-policy always makes it load.
+--profile: after the timed part of the first tier-on run (or of each run --profile-runs
+names), the first 128 requests of the workload are submitted again (their prefixes are
+then mostly on the host only) and a torch.profiler trace of CPU and CUDA activity is
+taken over up to --profile-steps steps; from its events: the time host->device copies
+were active on the copy streams, the fraction of it during which a kernel ran on the
+compute stream (the stream with the most kernel time), that stream's busy time and its
+kernels by family (throughput.kernel_families), and the host milliseconds per step in
+each of batchgen's step phases (schedule, prepare, forward, sample, update, replay; copy:
+the copy workers issuing copies). Comparing a tier-on and a tier-off run this way says
+where a host-bound run's time goes. The trace is kept as shared_prefix_trace.json (one
+run) or shared_prefix_trace_<run>.json in --out. Skipped, with a message, on the CPU. A
+tier the cost rule left idle (tier_policy "auto", printed per run) loads nothing to
+trace: --tier-policy always makes it load.
 
 Writes shared_prefix.json into --out; exits 1 when a run lost output tokens, the
 defaults did not compute fewer prefill tokens than the baseline, or (tier_policy
@@ -255,10 +259,11 @@ def copy_overlap(events: list[dict]) -> dict:
 
 
 def profile_prefix_loads(
-    llm, *, prompts, out_lens, num_requests: int, steps: int, out: Path
+    llm, *, prompts, out_lens, num_requests: int, steps: int, out: Path, name: str = ""
 ) -> dict:
     """Trace up to `steps` steps of the first num_requests requests of the workload, run
-    again after the timed part, and measure copy/compute overlap in the trace."""
+    again after the timed part, and measure copy/compute overlap in the trace and the
+    host time of batchgen's step phases (its record_function ranges)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -266,27 +271,56 @@ def profile_prefix_loads(
 
     eng = llm.engine
     tier = eng.tier
+
+    def loaded() -> int:
+        return 0 if tier is None else tier.metrics.bytes_by_reason.get("prefix_load", 0)
+
     for i in range(min(num_requests, len(prompts))):
         params = SamplingParams(temperature=0, max_tokens=out_lens[i], ignore_eos=True)
         eng.add_request(f"profile{i}", prompts[i], params)
-    loaded = tier.metrics.bytes_by_reason.get("prefix_load", 0)
+    before = loaded()
     done = 0
     torch.cuda.synchronize(eng.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         while eng.has_unfinished and done < steps:
             eng.step()
             done += 1
         eng._drain()  # the queued decode step's GPU work inside the window
-        tier.drain()
+        if tier is not None:
+            tier.drain()
         torch.cuda.synchronize(eng.device)
-    loaded = tier.metrics.bytes_by_reason.get("prefix_load", 0) - loaded
+    nbytes = loaded() - before
     eng.abort(list(eng.requests))
-    tier.drain()
+    if tier is not None:
+        tier.drain()
     out.mkdir(parents=True, exist_ok=True)
-    trace = out / "shared_prefix_trace.json"
+    trace = out / f"shared_prefix_trace{'_' + name if name else ''}.json"
     prof.export_chrome_trace(str(trace))
-    report = copy_overlap(json.loads(trace.read_text())["traceEvents"])
-    return dict(report, steps=done, prefix_load_bytes=loaded, trace=str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    report = copy_overlap(events)
+    return dict(
+        report,
+        host_ms_per_step=host_ranges(events, max(done, 1)),
+        steps=done,
+        prefix_load_bytes=nbytes,
+        trace=str(trace),
+    )
+
+
+def host_ranges(events: list[dict], steps: int) -> dict[str, float]:
+    """Host milliseconds per step in each batchgen.* record_function range (Chrome-trace
+    "user_annotation" events), and "copy_issue" for the copy workers' batchgen.copy."""
+    totals: dict[str, float] = {}
+    for e in events:
+        name = e.get("name", "")
+        if (
+            e.get("ph") == "X"
+            and e.get("cat") == "user_annotation"
+            and name.startswith("batchgen.")
+        ):
+            key = name.removeprefix("batchgen.")
+            totals[key] = totals.get(key, 0.0) + float(e.get("dur", 0.0)) / 1000
+    return {k: round(v / steps, 3) for k, v in sorted(totals.items())}
 
 
 # ---- the script -----------------------------------------------------------------------
@@ -329,28 +363,38 @@ def summary(result: dict) -> str:
             f"{name}: output tok/s {a} / {b} {r['tok_s']:.2f}x, prefill tokens computed "
             f"{b} / {a} {r['prefill_computed']:.2f}x"
         )
-    prof = result.get("profile")
-    if prof:
-        if "skipped" in prof:
-            lines.append(f"profile: skipped: {prof['skipped']}")
-        elif "error" in prof:
-            lines.append(f"profile: {prof['error']}")
-        else:
-            lines.append(
-                f"profile ({prof['run']}, {prof['steps']} steps, {prof['window_ms']:.1f} ms, "
-                f"{size(prof['prefix_load_bytes'])} of prefix loads): host->device copies "
-                f"active {prof['htod_copy_ms']:.2f} ms ({size(prof['htod_bytes'])}, "
-                f"{prof['htod_gb_per_s']:.1f} GB/s), {100 * prof['overlap_fraction']:.1f}% "
-                f"of it under compute kernels ({prof['htod_overlapped_ms']:.2f} ms); compute "
-                f"stream busy {prof['compute_ms']:.2f} ms; trace {prof['trace']}"
-            )
-            if not prof["prefix_load_bytes"]:
-                lines.append(
-                    "profile: no prefix load in the window (an idle tier? see the cost "
-                    "rule above; --tier-policy always loads regardless)"
-                )
+    profiles = result.get("profiles") or (
+        {result["profile"].get("run", ""): result["profile"]} if result.get("profile") else {}
+    )
+    for prof in profiles.values():
+        lines += profile_lines(prof)
     lines.append(checks_line(result["checks"]))
     return "\n".join(lines) + "\n"
+
+
+def profile_lines(prof: dict) -> list[str]:
+    if "skipped" in prof:
+        return [f"profile: skipped: {prof['skipped']}"]
+    if "error" in prof:
+        return [f"profile: {prof['error']}"]
+    lines = [
+        f"profile ({prof['run']}, {prof['steps']} steps, {prof['window_ms']:.1f} ms, "
+        f"{size(prof['prefix_load_bytes'])} of prefix loads): host->device copies "
+        f"active {prof['htod_copy_ms']:.2f} ms ({size(prof['htod_bytes'])}, "
+        f"{prof['htod_gb_per_s']:.1f} GB/s), {100 * prof['overlap_fraction']:.1f}% "
+        f"of it under compute kernels ({prof['htod_overlapped_ms']:.2f} ms); compute "
+        f"stream busy {prof['compute_ms']:.2f} ms; trace {prof['trace']}"
+    ]
+    host = prof.get("host_ms_per_step")
+    if host:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in host.items())
+        lines.append(f"profile ({prof['run']}): host ms per step: {parts}")
+    if not prof["prefix_load_bytes"] and prof.get("host_tier", True):
+        lines.append(
+            "profile: no prefix load in the window (an idle tier? see the cost "
+            "rule above; --tier-policy always loads regardless)"
+        )
+    return lines
 
 
 def checks(runs: dict, expected: int, tier_policy: str) -> dict[str, bool]:
@@ -367,20 +411,22 @@ def checks(runs: dict, expected: int, tier_policy: str) -> dict[str, bool]:
     return out
 
 
-def profile_target(args, device: str) -> tuple[str | None, str | None]:
-    """(the run --profile traces, None) or (None, why it is skipped); (None, None) without
-    --profile."""
+def profile_target(args, device: str) -> tuple[list[str], str | None]:
+    """(the runs --profile traces, None) or ([], why it is skipped); ([], None) without
+    --profile. --profile-runs names them; by default the first tier-on run."""
     if not args.profile:
-        return None, None
+        return [], None
     if device == "cpu":
-        return None, (
+        return [], (
             "--profile traces CUDA activity (copy streams against compute kernels); this "
             "run is on the CPU"
         )
+    if args.profile_runs:
+        return [name for name in args.runs if name in args.profile_runs], None
     tier_on = [name for name in args.runs if RUNS[name][1]]
     if not tier_on:
-        return None, "--profile traces a tier-on run; none of --runs has the host tier on"
-    return tier_on[0], None
+        return [], "--profile traces a tier-on run; none of --runs has the host tier on"
+    return tier_on[:1], None
 
 
 def main(argv=None) -> int:
@@ -396,6 +442,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--profile", action="store_true", help="trace the first tier-on run (GPU)")
     ap.add_argument("--profile-steps", type=int, default=32)
+    ap.add_argument(
+        "--profile-runs",
+        type=parse_runs,
+        default=None,
+        help="with --profile: the runs to trace (default the first tier-on run)",
+    )
     add_engine_args(ap)
     add_model_args(ap)
     add_policy_args(ap, admission=False)
@@ -408,13 +460,14 @@ def main(argv=None) -> int:
         warmup_len, prefixes, questions = 512, 64, 32
     _, ckpt = dummy_model(args)
     kw = engine_kwargs(args)
-    profile_run, skipped = profile_target(args, kw["device"])
+    profile_runs, skipped = profile_target(args, kw["device"])
     profile = {"skipped": skipped} if skipped else None
+    profiles = {}
     runs = {}
     for name in args.runs:
         admission, tier = RUNS[name]
         after = None
-        if name == profile_run:
+        if name in profile_runs:
             after = partial(
                 profile_prefix_loads,
                 prompts=prompts,
@@ -422,6 +475,7 @@ def main(argv=None) -> int:
                 num_requests=2 * prefixes,
                 steps=args.profile_steps,
                 out=args.out,
+                name=name if len(profile_runs) > 1 else "",
             )
         run = timed_run(
             ckpt,
@@ -433,8 +487,9 @@ def main(argv=None) -> int:
             host_kv_size_gib=args.host_gib if tier else 0.0,
             **kw,
         )
-        if name == profile_run:
-            profile = dict(run.pop("after"), run=name)
+        if name in profile_runs:
+            profiles[name] = dict(run.pop("after"), run=name, host_tier=tier)
+            profile = profile or profiles[name]
         run.update(admission=admission, host_tier=tier)
         if tier:
             run["prefix_load"] = prefix_load_rate(run["metrics"])
@@ -458,6 +513,8 @@ def main(argv=None) -> int:
     }
     if profile is not None:
         result["profile"] = profile
+    if len(profiles) > 1:
+        result["profiles"] = profiles
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "shared_prefix.json").write_text(json.dumps(result, indent=2))
     sys.stdout.write(summary(result))

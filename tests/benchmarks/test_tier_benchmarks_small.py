@@ -3,6 +3,7 @@ on the CPU, each with its host tier on and off."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import Counter
@@ -286,3 +287,29 @@ def test_tier_replay_small_replays_both_tiers_and_moves_pages(tmp_path):
     assert on["swaps_out"] > 0 and on["gib_by_reason"]["swap_in"] > 0
     assert on["computed_tokens"] < off["computed_tokens"]
     assert on["pages_per_block"] >= 1
+
+
+def test_profile_reports_host_time_per_step_phase_and_names_the_traced_runs():
+    sp = _import("shared_prefix")
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 10, "args": {"stream": 7}},
+        {"ph": "X", "cat": "user_annotation", "name": "batchgen.schedule", "ts": 0, "dur": 3000},
+        {"ph": "X", "cat": "user_annotation", "name": "batchgen.schedule", "ts": 9, "dur": 1000},
+        {"ph": "X", "cat": "user_annotation", "name": "batchgen.copy", "ts": 0, "dur": 500},
+        {"ph": "X", "cat": "user_annotation", "name": "other.range", "ts": 0, "dur": 700},
+        {"ph": "X", "cat": "cpu_op", "name": "batchgen.update", "ts": 0, "dur": 900},
+    ]
+    assert sp.host_ranges(events, 2) == {"copy": 0.25, "schedule": 2.0}
+    prof = dict(sp.copy_overlap(events), run="tier-off-prefix", steps=2, trace="t.json")
+    prof.update(prefix_load_bytes=0, host_tier=False, host_ms_per_step={"schedule": 2.0})
+    text = "\n".join(sp.profile_lines(prof))
+    assert "host ms per step: schedule 2.00" in text
+    assert "no prefix load" not in text  # a tier-off run has none to load
+
+    runs = ["defaults", "baseline", "tier-off-prefix"]
+    args = argparse.Namespace(profile=True, runs=runs, profile_runs=None)
+    assert sp.profile_target(args, "cuda") == (["defaults"], None)
+    args.profile_runs = ["tier-off-prefix", "defaults"]
+    assert sp.profile_target(args, "cuda") == (["defaults", "tier-off-prefix"], None)
+    names, why = sp.profile_target(args, "cpu")
+    assert names == [] and "CPU" in why

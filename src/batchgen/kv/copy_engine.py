@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.profiler import record_function
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,11 @@ class CopyEngine:
                 if self.cuda:
                     if self.ordered:
                         stream.wait_event(producer)
-                    with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                    with (
+                        torch.cuda.device(self.device),
+                        torch.cuda.stream(stream),
+                        record_function("batchgen.copy"),
+                    ):
                         handle.start_event.record(stream)
                         handle.keep = (copy(handle),)
                         handle.done_event.record(stream)
