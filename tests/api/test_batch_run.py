@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -408,6 +409,8 @@ def test_usage_errors_fail_at_once(tmp_path, tiny, caplog):
     assert "not found" in caplog.text
     assert main(["run", str(inp)]) == 2  # no -o
     assert main(_cli(tiny, inp, tmp_path / "o.jsonl", "--max-tokens", "0")) == 2
+    assert main(_cli(tiny, inp, tmp_path / "o.jsonl", "--host-kv-gib", "-1")) == 2
+    assert "--host-kv-gib must be >= 0" in caplog.text
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -508,3 +511,44 @@ def test_response_format_answers_validate_and_bad_schemas_are_line_errors(tmp_pa
     errors = _read(out.with_name("out.errors.jsonl"))
     assert [e["custom_id"] for e in errors] == ["bad"]
     assert "does not compile" in json.dumps(errors[0])
+
+
+def test_host_tier_from_the_command_line_swaps_and_changes_no_answer(tmp_path, tiny):
+    """--host-kv-gib turns the host tier on: with a device pool too small for the batch,
+    preempted requests are swapped to host and back (the summary says so; one with less
+    than a page computed is recomputed) and every
+    greedy answer equals an ample-pool run's. Defaults otherwise (EOS endings, pipeline)."""
+    rng = random.Random(3)
+    rows = [
+        _chat(
+            f"r{i}",
+            " ".join(f"w{rng.randint(3, 511)}" for _ in range(rng.randint(4, 12))),
+            max_tokens=40,
+            temperature=0,
+        )
+        for i in range(12)
+    ]
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    ample, tight = tmp_path / "ample.jsonl", tmp_path / "tight.jsonl"
+    common = ["--max-num-seqs", "8", "--max-model-len", "96"]
+    assert main(_cli(tiny, inp, ample, *common)) == 0
+    argv = _cli(tiny, inp, tight, *common)
+    argv[argv.index("--kv-cache-gib") + 1] = "0.00006"  # 15 pages of 16 tokens
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-m", "batchgen", *argv, "--host-kv-gib", "0.001"],
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    swapped = re.search(
+        r"KV: (\d+) preemptions \((\d+) swapped to host, (\d+) recomputed\)",
+        done.stderr + done.stdout,
+    )
+    assert swapped, done.stderr[-2000:]
+    preemptions, swaps, recomputes = map(int, swapped.groups())
+    # a request preempted before it has one full page computed has nothing to swap
+    assert swaps > 0 and swaps + recomputes == preemptions
+    assert _answers(tight) == _answers(ample)

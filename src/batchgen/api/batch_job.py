@@ -62,6 +62,9 @@ class JobSummary:
     completion_tokens: int = 0
     wall_s: float = 0.0
     interrupted: bool = False
+    # the engine's preemptions over the job: swapped (host tier) or recomputed, and the
+    # prompt tokens the host tier served; empty when nothing was preempted or loaded
+    kv: dict[str, int] = field(default_factory=dict)
 
     def describe(self, errors_path: Path) -> str:
         rate = self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
@@ -73,6 +76,12 @@ class JobSummary:
             f" tokens in {self.prompt_tokens}, out {self.completion_tokens};"
             f" {self.wall_s:.1f} s, {rate:.1f} output tok/s"
         )
+        if self.kv:
+            text += (
+                f"; KV: {self.kv['preemptions']} preemptions ({self.kv['swaps_out']} swapped "
+                f"to host, {self.kv['recomputes']} recomputed), "
+                f"{self.kv['host_prefix_hit_tokens']} prompt tokens loaded from host"
+            )
         if self.failed or self.failed_earlier:
             text += f"; error records in {errors_path}"
         return text
@@ -189,6 +198,7 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
     out, errs = Appender(opts.output, opts.sync_every_s), Appender(err_path, opts.sync_every_s)
     pending: dict[str, bf.Pending] = {}
     engine = llm.engine
+    kv_before = _kv_counters(engine)
     bar, counter = progress_bar(opts)
 
     def fail(line: int, cid: str | None, error: Exception) -> None:
@@ -254,7 +264,16 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
         finally:
             errs.close()
     summary.wall_s = time.monotonic() - start
+    kv = {k: v - kv_before[k] for k, v in _kv_counters(engine).items()}
+    summary.kv = kv if any(kv.values()) else {}
     return summary
+
+
+def _kv_counters(engine) -> dict[str, int]:
+    """Preemptions, how they were resolved, and host-tier prefix hits, so far."""
+    m = engine.metrics()
+    keys = ("preemptions", "swaps_out", "recomputes", "host_prefix_hit_tokens")
+    return {k: int(m.get(k, 0)) for k in keys}
 
 
 def prepare_request(llm, item: bf.BatchItem, opts: JobOptions):

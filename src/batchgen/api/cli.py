@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="fixed KV cache size (default: from free GPU memory; 1 GiB on the CPU)",
     )
     run.add_argument(
+        "--host-kv-gib",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="pinned host memory for the KV host tier: preempted requests are swapped "
+        "there, not recomputed, and evicted prefixes come back from it (default: 0, off)",
+    )
+    run.add_argument(
         "--data-parallel",
         type=int,
         default=None,
@@ -173,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         ("--max-num-seqs", args.max_num_seqs, 1),
         ("--max-model-len", args.max_model_len, 2),
         ("--kv-cache-gib", args.kv_cache_gib, 1e-6),
+        ("--host-kv-gib", args.host_kv_gib, 0),
         ("--data-parallel", args.data_parallel, 1),
         ("--shard-size", args.shard_size, 1),
     ):
@@ -254,6 +263,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         batchgen_debug=args.debug,
         max_model_len=args.max_model_len,
         kv_cache_size_gib=args.kv_cache_gib,
+        host_kv_size_gib=args.host_kv_gib,
     )
     if args.seed is not None:
         kwargs["seed"] = args.seed
