@@ -77,6 +77,12 @@ def add_policy_args(ap: argparse.ArgumentParser, admission: bool = True) -> None
         choices=("auto", "always"),
         help="when the host tier loads KV instead of recomputing it (tier-on runs)",
     )
+    ap.add_argument(
+        "--copy-issue",
+        default=engine_default("tier_copy_issue"),
+        choices=("worker", "inline"),
+        help="which thread issues the host tier's CUDA copies (tier-on runs)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

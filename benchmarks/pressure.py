@@ -64,6 +64,7 @@ def engine_kwargs(args) -> dict:
         decode_append=args.decode_append,
         admission=args.admission,
         tier_policy=args.tier_policy,
+        tier_copy_issue=args.copy_issue,
         load_format="dummy",
     )
     if args.small:

@@ -118,7 +118,9 @@ def small_workload() -> tuple[list[list[int]], list[int]]:
 
 
 def engine_kwargs(args) -> dict:
-    kw = common_engine_kwargs(args) | dict(tier_policy=args.tier_policy, load_format="dummy")
+    kw = common_engine_kwargs(args) | dict(
+        tier_policy=args.tier_policy, tier_copy_issue=args.copy_issue, load_format="dummy"
+    )
     if args.small:
         return dict(kw, device="cpu", dtype="float32", max_model_len=96 + 8 + 4, num_kv_pages=16)
     return dict(

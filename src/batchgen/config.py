@@ -45,6 +45,11 @@ class EngineConfig:
     leaves the tier idle (no write-through, preemption recomputes); "always" loads and
     swaps whatever it costs.
 
+    tier_copy_issue decides which thread issues the host tier's CUDA copies: "worker" (a
+    copy thread, overlapping the issuing with the main thread's GPU waits) or "inline"
+    (the thread that asks for the copy, sparing the two threads' GIL hand-offs). Both keep
+    the copy-ordering contract; which is faster depends on whether the run is host-bound.
+
     load_format "dummy" builds the model with random weights from its config alone (no
     checkpoint read): for benchmarks, as in vLLM.
     """
@@ -70,6 +75,7 @@ class EngineConfig:
     seed: int = 0
     admission: str = "prefix"
     tier_policy: str = "auto"
+    tier_copy_issue: str = "worker"
     load_format: str = "auto"
     batchgen_debug: bool = False
     tensor_parallel_size: int = 1
@@ -115,6 +121,7 @@ class EngineConfig:
         for name, allowed in (
             ("admission", ("prefix", "arrival")),
             ("tier_policy", ("auto", "always")),
+            ("tier_copy_issue", ("worker", "inline")),
             ("load_format", ("auto", "dummy")),
         ):
             if getattr(self, name) not in allowed:

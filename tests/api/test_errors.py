@@ -233,6 +233,7 @@ def test_unknown_llm_kwarg_is_a_type_error(model_dir):
         ("device", "tpu"),
         ("admission", "lpm"),
         ("tier_policy", "never"),
+        ("tier_copy_issue", "thread"),
         ("load_format", "pt"),
     ],
 )

@@ -513,14 +513,14 @@ def task_queued_before_the_producer_is_recorded(root):
 
 def worker_waits_on_another_event(root):
     src = Source(root, "kv/copy_engine.py")
-    run = src.func("_run")
+    run = src.func("_issue")
     wait = src.only(run, "wait_event()", calling("wait_event"))
     src.replace(src.segment(wait), f"{src.segment(wait.func)}(handle.start_event)")
 
 
 def worker_copies_before_its_stream_waits(root):
     src = Source(root, "kv/copy_engine.py")
-    run = src.func("_run")
+    run = src.func("_issue")
     block = src.only(
         run,
         "copy stream block",
@@ -617,7 +617,7 @@ def capture_guard_not_taken_from_the_constructor(root):
 
 def worker_ignores_the_pause(root):
     src = Source(root, "kv/copy_engine.py")
-    run = src.func("_run")
+    run = src.func("_issue")
     loop = src.only(
         run,
         "while self._paused",

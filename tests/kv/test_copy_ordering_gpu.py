@@ -30,6 +30,18 @@ STALE = pytest.mark.xfail(strict=True, raises=AssertionError, reason="ordering r
 ORDERING = [pytest.param(True, id="ordered"), pytest.param(False, id="unordered", marks=STALE)]
 
 
+ISSUE = "worker"
+
+
+@pytest.fixture(autouse=True, params=["worker", "inline"])
+def issue(request):
+    """Every test with the copies issued by the copy worker and by the asking thread."""
+    global ISSUE
+    ISSUE = request.param
+    yield request.param
+    ISSUE = "worker"
+
+
 def make(ordered: bool = True):
     device = torch.device("cuda")
     assert torch.cuda.current_stream().cuda_stream == 0, "runs on the default stream"
@@ -37,7 +49,7 @@ def make(ordered: bool = True):
     alloc = PageAllocator(64)
     host = HostPool(LAYOUT, 16, pin=True)
     host.kv.fill_(-1)
-    tier = TieredKVManager(pool, host, alloc, CopyEngine(device, ordered=ordered))
+    tier = TieredKVManager(pool, host, alloc, CopyEngine(device, ordered=ordered, issue=ISSUE))
     return tier, alloc
 
 
@@ -176,8 +188,10 @@ def test_forward_waits_layer_by_layer_for_a_host_prefix_load(wait, model_dir, mo
         num_kv_pages=64,
         host_kv_size_gib=0.05,
         tier_policy="always",
+        tier_copy_issue=ISSUE,
         enforce_eager=True,
     )
+    assert llm.engine.tier.copies.inline == (ISSUE == "inline")
     prompt = [[(7 * i) % 500 + 3 for i in range(80)]]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ref = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids

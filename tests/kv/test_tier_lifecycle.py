@@ -174,6 +174,19 @@ def test_paused_blocks_new_copies_and_waits_for_the_one_issuing():
     assert entered.is_set() and not t.is_alive()
 
 
+def test_inline_issue_is_for_cuda_copies_only_and_a_bad_mode_is_named():
+    """On the CPU a copy runs where it is issued, so "inline" would make it synchronous:
+    the CPU engine keeps its workers (copies on two streams stay concurrent)."""
+    engine = CopyEngine(torch.device("cpu"), issue="inline")
+    assert not engine.inline
+    caller = threading.current_thread()
+    ran_on = []
+    engine.submit("t", 0, lambda h: ran_on.append(threading.current_thread())).synchronize()
+    assert ran_on and ran_on[0] is not caller
+    with pytest.raises(ValueError, match="issue must be 'worker' or 'inline'"):
+        CopyEngine(torch.device("cpu"), issue="thread")
+
+
 def test_debug_readback_names_request_layer_and_page(monkeypatch):
     tier, alloc = make(debug=True)
     pages = alloc.allocate(1)

@@ -42,11 +42,14 @@ GPU = dict(
 TIER = dict(num_kv_pages=40, host_kv_size_gib=0.02)
 SCORE = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
 ROWS = [
-    pytest.param(graphs, pipeline, append, id=f"{g}-{p}-append-{append}")
+    pytest.param(graphs, pipeline, append, "worker", id=f"{g}-{p}-append-{append}")
     for graphs, g in ((True, "graphs"), (False, "eager"))
     for pipeline, p in ((True, "pipelined"), (False, "plain"))
     for append in ("off", "batched", "layer")
-]  # the first row is the default configuration
+] + [  # the first row is the default configuration; copies issued by the asking thread:
+    pytest.param(True, True, append, "inline", id=f"graphs-pipelined-append-{append}-inline")
+    for append in ("off", "layer")
+]
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +85,15 @@ def _judge(ref, prompts, got, reference) -> tuple[Counter, list]:
     return Counter(verdicts), broken
 
 
-@pytest.mark.parametrize("graphs,pipeline,decode_append", ROWS)
-def test_mixed_endings_close_to_tier_off(workload, graphs, pipeline, decode_append):
+@pytest.mark.parametrize("graphs,pipeline,decode_append,copy_issue", ROWS)
+def test_mixed_endings_close_to_tier_off(workload, graphs, pipeline, decode_append, copy_issue):
     path, prompts, params, reference, ref = workload
     llm = LLM(
         model=path,
         enforce_eager=not graphs,
         pipeline_decode=pipeline,
         decode_append=decode_append,
+        tier_copy_issue=copy_issue,
         **TIER,
         **GPU,
     )

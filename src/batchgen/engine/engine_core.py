@@ -197,7 +197,7 @@ class EngineCore:
             self.pool,
             host,
             self.kv.allocator,
-            CopyEngine(self.device),
+            CopyEngine(self.device, issue=self.config.tier_copy_issue),
             debug=self.config.batchgen_debug,
             loads_pay=self.tier_cost["loads_pay"],
         )

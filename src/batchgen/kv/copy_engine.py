@@ -1,6 +1,7 @@
 """Copies between device and host pages, ordered by the copy-ordering contract.
 
     issuing thread                        worker thread (copy stream S)
+                                          (issue="inline", CUDA: the issuing thread)
     ---------------------------------     ---------------------------------------
     producer = Event(); producer.record(  S.wait_event(producer)        (rule 2)
         torch.cuda.current_stream())      with stream(S): copy(handle)
@@ -134,10 +135,23 @@ class CopyEngine:
     needed: it skips the producer-event wait. Nothing else may pass it.
     """
 
-    def __init__(self, device: torch.device, num_streams: int = 2, ordered: bool = True):
+    def __init__(
+        self,
+        device: torch.device,
+        num_streams: int = 2,
+        ordered: bool = True,
+        issue: str = "worker",
+    ):
+        if issue not in ("worker", "inline"):
+            raise ValueError(f"issue must be 'worker' or 'inline', got {issue!r}")
         self.device = device
         self.cuda = device.type == "cuda"
         self.ordered = ordered
+        # "inline" (CUDA only): the submitting thread issues the copy itself, at once. A
+        # CUDA copy is asynchronous either way; inline spares the worker's GIL hand-offs
+        # (the main thread waits for the GIL after each GPU sync while the worker runs),
+        # "worker" lets the issuing overlap the main thread's GIL-free waits.
+        self.inline = issue == "inline" and self.cuda
         self.streams = (
             [torch.cuda.Stream(device=device) for _ in range(num_streams)] if self.cuda else []
         )
@@ -168,7 +182,11 @@ class CopyEngine:
         q = self._queues[self._next % len(self._queues)]
         stream = self.streams[self._next % len(self.streams)] if self.cuda else None
         self._next += 1
-        q.put((handle, producer, copy, stream))
+        if self.inline and not self._paused and not torch.cuda.is_current_stream_capturing():
+            # on this thread (never paused here: it is the one that captures)
+            self._issue((handle, producer, copy, stream))
+        else:
+            q.put((handle, producer, copy, stream))
         return handle
 
     @contextmanager
@@ -188,47 +206,53 @@ class CopyEngine:
                 self._paused = False
                 self._cond.notify_all()
 
-    @torch.inference_mode()
     def _run(self, tasks: queue.Queue) -> None:
         while True:
             item = tasks.get()
             if item is None:
                 return
-            with self._cond:
-                while self._paused:
-                    self._cond.wait()
-                self._issuing += 1
-            handle, producer, copy, stream = item
+            self._issue(item)
             del item  # the worker keeps no reference to a task once it is issued
-            try:
-                if self.cuda:
-                    if self.ordered:
-                        stream.wait_event(producer)
-                    with (
-                        torch.cuda.device(self.device),
-                        torch.cuda.stream(stream),
-                        record_function("batchgen.copy"),
-                    ):
-                        handle.start_event.record(stream)
-                        handle.keep = (copy(handle),)
-                        handle.done_event.record(stream)
-                else:
-                    t0 = time.perf_counter()
+
+    @torch.inference_mode()
+    def _issue(self, task: tuple) -> None:
+        """Issue one task, on the worker or (issue="inline") on the asking thread: not
+        while paused (rule 6); its stream waits for the producer (rule 2), then the copy
+        body runs on that stream between the start and done events."""
+        handle, producer, copy, stream = task
+        with self._cond:
+            while self._paused:  # a graph capture is under way
+                self._cond.wait()
+            self._issuing += 1
+        try:
+            if self.cuda:
+                if self.ordered:
+                    stream.wait_event(producer)
+                with (
+                    torch.cuda.device(self.device),
+                    torch.cuda.stream(stream),
+                    record_function("batchgen.copy"),
+                ):
+                    handle.start_event.record(stream)
                     handle.keep = (copy(handle),)
-                    handle.cpu_seconds = time.perf_counter() - t0
-            except BaseException as e:  # surfaced to whoever waits on the handle
-                handle.error = e
-                logger.exception("copy task %s failed", handle.kind)
-                for gate in handle.gates:  # nobody may wait forever on a failed copy
-                    if not self.cuda:
-                        gate.mark()
-            finally:
-                handle.completed.set()
-                handle.issued.set()
-                with self._cond:
-                    self._issuing -= 1
-                    self._cond.notify_all()
-                del handle, producer, copy, stream
+                    handle.done_event.record(stream)
+            else:
+                t0 = time.perf_counter()
+                handle.keep = (copy(handle),)
+                handle.cpu_seconds = time.perf_counter() - t0
+        except BaseException as e:  # surfaced to whoever waits on the handle
+            handle.error = e
+            logger.exception("copy task %s failed", handle.kind)
+            for gate in handle.gates:  # nobody may wait forever on a failed copy
+                if not self.cuda:
+                    gate.mark()
+        finally:
+            handle.completed.set()
+            handle.issued.set()
+            with self._cond:
+                self._issuing -= 1
+                self._cond.notify_all()
+            del task, handle, producer, copy, stream
 
     def close(self) -> None:
         for q in self._queues:
