@@ -33,6 +33,20 @@ def _chat(cid: str, words: str, **body) -> dict:
     return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
+def _greedy_chats(n: int, seed: int, words: tuple[int, int], max_tokens: int) -> list[dict]:
+    """n greedy chat lines r0..r{n-1} of random "wN" words (a count in `words`)."""
+    rng = random.Random(seed)
+    return [
+        _chat(
+            f"r{i}",
+            " ".join(f"w{rng.randint(3, 511)}" for _ in range(rng.randint(*words))),
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+        for i in range(n)
+    ]
+
+
 def _write_jsonl(path: Path, rows) -> Path:
     with open(path, "w") as f:
         for row in rows:
@@ -81,17 +95,7 @@ def _spawn(argv: list[str]) -> subprocess.Popen:
 def kill_input(tmp_path_factory, tiny):
     """N_KILL greedy chat requests and their answers from one uninterrupted run."""
     d = tmp_path_factory.mktemp("kill")
-    rng = random.Random(0)
-    rows = [
-        _chat(
-            f"r{i}",
-            " ".join(f"w{rng.randint(3, 511)}" for _ in range(rng.randint(1, 12))),
-            max_tokens=64,
-            temperature=0,
-        )
-        for i in range(N_KILL)
-    ]
-    inp = _write_jsonl(d / "in.jsonl", rows)
+    inp = _write_jsonl(d / "in.jsonl", _greedy_chats(N_KILL, seed=0, words=(1, 12), max_tokens=64))
     ref = d / "ref.jsonl"
     proc = _spawn(_cli(tiny, inp, ref, "--max-num-seqs", "8"))
     assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()[-2000:]
@@ -518,17 +522,9 @@ def test_host_tier_from_the_command_line_swaps_and_changes_no_answer(tmp_path, t
     preempted requests are swapped to host and back (the summary says so; one with less
     than a page computed is recomputed) and every
     greedy answer equals an ample-pool run's. Defaults otherwise (EOS endings, pipeline)."""
-    rng = random.Random(3)
-    rows = [
-        _chat(
-            f"r{i}",
-            " ".join(f"w{rng.randint(3, 511)}" for _ in range(rng.randint(4, 12))),
-            max_tokens=40,
-            temperature=0,
-        )
-        for i in range(12)
-    ]
-    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    inp = _write_jsonl(
+        tmp_path / "in.jsonl", _greedy_chats(12, seed=3, words=(4, 12), max_tokens=40)
+    )
     ample, tight = tmp_path / "ample.jsonl", tmp_path / "tight.jsonl"
     common = ["--max-num-seqs", "8", "--max-model-len", "96"]
     assert main(_cli(tiny, inp, ample, *common)) == 0
