@@ -156,6 +156,7 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
     start = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, out_lens)):
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    added_s = time.perf_counter() - start  # the timeline's first step includes this
     lengths: dict[str, int] = {}
     # per step: seconds, output tokens so far, tokens computed so far, running requests
     timeline = []
@@ -181,6 +182,7 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
         "backend": eng.runner.attention_backend,
         "cuda_graphs": eng.runner.graphs is not None,
         "metrics": delta(before, counters(eng), len(prompts)),
+        "add_requests_s": added_s,
         "timeline": timeline,
     }
 
