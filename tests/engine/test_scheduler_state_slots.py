@@ -117,7 +117,10 @@ def make_swapping(num_pages=6, num_slots=2, host_pages=16, host_slots=2):
     pool = PagePool(KVLayout(2, 1, 4, PS, torch.float32), num_pages, "cpu")
     pool.kv.normal_()
     tier = TieredKVManager(
-        pool, HostPool(pool.layout, host_pages, False), kv.allocator, CopyEngine(torch.device("cpu"))
+        pool,
+        HostPool(pool.layout, host_pages, False),
+        kv.allocator,
+        CopyEngine(torch.device("cpu")),
     )
     kv.tier = tier
     layout = StateLayout(2, 2, 4, 4, 6, 4, torch.float32)

@@ -133,3 +133,27 @@ def test_a_full_host_state_pool_falls_back_to_recompute(checkpoint, monkeypatch)
     m = llm.engine.metrics()
     assert m["state_swaps_out"] > 0 and m["recomputes"] > 0, m
     assert m["preemptions"] == m["state_swaps_out"] + m["recomputes"], m
+
+
+def test_reconfigure_with_a_decode_step_queued_swaps_every_running_request(checkpoint):
+    """reconfigure() while a pipelined decode step is queued: the step is finished
+    first, then every running request swaps its pages and state; all resume exactly in
+    the new pool."""
+    path, prompts, ample = checkpoint
+    eng = _tight_llm(path).engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, TOKENS)
+    done = {}
+    while eng._in_flight is None:  # until a decode step is queued ahead
+        done.update((r.request_id, r) for r in eng.step())
+    running = len(eng.scheduler.running)
+    before = eng.metrics()["state_swaps_out"]
+    eng.reconfigure(48)
+    assert eng.metrics()["state_swaps_out"] == before + running and running > 0
+    while eng.has_unfinished:
+        done.update((r.request_id, r) for r in eng.step())
+    for i, want in enumerate(ample[0]):
+        got = done[str(i)]
+        assert got.output_token_ids == want.outputs[0].token_ids
+        assert got.finish_reason == want.outputs[0].finish_reason
+    assert eng.metrics()["recomputes"] == 0

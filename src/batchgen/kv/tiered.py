@@ -110,7 +110,12 @@ class TieredKVManager:
 
     def attach_device(self, pool: PagePool | None, alloc: PageAllocator | None) -> None:
         """Point at a re-created device pool (None while it is being replaced)."""
-        if self._pending or self._loads.dev_pages or self._stores.dev_pages:
+        if (
+            self._pending
+            or self._loads.dev_pages
+            or self._stores.dev_pages
+            or self._swap_outs.dev_pages
+        ):
             raise RuntimeError("the device pool changed with tier copies in flight")
         self.device_pool, self.device_alloc = pool, alloc
 
