@@ -151,7 +151,7 @@ def test_debug_readback_compares_the_host_slot_with_its_source(monkeypatch):
         tier.store("s", "request s")
 
 
-def test_no_readback_when_debug_is_off(monkeypatch):
+def test_no_readback_when_debug_is_off():
     tier, slots = make()
     slots.take("r")
     release = block_streams(tier)

@@ -100,9 +100,10 @@ def test_swapped_requests_resume_their_state_exactly(checkpoint, debug):
     _check_released(fresh)
 
 
-def test_too_few_seats_keeps_requests_swapped_until_a_slot_is_free(checkpoint):
-    """max_num_seqs below the batch with a pool that preempts: swapped requests wait for
-    a free device slot (none is free while every seat is taken)."""
+def test_few_seats_swap_and_resume_when_a_slot_is_free(checkpoint):
+    """max_num_seqs 3, so three device and three host state slots: a swapped request
+    resumes only once a device slot is free (a store's slot is not free until its copy
+    completes); test_scheduler_state_slots.py shows one staying swapped without."""
     path, prompts, ample = checkpoint
     llm = LLM(
         model=path,

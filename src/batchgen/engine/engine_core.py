@@ -224,6 +224,8 @@ class EngineCore:
                 host_slots,
                 tier.states.host_pool.nbytes / 2**30,
             )
+        elif state_layout is not None:
+            logger.info("host state tier: no slot fits; preempted requests are recomputed")
         logger.info(
             "host KV tier: %d pages (%.2f GiB); %s",
             host.num_pages,
