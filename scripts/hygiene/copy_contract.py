@@ -25,8 +25,8 @@ R3  CopyEngine is always ordered: the default of `ordered` is literally True, no
 R4  Work under `with torch.cuda.stream(S):` is preceded, in the same function and on every path,
     by S.wait_event(...) or S.wait_stream(...); only CopyEngine may guard that wait with
     `if self.ordered:` (R3 keeps it true). torch.cuda.set_stream is refused.
-R5  A host page is not read before its store completes: every store records its handle under
-    each of its host pages in a map, and every closure running a host_to_device* body first
+R5  A host page (or state slot) is not read before its store completes: every store records
+    its handle under each of its host pages in a map, and every closure running a host_to_device* body first
     waits for the whole of each store that map holds for the body's host pages
     (wait_on_current_stream/synchronize; a gate is not enough).
 R6  CopyEngine.submit records the producer event on torch.cuda.current_stream(...) on every path,
@@ -63,6 +63,7 @@ STREAM_CTX = {"torch.cuda.stream", "cuda.stream", "torch.cuda.StreamContext"}
 CURRENT_STREAM = ("torch.cuda.current_stream(", "cuda.current_stream(")
 WHOLE_WAITS = {"wait_on_current_stream", "synchronize"}
 CONSUMER_WAITS = {"wait_layer", "wait_gates", "wait_on_current_stream", "synchronize"}
+HOST_INDICES = ("host_pages", "host_slots")  # a copy body's parameter naming host pages
 CARRIER = "wait_for"  # SchedulerOutput: the copy handles a step's forward waits on
 HOOK = "before_layer"  # ForwardContext: called by each layer before it touches its KV
 DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -481,11 +482,13 @@ class _Contract:
                 yield body, "R5", f"{name} runs before waiting for the stores of its host pages"
 
     def _host_pages(self, call: ast.Call, name: str) -> ast.AST | None:
-        """The argument a call of copy body `name` passes as its `host_pages`."""
+        """The argument a call of copy body `name` passes as its `host_pages` (its
+        `host_slots` for a compressed-state body: a host slot stands for a page)."""
         a = self.bodies[name].args
         params = [p.arg for p in a.posonlyargs + a.args]
-        at = params.index("host_pages") if "host_pages" in params else -1
-        return _arg(call, at, "host_pages")
+        key = next((k for k in HOST_INDICES if k in params), HOST_INDICES[0])
+        at = params.index(key) if key in params else -1
+        return _arg(call, at, key)
 
     def _store_maps(self, m: _Module, submit: ast.Call, pages: ast.AST | None) -> set[str]:
         """Maps `self.<M>` that get the submit's handle stored under each of `pages`."""

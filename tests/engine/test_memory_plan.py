@@ -7,8 +7,10 @@ from conftest import save_tiny_model
 
 import batchgen.engine.memory as memory
 from batchgen import LLM
+from batchgen.config import EngineConfig
 from batchgen.engine.memory import warmup_forward
 from batchgen.forward_context import get_forward_context
+from batchgen.kv.state_pool import StateLayout
 from batchgen.layers import attention, attention_torch
 
 
@@ -55,3 +57,15 @@ def test_warmup_forward_runs_a_full_budget_step(tmp_path, monkeypatch):
     # the engine's own pool is bit-for-bit untouched, its pages all still free
     assert torch.equal(eng.pool.kv, engine_kv)
     assert eng.kv.num_free_pages == free
+
+
+def test_the_host_budget_gives_hybrid_models_a_state_slot_per_seat():
+    layout = StateLayout(2, 2, 4, 4, 6, 4, torch.float32)  # 2 * (256 + 72) bytes a slot
+    per = layout.bytes_per_slot
+    config = EngineConfig(host_kv_size_gib=1.0, max_num_seqs=8)
+    assert memory.split_host_budget(config, None) == (1.0, 0)
+    gib, slots = memory.split_host_budget(config, layout)
+    assert slots == 8 and gib == 1.0 - 8 * per / 2**30
+    small = EngineConfig(host_kv_size_gib=7 * per / 2**30, max_num_seqs=8)
+    gib, slots = memory.split_host_budget(small, layout)  # at most half the budget
+    assert slots == 3 and abs(gib * 2**30 - 4 * per) < 1e-6

@@ -480,6 +480,24 @@ def layer_store_not_recorded_for_loads(root):
     src.delete(record, within=fn)
 
 
+def state_load_without_store_wait(root):
+    src = Source(root, "kv/state_tier.py")
+    copy = src.func("copy", src.func("load"))
+    wait = src.only(copy, "whole-store wait", lambda n: callee(n) == "wait_on_current_stream")
+    src.delete(src.statement(copy, wait))
+
+
+def state_store_not_recorded_for_loads(root):
+    src = Source(root, "kv/state_tier.py")
+    fn = src.func("store")
+    record = src.only(
+        fn,
+        "loop recording the store",
+        lambda n: isinstance(n, ast.For) and "_writing" in ast.unparse(n),
+    )
+    src.delete(record, within=fn)
+
+
 # --- R6: submit records the producer, the worker waits on it ----------------------------
 
 
@@ -678,6 +696,8 @@ MUTATIONS = [
     (store_before_load_waits_only_for_a_gate, "R5"),
     (load_waits_for_the_stores_of_other_pages, "R5"),
     (layer_store_not_recorded_for_loads, "R5"),
+    (state_load_without_store_wait, "R5"),
+    (state_store_not_recorded_for_loads, "R5"),
     (worker_wait_deleted, "R6"),
     (producer_recorded_on_a_side_stream, "R6"),
     (producer_skipped_on_the_default_stream, "R6"),

@@ -18,6 +18,7 @@ from batchgen.engine.memory import (
     copy_bytes_per_second,
     plan_num_pages,
     recompute_seconds_per_token,
+    split_host_budget,
     warmup_forward,
 )
 from batchgen.engine.pipeline import next_decode
@@ -25,11 +26,13 @@ from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.tensor_parallel import TPModelRunner, TPWorkers, check_supported
 from batchgen.kv.copy_engine import CopyEngine
+from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
-from batchgen.kv.state_pool import StateSlots
+from batchgen.kv.state_pool import HostStatePool, StateSlots
+from batchgen.kv.state_tier import StateTier
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model
 from batchgen.runner.batch import SchedulerOutput
@@ -84,6 +87,8 @@ class EngineCore:
         # recurrent state at the hit's last token), so nothing is cached at all
         caching = config.enable_prefix_caching and self.state_pool is None
         self.kv = KVCacheManager(num_pages, config.page_size, caching, None, config.decode_append)
+        self.state_slots = None if self.state_pool is None else StateSlots(config.max_num_seqs)
+        self.exact_swap = None  # hybrid models' swap, built with the tier
         self.tier = self._build_tier() if config.host_kv_size_gib > 0 else None
         self.scheduler = Scheduler(
             self.kv,
@@ -92,7 +97,8 @@ class EngineCore:
             self.max_model_len,
             self.eos_token_ids,
             admission=config.admission,
-            state_slots=None if self.state_pool is None else StateSlots(config.max_num_seqs),
+            state_slots=self.state_slots,
+            exact_swap=self.exact_swap,
         )
         backend = self._attention_backend()
         plan = None
@@ -189,9 +195,10 @@ class EngineCore:
         )
 
     def _build_tier(self) -> TieredKVManager:
-        host = HostPool.sized(
-            self.layout, self.config.host_kv_size_gib, pin=self.device.type == "cuda"
-        )
+        pin = self.device.type == "cuda"
+        state_layout = None if self.state_pool is None else self.state_pool.layout
+        page_gib, host_slots = split_host_budget(self.config, state_layout)
+        host = HostPool.sized(self.layout, page_gib, pin=pin)
         self.tier_cost = self._tier_cost()
         tier = TieredKVManager(
             self.pool,
@@ -202,6 +209,23 @@ class EngineCore:
             loads_pay=self.tier_cost["loads_pay"],
         )
         self.kv.tier = tier
+        if host_slots:  # hybrid models: requests swap with their compressed state
+            tier.states = StateTier(
+                self.state_pool,
+                HostStatePool(state_layout, host_slots, pin=pin),
+                self.state_slots,
+                tier.copies,
+                tier.metrics,
+                debug=self.config.batchgen_debug,
+            )
+            self.exact_swap = ExactSwap(self.kv, tier.states)
+            logger.info(
+                "host state tier: %d slots (%.2f GiB)",
+                host_slots,
+                tier.states.host_pool.nbytes / 2**30,
+            )
+        elif state_layout is not None:
+            logger.info("host state tier: no slot fits; preempted requests are recomputed")
         logger.info(
             "host KV tier: %d pages (%.2f GiB); %s",
             host.num_pages,

@@ -80,15 +80,10 @@ def build_state_pool(
     one without: a slot per running request (max_num_seqs) and a spare no request takes
     (the warm-up forward's, and padding rows' of captured decode graphs). The engine
     allocates it before the warm-up profile, so its bytes count in the peak and come out
-    of what the KV pool may use. The host tier cannot move states yet: refused."""
+    of what the KV pool may use."""
     layout = state_layout(model, dtype)
     if layout is None:
         return None
-    if config.host_kv_size_gib > 0:
-        raise ValueError(
-            f"{type(model).__name__} has linear-attention layers: the host KV tier does "
-            "not move their compressed state yet (set host_kv_size_gib=0)"
-        )
     pool = StatePool(layout, config.max_num_seqs + 1, device)
     logger.info(
         "compressed state: %d slots of %d KDA layers (%.2f GiB); prefix caching off",
@@ -97,6 +92,20 @@ def build_state_pool(
         pool.nbytes / 2**30,
     )
     return pool
+
+
+def split_host_budget(config: EngineConfig, layout: StateLayout | None) -> tuple[float, int]:
+    """The host tier's host_kv_size_gib split into (GiB for KV pages, host state slots).
+    A model with linear-attention layers gets a host slot per running request
+    (max_num_seqs: every running request can be swapped at once), fewer where those
+    would take more than half the budget; the pages get the rest. With no slot at all,
+    its preempted requests are recomputed."""
+    gib = config.host_kv_size_gib
+    if layout is None:
+        return gib, 0
+    per_slot = layout.bytes_per_slot
+    slots = min(config.max_num_seqs, int(gib * 2**30 / 2 // per_slot))
+    return gib - slots * per_slot / 2**30, slots
 
 
 def warmup_forward(

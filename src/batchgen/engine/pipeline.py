@@ -8,6 +8,11 @@ A request whose token from step N is its last by length is left out of N+1; one 
 stops on a token nobody could foresee (EOS, a stop string) computes one token too many
 in N+1, which the update discards (its pages are freed after N+1 was queued, so any
 reuse comes later in stream order).
+
+Nothing here preempts: a swap (pages and, for hybrid models, the state slot) is decided
+only by schedule(), which runs with no step queued, so the state and pages it copies are
+those of every token the request computed; the copy's producer event, recorded then on
+the compute stream, orders it after every step launched before.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.waiting import PrefixWaiting
+from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.kv_manager import KVCacheManager, PrefixHit
 from batchgen.kv.state_pool import StateSlots
 from batchgen.runner.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -23,9 +24,10 @@ class Scheduler:
     ends admission for the step.
 
     With `state_slots` (a model with linear-attention layers) each running request also
-    holds a compressed-state slot: admission needs a free one, and until the host tier
-    moves states a preempted request is recomputed (never swapped) and prefix hits are
-    not used (the recurrent state at the hit is unknown).
+    holds a compressed-state slot: admission needs a free one, and prefix hits are not
+    used (the recurrent state at the hit is unknown). A preempted one is swapped whole
+    by `exact_swap` (the host tier on, with room for its pages and a state slot) and
+    resumes at its exact position once a slot is free again; else it is recomputed.
 
     admission="arrival" admits in arrival order (preempted requests first);
     admission="prefix" admits preempted requests first, then by cached prefix length,
@@ -42,11 +44,13 @@ class Scheduler:
         eos_token_ids: list[int],
         admission: str = "prefix",
         state_slots: StateSlots | None = None,
+        exact_swap: ExactSwap | None = None,
     ) -> None:
         if admission not in ("prefix", "arrival"):
             raise ValueError(f'admission must be "prefix" or "arrival", got {admission!r}')
         self.kv = kv
         self.state_slots = state_slots
+        self.exact_swap = exact_swap
         self.admission = admission
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -77,9 +81,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def preempt(self, request: Request) -> None:
-        """Swap the request's KV to host if the tier has room, else drop it (recompute)."""
-        swap = self.state_slots is None  # a slot's state cannot be rebuilt from pages
-        if swap and self.kv.swap_out(request.request_id, request.num_computed_tokens):
+        """Swap the request's KV (and state slot) to host if the tier has room, else drop
+        it (recompute)."""
+        rid, computed = request.request_id, request.num_computed_tokens
+        if self.state_slots is None:
+            swapped = self.kv.swap_out(rid, computed)
+        else:  # a slot's state cannot be rebuilt from pages: all of it moves, or none
+            swapped = self.exact_swap is not None and self.exact_swap.swap_out(rid, computed)
+        if swapped:
             request.status = RequestStatus.SWAPPED
         else:
             self.kv.free(request.request_id)
@@ -126,18 +135,21 @@ class Scheduler:
             # prefix cache or the host, its last partial page recomputed
             if self.state_slots is not None and not self.state_slots.num_free:
                 break
+            exact = self.exact_swap is not None and self.exact_swap.holds(req.request_id)
             hits = (
                 PrefixHit()  # every prompt position must be computed to report it
                 if _prompt_logprobs_due(req) or self.state_slots is not None
                 else self.kv.lookup_prefix(req.request_id, req.token_ids)
             )
-            cached = self.kv.hit_tokens(hits)
+            cached = req.num_computed_tokens if exact else self.kv.hit_tokens(hits)
             n = min(req.num_tokens - cached, budget)
             if not self.kv.allocate(req.request_id, cached + n, hits):
                 break
             if req.num_preemptions == 0:
                 self.kv.note_admission(req.num_tokens)
-            if self.state_slots is not None:
+            if exact:
+                self.exact_swap.swap_in(req.request_id)  # takes a slot, loads pages and state
+            elif self.state_slots is not None:
                 self.state_slots.take(req.request_id)
             req.num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
@@ -150,6 +162,8 @@ class Scheduler:
             [(r.request_id, r.num_computed_tokens, r.token_ids) for r, n in scheduled if n == 1]
         )
         out.wait_for = self.kv.take_step_copies()
+        if self.exact_swap is not None:
+            out.wait_for += self.exact_swap.take_waits()
         pages = self.kv.pages
         out.requests = [
             ScheduledRequest(  # fields in order: id, new tokens, start, pages, sample, ...
@@ -279,6 +293,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = "abort"
         self.kv.forget(req.request_id)
+        if self.exact_swap is not None:
+            self.exact_swap.forget(req.request_id)
         self._left_running(req)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:

@@ -16,20 +16,18 @@ a request is admitted and released when it finishes, is aborted or is preempted.
 request's slot is not wiped here: the layers zero `fresh_slots` on the compute stream at
 the request's first step (LinearAttentionMetadata), so a released slot is reusable at once.
 
-Host tier: `HostStatePool` (pinned, same slot geometry) and the copy bodies in
-page_copies.py (`device_to_host_state`, `host_to_device_state`; a slot crosses like a
-page) exist; the paths that use them, all through `CopyEngine.submit` as KV pages do, are
-planned, not built:
-- swap-out (preemption, end of prefill): a request's slot -> a host slot of a pinned
-  `HostStatePool` of the same geometry, one strided block per layer and kind; the device
-  slot is released only after the copy's completion event (contract rule 3).
+Host tier: `HostStatePool` (pinned, same slot geometry) holds the slots of swapped
+requests; kv/state_tier.py moves them with the copy bodies of page_copies.py
+(`device_to_host_state`, `host_to_device_state`), through `CopyEngine.submit`:
+- swap-out (preemption): a request's slot -> a host slot; the device slot leaves the
+  request at once (`detach`) but returns to the free list (`give_back`) only after the
+  copy's completion event (contract rule 3).
 - swap-in (resume): host slot -> a freshly taken device slot; the request's first step
-  must not mark it fresh, and its layers wait on the load per layer (`before_layer`).
-- checkpoints for prefix reuse: at page-aligned positions (every `interval` pages), the
-  slot after the step that ends on that position is copied to a host checkpoint keyed by
-  the page hash of the prefix it summarises; a prefix hit in a hybrid model is usable only
-  up to the longest hit whose checkpoint exists, and loads that checkpoint into the new
-  slot. Until then hybrid models run with prefix caching off.
+  starts past token 0, so the layers do not zero it, and its forward waits on the load.
+Planned, not built: checkpoints for prefix reuse (at page-aligned positions the slot is
+copied to a host checkpoint keyed by the page hash of the prefix it summarises; a prefix
+hit in a hybrid model would be usable only up to the longest hit whose checkpoint
+exists). Until then hybrid models run with prefix caching off.
 """
 
 from __future__ import annotations
@@ -116,7 +114,8 @@ class HostStatePool:
 
 class StateSlots:
     """Which request holds which slot. take() at admission, release() at the end
-    (finish, abort, preemption); a request holds at most one slot."""
+    (finish, abort, preemption for recompute), detach() + give_back() around a swap-out's
+    copy; a request holds at most one slot."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
@@ -151,3 +150,14 @@ class StateSlots:
         slot = self._owner.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
+
+    def detach(self, request_id: str) -> int:
+        """Take the request's slot from it without freeing it: a swap-out's copy still
+        reads it. Whoever detaches gives it back (`give_back`) once the copy is done."""
+        return self._owner.pop(request_id)
+
+    def give_back(self, slot: int) -> None:
+        """A detached slot is free again."""
+        if slot in self._free or slot in self._owner.values():
+            raise RuntimeError(f"state slot {slot} given back while free or owned")
+        self._free.append(slot)

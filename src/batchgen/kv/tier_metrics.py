@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # TierMetrics reasons by direction
-_OFFLOADS = ("write_through", "write_back", "swap_out", "decode_append")
-_LOADS = ("swap_in", "prefix_load")
+_OFFLOADS = ("write_through", "write_back", "swap_out", "decode_append", "state_swap_out")
+_LOADS = ("swap_in", "prefix_load", "state_swap_in")
 
 
 @dataclass
@@ -19,12 +19,15 @@ class TierMetrics:
     host_prefix_query_pages: int = 0
     swaps_out: int = 0
     swaps_in: int = 0
+    state_swaps_out: int = 0  # compressed-state slots stored (kv/state_tier.py)
+    state_swaps_in: int = 0
     recomputes: int = 0
     readback_checks: int = 0
     # bytes and copy-stream seconds by why they moved: write_through (full pages as they
     # fill, decode_append="batched"), decode_append (per layer, decode_append="layer"),
     # write_back (an evicted page others still want), swap_out (an evicted page of a
-    # swapped request), swap_in and prefix_load (loads)
+    # swapped request, or any page of a swapped request with a compressed state), swap_in
+    # and prefix_load (loads), state_swap_out and state_swap_in (compressed-state slots)
     bytes_by_reason: dict[str, int] = field(default_factory=dict)
     seconds_by_reason: dict[str, float] = field(default_factory=dict)
 
@@ -57,6 +60,8 @@ class TierMetrics:
         out = dict(
             swaps_out=self.swaps_out,
             swaps_in=self.swaps_in,
+            state_swaps_out=self.state_swaps_out,
+            state_swaps_in=self.state_swaps_in,
             pages_offloaded=self.pages_offloaded,
             pages_loaded=self.pages_loaded,
             bytes_offloaded=self.bytes_offloaded,

@@ -19,7 +19,11 @@ Who may free or reuse a page:
   a new owner: the page is reused at once, so the step's compute waits on the store's
   read gate (the gather of its source pages) before anything writes it, and a load into
   such a page waits on that gate on the copy stream.
-Handles complete in `poll()`, which the engine calls once per step, or `drain()`.
+- A swap-out store (`queue_swap_out`, requests with a compressed state) is a write-back
+  whose host pages the swapped request owns until its swap-in: they are allocated at
+  queue time, kept at completion, and freed by `release_host`.
+Handles complete in `poll()`, which the engine calls once per step, or `drain()`; both
+complete the state tier's copies too (`states`, kv/state_tier.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +41,9 @@ from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_copies import device_to_host_pages, host_to_device_pages
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tier_metrics import TierMetrics
+
+if TYPE_CHECKING:
+    from batchgen.kv.state_tier import StateTier
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +63,7 @@ class _Pending:
     hashes: list[bytes | None] = field(default_factory=list)
     hold_dev: bool = True  # device pages carry an extra reference until completion
     reasons: list[str] = field(default_factory=list)  # per page; copy time split by them
+    keep_host: bool = False  # a swap-out's host pages: its request owns them after completion
 
 
 @dataclass
@@ -91,6 +100,9 @@ class TieredKVManager:
         self._loads = _Queued()
         self._stores = _Queued()  # write-through: sources held
         self._write_backs = _Queued()  # evicted sources: compute waits the read gate
+        self._swap_outs = _Queued()  # freed sources, host pages owned: like write-backs
+        self._dropped: set[int] = set()  # owned host pages freed once their store completes
+        self.states: StateTier | None = None  # the compressed-state slots' tier, if any
 
     @property
     def page_bytes(self) -> int:
@@ -98,7 +110,12 @@ class TieredKVManager:
 
     def attach_device(self, pool: PagePool | None, alloc: PageAllocator | None) -> None:
         """Point at a re-created device pool (None while it is being replaced)."""
-        if self._pending or self._loads.dev_pages or self._stores.dev_pages:
+        if (
+            self._pending
+            or self._loads.dev_pages
+            or self._stores.dev_pages
+            or self._swap_outs.dev_pages
+        ):
             raise RuntimeError("the device pool changed with tier copies in flight")
         self.device_pool, self.device_alloc = pool, alloc
 
@@ -149,6 +166,31 @@ class TieredKVManager:
         q.tags += [tag] * room
         return room
 
+    def queue_swap_out(self, dev_pages: list[int], tag: str) -> list[int]:
+        """Copy a request's pages, its last partial one too, to host pages it owns until
+        its swap-in (`queue_load`, then `release_host`); the caller checks host_room().
+        For a request whose compressed state resumes at its exact position: it cannot
+        recompute a partial page (its linear-attention layers would see those tokens
+        twice). The caller frees the device pages at once: as with a write-back, the
+        step's compute waits on the store's read gate before anything writes them."""
+        host_pages = self.host_alloc.allocate(len(dev_pages))
+        q = self._swap_outs
+        q.dev_pages += dev_pages
+        q.host_pages += host_pages
+        q.hashes += [None] * len(dev_pages)
+        q.reasons += ["swap_out"] * len(dev_pages)
+        q.tags += [tag] * len(dev_pages)
+        return host_pages
+
+    def release_host(self, host_pages: list[int]) -> None:
+        """A swapped request lets go of its host pages (its swap-in's load holds them, or
+        it ended): each is freed now, or once the store writing it completes."""
+        for p in host_pages:
+            if p in self._writing:
+                self._dropped.add(p)
+            else:
+                self.host_alloc.free([p])
+
     def queue_write_back(self, dev_page: int, page_hash: bytes, reason: str, tag: str) -> None:
         """Copy an evicted (already reallocated) device page to host before its new owner
         writes it; the step's forward waits on the read gate."""
@@ -184,6 +226,9 @@ class TieredKVManager:
             h = self._submit_store(chunk, hold_dev=False)
             if h is not None:
                 waits.append(h)
+        q, self._swap_outs = self._swap_outs, _Queued()
+        for chunk in self._chunks(q):
+            waits.append(self._submit_store(chunk, hold_dev=False))
         read_gates = list(waits)
         q, self._loads = self._loads, _Queued()
         if q.dev_pages:
@@ -193,10 +238,11 @@ class TieredKVManager:
     def _chunks(self, q: _Queued):
         for i in range(0, len(q.dev_pages), MAX_PAGES_PER_COPY):
             s = slice(i, i + MAX_PAGES_PER_COPY)
-            yield _Queued(q.dev_pages[s], [], q.hashes[s], q.reasons[s], q.tags[s])
+            yield _Queued(q.dev_pages[s], q.host_pages[s], q.hashes[s], q.reasons[s], q.tags[s])
 
     def _submit_store(self, q: _Queued, hold_dev: bool) -> CopyHandle | None:
-        n = min(len(q.dev_pages), self.host_room())
+        owned = bool(q.host_pages)  # a swap-out: host pages allocated at queue time, kept
+        n = len(q.dev_pages) if owned else min(len(q.dev_pages), self.host_room())
         if n < len(q.dev_pages):
             logger.debug("host KV pool full: %d page(s) not offloaded", len(q.dev_pages) - n)
             self._note_storing(q.hashes[n:], -1)
@@ -205,7 +251,7 @@ class TieredKVManager:
         if n == 0:
             return None
         dev_pages, hashes = q.dev_pages[:n], q.hashes[:n]
-        host_pages = self.host_alloc.allocate(n)
+        host_pages = q.host_pages if owned else self.host_alloc.allocate(n)
         dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
         handle = self.copies.submit(
             "store",
@@ -221,7 +267,7 @@ class TieredKVManager:
             self.metrics.count(reason, pages * self.page_bytes)
         self.metrics.pages_offloaded += n
         self._pending.append(
-            _Pending(handle, "store", host_pages, dev_pages, hashes, hold_dev, q.reasons[:n])
+            _Pending(handle, "store", host_pages, dev_pages, hashes, hold_dev, q.reasons[:n], owned)
         )
         if self.debug:
             self._readback(dev_pages, host_pages, handle, range(dev_kv.shape[0]), q.tags)
@@ -291,12 +337,16 @@ class TieredKVManager:
         """Complete every copy that has finished, in submission order."""
         while self._pending and self._pending[0].handle.is_done():
             self._complete(self._pending.popleft())
+        if self.states is not None:
+            self.states.poll()
 
     def drain(self) -> None:
         while self._pending:
             p = self._pending.popleft()
             p.handle.synchronize()
             self._complete(p)
+        if self.states is not None:
+            self.states.drain()
 
     def _complete(self, p: _Pending) -> None:
         p.handle.synchronize()
@@ -316,14 +366,20 @@ class TieredKVManager:
             for page in p.dev_pages:
                 if self._loading.get(page) is p.handle:
                     del self._loading[page]
-        self.host_alloc.free(p.host_pages)
+        if p.keep_host:
+            dropped = [page for page in p.host_pages if page in self._dropped]
+            self._dropped.difference_update(dropped)
+            self.host_alloc.free(dropped)
+        else:
+            self.host_alloc.free(p.host_pages)
         if p.hold_dev:
             self.device_alloc.free(p.dev_pages)
         p.handle.keep = ()
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._pending)
+        states = 0 if self.states is None else self.states.num_in_flight
+        return len(self._pending) + states
 
     def _readback(self, dev_pages, host_pages, handle: CopyHandle, layers: range, tags) -> None:
         """batchgen_debug: wait for the store and compare each host page with its device

@@ -1,0 +1,161 @@
+"""StateTier bookkeeping on the CPU: a stored then loaded slot equals its source; a device
+slot read by a store is not reused before the store completes; a load waits for the
+store writing its host slot; host slots come back; batchgen_debug readback.
+
+On the CPU each copy stream has its own worker thread (test_tier_lifecycle.py says why
+that makes a missing wait visible here)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import batchgen.kv.state_tier as state_tier
+from batchgen.kv.copy_engine import CopyEngine
+from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool, StateSlots
+from batchgen.kv.state_tier import StateTier
+from batchgen.kv.tier_metrics import TierMetrics
+from batchgen.kv.tiered import KVReadbackError
+
+LAYOUT = StateLayout(
+    num_layers=3,
+    num_heads=2,
+    head_k_dim=4,
+    head_v_dim=3,
+    conv_dim=6,
+    conv_kernel=4,
+    conv_dtype=torch.bfloat16,
+)
+PAUSE = 0.3  # seconds a copy that must wait is given to (wrongly) run
+
+
+def make(dev_slots=3, host_slots=2, debug=False):
+    pool = StatePool(LAYOUT, dev_slots, "cpu")
+    pool.states.normal_()
+    pool.windows.normal_()
+    host = HostStatePool(LAYOUT, host_slots, pin=False)
+    host.states.fill_(-1.0)  # a slot nothing wrote reads -1
+    host.windows.fill_(-1.0)
+    slots = StateSlots(dev_slots)
+    tier = StateTier(pool, host, slots, CopyEngine(torch.device("cpu")), TierMetrics(), debug)
+    return tier, slots
+
+
+def block_streams(tier):
+    """Queue a task that blocks until the returned event is set on every copy stream."""
+    ev = threading.Event()
+    for _ in tier.copies._queues:
+        tier.copies.submit("gate", 0, lambda h: ev.wait(10))
+    return ev
+
+
+def source(tier, slot):
+    pool = tier.device_pool
+    return pool.states[:, slot].clone(), pool.windows[:, slot].clone()
+
+
+def test_a_stored_then_loaded_slot_equals_the_original():
+    tier, slots = make()
+    slots.take("other")
+    slot = slots.take("r")
+    want = source(tier, slot)
+    tier.store("r", "request r")
+    tier.drain()
+    tier.device_pool.states.zero_()  # whatever the device slots held since
+    tier.device_pool.windows.zero_()
+    slots.take("x")  # the freed slot went to someone else: the load gets another
+    tier.load("r")
+    tier.drain()
+    back = slots.slot("r")
+    assert back != slot
+    assert torch.equal(tier.device_pool.states[:, back], want[0])
+    assert torch.equal(tier.device_pool.windows[:, back], want[1])
+    assert tier.host_room == 2 and not tier.holds("r")
+    m = tier.metrics
+    assert (m.state_swaps_out, m.state_swaps_in) == (1, 1)
+    assert m.bytes_by_reason == {
+        "state_swap_out": LAYOUT.bytes_per_slot,
+        "state_swap_in": LAYOUT.bytes_per_slot,
+    }
+
+
+def test_the_device_slot_is_not_reused_before_its_store_completes():
+    tier, slots = make(dev_slots=2)
+    slot = slots.take("r")
+    want = source(tier, slot)
+    release = block_streams(tier)
+    tier.store("r", "request r")
+    assert not slots.holds("r") and slots.num_free == 1  # detached, not free
+    other = slots.take("s")
+    assert other != slot
+    with pytest.raises(RuntimeError):
+        slots.take("t")  # the only other slot is still being read
+    tier.poll()
+    assert tier.num_in_flight == 1 and slots.num_free == 0  # blocked: nothing completes
+    release.set()
+    tier.drain()
+    assert slots.num_free == 1 and slots.take("t") == slot
+    host = tier._owned["r"]
+    assert torch.equal(tier.host_pool.states[:, host], want[0])
+    assert torch.equal(tier.host_pool.windows[:, host], want[1])
+
+
+def test_a_load_waits_for_the_store_writing_its_host_slot():
+    tier, slots = make()
+    slot = slots.take("r")
+    want = source(tier, slot)
+    release = threading.Event()
+    tier.copies.submit("gate", 0, lambda h: release.wait(10))  # blocks the store's stream
+    tier.copies.submit("spacer", 0, lambda h: None)  # the load goes to the free stream
+    tier.store("r", "request r")
+    load = tier.load("r")  # on the other, free stream
+    assert not load.completed.wait(PAUSE), "the load ran before the store wrote its slot"
+    release.set()
+    tier.drain()
+    back = slots.slot("r")
+    assert torch.equal(tier.device_pool.states[:, back], want[0])
+    assert torch.equal(tier.device_pool.windows[:, back], want[1])
+
+
+def test_a_full_host_pool_has_no_room_and_a_forgotten_slot_comes_back():
+    tier, slots = make(host_slots=1)
+    slots.take("a")
+    slots.take("b")
+    release = block_streams(tier)
+    tier.store("a", "request a")
+    assert tier.host_room == 0  # the caller recomputes b instead
+    tier.forget("a")  # a ends while swapped, its store still in flight
+    assert tier.host_room == 0
+    release.set()
+    tier.drain()
+    assert tier.host_room == 1 and slots.num_free == 2
+
+
+def test_debug_readback_compares_the_host_slot_with_its_source(monkeypatch):
+    tier, slots = make(debug=True)
+    slots.take("r")
+    tier.store("r", "request r")
+    assert tier.metrics.readback_checks == 1
+    real = state_tier.device_to_host_state
+
+    def corrupt(dev, host, dev_slots, host_slots):
+        keep = real(dev, host, dev_slots, host_slots)
+        host[1][2, host_slots[0]] += 1  # layer 2's conv window
+        return keep
+
+    monkeypatch.setattr(state_tier, "device_to_host_state", corrupt)
+    slots.take("s")
+    with pytest.raises(KVReadbackError, match=r"request s: KDA layer 2's conv window"):
+        tier.store("s", "request s")
+
+
+def test_no_readback_when_debug_is_off():
+    tier, slots = make()
+    slots.take("r")
+    release = block_streams(tier)
+    tier.store("r", "request r")  # returns with the copy blocked: nothing waited on it
+    assert tier.metrics.readback_checks == 0 and tier.num_in_flight == 1
+    release.set()
+    tier.drain()
