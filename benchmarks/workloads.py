@@ -129,6 +129,69 @@ SMALL_MOONLIGHT = dict(
     eos_token_id=2,
 )
 
+_W6_LAYERS = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(24)]
+
+# W6 `hybrid` (BENCHMARKS.md): a scaled Kimi-Linear-48B-A3B-like config; the dense first
+# MLP's width (not given there) is Kimi Linear's default, 9216
+KIMI_W6 = dict(
+    architectures=["KimiLinearForCausalLM"],
+    model_type="kimi_linear",
+    hidden_size=2048,
+    intermediate_size=9216,
+    moe_intermediate_size=1024,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    layer_types=_W6_LAYERS,
+    mlp_layer_types=["dense"] + ["sparse"] * 23,
+    linear_num_heads=16,
+    linear_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_local_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.446,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    vocab_size=163840,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    bos_token_id=163584,
+    eos_token_id=163586,
+    pad_token_id=163839,
+)
+
+# a CPU-sized model of the same architecture (KDA 3 : MLA 1, MoE, dense first layer)
+SMALL_KIMI = dict(
+    KIMI_W6,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    layer_types=_W6_LAYERS[:4],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    linear_num_heads=2,
+    linear_head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    vocab_size=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
 # --model names: (config, its CPU-sized version for --small)
 MODELS = {
     "qwen3-0.6b": (QWEN3_0_6B, SMALL_MODEL),

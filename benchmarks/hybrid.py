@@ -1,0 +1,130 @@
+"""W6 `hybrid`: a Kimi-Linear-architecture model (KDA + MLA + MoE) against transformers.
+
+    PYTHONPATH=src python3 benchmarks/hybrid.py --out $OUT               # W6 on the GPU, peer beside it
+    PYTHONPATH=src python3 benchmarks/hybrid.py --skip-peer --out $OUT   # while iterating
+    PYTHONPATH=src python3 benchmarks/hybrid.py --small --out /tmp/w6    # CPU, seconds, for CI
+
+Model: workloads.KIMI_W6, a scaled Kimi-Linear-48B-A3B-like config (24 layers, every 4th
+an MLA layer with kv_lora_rank 512, the rest KDA with 16 heads of 128 and a 4-tap short
+convolution, hidden 2048, 64 routed experts top-6 plus 1 shared, first layer dense),
+random bf16 weights drawn by batchgen on the device from config.json alone
+(load_format="dummy"). The peer is transformers' Kimi Linear through `generate()` in
+padded batches of 64, with its own random weights of the same shapes; it runs fla-core's
+KDA kernels where fla-core is importable and its pure-torch KDA otherwise, and the result
+says which ("peer_kda"). Where the installed transformers has no Kimi Linear, the peer is
+skipped with the reason.
+
+Workload: workloads.w4_requests() (the same shape as W4: 512 prompts of 1024 random
+tokens, 128 output tokens each), greedy, ignore_eos; batchgen in its defaults with the
+host tier on (--host-gib, 32). Prints output tok/s of both and their ratio, batchgen's
+prefill and decode phases, and its counters (the tier's, state copies included where
+they ran). Writes hybrid.json into --out. The run is the one mla.py makes (its
+run_batchgen and run_peer), on this model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engine_runs import add_engine_args  # noqa: E402
+from mla import _release_device_memory, run_batchgen, run_peer  # noqa: E402
+from workloads import KIMI_W6, SMALL_KIMI, config_dir, w4_requests  # noqa: E402
+
+KDA_FUNCTIONS = (
+    "chunk_kimi_delta_attention",
+    "recurrent_kimi_delta_attention",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
+
+
+def torch_kda_for_the_peer() -> None:
+    """--small (CPU): transformers binds fla-core's Triton KDA kernels where fla-core is
+    installed, which need a GPU; unwrap them to its own torch code."""
+    import inspect
+
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    for name in KDA_FUNCTIONS:
+        setattr(kimi, name, inspect.unwrap(getattr(kimi, name)))
+
+
+def peer_kda_path() -> str | None:
+    """Which KDA transformers' Kimi Linear runs here: "fla-core" or "torch" (None: no
+    Kimi Linear in this transformers). transformers binds fla-core's kernel at import
+    where fla-core is importable (its hub-kernel wrapper keeps it as `implementation`)."""
+    import importlib.util
+    import inspect
+
+    try:
+        from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+    except ImportError:
+        return None
+    fn = kimi.chunk_kimi_delta_attention
+    if not hasattr(fn, "__wrapped__"):
+        return "torch"
+    impl = inspect.getclosurevars(fn).nonlocals.get("implementation")
+    if impl is None:  # another transformers: fla-core is taken where importable
+        return "fla-core" if importlib.util.find_spec("fla") else "torch"
+    return "fla-core" if (getattr(impl, "__module__", "") or "").startswith("fla") else "torch"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--host-gib", type=float, default=32.0)
+    add_engine_args(ap)
+    ap.set_defaults(ckpt=None, profile=False)
+    args = ap.parse_args(argv)
+    if args.small:
+        prompts, out_lens = w4_requests(n=6, prompt_len=70, out_len=6, max_token=500)
+        args.device, args.dtype, args.host_gib = "cpu", "float32", 0.01
+        ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w6-small-config"), SMALL_KIMI, "float32")
+    else:
+        prompts, out_lens = w4_requests()
+        args.device, args.dtype = "cuda", "bfloat16"
+        ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w6-config"), KIMI_W6)
+    ours = run_batchgen(ckpt, prompts, out_lens, args)
+    _release_device_memory()
+    print(json.dumps({"batchgen": ours}), flush=True)
+    kda = peer_kda_path()
+    peer = None
+    if args.skip_peer:
+        pass
+    elif kda is None:
+        peer = {"skipped": "this transformers has no Kimi Linear (transformers.models.kimi_linear)"}
+    else:
+        if args.small:
+            torch_kda_for_the_peer()
+        peer = dict(run_peer(ckpt, prompts, out_lens, args), peer_kda=peer_kda_path())
+    result = {"workload": "small" if args.small else "W6", "batchgen": ours, "peer": peer}
+    if peer and "tok_s" in peer:
+        result["ratio"] = ours["tok_s"] / peer["tok_s"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hybrid.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        f"batchgen     {ours['tok_s']:10.1f} output tok/s ({ours['wall_s']:.2f} s, "
+        f"{ours['steps']} steps; prefill phase {ours['prefill_phase_s']:.2f} s, decode "
+        f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']}, backend "
+        f"{ours['backend']})",
+        "counters     " + json.dumps(ours["counters"]),
+    ]
+    if peer and "skipped" in peer:
+        lines.append(f"transformers skipped: {peer['skipped']}")
+    elif peer:
+        lines.append(
+            f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s, KDA "
+            f"{peer['peer_kda']}) -> ratio {result['ratio']:.1f}x"
+        )
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0 if ours["output_tokens"] == sum(out_lens) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

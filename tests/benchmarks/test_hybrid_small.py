@@ -1,0 +1,30 @@
+"""benchmarks/hybrid.py --small: the W6 script end to end on the CPU (a tiny Kimi Linear
+config, host tier on), peer included where this transformers has Kimi Linear."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_small_run_writes_its_result(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import hybrid
+    finally:
+        sys.path.remove(str(BENCH))
+    out = tmp_path / "out"
+    argv = ["--small", "--out", str(out), "--ckpt", str(tmp_path / "config")]
+    assert hybrid.main(argv) == 0
+    result = json.loads((out / "hybrid.json").read_text())
+    ours, peer = result["batchgen"], result["peer"]
+    assert ours["output_tokens"] == 6 * 6
+    assert ours["steps"] > 0 and 0 < ours["prefill_phase_s"] <= ours["wall_s"]
+    if hybrid.peer_kda_path() is None:
+        assert "no Kimi Linear" in peer["skipped"]
+    else:
+        assert peer["output_tokens"] == 6 * 6 and result["ratio"] > 0
+        assert peer["peer_kda"] in ("fla-core", "torch")
