@@ -247,7 +247,7 @@ class _Types:
 
 
 def check_copy_contract(src_root: Path, files: Iterable[Path] | None = None) -> list[Finding]:
-    """Violations of R1-R8 in the package at src_root (the src/batchgen folder); `files`, when
+    """Violations of R1-R9 in the package at src_root (the src/batchgen folder); `files`, when
     given, are the package's .py files to read (else every one under src_root)."""
     root, modules, problems = Path(src_root).resolve(), [], []
     try:

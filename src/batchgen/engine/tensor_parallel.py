@@ -203,14 +203,17 @@ class _Worker:
         self.config, self.model, self.hf_config = config, model, hf_config
         self.device = device
         # its own KV heads (model.kv_state), the same pages as rank 0
-        self.layout = KVLayout.of(
-            model.kv_state, hf_config.num_hidden_layers, config.page_size, dtype
-        )
+        num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
+        self.layout = KVLayout.of(model.kv_state, num_kv_layers, config.page_size, dtype)
         self.backend = config.resolved_attention_backend(device)
         self.runner: ModelRunner | None = None
         self.mirror: TierMirror | None = None
 
     def handle(self, message):
+        """Act on one message from rank 0; what a query answers (None otherwise). A
+        step's copies are issued before its forward, which waits for them (rule 3); a
+        readback mismatch under batchgen_debug raises here, ending this rank, so rank
+        0's next broadcast fails."""
         if isinstance(message, TPStep):
             waits = self.mirror.issue(message.copies) if self.mirror is not None else []
             if message.sched is not None:
