@@ -7,6 +7,7 @@ show in the outputs."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import tp_workers
@@ -14,6 +15,7 @@ from conftest import save_tiny_model
 
 import batchgen.engine.tensor_parallel as tensor_parallel
 from batchgen import LLM, SamplingParams
+from batchgen.kv.tiered import TieredKVManager
 
 KW = dict(device="cpu", dtype="float32", max_model_len=64, page_size=4, max_num_batched_tokens=24)
 TIER = dict(tensor_parallel_size=2, num_kv_pages=18, host_kv_size_gib=0.001, **KW)
@@ -39,13 +41,25 @@ def _tokens_and_logprobs(out) -> tuple[list[int], list[float]]:
     return c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
 
 
-def _run_twice(path: str, **kw) -> tuple[list, dict, list]:
+def _run_twice(path: str, monkeypatch, **kw) -> tuple[list, dict, list]:
     """Both runs' outputs (the second finds the first's pages on host), rank 0's metrics
-    and the worker's mirror counters."""
+    (with `sent_<kind>`: the copies rank 0 handed the worker) and the worker's mirror
+    counters."""
+    sent = Counter()
+    take = TieredKVManager.take_mirrored
+
+    def counted(tier):
+        copies = take(tier)
+        sent.update(c.kind for c in copies)
+        return copies
+
+    monkeypatch.setattr(TieredKVManager, "take_mirrored", counted)
     llm = LLM(path, **TIER, **kw)
     try:
         outs = [llm.generate(_prompts(), PARAMS, use_tqdm=False) for _ in range(2)]
-        return outs, llm.engine.metrics(), llm.engine.tier_worker_metrics()
+        workers = llm.engine.tier_worker_metrics()
+        m = llm.engine.metrics() | {f"sent_{k}": n for k, n in sent.items()}
+        return outs, m, workers
     finally:
         llm.engine.shutdown()
 
@@ -60,16 +74,18 @@ def _max_logprob_error(outs, want) -> float:
 
 
 @pytest.mark.parametrize("debug", [False, True])
-def test_tp2_host_tier_equals_tp1_ample_pool_and_the_worker_copies_its_shard(reference, debug):
+def test_tp2_host_tier_equals_tp1_ample_pool_and_the_worker_copies_its_shard(
+    reference, debug, monkeypatch
+):
     path, want = reference
-    outs, m, (worker,) = _run_twice(path, batchgen_debug=debug)
+    outs, m, (worker,) = _run_twice(path, monkeypatch, batchgen_debug=debug)
     for run in outs:
         assert [_tokens_and_logprobs(o)[0] for o in run] == [t for t, _ in want]
     assert _max_logprob_error(outs, want) < 1e-5
     assert m["swaps_out"] > 0 and m["swaps_in"] > 0 and m["host_prefix_hit_pages"] > 0
     assert worker["pages_offloaded"] == m["pages_offloaded"] > 0
     assert worker["pages_loaded"] == m["pages_loaded"] > 0
-    assert worker["loads"] > 0 and worker["stores"] > 0
+    assert worker["loads"] == m["sent_load"] > 0 and worker["stores"] == m["sent_store"] > 0
     if debug:  # every offloaded page read back on both ranks, none differed
         assert worker["readback_checks"] == m["readback_checks"] == m["pages_offloaded"]
     else:
@@ -79,7 +95,7 @@ def test_tp2_host_tier_equals_tp1_ample_pool_and_the_worker_copies_its_shard(ref
 def test_a_worker_skipping_its_tier_copies_changes_the_outputs(reference, monkeypatch):
     path, want = reference
     monkeypatch.setattr(tensor_parallel, "worker_main", tp_workers.worker_main_skipping_tier_copies)
-    outs, m, (worker,) = _run_twice(path)
+    outs, m, (worker,) = _run_twice(path, monkeypatch)
     assert m["pages_loaded"] > 0 and worker["loads"] == 0
     wrong_tokens = any(
         [_tokens_and_logprobs(o)[0] for o in run] != [t for t, _ in want] for run in outs
