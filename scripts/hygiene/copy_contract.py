@@ -42,6 +42,12 @@ R8  No copy overlaps a CUDA-graph capture: a capture (`with torch.cuda.graph(...
     the constructor; every construction passes a CopyEngine pause (a contextmanager of
     CopyEngine that raises a flag) as the guard; and the worker waits while that flag is up
     before it runs a task.
+R9  A tensor-parallel worker's forward waits for the copies it replays: wherever a TierMirror's
+    `issue(...)` (kv/tier_mirror.py) runs, the handles it returns are bound to a name that the
+    same function, after the issue, hands as `wait_for=` to the step it passes on (an argument
+    of a call); and while TierMirror exists something issues its copies. Otherwise a worker's
+    forward could read pages its own loads have not written, or write pages its stores have not
+    read.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ WHOLE_WAITS = {"wait_on_current_stream", "synchronize"}
 CONSUMER_WAITS = {"wait_layer", "wait_gates", "wait_on_current_stream", "synchronize"}
 HOST_INDICES = ("host_pages", "host_slots")  # a copy body's parameter naming host pages
 CARRIER = "wait_for"  # SchedulerOutput: the copy handles a step's forward waits on
+MIRROR = ("kv/tier_mirror.py", "TierMirror", "issue")  # a worker's replay of rank 0's copies
 HOOK = "before_layer"  # ForwardContext: called by each layer before it touches its KV
 DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 FUNCS = (*DEFS, ast.Lambda)
@@ -241,7 +248,7 @@ class _Types:
 
 
 def check_copy_contract(src_root: Path, files: Iterable[Path] | None = None) -> list[Finding]:
-    """Violations of R1-R8 in the package at src_root (the src/batchgen folder); `files`, when
+    """Violations of R1-R9 in the package at src_root (the src/batchgen folder); `files`, when
     given, are the package's .py files to read (else every one under src_root)."""
     root, modules, problems = Path(src_root).resolve(), [], []
     try:
@@ -334,6 +341,7 @@ class _Contract:
         if not reads:
             why = f"nothing reads the step's copy handles (.{CARRIER}): compute waits on nothing"
             yield em, (self.engine, "R7", why)
+        yield from self._check_mirror()
 
     # ---- R1 --------------------------------------------------------------------------------
     def is_submit(self, m: _Module, node: ast.AST) -> bool:
@@ -593,6 +601,43 @@ class _Contract:
             if not (cpu or waited & set(chain)):
                 found.append((c, "R6", "the worker runs a task outside a stream that waited on it"))
         return found
+
+    # ---- R9 --------------------------------------------------------------------------------
+    def _check_mirror(self) -> Iterator[tuple[_Module, tuple]]:
+        home, name, method = MIRROR
+        classes = self.pkg.classes(home, lambda c: c.name == name)
+        if not classes:
+            return
+        mirrors = _Types(self.pkg, home, {name})
+        issues = 0
+        for m in self.pkg.modules:
+            for c in _calls(m.tree):
+                if _attr(c.func) != method or not mirrors.typed(m, c.func.value):
+                    continue
+                issues += 1
+                if not self._issued_reach_the_step(m, c):
+                    why = f"the handles {name}.{method}() returns are not the step's {CARRIER}"
+                    yield m, (c, "R9", why + ": the worker's forward would not wait for them")
+        if not issues:
+            why = f"nothing runs {name}.{method}(): a worker replays none of rank 0's copies"
+            yield self.pkg.by_rel[home], (classes[0], "R9", why)
+
+    @staticmethod
+    def _issued_reach_the_step(m: _Module, issue: ast.Call) -> bool:
+        """The issue's result is bound to a name that a later `wait_for=` keyword of a call
+        passed to another call holds, in the same function."""
+        bound = next((a for a in m.ancestors(issue) if isinstance(a, ast.Assign)), None)
+        fn = m.func_of(issue)
+        if bound is None or fn is None or not isinstance(bound.targets[0], ast.Name):
+            return False
+        handles = bound.targets[0].id
+        for k in (n for n in _walk(fn) if isinstance(n, ast.keyword) and n.arg == CARRIER):
+            step = m.parent.get(k)
+            passed = isinstance(m.parent.get(step), ast.Call) and step in m.parent[step].args
+            named = isinstance(k.value, ast.Name) and k.value.id == handles
+            if passed and named and _pos(step) > _pos(issue):
+                return True
+        return False
 
     # ---- R7 --------------------------------------------------------------------------------
     def _forward_names(self) -> set[str]:

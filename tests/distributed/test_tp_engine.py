@@ -44,8 +44,9 @@ def test_tp2_engine_equals_tp1_and_a_dead_worker_fails_the_next_step(tmp_path, a
 
 
 def test_what_tensor_parallel_cannot_run_yet_is_named():
-    config = EngineConfig(tensor_parallel_size=2, host_kv_size_gib=1.0)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .* host KV tier"):
+    config = EngineConfig(tensor_parallel_size=2, host_kv_size_gib=1.0, decode_append="layer")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*decode_append='layer'"):
         check_supported(config, torch.device("cpu"))
+    check_supported(EngineConfig(tensor_parallel_size=2, host_kv_size_gib=1.0), torch.device("cpu"))
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(tensor_parallel_size=0)

@@ -197,3 +197,13 @@ def fail_on_rank_one(tp: TPGroup) -> None:
     if tp.rank == 1:
         raise RuntimeError("rank 1 gives up")
     tp.all_reduce(torch.ones(3))
+
+
+def worker_main_skipping_tier_copies(*args) -> None:
+    """engine.tensor_parallel.worker_main with a TierMirror that issues none of the copies
+    it is sent (the forward then reads whatever its pages held)."""
+    from batchgen.engine import tensor_parallel
+    from batchgen.kv.tier_mirror import TierMirror
+
+    TierMirror.issue = lambda self, copies: []
+    tensor_parallel.worker_main(*args)

@@ -661,6 +661,37 @@ def new_capture_outside_the_guard(root):
     )
 
 
+# --- the tensor-parallel worker's mirror (kv/tier_mirror.py) -----------------------------
+
+
+def mirror_load_skips_its_store_wait(root):
+    src = Source(root, "kv/tier_mirror.py")
+    fn = src.func("_load")
+    wait = src.only(fn, "wait_on_current_stream()", calling("wait_on_current_stream"))
+    src.replace_in(fn, src.segment(wait), "None")
+
+
+def mirror_store_not_recorded_for_loads(root):
+    src = Source(root, "kv/tier_mirror.py")
+    src.replace_in(src.func("_store"), "self._writing[p] = handle", "pass")
+
+
+def mirror_readback_before_its_store_completes(root):
+    src = Source(root, "kv/tier_mirror.py")
+    fn = src.func("_readback")
+    sync = src.only(fn, "synchronize()", calling("synchronize"))
+    src.delete(src.statement(fn, sync), within=fn)
+
+
+def worker_forward_ignores_its_copies(root):
+    Source(root, "engine/tensor_parallel.py").replace("wait_for=waits)", "wait_for=[])")
+
+
+def worker_replays_no_copies(root):
+    src = Source(root, "engine/tensor_parallel.py")
+    src.replace("self.mirror.issue(message.copies)", "list(message.copies)")
+
+
 MUTATIONS = [
     (sync_store_with_noop_closure, "R1"),
     (sync_load_with_noop_closure, "R1"),
@@ -715,6 +746,11 @@ MUTATIONS = [
     (capture_guard_not_taken_from_the_constructor, "R8"),
     (worker_ignores_the_pause, "R8"),
     (new_capture_outside_the_guard, "R8"),
+    (mirror_load_skips_its_store_wait, "R5"),
+    (mirror_store_not_recorded_for_loads, "R5"),
+    (mirror_readback_before_its_store_completes, "R2"),
+    (worker_forward_ignores_its_copies, "R9"),
+    (worker_replays_no_copies, "R9"),
 ]
 
 

@@ -24,7 +24,7 @@ from batchgen.engine.memory import (
 from batchgen.engine.pipeline import next_decode
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.tensor_parallel import TPModelRunner, TPWorkers, check_supported
+from batchgen.engine.tensor_parallel import TPModelRunner, TPStep, TPWorkers, check_supported
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.host_pool import HostPool
@@ -80,8 +80,14 @@ class EngineCore:
         self.state_pool = build_state_pool(model, config, dtype, device)
         num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
         self._check_pool_size(num_pages)
-        if tp_workers is not None:  # each rank builds a pool of the same pages
-            tp_workers.send({"num_pages": num_pages, "eos_token_ids": self.eos_token_ids})
+        if tp_workers is not None:  # each rank builds pools of the same pages
+            tp_workers.send(
+                {
+                    "num_pages": num_pages,
+                    "host_pages": HostPool.pages_in(self.layout, config.host_kv_size_gib),
+                    "eos_token_ids": self.eos_token_ids,
+                }
+            )
         self.pool = PagePool(self.layout, num_pages, device)
         # hybrid models: no prefix hits until state checkpoints exist (a hit needs the
         # recurrent state at the hit's last token), so nothing is cached at all
@@ -122,7 +128,7 @@ class EngineCore:
             max_pages=-(-self.max_model_len // config.page_size),
             seed=config.seed,
             linear_states=None if self.state_pool is None else self.state_pool.layer_states(),
-            **({} if tp_workers is None else {"workers": tp_workers}),
+            **({} if tp_workers is None else self._tp_runner_args()),
         )
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
@@ -139,6 +145,24 @@ class EngineCore:
             self.pool.nbytes / 2**30,
             device,
         )
+
+    def _tp_runner_args(self) -> dict:
+        """TPModelRunner's extra arguments: the workers, and with the host tier the
+        copies its steps hand them (the tier logs each copy it submits from now on)."""
+        if self.tier is None:
+            return {"workers": self.tp_workers}
+        self.tier.mirrored = []
+        return {"workers": self.tp_workers, "take_copies": self.tier.take_mirrored}
+
+    def tier_worker_metrics(self) -> list[dict | None]:
+        """Tensor parallel: each worker's host tier mirror counters (rank 1 first; None
+        without the tier), once every copy rank 0 submitted has reached and left it."""
+        if self.tp_workers is None:
+            return []
+        copies = self.tier.take_mirrored() if self.tier is not None else []
+        self.tp_workers.send(TPStep(None, copies))
+        self.tp_workers.send({"query": "tier"})
+        return self.tp_workers.gather()
 
     def _attention_backend(self) -> str:
         """The configured backend, where the model's attention has it: a model that
@@ -356,6 +380,8 @@ class EngineCore:
 
     def _profile_forward(self, num_tokens: int) -> None:
         n = min(num_tokens, self.max_model_len)
+        if self.tp_workers is not None:  # the workers run it too: collectives pair up
+            self.tp_workers.send({"profile": n, "eos_token_ids": self.eos_token_ids})
         backend = self._attention_backend()
         states = None if self.state_pool is None else self.state_pool.layer_states()
         warmup_forward(

@@ -3,22 +3,34 @@ the same steps on their share of the model.
 
     rank 0 (this process)                       rank r (spawned, worker_main)
     start_workers(): spawn, join the group      join the group, build its model share
-    build its model share, plan num_pages  -->  setup: num_pages, eos ids -> its own pool
-    step: schedule; TPModelRunner.execute: ---> receive the SchedulerOutput; execute it
-          broadcast the SchedulerOutput,        (its sample is dropped: rank 0's counts)
-          execute it (collectives pair up)
+    build its model share, plan num_pages  -->  setup: num_pages, host_pages, eos ids
+                                                -> its own pool (and host tier mirror)
+    tier cost rule: _profile_forward       -->  {"profile": n}: the same warm-up forward
+    step: schedule; TPModelRunner.execute: ---> TPStep: issue its tier copies on its
+          broadcast TPStep(SchedulerOutput,     shard (TierMirror), execute the step
+          the tier copies submitted since       waiting for them (its sample is dropped:
+          the last one), execute it             rank 0's counts)
+    tier_worker_metrics()                  -->  pending copies, then its mirror's counters
     shutdown(): broadcast None             -->  leave the group, exit
 
-Every rank runs the same forward and compute_logits, so their collectives pair up; the
-SchedulerOutput is broadcast as a pickled object each step (a first version: no copy
-handles or hooks, so no host tier, and no pipelined decode or CUDA graphs yet). A worker
-that dies makes rank 0's next collective raise (gloo: the peer's connection closes; a
-process group timeout otherwise) instead of hanging.
+Every rank runs the same forward and compute_logits, so their collectives pair up. The
+SchedulerOutput is broadcast as a pickled object each step, without its copy handles
+and hooks: the host tier's copies travel as plain data (kv.tier_mirror.TierCopy), rank
+0's tier deciding every one, each worker replaying them on its own KV shard (same page
+ids, its heads) through its own CopyEngine, ordered by the same contract (see
+tier_mirror.py for why a page is never reused before a worker's copy touched it).
+Copies rank 0 submits after a step's forward (write-through stores) go with the next
+message, before any copy or forward that could reuse their pages. Not yet: pipelined
+decode, CUDA graphs, per-layer decode appends. A worker that dies makes rank 0's next
+collective raise (gloo: the peer's connection closes; a process group timeout otherwise)
+instead of hanging.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -31,8 +43,12 @@ from batchgen.distributed import (
     local_init_method,
 )
 from batchgen.engine.limits import max_model_len
+from batchgen.engine.memory import warmup_forward
+from batchgen.kv.copy_engine import CopyEngine
+from batchgen.kv.host_pool import HostPool
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
+from batchgen.kv.tier_mirror import TierCopy, TierMirror
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models.loader import ModelSource, build_model
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
@@ -44,8 +60,8 @@ logger = logging.getLogger(__name__)
 def check_supported(config: EngineConfig, device: torch.device) -> None:
     """ValueError naming what tensor_parallel_size > 1 cannot run with yet."""
     refused = []
-    if config.host_kv_size_gib > 0:
-        refused.append("the host KV tier (host_kv_size_gib > 0)")
+    if config.host_kv_size_gib > 0 and config.decode_append == "layer":
+        refused.append("per-layer decode appends to the host tier (decode_append='layer')")
     if device.type == "cuda" and not config.enforce_eager:
         refused.append("CUDA graphs (set enforce_eager=True)")
     if device.type == "cuda" and config.num_kv_pages is None and config.kv_cache_size_gib is None:
@@ -55,6 +71,16 @@ def check_supported(config: EngineConfig, device: torch.device) -> None:
             f"tensor_parallel_size={config.tensor_parallel_size} does not support "
             f"{' or '.join(refused)} yet"
         )
+
+
+@dataclass
+class TPStep:
+    """One step for the workers: the host tier's copies submitted since the last message
+    (issued first, in order), then `sched` (None: only the copies), without handles or
+    hooks."""
+
+    sched: SchedulerOutput | None
+    copies: list[TierCopy]
 
 
 class TPWorkers:
@@ -94,6 +120,12 @@ class TPWorkers:
                 f"tensor-parallel worker rank(s) {dead or '?'} stopped responding: {e}"
             ) from e
 
+    def gather(self) -> list:
+        """What each worker answered the last message with, rank 1 first."""
+        replies = [None] * self.tp.size
+        dist.gather_object(None, replies, dst=0, group=self.tp.group)
+        return replies[1:]
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the workers (they leave the group) and leave it too."""
         try:
@@ -110,56 +142,122 @@ class TPWorkers:
 
 
 class TPModelRunner(ModelRunner):
-    """Rank 0's runner: each step is broadcast to the workers before it runs, so every
-    rank executes it. Decode steps are not pipelined (launch_decode is not mirrored)."""
+    """Rank 0's runner: each step is broadcast to the workers before it runs, with the
+    host tier's copies submitted since the last step (`take_copies`), so every rank
+    executes it. Decode steps are not pipelined (launch_decode is not mirrored)."""
 
-    def __init__(self, *args, workers: TPWorkers, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        workers: TPWorkers,
+        take_copies: Callable[[], list[TierCopy]] | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.workers = workers
+        self.take_copies = take_copies or list
 
     def can_launch_decode(self, sched: SchedulerOutput) -> bool:
         return False
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.workers.send(sched)
+        bare = replace(sched, wait_for=[], on_kv_written=None)  # the workers wait on theirs
+        self.workers.send(TPStep(bare, self.take_copies()))
         return super().execute(sched)
 
 
 def worker_main(rank: int, size: int, init: str, config: EngineConfig, source) -> None:
-    """A worker rank's life: join, build its share of the model and its own page pool
-    (the setup rank 0 broadcasts sizes it), execute every step it receives."""
+    """A worker rank's life: join, build its share of the model, then serve rank 0's
+    messages until None: the setup (its own page pool, and host tier mirror, of the
+    pages rank 0 planned), warm-up forwards, steps, metric queries."""
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     tp = init_tensor_parallel(rank, size, _backend(config), init)
     try:
         hf_config = source.load_config()
         device = _device(config, rank)
         dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
-        max_len = max_model_len(config, hf_config)
         model = build_model(
-            source, hf_config, dtype, device, max_len, config.load_format, config.seed, tp=tp
+            source,
+            hf_config,
+            dtype,
+            device,
+            max_model_len(config, hf_config),
+            config.load_format,
+            config.seed,
+            tp=tp,
         )
-        setup = _receive(tp)
-        if setup is None:  # rank 0 failed before its pool existed
-            return
+        worker = _Worker(config, model, hf_config, device, dtype)
+        while (message := _receive(tp)) is not None:
+            reply = worker.handle(message)
+            if isinstance(message, dict) and message.get("query"):
+                dist.gather_object(reply, None, dst=0, group=tp.group)
+    finally:
+        destroy_tensor_parallel()
+
+
+class _Worker:
+    """A worker rank's state: its model share, and once set up its page pool, runner and
+    host tier mirror."""
+
+    def __init__(self, config: EngineConfig, model, hf_config, device, dtype) -> None:
+        self.config, self.model, self.hf_config = config, model, hf_config
+        self.device = device
         # its own KV heads (model.kv_state), the same pages as rank 0
-        layout = KVLayout.of(model.kv_state, hf_config.num_hidden_layers, config.page_size, dtype)
-        pool = PagePool(layout, setup["num_pages"], device)
-        runner = ModelRunner(
-            model,
+        num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
+        self.layout = KVLayout.of(model.kv_state, num_kv_layers, config.page_size, dtype)
+        self.backend = config.resolved_attention_backend(device)
+        self.runner: ModelRunner | None = None
+        self.mirror: TierMirror | None = None
+
+    def handle(self, message):
+        """Act on one message from rank 0; what a query answers (None otherwise). A
+        step's copies are issued before its forward, which waits for them (rule 3); a
+        readback mismatch under batchgen_debug raises here, ending this rank, so rank
+        0's next broadcast fails."""
+        if isinstance(message, TPStep):
+            waits = self.mirror.issue(message.copies) if self.mirror is not None else []
+            if message.sched is not None:
+                self.runner.execute(replace(message.sched, wait_for=waits))
+        elif "profile" in message:
+            warmup_forward(
+                self.model,
+                self.layout,
+                self.device,
+                self.hf_config,
+                message["eos_token_ids"],
+                message["profile"],
+                self.backend,
+            )
+        elif "query" in message:  # the mirror's counters, once its copies are done
+            if self.mirror is None:
+                return None
+            self.mirror.drain()
+            return vars(self.mirror.metrics).copy()
+        else:
+            self._setup(message)
+        return None
+
+    def _setup(self, setup: dict) -> None:
+        config, device = self.config, self.device
+        pool = PagePool(self.layout, setup["num_pages"], device)
+        max_len = max_model_len(config, self.hf_config)
+        self.runner = ModelRunner(
+            self.model,
             pool.layer_caches(),
             config.page_size,
             device,
-            hf_config.vocab_size,
+            self.hf_config.vocab_size,
             setup["eos_token_ids"],
-            attention_backend=config.resolved_attention_backend(device),
+            attention_backend=self.backend,
             max_num_seqs=config.max_num_seqs,
             max_pages=-(-max_len // config.page_size),
             seed=config.seed,
         )
-        while (sched := _receive(tp)) is not None:
-            runner.execute(sched)
-    finally:
-        destroy_tensor_parallel()
+        if setup["host_pages"]:
+            host = HostPool(self.layout, setup["host_pages"], pin=device.type == "cuda")
+            # one copy stream: copies run in rank 0's submission order (tier_mirror.py)
+            copies = CopyEngine(device, num_streams=1, issue=config.tier_copy_issue)
+            self.mirror = TierMirror(pool, host, copies, config.batchgen_debug)
 
 
 def _receive(tp: TPGroup):

@@ -31,6 +31,11 @@ class HostPool:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    @staticmethod
+    def pages_in(layout: KVLayout, gib: float) -> int:
+        """Host pages of `layout` that `gib` GiB hold."""
+        return int(gib * 2**30 // layout.bytes_per_page)
+
     @classmethod
     def sized(cls, layout: KVLayout, gib: float, pin: bool) -> HostPool:
-        return cls(layout, int(gib * 2**30 // layout.bytes_per_page), pin)
+        return cls(layout, cls.pages_in(layout, gib), pin)

@@ -33,14 +33,14 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_copies import device_to_host_pages, host_to_device_pages
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tier_metrics import TierMetrics
+from batchgen.kv.tier_mirror import KVReadbackError as KVReadbackError  # its old home
+from batchgen.kv.tier_mirror import TierCopy, check_offloaded
 
 if TYPE_CHECKING:
     from batchgen.kv.state_tier import StateTier
@@ -48,10 +48,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_PAGES_PER_COPY = 256  # bounds a store's device staging (all layers of n pages)
-
-
-class KVReadbackError(RuntimeError):
-    """batchgen_debug found an offloaded page that differs from its device source."""
 
 
 @dataclass
@@ -103,6 +99,9 @@ class TieredKVManager:
         self._swap_outs = _Queued()  # freed sources, host pages owned: like write-backs
         self._dropped: set[int] = set()  # owned host pages freed once their store completes
         self.states: StateTier | None = None  # the compressed-state slots' tier, if any
+        # tensor parallel: each copy submitted, as plain data for the workers' mirrors
+        # (None on one rank; take_mirrored() hands them over)
+        self.mirrored: list[TierCopy] | None = None
 
     @property
     def page_bytes(self) -> int:
@@ -269,6 +268,8 @@ class TieredKVManager:
         self._pending.append(
             _Pending(handle, "store", host_pages, dev_pages, hashes, hold_dev, q.reasons[:n], owned)
         )
+        if self.mirrored is not None:
+            self.mirrored.append(TierCopy("store", dev_pages, host_pages, q.tags[:n]))
         if self.debug:
             self._readback(dev_pages, host_pages, handle, range(dev_kv.shape[0]), q.tags)
         return handle
@@ -294,7 +295,15 @@ class TieredKVManager:
         for p in dev_pages:
             self._loading[p] = handle
         self._pending.append(_Pending(handle, "load", host_pages, dev_pages, reasons=q.reasons))
+        if self.mirrored is not None:
+            self.mirrored.append(TierCopy("load", dev_pages, host_pages, q.tags))
         return handle
+
+    def take_mirrored(self) -> list[TierCopy]:
+        """The copies submitted since the last call, in submission order (tensor
+        parallel: sent to the workers before anything can reuse their pages)."""
+        taken, self.mirrored = self.mirrored, []
+        return taken
 
     def store_layer(
         self, dev_pages: list[int], host_pages: list[int], layer: int, hashes: list, tags: list
@@ -303,6 +312,8 @@ class TieredKVManager:
         allocated, right after that layer's K/V write (called inside the forward). The
         last layer's completion registers `hashes` and releases the host pages."""
         dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
+        if self.mirrored is not None:
+            raise RuntimeError("per-layer decode appends are not mirrored to workers yet")
         last = layer == dev_kv.shape[0] - 1
         layers = range(layer, layer + 1)
         handle = self.copies.submit(
@@ -390,11 +401,4 @@ class TieredKVManager:
             src = dev_kv[layers.start : layers.stop, :, dev].cpu()
             dst = host_kv[layers.start : layers.stop, host]
             self.metrics.readback_checks += 1
-            if not torch.isfinite(dst.float()).all():
-                raise KVReadbackError(f"{tag}: non-finite KV in offloaded device page {dev}")
-            if not torch.equal(src, dst):
-                bad = (src != dst).flatten(1).any(-1).nonzero()[0, 0].item()
-                raise KVReadbackError(
-                    f"{tag}: layer {layers.start + bad} of device page {dev} differs from its host "
-                    f"copy (host page {host})"
-                )
+            check_offloaded(src, dst, tag, dev, host, layers.start)

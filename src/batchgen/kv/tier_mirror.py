@@ -1,0 +1,163 @@
+"""The host tier on a tensor-parallel worker rank: the copies rank 0's tier decided,
+replayed on this rank's KV shard (same page ids, its own heads).
+
+    rank 0: TieredKVManager decides            rank r: TierMirror replays
+    _submit_store / _submit_load submit on     the step's message carries them, in rank
+    rank 0's shard and log a TierCopy   ---->  0's submission order; each goes through
+    (plain data: kind, pages, tags)            CopyEngine.submit on this rank's shard
+                                               (rules 1-2), before the step's forward,
+                                               which waits for all of them (rule 3)
+
+Rank 0 frees and reuses a page when its own copy completes; this rank's copy of the same
+page may finish later, or start later (stores rank 0 submits after a forward travel with
+the next step's message). What keeps a page from being reused before this rank's copy
+read or wrote it:
+- one copy stream (the worker's CopyEngine has num_streams=1): the copies run in rank 0's
+  submission order, so a copy writing a host or device page runs after every earlier
+  copy that read or wrote it. A first increment: on rank 0 loads and stores overlap on
+  two streams, here they queue behind each other;
+- the step's forward waits for every copy of its message (a load's pages layer by layer,
+  a store's source pages read), so compute never writes a device page a copy has yet to
+  read nor reads one a load has yet to write;
+- a load waits for the stores in flight that write its host pages, as on rank 0.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.kv.copy_engine import CopyEngine, CopyHandle
+from batchgen.kv.host_pool import HostPool
+from batchgen.kv.page_copies import device_to_host_pages, host_to_device_pages
+from batchgen.kv.page_pool import PagePool
+
+
+class KVReadbackError(RuntimeError):
+    """batchgen_debug found an offloaded page that differs from its device source."""
+
+
+@dataclass(frozen=True)
+class TierCopy:
+    """One copy rank 0's tier submitted, as plain data the workers replay: a "store"
+    (device -> host, every layer) or a "load" (host -> device, every layer)."""
+
+    kind: str
+    dev_pages: list[int]
+    host_pages: list[int]
+    tags: list[str]  # whose page each is, for readback errors
+
+
+@dataclass
+class MirrorMetrics:
+    """What a worker's mirror really copied (rank 0's TierMetrics count the engine's)."""
+
+    loads: int = 0
+    stores: int = 0
+    pages_loaded: int = 0
+    pages_offloaded: int = 0
+    readback_checks: int = 0
+
+
+def check_offloaded(src: torch.Tensor, dst: torch.Tensor, tag, dev, host, first_layer) -> None:
+    """KVReadbackError unless host copy `dst` of device page `dev` equals `src` (both on
+    the host, [layers, ...]) and is finite."""
+    if not torch.isfinite(dst.float()).all():
+        raise KVReadbackError(f"{tag}: non-finite KV in offloaded device page {dev}")
+    if not torch.equal(src, dst):
+        bad = (src != dst).flatten(1).any(-1).nonzero()[0, 0].item()
+        raise KVReadbackError(
+            f"{tag}: layer {first_layer + bad} of device page {dev} differs from its host "
+            f"copy (host page {host})"
+        )
+
+
+class TierMirror:
+    """A worker rank's host tier: its device pool shard, host pool shard and copy engine,
+    issuing what rank 0's tier decided. It decides nothing and allocates nothing."""
+
+    def __init__(
+        self, device_pool: PagePool, host_pool: HostPool, copies: CopyEngine, debug: bool
+    ) -> None:
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.copies = copies
+        self.debug = debug
+        self.metrics = MirrorMetrics()
+        self._in_flight: deque[tuple[CopyHandle, list[int]]] = deque()
+        self._writing: dict[int, CopyHandle] = {}  # host page -> store in flight
+
+    def issue(self, copies: list[TierCopy]) -> list[CopyHandle]:
+        """Submit `copies` in order; the handles the step's forward must wait on (all:
+        a load layer by layer, a store until its source pages are read)."""
+        self.poll()
+        return [self._store(c) if c.kind == "store" else self._load(c) for c in copies]
+
+    def _store(self, c: TierCopy) -> CopyHandle:
+        dev_pages, host_pages = c.dev_pages, c.host_pages
+        dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
+        handle = self.copies.submit(
+            "store",
+            len(dev_pages) * self.device_pool.layout.bytes_per_page,
+            lambda h: device_to_host_pages(
+                dev_kv, host_kv, dev_pages, host_pages, on_read=lambda: h.mark(0)
+            ),
+            num_gates=1,
+        )
+        for p in host_pages:
+            self._writing[p] = handle
+        self._in_flight.append((handle, host_pages))
+        self.metrics.stores += 1
+        self.metrics.pages_offloaded += len(dev_pages)
+        if self.debug:
+            self._readback(dev_pages, host_pages, handle, c.tags)
+        return handle
+
+    def _load(self, c: TierCopy) -> CopyHandle:
+        host_pages, dev_pages = c.host_pages, c.dev_pages
+        after = {self._writing[p] for p in host_pages if p in self._writing}
+        host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
+
+        def copy(handle: CopyHandle):
+            for store in after:  # a host page is not read before its write completes
+                store.wait_on_current_stream()
+            return host_to_device_pages(host_kv, dev_kv, host_pages, dev_pages, handle.mark)
+
+        handle = self.copies.submit(
+            "load",
+            len(host_pages) * self.device_pool.layout.bytes_per_page,
+            copy,
+            num_gates=dev_kv.shape[0],
+        )
+        self._in_flight.append((handle, []))
+        self.metrics.loads += 1
+        self.metrics.pages_loaded += len(host_pages)
+        return handle
+
+    def poll(self) -> None:
+        """Forget the copies that completed (their tensors are released); a copy that
+        failed raises here."""
+        while self._in_flight and self._in_flight[0][0].is_done():
+            self._complete(*self._in_flight.popleft())
+
+    def drain(self) -> None:
+        while self._in_flight:
+            self._complete(*self._in_flight.popleft())
+
+    def _complete(self, handle: CopyHandle, host_pages: list[int]) -> None:
+        handle.synchronize()
+        for p in host_pages:
+            if self._writing.get(p) is handle:
+                del self._writing[p]
+        handle.keep = ()
+
+    def _readback(self, dev_pages, host_pages, handle: CopyHandle, tags) -> None:
+        """batchgen_debug: wait for the store and compare each host page of this rank's
+        shard with its device source (no forward has run since the copy was issued)."""
+        handle.synchronize()
+        dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
+        for dev, host, tag in zip(dev_pages, host_pages, tags):
+            self.metrics.readback_checks += 1
+            check_offloaded(dev_kv[:, :, dev].cpu(), host_kv[:, host], tag, dev, host, 0)
