@@ -175,7 +175,8 @@ def _drive(rows, mask, fill, accept) -> dict:
 
 def run_engine(tokenizer, rows) -> dict:
     """batchgen's own per-step host path (engine.structured.StructuredOutputs): the
-    masks of the step's unfinished rows, then each row's token handed to its matcher as
+    masks of the step's unfinished rows filled into one reused buffer (the runner's
+    pinned rows), then the rows' tokens handed to their matchers as
     `EngineCore._advance_grammars` does; a row ends with EOS and its matcher is dropped,
     as the engine drops a finished request's. Both halves timed."""
     from batchgen.engine.structured import StructuredOutputs
@@ -191,22 +192,22 @@ def run_engine(tokenizer, rows) -> dict:
     for rid in ids:
         grammar.add(rid, spec)
     rows = [r + [eos] for r in rows]
+    out = torch.empty((len(rows), grammar.words), dtype=torch.int32).numpy()  # the runner's
     fill_s = advance_s = 0.0
     tokens = steps = 0
     for step in range(max(len(r) for r in rows)):
         active = [i for i, r in enumerate(rows) if step < len(r)]
         start = time.perf_counter()
-        words = grammar.bitmask([ids[i] for i in active])
+        mask = torch.from_numpy(grammar.bitmask([ids[i] for i in active], out))
         fill_s += time.perf_counter() - start
-        mask = torch.from_numpy(words[: len(active) * grammar.words]).view(len(active), -1)
         for k, i in enumerate(active):
             if not _allowed(mask[k], rows[i][step]):
                 raise AssertionError(f"token {rows[i][step]} of row {i} masked out")
         start = time.perf_counter()
-        for i in active:
-            if ids[i] in grammar and not grammar.accept(ids[i], rows[i][step]):
-                raise AssertionError(f"batchgen rejected token {rows[i][step]} of row {i}")
+        rejected = grammar.advance([ids[i] for i in active], [rows[i][step] for i in active])
         advance_s += time.perf_counter() - start
+        if rejected:
+            raise AssertionError(f"batchgen rejected the tokens of {rejected}")
         for i in active:
             if step == len(rows[i]) - 1:
                 grammar.remove(ids[i])
