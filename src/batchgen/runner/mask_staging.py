@@ -55,6 +55,7 @@ class MaskStaging:
             self._device = torch.empty(self._host.shape, dtype=torch.int32, device=self.device)
         out = self._device[:n]
         out.copy_(host, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()  # re-recorded each step: it marks the latest copy only
         return out
