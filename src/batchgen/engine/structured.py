@@ -9,8 +9,8 @@ tokens: the engine feeds it every token the scheduler appends (`advance`).
 Per step, `bitmask(request_ids, out)` fills one packed row per request on the host (int32
 words, bit j of word i allowing token 32 * i + j; rows of unconstrained requests allow
 everything) with xgrammar's batched, multi-threaded fill, into rows the runner owns
-(pinned, reused: `runner.mask_staging.MaskStaging`), which it copies to the device with the step's
-other inputs and masks the logits there (`runner.sampler.apply_token_bitmask`).
+(pinned, reused: `runner.mask_staging.MaskStaging`), which it copies to the device in
+one copy and masks the logits there (`runner.sampler.apply_token_bitmask`).
 Nothing waits on the device for it: in a pipelined decode the mask of step N+1 is filled
 while the GPU runs N+1's forward, once N's tokens have reached the matchers.
 
