@@ -3,6 +3,7 @@
     python3 benchmarks/grammar_mask_cost.py                      # default model's tokenizer
     python3 benchmarks/grammar_mask_cost.py --tokenizer DIR      # any HF tokenizer directory
     python3 benchmarks/grammar_mask_cost.py --batch 64 --out /tmp/mask
+    python3 benchmarks/grammar_mask_cost.py --only batchgen      # the engine's own path
 
 The choice of grammar engine for structured outputs rests on this figure: the host time
 to fill the next-token bitmask of every row of a decode step, per token. Each of --batch
@@ -172,6 +173,58 @@ def _drive(rows, mask, fill, accept) -> dict:
     }
 
 
+def run_engine(tokenizer, rows) -> dict:
+    """batchgen's own per-step host path (engine.structured.StructuredOutputs): the
+    masks of the step's unfinished rows filled into one reused buffer (the runner's
+    pinned rows), then the rows' tokens handed to their matchers as
+    `EngineCore._advance_grammars` does; a row ends with EOS and its matcher is dropped,
+    as the engine drops a finished request's. Both halves timed."""
+    from batchgen.engine.structured import StructuredOutputs
+    from batchgen.sampling_params import StructuredOutputsParams
+
+    eos = tokenizer.eos_token_id
+    grammar = StructuredOutputs(tokenizer, len(tokenizer), [eos])
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    start = time.perf_counter()
+    grammar.compile(spec)
+    compile_s = time.perf_counter() - start
+    ids = [f"r{i}" for i in range(len(rows))]
+    for rid in ids:
+        grammar.add(rid, spec)
+    rows = [r + [eos] for r in rows]
+    out = torch.empty((len(rows), grammar.words), dtype=torch.int32).numpy()  # the runner's
+    fill_s = advance_s = 0.0
+    tokens = steps = 0
+    for step in range(max(len(r) for r in rows)):
+        active = [i for i, r in enumerate(rows) if step < len(r)]
+        start = time.perf_counter()
+        mask = torch.from_numpy(grammar.bitmask([ids[i] for i in active], out))
+        fill_s += time.perf_counter() - start
+        for k, i in enumerate(active):
+            if not _allowed(mask[k], rows[i][step]):
+                raise AssertionError(f"token {rows[i][step]} of row {i} masked out")
+        start = time.perf_counter()
+        rejected = grammar.advance([ids[i] for i in active], [rows[i][step] for i in active])
+        advance_s += time.perf_counter() - start
+        if rejected:
+            raise AssertionError(f"batchgen rejected the tokens of {rejected}")
+        for i in active:
+            if step == len(rows[i]) - 1:
+                grammar.remove(ids[i])
+        tokens += len(active)
+        steps += 1
+    return {
+        "tokens": tokens,
+        "steps": steps,
+        "fill_s": fill_s,
+        "advance_s": advance_s,
+        "us_per_token": fill_s / tokens * 1e6,
+        "ms_per_step": fill_s / steps * 1e3,
+        "advance_ms_per_step": advance_s / steps * 1e3,
+        "compile_s": compile_s,
+    }
+
+
 ENGINES = {"xgrammar": run_xgrammar, "llguidance": run_llguidance}
 
 
@@ -181,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--only", default=None, help='runs whose name holds this, e.g. "batchgen"')
     args = ap.parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer)
     rows = rows_of_tokens(tokenizer, args.batch, args.seed)
@@ -188,15 +242,19 @@ def main(argv=None) -> int:
     for name, run in ENGINES.items():
         for batched in (False, True):
             key = f"{name}/{'batched' if batched else 'row by row'}"
+            if args.only is not None and args.only not in key:
+                continue
             try:
                 results[key] = run(tokenizer, rows, batched)
             except ImportError as exc:
                 results[key] = {"skipped": f"not installed: {exc}"}
+    if args.only is None or args.only in "batchgen engine":
+        results["batchgen engine"] = run_engine(tokenizer, rows)
     lines = [
         f"batch {args.batch}, {len(tokenizer):,}-token vocabulary, "
         f"{sum(map(len, rows)):,} tokens ({min(map(len, rows))}-{max(map(len, rows))} a row), "
         f"torch {torch.get_num_threads()} threads",
-        f"{'engine':<24} {'us/token':>9} {'ms/step':>8} {'compile s':>10}",
+        f"{'engine':<24} {'us/token':>9} {'ms/step':>8} {'compile s':>10} {'advance ms/step':>16}",
     ]
     for key, r in results.items():
         if "skipped" in r:
@@ -204,7 +262,7 @@ def main(argv=None) -> int:
         else:
             lines.append(
                 f"{key:<24} {r['us_per_token']:>9.1f} {r['ms_per_step']:>8.2f} "
-                f"{r['compile_s']:>10.3f}"
+                f"{r['compile_s']:>10.3f} {r.get('advance_ms_per_step', float('nan')):>16.2f}"
             )
     sys.stdout.write("\n".join(lines) + "\n")
     if args.out is not None:

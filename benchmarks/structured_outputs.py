@@ -15,7 +15,10 @@ under SCHEMA (strings bounded by maxLength), greedy, max_tokens 256.
    ignore_eos, so both runs produce the same number of tokens per request; timed.
 
 Prints output tok/s of both, their ratio (the cost of the constraint), and the host time
-spent filling masks (StructuredOutputs.bitmask, timed) per step and per token. A warm-up
+of the constrained run's grammar work per step: filling masks (StructuredOutputs.bitmask,
+also per token), the runner's masking (ModelRunner._constrain: fill, upload, apply; on the
+CPU the apply is computed there) and feeding tokens to the matchers
+(EngineCore._advance_grammars). `--small --n 64` measures those at a larger batch on the CPU. A warm-up
 on other prompts compiles the schema and captures the graphs first. Writes
 structured_outputs.json into --out.
 """
@@ -71,7 +74,7 @@ def conversations(n: int, seed: int) -> list[list[dict]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded default model")
-    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--n", type=int, default=None, help="requests (256; 4 with --small)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--small", action="store_true", help="CPU: 4 requests, max_tokens 96")
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -82,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from batchgen import LLM, SamplingParams, StructuredOutputsParams
 
-    n, max_tokens = (4, 96) if args.small else (args.n, args.max_tokens)
+    n, max_tokens = (4, 96) if args.small else (256, args.max_tokens)
+    n = args.n or n
     kw = dict(max_model_len=1024)
     if args.small or not torch.cuda.is_available():
         kw.update(device="cpu", dtype="float32", max_num_batched_tokens=512)
@@ -93,24 +97,24 @@ def main(argv: list[str] | None = None) -> int:
     warm = 1 if args.small else 8
     llm.chat(conversations(warm, seed=1), bound, use_tqdm=False)  # compile, capture graphs
 
-    grammar = engine.grammar
-    fill = grammar.bitmask
     fills: list[float] = []
-
-    def timed_fill(request_ids):
-        t = time.perf_counter()
-        mask = fill(request_ids)
-        fills.append(time.perf_counter() - t)
-        return mask
-
-    grammar.bitmask = timed_fill
+    constrains: list[float] = []
+    advances: list[float] = []
+    timed = [
+        (engine.grammar, "bitmask", fills),
+        (engine.runner, "_constrain", constrains),
+        (engine, "_advance_grammars", advances),
+    ]
+    for owner, name, times in timed:
+        setattr(owner, name, _timed(getattr(owner, name), times))
     convs = conversations(n, seed=0)
     steps0 = engine.stats.steps
     t0 = time.perf_counter()
     outs = llm.chat(convs, bound, use_tqdm=False)
     constrained_s = time.perf_counter() - t0
     steps = engine.stats.steps - steps0
-    grammar.bitmask = fill
+    for owner, name, _ in timed:
+        delattr(owner, name)  # the class's method again
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     stopped = bad = 0
     for o in outs:
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": steps,
         "mask_fill_ms_per_step": 1e3 * sum(fills) / max(len(fills), 1),
         "mask_fill_us_per_token": 1e6 * sum(fills) / max(tokens, 1),
+        "constrain_ms_per_step": 1e3 * sum(constrains) / max(len(constrains), 1),
+        "advance_ms_per_step": 1e3 * sum(advances) / max(len(advances), 1),
         "sample": outs[0].outputs[0].text,
     }
     result["throughput_ratio"] = result["constrained_tok_s"] / result["unconstrained_tok_s"]
@@ -155,12 +161,26 @@ def main(argv: list[str] | None = None) -> int:
         f"tok/s, unconstrained {result['unconstrained_tok_s']:,.0f} tok/s "
         f"(ratio {result['throughput_ratio']:.3f}); mask fill "
         f"{result['mask_fill_ms_per_step']:.2f} ms/step, "
-        f"{result['mask_fill_us_per_token']:.1f} us/token over {steps} steps; "
+        f"{result['mask_fill_us_per_token']:.1f} us/token over {steps} steps; masking "
+        f"{result['constrain_ms_per_step']:.2f} ms/step, advancing matchers "
+        f"{result['advance_ms_per_step']:.2f} ms/step; "
         f"{stopped}/{n} ended by EOS, {bad} invalid"
     )
     print("first answer:", result["sample"])
     ok = bad == 0 and stopped >= 0.95 * n and free_tokens == tokens
     return 0 if ok else 1
+
+
+def _timed(method, times: list[float]):
+    """`method`, appending the seconds of each call to `times`."""
+
+    def timed(*args):
+        t = time.perf_counter()
+        out = method(*args)
+        times.append(time.perf_counter() - t)
+        return out
+
+    return timed
 
 
 if __name__ == "__main__":

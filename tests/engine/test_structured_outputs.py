@@ -228,7 +228,7 @@ def test_json_strings_forbid_control_characters_and_surrogates(model_dir, bounde
     grammar.add("r", StructuredOutputsParams(json=schema, disable_any_whitespace=True))
 
     def allowed() -> set[int]:
-        words = grammar.bitmask(["r"])[: grammar.words].view(np.uint32)
+        words = grammar.bitmask(["r"])[0].view(np.uint32)
         return {b for b in range(256) if words[(3 + b) // 32] >> ((3 + b) % 32) & 1}
 
     for b in b'{"s":"a':
@@ -255,3 +255,117 @@ def test_compiled_constraints_are_bounded_and_reused(model_dir, monkeypatch):
         grammar.compile(StructuredOutputsParams(regex=f"a{{{k}}}"))
     assert len(grammar._compiled) == 4
     assert grammar.compile(StructuredOutputsParams(regex="a{1}")) is not first  # dropped
+
+
+class RowByRow:
+    """The reference the batched path must match: each matcher asked one at a time,
+    whether it has terminated included, and every step's masks in a fresh array."""
+
+    def __init__(self, grammar) -> None:
+        self.grammar = grammar  # its compiled grammars and matchers, none of its state
+
+    def _following(self, request_ids):
+        matchers = self.grammar._matchers
+        for i, rid in enumerate(request_ids):
+            m = matchers.get(rid)
+            if m is not None and not m.is_terminated():
+                yield i, rid, m
+
+    def constrains(self, request_ids) -> bool:
+        return any(True for _ in self._following(request_ids))
+
+    def advance(self, request_ids, token_ids) -> list[str]:
+        tokens = dict(zip(request_ids, token_ids))
+        return [
+            rid for _, rid, m in self._following(request_ids) if not m.accept_token(tokens[rid])
+        ]
+
+    def bitmask(self, request_ids, out=None):
+        rows = list(self._following(request_ids))
+        if not rows:
+            return None
+        mask = torch.full((len(request_ids), self.grammar.words), -1, dtype=torch.int32)
+        for i, _, m in rows:
+            m.fill_next_token_bitmask(mask, i)
+        if out is None:
+            return mask.numpy()
+        out[: len(request_ids)] = mask.numpy()
+        return out[: len(request_ids)]
+
+    def __getattr__(self, name):  # add, remove, compile, words, ...
+        return getattr(self.grammar, name)
+
+    def __contains__(self, rid) -> bool:
+        return rid in self.grammar
+
+    def __len__(self) -> int:
+        return len(self.grammar)
+
+
+MIXED = [
+    StructuredOutputsParams(json=SCHEMA),
+    None,
+    StructuredOutputsParams(choice=["yes", "no"]),  # ends after a token or two
+    StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}"),
+    None,
+    StructuredOutputsParams(grammar='root ::= "(" item ("," item){0,3} ")"\nitem ::= [xyz]'),
+    StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    StructuredOutputsParams(json_object=True),
+]
+
+
+def test_batched_grammar_path_matches_row_by_row(model_dir):
+    """A mixed batch (free rows, four kinds of constraint, rows ending early), greedy
+    and pipelined: the same tokens whether the masks are filled batched into reused rows
+    and matchers are fed without asking each whether it terminated, or row by row."""
+
+    def run(reference: bool):
+        llm = LLM(model=str(model_dir), **KW)
+        engine = llm.engine
+        if reference:
+            engine.runner.grammar = engine.grammar = RowByRow(engine._grammar())
+        params = [
+            SamplingParams(
+                temperature=0.0, max_tokens=60 if spec else 5 + i, structured_outputs=spec
+            )
+            for i, spec in enumerate(MIXED)
+        ]
+        outs = llm.generate(PROMPTS[: len(MIXED)], params, use_tqdm=False)
+        assert len(engine.grammar) == 0
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+    batched = run(False)
+    assert batched == run(True)
+    assert batched[2][1] == "stop" and len(batched[2][0]) < len(batched[0][0])
+
+
+def test_bitmask_rows_match_per_matcher_fills(model_dir):
+    """Step by step on a mixed batch, with the rows reused and full of stale words:
+    each constrained row is its matcher's own fill, each free or ended row all ones."""
+    from transformers import AutoTokenizer
+
+    from batchgen.engine.structured import StructuredOutputs
+
+    grammar = StructuredOutputs(AutoTokenizer.from_pretrained(str(model_dir)), 512, [2])
+    reference = RowByRow(StructuredOutputs(AutoTokenizer.from_pretrained(str(model_dir)), 512, [2]))
+    ids = [f"r{i}" for i in range(len(MIXED))]
+    for rid, spec in zip(ids, MIXED):
+        if spec is not None:
+            grammar.add(rid, spec)
+            reference.add(rid, spec)
+    rng = np.random.default_rng(0)
+    out = rng.integers(-(2**31), 2**31, size=(len(ids) + 2, grammar.words), dtype=np.int32)
+    ended = 0
+    for _ in range(80):
+        ours = grammar.bitmask(ids, out)
+        theirs = reference.bitmask(ids)
+        if theirs is None:
+            assert ours is None
+            break
+        assert ours.shape == theirs.shape and np.array_equal(ours, theirs)
+        bits = np.unpackbits(theirs.view(np.uint8), axis=1, bitorder="little")[:, :512]
+        tokens = [int(rng.choice(np.flatnonzero(row))) for row in bits]  # EOS when allowed
+        assert grammar.advance(ids, tokens) == reference.advance(ids, tokens) == []
+        ended = sum(1 for rid in ids if rid in grammar._matchers and rid not in grammar._live)
+    assert ended > 0  # some rows ended mid-batch and went on unconstrained
+    assert grammar.advance(["r0"], [300]) == reference.advance(["r0"], [300])  # one rejected

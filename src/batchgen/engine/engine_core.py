@@ -550,17 +550,18 @@ class EngineCore:
         """Feed each constrained request's new token to its matcher. A token the grammar
         rejects can only come from another mask forbidding every token it allowed
         (min_tokens holding back the EOS of a complete grammar): the request stops."""
-        grammar = self.grammar
-        for req in advanced:
-            rid = req.request_id
-            if rid in grammar and not grammar.accept(rid, req.output_token_ids[-1]):
-                logger.warning(
-                    "request %s: its sampled token %d breaks its structured-output "
-                    "grammar (min_tokens beyond the grammar's end?); it stops here",
-                    rid,
-                    req.output_token_ids[-1],
-                )
-                self.scheduler.finish(req, "stop")
+        rejected = self.grammar.advance(
+            [req.request_id for req in advanced], [req.output_token_ids[-1] for req in advanced]
+        )
+        for rid in rejected:
+            req = self.requests[rid]
+            logger.warning(
+                "request %s: its sampled token %d breaks its structured-output "
+                "grammar (min_tokens beyond the grammar's end?); it stops here",
+                rid,
+                req.output_token_ids[-1],
+            )
+            self.scheduler.finish(req, "stop")
 
     def metrics(self) -> dict:
         """Counters for summaries: tokens, preemptions, prefix hits and host-tier traffic."""

@@ -4,14 +4,20 @@ xgrammar does the grammar work (chosen over llguidance by measured mask cost at 
 256, see benchmarks/grammar_mask_cost.py). A request's `StructuredOutputsParams` are
 compiled when it arrives (equal constraints share one compilation, so a bad schema
 fails the request at once, naming it), and it gets a `GrammarMatcher` that follows its
-tokens: the engine feeds it every token the scheduler appends.
+tokens: the engine feeds it every token the scheduler appends (`advance`).
 
-Per step, `bitmask(request_ids)` fills one packed row per request on the host (int32
+Per step, `bitmask(request_ids, out)` fills one packed row per request on the host (int32
 words, bit j of word i allowing token 32 * i + j; rows of unconstrained requests allow
-everything) with xgrammar's batched fill; the runner stages it to the device with the
-step's other inputs and masks the logits there (`runner.sampler.apply_token_bitmask`).
+everything) with xgrammar's batched, multi-threaded fill, into rows the runner owns
+(pinned, reused: `runner.mask_staging.MaskStaging`), which it copies to the device in
+one copy and masks the logits there (`runner.sampler.apply_token_bitmask`).
 Nothing waits on the device for it: in a pipelined decode the mask of step N+1 is filled
 while the GPU runs N+1's forward, once N's tokens have reached the matchers.
+
+On a small model every step is host-bound, so the per-step path costs one dict lookup per
+row besides xgrammar's own work: the matchers still following their grammar are kept
+apart (`_live`), so neither the fill nor the feed asks each matcher whether it has
+terminated (a matcher terminates only on a stop token it accepts; only then is it asked).
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import re
 from collections import OrderedDict
 
 import numpy as np
-import torch
 
 from batchgen.sampling_params import StructuredOutputsParams
 
@@ -51,12 +56,14 @@ class StructuredOutputs:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
         )
-        threads = max(1, min(8, os.cpu_count() or 1))
+        threads = grammar_threads()
         # one cache, ours: bounded, where xgrammar's own would keep every schema ever seen
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
-        self._matchers: dict[str, object] = {}
+        self._matchers: dict[str, object] = {}  # every followed request
+        self._live: dict[str, object] = {}  # those whose matcher has not terminated
+        self._stop_ids = frozenset(info.stop_token_ids)  # those that end a matcher
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)  # int32 words per row
 
@@ -108,10 +115,12 @@ class StructuredOutputs:
 
     def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
         """Follow a new request under `spec` (compiled here if not yet)."""
-        self._matchers[request_id] = self._xgr.GrammarMatcher(self.compile(spec))
+        matcher = self._xgr.GrammarMatcher(self.compile(spec))
+        self._matchers[request_id] = self._live[request_id] = matcher
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._live.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -119,29 +128,65 @@ class StructuredOutputs:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def accept(self, request_id: str, token_id: int) -> bool:
-        """Advance the request's matcher by a token it sampled; False if the grammar
-        rejects it (only possible when something else masked the logits too, e.g.
-        min_tokens forbidding the EOS a finished grammar allows)."""
-        matcher = self._matchers.get(request_id)
-        if matcher is None or matcher.is_terminated():
-            return True
-        return bool(matcher.accept_token(token_id))
+    def constrains(self, request_ids: list[str]) -> bool:
+        """Whether any of these requests' next token is constrained."""
+        live = self._live
+        return any(rid in live for rid in request_ids)
 
-    def bitmask(self, request_ids: list[str]) -> np.ndarray | None:
+    def accept(self, request_id: str, token_id: int) -> bool:
+        """`advance` for one request: False if its grammar rejects the token."""
+        return not self.advance([request_id], [token_id])
+
+    def advance(self, request_ids: list[str], token_ids: list[int]) -> list[str]:
+        """Advance each request's matcher by the token it sampled; returns the requests
+        whose grammar rejects theirs (only possible when something else masked the
+        logits too, e.g. min_tokens forbidding the EOS a finished grammar allows), whose
+        matchers stay where they were. Requests without a live matcher are skipped.
+
+        One call per row: xgrammar's `batch_accept_token` measured slower than this loop
+        on the CPU (its argument conversion costs more than the calls it saves)."""
+        live = self._live
+        rejected = []
+        for rid, token in zip(request_ids, token_ids):
+            matcher = live.get(rid)
+            if matcher is None:
+                continue
+            if not matcher.accept_token(token):
+                rejected.append(rid)
+            elif token in self._stop_ids and matcher.is_terminated():
+                del live[rid]
+        return rejected
+
+    def bitmask(self, request_ids: list[str], out: np.ndarray | None = None) -> np.ndarray | None:
         """Packed next-token masks of these rows, or None when none is constrained:
-        [len(request_ids) * words] int32 words, padded with one more to an even count
-        so the array reads as int64 (what the runner stages)."""
-        rows, matchers = [], []
-        for i, rid in enumerate(request_ids):
-            m = self._matchers.get(rid)
-            if m is not None and not m.is_terminated():
-                rows.append(i)
-                matchers.append(m)
+        `out[:len(request_ids)]` (int32 [rows >= len(request_ids), words], C-contiguous;
+        a new array when None), every row written: a constrained row by xgrammar, the
+        others all ones (everything allowed)."""
+        live = self._live
+        rows = [i for i, rid in enumerate(request_ids) if rid in live]
         if not rows:
             return None
-        n = len(request_ids) * self.words
-        mask = np.full(n + n % 2, -1, dtype=np.int32)
-        rows_view = torch.from_numpy(mask[:n].reshape(len(request_ids), self.words))
-        self._batch.batch_fill_next_token_bitmask(matchers, rows_view, rows)
-        return mask
+        n = len(request_ids)
+        if out is None:
+            out = np.empty((n, self.words), dtype=np.int32)
+        out = out[:n]
+        if len(rows) < n:
+            free = np.ones(n, dtype=bool)
+            free[rows] = False
+            out[free] = -1
+        matchers = [live[request_ids[i]] for i in rows]
+        self._batch.batch_fill_next_token_bitmask(matchers, out, rows)
+        return out
+
+
+def grammar_threads() -> int:
+    """Threads for xgrammar's batched mask fill and its compiler: the CPUs this process
+    may run on (its affinity: a container or a data-parallel shard may hold fewer than
+    the machine has), at most 8, the count the H200 host's runs used (16 cores, shared
+    with the engine's own thread and the driver's). xgrammar's "auto" would take half
+    the machine's hardware threads whatever the affinity."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))

@@ -17,6 +17,7 @@ from batchgen.forward_context import (
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.linear_state import linear_metadata
+from batchgen.runner.mask_staging import MaskStaging
 from batchgen.runner.page_rows import PageRows
 from batchgen.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from batchgen.runner.sampler import (
@@ -71,6 +72,8 @@ class ModelRunner:
         self.stage = HostStaging(device)
         # structured outputs: the engine's StructuredOutputs once a request uses one
         self.grammar = None
+        self._masks: MaskStaging | None = None  # their bitmask rows, built with it
+        self._max_num_seqs = max_num_seqs
 
     def _width(self, pages: int) -> int:
         """Page-table width for a step: a multiple of 16 (so the kernels' row stride keeps
@@ -243,18 +246,20 @@ class ModelRunner:
 
     def _constrained(self, reqs) -> bool:
         grammar = self.grammar
-        return grammar is not None and any(r.request_id in grammar for r in reqs)
+        return grammar is not None and grammar.constrains([r.request_id for r in reqs])
 
     def _constrain(self, logits: torch.Tensor, reqs) -> torch.Tensor:
-        """The logits with each structured-output row's forbidden tokens at -inf."""
-        if not self._constrained(reqs):
+        """The logits with each structured-output row's forbidden tokens at -inf. The
+        masks are filled into the reused pinned rows of `MaskStaging` and copied once."""
+        grammar = self.grammar
+        if grammar is None:
             return logits
-        packed = self.grammar.bitmask([r.request_id for r in reqs])
-        if packed is None:
+        if self._masks is None:
+            self._masks = MaskStaging(self.device, grammar.words, self._max_num_seqs)
+        n = len(reqs)
+        if grammar.bitmask([r.request_id for r in reqs], self._masks.rows(n)) is None:
             return logits
-        words = self.stage(packed.view(np.int64)).view(torch.int32)
-        rows = len(reqs)
-        return apply_token_bitmask(logits, words[: rows * self.grammar.words].view(rows, -1))
+        return apply_token_bitmask(logits, self._masks.upload(n))
 
     def _forward(
         self, sched: SchedulerOutput, device_ids: torch.Tensor | None = None
