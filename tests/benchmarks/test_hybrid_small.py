@@ -4,18 +4,12 @@ config, host tier on), peer included where this transformers has Kimi Linear."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from bench_scripts import load
 
 
 def test_small_run_writes_its_result(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    try:
-        import hybrid
-    finally:
-        sys.path.remove(str(BENCH))
+    hybrid = load("hybrid")
     out = tmp_path / "out"
     argv = ["--small", "--out", str(out), "--ckpt", str(tmp_path / "config")]
     assert hybrid.main(argv) == 0

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from bench_scripts import load
 
 
 def test_small_run_writes_its_result(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    try:
-        import mla
-    finally:
-        sys.path.remove(str(BENCH))
+    mla = load("mla")
     out = tmp_path / "out"
     argv = ["--small", "--out", str(out), "--ckpt", str(tmp_path / "config")]
     assert mla.main(argv) == 0

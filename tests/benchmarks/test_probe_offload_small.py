@@ -4,24 +4,15 @@ the closeness verdict with top-5s scored after the run."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _import(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(BENCH))
+from bench_scripts import load
 
 
 def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "out"
     argv = ["--small", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"), *extra]
-    assert _import("probe_offload").main(argv) == 0
+    assert load("probe_offload").main(argv) == 0
     return json.loads((out / "probe_offload.json").read_text())
 
 
@@ -47,7 +38,7 @@ def test_debug_probe_reads_back_every_offloaded_page(tmp_path):
 
 
 def test_compare_scores_each_divergence_once_with_the_common_prefix():
-    probe = _import("probe_offload")
+    probe = load("probe_offload")
     prompts = [[1], [2], [3], [4], [5]]
     tier = [[7, 8, 9], [7, 8, 9], [7, 8, 9], [7, 8], [7]]
     ample = [[7, 8, 9], [7, 5, 6], [7, 8, 4], [7, 8, 3], [7, 2]]
@@ -69,8 +60,8 @@ def test_compare_scores_each_divergence_once_with_the_common_prefix():
 
 
 def test_top5_scorer_ranks_the_greedy_token_first(tmp_path):
-    probe = _import("probe_offload")
-    workloads = _import("workloads")
+    probe = load("probe_offload")
+    workloads = load("workloads")
     from batchgen import LLM, SamplingParams
 
     path = workloads.config_dir(tmp_path / "m", workloads.SMALL_MODEL)

@@ -5,18 +5,12 @@ produces the same number of tokens."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from bench_scripts import load
 
 
 def test_small_run_validates_every_answer(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    try:
-        import structured_outputs
-    finally:
-        sys.path.remove(str(BENCH))
+    structured_outputs = load("structured_outputs")
     assert structured_outputs.main(["--small", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "structured_outputs.json").read_text())
     assert result["requests"] == 4 and result["ended_by_eos"] == 4 and result["invalid"] == 0

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from bench_scripts import load
 
 
 def test_small_run_writes_its_result(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    try:
-        import throughput
-        from workloads import small_requests
-    finally:
-        sys.path.remove(str(BENCH))
+    throughput = load("throughput")
+    small_requests = load("workloads").small_requests
     out = tmp_path / "out"
     ckpt = tmp_path / "ckpt"
     assert throughput.main(["--small", "--skip-peer", "--out", str(out), "--ckpt", str(ckpt)]) == 0
@@ -29,11 +23,7 @@ def test_small_run_writes_its_result(tmp_path):
 
 
 def test_kernel_families_group_the_profile_by_name():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import throughput
-    finally:
-        sys.path.remove(str(BENCH))
+    throughput = load("throughput")
     rows = [
         ("_decode_split_kernel", 4.0),
         ("_store_kv_kernel", 0.1),

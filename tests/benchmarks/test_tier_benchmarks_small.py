@@ -5,27 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _import(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(BENCH))
+from bench_scripts import load
 
 
 def _run(script: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "out"
     argv = ["--small", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"), *extra]
-    assert _import(script).main(argv) == 0
+    assert load(script).main(argv) == 0
     return json.loads((out / f"{script}.json").read_text())
 
 
@@ -93,7 +83,7 @@ def observed(monkeypatch):
 def test_pressure_small_swaps_with_the_tier_and_recomputes_without(tmp_path, observed):
     result = _run("pressure", tmp_path, "--tier-policy", "always")
     moved, pages = observed()
-    _, out_lens = _import("pressure").small_workload()
+    _, out_lens = load("pressure").small_workload()
     on, off = result["tier_on"], result["tier_off"]
     for run in (on, off):
         assert run["all_outputs"] and run["output_tokens"] == sum(out_lens)
@@ -113,7 +103,7 @@ def test_pressure_small_swaps_with_the_tier_and_recomputes_without(tmp_path, obs
     assert "unattributed" not in pages
     swapped = moved["swap_out"] + moved["swap_in"]
     assert swapped > 0 and result["swap_bytes"] == swapped
-    small_model = _import("workloads").SMALL_MODEL
+    small_model = load("workloads").SMALL_MODEL
     assert swapped == (pages["swap_out"] + pages["swap_in"]) * page_bytes(small_model)
     assert result["swap_gb_per_s"] > 0
     assert result["checks"]["tier_on_swapped"] and all(result["checks"].values())
@@ -144,7 +134,7 @@ def _prefill_accounting(result: dict) -> None:
 
 
 def test_shared_prefix_small_runs_the_four_engines(tmp_path, observed):
-    sp = _import("shared_prefix")
+    sp = load("shared_prefix")
     result = _run("shared_prefix", tmp_path, "--tier-policy", "always")
     moved, pages = observed()
     _, out_lens = sp.small_workload()
@@ -156,9 +146,9 @@ def test_shared_prefix_small_runs_the_four_engines(tmp_path, observed):
         assert run["all_outputs"] and run["output_tokens"] == sum(out_lens)
         m = run["metrics"]
         if name == "tier-on-arrival":
-            load = run["prefix_load"]
-            assert load["bytes"] == m["bytes_prefix_load"] > 0
-            assert load["gb_per_s"] > 0 and load["fraction_of_ceiling"] == load["gb_per_s"] / 55
+            rate = run["prefix_load"]
+            assert rate["bytes"] == m["bytes_prefix_load"] > 0
+            assert rate["gb_per_s"] > 0 and rate["fraction_of_ceiling"] == rate["gb_per_s"] / 55
         elif run["host_tier"]:  # defaults: grouped admission finds the prefixes on device
             assert run["prefix_load"]["bytes"] == m.get("bytes_prefix_load", 0)
         else:
@@ -168,7 +158,7 @@ def test_shared_prefix_small_runs_the_four_engines(tmp_path, observed):
     assert "unattributed" not in pages
     reported = sum(run["prefix_load"]["bytes"] for run in runs.values() if run["host_tier"])
     assert reported == moved["prefix_load"] > 0
-    small_model = _import("workloads").SMALL_MODEL
+    small_model = load("workloads").SMALL_MODEL
     assert moved["prefix_load"] == pages["prefix_load"] * page_bytes(small_model)
     # round-robin arrival evicts every prefix before its next use: host hits replace
     # recompute only with the tier on
@@ -201,7 +191,7 @@ def test_shared_prefix_small_runs_a_subset_and_skips_the_profile_on_the_cpu(tmp_
 
 
 def test_shared_prefix_runs_option_refuses_unknown_names(tmp_path, capsys):
-    sp = _import("shared_prefix")
+    sp = load("shared_prefix")
     with pytest.raises(SystemExit):
         sp.main(["--small", "--runs", "defaults,nope", "--out", str(tmp_path)])
     assert "nope" in capsys.readouterr().err
@@ -211,7 +201,7 @@ def test_copy_overlap_measures_copies_under_compute_kernels():
     """Chrome-trace events as torch.profiler writes them (microseconds): the compute
     stream 7 is busy 0-100 and 150-250; copy stream 20 copies host->device 50-180 (two
     overlapping copies) and stream 21 at 300-310 (nothing computes then)."""
-    sp = _import("shared_prefix")
+    sp = load("shared_prefix")
 
     def ev(cat, name, stream, ts, dur, **args):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
@@ -248,7 +238,7 @@ def test_copy_overlap_measures_copies_under_compute_kernels():
 
 
 def test_summary_reports_the_profile_and_a_window_without_loads():
-    sp = _import("shared_prefix")
+    sp = load("shared_prefix")
     kernel = {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 10, "args": {"stream": 7}}
     profile = dict(sp.copy_overlap([kernel]), run="defaults", steps=3, trace="t.json")
     result = {
@@ -273,7 +263,7 @@ def test_summary_reports_the_profile_and_a_window_without_loads():
 
 
 def test_tier_replay_small_replays_both_tiers_and_moves_pages(tmp_path):
-    replay = _import("tier_replay")
+    replay = load("tier_replay")
     out = tmp_path / "replay"
     assert replay.main(["--small", "--workload", "w2", "--out", str(out)]) == 0
     result = json.loads((out / "tier_replay.json").read_text())
@@ -290,7 +280,7 @@ def test_tier_replay_small_replays_both_tiers_and_moves_pages(tmp_path):
 
 
 def test_profile_reports_host_time_per_step_phase_and_names_the_traced_runs():
-    sp = _import("shared_prefix")
+    sp = load("shared_prefix")
     events = [
         {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 10, "args": {"stream": 7}},
         {"ph": "X", "cat": "user_annotation", "name": "batchgen.schedule", "ts": 0, "dur": 3000},
