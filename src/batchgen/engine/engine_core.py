@@ -188,13 +188,11 @@ class EngineCore:
 
     def _decode_graphs(self, backend: str, plan) -> DecodeGraphs | None:
         """CUDA graphs for decode steps: on a GPU with the (graph-safe) Triton backend,
-        for models without linear-attention layers (graphs do not bind state slots yet),
         when the model's decode forward has no host sync for this dtype and device (its
         optional `graph_safe(dtype, device)`; DeepSeek-V3's MoE only on the grouped-GEMM
-        path); otherwise decode runs eagerly."""
+        path); otherwise decode runs eagerly. A model with linear-attention layers binds
+        its state pool (padding rows on the spare slot)."""
         if self.config.enforce_eager or self.device.type != "cuda" or backend != "triton":
-            return None
-        if self.state_pool is not None:
             return None
         graph_safe = getattr(self.model, "graph_safe", None)
         if graph_safe is not None and not graph_safe(self.dtype, self.device):
@@ -216,6 +214,8 @@ class EngineCore:
             plan,
             # rule 6: no copy task issues CUDA work while a graph is captured
             capture_guard=self.tier.copies.paused if self.tier is not None else None,
+            linear_states=None if self.state_pool is None else self.state_pool.layer_states(),
+            spare_slot=self.config.max_num_seqs,  # the state pool's spare (build_state_pool)
         )
 
     def _build_tier(self) -> TieredKVManager:

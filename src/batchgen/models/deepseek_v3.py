@@ -44,7 +44,28 @@ class DeepseekV3DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class DeepseekV3ForCausalLM(DecoderStack):
+class MLAMoEDecode:
+    """What the engine asks of a model with MLA and MoE layers (DeepSeek-V3, Kimi Linear)
+    before it captures decode graphs and plans the decode kernel's splits."""
+
+    def graph_safe(self, dtype: torch.dtype, device: torch.device | str) -> bool:
+        """Whether the decode forward (Triton backend) is free of host syncs for `dtype`
+        on `device`, so CUDA graphs may capture it. MLA, norms, dense MLPs and KDA layers
+        always are; MoE layers only where their experts take the grouped GEMM (bfloat16
+        on Hopper / Blackwell, sizes multiples of 8). Elsewhere (float32 on a GPU, older
+        GPUs) the engine decodes eagerly."""
+        return all(
+            layer.mlp.graph_safe(dtype, device)
+            for layer in self.layers
+            if isinstance(layer.mlp, DeepseekV3MoE)
+        )
+
+    def decode_split_heads(self, dtype: torch.dtype, device: torch.device | str) -> int:
+        """Programs per (request, split) of the decode kernel, for the engine's split plan."""
+        return mla.decode_split_heads(self.config.num_attention_heads, dtype, device)
+
+
+class DeepseekV3ForCausalLM(MLAMoEDecode, DecoderStack):
     """Weight names follow transformers' checkpoints; a dense MLP's gate/up are stacked,
     a MoE MLP maps its own names (DeepseekV3MoE.checkpoint_target: per-expert or fused).
     Multi-token-prediction layers past num_hidden_layers are not loaded; FP8 weights
@@ -68,22 +89,6 @@ class DeepseekV3ForCausalLM(DecoderStack):
         self.lm_head = (
             None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         )
-
-    def graph_safe(self, dtype: torch.dtype, device: torch.device | str) -> bool:
-        """Whether the decode forward (Triton backend) is free of host syncs for `dtype`
-        on `device`, so CUDA graphs may capture it. MLA, norms and dense MLPs always are;
-        MoE layers only where their experts take the grouped GEMM (bfloat16 on Hopper /
-        Blackwell, sizes multiples of 8). Elsewhere (float32 on a GPU, older GPUs) the
-        engine decodes eagerly."""
-        return all(
-            layer.mlp.graph_safe(dtype, device)
-            for layer in self.layers
-            if isinstance(layer.mlp, DeepseekV3MoE)
-        )
-
-    def decode_split_heads(self, dtype: torch.dtype, device: torch.device | str) -> int:
-        """Programs per (request, split) of the decode kernel, for the engine's split plan."""
-        return mla.decode_split_heads(self.config.num_attention_heads, dtype, device)
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, parameter, shard) for a transformers weight name; None to skip."""

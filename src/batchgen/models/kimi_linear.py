@@ -26,6 +26,7 @@ from batchgen.layers.linear import Linear
 from batchgen.layers.mla import MLAttention
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.norm import RMSNorm
+from batchgen.models.deepseek_v3 import MLAMoEDecode
 from batchgen.models.llama import DecoderStack, LlamaMLP
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -77,7 +78,7 @@ class KimiLinearDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class KimiLinearForCausalLM(DecoderStack):
+class KimiLinearForCausalLM(MLAMoEDecode, DecoderStack):
     """Weight names: Moonshot's checkpoints (what transformers' save_pretrained writes:
     `block_sparse_moe.` for every MLP, experts' w1/w3/w2 for gate/up/down, per-projection
     q/k/v_conv1d, A_log and dt_bias beside the projections) and transformers' in-memory

@@ -8,7 +8,12 @@ Only graph-safe backends (no host syncs, shapes fixed by the static buffers) cap
 
     static buffers (max_bs rows):  input_ids | positions | slot_mapping | seq_lens
                                    page_table [max_bs, max_pages]
+                                   state_slots (models with linear-attention layers)
     bucket bs replays on rows [0, bs); rows [n, bs) are padding
+
+A model with linear-attention (KDA) layers also reads and writes each request's state
+slot: the graphs bind the state pool's tensors and a static slot per row; padding rows
+use the pool's spare slot (all of them at once: what they leave there is never read).
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ from contextlib import AbstractContextManager, nullcontext
 import numpy as np
 import torch
 
-from batchgen.forward_context import AttentionMetadata, ForwardContext, bind_forward_context
+from batchgen.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    LinearAttentionMetadata,
+    bind_forward_context,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +75,11 @@ class DecodeGraphs:
         dtype: torch.dtype,
         split_plan: DecodeSplitPlan,
         capture_guard: Callable[[], AbstractContextManager] | None = None,
+        linear_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        spare_slot: int | None = None,
     ) -> None:
+        if linear_states is not None and spare_slot is None:
+            raise ValueError("linear_states needs the state pool's spare_slot for padding rows")
         self.split_plan = split_plan
         # held around every capture: a global-mode capture fails if another thread
         # issues CUDA work meanwhile (the host tier's copy worker pauses under it)
@@ -85,6 +99,11 @@ class DecodeGraphs:
         self.table = torch.zeros(max_bs, max_pages, **i64)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.linear_states, self.spare_slot = linear_states, spare_slot
+        if linear_states is not None:  # one token a request: rows are the sequences
+            self.state_slots = torch.full((max_bs,), spare_slot, **i64)
+            self.cu_seqlens = torch.arange(max_bs + 1, **i64)
+            self.no_fresh = torch.empty(0, **i64)  # decodes continue from their slots
 
     def _ctx(self, bs: int) -> ForwardContext:
         meta = AttentionMetadata(
@@ -96,7 +115,17 @@ class DecodeGraphs:
             decode_max_seq_len=0,
             decode_num_splits=self.split_plan(bs),
         )
-        return ForwardContext(meta, self.kv_caches, self.backend)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        if self.linear_states is not None:
+            ctx.linear_states = self.linear_states
+            ctx.linear_metadata = LinearAttentionMetadata(
+                seqs=[],  # no host ints: the kernels' decode path reads the tensors only
+                cu_seqlens=self.cu_seqlens[: bs + 1],
+                state_slots=self.state_slots[:bs],
+                fresh_slots=self.no_fresh,
+                max_q_len=1,
+            )
+        return ctx
 
     def _forward(self, bs: int) -> None:
         with bind_forward_context(self._ctx(bs)):
@@ -117,6 +146,8 @@ class DecodeGraphs:
         self.slots.fill_(-1)
         self.seq_lens.fill_(1)
         self.table.zero_()
+        if self.linear_states is not None:
+            self.state_slots.fill_(self.spare_slot)
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -134,26 +165,37 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return bucket_for(n, self.max_bs)
 
-    def run(self, ids, positions, slots, table, stage, device_ids=None) -> torch.Tensor:
+    def run(
+        self, ids, positions, slots, table, stage, device_ids=None, state_slots=None
+    ) -> torch.Tensor:
         """Replay the decode graph for len(ids) requests; returns hidden [n, hidden].
 
         ids, positions, slots [n] and table [n, width] are int64 numpy arrays (table
         entries past a row's own pages are ignored); stage(array) puts an int64 array on
-        the device; device_ids [n], when given, replaces ids (tokens still on the device).
-        Padding rows get token 0, slot -1 and a one-token context."""
+        the device; device_ids [n], when given, replaces ids (tokens still on the device);
+        state_slots [n]: each request's state slot (models with linear-attention layers).
+        Padding rows get token 0, slot -1, a one-token context and the spare state slot."""
         if not self.graphs:
             self.capture()
         n = len(ids)
         bs = self.bucket(n)
         width = table.shape[1]
-        buf = np.zeros(4 * bs + bs * width, dtype=np.int64)
+        linear = self.linear_states is not None
+        if linear and (state_slots is None or len(state_slots) != n):
+            raise ValueError("a model with linear-attention layers replays with state_slots [n]")
+        end = 4 * bs + bs * width
+        buf = np.zeros(end + (bs if linear else 0), dtype=np.int64)
         buf[:n] = ids
         buf[bs : bs + n] = positions
         buf[2 * bs : 3 * bs] = -1
         buf[2 * bs : 2 * bs + n] = slots
         buf[3 * bs : 4 * bs] = 1
         buf[3 * bs : 3 * bs + n] = positions + 1
+        buf[4 * bs : end] = 0
         buf[4 * bs : 4 * bs + n * width] = table.ravel()
+        if linear:
+            buf[end:] = self.spare_slot
+            buf[end : end + n] = state_slots
         dev = stage(buf)
         self.input_ids[:bs].copy_(dev[:bs])
         if device_ids is not None:
@@ -161,6 +203,8 @@ class DecodeGraphs:
         self.positions[:bs].copy_(dev[bs : 2 * bs])
         self.slots[:bs].copy_(dev[2 * bs : 3 * bs])
         self.seq_lens[:bs].copy_(dev[3 * bs : 4 * bs])
-        self.table[:bs, :width].copy_(dev[4 * bs :].view(bs, width))
+        self.table[:bs, :width].copy_(dev[4 * bs : end].view(bs, width))
+        if linear:
+            self.state_slots[:bs].copy_(dev[end:])
         self.graphs[bs].replay()
         return self.hidden[:n]

@@ -175,8 +175,17 @@ class ModelRunner:
         table = self.page_rows.table
         slots = table[rows, starts // ps] * ps + starts % ps
         width = self._width(int(starts.max()) // ps + 1)
+        state_slots = None
+        if self.linear_states is not None:
+            state_slots = np.fromiter((r.state_slot for r in reqs), np.int64, n)
         hidden = self.graphs.run(
-            ids, starts, slots, table[rows, :width], self.stage, device_ids=device_ids
+            ids,
+            starts,
+            slots,
+            table[rows, :width],
+            self.stage,
+            device_ids=device_ids,
+            state_slots=state_slots,
         )
         if all(r.sample for r in reqs):
             return hidden, None
