@@ -13,7 +13,9 @@ from parity import reference_greedy
 from batchgen import LLM, SamplingParams
 from batchgen.engine import limits
 
-KW = dict(device="cpu", dtype="float32", page_size=4, max_model_len=96)
+# a fixed pool: a planned one for this tiny model on a GPU is tens of millions of pages,
+# slow to build
+KW = dict(device="cpu", dtype="float32", page_size=4, max_model_len=96, num_kv_pages=256)
 
 
 def _prompts(n: int) -> list[list[int]]:
