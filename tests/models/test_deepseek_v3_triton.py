@@ -107,6 +107,33 @@ def test_graph_safety_and_split_heads():
     assert EngineCore._decode_split_heads(gpu) == 1
 
 
+def install_eager_graphs(llm, run: dict, **graph_kw) -> list[int]:
+    """Give llm's runner DecodeGraphs (Triton backend, a fixed split count of 2, for its
+    eager steps too) whose replays run eagerly (_EagerGraph); returns the bucket sizes
+    replayed, as they happen. graph_kw: DecodeGraphs' optional arguments."""
+    from batchgen.runner.cuda_graphs import DecodeGraphs
+
+    engine, runner = llm.engine, llm.engine.runner
+    graphs = DecodeGraphs(
+        engine.model,
+        runner.kv_caches,
+        "triton",
+        run["max_num_seqs"],
+        run["max_model_len"] // run["page_size"],
+        engine.hf_config.hidden_size,
+        engine.device,
+        engine.dtype,
+        lambda n: 2,
+        **graph_kw,
+    )
+    graphs.graphs = {bs: _EagerGraph(graphs, bs) for bs in graphs.buckets}
+    runner.graphs, runner.split_plan = graphs, lambda n: 2
+    replays = []
+    forward = graphs._forward
+    graphs._forward = lambda bs: replays.append(bs) or forward(bs)
+    return replays
+
+
 class _EagerGraph:
     """Stands in for a captured CUDA graph on the CPU: replay runs the captured forward
     eagerly on the static buffers, so the graph path's inputs are what is tested."""
@@ -122,31 +149,13 @@ def test_graph_shaped_decode_matches_torch_backend(tmp_path):
     """Decode steps through DecodeGraphs' static buffers, as a replay sees them: padded
     buckets (slot -1 rows write no latent, a one-token context), no host-side max length,
     a fixed split count (2: the merge stage runs). Outputs stay the torch backend's."""
-    from batchgen.runner.cuda_graphs import DecodeGraphs
-
     save_tiny_deepseek(tmp_path, **CONFIGS["moe_dense_first"])
     prompts = _prompts()[1:]  # 3 requests: their decode steps replay the bucket of 4
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
     kw = dict(model=str(tmp_path), num_kv_pages=48, max_num_batched_tokens=16, **RUN)
     expected = LLM(attention_backend="torch", **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(attention_backend="triton", **kw)
-    engine, runner = llm.engine, llm.engine.runner
-    graphs = DecodeGraphs(
-        engine.model,
-        runner.kv_caches,
-        "triton",
-        RUN["max_num_seqs"],
-        RUN["max_model_len"] // RUN["page_size"],
-        engine.hf_config.hidden_size,
-        engine.device,
-        engine.dtype,
-        lambda n: 2,
-    )
-    graphs.graphs = {bs: _EagerGraph(graphs, bs) for bs in graphs.buckets}
-    runner.graphs, runner.split_plan = graphs, lambda n: 2
-    replays = []
-    forward = graphs._forward
-    graphs._forward = lambda bs: replays.append(bs) or forward(bs)
+    replays = install_eager_graphs(llm, RUN)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert 4 in replays, replays  # a padded bucket
     worst = 0.0

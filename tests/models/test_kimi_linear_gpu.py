@@ -10,10 +10,10 @@ import random
 
 import pytest
 import torch
+from test_deepseek_v3_gpu import _collapsed, _rows
 from test_kimi_linear import save_tiny_kimi
 
 from batchgen import LLM, SamplingParams
-from batchgen.eval.closeness import close_under_top5, top5_from_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -34,20 +34,6 @@ def model_dir(tmp_path_factory):
 def _prompts(n: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randint(3, 500) for _ in range(rng.randint(5, 150))] for _ in range(n)]
-
-
-def _rows(llm, prompts, params):
-    return [
-        (o.outputs[0].token_ids, o.outputs[0].logprobs)
-        for o in llm.generate(prompts, params, use_tqdm=False)
-    ]
-
-
-def _collapsed(rows, ref) -> int:
-    return sum(
-        not close_under_top5(a, b, top5_from_logprobs(alp), top5_from_logprobs(blp))
-        for (a, alp), (b, blp) in zip(rows, ref)
-    )
 
 
 @pytest.mark.parametrize("n", [3, 32])

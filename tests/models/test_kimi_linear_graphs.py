@@ -9,39 +9,18 @@ tests/models/test_kimi_linear_gpu.py."""
 from __future__ import annotations
 
 import pytest
-from test_deepseek_v3_triton import _EagerGraph
+from test_deepseek_v3_triton import install_eager_graphs
 from test_kimi_linear import RUN, save_tiny_kimi
 
 from batchgen import LLM, SamplingParams
-from batchgen.runner.cuda_graphs import DecodeGraphs
 
 pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 
 def _graphs_on(llm) -> list[int]:
-    """Give llm's runner DecodeGraphs whose replays run eagerly; returns the replayed
-    bucket sizes as they happen."""
-    engine, runner = llm.engine, llm.engine.runner
-    graphs = DecodeGraphs(
-        engine.model,
-        runner.kv_caches,
-        "triton",
-        RUN["max_num_seqs"],
-        RUN["max_model_len"] // RUN["page_size"],
-        engine.hf_config.hidden_size,
-        engine.device,
-        engine.dtype,
-        lambda n: 2,
-        linear_states=engine.state_pool.layer_states(),
-        spare_slot=RUN["max_num_seqs"],
-    )
-    graphs.graphs = {bs: _EagerGraph(graphs, bs) for bs in graphs.buckets}
-    runner.graphs = graphs
-    runner.split_plan = lambda n: 2  # the eager steps' too: the same reduction order
-    replays = []
-    forward = graphs._forward
-    graphs._forward = lambda bs: replays.append(bs) or forward(bs)
-    return replays
+    """Eager-replay graphs on llm's runner, bound to its state pool (spare slot last)."""
+    states = llm.engine.state_pool.layer_states()
+    return install_eager_graphs(llm, RUN, linear_states=states, spare_slot=RUN["max_num_seqs"])
 
 
 def test_graph_shaped_decode_matches_eager_steps(tmp_path):
