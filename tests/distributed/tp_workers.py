@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from batchgen.distributed import destroy_tensor_parallel, init_tensor_parallel
@@ -59,6 +60,10 @@ def _rank_main(rank: int, fn, world_size: int, init: str, workdir: str, args) ->
     tp = init_tensor_parallel(rank, world_size, "gloo", init, timeout_s=30)
     try:
         torch.save(fn(tp, *args), f"{workdir}/rank{rank}.pt")
+        # both ranks done before either tears the group down: a rank destroying its gloo
+        # group while the other still has a pair open can abort ("terminate called
+        # without an active exception"), seen once in CI
+        dist.barrier(group=tp.group)
     finally:
         destroy_tensor_parallel()
 
