@@ -92,9 +92,8 @@ class DeepseekV3ForCausalLM(MLAMoEDecode, DecoderStack):
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, parameter, shard) for a transformers weight name; None to skip."""
-        if name.startswith("model."):
-            name = name[len("model.") :]
-        if name == "lm_head.weight" and self.lm_head is None:
+        name = self.decoder_name(name)
+        if name is None:
             return None
         layer = _LAYER.match(name)
         if "rotary_emb" in name or (layer and int(layer[1]) >= len(self.layers)):
@@ -104,16 +103,7 @@ class DeepseekV3ForCausalLM(MLAMoEDecode, DecoderStack):
             moe = self.layers[int(layer[1])].mlp
             if isinstance(moe, DeepseekV3MoE):
                 return moe.checkpoint_target(name[len(mlp) :])
-        *path, param = name.split(".")
-        shard = None
-        if len(path) >= 2 and path[-1] in self.stacked:
-            path[-1], shard = self.stacked[path[-1]]
-        module = self
-        for part in path:
-            module = module[int(part)] if part.isdigit() else getattr(module, part, None)
-            if module is None:
-                raise KeyError(name)
-        return module, param, shard
+        return self.module_target(name)
 
 
 def _check_supported(config) -> None:

@@ -112,9 +112,8 @@ class KimiLinearForCausalLM(MLAMoEDecode, DecoderStack):
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, parameter, shard) for a transformers weight name; None to skip."""
-        if name.startswith("model."):
-            name = name[len("model.") :]
-        if name == "lm_head.weight" and self.lm_head is None:
+        name = self.decoder_name(name)
+        if name is None:
             return None
         layer = _LAYER.match(name)
         if layer:
@@ -130,16 +129,7 @@ class KimiLinearForCausalLM(MLAMoEDecode, DecoderStack):
                 return decoder.self_attn.checkpoint_target(rest[len("self_attn.") :])
             if isinstance(decoder.mlp, DeepseekV3MoE) and rest.startswith("mlp."):
                 return decoder.mlp.checkpoint_target(rest[len("mlp.") :])
-        *path, param = name.split(".")
-        shard = None
-        if len(path) >= 2 and path[-1] in self.stacked:
-            path[-1], shard = self.stacked[path[-1]]
-        module = self
-        for part in path:
-            module = module[int(part)] if part.isdigit() else getattr(module, part, None)
-            if module is None:
-                raise KeyError(name)
-        return module, param, shard
+        return self.module_target(name)
 
 
 def _moonshot_expert(name: str) -> str:

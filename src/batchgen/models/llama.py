@@ -141,6 +141,33 @@ class DecoderStack(nn.Module):
         x, _ = self.norm.forward_residual(x, residual)
         return x
 
+    def decoder_name(self, name: str) -> str | None:
+        """A transformers weight name without its "model." prefix; None for the lm_head
+        weight of a model whose lm_head is tied to the embeddings (nothing to load)."""
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None
+        return name
+
+    def module_target(self, name: str) -> tuple[nn.Module, str, str | None]:
+        """(module, parameter, shard) by walking the dotted name, the module before the
+        parameter renamed through the model's `stacked` map ({name: (stacked module,
+        shard)}); KeyError for a name that leads nowhere."""
+        *path, param = name.split(".")
+        shard = None
+        if len(path) >= 2 and path[-1] in self.stacked:
+            path[-1], shard = self.stacked[path[-1]]
+        module = self
+        for part in path:
+            if part.isdigit():
+                module = module[int(part)] if int(part) < len(module) else None
+            else:
+                module = getattr(module, part, None)
+            if module is None:
+                raise KeyError(name)
+        return module, param, shard
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden @ weight.t()
@@ -200,25 +227,12 @@ class LlamaForCausalLM(DecoderStack):
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, 'weight'|'bias', shard) for a transformers weight name; None to skip."""
-        if name.startswith("model."):
-            name = name[len("model.") :]
-        if name == "lm_head.weight" and self.lm_head is None:
+        name = self.decoder_name(name)
+        if name is None:
             return None
         if "rotary_emb" in name:
             return None
-        *path, param = name.split(".")
-        shard = None
-        if len(path) >= 2 and path[-1] in self.stacked:
-            path[-1], shard = self.stacked[path[-1]]
-        module = self
-        for part in path:
-            if part.isdigit():
-                module = module[int(part)] if int(part) < len(module) else None
-            else:
-                module = getattr(module, part, None)
-            if module is None:
-                raise KeyError(name)
-        return module, param, shard
+        return self.module_target(name)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
