@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import save_tiny_model
+from test_batch_run import _answers, _chat, _read
 
 from batchgen.api.batch_job import JobOptions
 from batchgen.api.cli import main
@@ -43,11 +44,6 @@ def local_ray():
         os.environ["OMP_NUM_THREADS"] = old
 
 
-def _chat(cid: str, words: str, **body) -> dict:
-    body = {"messages": [{"role": "user", "content": words}], **body}
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
-
-
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory, tiny):
     """N_ROWS greedy requests with a bad line, a duplicate and an overlong prompt among
@@ -74,27 +70,8 @@ def _cli(model: str, inp: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _answers(path: Path) -> dict[str, tuple]:
-    """custom_id -> (text, finish_reason, usage); fails on a duplicate custom_id."""
-    out: dict[str, tuple] = {}
-    for rec in _records(path):
-        assert rec["custom_id"] not in out, f"duplicate {rec['custom_id']}"
-        body = rec["response"]["body"]
-        choice = body["choices"][0]
-        out[rec["custom_id"]] = (
-            choice["message"]["content"],
-            choice["finish_reason"],
-            body["usage"],
-        )
-    return out
-
-
 def _error_lines(out: Path) -> list[int]:
-    return [r["error"]["line"] for r in _records(out.with_name(out.stem + ".errors.jsonl"))]
+    return [r["error"]["line"] for r in _read(out.with_name(out.stem + ".errors.jsonl"))]
 
 
 def _input_order(inp: Path) -> list[str]:
@@ -114,7 +91,7 @@ def test_two_engines_give_the_single_engine_answers_in_input_order(
     out = tmp_path / "out.jsonl"
     assert main(_cli(tiny, inp, out, "--data-parallel", "2", "--shard-size", "8")) == 1
     assert _answers(out) == expected  # every custom_id once, the same greedy outputs
-    written = [r["custom_id"] for r in _records(out)]
+    written = [r["custom_id"] for r in _read(out)]
     assert written == [c for c in dict.fromkeys(_input_order(inp)) if c in expected]
     assert _error_lines(out) == expected_errors == [11, 41, 71]  # in input order too
 
@@ -202,7 +179,7 @@ def test_when_every_engine_dies_the_job_stops_and_a_rerun_completes(
 
     assert main(_cli(tiny, inp, out, "--data-parallel", "2", "--shard-size", "8")) == 1
     assert _answers(out) == expected
-    written = [r["custom_id"] for r in _records(out)]
+    written = [r["custom_id"] for r in _read(out)]
     assert written == [c for c in dict.fromkeys(_input_order(inp)) if c in expected]
     assert _error_lines(out) == expected_errors
 
