@@ -4,6 +4,7 @@ the parent's sys.path, which holds this folder under pytest)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -60,12 +61,14 @@ def _rank_main(rank: int, fn, world_size: int, init: str, workdir: str, args) ->
     tp = init_tensor_parallel(rank, world_size, "gloo", init, timeout_s=30)
     try:
         torch.save(fn(tp, *args), f"{workdir}/rank{rank}.pt")
-        # both ranks done before either tears the group down: a rank destroying its gloo
-        # group while the other still has a pair open can abort ("terminate called
-        # without an active exception"), seen once in CI
-        dist.barrier(group=tp.group)
+        dist.barrier(group=tp.group)  # both ranks done before either tears the group down
     finally:
         destroy_tensor_parallel()
+    # a finished rank leaves without the interpreter's teardown: there gloo's threads
+    # sometimes abort the process ("terminate called without an active exception",
+    # SIGABRT) after its result is saved, seen in two CI runs; a rank that raised above
+    # still fails the run through spawn's error file
+    os._exit(0)
 
 
 def _loaded(layer, tensors: dict[tuple[str, str | None], torch.Tensor]):
