@@ -292,3 +292,32 @@ def test_loads_moonshot_checkpoint_names(setup):
         assert torch.equal(a, b), name
     with pytest.raises(KeyError):
         other.checkpoint_target("q_norm.weight")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_short_conv_equals_request_by_request(dtype):
+    """A mixed step (prefill chunks shorter and longer than the window, single rows, fresh
+    and continuing requests, slots out of order): the packed convolution gives the same
+    rows and leaves the same windows as the per-request reference, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    taps, channels, num_slots = 4, 24, 9
+    lengths, slots = [5, 1, 2, 1, 17, 3, 1], [7, 0, 3, 5, 1, 8, 2]
+    seqs, start = [], 0
+    for n, slot in zip(lengths, slots):
+        seqs.append(LinearSeq(q_start=start, q_len=n, slot=slot, has_state=True))
+        start += n
+    x = torch.randn(start, channels, generator=g).to(dtype)
+    weight = torch.randn(channels, taps, generator=g)
+    windows = torch.randn(num_slots, taps - 1, channels, generator=g).to(dtype)
+    meta = LinearAttentionMetadata.build(seqs, "cpu")
+
+    ref_windows, ref_windows_before = windows.clone(), windows.clone()
+    ref = kda_torch.short_conv(x, weight, ref_windows, seqs)
+    out = kda_torch.short_conv_packed(x, weight, windows, meta.cu_seqlens, meta.state_slots)
+    assert out.dtype == dtype
+    assert torch.equal(out, ref)
+    assert torch.equal(windows, ref_windows)
+    # and the windows did move: the 17-row request (rows 9..25, slot 1) keeps rows 23..25;
+    # the 2-row one (slot 3) its old window's last row, then its two rows
+    assert torch.equal(windows[1], x[23:26])
+    assert torch.equal(windows[3], torch.cat([ref_windows_before[3][-1:], x[6:8]]))

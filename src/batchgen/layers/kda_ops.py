@@ -10,7 +10,8 @@ fla-core (pip `fla-core`, pure Triton) serves CUDA tensors when it imports:
 `fused_recurrent_kda_fwd` for decode-only steps (reads and writes the slots in place
 through `ssm_state_indices`: no gather, no host sync, capturable), `chunk_kda` with
 `cu_seqlens` for steps with a prefill (initial states gathered from the slots, final
-states scattered back). The short convolution runs the torch code on every device.
+states scattered back). The short convolution runs the torch code on every device:
+`short_conv_packed` (all requests of a step at once) or `short_conv_decode`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def short_conv(
     """Causal depthwise conv + SiLU of x [T, C] with each request's window, which moves on."""
     if meta.max_q_len == 1:
         return kda_torch.short_conv_decode(x, weight, windows, meta.state_slots)
-    return kda_torch.short_conv(x, weight, windows, meta.seqs)
+    return kda_torch.short_conv_packed(x, weight, windows, meta.cu_seqlens, meta.state_slots)
 
 
 def kda_attention(

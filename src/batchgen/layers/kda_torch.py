@@ -20,8 +20,9 @@ that starts from S_0, with G_t the cumulative sum of g over the chunk up to t:
 
 Only exponents of G_t - G_s with s <= t are taken (all <= 0), so nothing overflows.
 
-The short causal convolution (`short_conv`) keeps per request a window of the last
-K - 1 inputs; rows of a packed step belong to requests as `LinearSeq` ranges say.
+The short causal convolution (`short_conv`, and `short_conv_packed` with the same
+numbers for the whole step at once) keeps per request a window of the last K - 1 inputs;
+rows of a packed step belong to requests as `LinearSeq` ranges (or `cu_seqlens`) say.
 """
 
 from __future__ import annotations
@@ -151,10 +152,10 @@ def short_conv(
     windows: torch.Tensor,
     seqs: list[LinearSeq],
 ) -> torch.Tensor:
-    """Depthwise causal convolution + SiLU over a packed step, request by request.
-    x [T, C]; weight [C, K]; windows [num_slots, K - 1, C], the last K - 1 inputs of each
-    slot's request (zeros for a new one), read and rewritten for every seq -> [T, C] in
-    x's dtype."""
+    """Depthwise causal convolution + SiLU over a packed step, request by request (the
+    reference of `short_conv_packed`). x [T, C]; weight [C, K]; windows [num_slots, K - 1,
+    C], the last K - 1 inputs of each slot's request (zeros for a new one), read and
+    rewritten for every seq -> [T, C] in x's dtype."""
     width = weight.shape[1] - 1
     out = torch.empty_like(x)
     for seq in seqs:
@@ -163,6 +164,55 @@ def short_conv(
         out[seq.q_start : seq.q_start + seq.q_len] = _conv_rows(ext, weight, seq.q_len)
         windows[seq.slot] = ext[ext.shape[0] - width :].to(windows.dtype)
     return out
+
+
+def short_conv_packed(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    windows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`short_conv` for every request of the step at once, the same numbers: a fixed
+    number of gathers whatever the mix of prefill chunks and single rows, no host ints.
+    cu_seqlens [S + 1] and slots [S] int64 on x's device.
+
+    Each request sees its window followed by its rows, ext = window ++ rows; tap j of its
+    row p reads ext[p + j]. Both come from one source tensor, src = x ++ the step's
+    windows (K - 1 rows per request, in packed order), through `conv_gather_index`."""
+    taps = weight.shape[1]
+    taps_at, tails_at = conv_gather_index(cu_seqlens, x.shape[0], taps)
+    past = windows.index_select(0, slots).to(x.dtype)  # [S, K - 1, C]
+    src = torch.cat([x, past.flatten(0, 1)])
+    out = src[taps_at[:, 0]].to(weight.dtype) * weight[:, 0]
+    for j in range(1, taps):
+        out = out + src[taps_at[:, j]].to(weight.dtype) * weight[:, j]
+    windows.index_copy_(0, slots, src[tails_at].to(windows.dtype))
+    return F.silu(out).to(x.dtype)
+
+
+def conv_gather_index(
+    cu_seqlens: torch.Tensor, num_rows: int, taps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of src = x [num_rows] ++ windows [S * (K - 1)] that `short_conv_packed`
+    gathers: per packed row its K taps [num_rows, K], and per request its new window, the
+    last K - 1 rows of ext, [S, K - 1]. Position e of a request's ext is window row e
+    (src row num_rows + s * (K - 1) + e) while e < K - 1, else its row e - (K - 1)."""
+    width = taps - 1
+    device = cu_seqlens.device
+    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+    rows = torch.arange(num_rows, device=device)
+    seq = torch.searchsorted(ends, rows, right=True)  # the request of each packed row
+    ext = (rows - starts[seq]).unsqueeze(1) + torch.arange(taps, device=device)  # [T, K]
+    from_x = rows.unsqueeze(1) - width + torch.arange(taps, device=device)
+    from_window = num_rows + seq.unsqueeze(1) * width + ext
+    taps_at = torch.where(ext >= width, from_x, from_window)
+    s = torch.arange(starts.shape[0], device=device).unsqueeze(1)
+    tail = (ends - starts).unsqueeze(1) + torch.arange(width, device=device)  # [S, K - 1]
+    tails_at = torch.where(
+        tail >= width, starts.unsqueeze(1) + tail - width, num_rows + s * width + tail
+    )
+    return taps_at, tails_at
 
 
 def short_conv_decode(
