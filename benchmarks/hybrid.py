@@ -9,7 +9,8 @@ an MLA layer with kv_lora_rank 512, the rest KDA with 16 heads of 128 and a 4-ta
 convolution, hidden 2048, 64 routed experts top-6 plus 1 shared, first layer dense),
 random bf16 weights drawn by batchgen on the device from config.json alone
 (load_format="dummy"). The peer is transformers' Kimi Linear through `generate()` in
-padded batches of 64, with its own random weights of the same shapes; it runs fla-core's
+padded batches of 64 (timed on --peer-batches of the 8, after an untimed first batch),
+with its own random weights of the same shapes; it runs fla-core's
 KDA kernels where fla-core is importable and its pure-torch KDA otherwise, and the result
 says which ("peer_kda"). Where the installed transformers has no Kimi Linear, the peer is
 skipped with the reason.
@@ -79,8 +80,18 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--host-gib", type=float, default=32.0)
+    ap.add_argument(
+        "--peer-batches",
+        type=int,
+        default=2,
+        help="batches of 64 the peer is timed on, after an untimed one (2; 0: all, timed "
+        "from the first). The full peer run takes longer than a device call allows.",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="+ where a decode step's time goes (throughput.py)"
+    )
     add_engine_args(ap)
-    ap.set_defaults(ckpt=None, profile=False)
+    ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)
     if args.small:
         prompts, out_lens = w4_requests(n=6, prompt_len=70, out_len=6, max_token=500)
@@ -102,7 +113,8 @@ def main(argv=None) -> int:
     else:
         if args.small:
             torch_kda_for_the_peer()
-        peer = dict(run_peer(ckpt, prompts, out_lens, args), peer_kda=peer_kda_path())
+        batches = None if args.small or not args.peer_batches else args.peer_batches
+        peer = dict(run_peer(ckpt, prompts, out_lens, args, batches), peer_kda=peer_kda_path())
     result = {"workload": "small" if args.small else "W6", "batchgen": ours, "peer": peer}
     if peer and "tok_s" in peer:
         result["ratio"] = ours["tok_s"] / peer["tok_s"]
@@ -118,10 +130,13 @@ def main(argv=None) -> int:
     if peer and "skipped" in peer:
         lines.append(f"transformers skipped: {peer['skipped']}")
     elif peer:
+        timed = f", {peer['timed_batches']} timed batches" if "timed_batches" in peer else ""
         lines.append(
-            f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s, KDA "
-            f"{peer['peer_kda']}) -> ratio {result['ratio']:.1f}x"
+            f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s{timed}, "
+            f"KDA {peer['peer_kda']}) -> ratio {result['ratio']:.1f}x"
         )
+    if "profile" in ours:
+        lines.append(json.dumps(ours["profile"], indent=1))
     sys.stdout.write("\n".join(lines) + "\n")
     return 0 if ours["output_tokens"] == sum(out_lens) else 1
 

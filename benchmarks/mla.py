@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 benchmarks/mla.py --out $OUT               # W4 on the GPU, peer beside it
     PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --out $OUT   # while iterating
     PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --profile --out $OUT  # + decode step
+    PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --mla-tuning 16,64,8,2 --out $OUT
     PYTHONPATH=src python3 benchmarks/mla.py --small --out /tmp/w4    # CPU, seconds, for CI
 
 Model: workloads.MOONLIGHT_W4, a scaled Moonlight-16B-A3B-like config (27 layers, hidden
@@ -107,8 +108,12 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_peer(ckpt: Path, prompts, out_lens, args) -> dict:
-    """transformers' DeepseekV3, random bf16 weights, generate() in padded batches."""
+def run_peer(ckpt: Path, prompts, out_lens, args, batches: int | None = None) -> dict:
+    """transformers' model of the checkpoint's architecture, random bf16 weights,
+    generate() in padded batches of PEER_BATCH. `batches`: time only that many batches,
+    after one untimed batch that takes the first-call costs (kernel compilation and
+    autotuning); batches of the same shapes run one after another, so their tok/s is the
+    whole run's. None: every batch, timed from the first."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -119,30 +124,42 @@ def run_peer(ckpt: Path, prompts, out_lens, args) -> dict:
     for p in model.parameters():
         if p.dim() >= 2:
             torch.nn.init.normal_(p, 0.0, 0.02)
+    starts = list(range(0, len(prompts), PEER_BATCH))
+    if batches is not None:
+        _peer_batch(model, prompts, out_lens, starts[0], args)  # warm-up, untimed
+        starts = starts[1 : 1 + batches]
     got = 0
     _sync(args.device)
     start = time.perf_counter()
-    for b in range(0, len(prompts), PEER_BATCH):
-        batch = prompts[b : b + PEER_BATCH]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=args.device)
-        mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in batch], device=args.device
-        )
-        n = max(out_lens[b : b + PEER_BATCH])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        got += (out.shape[1] - width) * len(batch)
+    for b in starts:
+        got += _peer_batch(model, prompts, out_lens, b, args)
     _sync(args.device)
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "output_tokens": got, "tok_s": got / wall, "batch": PEER_BATCH}
+    result = {"wall_s": wall, "output_tokens": got, "tok_s": got / wall, "batch": PEER_BATCH}
+    if batches is not None:
+        result["timed_batches"] = len(starts)
+    return result
+
+
+def _peer_batch(model, prompts, out_lens, b: int, args) -> int:
+    """generate() on the batch of prompts starting at b; its output tokens."""
+    import torch
+
+    batch = prompts[b : b + PEER_BATCH]
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=args.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=args.device)
+    n = max(out_lens[b : b + PEER_BATCH])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return (out.shape[1] - width) * len(batch)
 
 
 def _sync(device: str) -> None:
@@ -160,9 +177,20 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--profile", action="store_true", help="+ where a decode step's time goes (throughput.py)"
     )
+    ap.add_argument(
+        "--mla-tuning",
+        default=None,
+        help="h,n,w,s: the MLA decode kernel's launch on the GPU (BLOCK_H, BLOCK_N, warps, "
+        "stages) in place of kernels/mla_decode.py's GPU_TUNING (mla_decode.py --best)",
+    )
     add_engine_args(ap)
     ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)
+    if args.mla_tuning:
+        from batchgen.kernels import mla_decode
+
+        h, n, w, s = (int(v) for v in args.mla_tuning.split(","))
+        mla_decode.GPU_TUNING = mla_decode.MLADecodeTuning(h, n, w, s)
     if args.small:
         cfg = SMALL_MOONLIGHT
         prompts, out_lens = w4_requests(n=6, prompt_len=24, out_len=6, max_token=500)
@@ -178,6 +206,8 @@ def main(argv=None) -> int:
     print(json.dumps({"batchgen": ours}), flush=True)
     peer = None if args.skip_peer else run_peer(ckpt, prompts, out_lens, args)
     result = {"workload": "small" if args.small else "W4", "batchgen": ours, "peer": peer}
+    if args.mla_tuning:
+        result["mla_tuning"] = args.mla_tuning
     if not args.small:
         result["fraction_of_roofline"] = ours["tok_s"] / ROOFLINE_TOK_S
     if peer:

@@ -14,8 +14,10 @@ under SCHEMA (strings bounded by maxLength), greedy, max_tokens 256.
 2. unconstrained: the same prompts, each with max_tokens = its constrained length and
    ignore_eos, so both runs produce the same number of tokens per request; timed.
 
-Both runs are timed --repeat times (3), alternating; the fastest of each counts (the
-answers must repeat exactly, exit 1 otherwise). Prints output tok/s of both, their ratio
+Both runs are timed --repeat times (3), alternating; the fastest of each counts. Every
+repeat's answers must validate too; how many differ from the first run's is reported, not
+required to be 0: later repeats find the prompts in the prefix cache, so in bf16 their
+prefill rounds differently and a greedy row may take the other side of a near-tie. Prints output tok/s of both, their ratio
 (the cost of the constraint), and the host time of the constrained runs' grammar work
 per step: filling masks (StructuredOutputs.bitmask, also per token), the runner's masking
 (ModelRunner._constrain: fill, upload, apply; on the CPU the apply is computed there) and
@@ -122,25 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     constrained_s = time.perf_counter() - t0
     steps = engine.stats.steps - steps0
     lengths = [len(o.outputs[0].token_ids) for o in outs]
-    stopped = bad = 0
-    for o in outs:
-        c = o.outputs[0]
-        if c.finish_reason != "stop":
-            continue
-        stopped += 1
-        try:
-            jsonschema.validate(json.loads(c.text), SCHEMA)
-        except (ValueError, jsonschema.ValidationError):
-            bad += 1
+    stopped, bad = ended_and_invalid(outs, jsonschema)
 
     free = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in lengths]
-    free_s, repeated = float("inf"), True
+    free_s, differing = float("inf"), 0
     for i in range(repeat):  # alternating, so drift on the machine hits both alike
         if i:
             t0 = time.perf_counter()
             again = llm.chat(convs, bound, use_tqdm=False)
             constrained_s = min(constrained_s, time.perf_counter() - t0)
-            repeated &= [o.outputs[0].token_ids for o in again] == output_ids(outs)
+            bad += ended_and_invalid(again, jsonschema)[1]
+            first = output_ids(outs)
+            differing = max(differing, sum(a != b for a, b in zip(output_ids(again), first)))
         t0 = time.perf_counter()
         free_outs = llm.chat(convs, free, use_tqdm=False)
         free_s = min(free_s, time.perf_counter() - t0)
@@ -162,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "constrained_s": constrained_s,
         "unconstrained_s": free_s,
         "repeat": repeat,
-        "answers_repeat": repeated,
+        "repeat_rows_differing": differing,
         "steps": steps,
         "mask_fill_ms_per_step": 1e3 * sum(fills) / max(len(fills), 1),
         "mask_fill_us_per_token": 1e6 * sum(fills) / repeat / max(tokens, 1),
@@ -181,11 +176,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['mask_fill_us_per_token']:.1f} us/token over {steps} steps; masking "
         f"{result['constrain_ms_per_step']:.2f} ms/step, advancing matchers "
         f"{result['advance_ms_per_step']:.2f} ms/step; "
-        f"{stopped}/{n} ended by EOS, {bad} invalid"
+        f"{stopped}/{n} ended by EOS, {bad} invalid (all runs); {differing} rows of a "
+        "repeat differ from the first run"
     )
     print("first answer:", result["sample"])
-    ok = bad == 0 and stopped >= 0.95 * n and free_tokens == tokens and repeated
+    ok = bad == 0 and stopped >= 0.95 * n and free_tokens == tokens
     return 0 if ok else 1
+
+
+def ended_and_invalid(outs, jsonschema) -> tuple[int, int]:
+    """(answers that ended by EOS, how many of those fail to parse or validate)."""
+    stopped = bad = 0
+    for o in outs:
+        c = o.outputs[0]
+        if c.finish_reason != "stop":
+            continue
+        stopped += 1
+        try:
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+        except (ValueError, jsonschema.ValidationError):
+            bad += 1
+    return stopped, bad
 
 
 def output_ids(outs) -> list[list[int]]:
