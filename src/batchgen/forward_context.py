@@ -75,14 +75,18 @@ class LinearAttentionMetadata:
     state_slots: torch.Tensor  # [num_reqs] int64, on the device
     fresh_slots: torch.Tensor  # int64 slots of requests without state: zeroed before use
     max_q_len: int
+    cu_seqlens_host: torch.Tensor | None = None  # cu_seqlens on the CPU: kernels that size
+    # their launch by it need not read it back from the device
 
     @classmethod
     def build(cls, seqs: list[LinearSeq], device: torch.device | str) -> LinearAttentionMetadata:
         """From host-side seqs (packed order, contiguous rows)."""
         starts = [s.q_start for s in seqs] + [seqs[-1].q_start + seqs[-1].q_len if seqs else 0]
+        host = torch.tensor(starts, dtype=torch.int64)
         return cls(
             seqs=seqs,
-            cu_seqlens=torch.tensor(starts, dtype=torch.int64, device=device),
+            cu_seqlens=host.to(device),
+            cu_seqlens_host=host,
             state_slots=torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=device),
             fresh_slots=torch.tensor(
                 [s.slot for s in seqs if not s.has_state], dtype=torch.int64, device=device

@@ -112,6 +112,7 @@ def _kda_fla(q, k, v, g, beta, states, meta):
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
         cu_seqlens=meta.cu_seqlens,
+        cu_seqlens_cpu=meta.cu_seqlens_host,
     )  # fmt: skip
     states.index_copy_(0, meta.state_slots, final.float())
     return o[0]
