@@ -50,6 +50,12 @@ class EngineConfig:
     (the thread that asks for the copy, sparing the two threads' GIL hand-offs). Both keep
     the copy-ordering contract; which is faster depends on whether the run is host-bound.
 
+    state_checkpoint_interval (tokens, a multiple of page_size; 0: off) gives models with
+    linear-attention layers prefix hits: with the host tier on, a request's compressed
+    state is copied to host each time its prefill reaches a multiple of it, and a later
+    request whose prompt starts with the same tokens (its pages cached too) resumes from
+    the longest such copy instead of computing that prefix.
+
     load_format "dummy" builds the model with random weights from its config alone (no
     checkpoint read): for benchmarks, as in vLLM.
     """
@@ -76,6 +82,7 @@ class EngineConfig:
     admission: str = "prefix"
     tier_policy: str = "auto"
     tier_copy_issue: str = "worker"
+    state_checkpoint_interval: int = 1024
     load_format: str = "auto"
     batchgen_debug: bool = False
     tensor_parallel_size: int = 1
@@ -113,6 +120,12 @@ class EngineConfig:
             raise ValueError(
                 "host_kv_size_gib needs enable_prefix_caching=True: host pages are found by "
                 "the prefix cache's page hashes"
+            )
+        interval = self.state_checkpoint_interval
+        if not isinstance(interval, int) or interval < 0 or interval % self.page_size:
+            raise ValueError(
+                f"state_checkpoint_interval must be 0 or a positive multiple of page_size "
+                f"({self.page_size}), got {interval!r}"
             )
         if self.decode_append not in ("off", "batched", "layer"):
             raise ValueError(

@@ -62,10 +62,17 @@ def test_warmup_forward_runs_a_full_budget_step(tmp_path, monkeypatch):
 def test_the_host_budget_gives_hybrid_models_a_state_slot_per_seat():
     layout = StateLayout(2, 2, 4, 4, 6, 4, torch.float32)  # 2 * (256 + 72) bytes a slot
     per = layout.bytes_per_slot
-    config = EngineConfig(host_kv_size_gib=1.0, max_num_seqs=8)
+    config = EngineConfig(host_kv_size_gib=1.0, max_num_seqs=8, state_checkpoint_interval=0)
     assert memory.split_host_budget(config, None) == (1.0, 0)
     gib, slots = memory.split_host_budget(config, layout)
     assert slots == 8 and gib == 1.0 - 8 * per / 2**30
-    small = EngineConfig(host_kv_size_gib=7 * per / 2**30, max_num_seqs=8)
+    small = EngineConfig(
+        host_kv_size_gib=7 * per / 2**30, max_num_seqs=8, state_checkpoint_interval=0
+    )
     gib, slots = memory.split_host_budget(small, layout)  # at most half the budget
     assert slots == 3 and abs(gib * 2**30 - 4 * per) < 1e-6
+    # state checkpoints (on by default) get three more slots per seat
+    gib, slots = memory.split_host_budget(
+        EngineConfig(host_kv_size_gib=1.0, max_num_seqs=8), layout
+    )
+    assert slots == 32 and gib == 1.0 - 32 * per / 2**30

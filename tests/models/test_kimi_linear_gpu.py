@@ -98,3 +98,34 @@ def test_swaps_keep_a_dense_model_on_the_ample_run(dense_model_dir):
     assert tight.engine.runner.graphs is not None and tight.engine.runner.graphs.graphs
     _swapped(tight)
     assert _collapsed(rows, ref) == 0
+
+
+def test_prefix_hits_from_state_checkpoints(dense_model_dir):
+    """Groups of prompts sharing 100 tokens, checkpoints every 32: each group's later
+    requests resume at 96 from the KDA state its first one stored (its pages from the
+    cache), in the default configuration; rows stay close to a tier-off run, which has
+    no prefix hits for a hybrid model."""
+    rng = random.Random(3)
+    prompts = []
+    for _ in range(4):
+        prefix = [rng.randint(3, 500) for _ in range(100)]
+        prompts += [
+            prefix + [rng.randint(3, 500) for _ in range(rng.randint(3, 40))] for _ in range(4)
+        ]
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
+    plain = LLM(model=dense_model_dir, num_kv_pages=1024, **KW)
+    ref = _rows(plain, prompts, params)
+    assert plain.engine.kv.prefix_hit_tokens == 0
+    llm = LLM(
+        model=dense_model_dir,
+        num_kv_pages=1024,
+        host_kv_size_gib=0.25,
+        tier_policy="always",
+        state_checkpoint_interval=32,
+        **KW,
+    )
+    rows = _rows(llm, prompts, params)
+    m = llm.engine.metrics()
+    assert m["state_checkpoint_hit_tokens"] >= 4 * 3 * 96, m
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    assert _collapsed(rows, ref) == 0

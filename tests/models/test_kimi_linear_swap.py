@@ -111,6 +111,7 @@ def test_few_seats_swap_and_resume_when_a_slot_is_free(checkpoint):
         max_num_batched_tokens=48,
         **TIER,
         **{**TIGHT, "max_num_seqs": 3},
+        state_checkpoint_interval=0,  # no checkpoint slots: exactly one host slot a seat
     )
     assert llm.engine.tier.states.host_pool.num_slots == 3  # max_num_seqs host slots
     _check_same(llm.generate(prompts, TOKENS, use_tqdm=False), ample[0], logprobs=False)

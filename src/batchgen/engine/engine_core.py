@@ -31,6 +31,7 @@ from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
+from batchgen.kv.state_checkpoints import StateCheckpoints
 from batchgen.kv.state_pool import HostStatePool, StateSlots
 from batchgen.kv.state_tier import StateTier
 from batchgen.kv.tiered import TieredKVManager
@@ -89,12 +90,14 @@ class EngineCore:
                 }
             )
         self.pool = PagePool(self.layout, num_pages, device)
-        # hybrid models: no prefix hits until state checkpoints exist (a hit needs the
-        # recurrent state at the hit's last token), so nothing is cached at all
-        caching = config.enable_prefix_caching and self.state_pool is None
+        # hybrid models: a prefix hit needs the recurrent state at the hit's last token,
+        # which only the host tier's state checkpoints keep; without them nothing is cached
+        checkpoints = config.host_kv_size_gib > 0 and config.state_checkpoint_interval > 0
+        caching = config.enable_prefix_caching and (self.state_pool is None or checkpoints)
         self.kv = KVCacheManager(num_pages, config.page_size, caching, None, config.decode_append)
         self.state_slots = None if self.state_pool is None else StateSlots(config.max_num_seqs)
         self.exact_swap = None  # hybrid models' swap, built with the tier
+        self.checkpoints = None  # hybrid models' prefix hits, built with the tier
         self.tier = self._build_tier() if config.host_kv_size_gib > 0 else None
         self.scheduler = Scheduler(
             self.kv,
@@ -105,6 +108,7 @@ class EngineCore:
             admission=config.admission,
             state_slots=self.state_slots,
             exact_swap=self.exact_swap,
+            checkpoints=self.checkpoints,
         )
         backend = self._attention_backend()
         plan = None
@@ -242,7 +246,14 @@ class EngineCore:
                 tier.metrics,
                 debug=self.config.batchgen_debug,
             )
-            self.exact_swap = ExactSwap(self.kv, tier.states)
+            if self.config.state_checkpoint_interval:  # what a seat per running request leaves
+                self.checkpoints = StateCheckpoints(
+                    tier.states,
+                    self.config.state_checkpoint_interval,
+                    self.config.page_size,
+                    max(host_slots - self.config.max_num_seqs, host_slots // 2, 1),
+                )
+            self.exact_swap = ExactSwap(self.kv, tier.states, self.checkpoints)
             logger.info(
                 "host state tier: %d slots (%.2f GiB)",
                 host_slots,
@@ -575,6 +586,9 @@ class EngineCore:
             "recomputes": self.scheduler.num_recomputes,
             "prefix_hit_tokens": self.kv.prefix_hit_tokens,
         }
+        if self.checkpoints is not None:
+            out["state_checkpoints"] = self.checkpoints.num_stored
+            out["state_checkpoint_hit_tokens"] = self.checkpoints.hit_tokens
         if self.tier is not None:
             out.update(self.tier.metrics.summary())
             out.update({f"tier_{k}": v for k, v in self.tier_cost.items()})

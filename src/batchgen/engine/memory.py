@@ -94,17 +94,24 @@ def build_state_pool(
     return pool
 
 
+CHECKPOINT_SLOTS_PER_SEAT = 3  # host state slots for checkpoints per max_num_seqs seat
+
+
 def split_host_budget(config: EngineConfig, layout: StateLayout | None) -> tuple[float, int]:
     """The host tier's host_kv_size_gib split into (GiB for KV pages, host state slots).
     A model with linear-attention layers gets a host slot per running request
-    (max_num_seqs: every running request can be swapped at once), fewer where those
+    (max_num_seqs: every running request can be swapped at once) and, with state
+    checkpoints on, CHECKPOINT_SLOTS_PER_SEAT more per seat for them; fewer where those
     would take more than half the budget; the pages get the rest. With no slot at all,
     its preempted requests are recomputed."""
     gib = config.host_kv_size_gib
     if layout is None:
         return gib, 0
     per_slot = layout.bytes_per_slot
-    slots = min(config.max_num_seqs, int(gib * 2**30 / 2 // per_slot))
+    seats = config.max_num_seqs
+    if config.state_checkpoint_interval:
+        seats *= 1 + CHECKPOINT_SLOTS_PER_SEAT
+    slots = min(seats, int(gib * 2**30 / 2 // per_slot))
     return gib - slots * per_slot / 2**30, slots
 
 

@@ -9,6 +9,7 @@ from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.waiting import PrefixWaiting
 from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.kv_manager import KVCacheManager, PrefixHit
+from batchgen.kv.state_checkpoints import StateCheckpoints
 from batchgen.kv.state_pool import StateSlots
 from batchgen.runner.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -24,10 +25,13 @@ class Scheduler:
     ends admission for the step.
 
     With `state_slots` (a model with linear-attention layers) each running request also
-    holds a compressed-state slot: admission needs a free one, and prefix hits are not
-    used (the recurrent state at the hit is unknown). A preempted one is swapped whole
-    by `exact_swap` (the host tier on, with room for its pages and a state slot) and
-    resumes at its exact position once a slot is free again; else it is recomputed.
+    holds a compressed-state slot: admission needs a free one, and a prefix hit is used
+    only up to a state checkpoint (`checkpoints`, with the host tier: a hit needs the
+    recurrent state at its last token), whose state is loaded into the request's slot;
+    prefill chunks end at checkpoint positions not yet stored, and the next step stores
+    them first. A preempted one is swapped whole by `exact_swap` (the host tier on, with
+    room for its pages and a state slot) and resumes at its exact position once a slot is
+    free again; else it is recomputed.
 
     admission="arrival" admits in arrival order (preempted requests first);
     admission="prefix" admits preempted requests first, then by cached prefix length,
@@ -45,12 +49,14 @@ class Scheduler:
         admission: str = "prefix",
         state_slots: StateSlots | None = None,
         exact_swap: ExactSwap | None = None,
+        checkpoints: StateCheckpoints | None = None,
     ) -> None:
         if admission not in ("prefix", "arrival"):
             raise ValueError(f'admission must be "prefix" or "arrival", got {admission!r}')
         self.kv = kv
         self.state_slots = state_slots
         self.exact_swap = exact_swap
+        self.checkpoints = checkpoints
         self.admission = admission
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -110,11 +116,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        # before anything can preempt a request: its state at a checkpoint position is
+        # copied first, and this step's forward waits for the copy before writing it
+        waits = [] if self.checkpoints is None else self._take_checkpoints()
         i = 0
         running, allocate = self.running, self.kv.allocate
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            n = self._chunk(req, req.num_computed_tokens, budget)
             while not allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self.preempt(victim)
@@ -136,13 +145,18 @@ class Scheduler:
             if self.state_slots is not None and not self.state_slots.num_free:
                 break
             exact = self.exact_swap is not None and self.exact_swap.holds(req.request_id)
-            hits = (
-                PrefixHit()  # every prompt position must be computed to report it
-                if _prompt_logprobs_due(req) or self.state_slots is not None
-                else self.kv.lookup_prefix(req.request_id, req.token_ids)
-            )
+            if (
+                _prompt_logprobs_due(req)  # every prompt position must be computed to report it
+                or exact
+                or (self.state_slots is not None and self.checkpoints is None)
+            ):
+                hits = PrefixHit()
+            else:
+                hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
+                if self.state_slots is not None:
+                    hits = self._at_checkpoint(req, hits)
             cached = req.num_computed_tokens if exact else self.kv.hit_tokens(hits)
-            n = min(req.num_tokens - cached, budget)
+            n = self._chunk(req, cached, budget)
             if not self.kv.allocate(req.request_id, cached + n, hits):
                 break
             if req.num_preemptions == 0:
@@ -150,7 +164,11 @@ class Scheduler:
             if exact:
                 self.exact_swap.swap_in(req.request_id)  # takes a slot, loads pages and state
             elif self.state_slots is not None:
-                self.state_slots.take(req.request_id)
+                slot = self.state_slots.take(req.request_id)
+                if cached:  # the hit's state, stored at its last token
+                    hashes = self.kv.page_hashes(req.request_id, req.token_ids)
+                    page = cached // self.kv.page_size
+                    waits.append(self.checkpoints.load(hashes[page - 1], slot, cached))
             req.num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
             self._admitted(req)
@@ -161,7 +179,7 @@ class Scheduler:
         out.on_kv_written = self.kv.layer_store_hook(
             [(r.request_id, r.num_computed_tokens, r.token_ids) for r, n in scheduled if n == 1]
         )
-        out.wait_for = self.kv.take_step_copies()
+        out.wait_for = self.kv.take_step_copies() + waits
         if self.exact_swap is not None:
             out.wait_for += self.exact_swap.take_waits()
         pages = self.kv.pages
@@ -181,6 +199,39 @@ class Scheduler:
             for req, n in scheduled
         ]
         return out
+
+    def _chunk(self, req: Request, computed: int, budget: int) -> int:
+        """Tokens the request computes this step from `computed`: what is left, within
+        the budget, ending at a state checkpoint position not yet stored."""
+        n = min(req.num_tokens - computed, budget)
+        if self.checkpoints is None or n <= 1:
+            return n
+        hashes = self.kv.page_hashes(req.request_id, req.token_ids)
+        return self.checkpoints.cut(computed, n, req.num_tokens, hashes)
+
+    def _take_checkpoints(self) -> list:
+        """Store the state of running requests that stopped at a checkpoint position
+        (the copies the step waits on)."""
+        waits, cps = [], self.checkpoints
+        for req in self.running:
+            computed = req.num_computed_tokens
+            if not computed or computed % cps.interval or computed >= req.num_tokens - 1:
+                continue  # not at a position, or decoding (a step may be queued)
+            hashes = self.kv.page_hashes(req.request_id, req.token_ids)
+            slot = self.state_slots.slot(req.request_id)
+            handle = cps.take(slot, computed, hashes, f"request {req.request_id}")
+            if handle is not None:
+                waits.append(handle)
+        return waits
+
+    def _at_checkpoint(self, req: Request, hits: PrefixHit) -> PrefixHit:
+        """The hit cut back to its longest prefix with a state checkpoint at its end."""
+        total = len(hits) + len(hits.host_pages)
+        if not total:
+            return hits
+        hashes = self.kv.page_hashes(req.request_id, req.token_ids)
+        pages = self.checkpoints.longest(hashes, total)
+        return PrefixHit(hits[:pages], hits.host_pages[: max(0, pages - len(hits))])
 
     def _candidates(self) -> Iterator[Request]:
         """Waiting requests in the order admission tries them; each is admitted

@@ -15,23 +15,28 @@ through the recurrence twice.
              free): host pages -> its first device pages with the step's load; host
              slot -> a new device slot; the step waits on both (take_waits -> wait_for)
 
-A swap needs host room for both the pages and a slot; otherwise the caller recomputes.
+A swap needs host room for both the pages and a slot (a state checkpoint gives its slot
+up for it); otherwise the caller recomputes.
 """
 
 from __future__ import annotations
 
 from batchgen.kv.copy_engine import CopyHandle
 from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.kv.state_checkpoints import StateCheckpoints
 from batchgen.kv.state_tier import StateTier
 
 
 class ExactSwap:
-    def __init__(self, kv: KVCacheManager, states: StateTier) -> None:
+    def __init__(
+        self, kv: KVCacheManager, states: StateTier, checkpoints: StateCheckpoints | None = None
+    ) -> None:
         if kv.tier is None:
             raise ValueError("ExactSwap needs the page tier attached to the KV manager")
         self.kv = kv
         self.tier = kv.tier
         self.states = states
+        self.checkpoints = checkpoints  # give up a host slot to a swap that needs one
         self._host_pages: dict[str, list[int]] = {}  # swapped request -> its host pages
         self._waits: list[CopyHandle] = []  # state loads of the step being planned
 
@@ -46,7 +51,11 @@ class ExactSwap:
         pages = self.kv.pages.get(request_id, [])[: self.kv.pages_needed(num_computed)]
         if not self.tier.loads_pay or not pages:
             return False
-        if len(pages) > self.tier.host_room() or not self.states.host_room:
+        if len(pages) > self.tier.host_room():
+            return False
+        if not self.states.host_room and self.checkpoints is not None:
+            self.checkpoints.make_room()
+        if not self.states.host_room:
             return False
         tag = f"request {request_id}"
         self._host_pages[request_id] = self.tier.queue_swap_out(pages, tag)

@@ -15,6 +15,12 @@ Who may reuse a slot:
   host slot is free again only once the load completes. A swapped request that ends
   before its swap-in frees its host slot, after its store completes if it is in flight.
 Handles complete in `poll()` / `drain()`, which TieredKVManager's poll and drain call.
+
+Checkpoints (state_checkpoints.py) use the same host slots through `checkpoint_out` (a
+copy of a slot its request keeps using: the step after it waits on the handle before
+its forward writes the slot, and a swap-out store of that slot waits for it on the copy
+stream) and `checkpoint_in` (a checkpoint into a request's new slot; the host slot stays
+the checkpoint's and is not reused before the load completes).
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class StateTier:
         self._writing: dict[int, CopyHandle] = {}  # host slot -> store in flight
         self._dropped: set[int] = set()  # host slots freed once their store completes
         self._pending: deque[_Pending] = deque()
+        self._read: dict[int, CopyHandle] = {}  # device slot -> checkpoint copy reading it
+        self._loading: dict[int, int] = {}  # host slot -> checkpoint loads reading it
 
     @property
     def slot_bytes(self) -> int:
@@ -87,11 +95,14 @@ class StateTier:
         dev_slots = [self.slots.detach(request_id)]
         host_slots = [self._free.pop()]
         dev, host = self._tensors()
-        handle = self.copies.submit(
-            "store",
-            self.slot_bytes,
-            lambda h: device_to_host_state(dev, host, dev_slots, host_slots),
-        )
+        before = [self._read[s] for s in dev_slots if s in self._read]
+
+        def copy(handle: CopyHandle):
+            for checkpoint in before:  # the slot is given back only after both read it
+                checkpoint.wait_on_current_stream()
+            return device_to_host_state(dev, host, dev_slots, host_slots)
+
+        handle = self.copies.submit("store", self.slot_bytes, copy)
         for s in host_slots:
             self._writing[s] = handle
         self._owned[request_id] = host_slots[0]
@@ -121,6 +132,62 @@ class StateTier:
         self.metrics.state_swaps_in += 1
         self.metrics.count("state_swap_in", self.slot_bytes)
         self._pending.append(_Pending(handle, "load", host_slots[0], None, "state_swap_in"))
+        return handle
+
+    # ---- checkpoints (state_checkpoints.py) ---------------------------------------------
+    def take_host_slot(self) -> int:
+        """A free host slot for a checkpoint (the caller checks `host_room`)."""
+        return self._free.pop()
+
+    def free_host_slot(self, host_slot: int) -> bool:
+        """Give a checkpoint's host slot back; False (kept) while a load reads it."""
+        if self._loading.get(host_slot):
+            return False
+        if host_slot in self._writing:
+            self._dropped.add(host_slot)
+        else:
+            self._free.append(host_slot)
+        return True
+
+    def checkpoint_out(self, dev_slot: int, host_slot: int, tag: str) -> CopyHandle:
+        """Copy a slot its request keeps using to `host_slot`, ordered after the compute
+        that wrote it. The step that runs next waits on the handle before writing it."""
+        dev, host = self._tensors()
+        dev_slots, host_slots = [dev_slot], [host_slot]
+        handle = self.copies.submit(
+            "store",
+            self.slot_bytes,
+            lambda h: device_to_host_state(dev, host, dev_slots, host_slots),
+        )
+        for s in host_slots:
+            self._writing[s] = handle
+        self._read[dev_slot] = handle
+        self.metrics.count("state_checkpoint", self.slot_bytes)
+        self._pending.append(
+            _Pending(handle, "checkpoint", host_slot, dev_slot, "state_checkpoint")
+        )
+        if self.debug:
+            self._readback(dev_slot, host_slot, handle, tag)
+        return handle
+
+    def checkpoint_in(self, host_slot: int, dev_slot: int) -> CopyHandle:
+        """Load a checkpoint into a request's new device slot; the step that resumes the
+        request from it waits on the handle."""
+        dev_slots, host_slots = [dev_slot], [host_slot]
+        after = {self._writing[s] for s in host_slots if s in self._writing}
+        dev, host = self._tensors()
+
+        def copy(handle: CopyHandle):
+            for store in after:  # a checkpoint is not read before its write completes
+                store.wait_on_current_stream()
+            return host_to_device_state(host, dev, host_slots, dev_slots)
+
+        handle = self.copies.submit("load", self.slot_bytes, copy)
+        self._loading[host_slot] = self._loading.get(host_slot, 0) + 1
+        self.metrics.count("state_checkpoint_load", self.slot_bytes)
+        self._pending.append(
+            _Pending(handle, "checkpoint_load", host_slot, None, "state_checkpoint_load")
+        )
         return handle
 
     def forget(self, request_id: str) -> None:
@@ -154,20 +221,27 @@ class StateTier:
         self.metrics.copy_seconds += seconds
         by_reason = self.metrics.seconds_by_reason
         by_reason[p.reason] = by_reason.get(p.reason, 0.0) + seconds
-        if p.kind == "store":
+        if p.kind in ("store", "checkpoint"):
             if self._writing.get(p.host_slot) is p.handle:
                 del self._writing[p.host_slot]
-            self.slots.give_back(p.dev_slot)
+            if p.kind == "store":
+                self.slots.give_back(p.dev_slot)
+            elif self._read.get(p.dev_slot) is p.handle:
+                del self._read[p.dev_slot]
             if p.host_slot in self._dropped:
                 self._dropped.discard(p.host_slot)
                 self._free.append(p.host_slot)
+        elif p.kind == "checkpoint_load":
+            self._loading[p.host_slot] -= 1
+            if not self._loading[p.host_slot]:
+                del self._loading[p.host_slot]
         else:
             self._free.append(p.host_slot)
         p.handle.keep = ()
 
     def _readback(self, dev_slot: int, host_slot: int, handle: CopyHandle, tag: str) -> None:
         """batchgen_debug: wait for the store and compare the host slot with its device
-        source (detached: nothing writes it before the store completes)."""
+        source (detached, or a checkpoint's: nothing writes it before the next step)."""
         handle.synchronize()
         self.metrics.readback_checks += 1
         dev, host = self._tensors()
