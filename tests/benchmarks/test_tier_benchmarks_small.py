@@ -285,14 +285,16 @@ def test_tier_replay_small_replays_both_tiers_and_moves_pages(tmp_path):
 def test_tier_replay_pipelines_decode_steps_as_the_engine_does(tmp_path):
     """A decode step is followed by one `next_decode` builds (the engine's default), so
     steps and tokens are those of the engine; --no-pipeline builds every step in
-    schedule(). Outputs are complete either way."""
+    schedule(). Outputs are complete either way, in either order of the tiers."""
     replay = load("tier_replay")
     runs = {}
-    for flag in ([], ["--no-pipeline"]):
+    for flag in ([], ["--no-pipeline", "--off-first"]):
         out = tmp_path / ("plain" if flag else "pipelined")
         assert replay.main(["--small", "--workload", "w2", "--out", str(out), *flag]) == 0
         runs[bool(flag)] = json.loads((out / "tier_replay.json").read_text())
     assert runs[False]["pipeline"] and not runs[True]["pipeline"]
+    assert runs[True]["off_first"]  # tier off replayed first, tier on still reported first
+    assert [run["host_tier"] for run in runs[True]["runs"]] == [True, False]
     _, out_lens = replay.workload("w2", small=True)
     for result in runs.values():
         for run in result["runs"]:
