@@ -12,14 +12,25 @@ floats) and a stand-in for the forward: every scheduled token counts as computed
 every sampled token is drawn at random (ignore_eos, so each request runs to its length).
 Copies run on the CPU CopyEngine and finish at once, so a store is on host by the next
 step (on the GPU a store may still be in flight); otherwise the decisions are the
-engine's: admission order, preemption, swaps, evictions, write-backs and loads.
+engine's: admission order, preemption, swaps, evictions, write-backs and loads, and, as
+in the engine's default pipelined decode, a decode step followed by the next one built
+blind (`pipeline.next_decode`) whenever the engine would (--no-pipeline: every step from
+`Scheduler.schedule`). Requests are added as `EngineCore.add_request` adds them (`want`,
+then `Scheduler.add`).
 
 What it is for: the tier's traffic and the scheduler's work at full workload size, in
-seconds and with no GPU: steps, tokens computed, preemptions, swaps, recomputes, bytes
+seconds and with no GPU: steps, tokens computed, preemptions, swaps, recomputes, the host
+seconds of adding the requests (`add_seconds`) and of the steps (`step_seconds`: the
+scheduler, KV manager and tier bookkeeping, waits for the CPU copies included;
+`step_cpu_seconds`: the replaying thread's CPU time alone, the copy threads' left out),
+tokens per step, bytes
 by reason (scaled to the model's KV bytes per token, from its workloads.MODELS config:
 qwen3-0.6b 112 KiB, llama-3.1-8b 128 KiB, moonlight-w4 30 KiB) and the host blocks the page copies move (pages per block: how well host pages
-run together). It says nothing about time. Runs the host tier on and off, one after the
-other, and prints both; --out writes tier_replay.json.
+run together). It says nothing about GPU time. Runs the host tier on and off, one after
+the other (--off-first: off, then on), and prints both, on first; --out writes
+tier_replay.json. The first run in the process pays for memory the second reuses: its
+add_seconds (and, less, its step seconds) come out higher whichever tier it is, so
+compare a tier's two orders, not the two runs of one.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from workloads import MODELS, w2_requests, w3_requests  # noqa: E402
 
+from batchgen.engine.pipeline import next_decode  # noqa: E402
 from batchgen.engine.request import Request  # noqa: E402
 from batchgen.engine.scheduler import Scheduler  # noqa: E402
 from batchgen.kv import page_copies  # noqa: E402
@@ -112,28 +124,46 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
         )
     sched = Scheduler(kv, args.max_num_seqs, args.max_batched_tokens, 4096, [-1], args.admission)
     requests = {}
+    start = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, out_lens)):
         req = Request(str(i), list(prompt), SamplingParams(max_tokens=n, ignore_eos=True), n, i)
         requests[req.request_id] = req
-        sched.add(req)
         kv.want(req.request_id, req.token_ids)
+        sched.add(req)
+    add_seconds = time.perf_counter() - start
     rng = random.Random(1)
     computed = steps = 0
-    start = time.perf_counter()
+    queued = None  # a decode step built blind, as the engine's pipeline queues it
+
+    def run_step(out) -> None:
+        nonlocal computed, steps
+        for handle in out.wait_for:
+            handle.synchronize()
+        ids = [s.request_id for s in out.requests if s.sample]
+        tokens = [rng.randint(0, 10_000) for _ in ids]
+        sched.update(out, ModelRunnerOutput(ids, tokens, [None] * len(ids)), requests)
+        computed += out.num_tokens
+        steps += 1
+
+    start, cpu_start = time.perf_counter(), time.thread_time()
     with BlockCounter() as blocks:
-        while sched.has_unfinished:
+        while sched.has_unfinished or queued is not None:
             if kv.tier is not None:
                 kv.tier.poll()
-            out = sched.schedule()
-            for handle in out.wait_for:
-                handle.synchronize()
-            ids = [s.request_id for s in out.requests if s.sample]
-            tokens = [rng.randint(0, 10_000) for _ in ids]
-            sched.update(out, ModelRunnerOutput(ids, tokens, [None] * len(ids)), requests)
-            computed += out.num_tokens
-            steps += 1
-            if out.is_empty and kv.tier is not None:
-                kv.tier.drain()
+            if queued is None:
+                out = sched.schedule()
+                if out.is_empty:  # as in the engine: only copies in flight may hold it up
+                    if kv.tier is None or not kv.tier.num_in_flight:
+                        raise RuntimeError("no request could be scheduled")
+                    kv.tier.drain()
+                    continue
+                if not (args.pipeline and _decode_only(out)):
+                    run_step(out)
+                    continue
+                queued = out
+            current = queued
+            queued = next_decode(current, sched, kv, requests)
+            run_step(current)
         if kv.tier is not None:
             kv.tier.drain()
     result = {
@@ -143,7 +173,10 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
         "preemptions": sched.num_preemptions,
         "recomputes": sched.num_recomputes,
         "device_pages": dev_pages,
-        "replay_seconds": time.perf_counter() - start,
+        "add_seconds": add_seconds,
+        "step_seconds": time.perf_counter() - start,
+        "step_cpu_seconds": time.thread_time() - cpu_start,
+        "tokens_per_step": computed / max(steps, 1),
     }
     if kv.tier is not None:
         scale = page_bytes / layout.bytes_per_page
@@ -157,6 +190,12 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
     return result
 
 
+def _decode_only(out) -> bool:
+    """A step the engine's pipeline queues: every request computes one token and samples
+    (the replay's requests have no penalties or logprobs, which would stop it)."""
+    return all(len(s.new_token_ids) == 1 and s.sample for s in out.requests)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("w2", "w3"), default="w2")
@@ -167,6 +206,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--small", action="store_true", help="the CPU-sized workload")
+    ap.add_argument("--off-first", action="store_true", help="replay tier off, then on")
+    ap.add_argument(
+        "--no-pipeline",
+        dest="pipeline",
+        action="store_false",
+        help="every step from Scheduler.schedule (the engine's pipeline_decode=False)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.kv_gib is None:
@@ -175,7 +221,11 @@ def main(argv=None) -> int:
     if args.small:
         args.host_gib = 0.01
     prompts, out_lens = workload(args.workload, args.small)
-    runs = [replay(prompts, out_lens, args, tier) for tier in (True, False)]
+    order = (False, True) if args.off_first else (True, False)
+    runs = sorted(
+        (replay(prompts, out_lens, args, tier) for tier in order),
+        key=lambda run: not run["host_tier"],
+    )
     for run in runs:
         sys.stdout.write(json.dumps(run) + "\n")
     if args.out is not None:

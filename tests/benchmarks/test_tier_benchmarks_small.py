@@ -277,6 +277,28 @@ def test_tier_replay_small_replays_both_tiers_and_moves_pages(tmp_path):
     assert on["swaps_out"] > 0 and on["gib_by_reason"]["swap_in"] > 0
     assert on["computed_tokens"] < off["computed_tokens"]
     assert on["pages_per_block"] >= 1
+    for run in (on, off):  # host seconds of the add path and of the steps, apart
+        assert run["add_seconds"] > 0 and run["step_cpu_seconds"] > 0
+        assert run["tokens_per_step"] == run["computed_tokens"] / run["steps"]
+
+
+def test_tier_replay_pipelines_decode_steps_as_the_engine_does(tmp_path):
+    """A decode step is followed by one `next_decode` builds (the engine's default), so
+    steps and tokens are those of the engine; --no-pipeline builds every step in
+    schedule(). Outputs are complete either way, in either order of the tiers."""
+    replay = load("tier_replay")
+    runs = {}
+    for flag in ([], ["--no-pipeline", "--off-first"]):
+        out = tmp_path / ("plain" if flag else "pipelined")
+        assert replay.main(["--small", "--workload", "w2", "--out", str(out), *flag]) == 0
+        runs[bool(flag)] = json.loads((out / "tier_replay.json").read_text())
+    assert runs[False]["pipeline"] and not runs[True]["pipeline"]
+    assert runs[True]["off_first"]  # tier off replayed first, tier on still reported first
+    assert [run["host_tier"] for run in runs[True]["runs"]] == [True, False]
+    _, out_lens = replay.workload("w2", small=True)
+    for result in runs.values():
+        for run in result["runs"]:
+            assert run["computed_tokens"] >= sum(out_lens) - len(out_lens)
 
 
 def test_profile_reports_host_time_per_step_phase_and_names_the_traced_runs():

@@ -243,3 +243,15 @@ def test_wanted_pages_are_evicted_after_every_unwanted_one():
     alloc.want(h(1))  # wanted again while free: kept, after the page kept before it
     assert free_order(alloc) == [pages[0], pages[1]]
     assert alloc.allocate(2) == [pages[0], pages[1]] and alloc.evictions == 4
+
+
+def test_is_cached_answers_lookup_of_one_hash_held_or_free():
+    alloc = PageAllocator(2)
+    (page,) = alloc.allocate(1)
+    alloc.register(page, h(0))
+    assert alloc.is_cached(h(0)) and not alloc.is_cached(h(1))
+    alloc.free([page])  # free but cached: still found
+    assert alloc.is_cached(h(0)) == bool(alloc.lookup([h(0)]))
+    alloc.allocate(2)  # evicted
+    assert not alloc.is_cached(h(0))
+    assert not PageAllocator(2, enable_caching=False).is_cached(h(0))

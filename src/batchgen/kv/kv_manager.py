@@ -96,10 +96,14 @@ class KVCacheManager:
         """Count the request's full pages as wanted until it finishes: a free cached page
         someone wants is evicted after those nobody wants, and written back to host if
         evicted all the same (tier active only)."""
-        if not self.allocator.enable_caching:
-            return
-        hashes = self.page_hashes(request_id, token_ids)
+        if self.allocator.enable_caching:
+            self._want_hashes(request_id, self.page_hashes(request_id, token_ids))
+
+    def _want_hashes(self, request_id: str, hashes: list[bytes]) -> None:
+        """`want` for the request's known page hashes (those not counted yet)."""
         done = self._counted.get(request_id, 0)
+        if done >= len(hashes):
+            return
         demand = self._demand
         for h in hashes[done:]:
             n = demand.get(h, 0)
@@ -124,11 +128,9 @@ class KVCacheManager:
     def is_cached(self, page_hash: bytes) -> bool:
         """The page is in the device prefix cache or in the host tier's (no reference
         taken, no counter touched): for admission order."""
-        if not self.allocator.enable_caching:
-            return False
-        if self.allocator.lookup([page_hash]):
+        if self.allocator.is_cached(page_hash):
             return True
-        return self.tier_active and bool(self.tier.host_alloc.lookup([page_hash]))
+        return self.tier_active and self.tier.host_alloc.is_cached(page_hash)
 
     def free_pages_to_admit(self, request_id: str, token_ids: list[int]) -> int:
         """Free device pages admitting the whole request would take: the pages of its
@@ -189,13 +191,15 @@ class KVCacheManager:
         done = self._num_registered.get(request_id, 0)
         if full <= done:
             return
-        hashes = self.page_hashes(request_id, token_ids[: full * self.page_size])
+        # a page's hash depends on its tokens only: those of pages not computed yet (a
+        # prompt's, hashed at add) may be known already, and none is hashed twice
+        hashes = self.page_hashes(request_id, token_ids)
         pages = self.pages[request_id]
         for i in range(done, full):
             self.allocator.register(pages[i], hashes[i])
         self._num_registered[request_id] = full
         if self.tier_active:
-            self.want(request_id, token_ids[: full * self.page_size])
+            self._want_hashes(request_id, hashes)
             if self.decode_append != "off":
                 new = [i for i in range(done, full) if not self.tier.holds(hashes[i])]
                 self.tier.queue_store(

@@ -109,6 +109,10 @@ class PageAllocator:
                 pages.append(page)
         return pages
 
+    def is_cached(self, page_hash: bytes) -> bool:
+        """A page (held or free) holds `page_hash`: `lookup([page_hash])` without a list."""
+        return self.enable_caching and page_hash in self._cached
+
     def register(self, page: int, page_hash: bytes) -> None:
         """Mark a held, full page as holding the tokens `page_hash` names."""
         if not self.enable_caching or page in self._page_hash or page_hash in self._cached:

@@ -126,11 +126,13 @@ class TieredKVManager:
 
     def holds(self, page_hash: bytes) -> bool:
         """The host cache has (or is writing) the page `page_hash` names."""
-        return page_hash in self._storing or bool(self.host_alloc.lookup([page_hash]))
+        return page_hash in self._storing or self.host_alloc.is_cached(page_hash)
 
     def loads_of(self, dev_pages: list[int]) -> list[CopyHandle]:
         """Loads in flight that write any of `dev_pages` (a prefix hit on a page still
         being loaded must wait for it like the step that asked for the load)."""
+        if not self._loading:  # most admissions: no load in flight to look through
+            return []
         return list({id(h): h for p in dev_pages if (h := self._loading.get(p))}.values())
 
     def host_room(self) -> int:
@@ -215,6 +217,8 @@ class TieredKVManager:
         """Submit the queued copies (stores first, so a load can wait for them); returns
         the handles the step's forward must wait on (write-backs, loads)."""
         waits = []
+        if not self._has_queued(stores_only):  # most steps: nothing to submit
+            return waits
         q, self._stores = self._stores, _Queued()
         for chunk in self._chunks(q):
             self._submit_store(chunk, hold_dev=True)
@@ -233,6 +237,15 @@ class TieredKVManager:
         if q.dev_pages:
             waits.append(self._submit_load(q, read_gates))
         return waits
+
+    def _has_queued(self, stores_only: bool) -> bool:
+        if self._stores.dev_pages:
+            return True
+        if stores_only:
+            return False
+        return bool(
+            self._write_backs.dev_pages or self._swap_outs.dev_pages or self._loads.dev_pages
+        )
 
     def _chunks(self, q: _Queued):
         for i in range(0, len(q.dev_pages), MAX_PAGES_PER_COPY):
