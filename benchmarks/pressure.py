@@ -14,7 +14,10 @@ or /tmp/batchgen-<model>-config, holds only config.json and a placeholder tokeni
 greedy, ignore_eos), device KV pool 8 GiB (--kv-gib). Two engines in one process, one
 after the other (the first freed before the second is built): host tier on (64 GiB,
 --host-gib: a preempted request is swapped to host and back) and off
-(host_kv_size_gib=0: it is recomputed). --admission and --tier-policy pass through to
+(host_kv_size_gib=0: it is recomputed); --runs off,on reverses the order and --runs on
+(or off) builds one engine alone (the first engine of a process pays for memory later
+ones reuse, so the fairest comparison is one engine per process). --admission and
+--tier-policy pass through to
 both (default: the engine's defaults; under tier_policy="auto" the tier may judge a swap
 dearer than a recompute and not swap; "always" swaps whatever it costs).
 
@@ -59,6 +62,14 @@ def small_workload() -> tuple[list[list[int]], list[int]]:
     return w2_requests(n=24, prompt_lens=(32, 96), out_lens=(16, 48), max_token=500)
 
 
+def parse_runs(text: str) -> list[str]:
+    """"on,off" -> ["on", "off"]: the tier-on and tier-off engines, in the order given."""
+    runs = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    if not runs or set(runs) - {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"--runs takes on, off, on,off or off,on; got {text!r}")
+    return runs
+
+
 def engine_kwargs(args) -> dict:
     kw = common_engine_kwargs(args) | dict(
         decode_append=args.decode_append,
@@ -75,13 +86,16 @@ def engine_kwargs(args) -> dict:
 
 
 def summary(result: dict) -> str:
-    on, off = result["tier_on"], result["tier_off"]
+    on, off = result.get("tier_on"), result.get("tier_off")
     lines = [
         f"{result['workload']} on {result['model']}: {result['requests']} requests, "
         f"{result['prompt_tokens']:,} prompt + {result['expected_output_tokens']:,} output "
-        f"tokens, admission {result['admission']}, tier_policy {result['tier_policy']}",
+        f"tokens, admission {result['admission']}, tier_policy {result['tier_policy']}, "
+        f"runs in the order {','.join(result['order'])}",
     ]
     for label, run in (("host tier on ", on), ("host tier off", off)):
+        if run is None:
+            continue
         m = run["metrics"]
         lines.append(
             f"{label} {run['tok_s']:10.1f} output tok/s ({run['wall_s']:.2f} s, "
@@ -89,11 +103,15 @@ def summary(result: dict) -> str:
             f"{m.get('swaps_out', 0)}/{m.get('swaps_in', 0)}  recomputes {m['recomputes']}  "
             f"computed {m['computed_tokens']:,}"
         )
+    if on is None:
+        lines.append(checks_line(result["checks"]))
+        return "\n".join(lines) + "\n"
     m = on["metrics"]
     if cost_rule(m):
         lines.append(f"host tier on: {cost_rule(m)} (tier_policy {result['tier_policy']})")
+    if off is not None:
+        lines.append(f"ratio on/off {result['ratio']:.2f}x")
     lines += [
-        f"ratio on/off {result['ratio']:.2f}x",
         f"tier copies: {size(m['bytes_offloaded'])} to host, {size(m['bytes_loaded'])} back, "
         f"{m['copy_seconds']:.2f} s of copy-stream time -> {m['copy_gb_per_s']:.1f} GB/s = {100 * result['fraction_of_ceiling']:.1f}% of "
         f"{CEILING_GB_S:.0f} GB/s ({result['wall_gb_per_s']:.1f} GB/s over the run's wall time)",
@@ -111,6 +129,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-gib", type=float, default=8.0, help="device KV pool (GiB)")
     ap.add_argument("--host-gib", type=float, default=64.0, help="host KV pool of the tier-on run")
     ap.add_argument("--decode-append", default="off", choices=("off", "batched", "layer"))
+    ap.add_argument(
+        "--runs",
+        type=parse_runs,
+        default=["on", "off"],
+        help="the engines to build, in order: on,off (default), off,on, on or off",
+    )
     add_engine_args(ap)
     add_model_args(ap)
     add_policy_args(ap)
@@ -123,19 +147,19 @@ def main(argv=None) -> int:
         warmup_len = 512
     _, ckpt = dummy_model(args)
     kw = engine_kwargs(args)
-    on = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=args.host_gib, **kw)
-    off = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=0.0, **kw)
-    m = on["metrics"]
-    moved = m["bytes_offloaded"] + m["bytes_loaded"]
-    swap_bytes = m.get("bytes_swap_out", 0) + m.get("bytes_swap_in", 0)
-    swap_seconds = m.get("copy_seconds_swap_out", 0.0) + m.get("copy_seconds_swap_in", 0.0)
+    runs = {}
+    for name in args.runs:
+        host_gib = args.host_gib if name == "on" else 0.0
+        runs[name] = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=host_gib, **kw)
+    on, off = runs.get("on"), runs.get("off")
     checks = {
-        "all_outputs": on["all_outputs"] and off["all_outputs"],
-        "same_output_tokens": on["output_tokens"] == off["output_tokens"] == sum(out_lens),
-        "tier_off_recomputed": off["metrics"]["recomputes"] > 0,
+        "all_outputs": all(r["all_outputs"] for r in runs.values()),
+        "same_output_tokens": all(r["output_tokens"] == sum(out_lens) for r in runs.values()),
     }
-    if args.tier_policy == "always":
-        checks["tier_on_swapped"] = m.get("swaps_out", 0) > 0
+    if off is not None:
+        checks["tier_off_recomputed"] = off["metrics"]["recomputes"] > 0
+    if args.tier_policy == "always" and on is not None:
+        checks["tier_on_swapped"] = on["metrics"].get("swaps_out", 0) > 0
     result = {
         "workload": "small" if args.small else "W2",
         "model": args.model + (" (small)" if args.small else ""),
@@ -145,18 +169,28 @@ def main(argv=None) -> int:
         "prompt_tokens": sum(len(p) for p in prompts),
         "expected_output_tokens": sum(out_lens),
         "engine": dict(kw, host_kv_size_gib=args.host_gib),
-        "tier_on": on,
-        "tier_off": off,
-        "ratio": on["tok_s"] / off["tok_s"],
+        "order": args.runs,
         "ceiling_gb_per_s": CEILING_GB_S,
-        "fraction_of_ceiling": m["copy_gb_per_s"] / CEILING_GB_S,
-        "wall_gb_per_s": moved / on["wall_s"] / 1e9,
-        # the swap traffic alone (swap-outs and swap-ins, not write-through or appends)
-        "swap_bytes": swap_bytes,
-        "swap_copy_seconds": swap_seconds,
-        "swap_gb_per_s": swap_bytes / swap_seconds / 1e9 if swap_seconds > 0 else 0.0,
         "checks": checks,
     }
+    if off is not None:
+        result["tier_off"] = off
+    if on is not None:
+        m = on["metrics"]
+        moved = m["bytes_offloaded"] + m["bytes_loaded"]
+        # the swap traffic alone (swap-outs and swap-ins, not write-through or appends)
+        swap_bytes = m.get("bytes_swap_out", 0) + m.get("bytes_swap_in", 0)
+        swap_seconds = m.get("copy_seconds_swap_out", 0.0) + m.get("copy_seconds_swap_in", 0.0)
+        result.update(
+            tier_on=on,
+            fraction_of_ceiling=m["copy_gb_per_s"] / CEILING_GB_S,
+            wall_gb_per_s=moved / on["wall_s"] / 1e9,
+            swap_bytes=swap_bytes,
+            swap_copy_seconds=swap_seconds,
+            swap_gb_per_s=swap_bytes / swap_seconds / 1e9 if swap_seconds > 0 else 0.0,
+        )
+        if off is not None:
+            result["ratio"] = on["tok_s"] / off["tok_s"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pressure.json").write_text(json.dumps(result, indent=2))
     sys.stdout.write(summary(result))

@@ -29,7 +29,7 @@ about 12 requests' worth of pages (10 for W3-8B), so every prefix is evicted fro
 device before its next use.
 
 Up to four engines, one after the other in one process (each freed before the next;
---runs picks a subset, in this order):
+--runs picks a subset and their order, by default this one):
 
     defaults         batchgen's defaults: admission="prefix", host tier on, tier_policy
                      (--tier-policy, default the engine's "auto")
@@ -129,14 +129,16 @@ def engine_kwargs(args) -> dict:
 
 
 def parse_runs(text: str) -> list[str]:
-    """A comma list of RUNS names -> those names in RUNS' order."""
-    wanted = {name.strip() for name in text.split(",") if name.strip()}
-    unknown = wanted - set(RUNS)
+    """A comma list of RUNS names -> those names, each once, in the order given (the
+    first engine of a process pays for memory later ones reuse: name the order, or run
+    one engine per process, to compare runs fairly)."""
+    wanted = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = set(wanted) - set(RUNS)
     if unknown or not wanted:
         raise argparse.ArgumentTypeError(
             f"--runs takes a comma list of {', '.join(RUNS)}; got {text!r}"
         )
-    return [name for name in RUNS if name in wanted]
+    return wanted
 
 
 def prefix_load_rate(metrics: dict) -> dict:

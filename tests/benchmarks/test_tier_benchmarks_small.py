@@ -124,6 +124,20 @@ def test_pressure_small_llama_with_admission_and_policy_passed_through(tmp_path)
     assert all(result["checks"].values())
 
 
+def test_pressure_small_runs_in_the_order_given_or_one_engine_alone(tmp_path):
+    both = _run("pressure", tmp_path / "both", "--runs", "off,on", "--tier-policy", "always")
+    assert both["order"] == ["off", "on"]
+    assert both["ratio"] == both["tier_on"]["tok_s"] / both["tier_off"]["tok_s"]
+    alone = _run("pressure", tmp_path / "off", "--runs", "off")
+    assert alone["order"] == ["off"] and "tier_on" not in alone and "ratio" not in alone
+    assert alone["checks"]["tier_off_recomputed"] and all(alone["checks"].values())
+    # the same engine and requests: the same schedule whichever engine came first
+    for key in ("output_tokens", "computed_tokens", "preemptions", "recomputes"):
+        assert alone["tier_off"]["metrics"][key] == both["tier_off"]["metrics"][key]
+    with pytest.raises(argparse.ArgumentTypeError, match="on,off"):
+        load("pressure").parse_runs("on,sideways")
+
+
 def _prefill_accounting(result: dict) -> None:
     """Without preemption every prompt token is either computed or a prefix hit."""
     for run in result["runs"].values():
@@ -179,7 +193,7 @@ def test_shared_prefix_small_runs_the_four_engines(tmp_path, observed):
 def test_shared_prefix_small_runs_a_subset_and_skips_the_profile_on_the_cpu(tmp_path, capsys):
     argv = ["--model", "llama-3.1-8b", "--runs", "tier-on-arrival,baseline", "--profile"]
     result = _run("shared_prefix", tmp_path, *argv)
-    assert list(result["runs"]) == ["baseline", "tier-on-arrival"]
+    assert list(result["runs"]) == ["tier-on-arrival", "baseline"]  # the order given
     assert list(result["ratios"]) == ["tier_on_vs_off_arrival"]
     assert result["model"] == "llama-3.1-8b (small)"
     assert result["engine"]["tier_policy"] == "auto"
