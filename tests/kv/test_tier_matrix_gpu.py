@@ -41,13 +41,13 @@ GPU = dict(
 )
 TIER = dict(num_kv_pages=40, host_kv_size_gib=0.02)
 SCORE = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-ROWS = [
-    pytest.param(graphs, pipeline, append, "worker", id=f"{g}-{p}-append-{append}")
+ROWS = [  # the first row is the default configuration (copies issued by the asking thread)
+    pytest.param(graphs, pipeline, append, "inline", id=f"{g}-{p}-append-{append}")
     for graphs, g in ((True, "graphs"), (False, "eager"))
     for pipeline, p in ((True, "pipelined"), (False, "plain"))
     for append in ("off", "batched", "layer")
-] + [  # the first row is the default configuration; copies issued by the asking thread:
-    pytest.param(True, True, append, "inline", id=f"graphs-pipelined-append-{append}-inline")
+] + [  # copies issued by the copy worker
+    pytest.param(True, True, append, "worker", id=f"graphs-pipelined-append-{append}-worker")
     for append in ("off", "layer")
 ]
 
@@ -143,6 +143,7 @@ def test_graphs_captured_while_stores_are_issued(workload, pipeline, decode_appe
         pipeline_decode=pipeline,
         decode_append=decode_append,
         host_kv_size_gib=0.02,
+        tier_copy_issue="worker",  # the race needs a second thread issuing copies
         **{**GPU, "num_kv_pages": 600, "max_num_batched_tokens": 2048},  # one prefill step
     )
     engine = llm.engine
