@@ -31,7 +31,18 @@ top-5 (both sides continue the same tokens there, so one top-5 stands for both).
 run (every offloaded page read back and compared), ignore_eos, logprobs=5 on every token
 of both runs, each side's own top-5 at the divergence.
 
---model: qwen3-0.6b (W1's model, the default) or llama-3.1-8b with random bf16 weights
+--readback: the default mode with batchgen_debug=True on the tier run (every offloaded
+page, and a hybrid model's every offloaded state slot, read back and compared with its
+device source; a mismatch raises and ends the probe), everything else as users run it.
+This is the forced-offload probe of the W4 and W6 models:
+
+    # W4's model (MLA latent pages), 4 GiB device pool: every default on, readback
+    PYTHONPATH=src python3 benchmarks/probe_offload.py --model moonlight-w4 --readback --out $OUT
+    # W6's model (KDA state slots + MLA pages): a 1 GiB pool forces swaps
+    PYTHONPATH=src python3 benchmarks/probe_offload.py --model kimi-w6 --kv-gib 1 --readback --out $OUT
+
+--model: qwen3-0.6b (W1's model, the default), llama-3.1-8b, moonlight-w4 (W4) or kimi-w6
+(W6) with random bf16 weights
 (load_format="dummy", the directory --ckpt or /tmp/batchgen-<model>-config holds only
 config.json and a tokenizer); "default" for batchgen's embedded default model (needs
 the gguf package); or the path of a model directory or GGUF file (its own weights).
@@ -61,6 +72,8 @@ TIER_KEYS = (
     "preemptions",
     "swaps_out",
     "swaps_in",
+    "state_swaps_out",
+    "state_swaps_in",
     "recomputes",
     "host_prefix_hit_pages",
     "pages_offloaded",
@@ -202,7 +215,11 @@ def main(argv=None) -> int:
         default=engine_default("decode_append"),
         choices=("off", "batched", "layer"),
     )
-    ap.add_argument("--debug", action="store_true", help="the batchgen_debug probe (see above)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--debug", action="store_true", help="the batchgen_debug probe (see above)")
+    mode.add_argument(
+        "--readback", action="store_true", help="default mode, batchgen_debug on the tier run"
+    )
     ap.add_argument("--model", default="qwen3-0.6b", help="a name, 'default' or a path")
     ap.add_argument("--small", action="store_true", help="CPU-sized smoke run")
     ap.add_argument("--ckpt", type=Path, default=None, help="directory for --model's config")
@@ -224,6 +241,8 @@ def main(argv=None) -> int:
         common.update(dtype=dtype, device="cuda", max_model_len=2048)
         tight = dict(kv_cache_size_gib=args.kv_gib, host_kv_size_gib=args.host_gib)
     tight.update(tier_policy=args.tier_policy, decode_append=args.decode_append)
+    if args.readback:
+        tight["batchgen_debug"] = True
 
     if args.debug:
         params = SamplingParams(
@@ -246,9 +265,11 @@ def main(argv=None) -> int:
         ample_rows, m_ample, wall_ample, verdict = run(
             model, prompts, params, after=judge, **common
         )
+        if args.readback:
+            verdict["readback_mismatches"] = 0  # a mismatch raises KVReadbackError
     lost = sum(not r[0] for r in tier_rows) + sum(not r[0] for r in ample_rows)
     result = {
-        "mode": "debug" if args.debug else "default",
+        "mode": "debug" if args.debug else "default + readback" if args.readback else "default",
         "model": model or "batchgen default model",
         "requests": args.requests,
         "tier_run": dict(tight, **common),

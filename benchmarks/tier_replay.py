@@ -199,7 +199,9 @@ def _decode_only(out) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("w2", "w3"), default="w2")
-    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
+    # models with linear-attention layers carry state slots the replay does not model
+    paged = sorted(name for name, (cfg, _) in MODELS.items() if "layer_types" not in cfg)
+    ap.add_argument("--model", choices=paged, default="qwen3-0.6b")
     ap.add_argument("--admission", choices=("prefix", "arrival"), default="prefix")
     ap.add_argument("--kv-gib", type=float, default=None, help="device pool (W2 8, W3 4)")
     ap.add_argument("--host-gib", type=float, default=64.0)

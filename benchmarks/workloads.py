@@ -197,6 +197,7 @@ MODELS = {
     "qwen3-0.6b": (QWEN3_0_6B, SMALL_MODEL),
     "llama-3.1-8b": (LLAMA_3_1_8B, SMALL_LLAMA),
     "moonlight-w4": (MOONLIGHT_W4, SMALL_MOONLIGHT),
+    "kimi-w6": (KIMI_W6, SMALL_KIMI),
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from bench_scripts import load
 
 
@@ -35,6 +36,22 @@ def test_debug_probe_reads_back_every_offloaded_page(tmp_path):
     m = result["offload_run"]
     assert m["readback_checks"] >= m["pages_offloaded"] > 0
     assert result["eos_endings"] == {"tier": 0, "ample": 0}  # ignore_eos
+
+
+@pytest.mark.parametrize("model", ["moonlight-w4", "kimi-w6"])
+def test_readback_probe_of_the_w4_and_w6_models_in_defaults(tmp_path, model):
+    """The forced-offload probe of the MLA and hybrid models: every default on (EOS
+    endings, no logprobs, pipelined decode), batchgen_debug reading back each offloaded
+    page (and state slot) on the tier run alone."""
+    result = _run(tmp_path, "--model", model, "--readback", "--tier-policy", "always")
+    assert result["mode"] == "default + readback" and result["readback_mismatches"] == 0
+    assert result["tier_run"]["batchgen_debug"] is True
+    assert result["broken_rows"] == 0 and result["rows_without_output"] == 0
+    m = result["offload_run"]
+    assert m["swaps_out"] > 0 and m["readback_checks"] >= m["pages_offloaded"] > 0
+    if model == "kimi-w6":  # a hybrid request swaps its compressed state with its pages
+        assert m["state_swaps_out"] > 0 and m["state_swaps_in"] > 0
+    assert "readback_checks" not in result["ample_run"]
 
 
 def test_compare_scores_each_divergence_once_with_the_common_prefix():
