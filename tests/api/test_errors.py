@@ -115,6 +115,17 @@ def test_token_id_outside_vocab(llm, bad):
     assert_still_works(llm)
 
 
+@pytest.mark.parametrize("bad", [2.0, True, "7"], ids=["float", "bool", "str"])
+def test_token_id_of_the_wrong_type(llm, bad):
+    with pytest.raises(TypeError, match=rf"prompt 1\b.*token ids must be ints, got {bad!r}"):
+        llm.generate([[1, 2], [3, bad, 4]], GREEDY, use_tqdm=False)
+    assert_idle(llm)
+    with pytest.raises(TypeError, match=r"request x\b.*must be ints"):
+        llm.engine.add_request("x", [3, bad], GREEDY)
+    assert_idle(llm)
+    assert_still_works(llm)
+
+
 def test_dict_prompt_without_a_known_key(llm):
     with pytest.raises(ValueError, match=r"prompt 1\b.*'prompt'"):
         llm.generate([[1, 2], {"text": "w5"}], GREEDY, use_tqdm=False)

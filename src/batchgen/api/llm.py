@@ -118,7 +118,7 @@ class LLM:
                 )
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt), prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list):  # its ids' types are checked with their range
             return prompt, None
         raise TypeError(
             f"prompt {index}: expected a string or a list of token ids, got {type(prompt).__name__}"
@@ -137,7 +137,7 @@ class LLM:
             rid = f"{batch}-{i}"
             group = [rid] if len(children) == 1 else [f"{rid}#{k}" for k in range(len(children))]
             for child_id, child in zip(group, children):  # consecutive: one prompt prefill
-                self.engine.add_request(child_id, tokens, child)
+                self.engine.add_request(child_id, tokens, child, validated=True)
             groups.append(group)
         ids = [rid for group in groups for rid in group]
         done: dict[str, Request] = {}

@@ -417,8 +417,11 @@ class EngineCore:
                 f"max_model_len is {self.max_model_len} (room is needed for output)"
             )
         vocab = self.hf_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        # one pass over the ids for both checks: a W3-sized batch has millions of them
+        bad = next((t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab), None)
         if bad is not None:
+            if type(bad) is not int:
+                raise TypeError(f"{what}: token ids must be ints, got {bad!r}")
             raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {vocab})")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{what}: sampling params must be a SamplingParams, got {type(params)}")
@@ -445,9 +448,16 @@ class EngineCore:
         return self.grammar
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        validated: bool = False,
     ) -> Request:
-        self.validate(prompt_token_ids, params, f"request {request_id}")
+        """Queue one request. `validated`: the caller has already run validate() on these
+        ids and params (LLM checks a whole call's prompts before adding any)."""
+        if not validated:
+            self.validate(prompt_token_ids, params, f"request {request_id}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         room = self.max_model_len - len(prompt_token_ids)
