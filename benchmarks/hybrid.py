@@ -9,7 +9,8 @@ an MLA layer with kv_lora_rank 512, the rest KDA with 16 heads of 128 and a 4-ta
 convolution, hidden 2048, 64 routed experts top-6 plus 1 shared, first layer dense),
 random bf16 weights drawn by batchgen on the device from config.json alone
 (load_format="dummy"). The peer is transformers' Kimi Linear through `generate()` in
-padded batches of 64 (timed on --peer-batches of the 8, after an untimed first batch),
+padded batches of 64 (timed on --peer-batches of the 8, after an untimed warm-up: the
+first batch's prompts for two new tokens),
 with its own random weights of the same shapes; it runs fla-core's
 KDA kernels where fla-core is importable and its pure-torch KDA otherwise, and the result
 says which ("peer_kda"). Where the installed transformers has no Kimi Linear, the peer is
@@ -84,8 +85,8 @@ def main(argv=None) -> int:
         "--peer-batches",
         type=int,
         default=2,
-        help="batches of 64 the peer is timed on, after an untimed one (2; 0: all, timed "
-        "from the first). The full peer run takes longer than a device call allows.",
+        help="batches of 64 the peer is timed on, after an untimed warm-up (2; 0: all, "
+        "timed from the first). The full peer run takes longer than a device call allows.",
     )
     ap.add_argument(
         "--profile", action="store_true", help="+ where a decode step's time goes (throughput.py)"

@@ -111,9 +111,11 @@ def _release_device_memory() -> None:
 def run_peer(ckpt: Path, prompts, out_lens, args, batches: int | None = None) -> dict:
     """transformers' model of the checkpoint's architecture, random bf16 weights,
     generate() in padded batches of PEER_BATCH. `batches`: time only that many batches,
-    after one untimed batch that takes the first-call costs (kernel compilation and
-    autotuning); batches of the same shapes run one after another, so their tok/s is the
-    whole run's. None: every batch, timed from the first."""
+    after an untimed warm-up that takes the first-call costs (kernel compilation and
+    autotuning): the first batch's prompts for two new tokens (the same prefill shapes,
+    then a decode step), so the warm-up costs about a prefill, not a whole batch; batches
+    of the same shapes run one after another, so their tok/s is the whole run's. None:
+    every batch, timed from the first."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -126,7 +128,7 @@ def run_peer(ckpt: Path, prompts, out_lens, args, batches: int | None = None) ->
             torch.nn.init.normal_(p, 0.0, 0.02)
     starts = list(range(0, len(prompts), PEER_BATCH))
     if batches is not None:
-        _peer_batch(model, prompts, out_lens, starts[0], args)  # warm-up, untimed
+        _peer_batch(model, prompts, out_lens, starts[0], args, new_tokens=2)  # warm-up
         starts = starts[1 : 1 + batches]
     got = 0
     _sync(args.device)
@@ -141,15 +143,16 @@ def run_peer(ckpt: Path, prompts, out_lens, args, batches: int | None = None) ->
     return result
 
 
-def _peer_batch(model, prompts, out_lens, b: int, args) -> int:
-    """generate() on the batch of prompts starting at b; its output tokens."""
+def _peer_batch(model, prompts, out_lens, b: int, args, new_tokens: int | None = None) -> int:
+    """generate() on the batch of prompts starting at b (for `new_tokens` each, default
+    the batch's longest output length); its output tokens."""
     import torch
 
     batch = prompts[b : b + PEER_BATCH]
     width = max(len(p) for p in batch)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=args.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=args.device)
-    n = max(out_lens[b : b + PEER_BATCH])
+    n = new_tokens or max(out_lens[b : b + PEER_BATCH])
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,

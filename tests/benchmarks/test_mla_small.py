@@ -17,3 +17,27 @@ def test_small_run_writes_its_result(tmp_path):
     assert ours["output_tokens"] == peer["output_tokens"] == 6 * 6
     assert ours["steps"] > 0 and 0 < ours["prefill_phase_s"] <= ours["wall_s"]
     assert result["ratio"] > 0
+
+
+def test_peer_warms_up_on_two_tokens_then_times_whole_batches(tmp_path, monkeypatch):
+    """The peer's warm-up is the first batch's prompts for two new tokens; the timed
+    batches are the next ones, whole, and only they are counted."""
+    import argparse
+
+    mla = load("mla")
+    workloads = load("workloads")
+    ckpt = workloads.config_dir(tmp_path / "config", workloads.SMALL_MOONLIGHT, "float32")
+    calls = []
+
+    def fake_batch(model, prompts, out_lens, b, args, new_tokens=None):
+        n = new_tokens or max(out_lens[b : b + mla.PEER_BATCH])
+        calls.append((b, n))
+        return n * len(prompts[b : b + mla.PEER_BATCH])
+
+    monkeypatch.setattr(mla, "_peer_batch", fake_batch)
+    prompts = [[1, 2, 3]] * (3 * mla.PEER_BATCH)
+    out_lens = [5] * len(prompts)
+    args = argparse.Namespace(device="cpu", dtype="float32")
+    result = mla.run_peer(ckpt, prompts, out_lens, args, batches=1)
+    assert calls == [(0, 2), (mla.PEER_BATCH, 5)]
+    assert result["output_tokens"] == 5 * mla.PEER_BATCH and result["timed_batches"] == 1
