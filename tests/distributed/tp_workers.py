@@ -215,3 +215,56 @@ def worker_main_skipping_tier_copies(*args) -> None:
 
     TierMirror.issue = lambda self, copies: []
     tensor_parallel.worker_main(*args)
+
+
+def kda_layer_runs(tp: TPGroup, path: str) -> dict:
+    """One KDA layer with every head (tp None) and this rank's share, loaded from the
+    same full checkpoint tensors, through two packed steps over their own state pools:
+    a prefill of two fresh requests, then a decode row each continuing from its slot.
+    Both layers' outputs and final slots."""
+    from transformers import KimiLinearConfig
+
+    from batchgen.forward_context import AttentionMetadata, LinearAttentionMetadata, LinearSeq
+    from batchgen.kv.state_pool import StatePool
+    from batchgen.layers.kda import KimiDeltaAttention
+
+    data = torch.load(path)
+    config = KimiLinearConfig(**data["config"])
+    runs = {}
+    for name, group in (("full", None), ("part", tp)):
+        layer = KimiDeltaAttention(config, 0, 0, chunk_size=4, tp=group)
+        for weight, tensor in data["weights"].items():
+            layer.load_weight(weight, tensor)
+        pool = StatePool(state_layout_of(layer), 3, "cpu")
+        outs = []
+        for step in data["steps"]:
+            seqs, start = [], 0
+            for rows, slot, has_state in step:
+                seqs.append(LinearSeq(start, rows.shape[0], slot, has_state))
+                start += rows.shape[0]
+            ctx = ForwardContext(
+                metadata=AttentionMetadata(
+                    num_tokens=start, slot_mapping=torch.zeros(start, dtype=torch.int64)
+                ),
+                kv_caches=[],
+                linear_states=pool.layer_states(),
+                linear_metadata=LinearAttentionMetadata.build(seqs, "cpu"),
+            )
+            with torch.no_grad(), bind_forward_context(ctx):
+                outs.append(layer(torch.cat([rows for rows, _, _ in step])))
+        runs[name] = {"outputs": outs, "states": pool.states.clone(), "windows": pool.windows}
+    return runs
+
+
+def state_layout_of(layer):
+    from batchgen.kv.state_pool import StateLayout
+
+    return StateLayout(
+        num_layers=1,
+        num_heads=layer.num_heads,
+        head_k_dim=layer.head_dim,
+        head_v_dim=layer.head_dim,
+        conv_dim=layer.conv_dim,
+        conv_kernel=layer.conv_kernel,
+        conv_dtype=torch.float32,
+    )

@@ -298,7 +298,8 @@ def test_loads_moonshot_checkpoint_names(setup):
 def test_packed_short_conv_equals_request_by_request(dtype):
     """A mixed step (prefill chunks shorter and longer than the window, single rows, fresh
     and continuing requests, slots out of order): the packed convolution gives the same
-    rows and leaves the same windows as the per-request reference, bit for bit."""
+    rows as the per-request reference up to an ulp (SiLU's vectorised and scalar loops
+    split the rows differently, by CPU), and leaves the same windows, bit for bit."""
     g = torch.Generator().manual_seed(0)
     taps, channels, num_slots = 4, 24, 9
     lengths, slots = [5, 1, 2, 1, 17, 3, 1], [7, 0, 3, 5, 1, 8, 2]
@@ -315,7 +316,8 @@ def test_packed_short_conv_equals_request_by_request(dtype):
     ref = kda_torch.short_conv(x, weight, ref_windows, seqs)
     out = kda_torch.short_conv_packed(x, weight, windows, meta.cu_seqlens, meta.state_slots)
     assert out.dtype == dtype
-    assert torch.equal(out, ref)
+    ulp = torch.finfo(dtype).eps * ref.abs().clamp(min=1.0)
+    assert ((out.float() - ref.float()).abs() <= ulp).all()
     assert torch.equal(windows, ref_windows)
     # and the windows did move: the 17-row request (rows 9..25, slot 1) keeps rows 23..25;
     # the 2-row one (slot 3) its old window's last row, then its two rows

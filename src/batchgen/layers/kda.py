@@ -9,6 +9,12 @@
 No per-token KV: each request owns one slot of the layer's compressed state (recurrent
 state [H, Dk, Dv] float32 and conv window [K - 1, 3 * H * D]) in kv/state_pool.py; the
 slot ids and token ranges come from `ForwardContext.linear_metadata`.
+
+Tensor parallel (`tp`): heads are split across ranks, everything per head stays on its
+rank (q/k/v rows and their conv taps, the decay and output-gate rows, A_log, dt_bias,
+beta, the state slot's heads and window channels); f_a_proj, g_a_proj (rank-wide
+low-rank inputs) and o_norm (per head, shared) are replicated; o_proj is row-parallel,
+the layer's one all-reduce.
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ from batchgen.layers import kda_ops
 from batchgen.layers.kda_torch import gated_rms_norm, kda_gate
 from batchgen.layers.linear import Linear, merged_shards
 from batchgen.layers.norm import RMSNorm
+from batchgen.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from batchgen.layers.tp_group import SINGLE, TPGroup
 
 
-class ConvWeight(Linear):
+class ConvWeight(ColumnParallelLinear):
     """Depthwise conv taps [channels, K] stacked from q/k/v checkpoint tensors, which come
-    as Conv1d weights [channels, 1, K]."""
+    as Conv1d weights [channels, 1, K]; under tensor parallel this rank's channels of
+    each."""
 
     def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         super().load(param, tensor.squeeze(1) if tensor.dim() == 3 else tensor, shard)
@@ -35,33 +44,44 @@ class KimiDeltaAttention(nn.Module):
     """One KDA layer. `layer_id`: its index among all decoder layers; `state_index`: its
     index among the KDA layers (its entry in `ForwardContext.linear_states`)."""
 
-    def __init__(self, config, layer_id: int, state_index: int, chunk_size: int = 64) -> None:
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        state_index: int,
+        chunk_size: int = 64,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
+        tp = tp or SINGLE
+        self.tp = tp
         self.layer_id = layer_id
         self.state_index = state_index
         self.chunk_size = chunk_size
-        self.num_heads = config.linear_num_heads
+        full_heads = config.linear_num_heads
+        self.num_heads = tp.split(full_heads, "linear_num_heads")  # this rank's
         self.head_dim = config.linear_head_dim
         self.conv_kernel = config.linear_conv_kernel_dim
         self.eps = config.rms_norm_eps
-        hidden, heads, dim = config.hidden_size, self.num_heads, self.head_dim
-        width = heads * dim
-        self.proj_dim = width
-        parts = merged_shards({"q": width, "k": width, "v": width})
-        self.qkv_proj = Linear(hidden, 3 * width, shards=parts)
-        self.conv1d = ConvWeight(self.conv_kernel, 3 * width, shards=parts)
+        hidden, dim = config.hidden_size, self.head_dim
+        full_width = full_heads * dim
+        self.proj_dim = self.num_heads * dim  # this rank's q (k, v) width
+        parts = merged_shards({"q": full_width, "k": full_width, "v": full_width})
+        self.qkv_proj = ColumnParallelLinear(hidden, 3 * full_width, shards=parts, tp=tp)
+        self.conv1d = ConvWeight(self.conv_kernel, 3 * full_width, shards=parts, tp=tp)
         self.f_a_proj = Linear(hidden, dim)
-        self.f_b_proj = Linear(dim, width)
+        self.f_b_proj = ColumnParallelLinear(dim, full_width, tp=tp)
         # the decay's parameters stay float32 whatever the model dtype (as checkpoints keep
         # them): the gate is computed in float32 and its rounding compounds over the recurrence
         fp32 = {"dtype": torch.float32}
+        heads, width = self.num_heads, self.proj_dim
         self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1, **fp32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(width, **fp32), requires_grad=False)
-        self.b_proj = Linear(hidden, heads)
+        self.b_proj = ColumnParallelLinear(hidden, full_heads, tp=tp)
         self.g_a_proj = Linear(hidden, dim)
-        self.g_b_proj = Linear(dim, width)
+        self.g_b_proj = ColumnParallelLinear(dim, full_width, tp=tp)
         self.o_norm = RMSNorm(dim, self.eps)
-        self.o_proj = Linear(width, hidden)
+        self.o_proj = RowParallelLinear(full_width, hidden, tp=tp)
 
     @property
     def conv_dim(self) -> int:
@@ -107,10 +127,25 @@ class KimiDeltaAttention(nn.Module):
             return getattr(self, proj), param, None
         raise KeyError(name)
 
+    def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        """A_log or dt_bias from its full checkpoint tensor (any shape holding the layer's
+        heads, then per head its channels for dt_bias): this rank's heads of it."""
+        if param not in ("A_log", "dt_bias") or shard is not None:
+            raise ValueError(f"unexpected KDA parameter {param!r} (A_log, dt_bias)")
+        target = getattr(self, param)
+        full, n = tensor.reshape(-1), target.numel()
+        if full.numel() != n * self.tp.size:
+            raise ValueError(
+                f"{param}: shape {tuple(tensor.shape)} does not hold "
+                f"{self.tp.size} x {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(full[self.tp.rank * n : (self.tp.rank + 1) * n].reshape(target.shape))
+
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor (name relative to `self_attn.`) into its place."""
         module, param, shard = self.checkpoint_target(name)
-        if isinstance(module, Linear):
+        if hasattr(module, "load"):
             module.load(param, tensor, shard)
             return
         target = getattr(module, param)
