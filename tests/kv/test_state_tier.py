@@ -159,3 +159,55 @@ def test_no_readback_when_debug_is_off():
     assert tier.metrics.readback_checks == 0 and tier.num_in_flight == 1
     release.set()
     tier.drain()
+
+
+def test_a_worker_mirror_replays_the_logged_state_copies_on_its_own_pools():
+    """Tensor parallel: rank 0's state tier logs each copy it submits (swap-out, swap-in,
+    checkpoint out and in); a worker's TierMirror replays them on its own device and
+    host slots (other values: its heads), ending with the same slots moved the same way."""
+    from batchgen.kv.host_pool import HostPool
+    from batchgen.kv.layout import KVLayout
+    from batchgen.kv.page_pool import PagePool
+    from batchgen.kv.tier_mirror import TierMirror
+
+    tier, slots = make(dev_slots=4, host_slots=3)
+    logged = []
+    tier.mirror = logged.append
+    worker_dev = StatePool(LAYOUT, 4, "cpu")
+    worker_dev.states.normal_()
+    worker_dev.windows.normal_()
+    worker_host = HostStatePool(LAYOUT, 3, pin=False)
+    kv = KVLayout(1, 1, 2, 4, torch.float32)
+    mirror = TierMirror(
+        PagePool(kv, 2, torch.device("cpu")),
+        HostPool(kv, 2, pin=False),
+        CopyEngine(torch.device("cpu"), num_streams=1),
+        debug=True,
+        states=(worker_dev, worker_host),
+    )
+    slot_r = slots.take("r")
+    slot_c = slots.take("c")
+    kept = {
+        s: (worker_dev.states[:, s].clone(), worker_dev.windows[:, s].clone())
+        for s in (slot_r, slot_c)
+    }
+    tier.store("r", "request r")  # swap-out of r
+    ck = tier.take_host_slot()
+    tier.checkpoint_out(slot_c, ck, "request c")  # a checkpoint of c into host slot ck
+    tier.drain()  # r's device slot is free once its store completes
+    slots.take("x")  # and may go to another request meanwhile
+    tier.load("r")  # swap-in, into another device slot
+    tier.checkpoint_in(ck, slots.take("d"))  # d resumes from c's checkpoint
+    tier.drain()
+    assert [c.kind for c in logged] == ["state_store", "state_store", "state_load", "state_load"]
+    handles = mirror.issue(logged)
+    assert len(handles) == 4
+    mirror.drain()
+    for copy in logged[2:]:  # each load's device slot holds what its store read, worker side
+        source_slot = slot_r if copy is logged[2] else slot_c
+        dest = copy.dev_pages[0]
+        assert torch.equal(worker_dev.states[:, dest], kept[source_slot][0])
+        assert torch.equal(worker_dev.windows[:, dest], kept[source_slot][1])
+    m = mirror.metrics
+    assert (m.state_stores, m.state_loads) == (2, 2)
+    assert m.readback_checks == 4  # debug: each store's state and window compared

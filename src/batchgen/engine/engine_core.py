@@ -81,11 +81,14 @@ class EngineCore:
         self.state_pool = build_state_pool(model, config, dtype, device)
         num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
         self._check_pool_size(num_pages)
-        if tp_workers is not None:  # each rank builds pools of the same pages
+        if tp_workers is not None:  # each rank builds pools of the same pages and slots
+            state_layout = None if self.state_pool is None else self.state_pool.layout
+            page_gib, host_slots = split_host_budget(config, state_layout)
             tp_workers.send(
                 {
                     "num_pages": num_pages,
-                    "host_pages": HostPool.pages_in(self.layout, config.host_kv_size_gib),
+                    "host_pages": HostPool.pages_in(self.layout, page_gib),
+                    "host_state_slots": host_slots,
                     "eos_token_ids": self.eos_token_ids,
                 }
             )
@@ -156,6 +159,8 @@ class EngineCore:
         if self.tier is None:
             return {"workers": self.tp_workers}
         self.tier.mirrored = []
+        if self.tier.states is not None:  # the state tier's copies join the same log
+            self.tier.states.mirror = self.tier.log_mirrored
         return {"workers": self.tp_workers, "take_copies": self.tier.take_mirrored}
 
     def tier_worker_metrics(self) -> list[dict | None]:

@@ -43,11 +43,12 @@ from batchgen.distributed import (
     local_init_method,
 )
 from batchgen.engine.limits import max_model_len
-from batchgen.engine.memory import warmup_forward
+from batchgen.engine.memory import build_state_pool, warmup_forward
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
+from batchgen.kv.state_pool import HostStatePool
 from batchgen.kv.tier_mirror import TierCopy, TierMirror
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models.loader import ModelSource, build_model
@@ -206,8 +207,14 @@ class _Worker:
         num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
         self.layout = KVLayout.of(model.kv_state, num_kv_layers, config.page_size, dtype)
         self.backend = config.resolved_attention_backend(device)
+        # its heads of the compressed state (models with linear-attention layers), the
+        # same slots as rank 0's; built before the warm-up profile, as on rank 0
+        self.state_pool = build_state_pool(model, config, dtype, device)
         self.runner: ModelRunner | None = None
         self.mirror: TierMirror | None = None
+
+    def _linear_states(self):
+        return None if self.state_pool is None else self.state_pool.layer_states()
 
     def handle(self, message):
         """Act on one message from rank 0; what a query answers (None otherwise). A
@@ -227,6 +234,8 @@ class _Worker:
                 message["eos_token_ids"],
                 message["profile"],
                 self.backend,
+                linear_states=self._linear_states(),
+                state_slot=self.config.max_num_seqs,  # the spare slot (build_state_pool)
             )
         elif "query" in message:  # the mirror's counters, once its copies are done
             if self.mirror is None:
@@ -252,12 +261,18 @@ class _Worker:
             max_num_seqs=config.max_num_seqs,
             max_pages=-(-max_len // config.page_size),
             seed=config.seed,
+            linear_states=self._linear_states(),
         )
         if setup["host_pages"]:
-            host = HostPool(self.layout, setup["host_pages"], pin=device.type == "cuda")
+            pin = device.type == "cuda"
+            host = HostPool(self.layout, setup["host_pages"], pin=pin)
+            states = None
+            if setup.get("host_state_slots"):
+                host_states = HostStatePool(self.state_pool.layout, setup["host_state_slots"], pin)
+                states = (self.state_pool, host_states)
             # one copy stream: copies run in rank 0's submission order (tier_mirror.py)
             copies = CopyEngine(device, num_streams=1, issue=config.tier_copy_issue)
-            self.mirror = TierMirror(pool, host, copies, config.batchgen_debug)
+            self.mirror = TierMirror(pool, host, copies, config.batchgen_debug, states)
 
 
 def _receive(tp: TPGroup):

@@ -26,6 +26,7 @@ the checkpoint's and is not reused before the load completes).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.page_copies import device_to_host_state, host_to_device_state
 from batchgen.kv.state_pool import HostStatePool, StatePool, StateSlots
 from batchgen.kv.tier_metrics import TierMetrics
+from batchgen.kv.tier_mirror import TierCopy
 from batchgen.kv.tiered import KVReadbackError
 
 
@@ -69,6 +71,13 @@ class StateTier:
         self._pending: deque[_Pending] = deque()
         self._read: dict[int, CopyHandle] = {}  # device slot -> checkpoint copy reading it
         self._loading: dict[int, int] = {}  # host slot -> checkpoint loads reading it
+        # tensor parallel: called with each copy submitted, as plain data for the
+        # workers' mirrors (TieredKVManager.log_mirrored); None on one rank
+        self.mirror: Callable[[TierCopy], None] | None = None
+
+    def _log(self, kind: str, dev_slot: int, host_slot: int, tag: str) -> None:
+        if self.mirror is not None:
+            self.mirror(TierCopy(kind, [dev_slot], [host_slot], [tag]))
 
     @property
     def slot_bytes(self) -> int:
@@ -103,6 +112,7 @@ class StateTier:
             return device_to_host_state(dev, host, dev_slots, host_slots)
 
         handle = self.copies.submit("store", self.slot_bytes, copy)
+        self._log("state_store", dev_slots[0], host_slots[0], tag)
         for s in host_slots:
             self._writing[s] = handle
         self._owned[request_id] = host_slots[0]
@@ -129,6 +139,7 @@ class StateTier:
             return host_to_device_state(host, dev, host_slots, dev_slots)
 
         handle = self.copies.submit("load", self.slot_bytes, copy)
+        self._log("state_load", dev_slots[0], host_slots[0], f"request {request_id}")
         self.metrics.state_swaps_in += 1
         self.metrics.count("state_swap_in", self.slot_bytes)
         self._pending.append(_Pending(handle, "load", host_slots[0], None, "state_swap_in"))
@@ -159,6 +170,7 @@ class StateTier:
             self.slot_bytes,
             lambda h: device_to_host_state(dev, host, dev_slots, host_slots),
         )
+        self._log("state_store", dev_slot, host_slot, tag)
         for s in host_slots:
             self._writing[s] = handle
         self._read[dev_slot] = handle
@@ -183,6 +195,7 @@ class StateTier:
             return host_to_device_state(host, dev, host_slots, dev_slots)
 
         handle = self.copies.submit("load", self.slot_bytes, copy)
+        self._log("state_load", dev_slot, host_slot, f"checkpoint {host_slot}")
         self._loading[host_slot] = self._loading.get(host_slot, 0) + 1
         self.metrics.count("state_checkpoint_load", self.slot_bytes)
         self._pending.append(

@@ -20,6 +20,10 @@ read or wrote it:
   a store's source pages read), so compute never writes a device page a copy has yet to
   read nor reads one a load has yet to write;
 - a load waits for the stores in flight that write its host pages, as on rank 0.
+
+A model with linear-attention layers also mirrors its state tier's copies ("state_store",
+"state_load": one compressed-state slot each way, this rank's heads of it), under the
+same rules, through the same stream.
 """
 
 from __future__ import annotations
@@ -31,8 +35,14 @@ import torch
 
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.host_pool import HostPool
-from batchgen.kv.page_copies import device_to_host_pages, host_to_device_pages
+from batchgen.kv.page_copies import (
+    device_to_host_pages,
+    device_to_host_state,
+    host_to_device_pages,
+    host_to_device_state,
+)
 from batchgen.kv.page_pool import PagePool
+from batchgen.kv.state_pool import HostStatePool, StatePool
 
 
 class KVReadbackError(RuntimeError):
@@ -42,7 +52,9 @@ class KVReadbackError(RuntimeError):
 @dataclass(frozen=True)
 class TierCopy:
     """One copy rank 0's tier submitted, as plain data the workers replay: a "store"
-    (device -> host, every layer) or a "load" (host -> device, every layer)."""
+    (device -> host, every layer) or a "load" (host -> device, every layer) of pages, or
+    a "state_store" / "state_load" of compressed-state slots (the page lists then hold
+    slot ids)."""
 
     kind: str
     dev_pages: list[int]
@@ -58,6 +70,8 @@ class MirrorMetrics:
     stores: int = 0
     pages_loaded: int = 0
     pages_offloaded: int = 0
+    state_stores: int = 0
+    state_loads: int = 0
     readback_checks: int = 0
 
 
@@ -79,21 +93,35 @@ class TierMirror:
     issuing what rank 0's tier decided. It decides nothing and allocates nothing."""
 
     def __init__(
-        self, device_pool: PagePool, host_pool: HostPool, copies: CopyEngine, debug: bool
+        self,
+        device_pool: PagePool,
+        host_pool: HostPool,
+        copies: CopyEngine,
+        debug: bool,
+        states: tuple[StatePool, HostStatePool] | None = None,
     ) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.copies = copies
         self.debug = debug
+        self.states = states  # this rank's device and host state pools, if any
         self.metrics = MirrorMetrics()
         self._in_flight: deque[tuple[CopyHandle, list[int]]] = deque()
         self._writing: dict[int, CopyHandle] = {}  # host page -> store in flight
+        self._writing_slot: dict[int, CopyHandle] = {}  # host state slot -> store
 
     def issue(self, copies: list[TierCopy]) -> list[CopyHandle]:
         """Submit `copies` in order; the handles the step's forward must wait on (all:
-        a load layer by layer, a store until its source pages are read)."""
+        a load layer by layer, a store until its source pages are read, a state copy
+        whole)."""
         self.poll()
-        return [self._store(c) if c.kind == "store" else self._load(c) for c in copies]
+        by_kind = {
+            "store": self._store,
+            "load": self._load,
+            "state_store": self._state_store,
+            "state_load": self._state_load,
+        }
+        return [by_kind[c.kind](c) for c in copies]
 
     def _store(self, c: TierCopy) -> CopyHandle:
         dev_pages, host_pages = c.dev_pages, c.host_pages
@@ -136,6 +164,43 @@ class TierMirror:
         self.metrics.pages_loaded += len(host_pages)
         return handle
 
+    def _state_tensors(self) -> tuple[tuple, tuple]:
+        if self.states is None:
+            raise RuntimeError("a state copy was mirrored to a rank without a state pool")
+        dev, host = self.states
+        return (dev.states, dev.windows), (host.states, host.windows)
+
+    def _state_store(self, c: TierCopy) -> CopyHandle:
+        dev, host = self._state_tensors()
+        dev_slots, host_slots = c.dev_pages, c.host_pages
+        handle = self.copies.submit(
+            "store",
+            self.states[0].layout.bytes_per_slot,
+            lambda h: device_to_host_state(dev, host, dev_slots, host_slots),
+        )
+        for s in host_slots:
+            self._writing_slot[s] = handle
+        self._in_flight.append((handle, []))
+        self.metrics.state_stores += 1
+        if self.debug:
+            self._readback_state(dev_slots[0], host_slots[0], handle, c.tags[0])
+        return handle
+
+    def _state_load(self, c: TierCopy) -> CopyHandle:
+        dev, host = self._state_tensors()
+        host_slots, dev_slots = c.host_pages, c.dev_pages
+        after = {self._writing_slot[s] for s in host_slots if s in self._writing_slot}
+
+        def copy(handle: CopyHandle):
+            for store in after:  # a host slot is not read before its write completes
+                store.wait_on_current_stream()
+            return host_to_device_state(host, dev, host_slots, dev_slots)
+
+        handle = self.copies.submit("load", self.states[0].layout.bytes_per_slot, copy)
+        self._in_flight.append((handle, []))
+        self.metrics.state_loads += 1
+        return handle
+
     def poll(self) -> None:
         """Forget the copies that completed (their tensors are released); a copy that
         failed raises here."""
@@ -151,6 +216,8 @@ class TierMirror:
         for p in host_pages:
             if self._writing.get(p) is handle:
                 del self._writing[p]
+        for slot in [s for s, h in self._writing_slot.items() if h is handle]:
+            del self._writing_slot[slot]
         handle.keep = ()
 
     def _readback(self, dev_pages, host_pages, handle: CopyHandle, tags) -> None:
@@ -161,3 +228,17 @@ class TierMirror:
         for dev, host, tag in zip(dev_pages, host_pages, tags):
             self.metrics.readback_checks += 1
             check_offloaded(dev_kv[:, :, dev].cpu(), host_kv[:, host], tag, dev, host, 0)
+
+    def _readback_state(self, dev_slot: int, host_slot: int, handle: CopyHandle, tag) -> None:
+        """batchgen_debug: wait for the state store and compare this rank's host slot
+        with its device source."""
+        handle.synchronize()
+        dev, host = self._state_tensors()
+        for what, src_all, dst_all in zip(("state", "conv window"), dev, host):
+            self.metrics.readback_checks += 1
+            src, dst = src_all[:, dev_slot].cpu(), dst_all[:, host_slot]
+            if not (torch.isfinite(dst.float()).all() and torch.equal(src, dst)):
+                raise KVReadbackError(
+                    f"{tag}: the {what} of device state slot {dev_slot} differs from its "
+                    f"host copy (host slot {host_slot}) on this rank"
+                )

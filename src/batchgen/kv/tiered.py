@@ -312,6 +312,12 @@ class TieredKVManager:
             self.mirrored.append(TierCopy("load", dev_pages, host_pages, q.tags))
         return handle
 
+    def log_mirrored(self, copy: TierCopy) -> None:
+        """Log a copy submitted beside the tier's own (the state tier's) for the workers,
+        in submission order; nothing on one rank."""
+        if self.mirrored is not None:
+            self.mirrored.append(copy)
+
     def take_mirrored(self) -> list[TierCopy]:
         """The copies submitted since the last call, in submission order (tensor
         parallel: sent to the workers before anything can reuse their pages)."""
