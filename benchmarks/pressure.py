@@ -63,7 +63,7 @@ def small_workload() -> tuple[list[list[int]], list[int]]:
 
 
 def parse_runs(text: str) -> list[str]:
-    """"on,off" -> ["on", "off"]: the tier-on and tier-off engines, in the order given."""
+    """ "on,off" -> ["on", "off"]: the tier-on and tier-off engines, in the order given."""
     runs = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     if not runs or set(runs) - {"on", "off"}:
         raise argparse.ArgumentTypeError(f"--runs takes on, off, on,off or off,on; got {text!r}")
