@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek, tiny_config
+from fp8_blocks import quantize_blocks
+from safetensors.torch import load_file, save_file
 
 from batchgen import LLM, SamplingParams
 from batchgen.layers.moe import DeepseekV3MoE
@@ -117,6 +120,44 @@ def test_tp2_host_tier_swaps_and_equals_tp1_tier_off(tmp_path):
     assert m["swaps_out"] > 0 and m["swaps_in"] > 0, m
     assert worker["pages_loaded"] == m["pages_loaded"] > 0
     assert worker["pages_offloaded"] == m["pages_offloaded"] > 0
+
+
+def _fp8_with_fused_experts(path: Path) -> None:
+    """Rewrite a saved checkpoint as DeepSeek-V3's FP8 one (every 2-D projection weight
+    float8 with per-block scales), its routed experts as fused [E, ...] tensors."""
+    block = (16, 32)
+    tensors, experts = {}, {}
+    for name, t in load_file(str(path / "model.safetensors")).items():
+        expert = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight$", name)
+        if expert:
+            experts.setdefault(expert[1], {})[(int(expert[2]), expert[3])] = t
+        elif name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t.float(), block)
+        else:
+            tensors[name] = t
+    for prefix, parts in experts.items():
+        num = 1 + max(e for e, _ in parts)
+        gate_up = [torch.cat((parts[e, "gate"], parts[e, "up"])) for e in range(num)]
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{prefix}.down_proj"] = torch.stack([parts[e, "down"] for e in range(num)])
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_tp2_loads_fp8_weights_and_fused_experts_as_tp1_does(tmp_path):
+    """Each rank cuts its heads, features and expert block from the dequantized full
+    tensors and from the fused expert tensors."""
+    save_tiny_deepseek(tmp_path, **CONFIGS["moe_dense_first"])
+    _fp8_with_fused_experts(tmp_path)
+    names = load_file(str(tmp_path / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names
+    assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in names
+    want, _ = _generate(str(tmp_path), num_kv_pages=200)
+    got, _ = _generate(str(tmp_path), num_kv_pages=200, tensor_parallel_size=2)
+    _assert_same(got, want)
+    assert sum(len(t) for t, _, _ in got) >= 60
 
 
 def test_tp2_dummy_weights_generate(tmp_path):

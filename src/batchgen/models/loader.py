@@ -162,7 +162,9 @@ def build_model(
     checkpoint (load_format "auto") or with random values (load_format "dummy": no
     checkpoint read, see init_dummy_weights). With `tp` (a layers.tp_group.TPGroup) the
     model is this rank's tensor-parallel share, its weights cut from the full checkpoint
-    tensors (dummy weights are drawn per rank: they do not match a TP=1 run's);
+    tensors (dummy weights are drawn per rank: they do not match a TP=1 run's, but a
+    replicated weight, DeepSeek-V3's router or latent projection, comes out the same on
+    every rank, each rank's parameters having the same shapes in the same order);
     ValueError for an architecture that does not run under tensor parallel."""
     cls = model_class(config)
     if tp is not None:
