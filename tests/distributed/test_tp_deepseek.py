@@ -104,6 +104,19 @@ def test_tp2_equals_tp1(tmp_path, name):
         assert model.layers[1].mlp.experts.gate_up_proj.shape[0] == 4
 
 
+def test_tp2_triton_backend_equals_tp1(tmp_path):
+    """The Triton MLA backend (the interpreter on the CPU) on each rank's local heads:
+    mla_decode over the replicated latent pages, prefill_attention over its heads'
+    decompressed K / V."""
+    save_tiny_deepseek(tmp_path, **CONFIGS["moe_dense_first"])
+    triton = dict(attention_backend="triton", num_kv_pages=64)
+    want, _ = _generate(str(tmp_path), **triton)
+    got, llm = _generate(str(tmp_path), tensor_parallel_size=2, **triton)
+    assert llm.engine.runner.attention_backend == "triton"
+    _assert_same(got, want)
+    assert sum(len(t) for t, _, _ in got) >= 60
+
+
 def test_tp2_host_tier_swaps_and_equals_tp1_tier_off(tmp_path):
     """A pool too small for the batch: latent pages swap to the host and back on both
     ranks (each its own replica), the outputs stay the ample-pool TP=1 run's."""
