@@ -19,8 +19,9 @@ import types
 import pytest
 import torch
 
-from batchgen.layers.moe import DeepseekV3MoE, fused_experts, grouped_mm_available
+from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.moe_routing import RoutingConfig, select_experts
+from batchgen.layers.routed_experts import fused_experts, grouped_mm_available
 
 
 def route_reference(logits, bias, cfg: RoutingConfig) -> list[dict[int, float]]:

@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from batchgen.layers.moe import DeepseekV3MoE, fused_experts, grouped_mm_available
+from batchgen.layers.moe import DeepseekV3MoE
+from batchgen.layers.routed_experts import fused_experts, grouped_mm_available
 
 pytestmark = pytest.mark.gpu
 

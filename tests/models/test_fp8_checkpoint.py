@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from conftest import save_tiny_model
+from fp8_blocks import quantize_blocks
 from safetensors.torch import load_file, save_file
 
 from batchgen import LLM, SamplingParams
@@ -16,18 +17,7 @@ from batchgen.models import fp8
 
 KW = dict(device="cpu", dtype="float32", page_size=4, max_model_len=96, num_kv_pages=64)
 BLOCK = (16, 32)  # rows x columns; the tiny model's 64/128-wide weights are not all multiples
-
-
-def _quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block absmax scaling to float8_e4m3fn (max 448), as DeepSeek's converter does."""
-    rows, cols = block
-    out_dim, in_dim = w.shape
-    nb = (-(-out_dim // rows), -(-in_dim // cols))
-    padded = torch.nn.functional.pad(w, (0, nb[1] * cols - in_dim, 0, nb[0] * rows - out_dim))
-    blocks = padded.view(nb[0], rows, nb[1], cols)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-    return q.view(nb[0] * rows, nb[1] * cols)[:out_dim, :in_dim].contiguous(), scale
+_quantize = quantize_blocks
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from batchgen.kv.state_pool import HostStatePool, StateSlots
 from batchgen.kv.state_tier import StateTier
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model
+from batchgen.models.registry import check_tensor_parallel
 from batchgen.runner.batch import SchedulerOutput
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.model_runner import ModelRunner
@@ -371,6 +372,7 @@ class EngineCore:
             )
             return cls(config, model, hf_config, tokenizer, device, dtype)
         check_supported(config, device)
+        check_tensor_parallel(hf_config, config.tensor_parallel_size)
         workers = TPWorkers.start(config, source)
         try:
             model = build_model(

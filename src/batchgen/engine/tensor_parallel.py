@@ -203,7 +203,8 @@ class _Worker:
     def __init__(self, config: EngineConfig, model, hf_config, device, dtype) -> None:
         self.config, self.model, self.hf_config = config, model, hf_config
         self.device = device
-        # its own KV heads (model.kv_state), the same pages as rank 0
+        # its KV share (model.kv_state: its KV heads; under MLA the whole latent,
+        # replicated), the same pages as rank 0
         num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
         self.layout = KVLayout.of(model.kv_state, num_kv_layers, config.page_size, dtype)
         self.backend = config.resolved_attention_backend(device)

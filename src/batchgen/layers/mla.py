@@ -12,6 +12,15 @@ Parameter names follow transformers' DeepseekV3Attention.
 
 NoPE (Kimi Linear's MLA layers, `rotary=None`): no rotation anywhere; the "rope" part of
 the query and of the latent is kept as computed, and the scale is 1/sqrt(qk head dim).
+
+Tensor parallel (`tp`): each rank holds num_heads / size whole heads. The latent path
+(q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm) is replicated, so every
+rank writes the same latents into its own pool (same pages, same page tables); the
+head-indexed projections are cut by heads and o_proj sums the ranks' heads:
+
+    q_b_proj / q_proj   column-parallel   rows [H, nope + rope]  -> this rank's heads
+    kv_b_proj           column-parallel   rows [H, nope + v_dim] -> its W_UK / W_UV heads
+    o_proj              row-parallel      columns [H, v_dim]     -> one all-reduce
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ from batchgen.forward_context import get_forward_context
 from batchgen.layers import mla_torch
 from batchgen.layers.linear import Linear
 from batchgen.layers.norm import RMSNorm
+from batchgen.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from batchgen.layers.rotary import RotaryEmbedding, rope_parameters
+from batchgen.layers.tp_group import TPGroup
 
 # q_a_layernorm and kv_a_layernorm keep the checkpoint code's default epsilon, not
 # config.rms_norm_eps (transformers and DeepSeek's reference code build them so)
@@ -65,31 +76,43 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 class MLAttention(nn.Module):
     """`layer_id`: the layer's index among the model's KV-cache layers (its entry in
-    `ForwardContext.kv_caches`); `rotary` None: NoPE (no position encoding)."""
+    `ForwardContext.kv_caches`); `rotary` None: NoPE (no position encoding). With `tp`,
+    this rank's share of the heads: num_heads is local."""
 
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding | None) -> None:
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        rotary: RotaryEmbedding | None,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
+        if tp is not None:  # whole heads per rank, checked before the projections split
+            self.num_heads = tp.split(self.num_heads, "num_attention_heads")
         self.kv_lora_rank = config.kv_lora_rank
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.v_dim = config.v_head_dim
-        hidden, heads = config.hidden_size, self.num_heads
+        hidden, heads = config.hidden_size, config.num_attention_heads  # all ranks' heads
         qk_dim = self.nope_dim + self.rope_dim
         bias = bool(getattr(config, "attention_bias", False))
         q_lora_rank = getattr(config, "q_lora_rank", None)
         if q_lora_rank is None:
-            self.q_proj = Linear(hidden, heads * qk_dim)
+            self.q_proj = _by_heads(hidden, heads * qk_dim, tp)
         else:
             self.q_a_proj = Linear(hidden, q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = Linear(q_lora_rank, heads * qk_dim)
+            self.q_b_proj = _by_heads(q_lora_rank, heads * qk_dim, tp)
         self.q_lora = q_lora_rank is not None
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
-        self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = _by_heads(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), tp)
+        if tp is None:
+            self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
+        else:
+            self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp=tp)
         self.rotary = rotary
         self.interleaved = bool(getattr(config, "rope_interleave", True))
         self.scale = softmax_scale(config) if rotary is not None else qk_dim**-0.5
@@ -158,6 +181,13 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, None].expand(s, self.num_heads, self.rope_dim)), dim=-1)
         return k, v
+
+
+def _by_heads(in_features: int, out_features: int, tp: TPGroup | None) -> Linear:
+    """A projection whose output rows are per head: split by heads under `tp`."""
+    if tp is None:
+        return Linear(in_features, out_features)
+    return ColumnParallelLinear(in_features, out_features, tp=tp)
 
 
 def _backend(name: str):

@@ -1,6 +1,12 @@
 """DeepSeek-V3 decoders (and other checkpoints whose config names DeepseekV3ForCausalLM):
 MLA attention over a latent KV cache, dense MLPs in the first `first_k_dense_replace`
-layers, mixture-of-experts MLPs after them."""
+layers, mixture-of-experts MLPs after them.
+
+Tensor parallel (`tp`): MLA heads split (the latent cache replicated: every rank's pool
+holds the same latents), dense MLPs' intermediate features split as Llama's, routed
+experts in one contiguous block per rank with the shared experts' features split, the
+vocabulary split for the embedding and lm_head. Per layer: one all-reduce after o_proj,
+one after the MLP (dense or MoE); logits gathered."""
 
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ from batchgen.layers.linear import Linear
 from batchgen.layers.mla import MLAttention
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.norm import RMSNorm
+from batchgen.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.rotary import RotaryEmbedding
+from batchgen.layers.tp_group import TPGroup
 from batchgen.models.llama import DecoderStack, LlamaMLP
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -28,10 +36,15 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = MLAttention(config, layer_id, rotary)
-        self.mlp = DeepseekV3MoE(config) if is_moe_layer(config, layer_id) else LlamaMLP(config)
+        self.self_attn = MLAttention(config, layer_id, rotary, tp)
+        if is_moe_layer(config, layer_id):
+            self.mlp = DeepseekV3MoE(config, tp=tp)
+        else:
+            self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -61,34 +74,52 @@ class MLAMoEDecode:
         )
 
     def decode_split_heads(self, dtype: torch.dtype, device: torch.device | str) -> int:
-        """Programs per (request, split) of the decode kernel, for the engine's split plan."""
-        return mla.decode_split_heads(self.config.num_attention_heads, dtype, device)
+        """Programs per (request, split) of the decode kernel, for the engine's split plan
+        (this rank's heads under tensor parallel)."""
+        tp = getattr(self, "tp", None)
+        heads = self.config.num_attention_heads // (1 if tp is None else tp.size)
+        return mla.decode_split_heads(heads, dtype, device)
 
 
 class DeepseekV3ForCausalLM(MLAMoEDecode, DecoderStack):
     """Weight names follow transformers' checkpoints; a dense MLP's gate/up are stacked,
     a MoE MLP maps its own names (DeepseekV3MoE.checkpoint_target: per-expert or fused).
     Multi-token-prediction layers past num_hidden_layers are not loaded; FP8 weights
-    arrive dequantized (the loader joins each with its weight_scale_inv)."""
+    arrive dequantized (the loader joins each with its weight_scale_inv).
+
+    With `tp` (layers/tp_group.py) this rank's tensor-parallel share (module docstring);
+    None: one process, the plain layers. Its weights load from the full checkpoint
+    tensors, each parallel layer cutting its slice."""
 
     attention_backends = mla.BACKENDS
     stacked = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+    tensor_parallel = True
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         _check_supported(config)
         self.config = config
+        self.tp = tp
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim, max_positions)
+        # replicated under tensor parallel: every rank stores the whole latent
         self.kv_state = KVState.latent(config.kv_lora_rank + config.qk_rope_head_dim)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        vocab, hidden = config.vocab_size, config.hidden_size
+        if tp is None:
+            self.embed_tokens = nn.Embedding(vocab, hidden)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers)
+            DeepseekV3DecoderLayer(config, i, self.rotary, tp)
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (
-            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
-        )
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        elif tp is None:
+            self.lm_head = Linear(hidden, vocab)
+        else:
+            self.lm_head = ParallelLMHead(vocab, hidden, tp)
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, parameter, shard) for a transformers weight name; None to skip."""

@@ -169,8 +169,12 @@ class DecoderStack(nn.Module):
         return module, param, shard
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        """hidden [T, hidden] -> logits [T, vocab]; under tensor parallel every rank's
+        vocabulary range, gathered."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, VocabParallelEmbedding):
+            return head.logits(hidden)
+        return hidden @ head.weight.t()
 
 
 class LlamaForCausalLM(DecoderStack):
@@ -191,6 +195,7 @@ class LlamaForCausalLM(DecoderStack):
         "gate_proj": ("gate_up_proj", "gate"),
         "up_proj": ("gate_up_proj", "up"),
     }
+    tensor_parallel = True
 
     def __init__(self, config, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -219,11 +224,6 @@ class LlamaForCausalLM(DecoderStack):
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.tp is not None:  # every rank's vocabulary range, gathered
-            return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
-        return super().compute_logits(hidden)
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, 'weight'|'bias', shard) for a transformers weight name; None to skip."""

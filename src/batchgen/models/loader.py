@@ -13,7 +13,7 @@ import torch
 from batchgen.console import library_progress_bars, progress_enabled
 from batchgen.models import fp8
 from batchgen.models.hub import looks_like_repo_id, snapshot_path
-from batchgen.models.registry import model_class
+from batchgen.models.registry import check_tensor_parallel, model_class
 
 logger = logging.getLogger(__name__)
 
@@ -162,13 +162,19 @@ def build_model(
     checkpoint (load_format "auto") or with random values (load_format "dummy": no
     checkpoint read, see init_dummy_weights). With `tp` (a layers.tp_group.TPGroup) the
     model is this rank's tensor-parallel share, its weights cut from the full checkpoint
-    tensors (dummy weights are drawn per rank: they do not match a TP=1 run's)."""
+    tensors (dummy weights are drawn per rank: they do not match a TP=1 run's, but a
+    replicated weight, DeepSeek-V3's router or latent projection, comes out the same on
+    every rank, each rank's parameters having the same shapes in the same order);
+    ValueError for an architecture that does not run under tensor parallel."""
     cls = model_class(config)
+    if tp is not None:
+        check_tensor_parallel(config, tp.size)
+    split = {"tp": tp} if tp is not None and getattr(cls, "tensor_parallel", False) else {}
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(config, max_positions) if tp is None else cls(config, max_positions, tp=tp)
+            model = cls(config, max_positions, **split)
     finally:
         torch.set_default_dtype(old)
     model.to_empty(device=device)

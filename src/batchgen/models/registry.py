@@ -29,3 +29,21 @@ def model_class(config) -> type:
         f"unknown model architecture {archs or '(none given in config.json)'}; "
         f"batchgen supports {', '.join(supported_architectures())}"
     )
+
+
+def check_tensor_parallel(config, size: int) -> None:
+    """ValueError naming the architecture unless its model class runs split across
+    `size` > 1 ranks (a class says so with `tensor_parallel = True` and takes `tp=`)."""
+    if size == 1:
+        return
+    cls = model_class(config)
+    if not getattr(cls, "tensor_parallel", False):
+        able = [
+            arch
+            for arch, (module, name) in sorted(_MODELS.items())
+            if getattr(getattr(importlib.import_module(module), name), "tensor_parallel", False)
+        ]
+        raise ValueError(
+            f"{cls.__name__} does not support tensor_parallel_size={size} yet "
+            f"(tensor parallel runs {', '.join(able)}); use tensor_parallel_size=1"
+        )

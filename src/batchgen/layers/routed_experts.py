@@ -1,0 +1,183 @@
+"""The routed experts of a mixture-of-experts layer: stacked weights, token-sorted math.
+
+Routed experts are computed token-sorted (rows of [T * top_k] sorted by expert id, group
+offsets from a scatter-add, no host synchronisation) and then multiplied group by group:
+
+- GPU path: `torch._grouped_mm` (bfloat16 on Hopper/Blackwell, see grouped_mm_available):
+  two grouped GEMMs on fixed shapes, nothing read back to the host, so a decode step can
+  be captured in a CUDA graph.
+- Reference path (everywhere else, the CPU in particular): the same sorted rows, one
+  matmul per expert that has rows; it reads the group offsets on the host (`tolist`), so
+  it cannot be captured.
+
+Both paths add a token's top_k expert outputs in float32, in a fixed order, without
+atomics: the same inputs give the same bits on every run.
+
+Expert parallel: a rank holds a contiguous block of the experts; pairs routed to other
+blocks sort into a last group no GEMM computes and add nothing:
+
+    sorted pairs:  | block expert 0 | block expert 1 | ... | outside the block |
+    offs:                         ^ offs[0]        ^ offs[1]   ^ offs[-1] (<= T * top_k)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.layers.activation import silu_and_mul
+from batchgen.layers.tp_group import TPGroup
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` serves x without a host sync: bfloat16 on a CUDA device
+    of compute capability 9.x or 10.x (Hopper, Blackwell), a torch that has the op. On other
+    GPUs the op falls back to a loop that copies the offsets to the host."""
+    return grouped_mm_serves(x.dtype, x.device)
+
+
+def grouped_mm_serves(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """grouped_mm_available for activations of `dtype` on `device`, before any exist."""
+    device = torch.device(device)
+    if not (hasattr(torch, "_grouped_mm") and device.type == "cuda" and dtype == torch.bfloat16):
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def grouped_mm_loop(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows a[offs[g-1]:offs[g]] times w[g]^T for each group g: [M, K] x [G, N, K] -> [M, N].
+    Reference path: reads offs on the host."""
+    out = a.new_empty(a.shape[0], w.shape[1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = F.linear(a[start:end], w[g])
+        start = end
+    return out
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """As grouped_mm_loop, in one `torch._grouped_mm` launch (w^T is column-major per
+    group, as the op wants). No host synchronisation."""
+    return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    use_grouped_mm: bool | None = None,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], gate_up [E, 2I, H]
+    (gate rows, then up rows), down [E, H, I], weights [T, k], ids [T, k] -> [T, H] in
+    x's dtype. use_grouped_mm None: the GPU path where grouped_mm_available(x) and the
+    rows are 16-byte aligned (H and I multiples of 8), else the reference path.
+
+    gate_up[e] and down[e] are expert first_expert + e (expert parallel: one rank's
+    block); a pair routed to an expert outside the block adds nothing. Such pairs sort
+    last, past every group's rows, so no GEMM computes them, and their rows are masked
+    out (not multiplied by 0: they hold whatever the GEMM left there)."""
+    t, k = ids.shape
+    num_experts = gate_up.shape[0]
+    if use_grouped_mm is None:
+        aligned = x.shape[1] % 8 == 0 and down.shape[2] % 8 == 0
+        use_grouped_mm = aligned and grouped_mm_available(x)
+    local = ids - first_expert
+    outside = (local < 0) | (local >= num_experts)
+    flat = local.masked_fill(outside, num_experts).reshape(-1)  # group E: nobody's
+    order = torch.sort(flat, stable=True).indices  # row r of the sorted block is pair order[r]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)  # end row of each group
+    rows = x.index_select(0, order // k)
+    mm = grouped_mm if use_grouped_mm else grouped_mm_loop
+    h = mm(silu_and_mul(mm(rows, gate_up, offs)), down, offs)
+    per_pair = torch.empty_like(h).index_copy_(0, order, h).view(t, k, -1)
+    weighted = per_pair.float() * weights.float().unsqueeze(-1)
+    out = weighted.masked_fill(outside.unsqueeze(-1), 0.0).sum(dim=1)
+    return out.to(x.dtype)
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts' weights, stacked: gate_up_proj [E, 2I, H] (expert e's
+    gate_proj rows, then its up_proj rows) and down_proj [E, H, I], transformers 5's
+    layout and names.
+
+    `load(param, tensor, shard)` fills them from a checkpoint: shard None copies a whole
+    fused tensor; shard "{e}.gate" / "{e}.up" (param gate_up_proj) and "{e}.down" (param
+    down_proj) copy one expert's per-expert tensor. `shard_names(param)` lists them all.
+
+    With `tp` (expert parallel) this rank holds the contiguous block of E / size experts
+    `local_experts` = range(rank * E / size, (rank + 1) * E / size), stacked in that
+    order; `load` still takes the checkpoint's expert ids and whole fused tensors and
+    keeps its block's (another block's expert is skipped), and forward adds only its
+    experts' contributions (the caller sums the ranks')."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        dtype=None,
+        device=None,
+        tp: TPGroup | None = None,
+    ):
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        num_local = num_experts if tp is None else tp.split(num_experts, "n_routed_experts")
+        first = 0 if tp is None else tp.rank * num_local
+        self.local_experts = range(first, first + num_local)
+        factory = {"dtype": dtype, "device": device}
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_local, 2 * inter, hidden, **factory), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_local, hidden, inter, **factory), requires_grad=False
+        )
+
+    def shard_names(self, param: str) -> list[str]:
+        """The shards this rank's `param` is filled by (its block's experts)."""
+        parts = ("gate", "up") if param == "gate_up_proj" else ("down",)
+        return [f"{e}.{p}" for e in self.local_experts for p in parts]
+
+    def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        if param not in ("gate_up_proj", "down_proj"):
+            raise ValueError(f"unexpected expert parameter {param!r} (gate_up_proj, down_proj)")
+        target = getattr(self, param)
+        first = self.local_experts.start
+        if shard is None:
+            if tensor.dim() == 0 or tensor.shape[0] != self.num_experts:
+                raise ValueError(
+                    f"shape {tuple(tensor.shape)} is not {self.num_experts} stacked experts"
+                )
+            tensor = tensor[first : first + len(self.local_experts)]
+        else:
+            expert, _, part = shard.partition(".")
+            known = ("gate", "up") if param == "gate_up_proj" else ("down",)
+            if not expert.isdigit() or int(expert) >= self.num_experts or part not in known:
+                raise ValueError(f"unexpected shard {shard!r} of {param}")
+            if int(expert) not in self.local_experts:
+                return  # another rank's expert
+            target = target[int(expert) - first]
+            if part == "gate":
+                target = target[: self.inter]
+            elif part == "up":
+                target = target[self.inter :]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(
+            x,
+            self.gate_up_proj,
+            self.down_proj,
+            weights,
+            ids,
+            first_expert=self.local_experts.start,
+        )
