@@ -9,6 +9,10 @@ Only the MLA layers keep per-token KV: the KV pool has `num_kv_layers` layers, a
 layer i of the decoder uses KV layer `kv_index` (its rank among the MLA layers). The KDA
 layers are listed in `linear_layers` (their `state_index` order), from which the engine
 sizes the compressed-state pool.
+
+Tensor parallel (`tp`): KDA heads split (each rank's state slots hold its heads), MLA
+heads split over a replicated latent cache, MLPs and experts as in DeepSeek-V3, the
+vocabulary split for the embedding and lm_head.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from batchgen.layers.linear import Linear
 from batchgen.layers.mla import MLAttention
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.norm import RMSNorm
+from batchgen.layers.parallel import ParallelLMHead, VocabParallelEmbedding
+from batchgen.layers.tp_group import TPGroup
 from batchgen.models.deepseek_v3 import MLAMoEDecode
 from batchgen.models.llama import DecoderStack, LlamaMLP
 
@@ -57,15 +63,17 @@ def moe_config(config) -> SimpleNamespace:
 
 
 class KimiLinearDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, kv_index: int, state_index: int) -> None:
+    def __init__(
+        self, config, layer_id: int, kv_index: int, state_index: int, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.is_linear = config.layer_types[layer_id] == LINEAR
         if self.is_linear:
-            self.self_attn = KimiDeltaAttention(config, layer_id, state_index)
+            self.self_attn = KimiDeltaAttention(config, layer_id, state_index, tp=tp)
         else:
-            self.self_attn = MLAttention(config, kv_index, rotary=None)
+            self.self_attn = MLAttention(config, kv_index, rotary=None, tp=tp)
         sparse = config.mlp_layer_types[layer_id] == "sparse"
-        self.mlp = DeepseekV3MoE(moe_config(config)) if sparse else LlamaMLP(config)
+        self.mlp = DeepseekV3MoE(moe_config(config), tp=tp) if sparse else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -88,27 +96,37 @@ class KimiLinearForCausalLM(MLAMoEDecode, DecoderStack):
 
     attention_backends = mla.BACKENDS
     stacked = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+    tensor_parallel = True
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         _check_supported(config)
         self.config = config
+        self.tp = tp
         self.rotary = None  # NoPE: MLA layers take no position encoding
+        # replicated under tensor parallel: every rank stores the whole latent
         self.kv_state = KVState.latent(config.kv_lora_rank + config.qk_rope_head_dim)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        vocab, hidden = config.vocab_size, config.hidden_size
+        if tp is None:
+            self.embed_tokens = nn.Embedding(vocab, hidden)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
         layers, kv_index, state_index = [], 0, 0
         for i, kind in enumerate(config.layer_types):
-            layers.append(KimiLinearDecoderLayer(config, i, kv_index, state_index))
+            layers.append(KimiLinearDecoderLayer(config, i, kv_index, state_index, tp))
             kv_index += kind == FULL
             state_index += kind == LINEAR
         self.layers = nn.ModuleList(layers)
         self.num_kv_layers = kv_index
         self.linear_layers = [layer.self_attn for layer in layers if layer.is_linear]
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (
-            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
-        )
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        elif tp is None:
+            self.lm_head = Linear(hidden, vocab)
+        else:
+            self.lm_head = ParallelLMHead(vocab, hidden, tp)
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, parameter, shard) for a transformers weight name; None to skip."""
