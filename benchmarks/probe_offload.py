@@ -41,6 +41,14 @@ This is the forced-offload probe of the W4 and W6 models:
     # W6's model (KDA state slots + MLA pages): a 1 GiB pool forces swaps
     PYTHONPATH=src python3 benchmarks/probe_offload.py --model kimi-w6 --kv-gib 1 --readback --out $OUT
 
+--tp N: the tier run split over N tensor-parallel ranks (gloo on the CPU, NCCL on GPUs;
+eager, as tensor parallel runs for now) against the ample run on one; each worker's own
+swaps, loads and readbacks are reported beside rank 0's (`worker_tiers`). The issue-15
+probe at two ranks on the CPU, a tiny Kimi-Linear-shaped model, W6's request mix:
+
+    python3 benchmarks/probe_offload.py --small --model kimi-w6 --tp 2 --readback \
+        --requests 512 --prompt-len 1000 --output-len 128 --kv-pages 36000 --host-gib 0.5
+
 --model: qwen3-0.6b (W1's model, the default), llama-3.1-8b, moonlight-w4 (W4) or kimi-w6
 (W6) with random bf16 weights
 (load_format="dummy", the directory --ckpt or /tmp/batchgen-<model>-config holds only
@@ -149,10 +157,14 @@ def run(model, prompts, params, after=None, **kw):
         metrics = llm.engine.metrics()
         page_size = llm.engine.config.page_size
         metrics["host_prefix_hit_tokens"] = metrics.get("host_prefix_hit_pages", 0) * page_size
+        if llm.engine.tp_workers is not None and llm.engine.tier is not None:
+            # each worker rank's own copies (rank 0's are the metrics above)
+            metrics["worker_tiers"] = llm.engine.tier_worker_metrics()
         rows = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
         extra = after(llm, rows) if after is not None else None
         if llm.engine.tier is not None:
             llm.engine.tier.copies.close()
+        llm.engine.shutdown()
         del llm, outs
     gc.collect()
     if torch.cuda.is_available():
@@ -205,7 +217,10 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=None, help="128 (--small: 16)")
     ap.add_argument("--kv-gib", type=float, default=4.0, help="tier run's device KV pool")
     ap.add_argument("--kv-pages", type=int, default=40, help="--small: tier run's pool pages")
-    ap.add_argument("--host-gib", type=float, default=32.0)
+    ap.add_argument("--host-gib", type=float, default=None, help="32 (--small: 0.002)")
+    ap.add_argument(
+        "--tp", type=int, default=1, help="tensor_parallel_size of the tier run (see above)"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument(
         "--tier-policy", default=engine_default("tier_policy"), choices=("auto", "always")
@@ -234,13 +249,18 @@ def main(argv=None) -> int:
     prompts = make_prompts(args.requests, args.prompt_len, max_token)
     common = dict(model_kw, max_num_seqs=args.max_num_seqs)
     if args.small:
-        common.update(dtype="float32", device="cpu", max_model_len=96, page_size=4)
-        tight = dict(num_kv_pages=args.kv_pages, host_kv_size_gib=0.002)
+        longest = args.prompt_len + min(50, args.prompt_len // 4) + args.output_len
+        common.update(dtype="float32", device="cpu", max_model_len=max(96, longest), page_size=4)
+        host_gib = 0.002 if args.host_gib is None else args.host_gib
+        tight = dict(num_kv_pages=args.kv_pages, host_kv_size_gib=host_gib)
     else:
         dtype = "bfloat16" if model_kw else "auto"
         common.update(dtype=dtype, device="cuda", max_model_len=2048)
-        tight = dict(kv_cache_size_gib=args.kv_gib, host_kv_size_gib=args.host_gib)
+        host_gib = 32.0 if args.host_gib is None else args.host_gib
+        tight = dict(kv_cache_size_gib=args.kv_gib, host_kv_size_gib=host_gib)
     tight.update(tier_policy=args.tier_policy, decode_append=args.decode_append)
+    if args.tp > 1:  # eager: tensor parallel does not capture graphs yet
+        tight.update(tensor_parallel_size=args.tp, enforce_eager=True)
     if args.readback:
         tight["batchgen_debug"] = True
 
@@ -290,6 +310,8 @@ def main(argv=None) -> int:
     sys.stdout.write(json.dumps(shown, indent=1) + "\n")
     tier_line = {k: m_tier.get(k) for k in (*TIER_KEYS, "host_prefix_hit_tokens")}
     sys.stdout.write("tier run: " + json.dumps(tier_line) + "\n")
+    for rank, worker in enumerate(m_tier.get("worker_tiers") or [], 1):
+        sys.stdout.write(f"tier run, rank {rank}: " + json.dumps(worker) + "\n")
     if not m_tier.get("swaps_out"):
         sys.stdout.write("note: the tier run swapped nothing (see tier_policy, --kv-gib)\n")
     return 0 if verdict["broken_rows"] == 0 and lost == 0 else 1

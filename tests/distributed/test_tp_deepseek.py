@@ -24,6 +24,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.routed_experts import fused_experts
 from batchgen.layers.tp_group import TPGroup
+from batchgen.models import registry
 from batchgen.models.deepseek_v3 import DeepseekV3ForCausalLM
 from batchgen.models.loader import build_model
 from batchgen.models.registry import check_tensor_parallel
@@ -263,7 +264,7 @@ def test_pairs_routed_outside_a_block_add_nothing():
     assert torch.allclose(block + other, whole, atol=1e-6)
 
 
-def test_what_does_not_split_is_refused_by_name(tmp_path):
+def test_what_does_not_split_is_refused_by_name(tmp_path, monkeypatch):
     config = tiny_config(first_k_dense_replace=0)
     with torch.device("meta"):
         DeepseekV3ForCausalLM(config, 64, TPGroup(1, 4))  # 4 heads, 8 experts: fine
@@ -272,10 +273,13 @@ def test_what_does_not_split_is_refused_by_name(tmp_path):
         odd = tiny_config(first_k_dense_replace=0, n_routed_experts=6, n_group=2)
         with pytest.raises(ValueError, match=r"n_routed_experts=6 is not divisible .* 4"):
             DeepseekV3ForCausalLM(odd, 64, TPGroup(0, 4))
-    kimi = SimpleNamespace(architectures=["KimiLinearForCausalLM"])
-    refusal = r"KimiLinearForCausalLM does not support tensor_parallel_size=2 .*DeepseekV3"
+    check_tensor_parallel(SimpleNamespace(architectures=["KimiLinearForCausalLM"]), 2)
+    # a class that does not declare tensor_parallel (every registered one does now)
+    monkeypatch.setitem(registry._MODELS, "PlainForCausalLM", ("torch.nn", "Identity"))
+    plain = SimpleNamespace(architectures=["PlainForCausalLM"])
+    refusal = r"Identity does not support tensor_parallel_size=2 .*DeepseekV3.*KimiLinear"
     with pytest.raises(ValueError, match=refusal):
-        check_tensor_parallel(kimi, 2)
+        check_tensor_parallel(plain, 2)
     with pytest.raises(ValueError, match=refusal):
-        build_model(None, kimi, torch.float32, torch.device("cpu"), 64, "dummy", tp=TPGroup(0, 2))
-    check_tensor_parallel(kimi, 1)
+        build_model(None, plain, torch.float32, torch.device("cpu"), 64, "dummy", tp=TPGroup(0, 2))
+    check_tensor_parallel(plain, 1)

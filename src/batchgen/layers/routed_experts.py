@@ -70,25 +70,30 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     use_grouped_mm: bool | None = None,
-    first_expert: int = 0,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], gate_up [E, 2I, H]
     (gate rows, then up rows), down [E, H, I], weights [T, k], ids [T, k] -> [T, H] in
     x's dtype. use_grouped_mm None: the GPU path where grouped_mm_available(x) and the
     rows are 16-byte aligned (H and I multiples of 8), else the reference path.
 
-    gate_up[e] and down[e] are expert first_expert + e (expert parallel: one rank's
-    block); a pair routed to an expert outside the block adds nothing. Such pairs sort
-    last, past every group's rows, so no GEMM computes them, and their rows are masked
-    out (not multiplied by 0: they hold whatever the GEMM left there)."""
+    With first_expert (expert parallel: one rank's block) gate_up[e] and down[e] are
+    expert first_expert + e, and a pair routed to an expert outside the block adds
+    nothing: such pairs sort last, past every group's rows, so no GEMM computes them,
+    and their rows are masked out (not multiplied by 0: they hold whatever the GEMM left
+    there). None: every expert is here, and nothing is masked."""
     t, k = ids.shape
     num_experts = gate_up.shape[0]
     if use_grouped_mm is None:
         aligned = x.shape[1] % 8 == 0 and down.shape[2] % 8 == 0
         use_grouped_mm = aligned and grouped_mm_available(x)
-    local = ids - first_expert
-    outside = (local < 0) | (local >= num_experts)
-    flat = local.masked_fill(outside, num_experts).reshape(-1)  # group E: nobody's
+    outside = None
+    if first_expert is None:
+        flat = ids.reshape(-1)
+    else:
+        local = ids - first_expert
+        outside = (local < 0) | (local >= num_experts)
+        flat = local.masked_fill(outside, num_experts).reshape(-1)  # group E: nobody's
     order = torch.sort(flat, stable=True).indices  # row r of the sorted block is pair order[r]
     counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
@@ -98,8 +103,9 @@ def fused_experts(
     h = mm(silu_and_mul(mm(rows, gate_up, offs)), down, offs)
     per_pair = torch.empty_like(h).index_copy_(0, order, h).view(t, k, -1)
     weighted = per_pair.float() * weights.float().unsqueeze(-1)
-    out = weighted.masked_fill(outside.unsqueeze(-1), 0.0).sum(dim=1)
-    return out.to(x.dtype)
+    if outside is not None:
+        weighted = weighted.masked_fill(outside.unsqueeze(-1), 0.0)
+    return weighted.sum(dim=1).to(x.dtype)
 
 
 class RoutedExperts(nn.Module):
@@ -131,6 +137,7 @@ class RoutedExperts(nn.Module):
         num_local = num_experts if tp is None else tp.split(num_experts, "n_routed_experts")
         first = 0 if tp is None else tp.rank * num_local
         self.local_experts = range(first, first + num_local)
+        self.holds_all = num_local == num_experts  # nothing routed elsewhere to mask
         factory = {"dtype": dtype, "device": device}
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_local, 2 * inter, hidden, **factory), requires_grad=False
@@ -179,5 +186,5 @@ class RoutedExperts(nn.Module):
             self.down_proj,
             weights,
             ids,
-            first_expert=self.local_experts.start,
+            first_expert=None if self.holds_all else self.local_experts.start,
         )
