@@ -88,3 +88,19 @@ def test_top5_scorer_ranks_the_greedy_token_first(tmp_path):
     tops = probe.top5_scorer(llm)(prompts)
     assert [len(t) for t in tops] == [5, 5]
     assert [t[0] for t in tops] == [o.outputs[0].token_ids[0] for o in greedy]
+
+
+def test_readback_probe_at_two_tensor_parallel_ranks(tmp_path):
+    """The issue-15 probe's CPU form: the hybrid model's tier run split over 2 gloo
+    ranks, readback on both, each rank's copies counted; no row broken against the
+    ample run on one rank."""
+    argv = ["--model", "kimi-w6", "--tp", "2", "--readback", "--tier-policy", "always"]
+    result = _run(tmp_path, *argv)
+    assert result["tier_run"]["tensor_parallel_size"] == 2  # the ample run too
+    assert result["broken_rows"] == 0 and result["rows_without_output"] == 0
+    m = result["offload_run"]
+    assert m["swaps_out"] > 0 and m["state_swaps_out"] > 0
+    (worker,) = m["worker_tiers"]
+    assert worker["pages_offloaded"] == m["pages_offloaded"] > 0
+    assert worker["state_stores"] >= m["state_swaps_out"]  # checkpoints store too
+    assert worker["readback_checks"] > 0 and m["readback_checks"] > 0
