@@ -29,14 +29,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.page_copies import device_to_host_state, host_to_device_state
 from batchgen.kv.state_pool import HostStatePool, StatePool, StateSlots
 from batchgen.kv.tier_metrics import TierMetrics
-from batchgen.kv.tier_mirror import TierCopy
-from batchgen.kv.tiered import KVReadbackError
+from batchgen.kv.tier_mirror import TierCopy, check_offloaded_state
 
 
 @dataclass
@@ -258,16 +255,4 @@ class StateTier:
         handle.synchronize()
         self.metrics.readback_checks += 1
         dev, host = self._tensors()
-        for what, src_all, dst_all in zip(("state", "conv window"), dev, host):
-            src = src_all[:, dev_slot].cpu()
-            dst = dst_all[:, host_slot]
-            if not torch.isfinite(dst.float()).all():
-                raise KVReadbackError(
-                    f"{tag}: non-finite {what} in offloaded state slot {dev_slot}"
-                )
-            if not torch.equal(src, dst):
-                bad = (src != dst).flatten(1).any(-1).nonzero()[0, 0].item()
-                raise KVReadbackError(
-                    f"{tag}: KDA layer {bad}'s {what} of device state slot {dev_slot} differs "
-                    f"from its host copy (host slot {host_slot})"
-                )
+        check_offloaded_state(dev, host, dev_slot, host_slot, tag)

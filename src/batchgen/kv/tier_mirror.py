@@ -88,6 +88,22 @@ def check_offloaded(src: torch.Tensor, dst: torch.Tensor, tag, dev, host, first_
         )
 
 
+def check_offloaded_state(dev: tuple, host: tuple, dev_slot: int, host_slot: int, tag) -> None:
+    """KVReadbackError unless host slot `host_slot` of `host` (states, windows) equals
+    device slot `dev_slot` of `dev` and is finite."""
+    for what, src_all, dst_all in zip(("state", "conv window"), dev, host):
+        src = src_all[:, dev_slot].cpu()
+        dst = dst_all[:, host_slot]
+        if not torch.isfinite(dst.float()).all():
+            raise KVReadbackError(f"{tag}: non-finite {what} in offloaded state slot {dev_slot}")
+        if not torch.equal(src, dst):
+            bad = (src != dst).flatten(1).any(-1).nonzero()[0, 0].item()
+            raise KVReadbackError(
+                f"{tag}: KDA layer {bad}'s {what} of device state slot {dev_slot} differs "
+                f"from its host copy (host slot {host_slot})"
+            )
+
+
 class TierMirror:
     """A worker rank's host tier: its device pool shard, host pool shard and copy engine,
     issuing what rank 0's tier decided. It decides nothing and allocates nothing."""
@@ -106,22 +122,23 @@ class TierMirror:
         self.debug = debug
         self.states = states  # this rank's device and host state pools, if any
         self.metrics = MirrorMetrics()
-        self._in_flight: deque[tuple[CopyHandle, list[int]]] = deque()
+        # (handle, host pages it writes, host state slots it writes)
+        self._in_flight: deque[tuple[CopyHandle, list[int], list[int]]] = deque()
         self._writing: dict[int, CopyHandle] = {}  # host page -> store in flight
         self._writing_slot: dict[int, CopyHandle] = {}  # host state slot -> store
+        self._by_kind = {
+            "store": self._store,
+            "load": self._load,
+            "state_store": self._state_store,
+            "state_load": self._state_load,
+        }
 
     def issue(self, copies: list[TierCopy]) -> list[CopyHandle]:
         """Submit `copies` in order; the handles the step's forward must wait on (all:
         a load layer by layer, a store until its source pages are read, a state copy
         whole)."""
         self.poll()
-        by_kind = {
-            "store": self._store,
-            "load": self._load,
-            "state_store": self._state_store,
-            "state_load": self._state_load,
-        }
-        return [by_kind[c.kind](c) for c in copies]
+        return [self._by_kind[c.kind](c) for c in copies]
 
     def _store(self, c: TierCopy) -> CopyHandle:
         dev_pages, host_pages = c.dev_pages, c.host_pages
@@ -136,7 +153,7 @@ class TierMirror:
         )
         for p in host_pages:
             self._writing[p] = handle
-        self._in_flight.append((handle, host_pages))
+        self._in_flight.append((handle, host_pages, []))
         self.metrics.stores += 1
         self.metrics.pages_offloaded += len(dev_pages)
         if self.debug:
@@ -159,7 +176,7 @@ class TierMirror:
             copy,
             num_gates=dev_kv.shape[0],
         )
-        self._in_flight.append((handle, []))
+        self._in_flight.append((handle, [], []))
         self.metrics.loads += 1
         self.metrics.pages_loaded += len(host_pages)
         return handle
@@ -180,7 +197,7 @@ class TierMirror:
         )
         for s in host_slots:
             self._writing_slot[s] = handle
-        self._in_flight.append((handle, []))
+        self._in_flight.append((handle, [], host_slots))
         self.metrics.state_stores += 1
         if self.debug:
             self._readback_state(dev_slots[0], host_slots[0], handle, c.tags[0])
@@ -197,7 +214,7 @@ class TierMirror:
             return host_to_device_state(host, dev, host_slots, dev_slots)
 
         handle = self.copies.submit("load", self.states[0].layout.bytes_per_slot, copy)
-        self._in_flight.append((handle, []))
+        self._in_flight.append((handle, [], []))
         self.metrics.state_loads += 1
         return handle
 
@@ -211,13 +228,14 @@ class TierMirror:
         while self._in_flight:
             self._complete(*self._in_flight.popleft())
 
-    def _complete(self, handle: CopyHandle, host_pages: list[int]) -> None:
+    def _complete(self, handle: CopyHandle, host_pages: list[int], host_slots: list[int]) -> None:
         handle.synchronize()
         for p in host_pages:
             if self._writing.get(p) is handle:
                 del self._writing[p]
-        for slot in [s for s, h in self._writing_slot.items() if h is handle]:
-            del self._writing_slot[slot]
+        for slot in host_slots:
+            if self._writing_slot.get(slot) is handle:
+                del self._writing_slot[slot]
         handle.keep = ()
 
     def _readback(self, dev_pages, host_pages, handle: CopyHandle, tags) -> None:
@@ -234,11 +252,5 @@ class TierMirror:
         with its device source."""
         handle.synchronize()
         dev, host = self._state_tensors()
-        for what, src_all, dst_all in zip(("state", "conv window"), dev, host):
-            self.metrics.readback_checks += 1
-            src, dst = src_all[:, dev_slot].cpu(), dst_all[:, host_slot]
-            if not (torch.isfinite(dst.float()).all() and torch.equal(src, dst)):
-                raise KVReadbackError(
-                    f"{tag}: the {what} of device state slot {dev_slot} differs from its "
-                    f"host copy (host slot {host_slot}) on this rank"
-                )
+        self.metrics.readback_checks += len(dev)  # the state and the conv window
+        check_offloaded_state(dev, host, dev_slot, host_slot, f"{tag} (this rank's heads)")
