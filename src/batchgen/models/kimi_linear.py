@@ -26,11 +26,9 @@ from torch import nn
 from batchgen.kv_state import KVState
 from batchgen.layers import mla
 from batchgen.layers.kda import KimiDeltaAttention
-from batchgen.layers.linear import Linear
 from batchgen.layers.mla import MLAttention
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.norm import RMSNorm
-from batchgen.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models.deepseek_v3 import MLAMoEDecode
 from batchgen.models.llama import DecoderStack, LlamaMLP
@@ -106,11 +104,7 @@ class KimiLinearForCausalLM(MLAMoEDecode, DecoderStack):
         self.rotary = None  # NoPE: MLA layers take no position encoding
         # replicated under tensor parallel: every rank stores the whole latent
         self.kv_state = KVState.latent(config.kv_lora_rank + config.qk_rope_head_dim)
-        vocab, hidden = config.vocab_size, config.hidden_size
-        if tp is None:
-            self.embed_tokens = nn.Embedding(vocab, hidden)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
+        self.build_embedding(config, tp)
         layers, kv_index, state_index = [], 0, 0
         for i, kind in enumerate(config.layer_types):
             layers.append(KimiLinearDecoderLayer(config, i, kv_index, state_index, tp))
@@ -119,14 +113,8 @@ class KimiLinearForCausalLM(MLAMoEDecode, DecoderStack):
         self.layers = nn.ModuleList(layers)
         self.num_kv_layers = kv_index
         self.linear_layers = [layer.self_attn for layer in layers if layer.is_linear]
-        self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        elif tp is None:
-            self.lm_head = Linear(hidden, vocab)
-        else:
-            self.lm_head = ParallelLMHead(vocab, hidden, tp)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.build_lm_head(config, tp)
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, parameter, shard) for a transformers weight name; None to skip."""

@@ -132,6 +132,25 @@ class DecoderStack(nn.Module):
     `layer(positions, x, residual) -> (x, residual)`), a final `norm`, and `lm_head`
     (None: tied to the embeddings)."""
 
+    def build_embedding(self, config, tp: TPGroup | None) -> None:
+        """`embed_tokens`: plain on one process, the vocabulary split across ranks with
+        `tp`. Built before the layers and build_lm_head after them, so that parameters
+        keep their order (dummy weights are drawn in it)."""
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+
+    def build_lm_head(self, config, tp: TPGroup | None) -> None:
+        """`tie_word_embeddings` and `lm_head` (None when tied), split as the embedding."""
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        elif tp is None:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Packed tokens [T] at positions [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
@@ -205,10 +224,7 @@ class LlamaForCausalLM(DecoderStack):
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
-        if tp is None:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.build_embedding(config, tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary, self.qkv_bias, self.qk_norm, tp)
             for i in range(config.num_hidden_layers)
@@ -217,13 +233,7 @@ class LlamaForCausalLM(DecoderStack):
         # per token per layer: K and V of this rank's KV heads
         self.kv_state = KVState.mha(self.num_local_kv_heads, head_dim)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        elif tp is None:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.build_lm_head(config, tp)
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None] | None:
         """(module, 'weight'|'bias', shard) for a transformers weight name; None to skip."""
