@@ -82,9 +82,10 @@ class EngineCore:
         self.state_pool = build_state_pool(model, config, dtype, device)
         num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
         self._check_pool_size(num_pages)
+        # the host tier's budget: GiB of KV pages, and host slots of compressed state
+        state_layout = None if self.state_pool is None else self.state_pool.layout
+        page_gib, host_slots = split_host_budget(config, state_layout)
         if tp_workers is not None:  # each rank builds pools of the same pages and slots
-            state_layout = None if self.state_pool is None else self.state_pool.layout
-            page_gib, host_slots = split_host_budget(config, state_layout)
             tp_workers.send(
                 {
                     "num_pages": num_pages,
@@ -102,7 +103,7 @@ class EngineCore:
         self.state_slots = None if self.state_pool is None else StateSlots(config.max_num_seqs)
         self.exact_swap = None  # hybrid models' swap, built with the tier
         self.checkpoints = None  # hybrid models' prefix hits, built with the tier
-        self.tier = self._build_tier() if config.host_kv_size_gib > 0 else None
+        self.tier = self._build_tier(page_gib, host_slots) if config.host_kv_size_gib > 0 else None
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -228,10 +229,10 @@ class EngineCore:
             spare_slot=self.config.max_num_seqs,  # the state pool's spare (build_state_pool)
         )
 
-    def _build_tier(self) -> TieredKVManager:
+    def _build_tier(self, page_gib: float, host_slots: int) -> TieredKVManager:
+        """The host tier over `page_gib` of KV pages and `host_slots` state slots (the
+        split of host_kv_size_gib, split_host_budget)."""
         pin = self.device.type == "cuda"
-        state_layout = None if self.state_pool is None else self.state_pool.layout
-        page_gib, host_slots = split_host_budget(self.config, state_layout)
         host = HostPool.sized(self.layout, page_gib, pin=pin)
         self.tier_cost = self._tier_cost()
         tier = TieredKVManager(
@@ -246,7 +247,7 @@ class EngineCore:
         if host_slots:  # hybrid models: requests swap with their compressed state
             tier.states = StateTier(
                 self.state_pool,
-                HostStatePool(state_layout, host_slots, pin=pin),
+                HostStatePool(self.state_pool.layout, host_slots, pin=pin),
                 self.state_slots,
                 tier.copies,
                 tier.metrics,
@@ -265,7 +266,7 @@ class EngineCore:
                 host_slots,
                 tier.states.host_pool.nbytes / 2**30,
             )
-        elif state_layout is not None:
+        elif self.state_pool is not None:
             logger.info("host state tier: no slot fits; preempted requests are recomputed")
         logger.info(
             "host KV tier: %d pages (%.2f GiB); %s",
