@@ -58,6 +58,16 @@ def dummy_model(args: argparse.Namespace) -> tuple[dict, Path]:
     return config, config_dir(path, config)
 
 
+def comma_list(text: str, allowed, usage: str) -> list[str]:
+    """--runs-style option: the names in `text`, each once, in the order given;
+    argparse.ArgumentTypeError with `usage` for an empty list or a name not in
+    `allowed`."""
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    if not names or set(names) - set(allowed):
+        raise argparse.ArgumentTypeError(f"{usage}; got {text!r}")
+    return names
+
+
 def engine_default(name: str):
     """An EngineConfig field's default."""
     from batchgen.config import EngineConfig

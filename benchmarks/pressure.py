@@ -45,6 +45,7 @@ from engine_runs import (  # noqa: E402
     add_model_args,
     add_policy_args,
     checks_line,
+    comma_list,
     cost_rule,
     dummy_model,
     size,
@@ -64,10 +65,7 @@ def small_workload() -> tuple[list[list[int]], list[int]]:
 
 def parse_runs(text: str) -> list[str]:
     """The tier-on and tier-off engines to build, in the order given ("off,on")."""
-    runs = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    if not runs or set(runs) - {"on", "off"}:
-        raise argparse.ArgumentTypeError(f"--runs takes on, off, on,off or off,on; got {text!r}")
-    return runs
+    return comma_list(text, ("on", "off"), "--runs takes on, off, on,off or off,on")
 
 
 def engine_kwargs(args) -> dict:

@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-pages", type=int, default=40, help="--small: tier run's pool pages")
     ap.add_argument("--host-gib", type=float, default=None, help="32 (--small: 0.002)")
     ap.add_argument(
-        "--tp", type=int, default=1, help="tensor_parallel_size of the tier run (see above)"
+        "--tp", type=int, default=1, help="tensor_parallel_size of both runs (see above)"
     )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument(

@@ -79,6 +79,7 @@ from engine_runs import (  # noqa: E402
     add_model_args,
     add_policy_args,
     checks_line,
+    comma_list,
     cost_rule,
     dummy_model,
     size,
@@ -132,13 +133,7 @@ def parse_runs(text: str) -> list[str]:
     """A comma list of RUNS names -> those names, each once, in the order given (the
     first engine of a process pays for memory later ones reuse: name the order, or run
     one engine per process, to compare runs fairly)."""
-    wanted = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    unknown = set(wanted) - set(RUNS)
-    if unknown or not wanted:
-        raise argparse.ArgumentTypeError(
-            f"--runs takes a comma list of {', '.join(RUNS)}; got {text!r}"
-        )
-    return wanted
+    return comma_list(text, RUNS, f"--runs takes a comma list of {', '.join(RUNS)}")
 
 
 def prefix_load_rate(metrics: dict) -> dict:
