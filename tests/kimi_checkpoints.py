@@ -71,3 +71,28 @@ def save_tiny_kimi(path, seed: int = 0, **pattern):
     model.save_pretrained(path)
     save_tiny_tokenizer(path, config.vocab_size)
     return model.eval()
+
+
+def random_kda_module(config, seed: int = 0, std: float | None = None):
+    """transformers' KDA module with random weights as transformers initialises them
+    (projections normal(0, std), by default initializer_range; A_log, dt_bias as fla
+    does)."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    torch.manual_seed(seed)
+    layer = kimi.KimiLinearDeltaAttention(config, layer_idx=0).float().eval()
+    std = config.initializer_range if std is None else std
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(1, 16).log())
+            elif name.endswith("dt_bias"):  # softplus(dt_bias) in [1e-3, 1e-1], as fla inits
+                dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif name.endswith("o_norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif "conv1d" in name:
+                p.normal_(0, 1 / math.sqrt(p.shape[-1]))
+            else:  # projections
+                p.normal_(0, std)
+    return layer

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -224,6 +225,7 @@ def kda_layer_runs(tp: TPGroup, path: str) -> dict:
     Both layers' outputs and final slots."""
     from transformers import KimiLinearConfig
 
+    from batchgen.engine.memory import state_layout
     from batchgen.forward_context import AttentionMetadata, LinearAttentionMetadata, LinearSeq
     from batchgen.kv.state_pool import StatePool
     from batchgen.layers.kda import KimiDeltaAttention
@@ -235,7 +237,8 @@ def kda_layer_runs(tp: TPGroup, path: str) -> dict:
         layer = KimiDeltaAttention(config, 0, 0, chunk_size=4, tp=group)
         for weight, tensor in data["weights"].items():
             layer.load_weight(weight, tensor)
-        pool = StatePool(state_layout_of(layer), 3, "cpu")
+        layout = state_layout(SimpleNamespace(linear_layers=[layer]), torch.float32)
+        pool = StatePool(layout, 3, "cpu")
         outs = []
         for step in data["steps"]:
             seqs, start = [], 0
@@ -254,17 +257,3 @@ def kda_layer_runs(tp: TPGroup, path: str) -> dict:
                 outs.append(layer(torch.cat([rows for rows, _, _ in step])))
         runs[name] = {"outputs": outs, "states": pool.states.clone(), "windows": pool.windows}
     return runs
-
-
-def state_layout_of(layer):
-    from batchgen.kv.state_pool import StateLayout
-
-    return StateLayout(
-        num_layers=1,
-        num_heads=layer.num_heads,
-        head_k_dim=layer.head_dim,
-        head_v_dim=layer.head_dim,
-        conv_dim=layer.conv_dim,
-        conv_kernel=layer.conv_kernel,
-        conv_dtype=torch.float32,
-    )

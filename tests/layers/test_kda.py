@@ -4,10 +4,10 @@ our recurrent, chunked and packed computations against each other."""
 from __future__ import annotations
 
 import inspect
-import math
 
 import pytest
 import torch
+from kimi_checkpoints import random_kda_module as hf_layer
 
 from batchgen.forward_context import (
     AttentionMetadata,
@@ -56,27 +56,6 @@ def tiny_config(**overrides):
         hidden_act="silu",
     )
     return KimiLinearConfig(**{**fields, **overrides})
-
-
-def hf_layer(config, seed: int = 0):
-    """transformers' KDA module with random weights as transformers initialises them
-    (projections normal(0, initializer_range); A_log, dt_bias as fla does)."""
-    torch.manual_seed(seed)
-    layer = kimi.KimiLinearDeltaAttention(config, layer_idx=0).float().eval()
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(1, 16).log())
-            elif name.endswith("dt_bias"):  # softplus(dt_bias) in [1e-3, 1e-1], as fla inits
-                dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)).exp()
-                p.copy_(dt + torch.log(-torch.expm1(-dt)))
-            elif name.endswith("o_norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif "conv1d" in name:
-                p.normal_(0, 1 / math.sqrt(p.shape[-1]))
-            else:  # projections: transformers' initializer_range
-                p.normal_(0, config.initializer_range)
-    return layer
 
 
 def our_layer(config, hf, chunk_size: int = 16) -> KimiDeltaAttention:
