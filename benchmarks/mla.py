@@ -18,8 +18,8 @@ Workload: workloads.w4_requests(), 512 prompts of 1024 random tokens, 128 output
 each, greedy, ignore_eos; batchgen in its defaults (CUDA graphs, pipelined decode, prefix
 admission) with the host tier on (--host-gib, 32). Prints output tok/s of both, their
 ratio and the fraction of the roofline (BENCHMARKS.md: ~13,350 tok/s), and a breakdown of
-batchgen's run: prefill and decode phases (from the per-step timeline), tier traffic.
-Writes mla.json into --out.
+batchgen's run: prefill and decode phases (the prefill phase ends once every request has
+its first token), tier traffic. Writes mla.json into --out.
 """
 
 from __future__ import annotations
@@ -58,17 +58,21 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     start = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, out_lens)):
         eng.add_request(f"w4-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    timeline = []  # (seconds, output tokens so far, running requests)
+    steps = 0
     out0 = eng.stats.output_tokens
+    # the prefill phase ends when every request has its first token (the output-token
+    # count alone would end it early: requests admitted first decode meanwhile)
+    first_all = None
     while eng.has_unfinished:
         eng.step()
-        timeline.append((time.perf_counter() - start, eng.stats.output_tokens - out0))
+        steps += 1
+        if first_all is None and not any(not r.output_token_ids for r in eng.requests.values()):
+            first_all = time.perf_counter() - start
     _sync(args.device)
     wall = time.perf_counter() - start
     after = eng.metrics()
     out = eng.stats.output_tokens - out0
-    # the prefill phase ends when every request has its first token
-    first_all = next((t for t, o in timeline if o >= len(prompts)), wall)
+    first_all = wall if first_all is None else first_all
     counters = {
         k: after[k] - before.get(k, 0)
         for k in after
@@ -80,7 +84,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         "tok_s": out / wall,
         "cuda_graphs": eng.runner.graphs is not None,
         "backend": eng.runner.attention_backend,
-        "steps": len(timeline),
+        "steps": steps,
         "prefill_phase_s": first_all,
         "decode_phase_s": wall - first_all,
         "decode_tok_s": (out - len(prompts)) / max(wall - first_all, 1e-9),

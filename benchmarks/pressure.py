@@ -21,6 +21,12 @@ ones reuse, so the fairest comparison is one engine per process). --admission an
 both (default: the engine's defaults; under tier_policy="auto" the tier may judge a swap
 dearer than a recompute and not swap; "always" swaps whatever it costs).
 
+--profile [ROWS]: after each timed run, one decode step of ROWS (32) of the workload's
+requests on that engine, as run and phase by phase (throughput.profile_decode: a
+graph replay's GPU time, host phases, heaviest kernels), to tell where a tier-on run's
+extra time per step goes: the timed runs' per-step timelines (pressure.json) show
+whether it is in decode steps or in mixed ones.
+
 Prints output tok/s of both, their ratio, preemptions / swaps / recomputes, tokens
 computed, and the host<->device bandwidth of the tier's copies: bytes moved (write-through
 stores, swap-outs and loads) over the summed copy-stream time, and of the swap traffic
@@ -36,6 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from argparse import Namespace
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -83,6 +91,18 @@ def engine_kwargs(args) -> dict:
     )
 
 
+def decode_profile(prompts: list[list[int]], args, llm) -> dict:
+    """--profile: throughput.profile_decode on the run's engine at args.profile rows (the
+    workload's first prompts, decoding past their prefill), so the tier-on and tier-off
+    engines are compared on the same decode step: the step's wall time, its phases with
+    a device sync around each, one graph replay's GPU time and the heaviest kernels."""
+    from throughput import profile_decode
+
+    return profile_decode(
+        llm, prompts, Namespace(max_num_seqs=args.profile, device=llm.engine.device.type)
+    )
+
+
 def summary(result: dict) -> str:
     on, off = result.get("tier_on"), result.get("tier_off")
     lines = [
@@ -101,6 +121,16 @@ def summary(result: dict) -> str:
             f"{m.get('swaps_out', 0)}/{m.get('swaps_in', 0)}  recomputes {m['recomputes']}  "
             f"computed {m['computed_tokens']:,}"
         )
+    for label, run in (("host tier on ", on), ("host tier off", off)):
+        prof = (run or {}).get("after")
+        if prof:
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in prof["phase_ms"].items())
+            replay = prof["replay_gpu_ms"]
+            lines.append(
+                f"{label} decode step at {prof['batch']} rows (context {prof['mean_context']:.0f}): "
+                f"{prof['step_wall_ms']:.2f} ms as run, {prof['synced_step_ms']:.2f} ms synced "
+                f"({phases}); graph replay " + ("-" if replay is None else f"{replay:.2f} ms")
+            )
     if on is None:
         lines.append(checks_line(result["checks"]))
         return "\n".join(lines) + "\n"
@@ -133,6 +163,16 @@ def main(argv=None) -> int:
         default=["on", "off"],
         help="the engines to build, in order: on,off (default), off,on, on or off",
     )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=32,
+        default=None,
+        metavar="ROWS",
+        help="after each timed run, where a decode step of ROWS requests (default 32, about "
+        "as many as W2's pool holds) spends its time: throughput.profile_decode",
+    )
     add_engine_args(ap)
     add_model_args(ap)
     add_policy_args(ap)
@@ -148,7 +188,10 @@ def main(argv=None) -> int:
     runs = {}
     for name in args.runs:
         host_gib = args.host_gib if name == "on" else 0.0
-        runs[name] = timed_run(ckpt, prompts, out_lens, warmup_len, host_kv_size_gib=host_gib, **kw)
+        after = partial(decode_profile, prompts, args) if args.profile else None
+        runs[name] = timed_run(
+            ckpt, prompts, out_lens, warmup_len, after=after, host_kv_size_gib=host_gib, **kw
+        )
     on, off = runs.get("on"), runs.get("off")
     checks = {
         "all_outputs": all(r["all_outputs"] for r in runs.values()),

@@ -50,6 +50,14 @@ probe at two ranks on the CPU, a tiny Kimi-Linear-shaped model, W6's request mix
     python3 benchmarks/probe_offload.py --small --model kimi-w6 --tp 2 --readback \
         --requests 512 --prompt-len 1000 --output-len 128 --kv-pages 36000 --host-gib 0.5
 
+--control (default modes): one more run with the ample pool and no tier at half
+--max-num-seqs, judged against the ample run by the same rule ("control" in the output).
+It changes only which requests share a step, so the numerics of each row's steps (kernel
+choice by batch size, bf16 rounding): what batching alone does to the rows. In a model
+with random weights whose routing flips on small differences (random-weight MoE in bf16)
+the closeness rule can count rows broken with no tier at all; the control says how many,
+and the tier run's copies are proven by the readback either way.
+
 --model: qwen3-0.6b (W1's model, the default), llama-3.1-8b, moonlight-w4 (W4) or kimi-w6
 (W6) with random bf16 weights
 (load_format="dummy", the directory --ckpt or /tmp/batchgen-<model>-config holds only
@@ -236,6 +244,11 @@ def main(argv=None) -> int:
     mode.add_argument(
         "--readback", action="store_true", help="default mode, batchgen_debug on the tier run"
     )
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="default mode: + an ample run at half --max-num-seqs, judged the same way",
+    )
     ap.add_argument("--model", default="qwen3-0.6b", help="a name, 'default' or a path")
     ap.add_argument("--small", action="store_true", help="CPU-sized smoke run")
     ap.add_argument("--ckpt", type=Path, default=None, help="directory for --model's config")
@@ -280,9 +293,17 @@ def main(argv=None) -> int:
         params = SamplingParams(temperature=0, max_tokens=args.output_len)
         tier_rows, m_tier, wall_tier, _ = run(model, prompts, params, **tight, **common)
         tier_ids = [r[0] for r in tier_rows]
+        control_ids = None
+        if args.control:  # no tier, other batches: what batching alone changes
+            half = dict(common, max_num_seqs=max(1, args.max_num_seqs // 2))
+            control_ids = [r[0] for r in run(model, prompts, params, **half)[0]]
 
         def judge(llm, rows):
-            return compare(prompts, tier_ids, [r[0] for r in rows], top5_scorer(llm))
+            ample_ids, score = [r[0] for r in rows], top5_scorer(llm)
+            verdict = compare(prompts, tier_ids, ample_ids, score)
+            if control_ids is not None:
+                verdict["control"] = compare(prompts, control_ids, ample_ids, score)
+            return verdict
 
         ample_rows, m_ample, wall_ample, verdict = run(
             model, prompts, params, after=judge, **common
