@@ -65,6 +65,7 @@ TRANSFERS = {"to", "cuda", "cpu", "pin_memory"}
 READS = {"to", "cpu"}
 NEW_TENSOR = TRANSFERS | {"clone", "float", "half", "double", "bfloat16", "numpy", "tolist", "item"}
 FACTORIES = {"empty", "zeros", "ones", "full", "empty_like", "zeros_like", "empty_strided"}
+POOL_ALLOCATORS = {"host_empty"}  # kv/pinned.py: host pools pinned at their exact size
 STREAM_CTX = {"torch.cuda.stream", "cuda.stream", "torch.cuda.StreamContext"}
 CURRENT_STREAM = ("torch.cuda.current_stream(", "cuda.current_stream(")
 WHOLE_WAITS = {"wait_on_current_stream", "synchronize"}
@@ -1041,17 +1042,23 @@ def _copies(node: ast.AST, copying: dict[str, ast.AST]) -> bool:
 
 
 def _tensor_attrs(cls: ast.ClassDef) -> set[str]:
-    """Attributes a class sets to a tensor it allocates (`self.kv = torch.zeros(...)`)."""
+    """Attributes a class sets to a tensor it allocates (`self.kv = torch.zeros(...)`, or
+    `self.kv = host_empty(...)`: the host pools' pinned allocation, kv/pinned.py)."""
     return {
         t.attr
         for a in _walk(cls)
         if isinstance(a, (ast.Assign, ast.AnnAssign))
         and isinstance(a.value, ast.Call)
-        and _attr(a.value.func) in FACTORIES
-        and ast.unparse(a.value.func.value) == "torch"
+        and _allocates(a.value.func)
         for t in _targets(a)
         if isinstance(t, ast.Attribute) and _is_self(t.value)
     }
+
+
+def _allocates(func: ast.AST) -> bool:
+    if isinstance(func, ast.Name):
+        return func.id in POOL_ALLOCATORS
+    return _attr(func) in FACTORIES and ast.unparse(func.value) == "torch"
 
 
 def _record_of(fn: ast.AST) -> ast.Call | None:

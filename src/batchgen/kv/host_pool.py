@@ -5,14 +5,16 @@ from __future__ import annotations
 import torch
 
 from batchgen.kv.layout import KVLayout
+from batchgen.kv.pinned import host_empty
 
 
 class HostPool:
     """Host pages, layer-major: [num_layers, num_pages, num_components, page_size,
     num_kv_heads, head_dim] (KVLayout.host_shape). One layer of a run of consecutive host pages is contiguous, so a
     layer-by-layer transfer moves it in one copy; the same (layer, page, component, slot)
-    addressing as the device pool. Allocated with torch.empty: a host page is never
-    read before a copy has written it (the tier's lifecycle guarantees it).
+    addressing as the device pool. Allocated uninitialised (pinned.host_empty: pinned at
+    exactly its size when `pin`): a host page is never read before a copy has written it
+    (the tier's lifecycle guarantees it).
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, pin: bool) -> None:
@@ -20,7 +22,7 @@ class HostPool:
             raise ValueError("the host KV pool needs at least one page (raise host_kv_size_gib)")
         self.layout = layout
         self.num_pages = num_pages
-        self.kv = torch.empty(layout.host_shape(num_pages), dtype=layout.dtype, pin_memory=pin)
+        self.kv = host_empty(layout.host_shape(num_pages), layout.dtype, pin)
 
     def page(self, page: int) -> torch.Tensor:
         """One host page, [num_layers, num_components, page_size, num_kv_heads, head_dim]

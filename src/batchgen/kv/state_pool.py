@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.kv.pinned import host_empty
+
 
 @dataclass(frozen=True)
 class StateLayout:
@@ -92,7 +94,7 @@ class StatePool:
 class HostStatePool:
     """Host slots with the device pool's slot geometry, pinned when `pin`: states
     [L, num_slots, H, Dk, Dv] float32 and windows [L, num_slots, K - 1, C], layer-major
-    like HostPool. torch.empty: a host slot is read only after a copy wrote it. Copies
+    like HostPool (pinned.host_empty): a host slot is read only after a copy wrote it. Copies
     in and out are page_copies.device_to_host_state / host_to_device_state, run only
     inside closures handed to CopyEngine.submit."""
 
@@ -102,10 +104,8 @@ class HostStatePool:
         self.layout = layout
         self.num_slots = num_slots
         shape = layout.states_shape(num_slots)
-        self.states = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
-        self.windows = torch.empty(
-            layout.windows_shape(num_slots), dtype=layout.conv_dtype, pin_memory=pin
-        )
+        self.states = host_empty(shape, torch.float32, pin)
+        self.windows = host_empty(layout.windows_shape(num_slots), layout.conv_dtype, pin)
 
     @property
     def nbytes(self) -> int:

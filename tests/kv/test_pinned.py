@@ -1,0 +1,140 @@
+"""Host pools pinned at exactly their size (kv/pinned.py).
+
+On the CPU, CUDA's registration calls are replaced by a recorder, so the size asked
+for, the pointer, the unregistration on release and the fallback are checked without
+a GPU; the GPU test checks what the registration is for: the pool is pinned memory and
+non-blocking copies through it round-trip.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from batchgen.kv import pinned
+from batchgen.kv.host_pool import HostPool
+from batchgen.kv.layout import KVLayout
+from batchgen.kv.state_pool import HostStatePool, StateLayout
+
+
+class FakeCudart:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        if self.fail:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0
+
+
+def check_error(code: int) -> None:
+    if code != 0:
+        raise RuntimeError(f"CUDA error {code}")
+
+
+@pytest.fixture
+def cudart(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "check_error", check_error)
+    return fake
+
+
+def test_pinned_pool_is_registered_at_its_exact_size_and_released(cudart):
+    shape = (3, 5, 7)  # 105 float32s: 420 bytes, nowhere near a power of two
+    t = pinned.host_empty(shape, torch.float32, pin=True)
+    assert t.shape == shape and t.dtype == torch.float32
+    assert cudart.registered == {t.data_ptr(): 420}
+    t[1, 2, 3] = 4.5  # writable, and the registered memory is the tensor's
+    assert float(t.view(-1)[1 * 35 + 2 * 7 + 3]) == 4.5
+    ptr = t.data_ptr()
+    del t
+    gc.collect()
+    assert cudart.unregistered == [ptr]
+
+
+def test_a_view_keeps_the_registration(cudart):
+    t = pinned.host_empty((4, 8), torch.bfloat16, pin=True)
+    ptr = t.data_ptr()
+    row = t[2]
+    del t
+    gc.collect()
+    assert cudart.unregistered == []  # the storage, and its registration, live on
+    row.fill_(1.0)
+    del row
+    gc.collect()
+    assert cudart.unregistered == [ptr]
+
+
+def test_failed_registration_falls_back_to_the_caching_allocator(monkeypatch, caplog):
+    fake = FakeCudart(fail=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "check_error", check_error)
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*shape, pin_memory=False, **kw):
+        asked.append(pin_memory)
+        return real_empty(*shape, **kw)  # this machine has no CUDA to pin with
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with caplog.at_level(logging.WARNING, logger="batchgen.kv.pinned"):
+        t = pinned.host_empty((6, 10), torch.float16, pin=True)
+    assert t.shape == (6, 10) and asked == [True]
+    assert "cudaHostRegister failed" in caplog.text and "power of two" in caplog.text
+
+
+def test_unpinned_pools_are_plain_tensors(monkeypatch):
+    def no_cuda():
+        raise AssertionError("an unpinned pool must not call CUDA")
+
+    monkeypatch.setattr(torch.cuda, "cudart", no_cuda)
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float32)
+    pool = HostPool(layout, num_pages=3, pin=False)
+    assert pool.kv.shape == layout.host_shape(3)
+
+
+def test_host_pools_pin_through_host_empty(cudart):
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float32)
+    pool = HostPool(layout, num_pages=3, pin=True)
+    assert cudart.registered == {pool.kv.data_ptr(): pool.nbytes}
+    states = HostStatePool(
+        StateLayout(
+            num_layers=2,
+            num_heads=2,
+            head_k_dim=4,
+            head_v_dim=4,
+            conv_dim=6,
+            conv_kernel=4,
+            conv_dtype=torch.float32,
+        ),
+        num_slots=3,
+        pin=True,
+    )
+    assert cudart.registered[states.states.data_ptr()] == states.states.nbytes
+    assert cudart.registered[states.windows.data_ptr()] == states.windows.nbytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_pinned_pool_round_trips_non_blocking_copies_on_the_gpu():
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    pool = HostPool(layout, num_pages=37, pin=True)  # not a power of two in bytes
+    assert pool.kv.is_pinned()
+    src = torch.randn(pool.kv.shape, device="cuda").to(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        pool.kv.copy_(src, non_blocking=True)
+        back = pool.kv.to("cuda", non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(back, src)
