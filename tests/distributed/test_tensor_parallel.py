@@ -41,6 +41,12 @@ def test_each_parallel_layer_equals_the_full_layer_on_both_ranks(tp2_runs):
             assert diff <= 1e-5, f"rank {rank}, {case}: max |diff| {diff}"
 
 
+def test_host_messages_travel_on_a_gloo_group_of_their_own(tp2_runs):
+    """Under NCCL an object broadcast on the tensors' group is staged through GPU memory;
+    every run makes the gloo side group, so the path NCCL runs is the one tested here."""
+    assert [run["host_group"] for run in tp2_runs] == [("gloo", True), ("gloo", True)]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_logits_equal_tp1_through_prefill_and_decode(arch, checkpoints, tp2_runs):
     """Qwen2 adds the qkv bias and tied embeddings (the embedding's vocabulary split

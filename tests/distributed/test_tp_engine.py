@@ -1,5 +1,7 @@
 """The engine at tensor_parallel_size=2 (this process rank 0, one spawned gloo worker)
-against tensor_parallel_size=1: the same greedy tokens; a dead worker is an error."""
+against tensor_parallel_size=1: the same greedy tokens, decode pipelined (rank 0's
+samples reach the worker by a broadcast) and rows stopped by a token mid-pipeline; a dead
+worker is an error."""
 
 from __future__ import annotations
 
@@ -27,12 +29,27 @@ def test_tp2_engine_equals_tp1_and_a_dead_worker_fails_the_next_step(tmp_path, a
     save_tiny_model(tmp_path, arch)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **KW).generate(PROMPTS, params)]
+    # the default ending: a token the pipeline cannot foresee stops a row mid-step
+    stop = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[want[0][3]])
+    want_stopped = [
+        o.outputs[0].token_ids for o in LLM(str(tmp_path), **KW).generate(PROMPTS, stop)
+    ]
     llm = LLM(str(tmp_path), tensor_parallel_size=2, **KW)
     try:
         assert llm.engine.layout.num_kv_heads == 1  # 2 KV heads, one per rank
+        launches = []  # rank 0's decode steps queued after the one still running
+        launch = llm.engine.runner.launch_decode
+        llm.engine.runner.launch_decode = lambda s, prev=None: (
+            launches.append(prev is not None),
+            launch(s, prev),
+        )[1]
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         assert got == want
         assert all(len(t) == 8 for t in got)
+        assert sum(launches) >= 4, "decode was not pipelined under tensor parallel"
+        stopped = llm.generate(PROMPTS, stop, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in stopped] == want_stopped
+        assert len(want_stopped[0]) == 4 and stopped[0].outputs[0].finish_reason == "stop"
         worker = llm.engine.tp_workers.processes[0]
         worker.kill()
         worker.join(10)

@@ -195,9 +195,13 @@ def model_logits(tp: TPGroup | None, path: str) -> list[torch.Tensor]:
 def layers_and_models(tp: TPGroup, paths: dict[str, str]) -> dict:
     """One spawn for every check (each start costs seconds): the layers' max diffs
     and, by architecture, each model's logits."""
+    import torch.distributed as dist
+
     return {
         "layers": layer_diffs(tp),
         "logits": {arch: model_logits(tp, path) for arch, path in paths.items()},
+        # the host messages' group: its backend, and whether it is not the tensors' group
+        "host_group": (dist.get_backend(tp.host_group), tp.host_group is not tp.group),
     }
 
 

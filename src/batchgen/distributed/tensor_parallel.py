@@ -52,7 +52,9 @@ def init_tensor_parallel(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    _group = TPGroup(rank, world_size, dist.group.WORLD)
+    # host messages over gloo whatever the tensors' backend (a gloo world serves both, but
+    # every run makes the group, so the CPU tests cover the path NCCL runs)
+    _group = TPGroup(rank, world_size, dist.group.WORLD, dist.new_group(backend="gloo"))
     return _group
 
 

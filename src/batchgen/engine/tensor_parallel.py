@@ -7,22 +7,24 @@ the same steps on their share of the model.
                                                 -> its own pool (and host tier mirror)
     tier cost rule: _profile_forward       -->  {"profile": n}: the same warm-up forward
     step: schedule; TPModelRunner.execute: ---> TPStep: issue its tier copies on its
-          broadcast TPStep(SchedulerOutput,     shard (TierMirror), execute the step
-          the tier copies submitted since       waiting for them (its sample is dropped:
-          the last one), execute it             rank 0's counts)
+          broadcast TPStep(SchedulerOutput,     shard (TierMirror), run the step's forward
+          the tier copies submitted since       and lm_head waiting for them, sampling
+          the last one), execute it             nothing (execute_unsampled)
     tier_worker_metrics()                  -->  pending copies, then its mirror's counters
     shutdown(): broadcast None             -->  leave the group, exit
 
 Every rank runs the same forward and compute_logits, so their collectives pair up. The
-SchedulerOutput is broadcast as a pickled object each step, without its copy handles
-and hooks: the host tier's copies travel as plain data (kv.tier_mirror.TierCopy), rank
+SchedulerOutput is broadcast as a pickled object each step over the group's gloo side
+(`TPGroup.host_group`: no GPU staging, so no worker waits for its GPU to drain to read
+the next step), without its copy handles and hooks: the host tier's copies travel as plain data (kv.tier_mirror.TierCopy), rank
 0's tier deciding every one, each worker replaying them on its own KV shard (same page
 ids, its heads) through its own CopyEngine, ordered by the same contract (see
 tier_mirror.py for why a page is never reused before a worker's copy touched it).
 Copies rank 0 submits after a step's forward (write-through stores) go with the next
-message, before any copy or forward that could reuse their pages. Not yet: pipelined
-decode, CUDA graphs, per-layer decode appends. A worker that dies makes rank 0's next
-collective raise (gloo: the peer's connection closes; a process group timeout otherwise)
+message, before any copy or forward that could reuse their pages. Decode is pipelined as
+on one GPU (a worker samples nothing and never reads back, so it keeps up). Not yet: CUDA
+graphs, per-layer decode appends. A worker that dies makes rank 0's next
+message raise (the gloo connection closes; a collective over NCCL times out otherwise)
 instead of hanging.
 """
 
@@ -78,10 +80,13 @@ def check_supported(config: EngineConfig, device: torch.device) -> None:
 class TPStep:
     """One step for the workers: the host tier's copies submitted since the last message
     (issued first, in order), then `sched` (None: only the copies), without handles or
-    hooks."""
+    hooks. `pipelined`: a decode step queued after the previous one (rank 0's
+    launch_decode), whose input tokens rank 0 broadcasts on the device (the previous
+    step's samples, which no host has seen yet)."""
 
     sched: SchedulerOutput | None
     copies: list[TierCopy]
+    pipelined: bool = False
 
 
 class TPWorkers:
@@ -114,7 +119,7 @@ class TPWorkers:
         """Broadcast a picklable message (a SchedulerOutput, a setup dict, None to stop)
         from rank 0; RuntimeError naming dead workers when the broadcast fails."""
         try:
-            dist.broadcast_object_list([message], src=0, group=self.tp.group)
+            dist.broadcast_object_list([message], src=0, group=self.tp.host_group)
         except RuntimeError as e:
             dead = [r for r, p in enumerate(self.processes, 1) if not p.is_alive()]
             raise RuntimeError(
@@ -124,7 +129,7 @@ class TPWorkers:
     def gather(self) -> list:
         """What each worker answered the last message with, rank 1 first."""
         replies = [None] * self.tp.size
-        dist.gather_object(None, replies, dst=0, group=self.tp.group)
+        dist.gather_object(None, replies, dst=0, group=self.tp.host_group)
         return replies[1:]
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -145,7 +150,9 @@ class TPWorkers:
 class TPModelRunner(ModelRunner):
     """Rank 0's runner: each step is broadcast to the workers before it runs, with the
     host tier's copies submitted since the last step (`take_copies`), so every rank
-    executes it. Decode steps are not pipelined (launch_decode is not mirrored)."""
+    executes it. A pipelined decode step (launch_decode) is mirrored too: its input
+    tokens, sampled here by the step still running, go to the workers by a device
+    broadcast on the tensors' group, queued like any collective."""
 
     def __init__(
         self,
@@ -158,13 +165,22 @@ class TPModelRunner(ModelRunner):
         self.workers = workers
         self.take_copies = take_copies or list
 
-    def can_launch_decode(self, sched: SchedulerOutput) -> bool:
-        return False
-
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        bare = replace(sched, wait_for=[], on_kv_written=None)  # the workers wait on theirs
-        self.workers.send(TPStep(bare, self.take_copies()))
+        self._send(sched, pipelined=False)
         return super().execute(sched)
+
+    def launch_decode(self, sched: SchedulerOutput, prev=None):
+        self._send(sched, pipelined=prev is not None)
+        return super().launch_decode(sched, prev)
+
+    def _pipelined_ids(self, sched: SchedulerOutput, prev) -> torch.Tensor:
+        ids = super()._pipelined_ids(sched, prev).to(torch.int64)
+        dist.broadcast(ids, src=0, group=self.workers.tp.group)
+        return ids
+
+    def _send(self, sched: SchedulerOutput, pipelined: bool) -> None:
+        bare = replace(sched, wait_for=[], on_kv_written=None)  # the workers wait on theirs
+        self.workers.send(TPStep(bare, self.take_copies(), pipelined))
 
 
 def worker_main(rank: int, size: int, init: str, config: EngineConfig, source) -> None:
@@ -187,11 +203,11 @@ def worker_main(rank: int, size: int, init: str, config: EngineConfig, source) -
             config.seed,
             tp=tp,
         )
-        worker = _Worker(config, model, hf_config, device, dtype)
+        worker = _Worker(config, model, hf_config, device, dtype, tp)
         while (message := _receive(tp)) is not None:
             reply = worker.handle(message)
             if isinstance(message, dict) and message.get("query"):
-                dist.gather_object(reply, None, dst=0, group=tp.group)
+                dist.gather_object(reply, None, dst=0, group=tp.host_group)
     finally:
         destroy_tensor_parallel()
 
@@ -200,9 +216,9 @@ class _Worker:
     """A worker rank's state: its model share, and once set up its page pool, runner and
     host tier mirror."""
 
-    def __init__(self, config: EngineConfig, model, hf_config, device, dtype) -> None:
+    def __init__(self, config: EngineConfig, model, hf_config, device, dtype, tp) -> None:
         self.config, self.model, self.hf_config = config, model, hf_config
-        self.device = device
+        self.device, self.tp = device, tp
         # its KV share (model.kv_state: its KV heads; under MLA the whole latent,
         # replicated), the same pages as rank 0
         num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
@@ -225,7 +241,12 @@ class _Worker:
         if isinstance(message, TPStep):
             waits = self.mirror.issue(message.copies) if self.mirror is not None else []
             if message.sched is not None:
-                self.runner.execute(replace(message.sched, wait_for=waits))
+                device_ids = None
+                if message.pipelined:  # rank 0's samples of the step before, on the device
+                    n = len(message.sched.requests)
+                    device_ids = torch.empty(n, dtype=torch.int64, device=self.device)
+                    dist.broadcast(device_ids, src=0, group=self.tp.group)
+                self.runner.execute_unsampled(replace(message.sched, wait_for=waits), device_ids)
         elif "profile" in message:
             warmup_forward(
                 self.model,
@@ -278,7 +299,7 @@ class _Worker:
 
 def _receive(tp: TPGroup):
     box = [None]
-    dist.broadcast_object_list(box, src=0, group=tp.group)
+    dist.broadcast_object_list(box, src=0, group=tp.host_group)
     return box[0]
 
 

@@ -15,12 +15,22 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TPGroup:
-    """Rank `rank` of `size` ranks over `group` (None: torch.distributed's default group).
-    At size 1 every collective returns its input untouched and needs no process group."""
+    """Rank `rank` of `size` ranks over `group` (None: torch.distributed's default group),
+    the tensors' collectives (NCCL on GPUs); `cpu_group`, the same ranks over gloo, carries
+    the host's messages (rank 0's steps as pickled objects) without touching a GPU: an
+    object sent over NCCL is staged through device memory, and its receiver waits for its
+    GPU to drain before it can read it. None: `group`. At size 1 every collective returns
+    its input untouched and needs no process group."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+    @property
+    def host_group(self) -> dist.ProcessGroup | None:
+        """The group for host messages (`cpu_group`, else `group`)."""
+        return self.group if self.cpu_group is None else self.cpu_group
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

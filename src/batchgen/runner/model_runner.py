@@ -219,11 +219,7 @@ class ModelRunner:
         `InFlightDecode.launch_sample()` once the engine has handed them over (the GPU
         runs the forward meanwhile)."""
         self.page_rows.release(sched.released_ids)
-        device_ids = None
-        if prev is not None:
-            at = {r.request_id: i for i, r in enumerate(prev.sched.requests)}
-            index = self.stage(np.fromiter((at[r.request_id] for r in sched.requests), np.int64))
-            device_ids = prev.tokens.index_select(0, index)
+        device_ids = None if prev is None else self._pipelined_ids(sched, prev)
         hidden, _ = self._forward(sched, device_ids)  # every row samples (can_launch_decode)
         logits = self.model.compute_logits(hidden)
         reqs = sched.requests
@@ -235,6 +231,13 @@ class ModelRunner:
         if not flight.deferred:
             flight.launch_sample()
         return flight
+
+    def _pipelined_ids(self, sched: SchedulerOutput, prev: InFlightDecode) -> torch.Tensor:
+        """The input tokens of a step queued after `prev`: each request's token that
+        `prev` samples, read on the device."""
+        at = {r.request_id: i for i, r in enumerate(prev.sched.requests)}
+        index = self.stage(np.fromiter((at[r.request_id] for r in sched.requests), np.int64))
+        return prev.tokens.index_select(0, index)
 
     @torch.inference_mode()
     def _launch_sample(self, flight: InFlightDecode, logits: torch.Tensor, steps) -> None:
@@ -322,6 +325,25 @@ class ModelRunner:
             out = self._sample(logits, sampled)
         out.prompt_logprobs = prompt
         return out
+
+    @torch.inference_mode()
+    def execute_unsampled(
+        self, sched: SchedulerOutput, device_ids: torch.Tensor | None = None
+    ) -> None:
+        """A tensor-parallel worker's share of `execute` or `launch_decode`: the same
+        forward and lm_head calls, so their collectives pair with rank 0's, and nothing
+        sampled or read back (rank 0 samples): the worker never waits for its GPU, and is
+        ready for rank 0's next step while this one runs. device_ids: a pipelined step's
+        input tokens (rank 0's, broadcast)."""
+        self.page_rows.release(sched.released_ids)
+        hidden, sample_rows = self._forward(sched, device_ids)
+        if wants_prompt_logprobs(sched.requests):
+            prompt_logprobs(self.model, hidden, sched.requests)
+        if not any(r.sample for r in sched.requests):
+            return
+        if sample_rows is not None and sample_rows.numel() != hidden.shape[0]:
+            hidden = hidden[sample_rows]
+        self.model.compute_logits(hidden)
 
     def _sampling(self, reqs, steps: list[int] | None = None) -> SamplingMetadata:
         return SamplingMetadata.build(
