@@ -317,6 +317,9 @@ def main(argv=None) -> int:
         "requests": args.requests,
         "tier_run": dict(tight, **common),
         **verdict,
+        **(
+            {"control_max_num_seqs": max(1, args.max_num_seqs // 2)} if "control" in verdict else {}
+        ),
         "rows_without_output": lost,
         "eos_endings": {
             "tier": sum(len(r[0]) < args.output_len for r in tier_rows),

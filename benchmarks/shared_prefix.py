@@ -45,6 +45,17 @@ decode token per output after a request's first), device and host prefix hits an
 preemptions, and for tier-on runs the prefix-load traffic alone (bytes_prefix_load over
 copy_seconds_prefix_load) in GB/s and as a fraction of 55 GB/s.
 
+--model kimi-w6 (W6's hybrid architecture) and --checkpoint-interval TOKENS: the cost of
+a hybrid model's state checkpoints (issue: Kimi-K3-class hybrids). A prefix hit needs the
+KDA state at the hit's end, so a prefix is reusable only up to its last checkpoint
+(every state_checkpoint_interval tokens, a multiple of the page size; 0: none, every
+prompt computed whole). Per run it prints the checkpoints stored, their bytes and
+copy-stream time, the bytes loaded back and the prompt tokens they let hits skip; one
+process per interval (each its own engine):
+
+    for i in 0 256 512 1024; do PYTHONPATH=src python3 benchmarks/shared_prefix.py \
+        --model kimi-w6 --runs defaults --checkpoint-interval $i --out $OUT/ck$i; done
+
 --profile: after the timed part of the first tier-on run (or of each run --profile-runs
 names), the first 128 requests of the workload are submitted again (their prefixes are
 then mostly on the host only) and a torch.profiler trace of CPU and CUDA activity is
@@ -122,6 +133,8 @@ def engine_kwargs(args) -> dict:
     kw = common_engine_kwargs(args) | dict(
         tier_policy=args.tier_policy, tier_copy_issue=args.copy_issue, load_format="dummy"
     )
+    if args.checkpoint_interval is not None:
+        kw["state_checkpoint_interval"] = args.checkpoint_interval
     if args.small:
         return dict(kw, device="cpu", dtype="float32", max_model_len=96 + 8 + 4, num_kv_pages=16)
     return dict(
@@ -356,6 +369,10 @@ def summary(result: dict) -> str:
                 f"copies {size(m['bytes_loaded'])} host->device, {size(m['bytes_offloaded'])} "
                 f"device->host; {cost_rule(m)}"
             )
+    for name, run in runs.items():
+        m = run["metrics"]
+        if "state_swaps_out" in m:  # a model with linear-attention layers
+            lines.append(state_checkpoint_line(name, m, result.get("checkpoint_interval")))
     for name, r in result["ratios"].items():
         a, b = r["runs"]
         lines.append(
@@ -369,6 +386,21 @@ def summary(result: dict) -> str:
         lines += profile_lines(prof)
     lines.append(checks_line(result["checks"]))
     return "\n".join(lines) + "\n"
+
+
+def state_checkpoint_line(name: str, m: dict, interval) -> str:
+    """A hybrid model's prefix reuse: the state checkpoints stored (what they cost in
+    copies) and the prompt tokens they let a prefix hit skip."""
+    stored, loaded = m.get("bytes_state_checkpoint", 0), m.get("bytes_state_checkpoint_load", 0)
+    secs = m.get("copy_seconds_state_checkpoint", 0.0)
+    rate = f"{stored / secs / 1e9:.1f} GB/s" if secs > 0 else "-"
+    every = "engine default" if interval is None else f"{interval} tokens"
+    return (
+        f"{name}: state checkpoints every {every}: {m.get('state_checkpoints', 0):,} stored "
+        f"({size(stored)} over {secs:.2f} s of copy-stream time, {rate}), {size(loaded)} "
+        f"loaded back; prefix hits through them {m.get('state_checkpoint_hit_tokens', 0):,} "
+        "tokens"
+    )
 
 
 def profile_lines(prof: dict) -> list[str]:
@@ -447,6 +479,14 @@ def main(argv=None) -> int:
         default=None,
         help="with --profile: the runs to trace (default the first tier-on run)",
     )
+    ap.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="state_checkpoint_interval of every run (models with linear-attention layers; "
+        "0: off; default: the engine's)",
+    )
     add_engine_args(ap)
     add_model_args(ap)
     add_policy_args(ap, admission=False)
@@ -497,6 +537,7 @@ def main(argv=None) -> int:
         "workload": "small" if args.small else "W3",
         "model": args.model + (" (small)" if args.small else ""),
         "tier_policy": args.tier_policy,
+        "checkpoint_interval": args.checkpoint_interval,
         "requests": len(prompts),
         "prefixes": prefixes,
         "questions": questions,

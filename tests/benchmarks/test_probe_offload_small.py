@@ -30,6 +30,15 @@ def test_default_configuration_probe_swaps_and_breaks_no_row(tmp_path):
     assert "swaps_out" not in result["ample_run"]
 
 
+def test_control_judges_a_run_that_only_batches_differently(tmp_path):
+    result = _run(tmp_path, "--control", "--max-num-seqs", "8")
+    control = result["control"]
+    assert result["control_max_num_seqs"] == 4
+    assert control["identical_rows"] + control["close_rows"] + control["broken_rows"] == 16
+    assert control["broken_rows"] == 0  # float32 on the CPU: batching changes ~nothing
+    assert result["broken_rows"] == 0
+
+
 def test_debug_probe_reads_back_every_offloaded_page(tmp_path):
     result = _run(tmp_path, "--debug", "--tier-policy", "always")
     assert result["mode"] == "debug" and result["broken_rows"] == 0

@@ -124,6 +124,16 @@ def test_pressure_small_llama_with_admission_and_policy_passed_through(tmp_path)
     assert all(result["checks"].values())
 
 
+def test_pressure_profile_times_a_decode_step_of_each_engine(tmp_path, capsys):
+    result = _run("pressure", tmp_path, "--runs", "on,off", "--profile", "3")
+    for run in ("tier_on", "tier_off"):
+        prof = result[run]["after"]
+        assert prof["batch"] == 3 and prof["step_wall_ms"] > 0
+        assert {"schedule", "forward", "update"} <= set(prof["phase_ms"])
+    out = capsys.readouterr().out
+    assert out.count("decode step at 3 rows") == 2
+
+
 def test_pressure_small_runs_in_the_order_given_or_one_engine_alone(tmp_path):
     both = _run("pressure", tmp_path / "both", "--runs", "off,on", "--tier-policy", "always")
     assert both["order"] == ["off", "on"]
@@ -202,6 +212,31 @@ def test_shared_prefix_small_runs_a_subset_and_skips_the_profile_on_the_cpu(tmp_
     assert "CPU" in result["profile"]["skipped"]
     assert "profile: skipped" in capsys.readouterr().out
     _prefill_accounting(result)
+
+
+def test_shared_prefix_measures_a_hybrid_models_state_checkpoints(tmp_path, capsys):
+    """W3's shape on a Kimi-Linear-shaped model: with no checkpoints no prefix is reused
+    (a hit needs the KDA state at its end); with one every 32 tokens, hits through them
+    skip prompt tokens, and the run's checkpoint copies are reported."""
+    runs = {}
+    for interval in (0, 32):
+        result = _run(
+            "shared_prefix",
+            tmp_path / str(interval),
+            *("--model", "kimi-w6", "--runs", "defaults", "--checkpoint-interval", str(interval)),
+        )
+        assert result["checkpoint_interval"] == interval
+        assert result["engine"]["state_checkpoint_interval"] == interval
+        runs[interval] = result["runs"]["defaults"]["metrics"]
+    off, on = runs[0], runs[32]
+    assert off.get("state_checkpoints", 0) == 0  # no checkpoint store is built at 0
+    assert off.get("state_checkpoint_hit_tokens", 0) == 0
+    assert on["state_checkpoints"] > 0 and on["bytes_state_checkpoint"] > 0
+    assert on["state_checkpoint_hit_tokens"] > 0
+    assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
+    out = capsys.readouterr().out
+    assert "state checkpoints every 0 tokens: 0 stored" in out
+    assert "state checkpoints every 32 tokens" in out
 
 
 def test_shared_prefix_runs_option_refuses_unknown_names(tmp_path, capsys):
