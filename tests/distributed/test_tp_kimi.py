@@ -108,4 +108,5 @@ def test_tp2_with_the_host_tier_swapping_pages_and_state(reference, monkeypatch)
     assert worker["state_stores"] == sent["state_store"] > 0
     assert worker["state_loads"] == sent["state_load"] > 0
     assert worker["stores"] == sent["store"] and worker["loads"] == sent["load"]
-    assert worker["readback_checks"] > 0
+    # a page or a slot read back is one check on every rank
+    assert worker["readback_checks"] == m["readback_checks"] > 0

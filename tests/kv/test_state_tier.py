@@ -210,4 +210,4 @@ def test_a_worker_mirror_replays_the_logged_state_copies_on_its_own_pools():
         assert torch.equal(worker_dev.windows[:, dest], kept[source_slot][1])
     m = mirror.metrics
     assert (m.state_stores, m.state_loads) == (2, 2)
-    assert m.readback_checks == 4  # debug: each store's state and window compared
+    assert m.readback_checks == 2  # debug: each store's slot (state and window) compared

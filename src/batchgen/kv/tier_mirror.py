@@ -252,5 +252,5 @@ class TierMirror:
         with its device source."""
         handle.synchronize()
         dev, host = self._state_tensors()
-        self.metrics.readback_checks += len(dev)  # the state and the conv window
+        self.metrics.readback_checks += 1  # one slot (its state and conv window), as rank 0
         check_offloaded_state(dev, host, dev_slot, host_slot, f"{tag} (this rank's heads)")
