@@ -58,6 +58,10 @@ with random weights whose routing flips on small differences (random-weight MoE 
 the closeness rule can count rows broken with no tier at all; the control says how many,
 and the tier run's copies are proven by the readback either way.
 
+--dtype float32 (GPU): the same probe with batching's rounding far below any routing
+margin, so that rows broken in bf16 by routing flips alone come out identical; the MoE
+layers' grouped GEMM serves bfloat16 only, so decode then runs without CUDA graphs.
+
 --model: qwen3-0.6b (W1's model, the default), llama-3.1-8b, moonlight-w4 (W4) or kimi-w6
 (W6) with random bf16 weights
 (load_format="dummy", the directory --ckpt or /tmp/batchgen-<model>-config holds only
@@ -249,6 +253,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="default mode: + an ample run at half --max-num-seqs, judged the same way",
     )
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float16", "float32"),
+        help="GPU runs' dtype (default: bfloat16 for the random-weight models, else the "
+        "checkpoint's); float32 makes batching's rounding differences, and a random MoE's "
+        "routing flips, about 65,000 times rarer (but MoE decode then runs eagerly)",
+    )
     ap.add_argument("--model", default="qwen3-0.6b", help="a name, 'default' or a path")
     ap.add_argument("--small", action="store_true", help="CPU-sized smoke run")
     ap.add_argument("--ckpt", type=Path, default=None, help="directory for --model's config")
@@ -268,7 +280,7 @@ def main(argv=None) -> int:
         host_gib = 0.002 if args.host_gib is None else args.host_gib
         tight = dict(num_kv_pages=args.kv_pages, host_kv_size_gib=host_gib)
     else:
-        dtype = "bfloat16" if model_kw else "auto"
+        dtype = args.dtype or ("bfloat16" if model_kw else "auto")
         common.update(dtype=dtype, device="cuda", max_model_len=2048)
         host_gib = 32.0 if args.host_gib is None else args.host_gib
         tight = dict(kv_cache_size_gib=args.kv_gib, host_kv_size_gib=host_gib)
