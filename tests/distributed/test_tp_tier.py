@@ -101,3 +101,56 @@ def test_a_worker_skipping_its_tier_copies_changes_the_outputs(reference, monkey
         [_tokens_and_logprobs(o)[0] for o in run] != [t for t, _ in want] for run in outs
     )
     assert wrong_tokens or _max_logprob_error(outs, want) > 1e-3
+
+
+def _step_with_reconfigures(llm, prompts, params, sizes: dict[int, int]) -> list[list[int]]:
+    """Each prompt's tokens, the engine driven step by step; after step k the pool is
+    re-created with sizes[k] pages (running requests swapped out first)."""
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    done, steps = {}, 0
+    while eng.has_unfinished:
+        done.update((r.request_id, list(r.output_token_ids)) for r in eng.step())
+        steps += 1
+        if steps in sizes:
+            eng.reconfigure(sizes[steps])
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_reconfigure_mid_run_at_two_ranks_keeps_the_outputs(reference):
+    """The default configuration (pipelined decode, EOS endings): the pool grows, then
+    shrinks back, while requests run; a worker that kept its old pool would index past
+    it after the growth."""
+    path, _ = reference
+    params = SamplingParams(temperature=0, max_tokens=16)
+    ample = LLM(path, num_kv_pages=200, **KW).generate(_prompts(), params, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in ample]
+    llm = LLM(path, **TIER)
+    try:
+        got = _step_with_reconfigures(llm, _prompts(), params, {3: 26, 9: 18})
+        (worker,) = llm.engine.tier_worker_metrics()
+        m = llm.engine.metrics()
+        assert llm.engine.pool.num_pages == 18
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    assert m["swaps_out"] > 0 and m["swaps_in"] > 0
+    assert worker["pages_offloaded"] == m["pages_offloaded"] > 0
+
+
+def test_a_worker_that_cannot_allocate_sends_every_rank_back(reference, monkeypatch):
+    path, _ = reference
+    monkeypatch.setattr(tensor_parallel, "worker_main", tp_workers.worker_main_failing_a_pool)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    ample = LLM(path, num_kv_pages=200, **KW).generate(_prompts(), params, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in ample]
+    llm = LLM(path, **TIER)
+    try:
+        with pytest.raises(RuntimeError, match=r"reconfigure\(29\).*rank 1: out of memory"):
+            llm.engine.reconfigure(tp_workers.FAILING_POOL_PAGES)
+        assert llm.engine.pool.num_pages == 18
+        got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    assert got == want  # both ranks run on pools of the old size

@@ -222,6 +222,25 @@ def worker_main_skipping_tier_copies(*args) -> None:
     tensor_parallel.worker_main(*args)
 
 
+FAILING_POOL_PAGES = 29  # a page count whose pool a worker cannot allocate
+
+
+def worker_main_failing_a_pool(*args) -> None:
+    """engine.tensor_parallel.worker_main whose device pool of FAILING_POOL_PAGES pages
+    fails to allocate, as an out-of-memory would."""
+    from batchgen.engine import tensor_parallel
+
+    make = tensor_parallel.PagePool
+
+    def pool(layout, num_pages, device):
+        if num_pages == FAILING_POOL_PAGES:
+            raise RuntimeError("out of memory (simulated)")
+        return make(layout, num_pages, device)
+
+    tensor_parallel.PagePool = pool
+    tensor_parallel.worker_main(*args)
+
+
 def kda_layer_runs(tp: TPGroup, path: str) -> dict:
     """One KDA layer with every head (tp None) and this rank's share, loaded from the
     same full checkpoint tensors, through two packed steps over their own state pools:

@@ -315,11 +315,12 @@ class EngineCore:
         active, else recomputed later); swapped requests and host prefixes survive; the
         device prefix cache starts empty. The old pool is released before the new one
         is allocated; if that allocation fails, a pool of the old size is re-created and
-        the error raised, so the engine is never left without one.
+        the error raised, so the engine is never left without one. Under tensor parallel
+        every rank re-creates its pool (the same page ids) once the tier copies of the
+        preemptions reached it; a rank whose allocation fails sends them all back to the
+        old size.
         """
         self._check_pool_size(num_pages)
-        if self.tp_workers is not None:
-            raise ValueError("reconfigure() is not supported with tensor_parallel_size > 1 yet")
         self._drain()
         for req in list(reversed(self.scheduler.running)):
             self.scheduler.running.remove(req)
@@ -329,10 +330,18 @@ class EngineCore:
             self.kv.take_step_copies()  # nothing may stay queued against the old pool
             self.tier.drain()
         old_pages = self.pool.num_pages
+        errors = []
+        if self.tp_workers is not None:  # the workers first: they get the copies just made
+            copies = self.tier.take_mirrored() if self.tier is not None else []
+            errors = self.tp_workers.reconfigure(num_pages, copies)
         self._release_pool()
         try:
+            if errors:
+                raise RuntimeError("; ".join(errors))
             self.pool = PagePool(self.layout, num_pages, self.device)  # torch.zeros: rule 4
         except (RuntimeError, MemoryError) as e:
+            if self.tp_workers is not None:  # every rank back to the old page count
+                self.tp_workers.reconfigure(old_pages, [])
             self.pool = PagePool(self.layout, old_pages, self.device)
             self._attach_pool()
             raise RuntimeError(

@@ -30,6 +30,7 @@ instead of hanging.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -125,6 +126,14 @@ class TPWorkers:
             raise RuntimeError(
                 f"tensor-parallel worker rank(s) {dead or '?'} stopped responding: {e}"
             ) from e
+
+    def reconfigure(self, num_pages: int, copies: list[TierCopy]) -> list[str]:
+        """Every worker's pool re-created with num_pages pages, after the tier copies
+        rank 0 submitted since its last message; what failed, by rank (a worker whose
+        allocation failed re-made a pool of its old size)."""
+        self.send(TPStep(None, copies))
+        self.send({"query": "reconfigure", "num_pages": num_pages})
+        return [error for error in self.gather() if error]
 
     def gather(self) -> list:
         """What each worker answered the last message with, rank 1 first."""
@@ -228,6 +237,7 @@ class _Worker:
         # same slots as rank 0's; built before the warm-up profile, as on rank 0
         self.state_pool = build_state_pool(model, config, dtype, device)
         self.runner: ModelRunner | None = None
+        self.pool: PagePool | None = None
         self.mirror: TierMirror | None = None
 
     def _linear_states(self):
@@ -259,6 +269,8 @@ class _Worker:
                 linear_states=self._linear_states(),
                 state_slot=self.config.max_num_seqs,  # the spare slot (build_state_pool)
             )
+        elif message.get("query") == "reconfigure":
+            return self.reconfigure(message["num_pages"])
         elif "query" in message:  # the mirror's counters, once its copies are done
             if self.mirror is None:
                 return None
@@ -268,9 +280,37 @@ class _Worker:
             self._setup(message)
         return None
 
+    def reconfigure(self, num_pages: int) -> str | None:
+        """Rank 0's reconfigure on this rank: once the copies it was sent are done, the
+        pool is released and one of num_pages pages made (the same page ids as rank 0's,
+        its heads). None, or what failed: then a pool of the old size is made again."""
+        if self.mirror is not None:
+            self.mirror.drain()
+        old = self.pool.num_pages
+        self._attach(None)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        error = None
+        try:
+            pool = PagePool(self.layout, num_pages, self.device)
+        except (RuntimeError, MemoryError) as e:
+            error = f"rank {self.tp.rank}: {e}"
+            pool = PagePool(self.layout, old, self.device)
+        self._attach(pool)
+        return error
+
+    def _attach(self, pool: PagePool | None) -> None:
+        """Point the runner and the tier mirror at `pool` (None: at nothing, so the old
+        pool's memory can go)."""
+        self.pool = pool
+        self.runner.set_kv_caches([] if pool is None else pool.layer_caches())
+        if self.mirror is not None:
+            self.mirror.device_pool = pool
+
     def _setup(self, setup: dict) -> None:
         config, device = self.config, self.device
-        pool = PagePool(self.layout, setup["num_pages"], device)
+        pool = self.pool = PagePool(self.layout, setup["num_pages"], device)
         max_len = max_model_len(config, self.hf_config)
         self.runner = ModelRunner(
             self.model,
