@@ -50,6 +50,13 @@ probe at two ranks on the CPU, a tiny Kimi-Linear-shaped model, W6's request mix
     python3 benchmarks/probe_offload.py --small --model kimi-w6 --tp 2 --readback \
         --requests 512 --prompt-len 1000 --output-len 128 --kv-pages 36000 --host-gib 0.5
 
+--swap-every STEPS (default modes): the tier run is driven step by step and every STEPS
+steps reconfigure() re-creates its device pool at the same size, which preempts every
+running request (swapped where the tier's policy and room allow, else recomputed): with
+STEPS shorter than a request's life, every request is preempted at least once (printed:
+"requests_preempted", beside "reconfigures"), what the 8-GPU contract's probe asks of a
+small pool. It works under --tp too (every rank re-creates its pool).
+
 --control (default modes): one more run with the ample pool and no tier at half
 --max-num-seqs, judged against the ample run by the same rule ("control" in the output).
 It changes only which requests share a step, so the numerics of each row's steps (kernel
@@ -91,6 +98,8 @@ from batchgen.eval.closeness import close_under_top5, top5_from_logprobs  # noqa
 # the tier run's counters worth a line (engine metrics() names)
 TIER_KEYS = (
     "preemptions",
+    "requests_preempted",
+    "reconfigures",
     "swaps_out",
     "swaps_in",
     "state_swaps_out",
@@ -156,8 +165,12 @@ def compare_debug(tier, ample) -> dict:
     }
 
 
-def run(model, prompts, params, after=None, **kw):
-    """Generate on a fresh engine, then free it; after(llm, rows) runs on it first."""
+def run(model, prompts, params, after=None, swap_every: int = 0, **kw):
+    """Generate on a fresh engine, then free it; after(llm, rows) runs on it first.
+    swap_every > 0: the engine is driven step by step and, every swap_every steps, its
+    pool re-created at the same size (reconfigure), which preempts, so swaps (the
+    tier's policy permitting), every running request; metrics then count the requests
+    preempted at least once ("requests_preempted") and the reconfigures."""
     import torch
 
     from batchgen import LLM
@@ -165,15 +178,22 @@ def run(model, prompts, params, after=None, **kw):
     with threads_for(kw["device"]):
         llm = LLM(model=model, **kw)
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        if swap_every:
+            outs, forced = _generate_swapping(llm.engine, prompts, params, swap_every)
+        else:
+            outs, forced = llm.generate(prompts, params, use_tqdm=False), {}
         wall = time.perf_counter() - t0
-        metrics = llm.engine.metrics()
+        metrics = llm.engine.metrics() | forced
         page_size = llm.engine.config.page_size
         metrics["host_prefix_hit_tokens"] = metrics.get("host_prefix_hit_pages", 0) * page_size
         if llm.engine.tp_workers is not None and llm.engine.tier is not None:
             # each worker rank's own copies (rank 0's are the metrics above)
             metrics["worker_tiers"] = llm.engine.tier_worker_metrics()
-        rows = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+        rows = (
+            [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+            if not swap_every
+            else outs
+        )
         extra = after(llm, rows) if after is not None else None
         if llm.engine.tier is not None:
             llm.engine.tier.copies.close()
@@ -183,6 +203,26 @@ def run(model, prompts, params, after=None, **kw):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows, metrics, wall, extra
+
+
+def _generate_swapping(eng, prompts, params, every: int) -> tuple[list, dict]:
+    """run()'s swap_every: (rows of token ids, no logprobs; the counts it adds)."""
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"probe{i}", prompt, params)
+    done, steps, reconfigures = {}, 0, 0
+    while eng.has_unfinished:
+        done.update((r.request_id, r) for r in eng.step())
+        steps += 1
+        if steps % every == 0 and eng.scheduler.running:
+            eng.reconfigure(eng.pool.num_pages)
+            reconfigures += 1
+    reqs = [done[f"probe{i}"] for i in range(len(prompts))]
+    rows = [(list(r.output_token_ids), None) for r in reqs]
+    counts = {
+        "reconfigures": reconfigures,
+        "requests_preempted": sum(r.num_preemptions > 0 for r in reqs),
+    }
+    return rows, counts
 
 
 def top5_scorer(llm):
@@ -249,6 +289,14 @@ def main(argv=None) -> int:
         "--readback", action="store_true", help="default mode, batchgen_debug on the tier run"
     )
     ap.add_argument(
+        "--swap-every",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="default modes: every STEPS steps of the tier run, reconfigure() re-creates "
+        "its pool at the same size, preempting every running request (see above)",
+    )
+    ap.add_argument(
         "--control",
         action="store_true",
         help="default mode: + an ample run at half --max-num-seqs, judged the same way",
@@ -291,6 +339,8 @@ def main(argv=None) -> int:
     if args.readback:
         tight["batchgen_debug"] = True
 
+    if args.debug and args.swap_every:
+        ap.error("--swap-every drives the default modes' tier run, not --debug's")
     if args.debug:
         params = SamplingParams(
             temperature=0, max_tokens=args.output_len, ignore_eos=True, logprobs=5
@@ -303,7 +353,9 @@ def main(argv=None) -> int:
         verdict["readback_mismatches"] = 0  # a mismatch raises KVReadbackError
     else:
         params = SamplingParams(temperature=0, max_tokens=args.output_len)
-        tier_rows, m_tier, wall_tier, _ = run(model, prompts, params, **tight, **common)
+        tier_rows, m_tier, wall_tier, _ = run(
+            model, prompts, params, swap_every=args.swap_every, **tight, **common
+        )
         tier_ids = [r[0] for r in tier_rows]
         control_ids = None
         if args.control:  # no tier, other batches: what batching alone changes

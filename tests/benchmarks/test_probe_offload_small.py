@@ -30,6 +30,14 @@ def test_default_configuration_probe_swaps_and_breaks_no_row(tmp_path):
     assert "swaps_out" not in result["ample_run"]
 
 
+def test_swap_every_preempts_every_request_at_least_once(tmp_path):
+    result = _run(tmp_path, "--readback", "--tier-policy", "always", "--swap-every", "4")
+    m = result["offload_run"]
+    assert m["requests_preempted"] == 16 and m["reconfigures"] > 0
+    assert m["swaps_out"] >= 16 and m["recomputes"] == 0
+    assert result["broken_rows"] == 0 and result["readback_mismatches"] == 0
+
+
 def test_control_judges_a_run_that_only_batches_differently(tmp_path):
     result = _run(tmp_path, "--control", "--max-num-seqs", "8")
     control = result["control"]
@@ -104,12 +112,13 @@ def test_readback_probe_at_two_tensor_parallel_ranks(tmp_path):
     ranks, readback on both, each rank's copies counted; no row broken against the
     ample run on one rank."""
     argv = ["--model", "kimi-w6", "--tp", "2", "--readback", "--tier-policy", "always"]
-    result = _run(tmp_path, *argv)
+    result = _run(tmp_path, *argv, "--swap-every", "1", "--requests", "8")
     assert result["tier_run"]["tensor_parallel_size"] == 2  # the ample run too
     assert result["broken_rows"] == 0 and result["rows_without_output"] == 0
     m = result["offload_run"]
-    assert m["swaps_out"] > 0 and m["state_swaps_out"] > 0
+    assert m["requests_preempted"] == 8 and m["reconfigures"] > 0  # every request swapped
+    assert m["recomputes"] == 0 and m["swaps_out"] >= 8 and m["state_swaps_out"] >= 8
     (worker,) = m["worker_tiers"]
     assert worker["pages_offloaded"] == m["pages_offloaded"] > 0
     assert worker["state_stores"] >= m["state_swaps_out"]  # checkpoints store too
-    assert worker["readback_checks"] > 0 and m["readback_checks"] > 0
+    assert worker["readback_checks"] == m["readback_checks"] > 0
