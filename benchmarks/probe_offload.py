@@ -99,6 +99,7 @@ from batchgen.eval.closeness import close_under_top5, top5_from_logprobs  # noqa
 TIER_KEYS = (
     "preemptions",
     "requests_preempted",
+    "longest_output_never_preempted",
     "reconfigures",
     "swaps_out",
     "swaps_in",
@@ -216,11 +217,15 @@ def _generate_swapping(eng, prompts, params, every: int) -> tuple[list, dict]:
         if steps % every == 0 and eng.scheduler.running:
             eng.reconfigure(eng.pool.num_pages)
             reconfigures += 1
+    done.update((r.request_id, r) for r in eng.step())  # what a last drain finished
     reqs = [done[f"probe{i}"] for i in range(len(prompts))]
     rows = [(list(r.output_token_ids), None) for r in reqs]
+    spared = [len(r.output_token_ids) for r in reqs if not r.num_preemptions]
     counts = {
         "reconfigures": reconfigures,
-        "requests_preempted": sum(r.num_preemptions > 0 for r in reqs),
+        "requests_preempted": len(reqs) - len(spared),
+        # a request that ends before a reconfigure finds it running is never preempted
+        "longest_output_never_preempted": max(spared, default=0),
     }
     return rows, counts
 
