@@ -59,17 +59,36 @@ def tiny_config(arch: str, **overrides):
 
 def save_tiny_model(path, arch: str, seed: int = 0, **overrides):
     """Write a random transformers checkpoint of `arch` (safetensors) and return the model."""
+    return save_random_model(path, tiny_config(arch, **overrides), seed)
+
+
+def save_random_model(path, config, seed: int = 0):
+    """transformers' model of `config` with random float32 weights, written with a tiny
+    tokenizer (safetensors); returns the model. Every matrix (stacked experts and conv
+    taps too) is drawn from normal(0, 0.15): larger weights give peaked distributions,
+    fewer near-ties. KDA's A_log and dt_bias are drawn as fla initialises them, and an
+    MoE router's e_score_correction_bias from normal(0, 0.1), so that choosing experts
+    differs from weighting them."""
+    import math
+
     import transformers
 
     torch.manual_seed(seed)
-    cfg = tiny_config(arch, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # larger weights give peaked distributions: fewer near-ties
-        for p in model.parameters():
-            if p.dim() == 2:
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # decay rates exp(A_log) in [1, 16]
+                p.copy_(torch.empty_like(p).uniform_(1, 16).log())
+            elif name.endswith("dt_bias"):  # softplus(dt_bias) in [1e-3, 1e-1]
+                dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif p.dim() >= 2:
                 p.normal_(0, 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     model.save_pretrained(path)
-    save_tiny_tokenizer(path, cfg.vocab_size)
+    save_tiny_tokenizer(path, config.vocab_size)
     return model.eval()
 
 

@@ -3,8 +3,7 @@ configs the DeepSeek-V3 tests run: shared by tests/models and tests/distributed.
 
 from __future__ import annotations
 
-import torch
-from conftest import save_tiny_tokenizer
+from conftest import save_random_model
 
 YARN = {
     "rope_type": "yarn",
@@ -68,18 +67,4 @@ def tiny_config(**overrides):
 
 def save_tiny_deepseek(path, seed: int = 0, **overrides):
     """A random transformers DeepseekV3 checkpoint (safetensors) and the model itself."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = tiny_config(**overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # larger weights give peaked distributions: fewer near-ties
-        for p in model.parameters():
-            if p.dim() >= 2:  # matrices, stacked experts too
-                p.normal_(0, 0.15)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # choosing differs from weighting
-                b.normal_(0, 0.1)
-    model.save_pretrained(path)
-    save_tiny_tokenizer(path, config.vocab_size)
-    return model.eval()
+    return save_random_model(path, tiny_config(**overrides), seed)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-from conftest import save_tiny_tokenizer
+from conftest import save_random_model
 
 
 def tiny_config(layer_types, first_k_dense_replace=1, **overrides):
@@ -51,26 +51,7 @@ def tiny_config(layer_types, first_k_dense_replace=1, **overrides):
 
 def save_tiny_kimi(path, seed: int = 0, **pattern):
     """A random transformers Kimi Linear checkpoint (safetensors) and the model itself."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = tiny_config(**pattern)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # larger weights give peaked distributions: fewer near-ties
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):  # decay rates exp(A_log) in [1, 16], as fla inits
-                p.copy_(torch.empty_like(p).uniform_(1, 16).log())
-            elif name.endswith("dt_bias"):  # softplus(dt_bias) in [1e-3, 1e-1]
-                dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)).exp()
-                p.copy_(dt + torch.log(-torch.expm1(-dt)))
-            elif p.dim() >= 2:  # matrices, stacked experts and conv taps too
-                p.normal_(0, 0.15)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # choosing differs from weighting
-                b.normal_(0, 0.1)
-    model.save_pretrained(path)
-    save_tiny_tokenizer(path, config.vocab_size)
-    return model.eval()
+    return save_random_model(path, tiny_config(**pattern), seed)
 
 
 def random_kda_module(config, seed: int = 0, std: float | None = None):
@@ -96,3 +77,32 @@ def random_kda_module(config, seed: int = 0, std: float | None = None):
             else:  # projections
                 p.normal_(0, std)
     return layer
+
+
+def run_kda_step(layer, pool, parts: list[tuple[torch.Tensor, int, bool]]) -> list[torch.Tensor]:
+    """One packed step of a KDA layer over state pool `pool`: parts are (x rows [n,
+    hidden], slot, has_state); outputs per part."""
+    from batchgen.forward_context import (
+        AttentionMetadata,
+        ForwardContext,
+        LinearAttentionMetadata,
+        LinearSeq,
+        bind_forward_context,
+    )
+
+    seqs, start = [], 0
+    for rows, slot, has_state in parts:
+        seqs.append(LinearSeq(q_start=start, q_len=rows.shape[0], slot=slot, has_state=has_state))
+        start += rows.shape[0]
+    x = torch.cat([rows for rows, _, _ in parts])
+    ctx = ForwardContext(
+        metadata=AttentionMetadata(
+            num_tokens=start, slot_mapping=torch.zeros(start, dtype=torch.int64)
+        ),
+        kv_caches=[],
+        linear_states=pool.layer_states(),
+        linear_metadata=LinearAttentionMetadata.build(seqs, "cpu"),
+    )
+    with torch.no_grad(), bind_forward_context(ctx):
+        out = layer(x)
+    return [out[s.q_start : s.q_start + s.q_len] for s in seqs]

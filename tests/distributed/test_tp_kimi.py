@@ -9,13 +9,12 @@ worker replaying every copy on its own shard."""
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 from kimi_checkpoints import save_tiny_kimi
+from tp_workers import count_mirrored
 
 from batchgen import LLM, SamplingParams
-from batchgen.kv.tiered import TieredKVManager
 
 pytest.importorskip("transformers.models.kimi_linear")
 
@@ -77,15 +76,7 @@ def test_tp2_with_the_host_tier_swapping_pages_and_state(reference, monkeypatch)
     equal the TP=1 ample run; the worker replays every copy rank 0 sent, state copies
     included, and reads each store back (batchgen_debug)."""
     path, want = reference
-    sent = Counter()
-    take = TieredKVManager.take_mirrored
-
-    def counted(tier):
-        copies = take(tier)
-        sent.update(c.kind for c in copies)
-        return copies
-
-    monkeypatch.setattr(TieredKVManager, "take_mirrored", counted)
+    sent = count_mirrored(monkeypatch)
     llm = LLM(
         path,
         tensor_parallel_size=2,

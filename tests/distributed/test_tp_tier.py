@@ -7,7 +7,6 @@ show in the outputs."""
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 import tp_workers
@@ -15,7 +14,6 @@ from conftest import save_tiny_model
 
 import batchgen.engine.tensor_parallel as tensor_parallel
 from batchgen import LLM, SamplingParams
-from batchgen.kv.tiered import TieredKVManager
 
 KW = dict(device="cpu", dtype="float32", max_model_len=64, page_size=4, max_num_batched_tokens=24)
 TIER = dict(tensor_parallel_size=2, num_kv_pages=18, host_kv_size_gib=0.001, **KW)
@@ -45,15 +43,7 @@ def _run_twice(path: str, monkeypatch, **kw) -> tuple[list, dict, list]:
     """Both runs' outputs (the second finds the first's pages on host), rank 0's metrics
     (with `sent_<kind>`: the copies rank 0 handed the worker) and the worker's mirror
     counters."""
-    sent = Counter()
-    take = TieredKVManager.take_mirrored
-
-    def counted(tier):
-        copies = take(tier)
-        sent.update(c.kind for c in copies)
-        return copies
-
-    monkeypatch.setattr(TieredKVManager, "take_mirrored", counted)
+    sent = tp_workers.count_mirrored(monkeypatch)
     llm = LLM(path, **TIER, **kw)
     try:
         outs = [llm.generate(_prompts(), PARAMS, use_tqdm=False) for _ in range(2)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -205,6 +206,23 @@ def layers_and_models(tp: TPGroup, paths: dict[str, str]) -> dict:
     }
 
 
+def count_mirrored(monkeypatch) -> Counter:
+    """From now on, the tier copies rank 0 hands its workers (take_mirrored), counted by
+    kind in the returned Counter (in this process: rank 0's)."""
+    from batchgen.kv.tiered import TieredKVManager
+
+    sent = Counter()
+    take = TieredKVManager.take_mirrored
+
+    def counted(tier):
+        copies = take(tier)
+        sent.update(c.kind for c in copies)
+        return copies
+
+    monkeypatch.setattr(TieredKVManager, "take_mirrored", counted)
+    return sent
+
+
 def fail_on_rank_one(tp: TPGroup) -> None:
     """Rank 1 raises before the collective rank 0 waits in."""
     if tp.rank == 1:
@@ -246,10 +264,10 @@ def kda_layer_runs(tp: TPGroup, path: str) -> dict:
     same full checkpoint tensors, through two packed steps over their own state pools:
     a prefill of two fresh requests, then a decode row each continuing from its slot.
     Both layers' outputs and final slots."""
+    from kimi_checkpoints import run_kda_step
     from transformers import KimiLinearConfig
 
     from batchgen.engine.memory import state_layout
-    from batchgen.forward_context import AttentionMetadata, LinearAttentionMetadata, LinearSeq
     from batchgen.kv.state_pool import StatePool
     from batchgen.layers.kda import KimiDeltaAttention
 
@@ -262,21 +280,6 @@ def kda_layer_runs(tp: TPGroup, path: str) -> dict:
             layer.load_weight(weight, tensor)
         layout = state_layout(SimpleNamespace(linear_layers=[layer]), torch.float32)
         pool = StatePool(layout, 3, "cpu")
-        outs = []
-        for step in data["steps"]:
-            seqs, start = [], 0
-            for rows, slot, has_state in step:
-                seqs.append(LinearSeq(start, rows.shape[0], slot, has_state))
-                start += rows.shape[0]
-            ctx = ForwardContext(
-                metadata=AttentionMetadata(
-                    num_tokens=start, slot_mapping=torch.zeros(start, dtype=torch.int64)
-                ),
-                kv_caches=[],
-                linear_states=pool.layer_states(),
-                linear_metadata=LinearAttentionMetadata.build(seqs, "cpu"),
-            )
-            with torch.no_grad(), bind_forward_context(ctx):
-                outs.append(layer(torch.cat([rows for rows, _, _ in step])))
+        outs = [torch.cat(run_kda_step(layer, pool, step)) for step in data["steps"]]
         runs[name] = {"outputs": outs, "states": pool.states.clone(), "windows": pool.windows}
     return runs

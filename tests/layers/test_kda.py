@@ -8,13 +8,11 @@ import inspect
 import pytest
 import torch
 from kimi_checkpoints import random_kda_module as hf_layer
+from kimi_checkpoints import run_kda_step as run_step
 
 from batchgen.forward_context import (
-    AttentionMetadata,
-    ForwardContext,
     LinearAttentionMetadata,
     LinearSeq,
-    bind_forward_context,
 )
 from batchgen.kv.page_copies import device_to_host_state, host_to_device_state
 from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool
@@ -76,26 +74,6 @@ def pool_for(layer: KimiDeltaAttention, num_slots: int = 4) -> StatePool:
         conv_dtype=torch.float32,
     )
     return StatePool(layout, num_slots, "cpu")
-
-
-def run_step(layer, pool, parts: list[tuple[torch.Tensor, int, bool]]) -> list[torch.Tensor]:
-    """One packed step: parts are (x rows [n, hidden], slot, has_state); outputs per part."""
-    seqs, start = [], 0
-    for rows, slot, has_state in parts:
-        seqs.append(LinearSeq(q_start=start, q_len=rows.shape[0], slot=slot, has_state=has_state))
-        start += rows.shape[0]
-    x = torch.cat([rows for rows, _, _ in parts])
-    ctx = ForwardContext(
-        metadata=AttentionMetadata(
-            num_tokens=start, slot_mapping=torch.zeros(start, dtype=torch.int64)
-        ),
-        kv_caches=[],
-        linear_states=pool.layer_states(),
-        linear_metadata=LinearAttentionMetadata.build(seqs, "cpu"),
-    )
-    with torch.no_grad(), bind_forward_context(ctx):
-        out = layer(x)
-    return [out[s.q_start : s.q_start + s.q_len] for s in seqs]
 
 
 def hf_prefill(hf, x: torch.Tensor) -> torch.Tensor:
