@@ -127,7 +127,8 @@ def summary(result: dict) -> str:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in prof["phase_ms"].items())
             replay = prof["replay_gpu_ms"]
             lines.append(
-                f"{label} decode step at {prof['batch']} rows (context {prof['mean_context']:.0f}): "
+                f"{label} decode step at {prof['batch']} rows "
+                f"(context {prof['mean_context']:.0f}): "
                 f"{prof['step_wall_ms']:.2f} ms as run, {prof['synced_step_ms']:.2f} ms synced "
                 f"({phases}); graph replay " + ("-" if replay is None else f"{replay:.2f} ms")
             )

@@ -246,16 +246,16 @@ FAILING_POOL_PAGES = 29  # a page count whose pool a worker cannot allocate
 def worker_main_failing_a_pool(*args) -> None:
     """engine.tensor_parallel.worker_main whose device pool of FAILING_POOL_PAGES pages
     fails to allocate, as an out-of-memory would."""
-    from batchgen.engine import tensor_parallel
+    from batchgen.engine import memory, tensor_parallel
 
-    make = tensor_parallel.PagePool
+    make = memory.PagePool
 
     def pool(layout, num_pages, device):
         if num_pages == FAILING_POOL_PAGES:
             raise RuntimeError("out of memory (simulated)")
         return make(layout, num_pages, device)
 
-    tensor_parallel.PagePool = pool
+    memory.PagePool = pool  # the pools reconfigure() makes
     tensor_parallel.worker_main(*args)
 
 

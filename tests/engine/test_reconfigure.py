@@ -9,7 +9,7 @@ import pytest
 from conftest import save_tiny_model
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine import engine_core
+from batchgen.engine import memory  # reconfigure() makes its pools there (remake_pool)
 
 KW = dict(device="cpu", page_size=4, max_model_len=64, max_num_batched_tokens=32)
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -45,13 +45,13 @@ def test_the_old_pool_is_released_before_the_new_one_is_allocated(model_dir, mon
     ref = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     old = weakref.ref(llm.engine.pool.kv)
     seen = []
-    real = engine_core.PagePool
+    real = memory.PagePool
 
     def watching(*args, **kw):
         seen.append(old() is None)
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine_core, "PagePool", watching)
+    monkeypatch.setattr(memory, "PagePool", watching)
     llm.engine.reconfigure(48)
     assert seen == [True], "the old KV tensor was still referenced when the new pool was made"
     assert llm.engine.pool.num_pages == 48
@@ -65,14 +65,14 @@ def test_a_failed_allocation_restores_a_pool_of_the_old_size(model_dir, monkeypa
     for rid, p in zip("abc", PROMPTS):
         eng.add_request(rid, p, GREEDY)
     eng.step()
-    real = engine_core.PagePool
+    real = memory.PagePool
 
     def failing(layout, num_pages, device):
         if num_pages == 4096:
             raise RuntimeError("CUDA out of memory (simulated)")
         return real(layout, num_pages, device)
 
-    monkeypatch.setattr(engine_core, "PagePool", failing)
+    monkeypatch.setattr(memory, "PagePool", failing)
     with pytest.raises(RuntimeError, match="previous 40 pages"):
         eng.reconfigure(4096)
     assert eng.pool.num_pages == 40 and eng.kv.allocator.num_pages == 40

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from batchgen.engine.memory import (
     copy_bytes_per_second,
     plan_num_pages,
     recompute_seconds_per_token,
+    remake_pool,
     split_host_budget,
     warmup_forward,
 )
@@ -335,30 +335,25 @@ class EngineCore:
             copies = self.tier.take_mirrored() if self.tier is not None else []
             errors = self.tp_workers.reconfigure(num_pages, copies)
         self._release_pool()
-        try:
-            if errors:
-                raise RuntimeError("; ".join(errors))
-            self.pool = PagePool(self.layout, num_pages, self.device)  # torch.zeros: rule 4
-        except (RuntimeError, MemoryError) as e:
+        # a worker that could not allocate: every rank stays at the old size
+        wanted = old_pages if errors else num_pages
+        self.pool, error = remake_pool(self.layout, wanted, old_pages, self.device)
+        self._attach_pool()
+        failure = "; ".join(errors) or error
+        if failure:
             if self.tp_workers is not None:  # every rank back to the old page count
                 self.tp_workers.reconfigure(old_pages, [])
-            self.pool = PagePool(self.layout, old_pages, self.device)
-            self._attach_pool()
             raise RuntimeError(
-                f"reconfigure({num_pages}) could not allocate the KV pool ({e}); "
+                f"reconfigure({num_pages}) could not allocate the KV pool ({failure}); "
                 f"it was re-created with its previous {old_pages} pages"
-            ) from e
-        self._attach_pool()
+            ) from error
 
     def _release_pool(self) -> None:
-        """Drop every reference to the device pool so its memory is free for the next."""
+        """Drop every reference to the device pool so its memory can be freed."""
         self.runner.set_kv_caches([])
         if self.tier is not None:
             self.tier.attach_device(None, None)
         self.pool = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def _attach_pool(self) -> None:
         self.kv.resize(self.pool.num_pages)

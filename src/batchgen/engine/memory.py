@@ -55,6 +55,21 @@ def plan_num_pages(
     return max(pages, 0)
 
 
+def remake_pool(
+    layout: KVLayout, num_pages: int, old_pages: int, device: torch.device
+) -> tuple[PagePool, Exception | None]:
+    """reconfigure()'s new device pool, once every reference to the old one is dropped:
+    the old pool's memory given back, then a pool of num_pages pages (torch.zeros:
+    rule 4); where that allocation fails, one of old_pages pages, and the error."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        return PagePool(layout, num_pages, device), None
+    except (RuntimeError, MemoryError) as e:
+        return PagePool(layout, old_pages, device), e
+
+
 def state_layout(model, dtype: torch.dtype) -> StateLayout | None:
     """The compressed-state slot geometry of a model's linear-attention (KDA) layers
     (`model.linear_layers`, in state-index order), or None for a model without any."""

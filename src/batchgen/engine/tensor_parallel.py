@@ -16,10 +16,11 @@ the same steps on their share of the model.
 Every rank runs the same forward and compute_logits, so their collectives pair up. The
 SchedulerOutput is broadcast as a pickled object each step over the group's gloo side
 (`TPGroup.host_group`: no GPU staging, so no worker waits for its GPU to drain to read
-the next step), without its copy handles and hooks: the host tier's copies travel as plain data (kv.tier_mirror.TierCopy), rank
-0's tier deciding every one, each worker replaying them on its own KV shard (same page
-ids, its heads) through its own CopyEngine, ordered by the same contract (see
-tier_mirror.py for why a page is never reused before a worker's copy touched it).
+the next step), without its copy handles and hooks: the host tier's copies travel as
+plain data (kv.tier_mirror.TierCopy), rank 0's tier deciding every one, each worker
+replaying them on its own KV shard (same page ids, its heads) through its own CopyEngine,
+ordered by the same contract (see tier_mirror.py for why a page is never reused before a
+worker's copy touched it).
 Copies rank 0 submits after a step's forward (write-through stores) go with the next
 message, before any copy or forward that could reuse their pages. Decode is pipelined as
 on one GPU (a worker samples nothing and never reads back, so it keeps up). Not yet: CUDA
@@ -30,7 +31,6 @@ instead of hanging.
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -46,7 +46,7 @@ from batchgen.distributed import (
     local_init_method,
 )
 from batchgen.engine.limits import max_model_len
-from batchgen.engine.memory import build_state_pool, warmup_forward
+from batchgen.engine.memory import build_state_pool, remake_pool, warmup_forward
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.layout import KVLayout
@@ -288,17 +288,9 @@ class _Worker:
             self.mirror.drain()
         old = self.pool.num_pages
         self._attach(None)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        error = None
-        try:
-            pool = PagePool(self.layout, num_pages, self.device)
-        except (RuntimeError, MemoryError) as e:
-            error = f"rank {self.tp.rank}: {e}"
-            pool = PagePool(self.layout, old, self.device)
+        pool, error = remake_pool(self.layout, num_pages, old, self.device)
         self._attach(pool)
-        return error
+        return None if error is None else f"rank {self.tp.rank}: {error}"
 
     def _attach(self, pool: PagePool | None) -> None:
         """Point the runner and the tier mirror at `pool` (None: at nothing, so the old
