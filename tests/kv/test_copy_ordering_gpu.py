@@ -16,6 +16,7 @@ from conftest import save_tiny_model
 
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.host_pool import HostPool
+from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_pool import PagePool
@@ -105,6 +106,82 @@ def test_new_owner_writes_an_evicted_page_only_after_the_write_back_read_it(wait
     tier.device_pool.kv[:, :, page].fill_(9.0)  # the new owner's K/V write
     tier.drain()
     assert bool((host_page(tier, b"wb") == 7.0).all())
+
+
+def swapped(ordered: bool = True) -> tuple[KVCacheManager, list[int]]:
+    """A KV manager with the tier (the engine's background stream too) and request "a"
+    computed on two full pages and a partial one, its full pages' last write (7.0)
+    queued behind a spin on the default stream, then swapped out."""
+    device = torch.device("cuda")
+    kv = KVCacheManager(8, LAYOUT.page_size, True)
+    pool = PagePool(LAYOUT, 8, device)
+    host = HostPool(LAYOUT, 16, pin=True)
+    host.kv.fill_(-1)
+    copies = CopyEngine(device, ordered=ordered, issue=ISSUE, background=True)
+    kv.tier = TieredKVManager(pool, host, kv.allocator, copies)
+    tokens = list(range(2 * LAYOUT.page_size + 1))
+    kv.want("a", tokens)
+    assert kv.allocate("a", len(tokens))
+    kv.cache_computed("a", tokens, len(tokens))
+    pages = list(kv.pages["a"][:2])
+    torch.cuda._sleep(SPIN)
+    for p in pages:
+        pool.kv[:, :, p].fill_(7.0)  # the request's last write, on the default stream
+    assert kv.swap_out("a", len(tokens))
+    return kv, pages
+
+
+def swapped_on_host(kv: KVCacheManager) -> torch.Tensor:
+    hashes = kv.page_hashes("a", [])[:2]
+    return torch.stack([kv.tier.host_pool.page(h) for h in kv.tier.lookup(hashes)])
+
+
+@pytest.mark.parametrize("ordered", ORDERING)
+def test_store_ahead_reads_a_swapped_request_pages_after_their_last_write(ordered):
+    kv, _ = swapped(ordered)
+    assert kv.take_step_copies() == []  # submitted, not waited on
+    kv.tier.drain()
+    assert bool((swapped_on_host(kv) == 7.0).all())
+
+
+@pytest.mark.parametrize("wait", [True, pytest.param(False, id="no-wait", marks=STALE)])
+def test_new_owner_of_a_swapped_page_writes_it_only_after_its_store_ahead_read_it(wait):
+    kv, pages = swapped()
+    torch.cuda.synchronize()
+    background = kv.tier.copies.streams[-1]  # the store ahead starts late
+    with torch.cuda.stream(background):
+        torch.cuda._sleep(SPIN)
+    assert kv.take_step_copies() == []
+    assert kv.allocate("b", kv.num_free_pages * LAYOUT.page_size)  # a later step evicts
+    assert set(pages) <= set(kv.pages["b"])
+    (store,) = kv.take_step_copies()
+    if wait:
+        store.wait_gates()
+    for p in kv.pages["b"]:
+        kv.tier.device_pool.kv[:, :, p].fill_(9.0)  # the new owner's K/V write
+    kv.tier.drain()
+    assert bool((swapped_on_host(kv) == 7.0).all())
+
+
+@pytest.mark.parametrize("wait", [True, pytest.param(False, id="no-wait", marks=STALE)])
+def test_a_load_into_a_swapped_page_waits_for_its_store_ahead_read(wait, monkeypatch):
+    kv, pages = swapped()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(kv.tier.copies.streams[-1]):  # the store ahead starts late
+        torch.cuda._sleep(SPIN)
+    assert kv.take_step_copies() == []
+    tier = kv.tier
+    host = tier.host_alloc.allocate(1)
+    tier.host_pool.kv[:, host[0]].fill_(5.0)
+    taken = kv.allocator.allocate(kv.allocator.num_free)  # a later step takes them all
+    page = pages[0]  # and loads a host prefix hit into one of the swapped pages
+    assert page in taken
+    if not wait:
+        no_wait(monkeypatch, "wait_layer")  # the load's wait for the store's read
+    tier.queue_load(host, [page], "prefix_load", "r")
+    tier.flush()
+    tier.drain()
+    assert bool((swapped_on_host(kv) == 7.0).all())
 
 
 @pytest.mark.parametrize("ordered", ORDERING)

@@ -239,7 +239,7 @@ class EngineCore:
             self.pool,
             host,
             self.kv.allocator,
-            CopyEngine(self.device, issue=self.config.tier_copy_issue),
+            CopyEngine(self.device, issue=self.config.tier_copy_issue, background=True),
             debug=self.config.batchgen_debug,
             loads_pay=self.tier_cost["loads_pay"],
         )

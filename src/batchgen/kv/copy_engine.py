@@ -141,6 +141,7 @@ class CopyEngine:
         num_streams: int = 2,
         ordered: bool = True,
         issue: str = "worker",
+        background: bool = False,
     ):
         if issue not in ("worker", "inline"):
             raise ValueError(f"issue must be 'worker' or 'inline', got {issue!r}")
@@ -152,15 +153,18 @@ class CopyEngine:
         # (the main thread waits for the GIL after each GPU sync while the worker runs),
         # "worker" lets the issuing overlap the main thread's GIL-free waits.
         self.inline = issue == "inline" and self.cuda
-        self.streams = (
-            [torch.cuda.Stream(device=device) for _ in range(num_streams)] if self.cuda else []
-        )
+        # background=True: one more stream (a CPU worker) reserved for background
+        # copies, so their long transfers never queue ahead of a copy a step waits on
+        self._lanes = num_streams
+        self.background = background
+        lanes = num_streams + (1 if background else 0)
+        self.streams = [torch.cuda.Stream(device=device) for _ in range(lanes)] if self.cuda else []
         self._next = 0
         self._cond = threading.Condition()
         self._paused = False
         self._issuing = 0
         # one worker issues to every CUDA stream; on the CPU one worker per stream
-        self._queues = [queue.Queue() for _ in range(1 if self.cuda else num_streams)]
+        self._queues = [queue.Queue() for _ in range(1 if self.cuda else lanes)]
         self._workers = [
             threading.Thread(target=self._run, args=(q,), name="batchgen-copy", daemon=True)
             for q in self._queues
@@ -169,19 +173,28 @@ class CopyEngine:
             w.start()
 
     def submit(
-        self, kind: str, nbytes: int, copy: Callable[[CopyHandle], object], num_gates: int = 0
+        self,
+        kind: str,
+        nbytes: int,
+        copy: Callable[[CopyHandle], object],
+        num_gates: int = 0,
+        background: bool = False,
     ) -> CopyHandle:
         """Submit `copy(handle)` (which issues the actual copies and returns what they
         must keep alive) ordered after all work already queued on the caller's current
-        stream. Every copy path goes through here."""
+        stream. Every copy path goes through here. `background`: on the reserved
+        stream if the engine has one (no step is expected to wait on it soon)."""
         producer = None
         if self.cuda:
             producer = torch.cuda.Event()
             producer.record(torch.cuda.current_stream(self.device))
         handle = CopyHandle(kind, nbytes, self.cuda, num_gates)
-        q = self._queues[self._next % len(self._queues)]
-        stream = self.streams[self._next % len(self.streams)] if self.cuda else None
-        self._next += 1
+        if background and self.background:
+            lane = self._lanes
+        else:
+            lane, self._next = self._next % self._lanes, self._next + 1
+        q = self._queues[lane % len(self._queues)]
+        stream = self.streams[lane] if self.cuda else None
         if self.inline and not self._paused and not torch.cuda.is_current_stream_capturing():
             # on this thread (never paused here: it is the one that captures)
             self._issue((handle, producer, copy, stream))

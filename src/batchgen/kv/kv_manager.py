@@ -3,14 +3,15 @@ a host tier is attached and loading pays, the host side of the cache.
 
 Every unfinished request's full prompt pages are wanted (`demand`): free cached pages
 someone wants are evicted only after those nobody wants (`PageAllocator`). With the tier
-active, the device prefix cache and the host cache act as one: a device page evicted
-while it is still wanted is written back to host before its new owner writes it. So a
-preempted (swapped) request finds its full pages again on the device or on the host
-(only its last partial page is recomputed), and a prefix that queued requests share
-outlives its running ones on the host. Nothing else is copied: pages no one wants are
-dropped (the write-back is on the step's critical path, so it is kept to what a known
-request will load). Host prefix hits are loaded into new device pages with the step's
-load.
+active, the device prefix cache and the host cache act as one: a preempted (swapped)
+request's full pages are stored to host at its swap-out, off the critical path, while
+they wait free but cached on the device; any other device page evicted while it is still
+wanted is written back to host before its new owner writes it (the step's forward waits
+for that copy, so it is kept to what a known request will load). So a swapped request
+finds its full pages again on the device or on the host (only its last partial page is
+recomputed), and a prefix that queued requests share outlives its running ones on the
+host. Pages no one wants are dropped. Host prefix hits are loaded into new device pages
+with the step's load.
 """
 
 from __future__ import annotations
@@ -213,9 +214,19 @@ class KVCacheManager:
     def _evicted(self, page: int, page_hash: bytes) -> None:
         """The allocator reuses a cached page: keep its tokens on host if an unfinished
         request wants them (the step's forward waits for the copy to read the page).
-        Wanted pages are evicted last (`PageAllocator`), so this is rare; a page nobody
-        wants is not copied on the chance that a later call asks for it."""
-        if self.tier_active and page_hash in self._demand:
+        Wanted pages are evicted last (`PageAllocator`), and a swapped request's pages
+        were stored ahead at its swap-out, so this is rare; a page nobody wants is not
+        copied on the chance that a later call asks for it. A page whose store ahead
+        has yet to read it makes the step wait on that store instead."""
+        if self.tier is None:
+            return
+        if self.tier.expedite(page):
+            return
+        store = self.tier.reading(page)
+        if store is not None:
+            if all(w is not store for w in self._waits):
+                self._waits.append(store)
+        elif self.tier_active and page_hash in self._demand:
             self._write_back(page, page_hash)
 
     def _write_back(self, page: int, page_hash: bytes) -> None:
@@ -227,9 +238,10 @@ class KVCacheManager:
         self.tier.queue_write_back(page, page_hash, reason, tag)
 
     def swap_out(self, request_id: str, num_computed: int) -> bool:
-        """Preempt a request keeping its KV: its full pages stay in the device cache and
-        are written back to host if evicted; False (nothing changed) when the tier is
-        inactive or the host pool has no room for them."""
+        """Preempt a request keeping its KV: its full pages stay in the device cache for
+        its resume and are stored to host ahead of any eviction (`queue_store_ahead`); False
+        (nothing changed) when the tier is inactive or the host pool has no room for
+        them."""
         if not self.tier_active or num_computed < self.page_size:
             return False
         hashes = self._hashes.get(request_id, [])[: num_computed // self.page_size]
@@ -239,7 +251,18 @@ class KVCacheManager:
         self._swapped[request_id] = hashes
         for h in hashes:
             self._swapped_by[h] = request_id
-        self.allocator.free(self.pages.pop(request_id, []))
+        pages = self.pages.pop(request_id, [])
+        # pages holding their hash in the device cache: an eviction finds those only
+        ahead = [
+            i
+            for i, h in enumerate(hashes)
+            if not self.tier.holds(h) and self.allocator.page_hash(pages[i]) == h
+        ]
+        if ahead:
+            self.tier.queue_store_ahead(
+                [pages[i] for i in ahead], [hashes[i] for i in ahead], f"request {request_id}"
+            )
+        self.allocator.free(pages)
         self._num_registered.pop(request_id, None)
         self.tier.metrics.swaps_out += 1
         return True

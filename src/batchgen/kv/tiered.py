@@ -92,6 +92,8 @@ class TieredKVManager:
         self._pending: deque[_Pending] = deque()
         self._writing: dict[int, CopyHandle] = {}  # host page -> store in flight
         self._loading: dict[int, CopyHandle] = {}  # device page -> load in flight
+        self._reading: dict[int, CopyHandle] = {}  # unheld device page -> store reading it
+        self._ahead: dict[int, tuple[bytes, str]] = {}  # stores ahead: page -> (hash, tag)
         self._storing: dict[bytes, int] = {}  # hashes queued or in flight to host
         self._loads = _Queued()
         self._stores = _Queued()  # write-through: sources held
@@ -114,6 +116,7 @@ class TieredKVManager:
             or self._loads.dev_pages
             or self._stores.dev_pages
             or self._swap_outs.dev_pages
+            or self._ahead
         ):
             raise RuntimeError("the device pool changed with tier copies in flight")
         self.device_pool, self.device_alloc = pool, alloc
@@ -166,6 +169,37 @@ class TieredKVManager:
         q.reasons += [reason] * room
         q.tags += [tag] * room
         return room
+
+    def queue_store_ahead(self, dev_pages: list[int], hashes: list[bytes], tag: str) -> None:
+        """Copy a swapped request's full pages to host while they wait free but cached on
+        the device for its resume: an eviction later finds them on host and copies
+        nothing, so no decode step waits on a write-back. The device pages are not held
+        (the preemption freed them for others). Submitted by flush() on the background
+        stream, where nothing the step waits on queues behind its transfer; a page
+        reallocated before then becomes a write-back the step waits on (`expedite`),
+        and one reallocated while the store has yet to read it makes that step wait on
+        the store (`reading`). The caller checks host_room()."""
+        self._note_storing(hashes, 1)
+        for page, h in zip(dev_pages, hashes):
+            self._ahead[page] = (h, tag)
+
+    def expedite(self, dev_page: int) -> bool:
+        """A page queued for a store ahead is reallocated before flush(): it becomes a
+        write-back of this step (the forward waits on its read). False if not queued."""
+        entry = self._ahead.pop(dev_page, None)
+        if entry is None:
+            return False
+        q = self._write_backs
+        q.dev_pages.append(dev_page)
+        q.hashes.append(entry[0])
+        q.reasons.append("swap_out")
+        q.tags.append(entry[1])
+        return True
+
+    def reading(self, dev_page: int) -> CopyHandle | None:
+        """The store in flight that reads `dev_page`, a page it does not hold (a
+        write-back, a swap-out or a store ahead), if any."""
+        return self._reading.get(dev_page)
 
     def queue_swap_out(self, dev_pages: list[int], tag: str) -> list[int]:
         """Copy a request's pages, its last partial one too, to host pages it owns until
@@ -236,6 +270,15 @@ class TieredKVManager:
         q, self._loads = self._loads, _Queued()
         if q.dev_pages:
             waits.append(self._submit_load(q, read_gates))
+        if self._ahead:
+            ahead, self._ahead = self._ahead, {}
+            n = len(ahead)
+            entries = list(ahead.values())
+            q = _Queued(
+                list(ahead), [], [h for h, _ in entries], ["swap_out"] * n, [t for _, t in entries]
+            )
+            for chunk in self._chunks(q):
+                self._submit_store(chunk, hold_dev=False, background=True)
         return waits
 
     def _has_queued(self, stores_only: bool) -> bool:
@@ -244,7 +287,10 @@ class TieredKVManager:
         if stores_only:
             return False
         return bool(
-            self._write_backs.dev_pages or self._swap_outs.dev_pages or self._loads.dev_pages
+            self._write_backs.dev_pages
+            or self._swap_outs.dev_pages
+            or self._loads.dev_pages
+            or self._ahead
         )
 
     def _chunks(self, q: _Queued):
@@ -252,7 +298,9 @@ class TieredKVManager:
             s = slice(i, i + MAX_PAGES_PER_COPY)
             yield _Queued(q.dev_pages[s], q.host_pages[s], q.hashes[s], q.reasons[s], q.tags[s])
 
-    def _submit_store(self, q: _Queued, hold_dev: bool) -> CopyHandle | None:
+    def _submit_store(
+        self, q: _Queued, hold_dev: bool, background: bool = False
+    ) -> CopyHandle | None:
         owned = bool(q.host_pages)  # a swap-out: host pages allocated at queue time, kept
         n = len(q.dev_pages) if owned else min(len(q.dev_pages), self.host_room())
         if n < len(q.dev_pages):
@@ -272,9 +320,13 @@ class TieredKVManager:
                 dev_kv, host_kv, dev_pages, host_pages, on_read=lambda: h.mark(0)
             ),
             num_gates=1,
+            background=background,
         )
         for p in host_pages:
             self._writing[p] = handle
+        if not hold_dev:
+            for p in dev_pages:
+                self._reading[p] = handle
         for reason, pages in Counter(q.reasons[:n]).items():
             self.metrics.count(reason, pages * self.page_bytes)
         self.metrics.pages_offloaded += n
@@ -290,6 +342,9 @@ class TieredKVManager:
     def _submit_load(self, q: _Queued, read_gates: list[CopyHandle]) -> CopyHandle:
         host_pages, dev_pages = q.host_pages, q.dev_pages
         after = {self._writing[p] for p in host_pages if p in self._writing}
+        # stores of earlier steps still reading a destination page (a store ahead)
+        earlier = {id(h): h for p in dev_pages if (h := self._reading.get(p)) is not None}
+        read_gates = [*read_gates, *(h for h in earlier.values() if h not in read_gates)]
         host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
 
         def copy(handle: CopyHandle):
@@ -386,6 +441,9 @@ class TieredKVManager:
         for reason in p.reasons:  # a task moves pages of equal size: split its time by them
             by_reason[reason] = by_reason.get(reason, 0.0) + seconds / len(p.reasons)
         if p.kind == "store":
+            for page in p.dev_pages:
+                if self._reading.get(page) is p.handle:
+                    del self._reading[page]
             for page, h in zip(p.host_pages, p.hashes):
                 if self._writing.get(page) is p.handle:
                     del self._writing[page]
