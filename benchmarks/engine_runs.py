@@ -168,7 +168,15 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     added_s = time.perf_counter() - start  # the timeline's first step includes this
     lengths: dict[str, int] = {}
-    # per step: seconds, output tokens so far, tokens computed so far, running requests
+    # per step: seconds, output tokens so far, tokens computed so far, running requests,
+    # tier pages copied so far (offloaded + loaded; 0 without the tier): a step whose
+    # count grew submitted copies, which its forward may wait on
+    tier = eng.tier.metrics if eng.tier is not None else None
+
+    def copied() -> int:
+        return tier.pages_offloaded + tier.pages_loaded if tier is not None else 0
+
+    copied_before = copied()  # the warm-up's copies left out
     timeline = []
     while eng.has_unfinished:
         for req in eng.step():
@@ -179,6 +187,7 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
                 eng.stats.output_tokens - before["output_tokens"],
                 eng.scheduler.num_computed_tokens_total - before["computed_tokens"],
                 len(eng.scheduler.running),
+                copied() - copied_before,
             ]
         )
     _sync(eng.device)

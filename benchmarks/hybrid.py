@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/hybrid.py --out $OUT               # W6 on the GPU, peer beside it
     PYTHONPATH=src python3 benchmarks/hybrid.py --skip-peer --out $OUT   # while iterating
+    PYTHONPATH=src python3 benchmarks/hybrid.py --skip-peer --profile --profile-prefill --out $OUT
     PYTHONPATH=src python3 benchmarks/hybrid.py --small --out /tmp/w6    # CPU, seconds, for CI
 
 Model: workloads.KIMI_W6, a scaled Kimi-Linear-48B-A3B-like config (24 layers, every 4th
@@ -91,6 +92,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--profile", action="store_true", help="+ where a decode step's time goes (throughput.py)"
     )
+    ap.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="+ where a prefill step's time goes (throughput.profile_prefill)",
+    )
     add_engine_args(ap)
     ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)
@@ -136,8 +142,9 @@ def main(argv=None) -> int:
             f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s{timed}, "
             f"KDA {peer['peer_kda']}) -> ratio {result['ratio']:.1f}x"
         )
-    if "profile" in ours:
-        lines.append(json.dumps(ours["profile"], indent=1))
+    for key in ("profile", "profile_prefill"):
+        if key in ours:
+            lines.append(json.dumps(ours[key], indent=1))
     sys.stdout.write("\n".join(lines) + "\n")
     return 0 if ours["output_tokens"] == sum(out_lens) else 1
 

@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 benchmarks/mla.py --out $OUT               # W4 on the GPU, peer beside it
     PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --out $OUT   # while iterating
     PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --profile --out $OUT  # + decode step
+    PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --profile-prefill --out $OUT  # + prefill
     PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --mla-tuning 16,64,8,2 --out $OUT
     PYTHONPATH=src python3 benchmarks/mla.py --small --out /tmp/w4    # CPU, seconds, for CI
 
@@ -95,6 +96,10 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         from throughput import profile_decode
 
         result["profile"] = profile_decode(llm, prompts, args, max_tokens=max(out_lens) + 16)
+    if args.profile_prefill:
+        from throughput import profile_prefill
+
+        result["profile_prefill"] = profile_prefill(llm, prompts)
     if eng.tier is not None:
         eng.tier.copies.close()
     eng.shutdown()
@@ -185,6 +190,11 @@ def main(argv=None) -> int:
         "--profile", action="store_true", help="+ where a decode step's time goes (throughput.py)"
     )
     ap.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="+ where a prefill step's time goes (throughput.profile_prefill)",
+    )
+    ap.add_argument(
         "--mla-tuning",
         default=None,
         help="h,n,w,s: the MLA decode kernel's launch on the GPU (BLOCK_H, BLOCK_N, warps, "
@@ -235,8 +245,9 @@ def main(argv=None) -> int:
             f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s) "
             f"-> ratio {result['ratio']:.1f}x"
         )
-    if "profile" in ours:
-        lines.append(json.dumps(ours["profile"], indent=1))
+    for key in ("profile", "profile_prefill"):
+        if key in ours:
+            lines.append(json.dumps(ours[key], indent=1))
     sys.stdout.write("\n".join(lines) + "\n")
     return 0 if ours["output_tokens"] == sum(out_lens) else 1
 

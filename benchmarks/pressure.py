@@ -25,7 +25,8 @@ dearer than a recompute and not swap; "always" swaps whatever it costs).
 requests on that engine, as run and phase by phase (throughput.profile_decode: a
 graph replay's GPU time, host phases, heaviest kernels), to tell where a tier-on run's
 extra time per step goes: the timed runs' per-step timelines (pressure.json) show
-whether it is in decode steps or in mixed ones.
+whether it is in decode steps or in mixed ones. --profile-only: the same profile on
+each freshly built engine, with no timed run before it (pressure_profile.json).
 
 Prints output tok/s of both, their ratio, preemptions / swaps / recomputes, tokens
 computed, and the host<->device bandwidth of the tier's copies: bytes moved (write-through
@@ -103,6 +104,39 @@ def decode_profile(prompts: list[list[int]], args, llm) -> dict:
     )
 
 
+def profile_only(args, prompts: list[list[int]]) -> int:
+    """--profile-only: each engine of --runs built fresh, no timed run, and its decode
+    step profiled three times; writes pressure_profile.json."""
+    import gc
+
+    import torch
+
+    from batchgen import LLM
+
+    args.profile = args.profile or 32
+    _, ckpt = dummy_model(args)
+    kw = engine_kwargs(args)
+    out = {}
+    for name in args.runs:
+        llm = LLM(model=str(ckpt), host_kv_size_gib=args.host_gib if name == "on" else 0.0, **kw)
+        out[name] = [decode_profile(prompts, args, llm) for _ in range(3)]
+        if llm.engine.tier is not None:
+            llm.engine.tier.copies.close()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        for i, prof in enumerate(out[name]):
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in prof["phase_ms"].items())
+            sys.stdout.write(
+                f"tier {name:<3} profile {i}: {prof['step_wall_ms']:.3f} ms as run, "
+                f"{prof['synced_step_ms']:.3f} ms synced ({phases}) at {prof['batch']} rows\n"
+            )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pressure_profile.json").write_text(json.dumps(out, indent=2))
+    return 0
+
+
 def summary(result: dict) -> str:
     on, off = result.get("tier_on"), result.get("tier_off")
     lines = [
@@ -174,6 +208,13 @@ def main(argv=None) -> int:
         help="after each timed run, where a decode step of ROWS requests (default 32, about "
         "as many as W2's pool holds) spends its time: throughput.profile_decode",
     )
+    ap.add_argument(
+        "--profile-only",
+        action="store_true",
+        help="no timed run: build each engine of --runs on its own and profile a decode "
+        "step of --profile rows (32) three times on the fresh engine (the first captures "
+        "its graph); the tier's own per-step cost, apart from what a run leaves behind",
+    )
     add_engine_args(ap)
     add_model_args(ap)
     add_policy_args(ap)
@@ -184,6 +225,8 @@ def main(argv=None) -> int:
     else:
         prompts, out_lens = w2_requests()
         warmup_len = 512
+    if args.profile_only:
+        return profile_only(args, prompts)
     _, ckpt = dummy_model(args)
     kw = engine_kwargs(args)
     runs = {}

@@ -151,15 +151,7 @@ def profile_decode(llm, prompts, args, max_tokens: int = 300):
                 eng.step()
             eng._drain()
             _sync(args.device)
-        done = max(eng.stats.steps - first, 1)
-        rows = []
-        for e in prof.key_averages():
-            dev_us = getattr(e, "self_device_time_total", 0) or 0
-            if dev_us:
-                rows.append((dev_us / 1000 / done, e.count / done, e.key))
-        rows.sort(reverse=True)
-        kernels = [f"{ms:7.3f} ms  x{n:<6.1f} {name[:70]}" for ms, n, name in rows[:25]]
-        families = kernel_families([(name, ms) for ms, _, name in rows])
+        kernels, families = kernel_table(prof, max(eng.stats.steps - first, 1))
     replay_ms = None
     graphs = runner.graphs
     if graphs is not None and graphs.graphs:
@@ -191,9 +183,70 @@ def profile_decode(llm, prompts, args, max_tokens: int = 300):
     }
 
 
+def kernel_table(prof, steps: int) -> tuple[list[str], dict[str, float]]:
+    """A torch profiler's GPU kernels per step, heaviest first (the top 25 as text
+    lines), and their time summed by family."""
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", 0) or 0
+        if dev_us:
+            rows.append((dev_us / 1000 / steps, e.count / steps, e.key))
+    rows.sort(reverse=True)
+    kernels = [f"{ms:7.3f} ms  x{n:<6.1f} {name[:70]}" for ms, n, name in rows[:25]]
+    return kernels, kernel_families([(name, ms) for ms, _, name in rows])
+
+
+def profile_prefill(llm, prompts, steps: int = 3) -> dict:
+    """Where a prefill step's time goes: every prompt added (one output token each),
+    one step to warm up, then `steps` steps timed as run (each a chunk of up to
+    max_num_batched_tokens prompt tokens) and, on a GPU, two more under the torch
+    profiler: their kernels by name and by family. Each prompt's first token is changed,
+    so that no page hits the prefix cache an earlier run left. The requests are aborted
+    after."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from batchgen import SamplingParams
+
+    eng = llm.engine
+    device = eng.device.type
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        first = p[0] - 1 if p[0] > 0 else p[0] + 1
+        eng.add_request(f"prefill{i}", [first, *p[1:]], params)
+    eng.step()
+    _sync(device)
+    before = eng.scheduler.num_computed_tokens_total
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    _sync(device)
+    wall = time.perf_counter() - t0
+    tokens = eng.scheduler.num_computed_tokens_total - before
+    kernels, families = [], {}
+    if device != "cpu":
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                eng.step()
+            _sync(device)
+        kernels, families = kernel_table(prof, 2)
+    eng.abort(list(eng.requests))
+    return {
+        "steps": steps,
+        "tokens_per_step": tokens / steps,
+        "step_wall_ms": wall * 1000 / steps,
+        "prefill_tok_s": tokens / wall,
+        "gpu_ms_by_family": families,
+        "kernels": kernels,
+    }
+
+
 # kernel name fragments by family, first match wins (lower case)
 FAMILIES = (
-    ("attention", ("decode_split", "decode_merge", "prefill_kernel", "store_kv")),
+    (
+        "attention",
+        ("decode_split", "decode_merge", "mla_split", "mla_merge", "prefill_kernel", "store_kv"),
+    ),
+    ("linear_attention", ("kda", "chunk_", "recurrent", "delta_rule", "conv1d")),  # fla-core
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "sm90_")),
     ("norm_rope_act", ("rms_norm", "qk_norm_rope", "silu")),
     ("sampling", ("argmax", "softmax", "exponential", "topk", "sort", "reduce_kernel")),

@@ -23,7 +23,9 @@ seconds and with no GPU: steps, tokens computed, preemptions, swaps, recomputes,
 seconds of adding the requests (`add_seconds`) and of the steps (`step_seconds`: the
 scheduler, KV manager and tier bookkeeping, waits for the CPU copies included;
 `step_cpu_seconds`: the replaying thread's CPU time alone, the copy threads' left out),
-tokens per step, bytes
+the steps whose forward waits on a copy (`steps_waiting_on_copies`, decode steps and
+others: on a GPU each such step waits for a write-back's read or a load, the gap
+between streams included), tokens per step, bytes
 by reason (scaled to the model's KV bytes per token, from its workloads.MODELS config:
 qwen3-0.6b 112 KiB, llama-3.1-8b 128 KiB, moonlight-w4 30 KiB) and the host blocks the page copies move (pages per block: how well host pages
 run together). It says nothing about GPU time. Runs the host tier on and off, one after
@@ -118,7 +120,7 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
             PagePool(layout, dev_pages, torch.device("cpu")),
             HostPool(layout, host_pages, False),
             kv.allocator,
-            CopyEngine(torch.device("cpu")),
+            CopyEngine(torch.device("cpu"), background=True),
             debug=False,
             loads_pay=True,
         )
@@ -133,12 +135,15 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
     add_seconds = time.perf_counter() - start
     rng = random.Random(1)
     computed = steps = 0
+    waiting_steps = {"decode": 0, "other": 0}  # steps whose forward waits on a copy
     queued = None  # a decode step built blind, as the engine's pipeline queues it
 
     def run_step(out) -> None:
         nonlocal computed, steps
         for handle in out.wait_for:
             handle.synchronize()
+        if out.wait_for:
+            waiting_steps["decode" if _decode_only(out) else "other"] += 1
         ids = [s.request_id for s in out.requests if s.sample]
         tokens = [rng.randint(0, 10_000) for _ in ids]
         sched.update(out, ModelRunnerOutput(ids, tokens, [None] * len(ids)), requests)
@@ -177,6 +182,7 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
         "step_seconds": time.perf_counter() - start,
         "step_cpu_seconds": time.thread_time() - cpu_start,
         "tokens_per_step": computed / max(steps, 1),
+        "steps_waiting_on_copies": waiting_steps,
     }
     if kv.tier is not None:
         scale = page_bytes / layout.bytes_per_page

@@ -41,3 +41,14 @@ def test_peer_warms_up_on_two_tokens_then_times_whole_batches(tmp_path, monkeypa
     result = mla.run_peer(ckpt, prompts, out_lens, args, batches=1)
     assert calls == [(0, 2), (mla.PEER_BATCH, 5)]
     assert result["output_tokens"] == 5 * mla.PEER_BATCH and result["timed_batches"] == 1
+
+
+def test_profile_prefill_times_whole_prefill_chunks(tmp_path):
+    mla = load("mla")
+    out = tmp_path / "out"
+    argv = ["--small", "--skip-peer", "--out", str(out), "--ckpt", str(tmp_path / "config")]
+    assert mla.main([*argv, "--profile-prefill", "--max-batched-tokens", "16"]) == 0
+    prof = json.loads((out / "mla.json").read_text())["batchgen"]["profile_prefill"]
+    assert prof["steps"] == 3 and prof["tokens_per_step"] == 16  # every step a full chunk
+    assert prof["step_wall_ms"] > 0 and prof["prefill_tok_s"] > 0
+    assert prof["kernels"] == [] and prof["gpu_ms_by_family"] == {}  # no GPU profile on a CPU

@@ -27,6 +27,9 @@ def test_kernel_families_group_the_profile_by_name():
     rows = [
         ("_decode_split_kernel", 4.0),
         ("_store_kv_kernel", 0.1),
+        ("_mla_split_kernel", 2.0),
+        ("_mla_merge_kernel", 0.25),
+        ("chunk_kda_fwd_kernel_intra_sub_chunk", 1.5),
         ("nvjet_sm90_tst_64x32_64x16_1x2_h_bz_TNT", 0.5),
         ("_rms_norm_kernel", 0.2),
         ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16", 0.05),
@@ -34,5 +37,6 @@ def test_kernel_families_group_the_profile_by_name():
         ("something_new", 0.3),
     ]
     fam = throughput.kernel_families(rows)
-    assert fam["attention"] == 4.1 and fam["gemm"] == 0.5 and fam["norm_rope_act"] == 0.2
+    assert fam["attention"] == 6.35 and fam["gemm"] == 0.5 and fam["norm_rope_act"] == 0.2
+    assert fam["linear_attention"] == 1.5
     assert fam["sampling"] == 0.05 and fam["copies"] == 0.01 and fam["other"] == 0.3

@@ -134,9 +134,29 @@ def test_pressure_profile_times_a_decode_step_of_each_engine(tmp_path, capsys):
     assert out.count("decode step at 3 rows") == 2
 
 
+def test_pressure_profile_only_profiles_fresh_engines_three_times(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--small", "--out", str(out), "--ckpt", str(tmp_path / "ckpt")]
+    assert (
+        load("pressure").main([*argv, "--profile-only", "--profile", "3", "--runs", "off,on"]) == 0
+    )
+    result = json.loads((out / "pressure_profile.json").read_text())
+    assert list(result) == ["off", "on"]
+    for runs in result.values():
+        assert [p["batch"] for p in runs] == [3, 3, 3]
+        assert all(p["step_wall_ms"] > 0 and "update" in p["phase_ms"] for p in runs)
+    assert not (out / "pressure.json").exists()  # no timed run
+    assert capsys.readouterr().out.count(" profile ") == 6
+
+
 def test_pressure_small_runs_in_the_order_given_or_one_engine_alone(tmp_path):
     both = _run("pressure", tmp_path / "both", "--runs", "off,on", "--tier-policy", "always")
     assert both["order"] == ["off", "on"]
+    copied = [row[4] for row in both["tier_on"]["timeline"]]  # tier pages copied so far
+    assert copied == sorted(copied) and copied[-1] > 0
+    m = both["tier_on"]["metrics"]
+    assert copied[-1] == m["pages_offloaded"] + m["pages_loaded"]
+    assert {row[4] for row in both["tier_off"]["timeline"]} == {0}
     assert both["ratio"] == both["tier_on"]["tok_s"] / both["tier_off"]["tok_s"]
     alone = _run("pressure", tmp_path / "off", "--runs", "off")
     assert alone["order"] == ["off"] and "tier_on" not in alone and "ratio" not in alone
