@@ -119,6 +119,17 @@ def timed_run(
     part's counters (engine metrics() plus copy_seconds) and a per-step timeline.
     after(llm), if given, runs on the engine after the timed part (e.g. a profile); what
     it returns is the result's "after"."""
+    with built_engine(ckpt, **engine_kw) as llm:
+        result = _timed(llm, prompts, out_lens, warmup_len)
+        if after is not None:
+            result["after"] = after(llm)
+        return result
+
+
+@contextmanager
+def built_engine(ckpt: Path, **engine_kw):
+    """An LLM built with engine_kw (under threads_for its device), freed on exit with
+    its tier's copy threads and the device memory it cached."""
     import torch
 
     from batchgen import LLM
@@ -126,10 +137,7 @@ def timed_run(
     with threads_for(engine_kw["device"]):
         llm = LLM(model=str(ckpt), **engine_kw)
         try:
-            result = _timed(llm, prompts, out_lens, warmup_len)
-            if after is not None:
-                result["after"] = after(llm)
-            return result
+            yield llm
         finally:
             if llm.engine.tier is not None:
                 llm.engine.tier.copies.close()

@@ -53,6 +53,7 @@ from engine_runs import (  # noqa: E402
     add_engine_args,
     add_model_args,
     add_policy_args,
+    built_engine,
     checks_line,
     comma_list,
     cost_rule,
@@ -107,25 +108,14 @@ def decode_profile(prompts: list[list[int]], args, llm) -> dict:
 def profile_only(args, prompts: list[list[int]]) -> int:
     """--profile-only: each engine of --runs built fresh, no timed run, and its decode
     step profiled three times; writes pressure_profile.json."""
-    import gc
-
-    import torch
-
-    from batchgen import LLM
-
     args.profile = args.profile or 32
     _, ckpt = dummy_model(args)
     kw = engine_kwargs(args)
     out = {}
     for name in args.runs:
-        llm = LLM(model=str(ckpt), host_kv_size_gib=args.host_gib if name == "on" else 0.0, **kw)
-        out[name] = [decode_profile(prompts, args, llm) for _ in range(3)]
-        if llm.engine.tier is not None:
-            llm.engine.tier.copies.close()
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        host_gib = args.host_gib if name == "on" else 0.0
+        with built_engine(ckpt, host_kv_size_gib=host_gib, **kw) as llm:
+            out[name] = [decode_profile(prompts, args, llm) for _ in range(3)]
         for i, prof in enumerate(out[name]):
             phases = ", ".join(f"{k} {v:.2f}" for k, v in prof["phase_ms"].items())
             sys.stdout.write(
