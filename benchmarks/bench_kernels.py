@@ -8,6 +8,13 @@ time) against the H200 device-copy ceiling of 4.23 TB/s; prefill on attention TF
 
     python benchmarks/bench_kernels.py            # defaults plus a small tuning sweep
     python benchmarks/bench_kernels.py --quick    # defaults only
+    python benchmarks/bench_kernels.py --moe      # routed experts only (see bench_moe)
+
+--moe: W4's routed experts (64 experts of hidden 2048 and intermediate 1408, top-6,
+bf16) at 64 to 8192 tokens, through torch._grouped_mm (layers.routed_experts, the
+engine's path) and through kernels/fused_moe.py's Triton GEMMs at a few block shapes,
+each timed as the whole fused_experts call; rate: the expert weights read once over the
+time (decode is bound by them) against the copy ceiling, and the GEMM TFLOP/s.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from functools import partial
 
 import torch
 
@@ -166,9 +174,57 @@ def bench_store_kv(caches, gen) -> list[tuple]:
     ]
 
 
+def bench_moe(gen) -> list[tuple]:
+    from batchgen.kernels import fused_moe
+    from batchgen.layers.routed_experts import fused_experts
+
+    num_experts, top_k, hidden, inter = 64, 6, 2048, 1408
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen).to("cuda", DTYPE)
+    down = torch.randn(num_experts, hidden, inter, generator=gen).to("cuda", DTYPE)
+    gate_up /= hidden**0.5
+    down /= inter**0.5
+    weight_bytes = (gate_up.numel() + down.numel()) * ELEM
+    tunings = [
+        fused_moe.TUNING,
+        fused_moe.MoETuning(16, 128, 64, 4, 3),
+        fused_moe.MoETuning(32, 64, 64, 4, 3),
+        fused_moe.MoETuning(64, 128, 64, 8, 3),
+    ]
+    rows = []
+    for t in (64, 256, 1024, 8192):
+        x = torch.randn(t, hidden, generator=gen).to("cuda", DTYPE)
+        scores = torch.rand(t, num_experts, generator=gen).to("cuda")
+        weights, ids = scores.topk(top_k, dim=-1)
+        touched = min(num_experts, t * top_k)  # experts whose weights a step reads
+        flops = 2 * t * top_k * 3 * hidden * inter
+        ref = fused_experts(x, gate_up, down, weights, ids)
+        args = (x, gate_up, down, weights, ids)
+        cases = [("grouped_mm", partial(fused_experts, *args))]
+        for tn in tunings:
+            launch = f"triton {tn.block_m}x{tn.block_n}x{tn.block_k} w{tn.num_warps}"
+            run = partial(fused_experts, *args, triton_moe=tn)
+            err = (run().float() - ref.float()).abs().max().item()
+            cases.append((f"{launch} (max diff {err:.1e})", run))
+        for launch, fn in cases:
+            seconds = _bench(fn)
+            bw = weight_bytes * touched / num_experts / seconds
+            rows.append(
+                (
+                    f"moe T={t}",
+                    launch,
+                    "-",
+                    f"{seconds * 1e6:.1f} us",
+                    f"{bw / 1e12:.2f} TB/s, {flops / seconds / 1e12:.0f} TFLOP/s",
+                    f"{100 * bw / COPY_BW:.0f}% of copy",
+                )
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="default launch parameters only")
+    parser.add_argument("--moe", action="store_true", help="the routed-expert GEMMs only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device", file=sys.stderr)
@@ -185,17 +241,25 @@ def main(argv: list[str] | None = None) -> int:
         f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}"
     )
     rows = []
+    if args.moe:
+        rows += bench_moe(gen)
+        _print(rows)
+        return 0
     rows += bench_decode(caches, 256, 1000, sweep, gen)
     rows += bench_decode(caches, 32, 16000, sweep, gen)
     rows += bench_prefill(caches, [(2000, 512)] * 8, sweep, gen)
     rows += bench_prefill(caches, [(0, 2048)] * 4, sweep, gen)
     rows += bench_store_kv(caches, gen)
+    _print(rows)
+    return 0
+
+
+def _print(rows: list[tuple]) -> None:
     header = ("case", "launch", "splits", "median", "rate", "vs ceiling")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
     print("# first row of each case is the default launch; decode ceiling 4.23 TB/s")
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,12 +22,17 @@ blocks sort into a last group no GEMM computes and add nothing:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.tp_group import TPGroup
+
+if TYPE_CHECKING:
+    from batchgen.kernels.fused_moe import MoETuning
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -71,6 +76,7 @@ def fused_experts(
     ids: torch.Tensor,
     use_grouped_mm: bool | None = None,
     first_expert: int | None = None,
+    triton_moe: MoETuning | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], gate_up [E, 2I, H]
     (gate rows, then up rows), down [E, H, I], weights [T, k], ids [T, k] -> [T, H] in
@@ -81,7 +87,11 @@ def fused_experts(
     expert first_expert + e, and a pair routed to an expert outside the block adds
     nothing: such pairs sort last, past every group's rows, so no GEMM computes them,
     and their rows are masked out (not multiplied by 0: they hold whatever the GEMM left
-    there). None: every expert is here, and nothing is masked."""
+    there). None: every expert is here, and nothing is masked.
+
+    triton_moe: the two GEMMs as kernels/fused_moe.py's Triton kernels with that launch,
+    which read and write rows through the sorted pair ids (no gather or scatter beside
+    them); not the engine's path until benchmarks/bench_kernels.py --moe shows it faster."""
     t, k = ids.shape
     num_experts = gate_up.shape[0]
     if use_grouped_mm is None:
@@ -94,14 +104,22 @@ def fused_experts(
         local = ids - first_expert
         outside = (local < 0) | (local >= num_experts)
         flat = local.masked_fill(outside, num_experts).reshape(-1)  # group E: nobody's
-    order = torch.sort(flat, stable=True).indices  # row r of the sorted block is pair order[r]
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)  # end row of each group
-    rows = x.index_select(0, order // k)
-    mm = grouped_mm if use_grouped_mm else grouped_mm_loop
-    h = mm(silu_and_mul(mm(rows, gate_up, offs)), down, offs)
-    per_pair = torch.empty_like(h).index_copy_(0, order, h).view(t, k, -1)
+    if triton_moe is not None:
+        from batchgen.kernels.fused_moe import align_pairs, moe_gemm
+
+        aligned = align_pairs(flat, num_experts, triton_moe.block_m)
+        h = moe_gemm(x.contiguous(), gate_up, *aligned, t * k, k, triton_moe)
+        h = moe_gemm(silu_and_mul(h), down, *aligned, t * k, 1, triton_moe)
+        per_pair = h.view(t, k, -1)
+    else:
+        order = torch.sort(flat, stable=True).indices  # sorted row r is pair order[r]
+        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)  # each group's end
+        rows = x.index_select(0, order // k)
+        mm = grouped_mm if use_grouped_mm else grouped_mm_loop
+        h = mm(silu_and_mul(mm(rows, gate_up, offs)), down, offs)
+        per_pair = torch.empty_like(h).index_copy_(0, order, h).view(t, k, -1)
     weighted = per_pair.float() * weights.float().unsqueeze(-1)
     if outside is not None:
         weighted = weighted.masked_fill(outside.unsqueeze(-1), 0.0)
