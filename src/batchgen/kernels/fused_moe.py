@@ -99,8 +99,7 @@ def align_pairs(
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
     start = torch.cumsum(counts, 0) - counts  # each group's first row, unpadded
-    order = torch.sort(experts, stable=True).indices
-    sorted_experts = experts[order]
+    sorted_experts, order = torch.sort(experts, stable=True)
     mine = sorted_experts < num_experts
     group = sorted_experts.clamp(max=num_experts - 1)
     rank = torch.arange(num_pairs, device=device) - start[sorted_experts]

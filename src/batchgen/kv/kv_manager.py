@@ -245,19 +245,15 @@ class KVCacheManager:
         if not self.tier_active or num_computed < self.page_size:
             return False
         hashes = self._hashes.get(request_id, [])[: num_computed // self.page_size]
-        missing = sum(1 for h in hashes if not self.tier.holds(h))
-        if missing > self.tier.host_room():
+        missing = [i for i, h in enumerate(hashes) if not self.tier.holds(h)]
+        if len(missing) > self.tier.host_room():
             return False
         self._swapped[request_id] = hashes
         for h in hashes:
             self._swapped_by[h] = request_id
         pages = self.pages.pop(request_id, [])
         # pages holding their hash in the device cache: an eviction finds those only
-        ahead = [
-            i
-            for i, h in enumerate(hashes)
-            if not self.tier.holds(h) and self.allocator.page_hash(pages[i]) == h
-        ]
+        ahead = [i for i in missing if self.allocator.page_hash(pages[i]) == hashes[i]]
         if ahead:
             self.tier.queue_store_ahead(
                 [pages[i] for i in ahead], [hashes[i] for i in ahead], f"request {request_id}"

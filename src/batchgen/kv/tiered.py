@@ -70,6 +70,13 @@ class _Queued:
     reasons: list[str] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)  # whose page it is, for error messages
 
+    def add(self, dev_page: int, page_hash: bytes, reason: str, tag: str) -> None:
+        """One device page to copy to a host page allocated at submission."""
+        self.dev_pages.append(dev_page)
+        self.hashes.append(page_hash)
+        self.reasons.append(reason)
+        self.tags.append(tag)
+
 
 class TieredKVManager:
     def __init__(
@@ -189,11 +196,8 @@ class TieredKVManager:
         entry = self._ahead.pop(dev_page, None)
         if entry is None:
             return False
-        q = self._write_backs
-        q.dev_pages.append(dev_page)
-        q.hashes.append(entry[0])
-        q.reasons.append("swap_out")
-        q.tags.append(entry[1])
+        page_hash, tag = entry
+        self._write_backs.add(dev_page, page_hash, "swap_out", tag)  # already noted storing
         return True
 
     def reading(self, dev_page: int) -> CopyHandle | None:
@@ -229,12 +233,8 @@ class TieredKVManager:
     def queue_write_back(self, dev_page: int, page_hash: bytes, reason: str, tag: str) -> None:
         """Copy an evicted (already reallocated) device page to host before its new owner
         writes it; the step's forward waits on the read gate."""
-        q = self._write_backs
-        q.dev_pages.append(dev_page)
-        q.hashes.append(page_hash)
+        self._write_backs.add(dev_page, page_hash, reason, tag)
         self._note_storing([page_hash], 1)
-        q.reasons.append(reason)
-        q.tags.append(tag)
 
     def _note_storing(self, hashes: list, delta: int) -> None:
         for h in hashes:
@@ -271,12 +271,9 @@ class TieredKVManager:
         if q.dev_pages:
             waits.append(self._submit_load(q, read_gates))
         if self._ahead:
-            ahead, self._ahead = self._ahead, {}
-            n = len(ahead)
-            entries = list(ahead.values())
-            q = _Queued(
-                list(ahead), [], [h for h, _ in entries], ["swap_out"] * n, [t for _, t in entries]
-            )
+            ahead, self._ahead, q = self._ahead, {}, _Queued()
+            for page, (page_hash, tag) in ahead.items():
+                q.add(page, page_hash, "swap_out", tag)
             for chunk in self._chunks(q):
                 self._submit_store(chunk, hold_dev=False, background=True)
         return waits

@@ -94,9 +94,6 @@ def fused_experts(
     them); not the engine's path until benchmarks/bench_kernels.py --moe shows it faster."""
     t, k = ids.shape
     num_experts = gate_up.shape[0]
-    if use_grouped_mm is None:
-        aligned = x.shape[1] % 8 == 0 and down.shape[2] % 8 == 0
-        use_grouped_mm = aligned and grouped_mm_available(x)
     outside = None
     if first_expert is None:
         flat = ids.reshape(-1)
@@ -112,6 +109,9 @@ def fused_experts(
         h = moe_gemm(silu_and_mul(h), down, *aligned, t * k, 1, triton_moe)
         per_pair = h.view(t, k, -1)
     else:
+        if use_grouped_mm is None:
+            aligned = x.shape[1] % 8 == 0 and down.shape[2] % 8 == 0
+            use_grouped_mm = aligned and grouped_mm_available(x)
         order = torch.sort(flat, stable=True).indices  # sorted row r is pair order[r]
         counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
