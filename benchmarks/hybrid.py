@@ -133,6 +133,8 @@ def main(argv=None) -> int:
         f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']}, backend "
         f"{ours['backend']})",
         "counters     " + json.dumps(ours["counters"]),
+        "slowest      " + "; ".join(ours["slowest_steps"]),
+        "untimed      build {build_s:.1f} s, warm-up {warmup_s:.1f} s".format(**ours["startup"]),
     ]
     if peer and "skipped" in peer:
         lines.append(f"transformers skipped: {peer['skipped']}")

@@ -46,6 +46,9 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor | None = None  # [num_prefills] int64
     prefill_page_table: torch.Tensor | None = None  # [num_prefills, max_pages] int64
     prefill_max_q_len: int = 0
+    # tensors a layer derives from the above for its kernels, built by the step's first
+    # layer and reused by the rest (keyed by the deriving function's name)
+    derived: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass

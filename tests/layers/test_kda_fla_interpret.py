@@ -1,7 +1,9 @@
-"""fla-core's recurrent KDA kernel under the Triton interpreter against our torch reference.
+"""fla-core's kernels as kda_ops calls them, under the Triton interpreter, against our
+torch reference: the recurrent KDA step (gates given or computed in the kernel), the
+packed causal convolution with per-request windows, the gated output norm.
 
-Runs where fla-core is installed (skipped otherwise). On the CPU only the recurrent kernel
-runs: fla-core 0.6's chunk kernels index with a loop counter the interpreter hands over as
+Runs where fla-core is installed (skipped otherwise). On the CPU the chunked KDA kernels
+do not run: fla-core 0.6's chunk kernels index with a loop counter the interpreter hands over as
 a Python int (`i_t.to(...)` fails), so the chunked path is covered by GPU tests only.
 """
 
@@ -73,3 +75,100 @@ def test_recurrent_varlen_from_initial_states():
         )
         assert (o[0, rows] - want_o).abs().max().item() < TOL
         assert (final[i] - want_s).abs().max().item() < TOL
+
+
+def one_config(*modules) -> None:
+    """Leave each autotuned kernel of `modules` one config: the interpreter cannot time
+    candidates (the tuner asks for a GPU driver), and one config never times."""
+    for module in modules:
+        for name in dir(module):
+            kernel = getattr(module, name)
+            while kernel is not None and not hasattr(kernel, "configs") and hasattr(kernel, "fn"):
+                kernel = kernel.fn
+            configs = getattr(kernel, "configs", None)
+            if isinstance(configs, list) and len(configs) > 1:
+                kernel.configs = configs[:1]
+
+
+@pytest.fixture
+def fla_conv_and_norm():
+    conv, norm = kda_ops.fla_conv(), kda_ops.fla_norm()
+    if conv is None or norm is None:
+        pytest.skip("this fla-core has no causal_conv1d or rms_norm_gated")
+    from fla.modules.causal_conv1d import ops as conv_ops
+    from fla.modules.norm import fused_norm_gate
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        one_config(conv_ops, fused_norm_gate)
+    return conv, norm
+
+
+def test_packed_conv_with_windows_matches_the_torch_step(fla_conv_and_norm):
+    """fla's causal_conv1d as a prefill step runs it (requests shorter than the window,
+    one-row decodes among prefills, slots out of order, one slot left alone) against
+    short_conv_packed: the same outputs and the same new windows."""
+    conv, _ = fla_conv_and_norm
+    lengths, slots = [5, 1, 9, 2], [4, 0, 2, 5]
+    channels, taps = 24, 4
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(lengths), channels, generator=gen)
+    weight = torch.randn(channels, taps, generator=gen)
+    windows = torch.randn(6, taps - 1, channels, generator=gen)
+    seqs, row = [], 0
+    for n, slot in zip(lengths, slots):
+        seqs.append(LinearSeq(q_start=row, q_len=n, slot=slot, has_state=True))
+        row += n
+    meta = LinearAttentionMetadata.build(seqs, "cpu")
+    want_windows = windows.clone()
+    want = kda_torch.short_conv_packed(x, weight, want_windows, meta.cu_seqlens, meta.state_slots)
+    got = kda_ops._conv_fla(conv, x, weight, windows, meta)
+    assert (got - want).abs().max().item() < TOL
+    assert (windows - want_windows).abs().max().item() < TOL
+    assert torch.equal(windows[[1, 3]], want_windows[[1, 3]])
+
+
+def test_gated_output_norm_matches_the_torch_norm(fla_conv_and_norm):
+    _, norm = fla_conv_and_norm
+    gen = torch.Generator().manual_seed(5)
+    o, gate = torch.randn(7, 2, 16, generator=gen), torch.randn(7, 2, 16, generator=gen)
+    weight = torch.randn(16, generator=gen)
+    want = kda_torch.gated_rms_norm(o, weight, gate, 1e-5)
+    got = norm(
+        o.reshape(-1, 16), gate.reshape(-1, 16), weight, None, activation="sigmoid", eps=1e-5
+    )
+    assert (got.view(o.shape) - want).abs().max().item() < TOL
+
+
+def test_decode_step_with_raw_gates_computes_them_in_the_kernel():
+    """The decode call with g and beta handed over raw (the gate and the sigmoid inside
+    fla's kernel) against the torch step given kda_gate(f) and sigmoid(b)."""
+    q, k, v, _, _ = inputs(3, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    f, b = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, generator=gen)
+    raw = kda_ops.RawGates(torch.randn(1, 1, 2, 1, generator=gen), torch.randn(32, generator=gen))
+    states = torch.randn(5, 2, 16, 16, generator=gen)
+    seqs = [LinearSeq(q_start=i, q_len=1, slot=s, has_state=True) for i, s in enumerate([4, 0, 2])]
+    meta = LinearAttentionMetadata.build(seqs, "cpu")
+    want_states = states.clone()
+    g = kda_torch.kda_gate(f, raw.a_log, raw.dt_bias)
+    want = kda_ops.kda_attention_torch(q, k, v, g, torch.sigmoid(b), want_states, meta)
+    got = kda_ops._kda_fla(q, k, v, f, b, states, meta, raw)
+    assert (got - want).abs().max().item() < TOL
+    assert (states - want_states).abs().max().item() < TOL
+
+
+def test_the_torch_path_applies_raw_gates_itself():
+    q, k, v, _, _ = inputs(3, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    f, b = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, generator=gen)
+    raw = kda_ops.RawGates(torch.randn(1, 1, 2, 1, generator=gen), torch.randn(32, generator=gen))
+    states = torch.randn(5, 2, 16, 16, generator=gen)
+    want_states = states.clone()
+    meta = LinearAttentionMetadata.build(
+        [LinearSeq(q_start=0, q_len=2, slot=1, has_state=True), LinearSeq(2, 1, 3, True)], "cpu"
+    )
+    got = kda_ops.kda_attention(q, k, v, f, b, states, meta, raw=raw)
+    g = kda_torch.kda_gate(f, raw.a_log, raw.dt_bias)
+    want = kda_ops.kda_attention_torch(q, k, v, g, torch.sigmoid(b), want_states, meta)
+    assert torch.equal(got, want)
+    assert torch.equal(states, want_states)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchgen.forward_context import LinearAttentionMetadata, LinearSeq
-from batchgen.layers import kda_ops
+from batchgen.layers import kda_ops, kda_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -46,12 +46,23 @@ def meta_for(parts: list[tuple[int, int, bool]]) -> LinearAttentionMetadata:
     return LinearAttentionMetadata.build(seqs, "cuda")
 
 
-def both(args, meta, states_fla, states_ref):
+def both(args, meta, states_fla, states_ref, raw=None):
+    """fla's step and the torch step on the same inputs; with `raw`, g and beta are the
+    raw projections (the gates computed in fla's kernels, by kda_torch for the reference)."""
     for states in (states_fla, states_ref):
         states.index_fill_(0, meta.fresh_slots, 0.0)
-    got = kda_ops.kda_attention(*args, states_fla, meta)
-    want = kda_ops.kda_attention_torch(*args, states_ref, meta)
+    got = kda_ops.kda_attention(*args, states_fla, meta, raw=raw)
+    q, k, v, g, beta = args
+    if raw is not None:
+        g, beta = kda_torch.kda_gate(g, raw.a_log, raw.dt_bias), torch.sigmoid(beta)
+    want = kda_ops.kda_attention_torch(q, k, v, g, beta, states_ref, meta)
     return got, want
+
+
+def raw_gates(seed: int) -> kda_ops.RawGates:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a_log = torch.randn(1, 1, H, 1, device="cuda", generator=gen) * 0.5
+    return kda_ops.RawGates(a_log, torch.randn(H * DK, device="cuda", generator=gen))
 
 
 # float32 is marked slow: fla-core autotunes (compiles) its kernels again per dtype, ~100 s
@@ -59,20 +70,22 @@ def both(args, meta, states_fla, states_ref):
 @pytest.mark.parametrize(
     "dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16]
 )
-def test_fla_matches_reference_over_steps(dtype):
+@pytest.mark.parametrize("gates", ["raw", "given"])  # raw: the layer's default call
+def test_fla_matches_reference_over_steps(dtype, gates):
+    raw = raw_gates(9) if gates == "raw" else None
     states_fla = torch.randn(SLOTS, H, DK, DV, device="cuda") * 0.1
     states_ref = states_fla.clone()
     # step 1: three prompts (one crossing 64-token chunks), slots out of order
     prefill = meta_for([(150, 5, False), (7, 1, False), (64, 3, False)])
-    got, want = both(step_inputs(221, dtype, 0), prefill, states_fla, states_ref)
+    got, want = both(step_inputs(221, dtype, 0), prefill, states_fla, states_ref, raw)
     assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
     # step 2: a continued prefill chunk beside two decodes
     mixed = meta_for([(1, 5, True), (33, 1, True), (1, 3, True)])
-    got, want = both(step_inputs(35, dtype, 1), mixed, states_fla, states_ref)
+    got, want = both(step_inputs(35, dtype, 1), mixed, states_fla, states_ref, raw)
     assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
     # step 3: decode only (the in-place recurrent kernel)
     decode = meta_for([(1, 3, True), (1, 5, True), (1, 1, True)])
-    got, want = both(step_inputs(3, dtype, 2), decode, states_fla, states_ref)
+    got, want = both(step_inputs(3, dtype, 2), decode, states_fla, states_ref, raw)
     assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
     assert (states_fla - states_ref).abs().max().item() < TOL[dtype]
     untouched = [0, 2, 4, 6, 7]
@@ -96,3 +109,31 @@ def test_decode_step_replays_from_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, want)
     assert torch.equal(graph_states, eager_states)
+
+
+def test_prefill_conv_and_output_norm_match_torch_in_bf16():
+    """A prefill step's short convolution (fla's causal_conv1d) and the gated output norm
+    (fla's rms_norm_gated) on CUDA against the torch code on the same tensors; the conv
+    window of every slot the step holds moves on alike, the others stay."""
+    if kda_ops.fla_conv() is None or kda_ops.fla_norm() is None:
+        pytest.skip("this fla-core has no causal_conv1d or rms_norm_gated")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    channels, taps = 3 * H * DK, 4
+    meta = meta_for([(150, 5, True), (1, 1, True), (2, 3, True), (64, 6, False)])
+    x = torch.randn(217, channels, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = torch.randn(channels, taps, device="cuda", generator=gen).to(torch.bfloat16)
+    windows = torch.randn(SLOTS, taps - 1, channels, device="cuda", generator=gen)
+    windows = windows.to(torch.bfloat16)
+    windows.index_fill_(0, meta.fresh_slots, 0.0)
+    want_windows = windows.clone()
+    want = kda_torch.short_conv_packed(x, weight, want_windows, meta.cu_seqlens, meta.state_slots)
+    got = kda_ops.short_conv(x, weight, windows, meta)
+    # the torch code sums the taps in bfloat16, fla in float32
+    assert (got.float() - want.float()).abs().max().item() < 0.1
+    assert torch.equal(windows, want_windows)
+    o = torch.randn(217, H, DV, device="cuda", generator=gen).to(torch.bfloat16)
+    gate = torch.randn(217, H, DV, device="cuda", generator=gen).to(torch.bfloat16)
+    norm_weight = torch.rand(DV, device="cuda", generator=gen).to(torch.bfloat16)
+    want = kda_torch.gated_rms_norm(o, norm_weight, gate, 1e-5)
+    got = kda_ops.output_norm(o, norm_weight, gate, 1e-5)
+    assert (got.float() - want.float()).abs().max().item() < TOL[torch.bfloat16]

@@ -24,7 +24,6 @@ from torch import nn
 
 from batchgen.forward_context import get_forward_context
 from batchgen.layers import kda_ops
-from batchgen.layers.kda_torch import gated_rms_norm, kda_gate
 from batchgen.layers.linear import Linear, merged_shards
 from batchgen.layers.norm import RMSNorm
 from batchgen.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -99,13 +98,11 @@ class KimiDeltaAttention(nn.Module):
         rows, heads, dim = x.shape[0], self.num_heads, self.head_dim
         qkv = kda_ops.short_conv(self.qkv_proj(x), self.conv1d.weight, windows, meta)
         q, k, v = (t.view(rows, heads, dim) for t in qkv.split(self.proj_dim, dim=-1))
-        g = kda_gate(
-            self.f_b_proj(self.f_a_proj(x)).view(rows, heads, dim), self.A_log, self.dt_bias
-        )
-        beta = torch.sigmoid(self.b_proj(x))
-        o = kda_ops.kda_attention(q, k, v, g, beta, states, meta, self.chunk_size)
+        f = self.f_b_proj(self.f_a_proj(x)).view(rows, heads, dim)  # the decay, raw
+        raw = kda_ops.RawGates(self.A_log, self.dt_bias)
+        o = kda_ops.kda_attention(q, k, v, f, self.b_proj(x), states, meta, self.chunk_size, raw)
         gate = self.g_b_proj(self.g_a_proj(x)).view(rows, heads, dim)
-        o = gated_rms_norm(o, self.o_norm.weight, gate, self.eps)
+        o = kda_ops.output_norm(o, self.o_norm.weight, gate, self.eps)
         return self.o_proj(o.reshape(rows, heads * dim))
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None]:

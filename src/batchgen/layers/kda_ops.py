@@ -10,13 +10,18 @@ fla-core (pip `fla-core`, pure Triton) serves CUDA tensors when it imports:
 `fused_recurrent_kda_fwd` for decode-only steps (reads and writes the slots in place
 through `ssm_state_indices`: no gather, no host sync, capturable), `chunk_kda` with
 `cu_seqlens` for steps with a prefill (initial states gathered from the slots, final
-states scattered back). The short convolution runs the torch code on every device:
-`short_conv_packed` (all requests of a step at once) or `short_conv_decode`.
+states scattered back), both with the decay gate and beta's sigmoid computed inside the
+kernel from the raw projections (`RawGates`); `causal_conv1d` for the short convolution
+of a step with a prefill (each request's window in, its new window out), and
+`rms_norm_gated` for the output norm. Elsewhere the torch code runs: `short_conv_packed`
+(all requests of a step at once) or `short_conv_decode` (also the CUDA decode step's,
+inside its graph), `kda_gate`, `gated_rms_norm`.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -32,13 +37,37 @@ def reset_fresh_slots(
     windows.index_fill_(0, meta.fresh_slots, 0.0)
 
 
+class RawGates(NamedTuple):
+    """The decay's parameters, for g and beta handed over raw: g = -exp(A_log[h]) *
+    softplus(f + dt_bias) from the f projection, beta = sigmoid(b) from the b projection."""
+
+    a_log: torch.Tensor  # H elements, float32
+    dt_bias: torch.Tensor  # [H * Dk] float32
+
+
 def short_conv(
     x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, meta: LinearAttentionMetadata
 ) -> torch.Tensor:
     """Causal depthwise conv + SiLU of x [T, C] with each request's window, which moves on."""
     if meta.max_q_len == 1:
         return kda_torch.short_conv_decode(x, weight, windows, meta.state_slots)
+    conv = fla_conv() if x.is_cuda else None
+    if conv is not None:
+        return _conv_fla(conv, x, weight, windows, meta)
     return kda_torch.short_conv_packed(x, weight, windows, meta.cu_seqlens, meta.state_slots)
+
+
+def output_norm(
+    o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """o [..., D] RMS-normalised over D, times weight, times sigmoid(gate) (gate like o),
+    in o's dtype: fla's fused kernel on CUDA, `gated_rms_norm` elsewhere."""
+    norm = fla_norm() if o.is_cuda else None
+    if norm is None:
+        return kda_torch.gated_rms_norm(o, weight, gate, eps)
+    dim = o.shape[-1]
+    y = norm(o.reshape(-1, dim), gate.reshape(-1, dim), weight, None, activation="sigmoid", eps=eps)
+    return y.view(o.shape)
 
 
 def kda_attention(
@@ -50,12 +79,18 @@ def kda_attention(
     states: torch.Tensor,
     meta: LinearAttentionMetadata,
     chunk_size: int = 64,
+    raw: RawGates | None = None,
 ) -> torch.Tensor:
     """KDA over a packed step: q, k, g [T, H, Dk] (q, k not yet normalised, g the log
     decay), v [T, H, Dv], beta [T, H] -> o [T, H, Dv] in v's dtype; each request continues
-    from states[slot] and leaves its final state there."""
+    from states[slot] and leaves its final state there. With `raw`, g is the f projection
+    and beta the b projection, the gate and the sigmoid still to apply (inside fla's
+    kernels on CUDA)."""
     if q.is_cuda and fla_kda() is not None:
-        return _kda_fla(q, k, v, g, beta, states, meta)
+        return _kda_fla(q, k, v, g, beta, states, meta, raw)
+    if raw is not None:
+        g = kda_torch.kda_gate(g, raw.a_log, raw.dt_bias)
+        beta = torch.sigmoid(beta)
     return kda_attention_torch(q, k, v, g, beta, states, meta, chunk_size)
 
 
@@ -89,11 +124,65 @@ def fla_kda():
     return chunk_kda, fused_recurrent_kda_fwd
 
 
-def _kda_fla(q, k, v, g, beta, states, meta):
+@functools.cache
+def fla_conv():
+    """fla-core's `causal_conv1d` (Triton, packed sequences with initial and final
+    states), or None where it is not installed."""
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d
+    except ImportError:
+        return None
+    return causal_conv1d
+
+
+@functools.cache
+def fla_norm():
+    """fla-core's `rms_norm_gated` (Triton), or None where it is not installed."""
+    try:
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    except ImportError:
+        return None
+    return rms_norm_gated
+
+
+def _conv_fla(conv, x, weight, windows, meta):
+    """`short_conv` of a step with a prefill through fla's causal_conv1d. Its states are
+    [N, C, K] with the newest input last and column 0 never read: a request's window
+    [K - 1, C] goes in as columns 1..K-1 and comes out of its final state the same way."""
+    width = weight.shape[1] - 1
+    past = windows.index_select(0, meta.state_slots)  # [S, K - 1, C]
+    init = torch.zeros(past.shape[0], past.shape[2], width + 1, dtype=x.dtype, device=x.device)
+    init[:, :, 1:] = past.transpose(1, 2)
+    y, final = conv(
+        x.unsqueeze(0),
+        weight,
+        None,
+        None,
+        init,
+        True,
+        "silu",
+        cu_seqlens=meta.cu_seqlens,
+        cu_seqlens_cpu=meta.cu_seqlens_host,
+    )
+    windows.index_copy_(0, meta.state_slots, final[:, :, 1:].transpose(1, 2).to(windows.dtype))
+    return y[0]
+
+
+def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
     chunk_kda, fused_recurrent_kda_fwd = fla_kda()
     scale = q.shape[-1] ** -0.5
+    gates = {}
+    if raw is None:
+        g = g.float()
+    else:  # the gate and beta's sigmoid inside the kernels, in float32
+        gates = dict(
+            A_log=raw.a_log.reshape(-1),
+            dt_bias=raw.dt_bias,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+        )
     # the kernels index rows as if contiguous: q, k, v arrive as views of the conv output
-    q, k, v, g, beta = (x.contiguous().unsqueeze(0) for x in (q, k, v, g.float(), beta))
+    q, k, v, g, beta = (x.contiguous().unsqueeze(0) for x in (q, k, v, g, beta))
     if meta.max_q_len == 1:
         o, _ = fused_recurrent_kda_fwd(
             q, k, v, g, beta,
@@ -103,6 +192,7 @@ def _kda_fla(q, k, v, g, beta, states, meta):
             cu_seqlens=meta.cu_seqlens,
             ssm_state_indices=meta.state_slots,
             use_qk_l2norm_in_kernel=True,
+            **gates,
         )  # fmt: skip
         return o[0]
     o, final = chunk_kda(
@@ -113,6 +203,7 @@ def _kda_fla(q, k, v, g, beta, states, meta):
         use_qk_l2norm_in_kernel=True,
         cu_seqlens=meta.cu_seqlens,
         cu_seqlens_cpu=meta.cu_seqlens_host,
+        **gates,
     )  # fmt: skip
     states.index_copy_(0, meta.state_slots, final.float())
     return o[0]

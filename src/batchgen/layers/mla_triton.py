@@ -59,14 +59,23 @@ def paged_prefill(
 ) -> None:
     """Decompressed prefill into out's prefill rows: q [T, H, Dk] (nope, then rope);
     out [T, H, Dv]. Every prefill chunk's own latents are already in the cache."""
-    seqs = meta.prefills
+    pages, index, max_q_len = meta.derived.get("mla_prefill") or _prefill_index(meta, q.device)
+    meta.derived["mla_prefill"] = (pages, index, max_q_len)
     page_size = cache.shape[1]
-    counts = [s.pages.numel() for s in seqs]  # ceil(seq_len / page_size) each
-    pages = torch.cat([s.pages for s in seqs])
     latent = cache[pages].reshape(pages.numel() * page_size, cache.shape[-1])
     k, v = expand(latent)
     k = k.view(pages.numel(), page_size, *k.shape[1:])
     v = v.view(pages.numel(), page_size, *v.shape[1:])
+    prefill_attention(q, k, v, *index, max_q_len, scale, out=out)
+
+
+def _prefill_index(meta: AttentionMetadata, device: torch.device):
+    """What paged_prefill needs of the step's prefill requests, the same for every layer:
+    their pages in one list, their q_start, q_len and seq_len, and a page table over that
+    list (request i's pages are a run of it), all on the device in one copy."""
+    seqs = meta.prefills
+    counts = [s.pages.numel() for s in seqs]  # ceil(seq_len / page_size) each
+    pages = torch.cat([s.pages for s in seqs])
     num, width = len(seqs), max(counts)
     host = np.zeros(3 * num + num * width, dtype=np.int64)  # q_start | q_len | seq_len | table
     host[:num] = [s.q_start for s in seqs]
@@ -77,16 +86,6 @@ def paged_prefill(
     for i, n in enumerate(counts):
         table[i, :n] = np.arange(first, first + n)
         first += n
-    dev = torch.from_numpy(host).to(q.device)
-    prefill_attention(
-        q,
-        k,
-        v,
-        dev[:num],
-        dev[num : 2 * num],
-        dev[2 * num : 3 * num],
-        dev[3 * num :].view(num, width),
-        max(s.q_len for s in seqs),
-        scale,
-        out=out,
-    )
+    dev = torch.from_numpy(host).to(device)
+    index = (dev[:num], dev[num : 2 * num], dev[2 * num : 3 * num], dev[3 * num :].view(num, width))
+    return pages, index, max(s.q_len for s in seqs)

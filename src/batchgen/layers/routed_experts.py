@@ -11,7 +11,9 @@ offsets from a scatter-add, no host synchronisation) and then multiplied group b
   it cannot be captured.
 
 Both paths add a token's top_k expert outputs in float32, in a fixed order, without
-atomics: the same inputs give the same bits on every run.
+atomics: the same inputs give the same bits on every run. On CUDA the sum is one kernel
+(kernels/moe_combine.py) that reads each pair's row where the GEMMs left it, through the
+inverse of the sort; elsewhere the torch reference of it.
 
 Expert parallel: a rank holds a contiguous block of the experts; pairs routed to other
 blocks sort into a last group no GEMM computes and add nothing:
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.tp_group import TPGroup
 
@@ -107,7 +110,7 @@ def fused_experts(
         aligned = align_pairs(flat, num_experts, triton_moe.block_m)
         h = moe_gemm(x.contiguous(), gate_up, *aligned, t * k, k, triton_moe)
         h = moe_gemm(silu_and_mul(h), down, *aligned, t * k, 1, triton_moe)
-        per_pair = h.view(t, k, -1)
+        position = torch.arange(t * k, device=x.device)  # h is in pair order already
     else:
         if use_grouped_mm is None:
             aligned = x.shape[1] % 8 == 0 and down.shape[2] % 8 == 0
@@ -119,11 +122,15 @@ def fused_experts(
         rows = x.index_select(0, order // k)
         mm = grouped_mm if use_grouped_mm else grouped_mm_loop
         h = mm(silu_and_mul(mm(rows, gate_up, offs)), down, offs)
-        per_pair = torch.empty_like(h).index_copy_(0, order, h).view(t, k, -1)
-    weighted = per_pair.float() * weights.float().unsqueeze(-1)
+        position = torch.empty_like(order).index_copy_(
+            0, order, torch.arange(t * k, device=x.device)
+        )
+    weights = weights.float()
     if outside is not None:
-        weighted = weighted.masked_fill(outside.unsqueeze(-1), 0.0)
-    return weighted.sum(dim=1).to(x.dtype)
+        weights = weights.masked_fill(outside, 0.0)
+    if x.is_cuda:  # one pass over h: no copy back to pair order, no float32 copy of it
+        return moe_combine(h, position, weights.contiguous())
+    return moe_combine_reference(h, position, weights)
 
 
 class RoutedExperts(nn.Module):
