@@ -80,6 +80,9 @@ class LinearAttentionMetadata:
     max_q_len: int
     cu_seqlens_host: torch.Tensor | None = None  # cu_seqlens on the CPU: kernels that size
     # their launch by it need not read it back from the device
+    # tensors a layer derives from the above, built by the step's first layer and reused
+    # by the rest (keyed by the deriving function's name)
+    derived: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def build(cls, seqs: list[LinearSeq], device: torch.device | str) -> LinearAttentionMetadata:

@@ -172,3 +172,59 @@ def test_the_torch_path_applies_raw_gates_itself():
     want = kda_ops.kda_attention_torch(q, k, v, g, torch.sigmoid(b), want_states, meta)
     assert torch.equal(got, want)
     assert torch.equal(states, want_states)
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_mixed_step_splits_one_token_rows_from_prefill_chunks(monkeypatch, raw):
+    """A mixed step (prefill chunks between one-token rows, a new one-token prompt among
+    them): the one-token rows go to the recurrent step in place on their slots, the
+    chunks to the chunked kernel. The chunked kernel cannot run in the interpreter: its
+    stand-in is fla's varlen recurrent KDA, the same math (compared with kda_chunk above).
+    Outputs and every slot against the torch step."""
+    calls = []
+
+    def chunked(q, *args, cu_seqlens=None, **kwargs):
+        calls.append(("chunked", q.shape[1], cu_seqlens.tolist()))
+        kwargs.pop("cu_seqlens_cpu")
+        return fla_kda.fused_recurrent_kda(q, *args, cu_seqlens=cu_seqlens, **kwargs)
+
+    def recurrent(q, *args, ssm_state_indices=None, **kwargs):
+        calls.append(("recurrent", q.shape[1], ssm_state_indices.tolist()))
+        return fused_recurrent_kda_fwd(q, *args, ssm_state_indices=ssm_state_indices, **kwargs)
+
+    _, fused_recurrent_kda_fwd = kda_ops.fla_kda()
+    monkeypatch.setattr(kda_ops, "fla_kda", lambda: (chunked, recurrent))
+    parts = [(1, 6, True), (5, 1, True), (1, 0, True), (1, 3, False), (7, 4, False), (1, 2, True)]
+    seqs, row = [], 0
+    for n, slot, has_state in parts:
+        seqs.append(LinearSeq(q_start=row, q_len=n, slot=slot, has_state=has_state))
+        row += n
+    meta = LinearAttentionMetadata.build(seqs, "cpu")
+    q, k, v, g, beta = inputs(row, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    gates = None
+    if raw:
+        g, beta = torch.randn(row, 2, 16, generator=gen), torch.randn(row, 2, generator=gen)
+        gates = kda_ops.RawGates(
+            torch.randn(1, 1, 2, 1, generator=gen), torch.randn(32, generator=gen)
+        )
+    states = torch.randn(8, 2, 16, 16, generator=gen)
+    states.index_fill_(0, meta.fresh_slots, 0.0)
+    want_states = states.clone()
+    want = kda_ops.kda_attention_torch(
+        q,
+        k,
+        v,
+        *(
+            (g, beta)
+            if not raw
+            else (kda_torch.kda_gate(g, gates.a_log, gates.dt_bias), torch.sigmoid(beta))
+        ),
+        want_states,
+        meta,
+    )
+    got = kda_ops._kda_fla(q, k, v, g, beta, states, meta, gates)
+    assert calls == [("recurrent", 4, [6, 0, 3, 2]), ("chunked", 12, [0, 5, 12])]
+    assert (got - want).abs().max().item() < TOL
+    assert (states - want_states).abs().max().item() < TOL
+    assert torch.equal(states[[5, 7]], want_states[[5, 7]])

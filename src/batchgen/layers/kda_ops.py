@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from batchgen.forward_context import LinearAttentionMetadata
@@ -169,7 +170,6 @@ def _conv_fla(conv, x, weight, windows, meta):
 
 
 def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
-    chunk_kda, fused_recurrent_kda_fwd = fla_kda()
     scale = q.shape[-1] ** -0.5
     gates = {}
     if raw is None:
@@ -181,29 +181,103 @@ def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
             use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
         )
-    # the kernels index rows as if contiguous: q, k, v arrive as views of the conv output
-    q, k, v, g, beta = (x.contiguous().unsqueeze(0) for x in (q, k, v, g, beta))
+    step = (q, k, v, g, beta)
     if meta.max_q_len == 1:
-        o, _ = fused_recurrent_kda_fwd(
-            q, k, v, g, beta,
-            initial_state=states,
-            scale=scale,
-            inplace_final_state=True,
-            cu_seqlens=meta.cu_seqlens,
-            ssm_state_indices=meta.state_slots,
-            use_qk_l2norm_in_kernel=True,
-            **gates,
-        )  # fmt: skip
-        return o[0]
+        return _recurrent(step, states, meta.cu_seqlens, meta.state_slots, scale, gates)
+    split = meta.derived.get("kda_split") or _split(meta, q.device)
+    meta.derived["kda_split"] = split
+    if split is _NO_SPLIT:
+        slots, cu, cu_host = meta.state_slots, meta.cu_seqlens, meta.cu_seqlens_host
+        return _chunked(step, states, slots, cu, cu_host, scale, gates)
+    # a mixed step: its one-token rows take the recurrent step in place on their slots,
+    # its prefill chunks the chunked kernel (which would spend a whole chunk on each row)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    rows = [x.index_select(0, split.decode_rows) for x in step]
+    o = _recurrent(rows, states, split.decode_cu, split.decode_slots, scale, gates)
+    out.index_copy_(0, split.decode_rows, o)
+    rows = [x.index_select(0, split.prefill_rows) for x in step]
+    cu, cu_host = split.prefill_cu, split.prefill_cu_host
+    o = _chunked(rows, states, split.prefill_slots, cu, cu_host, scale, gates)
+    out.index_copy_(0, split.prefill_rows, o)
+    return out
+
+
+def _recurrent(step, states, cu_seqlens, slots, scale, gates):
+    """One token per request: fla's recurrent step, in place on the slots."""
+    _, fused_recurrent_kda_fwd = fla_kda()
+    # the kernels index rows as if contiguous: q, k, v arrive as views of the conv output
+    q, k, v, g, beta = (x.contiguous().unsqueeze(0) for x in step)
+    o, _ = fused_recurrent_kda_fwd(
+        q, k, v, g, beta,
+        initial_state=states,
+        scale=scale,
+        inplace_final_state=True,
+        cu_seqlens=cu_seqlens,
+        ssm_state_indices=slots,
+        use_qk_l2norm_in_kernel=True,
+        **gates,
+    )  # fmt: skip
+    return o[0]
+
+
+def _chunked(step, states, slots, cu_seqlens, cu_seqlens_host, scale, gates):
+    """Requests of several tokens: fla's chunked kernel from the slots' states, the final
+    states written back."""
+    chunk_kda, _ = fla_kda()
+    q, k, v, g, beta = (x.contiguous().unsqueeze(0) for x in step)
     o, final = chunk_kda(
         q, k, v, g, beta,
         scale=scale,
-        initial_state=states.index_select(0, meta.state_slots),
+        initial_state=states.index_select(0, slots),
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=meta.cu_seqlens,
-        cu_seqlens_cpu=meta.cu_seqlens_host,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_host,
         **gates,
     )  # fmt: skip
-    states.index_copy_(0, meta.state_slots, final.float())
+    states.index_copy_(0, slots, final.float())
     return o[0]
+
+
+class _Split(NamedTuple):
+    """A mixed step's rows by kernel: the one-token requests' rows and slots (the
+    recurrent step, cu_seqlens 0..n), the longer ones' rows, slots and cu_seqlens."""
+
+    decode_rows: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_cu: torch.Tensor
+    prefill_rows: torch.Tensor
+    prefill_slots: torch.Tensor
+    prefill_cu: torch.Tensor
+    prefill_cu_host: torch.Tensor
+
+
+_NO_SPLIT = object()  # a step of prefill chunks only: one chunked call over all of it
+
+
+def _split(meta: LinearAttentionMetadata, device: torch.device):
+    """The step's rows split by kernel (one copy to the device), or _NO_SPLIT when it has
+    no one-token request or nothing else."""
+    decodes = [s for s in meta.seqs if s.q_len == 1]
+    prefills = [s for s in meta.seqs if s.q_len > 1]
+    if not decodes or not prefills:
+        return _NO_SPLIT
+    nd, npre = len(decodes), len(prefills)
+    lens = np.array([s.q_len for s in prefills], dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    starts = np.array([s.q_start for s in prefills], dtype=np.int64)
+    prefill_rows = np.arange(int(cu[-1])) - np.repeat(cu[:-1] - starts, lens)
+    host = torch.from_numpy(
+        np.concatenate(
+            [
+                [s.q_start for s in decodes],
+                [s.slot for s in decodes],
+                np.arange(nd + 1),
+                prefill_rows,
+                [s.slot for s in prefills],
+                cu,
+            ]
+        ).astype(np.int64)
+    )
+    dev = host.to(device).split([nd, nd, nd + 1, len(prefill_rows), npre, npre + 1])
+    return _Split(*dev, host[-(npre + 1) :])
