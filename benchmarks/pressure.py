@@ -23,8 +23,9 @@ dearer than a recompute and not swap; "always" swaps whatever it costs).
 
 --profile [ROWS]: after each timed run, one decode step of ROWS (32) of the workload's
 requests on that engine, as run and phase by phase (throughput.profile_decode: a
-graph replay's GPU time, host phases, heaviest kernels), to tell where a tier-on run's
-extra time per step goes: the timed runs' per-step timelines (pressure.json) show
+graph replay's GPU time, host phases, heaviest kernels, and the GPU's idle time per step
+as run, put down to what the host was doing while it waited: throughput.gpu_idle), to tell
+where a tier-on run's extra time per step goes: the timed runs' per-step timelines (pressure.json) show
 whether it is in decode steps or in mixed ones. --profile-only: the same profile on
 each freshly built engine, with no timed run before it (pressure_profile.json).
 
@@ -156,6 +157,15 @@ def summary(result: dict) -> str:
                 f"{prof['step_wall_ms']:.2f} ms as run, {prof['synced_step_ms']:.2f} ms synced "
                 f"({phases}); graph replay " + ("-" if replay is None else f"{replay:.2f} ms")
             )
+            idle = prof.get("gpu_idle")
+            if idle:
+                causes = ", ".join(
+                    f"{k} {v:.3f}" for k, v in list(idle["idle_by_cause"].items())[:6]
+                )
+                lines.append(
+                    f"{label} GPU busy {idle['gpu_busy_ms']:.2f} ms, idle "
+                    f"{idle['gpu_idle_ms']:.3f} ms a step ({causes})"
+                )
     if on is None:
         lines.append(checks_line(result["checks"]))
         return "\n".join(lines) + "\n"

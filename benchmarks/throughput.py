@@ -140,7 +140,7 @@ def profile_decode(llm, prompts, args, max_tokens: int = 300):
     phase_ms = {k: v * 1000 / steps for k, v in phases.items()}
     phase_ms["rest"] = synced_ms - sum(phase_ms.values())
 
-    kernels, families = [], {}
+    kernels, families, idle = [], {}, None
     if args.device != "cpu":
         # pipelined steps: settle the queue on both sides, so the window holds whole steps
         eng._drain()
@@ -152,6 +152,7 @@ def profile_decode(llm, prompts, args, max_tokens: int = 300):
             eng._drain()
             _sync(args.device)
         kernels, families = kernel_table(prof, max(eng.stats.steps - first, 1))
+        idle = idle_profile(eng, args.device)
     replay_ms = None
     graphs = runner.graphs
     if graphs is not None and graphs.graphs:
@@ -180,7 +181,29 @@ def profile_decode(llm, prompts, args, max_tokens: int = 300):
             else phase_ms.get("prepare", 0.0)
         ),
         "kernels": kernels,
+        "gpu_idle": idle,
     }
+
+
+def idle_profile(eng, device: str, steps: int = 8) -> dict:
+    """gpu_idle over `steps` steps as the engine runs them (pipelined if on), recorded
+    with host and GPU activities."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    eng._drain()
+    _sync(device)
+    first = eng.stats.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        eng._drain()
+        _sync(device)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    return gpu_idle(events, max(eng.stats.steps - first, 1))
 
 
 def kernel_table(prof, steps: int) -> tuple[list[str], dict[str, float]]:
@@ -252,6 +275,96 @@ FAMILIES = (
     ("sampling", ("argmax", "softmax", "exponential", "topk", "sort", "reduce_kernel")),
     ("copies", ("memcpy", "memset", "copy", "gather", "scatter")),
 )
+
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_idle(events: list[dict], steps: int, min_gap_us: float = 2.0) -> dict:
+    """Where the GPU waits, from a torch profiler's Chrome trace events (CPU and CUDA
+    activities): the time between GPU activities (kernels, copies, memsets, any stream,
+    overlaps merged) over the window from the first to the last, per step, and each gap
+    of at least min_gap_us put down to its causes:
+
+    - the work that ends the gap was launched after the GPU went idle (its CUDA runtime
+      call ended after the gap opened): the host was late. The gap up to the launch call
+      goes to what the host was doing meanwhile, "host: <range>" by the innermost
+      `record_function` range (batchgen.next_decode, .update, ...) at each moment, "host:
+      (none)" outside every range; the rest, the launch call and its latency, to "launch:
+      <range>" of the range the call was made in;
+    - it had been launched before the gap opened: "device", the GPU waited on something
+      else (an event of another stream, a synchronous copy).
+
+    Returns {"gpu_busy_ms", "gpu_idle_ms", "idle_by_cause" (ms, largest first), all per
+    step, and "gaps" (how many were put down to a cause)}."""
+    gpu = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES),
+        key=lambda e: e["ts"],
+    )
+    launches = {}  # correlation id -> (start, end) of its CUDA runtime call
+    ranges = []  # host record_function ranges: (start, end, name)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = (e["ts"], e["ts"] + e.get("dur", 0))
+        elif e.get("cat") == "user_annotation":
+            ranges.append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+    busy = idle = 0.0
+    causes: dict[str, float] = {}
+    gaps = 0
+    if gpu:
+        start, end = gpu[0]["ts"], gpu[0]["ts"] + gpu[0].get("dur", 0)
+        for e in gpu[1:]:
+            e_start, e_end = e["ts"], e["ts"] + e.get("dur", 0)
+            if e_start <= end:  # overlaps (or touches) the running interval
+                end = max(end, e_end)
+                continue
+            busy += end - start
+            idle += e_start - end
+            if e_start - end >= min_gap_us:
+                gaps += 1
+                for cause, us in _gap_causes(e, end, launches, ranges).items():
+                    causes[cause] = causes.get(cause, 0.0) + us
+            start, end = e_start, e_end
+        busy += end - start
+    per_step = max(steps, 1) * 1000.0
+    return {
+        "gpu_busy_ms": busy / per_step,
+        "gpu_idle_ms": idle / per_step,
+        "idle_by_cause": {
+            k: round(v / per_step, 4) for k, v in sorted(causes.items(), key=lambda kv: -kv[1])
+        },
+        "gaps": gaps,
+    }
+
+
+def _gap_causes(after: dict, gap_start: float, launches: dict, ranges: list) -> dict:
+    """The gap before GPU activity `after`, in microseconds by cause (see gpu_idle)."""
+    gap_end = after["ts"]
+    launch = launches.get(after.get("args", {}).get("correlation"))
+    if launch is None or launch[1] <= gap_start:
+        return {"device": gap_end - gap_start}
+    called = min(max(launch[0], gap_start), gap_end)
+    out: dict[str, float] = {}
+    points = sorted(
+        {gap_start, called} | {t for r in ranges for t in r[:2] if gap_start < t < called}
+    )
+    for a, b in zip(points, points[1:]):
+        name = "host: " + _innermost(ranges, (a + b) / 2)
+        out[name] = out.get(name, 0.0) + b - a
+    if gap_end > called:
+        name = "launch: " + _innermost(ranges, launch[0])
+        out[name] = out.get(name, 0.0) + gap_end - called
+    return out
+
+
+def _innermost(ranges: list, at: float) -> str:
+    inner = None
+    for r_start, r_end, name in ranges:
+        if r_start <= at <= r_end and (inner is None or r_end - r_start < inner[1] - inner[0]):
+            inner = (r_start, r_end, name)
+    return inner[2] if inner else "(none)"
 
 
 def kernel_families(rows: list[tuple[str, float]]) -> dict[str, float]:

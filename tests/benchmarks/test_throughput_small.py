@@ -40,3 +40,48 @@ def test_kernel_families_group_the_profile_by_name():
     assert fam["attention"] == 6.35 and fam["gemm"] == 0.5 and fam["norm_rope_act"] == 0.2
     assert fam["linear_attention"] == 1.5
     assert fam["sampling"] == 0.05 and fam["copies"] == 0.01 and fam["other"] == 0.3
+
+
+def _x(cat, name, ts, dur, corr=None):
+    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {}}
+    if corr is not None:
+        event["args"]["correlation"] = corr
+    return event
+
+
+def test_gpu_idle_puts_each_gap_down_to_the_host_or_the_device():
+    """A trace of two steps: kernel A; a gap of 55 us ended by a graph launched late, while
+    the host was in next_decode (30 us), then in launch (10 us) before the call, and the
+    call and its latency (15 us); a gap of 25 us ended by a kernel launched long before
+    (the device waited); a copy overlapping that kernel; a 1 us gap below the threshold."""
+    throughput = load("throughput")
+    events = [
+        _x("cuda_runtime", "cudaLaunchKernel", -50, 2, corr=0),
+        _x("kernel", "A", 0, 120, corr=0),
+        _x("user_annotation", "batchgen.next_decode", 100, 50),
+        _x("user_annotation", "batchgen.launch", 150, 20),
+        _x("cuda_runtime", "cudaGraphLaunch", 160, 5, corr=1),
+        _x("kernel", "B", 175, 100, corr=1),
+        _x("cuda_runtime", "cudaLaunchKernel", 200, 3, corr=2),
+        _x("kernel", "C", 300, 10, corr=2),
+        _x("cuda_runtime", "cudaMemcpyAsync", 201, 3, corr=3),
+        _x("gpu_memcpy", "D", 305, 20, corr=3),
+        _x("cuda_runtime", "cudaLaunchKernel", 204, 3, corr=4),
+        _x("kernel", "E", 326, 4, corr=4),
+        _x("cpu_op", "aten::mm", 0, 400),  # not a range of ours: ignored
+    ]
+    idle = throughput.gpu_idle(events, steps=2)
+    assert idle["gpu_busy_ms"] == (120 + 100 + 25 + 4) / 2000
+    assert idle["gpu_idle_ms"] == (55 + 25 + 1) / 2000
+    assert idle["gaps"] == 2
+    assert idle["idle_by_cause"] == {
+        "host: batchgen.next_decode": 30 / 2000,
+        "device": 25 / 2000,
+        "launch: batchgen.launch": 15 / 2000,
+        "host: batchgen.launch": 10 / 2000,
+    }
+
+
+def test_gpu_idle_of_an_empty_trace_is_zero():
+    idle = load("throughput").gpu_idle([], steps=3)
+    assert idle == {"gpu_busy_ms": 0.0, "gpu_idle_ms": 0.0, "idle_by_cause": {}, "gaps": 0}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -524,7 +525,8 @@ class EngineCore:
 
     def _step(self) -> list[Request]:
         if self.tier is not None:  # finished copies release their pages, pipelined or not
-            self.tier.poll()
+            with profiled("batchgen.tier_poll"):
+                self.tier.poll()
         if self._in_flight is None:
             with record_function("batchgen.schedule"):
                 sched = self.scheduler.schedule()
@@ -539,15 +541,20 @@ class EngineCore:
                 return self._finish_step(sched, self.runner.execute(sched))
             self._in_flight = self.runner.launch_decode(sched)
         current = self._in_flight
-        following = next_decode(current.sched, self.scheduler, self.kv, self.requests)
+        with profiled("batchgen.next_decode"):
+            following = next_decode(current.sched, self.scheduler, self.kv, self.requests)
         if following is not None and not self.runner.can_launch_decode(following):
             following = None
-        self._in_flight = (
-            self.runner.launch_decode(following, current) if following is not None else None
-        )
-        finished = self._finish_step(current.sched, current.result())
+        with profiled("batchgen.launch"):
+            self._in_flight = (
+                self.runner.launch_decode(following, current) if following is not None else None
+            )
+        with profiled("batchgen.wait_tokens"):
+            result = current.result()
+        finished = self._finish_step(current.sched, result)
         if self._in_flight is not None:  # its masks read the tokens just handed over
-            self._in_flight.launch_sample()
+            with profiled("batchgen.launch_sample"):
+                self._in_flight.launch_sample()
         return finished
 
     def _drain(self) -> None:
@@ -615,3 +622,9 @@ class EngineCore:
             out.update(self.tier.metrics.summary())
             out.update({f"tier_{k}": v for k, v in self.tier_cost.items()})
         return out
+
+
+def profiled(name: str):
+    """A profiler range around a phase of the step, only while a profiler records (the
+    hot loop pays one check otherwise)."""
+    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
