@@ -156,12 +156,10 @@ def _conv_fla(conv, x, weight, windows, meta):
     init[:, :, 1:] = past.transpose(1, 2)
     y, final = conv(
         x.unsqueeze(0),
-        weight,
-        None,
-        None,
-        init,
-        True,
-        "silu",
+        weight=weight,
+        initial_state=init,
+        output_final_state=True,
+        activation="silu",
         cu_seqlens=meta.cu_seqlens,
         cu_seqlens_cpu=meta.cu_seqlens_host,
     )
