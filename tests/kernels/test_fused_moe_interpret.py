@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from batchgen.kernels.fused_moe import TUNING, MoETuning, align_pairs  # noqa: E402
+from batchgen.kernels.fused_moe import TUNING, MoETuning, align_pairs, sort_by_group  # noqa: E402
 from batchgen.layers.routed_experts import fused_experts  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,3 +110,17 @@ def test_the_default_launch_in_bfloat16_is_within_its_rounding():
     out = fused_experts(bf[0], bf[1], bf[2], weights, ids, triton_moe=TUNING)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("num_groups", [2, 65, 256, 257, 300, 40000])
+def test_sort_by_group_is_the_stable_int64_sort(num_groups):
+    """Narrowed keys (uint8, int16, int32 by the group count) give exactly the permutation
+    and sorted ids of torch's stable sort of the int64 ids: ties in pair order."""
+    gen = torch.Generator().manual_seed(num_groups)
+    groups = torch.randint(0, num_groups, (3000,), generator=gen)
+    groups[:40] = num_groups - 1  # the largest id, past a uint8's or int16's sign bit
+    want_sorted, want_order = torch.sort(groups, stable=True)
+    got_sorted, got_order = sort_by_group(groups, num_groups)
+    assert got_sorted.dtype == torch.int64
+    assert torch.equal(got_order, want_order)
+    assert torch.equal(got_sorted, want_sorted)

@@ -82,6 +82,21 @@ def _moe_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
+def sort_by_group(groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable sort of group ids in [0, num_groups) -> (sorted ids int64, order): the
+    permutation torch.sort(groups, stable=True) gives, with the keys narrowed first to the
+    smallest integer type that holds them. A radix sort makes one pass per key byte:
+    uint8 keys (up to 256 groups) take one pass where int64 ones take eight."""
+    if num_groups <= 256:
+        key = groups.to(torch.uint8)
+    elif num_groups <= 2**15:
+        key = groups.to(torch.int16)
+    else:
+        key = groups.to(torch.int32)
+    ordered, order = torch.sort(key, stable=True)
+    return ordered.long(), order
+
+
 def align_pairs(
     experts: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,7 +114,7 @@ def align_pairs(
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
     start = torch.cumsum(counts, 0) - counts  # each group's first row, unpadded
-    sorted_experts, order = torch.sort(experts, stable=True)
+    sorted_experts, order = sort_by_group(experts, num_experts + 1)
     mine = sorted_experts < num_experts
     group = sorted_experts.clamp(max=num_experts - 1)
     rank = torch.arange(num_pairs, device=device) - start[sorted_experts]

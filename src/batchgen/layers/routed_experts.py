@@ -24,18 +24,14 @@ blocks sort into a last group no GEMM computes and add nothing:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.kernels.fused_moe import MoETuning, align_pairs, moe_gemm, sort_by_group
 from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.tp_group import TPGroup
-
-if TYPE_CHECKING:
-    from batchgen.kernels.fused_moe import MoETuning
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -105,8 +101,6 @@ def fused_experts(
         outside = (local < 0) | (local >= num_experts)
         flat = local.masked_fill(outside, num_experts).reshape(-1)  # group E: nobody's
     if triton_moe is not None:
-        from batchgen.kernels.fused_moe import align_pairs, moe_gemm
-
         aligned = align_pairs(flat, num_experts, triton_moe.block_m)
         h = moe_gemm(x.contiguous(), gate_up, *aligned, t * k, k, triton_moe)
         h = moe_gemm(silu_and_mul(h), down, *aligned, t * k, 1, triton_moe)
@@ -115,7 +109,7 @@ def fused_experts(
         if use_grouped_mm is None:
             aligned = x.shape[1] % 8 == 0 and down.shape[2] % 8 == 0
             use_grouped_mm = aligned and grouped_mm_available(x)
-        order = torch.sort(flat, stable=True).indices  # sorted row r is pair order[r]
+        order = sort_by_group(flat, num_experts + 1)[1]  # sorted row r is pair order[r]
         counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)  # each group's end
