@@ -201,6 +201,54 @@ def test_prefill_attention_takes_narrower_values(dtype):
     _assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope_heads", [1, 3])
+def test_prefill_attention_with_keys_in_two_parts(dtype, rope_heads):
+    """MLA's split keys: q and keys 32 wide as strided views of wider rows, q_rope and
+    k_rope 16 wide, k_rope one head shared by all (MLA's k_pe) or one per head; against
+    the reference on the joined tensors, and against the kernel on them."""
+    gen = torch.Generator().manual_seed(6)
+    page_size, heads, dn, dr, dv = 4, 3, 32, 16, 24
+    specs = [(0, 13), (10, 6)]
+    seq_lens = [p + n for p, n in specs]
+    num_pages = sum(math.ceil(n / page_size) for n in seq_lens) + 1
+    kv = torch.randn(num_pages, page_size, heads, dn + dv, device=DEVICE).to(dtype)
+    k_cache, v_cache = kv[..., :dn], kv[..., dn:]  # views, as the decompressed latent gives
+    latent = torch.randn(num_pages, page_size, 1, 40 + dr, device=DEVICE).to(dtype)
+    k_rope = latent[..., 40:].expand(-1, -1, rope_heads, -1)
+    if rope_heads > 1:
+        k_rope = torch.randn(num_pages, page_size, rope_heads, dr, device=DEVICE).to(dtype)
+    _, table = _page_tables(seq_lens, page_size, num_pages, gen)
+    q_len = [n for _, n in specs]
+    q_start = [0, q_len[0]]
+    q_full = torch.randn(sum(q_len), heads, dn + dr, device=DEVICE).to(dtype)
+    q, q_rope = q_full[..., :dn], q_full[..., dn:].contiguous()
+    args = [torch.tensor(x, device=DEVICE) for x in (q_start, q_len, seq_lens)]
+    out = prefill_attention(
+        q, k_cache, v_cache, *args, table, max(q_len), 0.2, q_rope=q_rope, k_rope=k_rope
+    )
+    ref = prefill_attention_reference(
+        q, k_cache, v_cache, *args, table, 0.2, q_rope=q_rope, k_rope=k_rope
+    )
+    _assert_close(out, ref, dtype)
+    joined_k = torch.cat((k_cache, k_rope.expand(-1, -1, heads, -1)), dim=-1)
+    joined = prefill_attention(q_full, joined_k, v_cache, *args, table, max(q_len), 0.2)
+    _assert_close(out, joined.float(), dtype)
+
+
+def test_prefill_attention_rejects_half_a_rope_pair():
+    q = torch.zeros(2, 2, 16, device=DEVICE)
+    cache = torch.zeros(3, 4, 2, 16, device=DEVICE)
+    args = [torch.tensor(x, device=DEVICE) for x in ([0], [2], [2])]
+    table = torch.zeros(1, 1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="both q_rope and k_rope"):
+        prefill_attention(q, cache, cache, *args, table, 2, 1.0, q_rope=q[..., :8])
+    with pytest.raises(ValueError, match="k_rope"):
+        prefill_attention(
+            q, cache, cache, *args, table, 2, 1.0, q_rope=q[..., :8], k_rope=cache[:, :, :1, :4]
+        )
+
+
 def _metadata(requests, page_size, tables):
     """AttentionMetadata as the ModelRunner builds it. requests: (start, n) per request."""
     slots, decode, prefill, row = [], [], [], 0

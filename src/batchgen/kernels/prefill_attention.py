@@ -11,7 +11,13 @@ packed rows [q_start, q_start + q_len) and sit at the end of its sequence:
 A program walks the keys [lo, hi) its block can see (hi = one past its last query's
 position, lo from the window) in BLOCK_N steps with an online softmax, reading each key
 through the page table. Math in float32; q, caches and out share one dtype. Values may
-be narrower than keys (MLA's decompressed heads: K 192 wide, V 128): out has V's width.
+be narrower than keys (MLA's decompressed heads: V 128 wide): out has V's width.
+
+Queries and keys may come in two parts (MLA: 128 "nope" dimensions, then 64 rope ones):
+q [T, H, D] with q_rope [T, H, R], keys [P, S, Hkv, D] with k_rope [P, S, 1 or Hkv, R]
+(one rope head shared by every head, as MLA's k_pe is); a score is q . k + q_rope .
+k_rope. Neither part is copied into a joint tensor, and each is padded to its own power
+of two (128 + 64, not 192 -> 256).
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, q_start_ptr, q_len_ptr, seq_lens_ptr,
     page_table_ptr, scale_log2, window, stride_qt, stride_qh, stride_qd, stride_kp, stride_ks,
     stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh,
-    stride_od, stride_pt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    stride_od, stride_pt, qr_ptr, kr_ptr, stride_qrt, stride_qrh, stride_qrd, stride_krp,
+    stride_krs, stride_krh, stride_krd, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)  # fastest: the heads sharing a KV head run together (L2 reuse)
     m0 = tl.program_id(1) * BLOCK_M
@@ -59,6 +67,15 @@ def _prefill_kernel(
     q_rows = q_start + offs_m.to(tl.int64)
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    if ROPE_DIM > 0:  # the queries' second part (a static branch: ROPE_DIM is constexpr)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < ROPE_DIM
+        qr_ptrs = qr_ptr + q_rows[:, None] * stride_qrt + h * stride_qrh
+        q_rope = tl.load(
+            qr_ptrs + offs_r[None, :] * stride_qrd,
+            mask=m_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )
     q_pos = prefix + offs_m
 
     hi = tl.minimum(seq_len, prefix + m0 + BLOCK_M)
@@ -81,7 +98,16 @@ def _prefill_kernel(
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        qk = mma(q, tl.trans(k), DOT_F32) * scale_log2
+        qk = mma(q, tl.trans(k), DOT_F32)
+        if ROPE_DIM > 0:
+            kr_off = page * stride_krp + in_page * stride_krs + kvh * stride_krh
+            k_rope = tl.load(
+                kr_ptr + kr_off[:, None] + offs_r[None, :] * stride_krd,
+                mask=n_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            qk += mma(q_rope, tl.trans(k_rope), DOT_F32)
+        qk = qk * scale_log2
         allowed = pos[None, :] <= q_pos[:, None]
         if HAS_WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
@@ -139,6 +165,8 @@ def prefill_attention(
     *,
     out: torch.Tensor | None = None,
     tuning: PrefillTuning | None = None,
+    q_rope: torch.Tensor | None = None,
+    k_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's packed query rows over its paged K/V.
 
@@ -147,9 +175,12 @@ def prefill_attention(
     [R, >= ceil(seq_len/page_size)]; max_q_len >= every q_len (a host int: it sizes the
     grid). Writes the rows of out ([T, H, Dv] in q's dtype; allocated when None) that
     belong to the requests and returns out. tuning overrides the launch parameters picked
-    for the device.
+    for the device. q_rope [T, H, R] and k_rope [P, page_size, 1 or Hkv, R], both or
+    neither: the second part of every query and key (see the module docstring). Any of
+    the tensors may be a strided view (rows of a wider projection).
     """
     _check(q, k_cache, v_cache, q_start, q_len, seq_lens, page_table, out)
+    _check_rope(q, k_cache, q_rope, k_rope)
     if out is None:
         out = q.new_empty(*q.shape[:2], v_cache.shape[3])
     num_reqs = seq_lens.shape[0]
@@ -159,18 +190,51 @@ def prefill_attention(
     num_heads, v_dim = q.shape[1], v_cache.shape[3]
     tuning = tuning or default_tuning(q)
     grid = (num_heads, triton.cdiv(max_q_len, tuning.block_m), num_reqs)
+    rope_dim = 0 if q_rope is None else q_rope.shape[2]
+    if q_rope is None:  # no second part: the pointers are never read
+        q_rope, rope_strides = q, (0,) * 7
+    else:
+        kr_strides = list(k_rope.stride())
+        if k_rope.shape[2] == 1:
+            kr_strides[2] = 0  # one rope head for every KV head
+        rope_strides = (*q_rope.stride(), *kr_strides)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, q_start, q_len, seq_lens, page_table,
         scale * _LOG2E, sliding_window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), page_table.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, V_DIM=v_dim, PAGE_SIZE=page_size,
-        HAS_WINDOW=sliding_window is not None, DOT_F32=dot_in_f32(q),
+        q_rope, k_cache if k_rope is None else k_rope, *rope_strides,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, V_DIM=v_dim, ROPE_DIM=rope_dim,
+        PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, DOT_F32=dot_in_f32(q),
         BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(v_dim)),
+        BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
     return out
+
+
+def _check_rope(q, k_cache, q_rope, k_rope) -> None:
+    if (q_rope is None) != (k_rope is None):
+        raise ValueError("give both q_rope and k_rope or neither")
+    if q_rope is None:
+        return
+    if q_rope.dim() != 3 or q_rope.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"q_rope {tuple(q_rope.shape)} must be [T, H, R] beside q {tuple(q.shape)}"
+        )
+    heads = k_rope.shape[2] if k_rope.dim() == 4 else -1
+    if k_rope.shape[:2] != k_cache.shape[:2] or heads not in (1, k_cache.shape[2]):
+        raise ValueError(
+            f"k_rope {tuple(k_rope.shape)} must be [P, S, 1 or Hkv, R] beside keys "
+            f"{tuple(k_cache.shape)}"
+        )
+    if k_rope.shape[3] != q_rope.shape[2]:
+        raise ValueError(f"q_rope and k_rope widths differ: {q_rope.shape[2]} {k_rope.shape[3]}")
+    if q_rope.dtype != q.dtype or k_rope.dtype != q.dtype:
+        raise ValueError(f"q_rope, k_rope dtypes must be q's {q.dtype}")
+    if q_rope.device != q.device or k_rope.device != q.device:
+        raise ValueError("all tensors must be on one device")
 
 
 def _check(q, k_cache, v_cache, q_start, q_len, seq_lens, page_table, out) -> None:
@@ -208,8 +272,15 @@ def prefill_attention_reference(
     page_table: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    q_rope: torch.Tensor | None = None,
+    k_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] -> float32 [T, H, Dv] (rows of no request are zero), in plain torch."""
+    """q [T, H, D] -> float32 [T, H, Dv] (rows of no request are zero), in plain torch;
+    with q_rope and k_rope, the two parts joined first."""
+    if q_rope is not None:
+        q = torch.cat((q, q_rope), dim=-1)
+        shape = (*k_cache.shape[:3], k_rope.shape[3])
+        k_cache = torch.cat((k_cache, k_rope.expand(shape)), dim=-1)
     num_heads = q.shape[1]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

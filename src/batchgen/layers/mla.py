@@ -153,8 +153,7 @@ class MLAttention(nn.Module):
             )
             out[rows] = self.unabsorb(o_latent).to(out.dtype)
         if meta.prefills:
-            q = torch.cat((q_nope, q_pe), dim=-1)
-            backend.paged_prefill(q, cache, meta, self.expand, self.scale, out)
+            backend.paged_prefill(q_nope, q_pe, cache, meta, self.expand, self.scale, out)
         return out
 
     def _w_kv_b(self) -> torch.Tensor:
@@ -172,15 +171,14 @@ class MLAttention(nn.Module):
         w_uv = self._w_kv_b()[:, self.nope_dim :]
         return torch.einsum("bhc,hvc->bhv", o_latent, w_uv.to(o_latent.dtype))
 
-    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decompress latents [S, W] into K [S, H, nope + rope] (the shared k_pe on every
-        head) and V [S, H, v_dim]."""
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decompress latents [S, W] into the keys' nope part [S, H, nope], their rope part
+        k_pe [S, rope] (one for every head) and V [S, H, v_dim]: views, nothing joined."""
         s = latent.shape[0]
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(s, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_pe[:, None].expand(s, self.num_heads, self.rope_dim)), dim=-1)
-        return k, v
+        return k_nope, k_pe, v
 
 
 def _by_heads(in_features: int, out_features: int, tp: TPGroup | None) -> Linear:

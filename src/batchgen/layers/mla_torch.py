@@ -66,21 +66,25 @@ def paged_decode(
 
 
 def paged_prefill(
-    q: torch.Tensor,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
     cache: torch.Tensor,
     meta: AttentionMetadata,
-    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Decompressed prefill into out's prefill rows. q [T, H, Dk] (nope part, then rope
-    part); out [T, H, Dv]. For each prefill chunk, its sequence's cached latent [S, W]
+    """Decompressed prefill into out's prefill rows. q_nope [T, H, nope], q_pe [T, H,
+    rope]; out [T, H, Dv]. For each prefill chunk, its sequence's cached latent [S, W]
     (the chunk's own tokens already written; an earlier chunk's or a prefix hit's before
-    them) becomes K [S, H, Dk] and V [S, H, Dv] through `expand`, and the chunk's
-    queries attend causally, offset by the tokens cached before it."""
+    them) becomes K [S, H, nope + rope] (k_pe on every head) and V [S, H, Dv] through
+    `expand`, and the chunk's queries attend causally, offset by the tokens cached
+    before it."""
+    q = torch.cat((q_nope, q_pe), dim=-1)
     for seq in meta.prefills:
         latent = cache[seq.pages].flatten(0, 1)[: seq.seq_len, 0]
-        k, v = expand(latent)
+        k_nope, k_pe, v = expand(latent)
+        k = torch.cat((k_nope, k_pe[:, None].expand(-1, k_nope.shape[1], -1)), dim=-1)
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
         q_pos = torch.arange(seq.seq_len - seq.q_len, seq.seq_len, device=q.device)[:, None]
         allowed = torch.arange(seq.seq_len, device=q.device)[None, :] <= q_pos

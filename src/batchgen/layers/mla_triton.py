@@ -50,23 +50,34 @@ def paged_decode(
 
 
 def paged_prefill(
-    q: torch.Tensor,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
     cache: torch.Tensor,
     meta: AttentionMetadata,
-    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Decompressed prefill into out's prefill rows: q [T, H, Dk] (nope, then rope);
-    out [T, H, Dv]. Every prefill chunk's own latents are already in the cache."""
-    pages, index, max_q_len = meta.derived.get("mla_prefill") or _prefill_index(meta, q.device)
+    """Decompressed prefill into out's prefill rows: q_nope [T, H, nope], q_pe [T, H,
+    rope]; out [T, H, Dv]. Every prefill chunk's own latents are already in the cache.
+    The kernel takes queries and keys in their two parts (k_pe one head for all): no
+    joined copy of either."""
+    pages, index, max_q_len = meta.derived.get("mla_prefill") or _prefill_index(meta, q_nope.device)
     meta.derived["mla_prefill"] = (pages, index, max_q_len)
-    page_size = cache.shape[1]
-    latent = cache[pages].reshape(pages.numel() * page_size, cache.shape[-1])
-    k, v = expand(latent)
-    k = k.view(pages.numel(), page_size, *k.shape[1:])
-    v = v.view(pages.numel(), page_size, *v.shape[1:])
-    prefill_attention(q, k, v, *index, max_q_len, scale, out=out)
+    n, page_size = pages.numel(), cache.shape[1]
+    latent = cache[pages].reshape(n * page_size, cache.shape[-1])
+    k_nope, k_pe, v = expand(latent)
+    prefill_attention(
+        q_nope,
+        k_nope.view(n, page_size, *k_nope.shape[1:]),
+        v.view(n, page_size, *v.shape[1:]),
+        *index,
+        max_q_len,
+        scale,
+        out=out,
+        q_rope=q_pe,
+        k_rope=k_pe.view(n, page_size, 1, k_pe.shape[-1]),
+    )
 
 
 def _prefill_index(meta: AttentionMetadata, device: torch.device):
