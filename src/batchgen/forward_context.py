@@ -9,8 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -99,6 +102,16 @@ class LinearAttentionMetadata:
             ),
             max_q_len=max((s.q_len for s in seqs), default=0),
         )
+
+
+def derived(
+    meta: AttentionMetadata | LinearAttentionMetadata, key: str, build: Callable[[], T]
+) -> T:
+    """meta.derived[key]: built by build() for the step's first layer that asks, the
+    same object for every later one."""
+    if key not in meta.derived:
+        meta.derived[key] = build()
+    return meta.derived[key]
 
 
 @dataclass

@@ -83,18 +83,18 @@ def _moe_gemm_kernel(
 
 
 def sort_by_group(groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable sort of group ids in [0, num_groups) -> (sorted ids int64, order): the
+    """Stable sort of group ids in [0, num_groups) -> (sorted ids, order): the values and
     permutation torch.sort(groups, stable=True) gives, with the keys narrowed first to the
-    smallest integer type that holds them. A radix sort makes one pass per key byte:
-    uint8 keys (up to 256 groups) take one pass where int64 ones take eight."""
+    smallest integer type that holds them (the sorted ids stay in it: widen them before
+    indexing with them). A radix sort makes one pass per key byte: uint8 keys (up to 256
+    groups) take one pass where int64 ones take eight."""
     if num_groups <= 256:
         key = groups.to(torch.uint8)
     elif num_groups <= 2**15:
         key = groups.to(torch.int16)
     else:
         key = groups.to(torch.int32)
-    ordered, order = torch.sort(key, stable=True)
-    return ordered.long(), order
+    return torch.sort(key, stable=True)
 
 
 def align_pairs(
@@ -115,6 +115,7 @@ def align_pairs(
     padded_start = padded_end - padded
     start = torch.cumsum(counts, 0) - counts  # each group's first row, unpadded
     sorted_experts, order = sort_by_group(experts, num_experts + 1)
+    sorted_experts = sorted_experts.long()
     mine = sorted_experts < num_experts
     group = sorted_experts.clamp(max=num_experts - 1)
     rank = torch.arange(num_pairs, device=device) - start[sorted_experts]

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from batchgen.forward_context import LinearAttentionMetadata
+from batchgen.forward_context import LinearAttentionMetadata, derived
 from batchgen.layers import kda_torch
 
 
@@ -182,9 +182,8 @@ def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
     step = (q, k, v, g, beta)
     if meta.max_q_len == 1:
         return _recurrent(step, states, meta.cu_seqlens, meta.state_slots, scale, gates)
-    split = meta.derived.get("kda_split") or _split(meta, q.device)
-    meta.derived["kda_split"] = split
-    if split is _NO_SPLIT:
+    split = derived(meta, "kda_split", lambda: _split(meta, q.device))
+    if split is None:
         slots, cu, cu_host = meta.state_slots, meta.cu_seqlens, meta.cu_seqlens_host
         return _chunked(step, states, slots, cu, cu_host, scale, gates)
     # a mixed step: its one-token rows take the recurrent step in place on their slots,
@@ -250,16 +249,13 @@ class _Split(NamedTuple):
     prefill_cu_host: torch.Tensor
 
 
-_NO_SPLIT = object()  # a step of prefill chunks only: one chunked call over all of it
-
-
-def _split(meta: LinearAttentionMetadata, device: torch.device):
-    """The step's rows split by kernel (one copy to the device), or _NO_SPLIT when it has
-    no one-token request or nothing else."""
+def _split(meta: LinearAttentionMetadata, device: torch.device) -> _Split | None:
+    """The step's rows split by kernel (one copy to the device), or None when it has no
+    one-token request or nothing else (one chunked call takes it all)."""
     decodes = [s for s in meta.seqs if s.q_len == 1]
     prefills = [s for s in meta.seqs if s.q_len > 1]
     if not decodes or not prefills:
-        return _NO_SPLIT
+        return None
     nd, npre = len(decodes), len(prefills)
     lens = np.array([s.q_len for s in prefills], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lens)])

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from batchgen.forward_context import AttentionMetadata
+from batchgen.forward_context import AttentionMetadata, derived
 from batchgen.kernels.mla_decode import mla_decode
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.store_kv import store_latent  # noqa: F401  (the backend's latent write)
@@ -62,8 +62,9 @@ def paged_prefill(
     rope]; out [T, H, Dv]. Every prefill chunk's own latents are already in the cache.
     The kernel takes queries and keys in their two parts (k_pe one head for all): no
     joined copy of either."""
-    pages, index, max_q_len = meta.derived.get("mla_prefill") or _prefill_index(meta, q_nope.device)
-    meta.derived["mla_prefill"] = (pages, index, max_q_len)
+    pages, index, max_q_len = derived(
+        meta, "mla_prefill", lambda: _prefill_index(meta, q_nope.device)
+    )
     n, page_size = pages.numel(), cache.shape[1]
     latent = cache[pages].reshape(n * page_size, cache.shape[-1])
     k_nope, k_pe, v = expand(latent)
