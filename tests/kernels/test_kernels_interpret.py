@@ -195,10 +195,13 @@ def test_prefill_attention_takes_narrower_values(dtype):
     q_start = [0, q_len[0]]
     q = torch.randn(sum(q_len), heads, dk, device=DEVICE).to(dtype)
     args = [torch.tensor(x, device=DEVICE) for x in (q_start, q_len, seq_lens)]
-    out = prefill_attention(q, k_cache, v_cache, *args, table, max(q_len), 0.2)
-    assert out.shape == (sum(q_len), heads, dv)
     ref = prefill_attention_reference(q, k_cache, v_cache, *args, table, 0.2)
-    _assert_close(out, ref, dtype)
+    # twice: Triton 3.6's 8-warp bf16 program for these widths faulted from its second
+    # launch in a process on (compute-sanitizer), the first being clean
+    for _ in range(2):
+        out = prefill_attention(q, k_cache, v_cache, *args, table, max(q_len), 0.2)
+        assert out.shape == (sum(q_len), heads, dv)
+        _assert_close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -62,6 +62,7 @@ def _mixed_step():
 def test_mixed_step_matches_torch_backend(dtype):
     config = _config()
     attn = _layer(config).to(DEVICE, dtype)
+    attn.rotary.materialize(DEVICE)  # its tables are not module buffers
     width = config.kv_lora_rank + config.qk_rope_head_dim
     positions, meta, cached = _mixed_step()
     gen = torch.Generator().manual_seed(2)

@@ -142,13 +142,25 @@ class PrefillTuning:
 
 GPU_TUNING = PrefillTuning(block_m=128, block_n=64, num_warps=8, num_stages=2)
 GPU_TUNING_F32 = PrefillTuning(block_m=64, block_n=32, num_warps=4, num_stages=1)  # IEEE dots
+# Key or value heads padded to a power of two (widths like 40 and 24). Triton 3.6 on the
+# H200 built the 8-warp program for keys 40 wide and values 24 wide so that its softmax
+# row sum read shared memory out of range (compute-sanitizer; a fault from the second
+# launch on); with 4 warps the same shapes run clean.
+GPU_TUNING_PADDED = PrefillTuning(block_m=128, block_n=64, num_warps=4, num_stages=2)
 CPU_TUNING = PrefillTuning(block_m=16, block_n=16, num_warps=4, num_stages=1)  # the interpreter
 
 
-def default_tuning(q: torch.Tensor) -> PrefillTuning:
+def default_tuning(q: torch.Tensor, v_dim: int | None = None) -> PrefillTuning:
+    """The launch for q's device and dtype; v_dim (values' width, default q's) picks the
+    4-warp launch when either width is not a power of two."""
     if q.device.type != "cuda":
         return CPU_TUNING
-    return GPU_TUNING_F32 if q.dtype == torch.float32 else GPU_TUNING
+    if q.dtype == torch.float32:
+        return GPU_TUNING_F32
+    widths = (q.shape[-1], q.shape[-1] if v_dim is None else v_dim)
+    if any(w & (w - 1) for w in widths):
+        return GPU_TUNING_PADDED
+    return GPU_TUNING
 
 
 def prefill_attention(
@@ -188,7 +200,7 @@ def prefill_attention(
         return out
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     num_heads, v_dim = q.shape[1], v_cache.shape[3]
-    tuning = tuning or default_tuning(q)
+    tuning = tuning or default_tuning(q, v_dim)
     grid = (num_heads, triton.cdiv(max_q_len, tuning.block_m), num_reqs)
     rope_dim = 0 if q_rope is None else q_rope.shape[2]
     if q_rope is None:  # no second part: the pointers are never read
