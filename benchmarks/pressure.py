@@ -164,8 +164,20 @@ def summary(result: dict) -> str:
                 )
                 lines.append(
                     f"{label} GPU busy {idle['gpu_busy_ms']:.2f} ms, idle "
-                    f"{idle['gpu_idle_ms']:.3f} ms a step ({causes})"
+                    f"{idle['gpu_idle_ms']:.3f} ms a step ({causes}; under 2 us "
+                    f"{idle.get('small_gaps_ms', 0.0):.3f})"
                 )
+                for key in ("host_ms", "runtime_ms"):
+                    top = list(idle.get(key, {}).items())[:8]
+                    if top:
+                        items = ", ".join(f"{k} {v:.3f}" for k, v in top)
+                        lines.append(f"{label} {key} a step: {items}")
+                if idle.get("streams"):
+                    items = ", ".join(
+                        f"stream {k}: {v['activities']:.1f} activities {v['ms']:.3f} ms"
+                        for k, v in idle["streams"].items()
+                    )
+                    lines.append(f"{label} GPU work a step by stream: {items}")
     if on is None:
         lines.append(checks_line(result["checks"]))
         return "\n".join(lines) + "\n"

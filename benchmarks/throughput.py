@@ -295,22 +295,36 @@ def gpu_idle(events: list[dict], steps: int, min_gap_us: float = 2.0) -> dict:
     - it had been launched before the gap opened: "device", the GPU waited on something
       else (an event of another stream, a synchronous copy).
 
-    Returns {"gpu_busy_ms", "gpu_idle_ms", "idle_by_cause" (ms, largest first), all per
-    step, and "gaps" (how many were put down to a cause)}."""
+    Returns {"gpu_busy_ms", "gpu_idle_ms", "idle_by_cause" (ms, largest first),
+    "small_gaps_ms" (the idle time in gaps under min_gap_us: the GPU overtaking a launch
+    still being submitted), "host_ms" (time in each `record_function` range) and
+    "runtime_ms" (in each CUDA runtime/driver call), "streams" (per stream: GPU
+    activities and their ms), all per step, and "gaps" (how many were put down to a
+    cause)}."""
     gpu = sorted(
         (e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES),
         key=lambda e: e["ts"],
     )
     launches = {}  # correlation id -> (start, end) of its CUDA runtime call
     ranges = []  # host record_function ranges: (start, end, name)
+    host: dict[str, float] = {}
+    runtime: dict[str, float] = {}
+    streams: dict[str, list[float]] = {}  # stream -> [activities, us]
+    for e in gpu:
+        tally = streams.setdefault(str(e.get("args", {}).get("stream", "?")), [0, 0.0])
+        tally[0] += 1
+        tally[1] += e.get("dur", 0)
     for e in events:
         if e.get("ph") != "X":
             continue
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = (e["ts"], e["ts"] + e.get("dur", 0))
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            runtime[e["name"]] = runtime.get(e["name"], 0.0) + e.get("dur", 0)
+            if "correlation" in e.get("args", {}):
+                launches[e["args"]["correlation"]] = (e["ts"], e["ts"] + e.get("dur", 0))
         elif e.get("cat") == "user_annotation":
             ranges.append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
-    busy = idle = 0.0
+            host[e["name"]] = host.get(e["name"], 0.0) + e.get("dur", 0)
+    busy = idle = small = 0.0
     causes: dict[str, float] = {}
     gaps = 0
     if gpu:
@@ -326,14 +340,26 @@ def gpu_idle(events: list[dict], steps: int, min_gap_us: float = 2.0) -> dict:
                 gaps += 1
                 for cause, us in _gap_causes(e, end, launches, ranges).items():
                     causes[cause] = causes.get(cause, 0.0) + us
+            else:
+                small += e_start - end
             start, end = e_start, e_end
         busy += end - start
     per_step = max(steps, 1) * 1000.0
+
+    def per_step_ms(totals: dict[str, float]) -> dict[str, float]:
+        ordered = sorted(totals.items(), key=lambda kv: -kv[1])
+        return {k: round(v / per_step, 4) for k, v in ordered}
+
     return {
         "gpu_busy_ms": busy / per_step,
         "gpu_idle_ms": idle / per_step,
-        "idle_by_cause": {
-            k: round(v / per_step, 4) for k, v in sorted(causes.items(), key=lambda kv: -kv[1])
+        "idle_by_cause": per_step_ms(causes),
+        "small_gaps_ms": small / per_step,
+        "host_ms": per_step_ms(host),
+        "runtime_ms": per_step_ms(runtime),
+        "streams": {
+            k: {"activities": n / max(steps, 1), "ms": us / per_step}
+            for k, (n, us) in sorted(streams.items(), key=lambda kv: -kv[1][1])
         },
         "gaps": gaps,
     }

@@ -80,8 +80,25 @@ def test_gpu_idle_puts_each_gap_down_to_the_host_or_the_device():
         "launch: batchgen.launch": 15 / 2000,
         "host: batchgen.launch": 10 / 2000,
     }
+    assert idle["small_gaps_ms"] == 1 / 2000
+    assert idle["streams"] == {"?": {"activities": 2.5, "ms": (120 + 100 + 10 + 20 + 4) / 2000}}
+    assert idle["host_ms"] == {"batchgen.next_decode": 50 / 2000, "batchgen.launch": 20 / 2000}
+    assert idle["runtime_ms"] == {
+        "cudaLaunchKernel": (2 + 3 + 3) / 2000,
+        "cudaGraphLaunch": 5 / 2000,
+        "cudaMemcpyAsync": 3 / 2000,
+    }
 
 
 def test_gpu_idle_of_an_empty_trace_is_zero():
     idle = load("throughput").gpu_idle([], steps=3)
-    assert idle == {"gpu_busy_ms": 0.0, "gpu_idle_ms": 0.0, "idle_by_cause": {}, "gaps": 0}
+    assert idle == {
+        "gpu_busy_ms": 0.0,
+        "gpu_idle_ms": 0.0,
+        "idle_by_cause": {},
+        "small_gaps_ms": 0.0,
+        "host_ms": {},
+        "runtime_ms": {},
+        "streams": {},
+        "gaps": 0,
+    }
