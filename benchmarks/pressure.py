@@ -28,6 +28,9 @@ as run, put down to what the host was doing while it waited: throughput.gpu_idle
 where a tier-on run's extra time per step goes: the timed runs' per-step timelines (pressure.json) show
 whether it is in decode steps or in mixed ones. --profile-only: the same profile on
 each freshly built engine, with no timed run before it (pressure_profile.json).
+--pin-gib G holds G GiB of host memory pinned the way the tier's pool is (registered with
+CUDA) through every run, the tier-off one too: whether the pinned pool alone changes a
+decode step.
 
 Prints output tok/s of both, their ratio, preemptions / swaps / recomputes, tokens
 computed, and the host<->device bandwidth of the tier's copies: bytes moved (write-through
@@ -106,6 +109,19 @@ def decode_profile(prompts: list[list[int]], args, llm) -> dict:
     )
 
 
+def pinned_ballast(gib: float):
+    """--pin-gib: host memory registered with CUDA as the tier's pool is (or None)."""
+    if gib <= 0:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--pin-gib needs a GPU")
+    from batchgen.kv.pinned import host_empty
+
+    return host_empty((int(gib * 2**30),), torch.uint8, pin=True)
+
+
 def profile_only(args, prompts: list[list[int]]) -> int:
     """--profile-only: each engine of --runs built fresh, no timed run, and its decode
     step profiled three times; writes pressure_profile.json."""
@@ -123,9 +139,33 @@ def profile_only(args, prompts: list[list[int]]) -> int:
                 f"tier {name:<3} profile {i}: {prof['step_wall_ms']:.3f} ms as run, "
                 f"{prof['synced_step_ms']:.3f} ms synced ({phases}) at {prof['batch']} rows\n"
             )
+            for line in idle_lines(f"tier {name:<3} profile {i}:", prof.get("gpu_idle")):
+                sys.stdout.write(line + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pressure_profile.json").write_text(json.dumps(out, indent=2))
     return 0
+
+
+def idle_lines(label: str, idle: dict | None) -> list[str]:
+    """throughput.gpu_idle's split of a profiled step, as summary lines."""
+    if not idle:
+        return []
+    causes = ", ".join(f"{k} {v:.3f}" for k, v in list(idle["idle_by_cause"].items())[:6])
+    lines = [
+        f"{label} GPU busy {idle['gpu_busy_ms']:.2f} ms, idle {idle['gpu_idle_ms']:.3f} ms a "
+        f"step ({causes}; under 2 us {idle.get('small_gaps_ms', 0.0):.3f})"
+    ]
+    for key in ("host_ms", "runtime_ms"):
+        top = list(idle.get(key, {}).items())[:8]
+        if top:
+            lines.append(f"{label} {key} a step: " + ", ".join(f"{k} {v:.3f}" for k, v in top))
+    if idle.get("streams"):
+        items = ", ".join(
+            f"stream {k}: {v['activities']:.1f} activities {v['ms']:.3f} ms"
+            for k, v in idle["streams"].items()
+        )
+        lines.append(f"{label} GPU work a step by stream: {items}")
+    return lines
 
 
 def summary(result: dict) -> str:
@@ -157,27 +197,7 @@ def summary(result: dict) -> str:
                 f"{prof['step_wall_ms']:.2f} ms as run, {prof['synced_step_ms']:.2f} ms synced "
                 f"({phases}); graph replay " + ("-" if replay is None else f"{replay:.2f} ms")
             )
-            idle = prof.get("gpu_idle")
-            if idle:
-                causes = ", ".join(
-                    f"{k} {v:.3f}" for k, v in list(idle["idle_by_cause"].items())[:6]
-                )
-                lines.append(
-                    f"{label} GPU busy {idle['gpu_busy_ms']:.2f} ms, idle "
-                    f"{idle['gpu_idle_ms']:.3f} ms a step ({causes}; under 2 us "
-                    f"{idle.get('small_gaps_ms', 0.0):.3f})"
-                )
-                for key in ("host_ms", "runtime_ms"):
-                    top = list(idle.get(key, {}).items())[:8]
-                    if top:
-                        items = ", ".join(f"{k} {v:.3f}" for k, v in top)
-                        lines.append(f"{label} {key} a step: {items}")
-                if idle.get("streams"):
-                    items = ", ".join(
-                        f"stream {k}: {v['activities']:.1f} activities {v['ms']:.3f} ms"
-                        for k, v in idle["streams"].items()
-                    )
-                    lines.append(f"{label} GPU work a step by stream: {items}")
+            lines.extend(idle_lines(label, prof.get("gpu_idle")))
     if on is None:
         lines.append(checks_line(result["checks"]))
         return "\n".join(lines) + "\n"
@@ -227,10 +247,17 @@ def main(argv=None) -> int:
         "step of --profile rows (32) three times on the fresh engine (the first captures "
         "its graph); the tier's own per-step cost, apart from what a run leaves behind",
     )
+    ap.add_argument(
+        "--pin-gib",
+        type=float,
+        default=0.0,
+        help="host memory pinned as the tier's pool is, held through every run (GPU only)",
+    )
     add_engine_args(ap)
     add_model_args(ap)
     add_policy_args(ap)
     args = ap.parse_args(argv)
+    ballast = pinned_ballast(args.pin_gib)  # noqa: F841  (held until main returns)
     if args.small:
         prompts, out_lens = small_workload()
         args.host_gib, warmup_len = 0.002, 16

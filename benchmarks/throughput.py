@@ -188,8 +188,6 @@ def profile_decode(llm, prompts, args, max_tokens: int = 300):
 def idle_profile(eng, device: str, steps: int = 8) -> dict:
     """gpu_idle over `steps` steps as the engine runs them (pipelined if on), recorded
     with host and GPU activities."""
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     eng._drain()
@@ -200,10 +198,16 @@ def idle_profile(eng, device: str, steps: int = 8) -> dict:
             eng.step()
         eng._drain()
         _sync(device)
+    return gpu_idle(trace_events(prof), max(eng.stats.steps - first, 1))
+
+
+def trace_events(prof) -> list[dict]:
+    """A finished torch profiler's events, as its Chrome trace holds them."""
+    import tempfile
+
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
-    return gpu_idle(events, max(eng.stats.steps - first, 1))
+        return json.loads(Path(f.name).read_text())["traceEvents"]
 
 
 def kernel_table(prof, steps: int) -> tuple[list[str], dict[str, float]]:
@@ -223,7 +227,9 @@ def profile_prefill(llm, prompts, steps: int = 3) -> dict:
     """Where a prefill step's time goes: every prompt added (one output token each),
     one step to warm up, then `steps` steps timed as run (each a chunk of up to
     max_num_batched_tokens prompt tokens) and, on a GPU, two more under the torch
-    profiler: their kernels by name and by family. Each prompt's first token is changed,
+    profiler: their kernels by name and by family, and the GPU's idle time between them
+    (gpu_idle; GPU activities only, so the causes it names are "device" or the launch
+    calls, the host's ranges not recorded). Each prompt's first token is changed,
     so that no page hits the prefix cache an earlier run left. The requests are aborted
     after."""
     from torch.profiler import ProfilerActivity, profile
@@ -245,13 +251,14 @@ def profile_prefill(llm, prompts, steps: int = 3) -> dict:
     _sync(device)
     wall = time.perf_counter() - t0
     tokens = eng.scheduler.num_computed_tokens_total - before
-    kernels, families = [], {}
+    kernels, families, idle = [], {}, None
     if device != "cpu":
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
                 eng.step()
             _sync(device)
         kernels, families = kernel_table(prof, 2)
+        idle = gpu_idle(trace_events(prof), 2)
     eng.abort(list(eng.requests))
     return {
         "steps": steps,
@@ -260,6 +267,7 @@ def profile_prefill(llm, prompts, steps: int = 3) -> dict:
         "prefill_tok_s": tokens / wall,
         "gpu_ms_by_family": families,
         "kernels": kernels,
+        "gpu_idle": idle,
     }
 
 
