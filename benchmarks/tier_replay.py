@@ -3,6 +3,7 @@
     python3 benchmarks/tier_replay.py --workload w2                # W2, ~10 s
     python3 benchmarks/tier_replay.py --workload w3 --admission arrival
     python3 benchmarks/tier_replay.py --workload w3 --model llama-3.1-8b
+    python3 benchmarks/tier_replay.py --workload w4 --model moonlight-w4 --kv-gib 94 --host-gib 32
     python3 benchmarks/tier_replay.py --small                      # seconds, for CI
 
 The real Scheduler, KVCacheManager, PageAllocator and TieredKVManager run the workload
@@ -22,7 +23,9 @@ What it is for: the tier's traffic and the scheduler's work at full workload siz
 seconds and with no GPU: steps, tokens computed, preemptions, swaps, recomputes, the host
 seconds of adding the requests (`add_seconds`) and of the steps (`step_seconds`: the
 scheduler, KV manager and tier bookkeeping, waits for the CPU copies included;
-`step_cpu_seconds`: the replaying thread's CPU time alone, the copy threads' left out),
+`step_cpu_seconds`: the replaying thread's CPU time alone, the copy threads' left out;
+`host_ms_per_step` of decode steps and of the others, with prefill: what the host spends
+outside the runner between two steps' forwards),
 the steps whose forward waits on a copy (`steps_waiting_on_copies`, decode steps and
 others: on a GPU each such step waits for a write-back's read or a load, the gap
 between streams included), tokens per step, bytes
@@ -47,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from workloads import MODELS, w2_requests, w3_requests  # noqa: E402
+from workloads import MODELS, w2_requests, w3_requests, w4_requests  # noqa: E402
 
 from batchgen.engine.pipeline import next_decode  # noqa: E402
 from batchgen.engine.request import Request  # noqa: E402
@@ -81,6 +84,8 @@ def workload(name: str, small: bool) -> tuple[list[list[int]], list[int]]:
         if small:
             return w2_requests(n=24, prompt_lens=(32, 96), out_lens=(16, 48), max_token=500)
         return w2_requests()
+    if name == "w4":
+        return w4_requests(n=16, prompt_len=96, out_len=8) if small else w4_requests()
     if small:
         return w3_requests(8, 4, prefix_len=96, question_len=8, out_len=4, max_token=500)
     return w3_requests()
@@ -137,38 +142,51 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
     computed = steps = 0
     waiting_steps = {"decode": 0, "other": 0}  # steps whose forward waits on a copy
     queued = None  # a decode step built blind, as the engine's pipeline queues it
+    seconds = {"decode": 0.0, "other": 0.0}  # host seconds of each kind of step
+    counts = {"decode": 0, "other": 0}
 
     def run_step(out) -> None:
         nonlocal computed, steps
+        kind = "decode" if _decode_only(out) else "other"
+        counts[kind] += 1
         for handle in out.wait_for:
             handle.synchronize()
         if out.wait_for:
-            waiting_steps["decode" if _decode_only(out) else "other"] += 1
+            waiting_steps[kind] += 1
         ids = [s.request_id for s in out.requests if s.sample]
         tokens = [rng.randint(0, 10_000) for _ in ids]
         sched.update(out, ModelRunnerOutput(ids, tokens, [None] * len(ids)), requests)
         computed += out.num_tokens
         steps += 1
 
+    def engine_step() -> None:
+        """One EngineCore._step: poll, schedule (or the queued decode), run."""
+        nonlocal queued
+        if kv.tier is not None:
+            kv.tier.poll()
+        if queued is None:
+            out = sched.schedule()
+            if out.is_empty:  # as in the engine: only copies in flight may hold it up
+                if kv.tier is None or not kv.tier.num_in_flight:
+                    raise RuntimeError("no request could be scheduled")
+                kv.tier.drain()
+                return
+            if not (args.pipeline and _decode_only(out)):
+                run_step(out)
+                return
+            queued = out
+        current = queued
+        queued = next_decode(current, sched, kv, requests)
+        run_step(current)
+
     start, cpu_start = time.perf_counter(), time.thread_time()
     with BlockCounter() as blocks:
         while sched.has_unfinished or queued is not None:
-            if kv.tier is not None:
-                kv.tier.poll()
-            if queued is None:
-                out = sched.schedule()
-                if out.is_empty:  # as in the engine: only copies in flight may hold it up
-                    if kv.tier is None or not kv.tier.num_in_flight:
-                        raise RuntimeError("no request could be scheduled")
-                    kv.tier.drain()
-                    continue
-                if not (args.pipeline and _decode_only(out)):
-                    run_step(out)
-                    continue
-                queued = out
-            current = queued
-            queued = next_decode(current, sched, kv, requests)
-            run_step(current)
+            t0, before = time.perf_counter(), dict(counts)
+            engine_step()
+            for kind in counts:
+                if counts[kind] > before[kind]:
+                    seconds[kind] += time.perf_counter() - t0
         if kv.tier is not None:
             kv.tier.drain()
     result = {
@@ -183,6 +201,8 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
         "step_cpu_seconds": time.thread_time() - cpu_start,
         "tokens_per_step": computed / max(steps, 1),
         "steps_waiting_on_copies": waiting_steps,
+        "steps_by_kind": counts,
+        "host_ms_per_step": {k: 1000 * seconds[k] / max(counts[k], 1) for k in counts},
     }
     if kv.tier is not None:
         scale = page_bytes / layout.bytes_per_page
@@ -204,7 +224,7 @@ def _decode_only(out) -> bool:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=("w2", "w3"), default="w2")
+    ap.add_argument("--workload", choices=("w2", "w3", "w4"), default="w2")
     # models with linear-attention layers carry state slots the replay does not model
     paged = sorted(name for name, (cfg, _) in MODELS.items() if "layer_types" not in cfg)
     ap.add_argument("--model", choices=paged, default="qwen3-0.6b")

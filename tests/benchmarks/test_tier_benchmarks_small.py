@@ -370,6 +370,23 @@ def test_tier_replay_pipelines_decode_steps_as_the_engine_does(tmp_path):
             assert run["computed_tokens"] >= sum(out_lens) - len(out_lens)
 
 
+def test_tier_replay_w4_splits_host_time_between_prefill_and_decode_steps(tmp_path):
+    """W4 (prompts of one length): prefill steps and decode steps, the host time of each
+    kind reported per step (the small pool of 20 pages preempts)."""
+    replay = load("tier_replay")
+    out = tmp_path / "w4"
+    args = ["--small", "--workload", "w4", "--model", "moonlight-w4", "--out", str(out)]
+    assert replay.main(args) == 0
+    prompts, out_lens = replay.workload("w4", small=True)
+    for run in json.loads((out / "tier_replay.json").read_text())["runs"]:
+        kinds = run["steps_by_kind"]
+        assert kinds["other"] > 0 and kinds["decode"] > 0
+        assert kinds["other"] + kinds["decode"] == run["steps"]
+        prompt_tokens = sum(len(p) for p in prompts)
+        assert run["computed_tokens"] >= prompt_tokens + sum(n - 1 for n in out_lens)
+        assert all(ms > 0 for ms in run["host_ms_per_step"].values())
+
+
 def test_profile_reports_host_time_per_step_phase_and_names_the_traced_runs():
     sp = load("shared_prefix")
     events = [
