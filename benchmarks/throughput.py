@@ -304,8 +304,8 @@ def gpu_idle(events: list[dict], steps: int, min_gap_us: float = 2.0) -> dict:
       else (an event of another stream, a synchronous copy).
 
     Returns {"gpu_busy_ms", "gpu_idle_ms", "idle_by_cause" (ms, largest first),
-    "small_gaps_ms" (the idle time in gaps under min_gap_us: the GPU overtaking a launch
-    still being submitted), "host_ms" (time in each `record_function` range) and
+    "small_gaps_ms" (the idle time in gaps under min_gap_us, left unattributed: mostly
+    between kernels already queued, as a graph's are), "host_ms" (time in each `record_function` range) and
     "runtime_ms" (in each CUDA runtime/driver call), "streams" (per stream: GPU
     activities and their ms), all per step, and "gaps" (how many were put down to a
     cause)}."""
