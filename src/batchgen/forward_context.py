@@ -92,16 +92,28 @@ class LinearAttentionMetadata:
         """From host-side seqs (packed order, contiguous rows)."""
         starts = [s.q_start for s in seqs] + [seqs[-1].q_start + seqs[-1].q_len if seqs else 0]
         host = torch.tensor(starts, dtype=torch.int64)
+        slots = [s.slot for s in seqs]
+        fresh = [s.slot for s in seqs if not s.has_state]
+        dev = to_device(torch.tensor(starts + slots + fresh, dtype=torch.int64), device)
+        cu_seqlens, state_slots, fresh_slots = dev.split([len(starts), len(slots), len(fresh)])
         return cls(
             seqs=seqs,
-            cu_seqlens=host.to(device),
+            cu_seqlens=cu_seqlens,
             cu_seqlens_host=host,
-            state_slots=torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=device),
-            fresh_slots=torch.tensor(
-                [s.slot for s in seqs if not s.has_state], dtype=torch.int64, device=device
-            ),
+            state_slots=state_slots,
+            fresh_slots=fresh_slots,
             max_q_len=max((s.q_len for s in seqs), default=0),
         )
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor copied to `device`; to a CUDA device through pinned memory and
+    without blocking, so that a step's metadata never makes the host wait for the
+    work queued before it (a pageable copy synchronises the stream)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def derived(

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from batchgen.forward_context import LinearAttentionMetadata, derived
+from batchgen.forward_context import LinearAttentionMetadata, derived, to_device
 from batchgen.layers import kda_torch
 
 
@@ -273,5 +273,5 @@ def _split(meta: LinearAttentionMetadata, device: torch.device) -> _Split | None
             ]
         ).astype(np.int64)
     )
-    dev = host.to(device).split([nd, nd, nd + 1, len(prefill_rows), npre, npre + 1])
+    dev = to_device(host, device).split([nd, nd, nd + 1, len(prefill_rows), npre, npre + 1])
     return _Split(*dev, host[-(npre + 1) :])

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from batchgen.forward_context import AttentionMetadata, derived
+from batchgen.forward_context import AttentionMetadata, derived, to_device
 from batchgen.kernels.mla_decode import mla_decode
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.store_kv import store_latent  # noqa: F401  (the backend's latent write)
@@ -98,6 +98,6 @@ def _prefill_index(meta: AttentionMetadata, device: torch.device):
     for i, n in enumerate(counts):
         table[i, :n] = np.arange(first, first + n)
         first += n
-    dev = torch.from_numpy(host).to(device)
+    dev = to_device(torch.from_numpy(host), device)
     index = (dev[:num], dev[num : 2 * num], dev[2 * num : 3 * num], dev[3 * num :].view(num, width))
     return pages, index, max(s.q_len for s in seqs)

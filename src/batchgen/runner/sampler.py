@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.forward_context import to_device
 from batchgen.sampling_params import SamplingParams
 
 # Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
@@ -48,13 +49,6 @@ def request_seed(engine_seed: int, index: int) -> int:
     no seed of its own: a 63-bit mix of both, apart from the seeds users give (it is
     derived once per request; ``step_seed`` then mixes in the step)."""
     return _splitmix64(_splitmix64((engine_seed & _MASK64) ^ 0x5EED5EED5EED5EED) ^ index) >> 1
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a CPU tensor to ``device``, through pinned memory when it is a CUDA device."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass
@@ -122,7 +116,7 @@ class SamplingMetadata:
                 for r, p in zip(rows, params)
             ]
         packed = torch.tensor(rows, dtype=torch.float32).view(n, width).t().contiguous()
-        packed = _to_device(packed, device)
+        packed = to_device(packed, device)
         presence = frequency = repetition = counts = prompt_mask = None
         if penalised:
             presence, frequency, repetition = packed[4], packed[5], packed[6]
@@ -174,7 +168,7 @@ def _token_stats(
     (row, token ids) pairs. Only flat (row * V + token) indices cross to the device; the
     [n, V] tensors are filled there."""
     out_idx, prompt_idx = _flat_index(outputs, vocab_size), _flat_index(prompts, vocab_size)
-    flat = _to_device(torch.cat([out_idx, prompt_idx]), device)
+    flat = to_device(torch.cat([out_idx, prompt_idx]), device)
     out_flat, prompt_flat = flat[: out_idx.numel()], flat[out_idx.numel() :]
     counts = torch.zeros(n * vocab_size, dtype=torch.int32, device=device)
     counts.index_add_(0, out_flat, torch.ones_like(out_flat, dtype=torch.int32))
@@ -218,7 +212,7 @@ def apply_min_tokens(logits: torch.Tensor, block: list[tuple[int, list[int]]]) -
         return logits
     rows = [r for r, ids in block for _ in ids]
     cols = [t for _, ids in block for t in ids]
-    index = _to_device(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
+    index = to_device(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
     neg_inf = logits.new_full((1,), float("-inf"))
     return logits.index_put((index[0], index[1]), neg_inf)
 
