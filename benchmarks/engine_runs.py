@@ -28,6 +28,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--no-pipeline", action="store_true", help="no pipelined decode")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="every step scheduled and launched while the one before runs (EngineConfig)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))
@@ -103,6 +108,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.backend,
         enforce_eager=args.eager,
         pipeline_decode=not args.no_pipeline,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -28,7 +28,13 @@ class EngineConfig:
 
     pipeline_decode queues each decode step whose rows use no penalty and report no
     logprobs before the previous one's tokens reach the host (the host's bookkeeping
-    then overlaps the GPU); outputs are the same either way.
+    then overlaps the GPU); outputs are the same either way. async_scheduling (off by
+    default until measured on the GPU) extends that to every step, prefill chunks
+    included: the next step is scheduled and launched while the current one runs (a
+    request's token in flight read on the device), for requests with no structured
+    output, penalty, logprobs or prompt logprobs; it needs pipeline_decode, and is not
+    used for models with linear-attention layers, under tensor parallel or with
+    batchgen_debug.
 
     seed gives each request without a seed of its own one derived from it and the
     request's arrival index, so a run is reproducible and no request's draws depend on
@@ -78,6 +84,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     pipeline_decode: bool = True
+    async_scheduling: bool = False
     cache_dir: str | None = None
     seed: int = 0
     admission: str = "prefix"

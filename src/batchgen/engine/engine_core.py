@@ -147,6 +147,22 @@ class EngineCore:
         self._in_flight = None  # a queued decode step (pipelined decode)
         self._finished_early: list[Request] = []
         self._pipeline = config.pipeline_decode
+        # async scheduling: the next step scheduled and launched while this one runs;
+        # not for hybrid models (their state checkpoints and swaps read the counters)
+        # nor tensor parallel (workers take steps as rank 0 executes them)
+        self._async = (
+            config.async_scheduling
+            and config.pipeline_decode
+            and not config.batchgen_debug
+            and config.decode_append != "layer"  # its per-layer hook needs known tokens
+            and self.state_pool is None
+            and tp_workers is None
+        )
+        if config.async_scheduling and not self._async:
+            logger.info(
+                "async scheduling is not used here (see EngineConfig); steps pipeline as before"
+            )
+        self._num_sync = 0  # requests whose sampling needs the host's tokens each step
         self.grammar = None  # StructuredOutputs, built for the first constrained request
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB) on %s",
@@ -486,6 +502,7 @@ class EngineCore:
             self._grammar().add(request_id, params.structured_outputs)
         self.kv.want(request_id, req.token_ids)
         self.requests[request_id] = req
+        self._num_sync += _needs_sync(params)
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(prompt_token_ids)
         return req
@@ -496,6 +513,7 @@ class EngineCore:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self.scheduler.abort(req)
+                self._num_sync -= _needs_sync(req.params)
             if self.grammar is not None:
                 self.grammar.remove(rid)
         queued = self._in_flight
@@ -527,6 +545,8 @@ class EngineCore:
         if self.tier is not None:  # finished copies release their pages, pipelined or not
             with profiled("batchgen.tier_poll"):
                 self.tier.poll()
+        if self._async:
+            return self._async_step()
         if self._in_flight is None:
             with record_function("batchgen.schedule"):
                 sched = self.scheduler.schedule()
@@ -557,6 +577,45 @@ class EngineCore:
                 self._in_flight.launch_sample()
         return finished
 
+    def _async_step(self) -> list[Request]:
+        """Async scheduling: while the launched step runs, the next one is scheduled
+        (a token still in flight is a placeholder the runner fills on the device) and
+        launched; then the first one's tokens are applied. Steps are committed when
+        launched (Scheduler.commit). A request that stops on a token it could not foresee
+        (EOS, a stop string) has the next step's token discarded, as in pipelined decode.
+        While a request needs each step's tokens on the host first (structured output,
+        penalties, logprobs), steps run synchronously."""
+        if self._in_flight is None:
+            with record_function("batchgen.schedule"):
+                sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if self.tier is not None and self.tier.num_in_flight:
+                    self.tier.drain()
+                    return []
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError("no request could be scheduled with an empty running set")
+                return []
+            if self._num_sync:
+                return self._finish_step(sched, self.runner.execute(sched))
+            self._in_flight = self._launch_committed(sched, None)
+        current, self._in_flight = self._in_flight, None
+        if not self._num_sync:
+            with profiled("batchgen.schedule_ahead"):
+                following = self.scheduler.schedule()
+            if following.is_empty:
+                self.scheduler.requeue_released(following.released_ids)
+            else:
+                with profiled("batchgen.launch"):
+                    self._in_flight = self._launch_committed(following, current)
+        with profiled("batchgen.wait_tokens"):
+            result = current.result()
+        return self._finish_step(current.sched, result)
+
+    def _launch_committed(self, sched: SchedulerOutput, prev):
+        flight = self.runner.launch_step(sched, prev)
+        self.scheduler.commit(sched, self.requests)
+        return flight
+
     def _drain(self) -> None:
         """Finish a queued decode step now; its finished requests go out with the next
         step()."""
@@ -566,7 +625,10 @@ class EngineCore:
 
     def _finish_step(self, sched: SchedulerOutput, result) -> list[Request]:
         with record_function("batchgen.update"):
-            advanced = self.scheduler.update(sched, result, self.requests)
+            if sched.committed is not None:  # at its launch (async scheduling)
+                advanced = self.scheduler.apply(sched, result, self.requests)
+            else:
+                advanced = self.scheduler.update(sched, result, self.requests)
         self.stats.steps += 1
         self.stats.output_tokens += len(advanced)
         if self.grammar is not None:
@@ -580,6 +642,7 @@ class EngineCore:
             if req.is_finished:
                 self.detokenizer.finalize(req)
                 finished.append(self.requests.pop(req.request_id))
+                self._num_sync -= _needs_sync(req.params)
                 if self.grammar is not None:
                     self.grammar.remove(req.request_id)
         if self.tier is not None and not self.scheduler.has_unfinished:
@@ -628,3 +691,14 @@ def profiled(name: str):
     """A profiler range around a phase of the step, only while a profiler records (the
     hot loop pays one check otherwise)."""
     return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
+
+
+def _needs_sync(params: SamplingParams) -> bool:
+    """A request whose every step needs the previous step's tokens on the host (or
+    reports more than its token): async scheduling runs steps synchronously for it."""
+    return (
+        params.structured_outputs is not None
+        or params.logprobs is not None
+        or params.prompt_logprobs is not None
+        or params.has_penalties
+    )

@@ -31,6 +31,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # tokens a launched step samples for it that are not appended yet (async
+    # scheduling: the next step is scheduled before this one's tokens reach the host)
+    num_pending: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

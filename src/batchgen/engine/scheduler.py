@@ -106,6 +106,10 @@ class Scheduler:
         self._left_running(request)
         self.waiting.appendleft(request)
 
+    def requeue_released(self, ids: list[str]) -> None:
+        """Ids a step took with take_released() and never ran: the next step takes them."""
+        self._released[:0] = ids
+
     def take_released(self) -> list[str]:
         """Ids that left the running set since the last call; each step hands them to
         the runner (schedule() does, and so does a pipelined step built outside it)."""
@@ -123,6 +127,9 @@ class Scheduler:
         running, allocate = self.running, self.kv.allocate
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.num_pending and self.reaches_length(req, ahead=req.num_pending):
+                i += 1  # its token in flight is its last: it finishes when applied
+                continue
             n = self._chunk(req, req.num_computed_tokens, budget)
             while not allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
@@ -186,10 +193,10 @@ class Scheduler:
         out.requests = [
             ScheduledRequest(  # fields in order: id, new tokens, start, pages, sample, ...
                 req.request_id,
-                req.token_ids[req.num_computed_tokens : req.num_computed_tokens + n],
+                _new_tokens(req, n),
                 req.num_computed_tokens,
                 pages[req.request_id],
-                req.num_computed_tokens + n == len(req.token_ids),
+                req.num_computed_tokens + n == len(req.token_ids) + req.num_pending,
                 req.params,
                 req.prompt_token_ids,
                 req.output_token_ids,
@@ -203,7 +210,7 @@ class Scheduler:
     def _chunk(self, req: Request, computed: int, budget: int) -> int:
         """Tokens the request computes this step from `computed`: what is left, within
         the budget, ending at a state checkpoint position not yet stored."""
-        n = min(req.num_tokens - computed, budget)
+        n = min(req.num_tokens + req.num_pending - computed, budget)
         if self.checkpoints is None or n <= 1:
             return n
         hashes = self.kv.page_hashes(req.request_id, req.token_ids)
@@ -286,18 +293,46 @@ class Scheduler:
     ) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops.
         Returns the requests that got a new token this step."""
-        cache_computed, computed = self.kv.cache_computed, 0
+        self.commit(sched, requests)
+        return self.apply(sched, result, requests)
+
+    def commit(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """The step's effects that need none of its tokens: its requests' computed
+        counters advance, and each row that samples has a token pending. Async scheduling
+        commits a step when it is launched, so that the next one can be scheduled while
+        it runs; `apply` follows once its tokens are on the host."""
+        committed = sched.committed = {}
         for s in sched.requests:
             req = requests.get(s.request_id)
             if req is None or req.is_finished:  # stopped while a pipelined step was queued
                 continue
-            n = len(s.new_token_ids)
+            n = committed[s.request_id] = len(s.new_token_ids)
             req.num_computed_tokens += n
-            computed += n
+            req.num_pending += s.sample
+            self.num_computed_tokens_total += n
             if s.start < len(s.prompt_token_ids):
                 self.num_prompt_tokens_computed += min(n, len(s.prompt_token_ids) - s.start)
-            cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
-        self.num_computed_tokens_total += computed
+
+    def apply(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
+    ) -> list[Request]:
+        """The committed step's tokens: full pages registered in the prefix cache,
+        sampled tokens appended, token-level stops. A request that ended after the
+        commit (a stop in the step before) takes back what the step computed for it.
+        Returns the requests that got a new token."""
+        cache_computed = self.kv.cache_computed
+        for s in sched.requests:
+            n = sched.committed.get(s.request_id)
+            req = requests.get(s.request_id)
+            if n is None or req is None:
+                continue
+            req.num_pending -= s.sample
+            if req.is_finished:  # its queued extra token is discarded
+                self.num_computed_tokens_total -= n
+                if s.start < len(s.prompt_token_ids):
+                    self.num_prompt_tokens_computed -= min(n, len(s.prompt_token_ids) - s.start)
+            elif req.status == RequestStatus.RUNNING:
+                cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
         self.kv.after_step()
         for rid, entries in result.prompt_logprobs.items():
             if rid in requests:
@@ -361,8 +396,20 @@ class Scheduler:
         req.stop_reason = stop_reason
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:  # preempted while its last token was in flight
+            self.waiting.remove(req)
+            if self.exact_swap is not None:
+                self.exact_swap.forget(req.request_id)
         self.kv.forget(req.request_id)
         self._left_running(req)
+
+
+def _new_tokens(req: Request, n: int) -> list[int]:
+    """The request's next n input tokens; a token still in flight (async scheduling)
+    is -1, a placeholder the runner fills on the device."""
+    start = req.num_computed_tokens
+    known = req.token_ids[start : start + n]
+    return known + [-1] * (n - len(known))
 
 
 def _prompt_logprobs_due(req: Request) -> bool:

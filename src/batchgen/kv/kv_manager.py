@@ -185,10 +185,11 @@ class KVCacheManager:
 
     def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register every full page whose tokens are all computed (and, with
-        decode_append="batched", write it through to host)."""
+        decode_append="batched", write it through to host). num_computed may count a
+        position whose token is still in flight (async scheduling): its page waits."""
         if not self.allocator.enable_caching:
             return
-        full = num_computed // self.page_size
+        full = min(num_computed, len(token_ids)) // self.page_size
         done = self._num_registered.get(request_id, 0)
         if full <= done:
             return

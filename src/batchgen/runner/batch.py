@@ -43,6 +43,9 @@ class SchedulerOutput:
     # requests that left the running set since the last step (finished, aborted,
     # preempted): the runner drops what it keeps per running request
     released_ids: list[str] = field(default_factory=list)
+    # Scheduler.commit: the tokens it counted per request, for apply to match (None:
+    # not committed yet)
+    committed: dict[str, int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -223,31 +223,86 @@ class ModelRunner:
         hidden, _ = self._forward(sched, device_ids)  # every row samples (can_launch_decode)
         logits = self.model.compute_logits(hidden)
         reqs = sched.requests
-        in_flight = 0 if prev is None else 1
-        steps = [len(r.output_token_ids) + in_flight for r in reqs]
         flight = InFlightDecode(sched)
+        steps = _sample_steps(reqs)
         flight.pending = lambda: self._launch_sample(flight, logits, steps)
         flight.deferred = prev is not None and self._constrained(reqs)
         if not flight.deferred:
             flight.launch_sample()
         return flight
 
+    def can_launch_step(self, sched: SchedulerOutput) -> bool:
+        """Whether `launch_step` takes this step: no debug check, no per-layer append,
+        and every request's sampling needs nothing but its tokens (no penalty, logprobs
+        or prompt logprobs)."""
+        return (
+            not self.debug
+            and sched.on_kv_written is None
+            and not wants_prompt_logprobs(sched.requests)
+            and all(_pipelinable(r.params) for r in sched.requests)
+        )
+
+    @torch.inference_mode()
+    def launch_step(
+        self, sched: SchedulerOutput, prev: InFlightDecode | None = None
+    ) -> InFlightDecode:
+        """Queue any step (async scheduling): its forward, the sampling of its rows that
+        sample, and their tokens' copy to the host, without waiting. A row whose last
+        input token is -1 reads it from what `prev` samples for its request, on the
+        device. A decode step that graphs can take goes through `launch_decode`."""
+        reqs = sched.requests
+        if self._graph_ok(sched) and all(r.sample for r in reqs):
+            return self.launch_decode(sched, prev)
+        self.page_rows.release(sched.released_ids)
+        device_ids = None if prev is None else self._pipelined_ids(sched, prev)
+        hidden, sample_rows = self._forward(sched, device_ids)
+        sampled = [r for r in reqs if r.sample]
+        flight = InFlightDecode(sched, sampled)
+        if not sampled:
+            flight.tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+            self._copy_tokens(flight, flight.tokens)
+            return flight
+        if sample_rows is not None and sample_rows.numel() != hidden.shape[0]:
+            hidden = hidden[sample_rows]
+        logits = self.model.compute_logits(hidden)
+        steps = _sample_steps(sampled)
+        flight.pending = lambda: self._launch_sample(flight, logits, steps)
+        flight.launch_sample()
+        return flight
+
     def _pipelined_ids(self, sched: SchedulerOutput, prev: InFlightDecode) -> torch.Tensor:
-        """The input tokens of a step queued after `prev`: each request's token that
-        `prev` samples, read on the device."""
-        at = {r.request_id: i for i, r in enumerate(prev.sched.requests)}
-        index = self.stage(np.fromiter((at[r.request_id] for r in sched.requests), np.int64))
-        return prev.tokens.index_select(0, index)
+        """The input tokens of a step queued after `prev` (its ids packed as prepare()
+        packs them): a placeholder -1, a request's last input token, is the token `prev`
+        samples for it, read on the device; the other tokens are as given."""
+        reqs = sched.requests
+        at = {r.request_id: i for i, r in enumerate(prev.sampled)}
+        if all(len(r.new_token_ids) == 1 and r.new_token_ids[0] == -1 for r in reqs):
+            index = self.stage(np.fromiter((at[r.request_id] for r in reqs), np.int64))
+            return prev.tokens.index_select(0, index)  # a decode step after a decode step
+        ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
+        ends = np.cumsum([len(r.new_token_ids) for r in reqs])
+        holes = [i for i, r in enumerate(reqs) if r.new_token_ids[-1] == -1]
+        src = np.fromiter((at[reqs[i].request_id] for i in holes), np.int64, len(holes))
+        dev = self.stage(np.concatenate((ids, ends[holes] - 1, src)))
+        total, n = ids.size, len(holes)
+        out = dev[:total]
+        if n:
+            out[dev[total : total + n]] = prev.tokens.index_select(0, dev[total + n :])
+        return out
 
     @torch.inference_mode()
     def _launch_sample(self, flight: InFlightDecode, logits: torch.Tensor, steps) -> None:
-        reqs = flight.sched.requests
+        reqs = flight.sampled
         logits = self._constrain(logits, reqs)
         if all(_plain_greedy(r.params) for r in reqs):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self.sampler(logits, self._sampling(reqs, steps)).sampled_token_ids
         flight.tokens = tokens
+        self._copy_tokens(flight, tokens)
+
+    def _copy_tokens(self, flight: InFlightDecode, tokens: torch.Tensor) -> None:
+        """The sampled tokens' copy to the host, queued; `flight.result()` waits for it."""
         if self.device.type != "cuda":
             flight._host = tokens
             return
@@ -395,8 +450,10 @@ class InFlightDecode:
     step's sampling; `deferred`: it was not queued with the forward (structured-output
     masks waiting for the previous step's tokens)."""
 
-    def __init__(self, sched) -> None:
+    def __init__(self, sched, sampled=None) -> None:
         self.sched = sched
+        # the rows that sample, in the order of `tokens` (a decode step: all of them)
+        self.sampled = sched.requests if sampled is None else sampled
         self.tokens = self._host = self._done = None
         self.pending = None
         self.deferred = False
@@ -412,10 +469,16 @@ class InFlightDecode:
         self.launch_sample()
         if self._done is not None:
             self._done.synchronize()
-        reqs = self.sched.requests
+        reqs = self.sampled
         return ModelRunnerOutput(
             [r.request_id for r in reqs], self._host.tolist(), [None] * len(reqs)
         )
+
+
+def _sample_steps(reqs) -> list[int]:
+    """Each sampling row's output index: its output tokens so far, plus the one in
+    flight when its input is a placeholder (seeded noise and min_tokens count it)."""
+    return [len(r.output_token_ids) + (r.new_token_ids[-1] == -1) for r in reqs]
 
 
 def _pipelinable(params) -> bool:
