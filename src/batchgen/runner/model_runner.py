@@ -231,23 +231,14 @@ class ModelRunner:
             flight.launch_sample()
         return flight
 
-    def can_launch_step(self, sched: SchedulerOutput) -> bool:
-        """Whether `launch_step` takes this step: no debug check, no per-layer append,
-        and every request's sampling needs nothing but its tokens (no penalty, logprobs
-        or prompt logprobs)."""
-        return (
-            not self.debug
-            and sched.on_kv_written is None
-            and not wants_prompt_logprobs(sched.requests)
-            and all(_pipelinable(r.params) for r in sched.requests)
-        )
-
     @torch.inference_mode()
     def launch_step(
         self, sched: SchedulerOutput, prev: InFlightDecode | None = None
     ) -> InFlightDecode:
         """Queue any step (async scheduling): its forward, the sampling of its rows that
-        sample, and their tokens' copy to the host, without waiting. A row whose last
+        sample, and their tokens' copy to the host, without waiting. The engine sends
+        only steps with no debug check, per-layer append, penalty, logprobs or prompt
+        logprobs (EngineCore._needs_sync and its configuration checks). A row whose last
         input token is -1 reads it from what `prev` samples for its request, on the
         device. A decode step that graphs can take goes through `launch_decode`."""
         reqs = sched.requests
