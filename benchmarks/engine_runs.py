@@ -33,8 +33,15 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="every step scheduled and launched while the one before runs (EngineConfig)",
     )
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument(
+        "--max-num-seqs", type=int, default=None, help="default: the engine's, for the device"
+    )
+    ap.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="default: the engine's, for the device",
+    )
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/batchgen-w1-qwen3-0.6b"))
     ap.add_argument("--out", type=Path, default=Path("."))
 

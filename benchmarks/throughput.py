@@ -78,7 +78,7 @@ def run_batchgen(ckpt, prompts, out_lens, args):
 
 
 def profile_decode(llm, prompts, args, max_tokens: int = 300):
-    """Where a decode step's time goes at batch max_num_seqs, three ways:
+    """Where a decode step's time goes at batch max_num_seqs (the engine's), three ways:
 
     - ``step_wall_ms``: steps as the benchmark runs them (pipelined decode if on);
     - ``phase_ms``: unpipelined steps with a device sync around each phase (schedule,
@@ -94,7 +94,8 @@ def profile_decode(llm, prompts, args, max_tokens: int = 300):
     from batchgen import SamplingParams
 
     eng = llm.engine
-    for i, p in enumerate(prompts[: args.max_num_seqs]):
+    rows = args.max_num_seqs or eng.config.max_num_seqs  # None: the engine's, for the device
+    for i, p in enumerate(prompts[:rows]):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)  # W1: 300
         eng.add_request(f"prof{i}", p, params)
     for _ in range(200):  # every prompt prefilled: profile pure decode steps

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -17,10 +17,22 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 
+# batch limits left unset (None), by device, as vLLM's offline LLM class sets them: a GPU
+# of at least LARGE_GPU_GIB that is not an A100 takes the large ones
+LARGE_GPU_GIB = 70
+LARGE_GPU_LIMITS = (1024, 16384)  # (max_num_seqs, max_num_batched_tokens)
+DEFAULT_LIMITS = (256, 8192)
+
 
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the model itself.
+
+    max_num_seqs and max_num_batched_tokens, left None, are set for the device when the
+    engine is built (`with_batch_limits`): 1024 rows and 16,384 tokens a step on a GPU of
+    at least 70 GiB that is not an A100 (as vLLM's offline LLM does: more rows a decode
+    step for the same weight reads), else 256 and 8,192. A model with linear-attention
+    layers keeps 256 rows there: each row holds a compressed-state slot on the device.
 
     kv_cache_size_gib, when set, fixes the device KV pool size; otherwise the pool
     takes gpu_memory_utilization of the device memory left after a warm-up forward
@@ -70,8 +82,8 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     page_size: int = 16
     kv_cache_size_gib: float | None = None
@@ -101,9 +113,9 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+        for name in ("page_size", "tensor_parallel_size"):
             positive_int(name)
-        for name in ("max_model_len", "num_kv_pages"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages"):
             if getattr(self, name) is not None:
                 positive_int(name)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -150,6 +162,26 @@ class EngineConfig:
                 raise ValueError(f"{name} must be {choices}, got {getattr(self, name)!r}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
+
+    def with_batch_limits(self, device: torch.device, hybrid: bool) -> EngineConfig:
+        """This config with max_num_seqs and max_num_batched_tokens set where they are
+        None: the large limits on a GPU of at least LARGE_GPU_GIB that is not an A100
+        (rows capped at the default's for a `hybrid` model, whose rows each hold a
+        compressed-state slot), else the default ones."""
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
+            return self
+        seqs, tokens = DEFAULT_LIMITS
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            if props.total_memory >= LARGE_GPU_GIB * 2**30 and "A100" not in props.name:
+                seqs, tokens = LARGE_GPU_LIMITS
+                if hybrid:
+                    seqs = DEFAULT_LIMITS[0]
+        return replace(
+            self,
+            max_num_seqs=self.max_num_seqs or seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or tokens,
+        )
 
     def resolved_attention_backend(self, device: torch.device) -> str:
         """'auto' is triton on a GPU when triton imports, else the torch reference."""

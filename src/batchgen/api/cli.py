@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import logging
 import sys
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
@@ -82,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--max-num-seqs",
         type=int,
-        default=256,
+        default=None,
         metavar="N",
-        help="most sequences in one engine step (default: 256)",
+        help="most sequences in one engine step (default: 1024 on a GPU of 70 GiB or more "
+        "that is not an A100, 256 elsewhere and for models with linear-attention layers)",
     )
     run.add_argument(
         "--max-model-len",
@@ -229,6 +231,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         errors_path,
         run_batch_job,
     )
+    from batchgen.config import LARGE_GPU_LIMITS
 
     name = Path(args.model).name if args.model else DEFAULT_MODEL_NAME
     opts = JobOptions(
@@ -241,7 +244,8 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
             "top_p": args.top_p,
         },
         seed=args.seed,
-        max_in_flight=4 * args.max_num_seqs,
+        # lines read ahead of the engine: 4 steps' rows (the engine's rows once it is built)
+        max_in_flight=4 * (args.max_num_seqs or LARGE_GPU_LIMITS[0]),
         progress=not args.quiet,
     )
     try:
@@ -276,6 +280,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         llm = LLM(model=args.model, **kwargs)
     except Exception as e:  # an unknown or broken model is a usage error
         return _usage_error(f"could not load model {args.model or DEFAULT_MODEL_NAME}: {e}")
+    opts = replace(opts, max_in_flight=4 * llm.engine.config.max_num_seqs)
     try:
         summary = run_batch_job(llm, opts)
     except Exception as e:

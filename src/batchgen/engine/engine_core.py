@@ -47,6 +47,11 @@ from batchgen.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def has_linear_layers(hf_config) -> bool:
+    """Whether a checkpoint's config names linear-attention layers (`layer_types`)."""
+    return "linear_attention" in (getattr(hf_config, "layer_types", None) or ())
+
+
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0
@@ -67,6 +72,7 @@ class EngineCore:
         dtype: torch.dtype,
         tp_workers: TPWorkers | None = None,
     ) -> None:
+        config = config.with_batch_limits(device, has_linear_layers(hf_config))
         self.config = config
         self.tp_workers = tp_workers  # tensor parallel: this is rank 0 of the group
         self.model = model
@@ -386,6 +392,8 @@ class EngineCore:
         hf_config = source.load_config()
         tokenizer = source.load_tokenizer()
         device = config.torch_device()
+        # set here, before tensor-parallel workers take the config
+        config = config.with_batch_limits(device, has_linear_layers(hf_config))
         dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
         max_len = max_model_len(config, hf_config)
         if config.tensor_parallel_size == 1:

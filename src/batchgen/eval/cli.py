@@ -103,7 +103,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="PATH", help="HF directory or .gguf file")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--max-num-seqs", type=int, default=256, metavar="N")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most sequences in one engine step (default: 1024 on a GPU of 70 GiB or more, "
+        "else 256)",
+    )
     p.add_argument("--max-model-len", type=int, default=None, metavar="N")
     p.add_argument(
         "--kv-cache-gib",

@@ -34,7 +34,16 @@ from batchgen.forward_context import (
 
 logger = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256) + (
+    320,
+    384,
+    448,
+    512,
+    640,
+    768,
+    896,
+    1024,
+)
 
 
 def bucket_for(n: int, max_bs: int) -> int:
