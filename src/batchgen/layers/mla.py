@@ -123,8 +123,20 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
+        q = q.view(t, self.num_heads, -1)
+        kv = self.kv_a_proj_with_mqa(x)
+        if self.rotary is not None and x.is_cuda:  # rope, kv_norm and the latent: one launch
+            from batchgen.kernels.mla_rope import mla_rope_latent
+
+            norm = self.kv_a_layernorm
+            latent = mla_rope_latent(
+                q, kv, positions, self.rotary.cos, self.rotary.sin, norm.weight, norm.eps,
+                self.nope_dim, self.interleaved,
+            )  # fmt: skip
+            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
+            return self.o_proj(self.attend(q_nope, q_pe, latent).reshape(t, -1))
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], -1)
         if self.rotary is not None:
             if self.interleaved:
                 q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)

@@ -1,0 +1,167 @@
+"""MLA's rotary embedding and latent row in one Triton launch: one program per (token,
+part), part 0 the queries' rope slices, part 1 the token's latent.
+
+    q row [H, nope + rope]:  [ q_nope | q_pe ] per head; q_pe rotated in place
+    kv row [C + R]:          [ c_kv (kv_lora_rank C) | k_pe (R) ]   (kv_a_proj's output)
+    latent row [C + R]:      [ kv_norm(c_kv) | rope(k_pe) ]          (a new tensor)
+
+The rope is neox-style over the rope slice after regrouping an interleaved one (pairs
+(x0, x1), (x2, x3), ... stored side by side, DeepSeek-V3's checkpoints) as [evens | odds],
+read with a stride of 2 instead of copied; the slice is written back regrouped, as
+layers/mla.py's torch path leaves it (scores are the same under any common order of q's
+and k's rope dimensions). kv_norm rounds as layers/norm.py does; the rope is computed in
+float32 from the float32 tables and rounded once (the op-by-op torch path rounds each op
+to the dtype, so bf16 results differ from it by an ulp here and there).
+
+In place of: two regrouping copies, the op-by-op rope of q and k (table gathers, casts,
+products, the rotate-half copies), the norm, and the latent's concatenation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from batchgen.kernels.rounding import rne_by_hand, to_dtype
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _mla_rope_kernel(
+    q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, lat_ptr, stride_qt, stride_qh,
+    stride_kv, stride_pos, stride_table, stride_lat, eps, NUM_HEADS: tl.constexpr,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_C: tl.constexpr,
+    RNE_BY_HAND: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = ROPE // 2
+    dtype = lat_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    dmask = d < HALF
+    cos1 = tl.load(cos_ptr + pos * stride_table + d, mask=dmask, other=0.0)
+    cos2 = tl.load(cos_ptr + pos * stride_table + HALF + d, mask=dmask, other=0.0)
+    sin1 = tl.load(sin_ptr + pos * stride_table + d, mask=dmask, other=0.0)
+    sin2 = tl.load(sin_ptr + pos * stride_table + HALF + d, mask=dmask, other=0.0)
+    if INTERLEAVED:  # the two halves of the regrouped slice: even and odd dimensions
+        first, second, step = 0, 1, 2
+    else:
+        first, second, step = 0, HALF, 1
+    if tl.program_id(1) == 0:
+        head = tl.arange(0, BLOCK_H)[:, None]
+        mask = (head < NUM_HEADS) & dmask
+        src = q_ptr + t * stride_qt + head * stride_qh + NOPE
+        x1 = tl.load(src + first + step * d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + second + step * d, mask=mask, other=0.0).to(tl.float32)
+        out1 = x1 * cos1 - x2 * sin1
+        out2 = x2 * cos2 + x1 * sin2
+        tl.store(src + d, to_dtype(out1, dtype, RNE_BY_HAND), mask=mask)
+        tl.store(src + HALF + d, to_dtype(out2, dtype, RNE_BY_HAND), mask=mask)
+    else:
+        row = kv_ptr + t * stride_kv
+        out = lat_ptr + t * stride_lat
+        c = tl.arange(0, BLOCK_C)
+        cmask = c < RANK
+        h = tl.load(row + c, mask=cmask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) * (1.0 / RANK) + eps)
+        w = tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+        n = to_dtype(h * rstd, dtype, RNE_BY_HAND).to(tl.float32)
+        tl.store(out + c, to_dtype(w * n, dtype, RNE_BY_HAND), mask=cmask)
+        x1 = tl.load(row + RANK + first + step * d, mask=dmask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + RANK + second + step * d, mask=dmask, other=0.0).to(tl.float32)
+        out1 = x1 * cos1 - x2 * sin1
+        out2 = x2 * cos2 + x1 * sin2
+        tl.store(out + RANK + d, to_dtype(out1, dtype, RNE_BY_HAND), mask=dmask)
+        tl.store(out + RANK + HALF + d, to_dtype(out2, dtype, RNE_BY_HAND), mask=dmask)
+
+
+def mla_rope_latent(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    nope_dim: int,
+    interleaved: bool,
+) -> torch.Tensor:
+    """Rotate q's rope slices in place and return the latent rows [T, C + R].
+
+    q [T, H, nope_dim + R] (rows and heads may be strided, contiguous within a head);
+    kv [T, C + R] (kv_a_proj's output, rows may be strided, contiguous within a row), only
+    read; positions [T] (int32/int64) index the float32 cos/sin tables [P, R] (neox: both
+    halves filled), not bounds-checked (no host sync); norm_weight [C] (kv_norm's weight,
+    eps its epsilon) in q's dtype. interleaved: the rope slices hold interleaved pairs."""
+    if q.dim() != 3 or q.dtype not in _DTYPES or q.stride(2) != 1:
+        raise ValueError(f"q must be [T, H, D] contiguous within a head: {list(q.shape)}")
+    num_tokens, num_heads, width = q.shape
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos/sin must be one [P, R] layout: {list(cos.shape)} {list(sin.shape)}")
+    rope = cos.shape[1]
+    if rope % 2 or cos.stride(1) != 1 or {cos.dtype, sin.dtype} != {torch.float32}:
+        raise ValueError(
+            f"cos/sin must be float32 [P, R] (R even) with contiguous rows: "
+            f"{list(cos.shape)} {cos.dtype} {sin.dtype}"
+        )
+    if width != nope_dim + rope:
+        raise ValueError(f"q heads are {width} wide, not nope {nope_dim} + rope {rope}")
+    rank = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
+    if kv.dim() != 2 or kv.shape != (num_tokens, rank + rope) or kv.stride(1) != 1:
+        raise ValueError(
+            f"kv must be [{num_tokens}, {rank} + {rope}] with contiguous rows: {list(kv.shape)}"
+        )
+    if kv.dtype != q.dtype or norm_weight.dtype != q.dtype or norm_weight.stride(0) != 1:
+        raise ValueError(
+            f"q, kv and norm_weight must share a dtype: {q.dtype} {kv.dtype} {norm_weight.dtype}"
+        )
+    if positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be [{num_tokens}] int32/int64: {positions.shape}")
+    if len({q.device, kv.device, positions.device, cos.device, norm_weight.device}) != 1:
+        raise ValueError("q, kv, positions, cos/sin and norm_weight must be on one device")
+    latent = torch.empty((num_tokens, rank + rope), dtype=q.dtype, device=q.device)
+    if num_tokens > 0:
+        _mla_rope_kernel[(num_tokens, 2)](
+            q, kv, positions, cos, sin, norm_weight, latent, q.stride(0), q.stride(1),
+            kv.stride(0), positions.stride(0), cos.stride(0), latent.stride(0), eps,
+            NUM_HEADS=num_heads, NOPE=nope_dim, ROPE=rope, RANK=rank, INTERLEAVED=interleaved,
+            BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_HALF=triton.next_power_of_2(rope // 2),
+            BLOCK_C=triton.next_power_of_2(rank), RNE_BY_HAND=rne_by_hand(q), num_warps=4,
+        )  # fmt: skip
+    return latent
+
+
+def mla_rope_latent_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    nope_dim: int,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's math in torch, rounded where it rounds: (q rotated, as a new tensor;
+    latent)."""
+    rank, dtype = norm_weight.shape[0], q.dtype
+    p = positions.long()
+    cos, sin = cos[p].float(), sin[p].float()
+
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x = x.float()
+        x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+        c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
+        return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), -1).to(dtype)
+
+    q = q.clone()
+    q[..., nope_dim:] = rope(q[..., nope_dim:], cos[:, None], sin[:, None])
+    h = kv[:, :rank].float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    normed = (norm_weight.float() * h.float()).to(dtype)
+    return q, torch.cat((normed, rope(kv[:, rank:], cos, sin)), -1)
