@@ -120,45 +120,72 @@ def test_no_tokens_and_bad_inputs():
         mla_rope_latent(q, kv, positions, rotary.cos.double(), rotary.sin.double(), *args[2:])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("interleaved", [True, False])
-def test_the_mla_layer_on_the_gpu_matches_its_torch_path(interleaved):
-    """MLAttention.forward on CUDA (the fused launch) against the same layer's torch path
-    run on the CPU in float32, attention itself replaced by a probe that records what it
-    is given: the same q_nope, q_pe and latent."""
+def _mla_config(interleaved):
     from types import SimpleNamespace
 
-    from batchgen.layers import mla as mla_module
-    from batchgen.layers.mla import MLAttention
-
-    cfg = SimpleNamespace(
+    return SimpleNamespace(
         num_attention_heads=HEADS, kv_lora_rank=RANK, qk_nope_head_dim=NOPE,
         qk_rope_head_dim=ROPE, v_head_dim=NOPE, hidden_size=64, attention_bias=False,
         q_lora_rank=None, rope_interleave=interleaved, rms_norm_eps=EPS,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )  # fmt: skip
+
+
+def _attend_inputs(monkeypatch, layer, runs):
+    """Run the layer once per (device, fused) in runs, attention replaced by a probe that
+    records what it is given: [(q_nope, q_pe, latent)] in float32 on the CPU."""
+    from batchgen.layers import mla as mla_module
+
     seen = []
 
     def probe(self, q_nope, q_pe, latent):
         seen.append((q_nope.float().cpu(), q_pe.float().cpu(), latent.float().cpu()))
         return q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
 
+    monkeypatch.setattr(mla_module.MLAttention, "attend", probe)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 64, generator=gen)
+    positions = torch.tensor([0, 63, 7, 7, 30, 1])
+    for device, fused in runs:
+        monkeypatch.setattr(mla_module, "fused_rope", lambda x, fused=fused: fused)
+        layer.to(device)
+        layer.rotary.materialize(torch.device(device))
+        layer(positions.to(device), x.to(device))
+    return seen
+
+
+def _mla_layer(interleaved):
+    from batchgen.layers.mla import MLAttention
+
+    cfg = _mla_config(interleaved)
     torch.manual_seed(0)
     layer = MLAttention(cfg, 0, RotaryEmbedding(cfg, ROPE, 64))
     for p in layer.parameters():
         p.data.normal_(0, 0.2)
-    x = torch.randn(6, 64)
-    positions = torch.tensor([0, 63, 7, 7, 30, 1])
-    orig = mla_module.MLAttention.attend
-    try:
-        mla_module.MLAttention.attend = probe
-        layer.rotary.materialize(torch.device("cpu"))
-        layer(positions, x)
-        layer.cuda()
-        layer.rotary.materialize(torch.device("cuda"))
-        layer(positions.cuda(), x.cuda())
-    finally:
-        mla_module.MLAttention.attend = orig
+    return layer
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_the_mla_layer_takes_the_kernel_as_its_torch_path(monkeypatch, interleaved):
+    """MLAttention.forward with the fused launch (here in the interpreter, float32) gives
+    attention the q_nope, q_pe and latent its op-by-op torch path gives."""
+    layer = _mla_layer(interleaved)
+    seen = _attend_inputs(monkeypatch, layer, [("cpu", False), (DEVICE.type, True)])
+    for want, got in zip(seen[0], seen[1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_the_mla_layer_on_the_gpu_matches_its_torch_path(interleaved):
+    """On CUDA the layer takes the fused launch by itself (float32 here): attention gets
+    what the layer's torch path on the CPU gives it."""
+    from batchgen.layers import mla as mla_module
+
+    assert mla_module.fused_rope(torch.zeros(1, device="cuda"))
+    layer = _mla_layer(interleaved)
+    with pytest.MonkeyPatch.context() as mp:
+        seen = _attend_inputs(mp, layer, [("cpu", False), ("cuda", True)])
     for want, got in zip(seen[0], seen[1]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -68,6 +68,11 @@ def softmax_scale(config) -> float:
     return scale
 
 
+def fused_rope(x: torch.Tensor) -> bool:
+    """Whether MLAttention.forward takes kernels/mla_rope.py (on CUDA) for x's step."""
+    return x.is_cuda
+
+
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """Rope pairs stored interleaved (x0, x1), (x2, x3), ... regrouped as [evens | odds],
     the layout the neox rotation pairs up (dimension i with i + D/2)."""
@@ -125,7 +130,7 @@ class MLAttention(nn.Module):
             q = self.q_proj(x)
         q = q.view(t, self.num_heads, -1)
         kv = self.kv_a_proj_with_mqa(x)
-        if self.rotary is not None and x.is_cuda:  # rope, kv_norm and the latent: one launch
+        if self.rotary is not None and fused_rope(x):  # rope, kv_norm, the latent: one launch
             from batchgen.kernels.mla_rope import mla_rope_latent
 
             norm = self.kv_a_layernorm
