@@ -54,12 +54,10 @@ def _mla_rope_kernel(
         head = tl.arange(0, BLOCK_H)[:, None]
         mask = (head < NUM_HEADS) & dmask
         src = q_ptr + t * stride_qt + head * stride_qh + NOPE
-        x1 = tl.load(src + first + step * d, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + second + step * d, mask=mask, other=0.0).to(tl.float32)
-        out1 = x1 * cos1 - x2 * sin1
-        out2 = x2 * cos2 + x1 * sin2
-        tl.store(src + d, to_dtype(out1, dtype, RNE_BY_HAND), mask=mask)
-        tl.store(src + HALF + d, to_dtype(out2, dtype, RNE_BY_HAND), mask=mask)
+        q1 = tl.load(src + first + step * d, mask=mask, other=0.0).to(tl.float32)
+        q2 = tl.load(src + second + step * d, mask=mask, other=0.0).to(tl.float32)
+        tl.store(src + d, to_dtype(q1 * cos1 - q2 * sin1, dtype, RNE_BY_HAND), mask=mask)
+        tl.store(src + HALF + d, to_dtype(q2 * cos2 + q1 * sin2, dtype, RNE_BY_HAND), mask=mask)
     else:
         row = kv_ptr + t * stride_kv
         out = lat_ptr + t * stride_lat
@@ -70,12 +68,11 @@ def _mla_rope_kernel(
         w = tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
         n = to_dtype(h * rstd, dtype, RNE_BY_HAND).to(tl.float32)
         tl.store(out + c, to_dtype(w * n, dtype, RNE_BY_HAND), mask=cmask)
-        x1 = tl.load(row + RANK + first + step * d, mask=dmask, other=0.0).to(tl.float32)
-        x2 = tl.load(row + RANK + second + step * d, mask=dmask, other=0.0).to(tl.float32)
-        out1 = x1 * cos1 - x2 * sin1
-        out2 = x2 * cos2 + x1 * sin2
-        tl.store(out + RANK + d, to_dtype(out1, dtype, RNE_BY_HAND), mask=dmask)
-        tl.store(out + RANK + HALF + d, to_dtype(out2, dtype, RNE_BY_HAND), mask=dmask)
+        k1 = tl.load(row + RANK + first + step * d, mask=dmask, other=0.0).to(tl.float32)
+        k2 = tl.load(row + RANK + second + step * d, mask=dmask, other=0.0).to(tl.float32)
+        k_out = out + RANK + d
+        tl.store(k_out, to_dtype(k1 * cos1 - k2 * sin1, dtype, RNE_BY_HAND), mask=dmask)
+        tl.store(k_out + HALF, to_dtype(k2 * cos2 + k1 * sin2, dtype, RNE_BY_HAND), mask=dmask)
 
 
 def mla_rope_latent(
