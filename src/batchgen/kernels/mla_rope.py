@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.qk_norm_rope import rope_width
 from batchgen.kernels.rounding import rne_by_hand, to_dtype
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -96,14 +97,7 @@ def mla_rope_latent(
     if q.dim() != 3 or q.dtype not in _DTYPES or q.stride(2) != 1:
         raise ValueError(f"q must be [T, H, D] contiguous within a head: {list(q.shape)}")
     num_tokens, num_heads, width = q.shape
-    if cos.dim() != 2 or cos.shape != sin.shape or cos.stride() != sin.stride():
-        raise ValueError(f"cos/sin must be one [P, R] layout: {list(cos.shape)} {list(sin.shape)}")
-    rope = cos.shape[1]
-    if rope % 2 or cos.stride(1) != 1 or {cos.dtype, sin.dtype} != {torch.float32}:
-        raise ValueError(
-            f"cos/sin must be float32 [P, R] (R even) with contiguous rows: "
-            f"{list(cos.shape)} {cos.dtype} {sin.dtype}"
-        )
+    rope = rope_width(cos, sin)
     if width != nope_dim + rope:
         raise ValueError(f"q heads are {width} wide, not nope {nope_dim} + rope {rope}")
     rank = norm_weight.shape[0] if norm_weight.dim() == 1 else -1

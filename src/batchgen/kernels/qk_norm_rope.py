@@ -91,6 +91,19 @@ def _qk_norm_rope_kernel(
         )  # fmt: skip
 
 
+def rope_width(cos: torch.Tensor, sin: torch.Tensor) -> int:
+    """The width D of float32 rope tables cos/sin [P, D] (D even, one layout, contiguous
+    rows), or ValueError naming what is wrong."""
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos/sin must be one [P, D] layout: {list(cos.shape)} {list(sin.shape)}")
+    if cos.shape[1] % 2 or cos.stride(1) != 1 or {cos.dtype, sin.dtype} != {torch.float32}:
+        raise ValueError(
+            f"cos/sin must be float32 [P, D] (D even) with contiguous rows: "
+            f"{list(cos.shape)} {cos.dtype} {sin.dtype} strides {cos.stride()}"
+        )
+    return cos.shape[1]
+
+
 def _check_out(name: str, t: torch.Tensor, shape: tuple[int, int, int], dtype, device) -> None:
     if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or t.stride(2) != 1:
         raise ValueError(
@@ -123,14 +136,7 @@ def qk_norm_rope(
     if qkv.dim() != 2 or qkv.dtype not in _DTYPES or (qkv.shape[1] > 1 and qkv.stride(1) != 1):
         raise ValueError(f"qkv must be [T, (H + 2 Hkv) D] with contiguous rows: {qkv.shape}")
     num_tokens = qkv.shape[0]
-    if cos.dim() != 2 or cos.shape != sin.shape or cos.stride() != sin.stride():
-        raise ValueError(f"cos/sin must be one [P, D] layout: {list(cos.shape)} {list(sin.shape)}")
-    head_dim = cos.shape[1]
-    if head_dim % 2 or cos.stride(1) != 1 or {cos.dtype, sin.dtype} != {torch.float32}:
-        raise ValueError(
-            f"cos/sin must be float32 [P, D] (D even) with contiguous rows: "
-            f"{list(cos.shape)} {cos.dtype} {sin.dtype} strides {cos.stride()}"
-        )
+    head_dim = rope_width(cos, sin)
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(
             f"qkv width {qkv.shape[1]} != ({num_heads} + 2 * {num_kv_heads}) * {head_dim}"
