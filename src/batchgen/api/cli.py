@@ -244,7 +244,8 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
             "top_p": args.top_p,
         },
         seed=args.seed,
-        # lines read ahead of the engine: 4 steps' rows (the engine's rows once it is built)
+        # lines read ahead: 4 steps' rows. --data-parallel keeps this (its engines are
+        # built later, elsewhere); one engine's own rows replace it once it is built
         max_in_flight=4 * (args.max_num_seqs or LARGE_GPU_LIMITS[0]),
         progress=not args.quiet,
     )

@@ -129,8 +129,10 @@ class MLAttention(nn.Module):
         else:
             q = self.q_proj(x)
         q = q.view(t, self.num_heads, -1)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
         kv = self.kv_a_proj_with_mqa(x)
-        if self.rotary is not None and fused_rope(x):  # rope, kv_norm, the latent: one launch
+        if self.rotary is not None and fused_rope(x):
+            # rope, kv_norm and the latent in one launch; q_pe (a view of q) rotates in place
             from batchgen.kernels.mla_rope import mla_rope_latent
 
             norm = self.kv_a_layernorm
@@ -138,16 +140,14 @@ class MLAttention(nn.Module):
                 q, kv, positions, self.rotary.cos, self.rotary.sin, norm.weight, norm.eps,
                 self.nope_dim, self.interleaved,
             )  # fmt: skip
-            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
-            return self.o_proj(self.attend(q_nope, q_pe, latent).reshape(t, -1))
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
-        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], -1)
-        if self.rotary is not None:
-            if self.interleaved:
-                q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-            q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])
-            k_pe = k_pe[:, 0]
-        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
+        else:
+            c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], -1)
+            if self.rotary is not None:
+                if self.interleaved:
+                    q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+                q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])
+                k_pe = k_pe[:, 0]
+            latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
         return self.o_proj(self.attend(q_nope, q_pe, latent).reshape(t, -1))
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor):

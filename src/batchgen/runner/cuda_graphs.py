@@ -34,15 +34,9 @@ from batchgen.forward_context import (
 
 logger = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256) + (
-    320,
-    384,
-    448,
-    512,
-    640,
-    768,
-    896,
-    1024,
+BUCKETS = (
+    *(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256),
+    *(320, 384, 448, 512, 640, 768, 896, 1024),  # above 256: padding at most a quarter
 )
 
 
