@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 T = TypeVar("T")
@@ -94,8 +95,9 @@ class LinearAttentionMetadata:
         host = torch.tensor(starts, dtype=torch.int64)
         slots = [s.slot for s in seqs]
         fresh = [s.slot for s in seqs if not s.has_state]
-        dev = to_device(torch.tensor(starts + slots + fresh, dtype=torch.int64), device)
-        cu_seqlens, state_slots, fresh_slots = dev.split([len(starts), len(slots), len(fresh)])
+        parts = [starts, slots, fresh]
+        dev = to_device(torch.from_numpy(pack_aligned(parts)), device)
+        cu_seqlens, state_slots, fresh_slots = unpack_aligned(dev, [len(p) for p in parts])
         return cls(
             seqs=seqs,
             cu_seqlens=cu_seqlens,
@@ -104,6 +106,29 @@ class LinearAttentionMetadata:
             fresh_slots=fresh_slots,
             max_q_len=max((s.q_len for s in seqs), default=0),
         )
+
+
+def pack_aligned(parts: list) -> np.ndarray:
+    """int64 parts (arrays or sequences) end to end, each padded to an even length, so
+    that each part's view of the packed tensor starts 16-byte aligned: Triton
+    specialises a pointer argument on that alignment, and a part starting unaligned in
+    one step and aligned in another would compile a kernel anew mid-run."""
+    parts = [np.asarray(p, dtype=np.int64).ravel() for p in parts]
+    out = np.zeros(sum(p.size + p.size % 2 for p in parts), dtype=np.int64)
+    at = 0
+    for p in parts:
+        out[at : at + p.size] = p
+        at += p.size + p.size % 2
+    return out
+
+
+def unpack_aligned(packed: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The views of pack_aligned's parts, of `sizes` elements, in packed (on any device)."""
+    out, at = [], 0
+    for size in sizes:
+        out.append(packed[at : at + size])
+        at += size + size % 2
+    return out
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -26,7 +26,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from batchgen.forward_context import LinearAttentionMetadata, derived, to_device
+from batchgen.forward_context import (
+    LinearAttentionMetadata,
+    derived,
+    pack_aligned,
+    to_device,
+    unpack_aligned,
+)
 from batchgen.layers import kda_torch
 
 
@@ -261,17 +267,14 @@ def _split(meta: LinearAttentionMetadata, device: torch.device) -> _Split | None
     cu = np.concatenate([[0], np.cumsum(lens)])
     starts = np.array([s.q_start for s in prefills], dtype=np.int64)
     prefill_rows = np.arange(int(cu[-1])) - np.repeat(cu[:-1] - starts, lens)
-    host = torch.from_numpy(
-        np.concatenate(
-            [
-                [s.q_start for s in decodes],
-                [s.slot for s in decodes],
-                np.arange(nd + 1),
-                prefill_rows,
-                [s.slot for s in prefills],
-                cu,
-            ]
-        ).astype(np.int64)
-    )
-    dev = to_device(host, device).split([nd, nd, nd + 1, len(prefill_rows), npre, npre + 1])
-    return _Split(*dev, host[-(npre + 1) :])
+    parts = [
+        [s.q_start for s in decodes],
+        [s.slot for s in decodes],
+        np.arange(nd + 1),
+        prefill_rows,
+        [s.slot for s in prefills],
+        cu,
+    ]
+    dev = to_device(torch.from_numpy(pack_aligned(parts)), device)
+    views = unpack_aligned(dev, [nd, nd, nd + 1, len(prefill_rows), npre, npre + 1])
+    return _Split(*views, torch.from_numpy(cu.astype(np.int64)))

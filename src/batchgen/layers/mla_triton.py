@@ -22,7 +22,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from batchgen.forward_context import AttentionMetadata, derived, to_device
+from batchgen.forward_context import (
+    AttentionMetadata,
+    derived,
+    pack_aligned,
+    to_device,
+    unpack_aligned,
+)
 from batchgen.kernels.mla_decode import mla_decode
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.store_kv import store_latent  # noqa: F401  (the backend's latent write)
@@ -89,15 +95,13 @@ def _prefill_index(meta: AttentionMetadata, device: torch.device):
     counts = [s.pages.numel() for s in seqs]  # ceil(seq_len / page_size) each
     pages = torch.cat([s.pages for s in seqs])
     num, width = len(seqs), max(counts)
-    host = np.zeros(3 * num + num * width, dtype=np.int64)  # q_start | q_len | seq_len | table
-    host[:num] = [s.q_start for s in seqs]
-    host[num : 2 * num] = [s.q_len for s in seqs]
-    host[2 * num : 3 * num] = [s.seq_len for s in seqs]
-    table = host[3 * num :].reshape(num, width)
+    table = np.zeros((num, width), dtype=np.int64)
     first = 0
     for i, n in enumerate(counts):
         table[i, :n] = np.arange(first, first + n)
         first += n
-    dev = to_device(torch.from_numpy(host), device)
-    index = (dev[:num], dev[num : 2 * num], dev[2 * num : 3 * num], dev[3 * num :].view(num, width))
+    parts = [[s.q_start for s in seqs], [s.q_len for s in seqs], [s.seq_len for s in seqs], table]
+    dev = to_device(torch.from_numpy(pack_aligned(parts)), device)
+    q_start, q_len, seq_len, flat = unpack_aligned(dev, [num, num, num, table.size])
+    index = (q_start, q_len, seq_len, flat.view(num, width))
     return pages, index, max(s.q_len for s in seqs)

@@ -13,6 +13,8 @@ from batchgen.forward_context import (
     ForwardContext,
     PrefillSeq,
     bind_forward_context,
+    pack_aligned,
+    unpack_aligned,
 )
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
@@ -115,8 +117,8 @@ class ModelRunner:
             pre_table = table[rows[prefill], :pre_width]
             parts += [q_start[prefill], lens[prefill], seq_lens[prefill], pre_table]
         sizes = [p.size for p in parts]
-        dev = self.stage(_packed(parts))
-        views = iter(_unpack(dev, sizes))
+        dev = self.stage(pack_aligned(parts))
+        views = iter(unpack_aligned(dev, sizes))
         input_ids, pos_dev, slots_dev, sample_rows = (next(views) for _ in range(4))
         meta = AttentionMetadata(num_tokens=total, slot_mapping=slots_dev)
         if decode.size:
@@ -487,21 +489,3 @@ def _plain_greedy(params) -> bool:
         and params.min_tokens == 0
         and not params.has_penalties
     )
-
-
-def _packed(parts: list[np.ndarray]) -> np.ndarray:
-    """The parts end to end, each padded to an even length (16-byte aligned starts)."""
-    out = np.zeros(sum(p.size + p.size % 2 for p in parts), dtype=np.int64)
-    at = 0
-    for p in parts:
-        out[at : at + p.size] = p.ravel()
-        at += p.size + p.size % 2
-    return out
-
-
-def _unpack(packed: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for size in sizes:
-        out.append(packed[at : at + size])
-        at += size + size % 2
-    return out
