@@ -298,6 +298,71 @@ def test_built_as_the_loader_builds_the_router_stays_float32():
     assert out.dtype == torch.bfloat16 and out.shape == (5, HIDDEN) and out.isfinite().all()
 
 
+def _bf16_layer(act_dtype=torch.bfloat16) -> DeepseekV3MoE:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(act_dtype)
+    try:
+        with torch.device("meta"):
+            module = DeepseekV3MoE(tiny_config())
+    finally:
+        torch.set_default_dtype(old)
+    return module.to_empty(device="cpu")
+
+
+def test_router_keeps_a_narrow_copy_only_of_an_exactly_narrow_weight():
+    """after_load keeps the router weight in the activations' dtype only where the
+    float32 weight holds that dtype's values: then its products and sums are those of
+    the float32 GEMM; a weight with wider values keeps the float32 path."""
+    module = _bf16_layer()
+    gate = module.gate
+    exact = torch.randn(gate.weight.shape).bfloat16()
+    with torch.no_grad():
+        gate.weight.copy_(exact.float())
+    gate.after_load()
+    assert gate.weight_narrow is not None and gate.weight_narrow.dtype == torch.bfloat16
+    assert torch.equal(gate.weight_narrow, exact)
+    assert "weight_narrow" not in module.state_dict()  # derived, never loaded or saved
+    with torch.no_grad():
+        gate.weight[3, 5] += 2.0**-20  # one value between two bfloat16 neighbours
+    gate.after_load()
+    assert gate.weight_narrow is None
+    wide = _bf16_layer(torch.float32).gate  # a float32 model: nothing narrower to keep
+    with torch.no_grad():
+        wide.weight.copy_(exact.float())
+    wide.after_load()
+    assert wide.weight_narrow is None
+
+
+def test_dummy_router_holds_model_dtype_values_and_the_loader_narrows_it():
+    """load_format="dummy" in bfloat16 draws the float32 router at bfloat16 (as this
+    family's checkpoints store it), and build_model's after_load hook keeps the narrow
+    copy; on the CPU forward still multiplies in float32, its logits those of the copy."""
+    from batchgen.models.loader import init_dummy_weights
+
+    module = _bf16_layer()
+    init_dummy_weights(module, dtype=torch.bfloat16)
+    w = module.gate.weight.detach()
+    assert w.dtype == torch.float32 and w.abs().sum() > 0
+    assert torch.equal(w.bfloat16().float(), w)
+    bf16 = {n: p for n, p in module.named_parameters() if p.dtype == torch.bfloat16}
+    other = _bf16_layer()
+    init_dummy_weights(other)  # no dtype: the float32 router keeps float32 values
+    assert not torch.equal(other.gate.weight.bfloat16().float(), other.gate.weight)
+    for n, p in other.named_parameters():  # the bfloat16 weights drawn alike either way
+        if n in bf16:
+            assert torch.equal(p, bf16[n]), n
+    module.gate.after_load()
+    assert torch.equal(module.gate.weight_narrow.float(), w)
+    x = torch.randn(6, HIDDEN).bfloat16()
+    weights, ids = module.gate(x)
+    ref_w, ref_ids = select_experts(
+        x.float() @ module.gate.weight_narrow.float().t(),
+        module.gate.e_score_correction_bias,
+        module.gate.routing,
+    )
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+
+
 # ---- the grouped-GEMM path ----------------------------------------------------------
 
 

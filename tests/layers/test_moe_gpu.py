@@ -34,7 +34,35 @@ def layer(seed: int = 0) -> DeepseekV3MoE:
         for name, p in module.named_parameters():
             scale = 0.05 if name.endswith("weight") or "proj" in name else 0.3
             p.copy_(scale * torch.randn(p.shape, generator=gen, device="cuda"))
+        # the router as this family's checkpoints store it: bfloat16 values (float32
+        # kept); after_load then gives the forward its bfloat16 copy, as build_model does
+        module.gate.weight.copy_(module.gate.weight.bfloat16().float())
+    module.gate.after_load()
+    assert module.gate.weight_narrow is not None
     return module
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 4096])
+def test_narrow_router_matches_the_float32_router(tokens):
+    """The bfloat16 router GEMM with float32 products and sums against the float32 GEMM
+    of the widened inputs: the same terms in another order, logits within float32
+    rounding, the same experts wherever the choice is not a near tie."""
+    gate = layer().gate
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    narrow = torch.mm(x, gate.weight_narrow.t(), out_dtype=torch.float32)
+    wide = torch.nn.functional.linear(x.float(), gate.weight)
+    assert narrow.dtype == torch.float32
+    torch.testing.assert_close(narrow, wide, atol=1e-5, rtol=1e-5)
+    weights, ids = gate(x)
+    gate.weight_narrow = None
+    ref_weights, ref_ids = gate(x)
+    differ = (ids.sort(dim=-1).values != ref_ids.sort(dim=-1).values).any(dim=-1)
+    assert differ.sum() <= max(1, tokens // 500), f"{int(differ.sum())} of {tokens} rows"
+    same = ~differ
+    torch.testing.assert_close(
+        weights.sort(dim=-1).values[same], ref_weights.sort(dim=-1).values[same],
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 256])

@@ -22,19 +22,48 @@ from batchgen.layers.tp_group import TPGroup
 
 class MoEGate(nn.Module):
     """Router: weight [E, H] and e_score_correction_bias [E], both kept in float32 (the
-    logits are float32; the bias is a small float32 offset)."""
+    logits are float32; the bias is a small float32 offset).
 
-    def __init__(self, routing: RoutingConfig, hidden: int, device=None) -> None:
+    The checkpoints of this family store the router weight in the model's dtype
+    (bfloat16) beside the float32 bias. Where the loaded weight is exactly that narrower
+    dtype's values (`after_load`), a CUDA forward multiplies the activations as they are
+    by that copy with float32 products and sums (`torch.mm(..., out_dtype=float32)`):
+    the same terms as the float32 GEMM of the widened inputs, summed in another order,
+    without widening the activations first (a copy of x per layer) or running the
+    matmul in float32."""
+
+    def __init__(
+        self,
+        routing: RoutingConfig,
+        hidden: int,
+        device=None,
+        act_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.routing = routing
         e = routing.num_experts
         factory = {"dtype": torch.float32, "device": device}
         self.weight = nn.Parameter(torch.empty(e, hidden, **factory), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(e, **factory), requires_grad=False)
+        self.act_dtype = act_dtype or torch.get_default_dtype()
+        self.register_buffer("weight_narrow", None, persistent=False)
+
+    def after_load(self) -> None:
+        """Keep weight in act_dtype where that holds it exactly (see the class)."""
+        self.weight_narrow = None
+        if self.act_dtype == torch.float32 or self.weight.is_meta:
+            return
+        narrow = self.weight.detach().to(self.act_dtype)
+        if torch.equal(narrow.float(), self.weight.detach()):
+            self.weight_narrow = narrow
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, top_k] float32, expert ids [T, top_k])."""
-        logits = F.linear(x.float(), self.weight)
+        narrow = self.weight_narrow
+        if narrow is not None and x.is_cuda and x.dtype == narrow.dtype:
+            logits = torch.mm(x, narrow.t(), out_dtype=torch.float32)
+        else:
+            logits = F.linear(x.float(), self.weight)
         return select_experts(logits, self.e_score_correction_bias, self.routing)
 
 
@@ -97,7 +126,7 @@ class DeepseekV3MoE(nn.Module):
             raise ValueError(f"hidden_act={act!r} is not supported by DeepseekV3MoE (silu)")
         self.routing = RoutingConfig.from_hf(config)
         hidden, inter = config.hidden_size, config.moe_intermediate_size
-        self.gate = MoEGate(self.routing, hidden, device=device)
+        self.gate = MoEGate(self.routing, hidden, device=device, act_dtype=dtype)
         self.experts = RoutedExperts(self.routing.num_experts, hidden, inter, dtype, device, tp)
         n_shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = (

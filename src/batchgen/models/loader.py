@@ -179,21 +179,29 @@ def build_model(
         torch.set_default_dtype(old)
     model.to_empty(device=device)
     if load_format == "dummy":
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, seed, dtype)
     elif load_format == "auto":
         _load_checkpoint(model, source, config)
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    for module in model.modules():  # a layer's forms of its weights derived from them
+        after_load = getattr(module, "after_load", None)
+        if after_load is not None:
+            after_load()
     if getattr(model, "rotary", None) is not None:  # None: a model without rope (NoPE)
         model.rotary.materialize(device)
     return model.eval()
 
 
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+def init_dummy_weights(
+    model: torch.nn.Module, seed: int = 0, dtype: torch.dtype | None = None, std: float = 0.02
+) -> None:
     """Random weights in place, where the parameters already live (no host copy), as a
     transformers model initialised and then given normal(0, std) matrices: every weight
     of two or more dimensions (embeddings, projections, lm_head) from normal(0, std),
-    norm weights 1, biases 0. The same seed, device and dtype give the same weights."""
+    norm weights 1, biases 0. The same seed, device and dtype give the same weights.
+    With `dtype` (the model's), a matrix kept wider than it (DeepSeek-V3's float32
+    router) holds values of `dtype`, as that model's checkpoints store it."""
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -202,6 +210,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02)
                 if g is None:
                     g = generators[p.device] = torch.Generator(p.device).manual_seed(seed)
                 p.normal_(0.0, std, generator=g)
+                if dtype is not None and p.dtype != dtype and p.dtype.itemsize > dtype.itemsize:
+                    p.copy_(p.to(dtype))
             elif name.endswith("bias"):
                 p.zero_()
             else:
