@@ -9,6 +9,7 @@ time) against the H200 device-copy ceiling of 4.23 TB/s; prefill on attention TF
     python benchmarks/bench_kernels.py            # defaults plus a small tuning sweep
     python benchmarks/bench_kernels.py --quick    # defaults only
     python benchmarks/bench_kernels.py --moe      # routed experts only (see bench_moe)
+    python benchmarks/bench_kernels.py --mla      # W4's MLA prefill attention only
 
 --moe: W4's routed experts (64 experts of hidden 2048 and intermediate 1408, top-6,
 bf16) at 64 to 8192 tokens, through torch._grouped_mm (layers.routed_experts, the
@@ -151,6 +152,71 @@ def bench_prefill(caches, specs: list[tuple[int, int]], sweep: bool, gen) -> lis
     return rows
 
 
+def bench_mla_prefill(num_seqs: int, seq_len: int, sweep: bool, gen) -> list[tuple]:
+    """W4's decompressed MLA prefill (layers/mla_triton.paged_prefill): 16 heads, keys in
+    two parts (128 per head | a 64-wide rope part shared by the heads), values 128 wide,
+    keys and values strided views of kv_b_proj's [tokens, 16, 256] output; num_seqs
+    prompts of seq_len from position 0, pages in order (the step gathers them)."""
+    from batchgen.kernels import prefill_attention as pa
+
+    heads, nope, rope, vdim = 16, 128, 64, 128
+    tokens = num_seqs * seq_len
+    pages = seq_len // PAGE
+    q = torch.randn(tokens, heads, nope, generator=gen).to("cuda", DTYPE)
+    q_pe = torch.randn(tokens, heads, rope, generator=gen).to("cuda", DTYPE)
+    kv = torch.randn(tokens, heads, nope + vdim, generator=gen).to("cuda", DTYPE)
+    k_pe = torch.randn(tokens, rope, generator=gen).to("cuda", DTYPE)
+    n = num_seqs * pages
+    k = kv[..., :nope].view(n, PAGE, heads, nope)
+    v = kv[..., nope:].view(n, PAGE, heads, vdim)
+    kr = k_pe.view(n, PAGE, 1, rope)
+    starts = torch.arange(num_seqs, device="cuda") * seq_len
+    lens = torch.full((num_seqs,), seq_len, device="cuda")
+    table = torch.arange(n, device="cuda").view(num_seqs, pages)
+    out = torch.empty(tokens, heads, vdim, device="cuda", dtype=DTYPE)
+    pairs = num_seqs * seq_len * (seq_len + 1) // 2
+    flops = 2 * pairs * heads * (nope + rope + vdim)
+    tunings = [pa.default_tuning(q, vdim)]
+    if sweep:
+        tunings += [
+            t
+            for t in (
+                pa.PrefillTuning(128, 64, 8, 3),
+                pa.PrefillTuning(128, 32, 8, 2),
+                pa.PrefillTuning(128, 128, 8, 2),
+                pa.PrefillTuning(64, 64, 4, 2),
+                pa.PrefillTuning(64, 64, 4, 3),
+                pa.PrefillTuning(64, 128, 4, 2),
+                pa.PrefillTuning(64, 32, 4, 3),
+                pa.PrefillTuning(128, 64, 4, 2),
+                pa.PrefillTuning(128, 64, 4, 3),
+            )
+            if t != tunings[0]
+        ]
+    rows = []
+    for tuning in tunings:
+
+        def run(tuning=tuning):
+            pa.prefill_attention(
+                q, k, v, starts, lens, lens, table, seq_len, 0.072, out=out, tuning=tuning,
+                q_rope=q_pe, k_rope=kr,
+            )  # fmt: skip
+
+        seconds = _bench(run)
+        label = f"m={tuning.block_m} n={tuning.block_n} w={tuning.num_warps} s={tuning.num_stages}"
+        rows.append(
+            (
+                f"mla prefill {num_seqs}x{seq_len}",
+                label,
+                "-",
+                f"{seconds * 1e6:.1f} us",
+                f"{flops / seconds / 1e12:.1f} TFLOP/s",
+                f"{tokens / seconds / 1e6:.2f} M tok/s",
+            )
+        )
+    return rows
+
+
 def bench_store_kv(caches, gen) -> list[tuple]:
     from batchgen.kernels.store_kv import store_kv
 
@@ -225,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="default launch parameters only")
     parser.add_argument("--moe", action="store_true", help="the routed-expert GEMMs only")
+    parser.add_argument("--mla", action="store_true", help="W4's MLA prefill attention only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device", file=sys.stderr)
@@ -243,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if args.moe:
         rows += bench_moe(gen)
+        _print(rows)
+        return 0
+    if args.mla:
+        rows += bench_mla_prefill(16, 1024, sweep, gen)
         _print(rows)
         return 0
     rows += bench_decode(caches, 256, 1000, sweep, gen)

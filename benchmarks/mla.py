@@ -56,6 +56,13 @@ def slowest_steps(step_ms: list[float], step_tokens: list[int], n: int = 6) -> l
     ]
 
 
+def warm_up_prompts(llm, prompt_len: int) -> int:
+    """Prompts of prompt_len that take the engine through a full prefill step, a mixed
+    step that cuts a prompt at the token budget, and that prompt's continuation."""
+    per_step = max(1, llm.engine.config.max_num_batched_tokens // prompt_len)
+    return 2 * per_step + 1
+
+
 def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     from batchgen import LLM, SamplingParams
 
@@ -69,11 +76,13 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         host_kv_size_gib=args.host_gib,
         **engine_kwargs(args),
     )
-    # untimed warm-up shaped like the workload, as the peer's warm-up batch is: full
-    # prefill steps of several requests, a mixed step, decode steps, so the first-call
-    # costs (Triton compiling a kernel for a new specialisation, autotuning) fall here.
+    # untimed warm-up shaped like the workload, as the peer's warm-up batch is: a full
+    # prefill step, a mixed step (the first requests decoding, a prompt cut at the
+    # budget) and the step after it (that prompt continued over its cached part), then
+    # decode steps, so the first-call costs (Triton compiling a kernel for a new
+    # specialisation, autotuning) fall here: two budgets' worth of prompts, and one.
     # The prompts are the first ones reversed: no page of them is a workload prefix.
-    warm = [p[::-1] for p in prompts[:16]]
+    warm = [p[::-1] for p in prompts[: warm_up_prompts(llm, len(prompts[0]))]]
     warming = time.perf_counter()
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     startup = {"build_s": warming - built, "warmup_s": time.perf_counter() - warming}
