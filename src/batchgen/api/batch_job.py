@@ -36,6 +36,7 @@ from batchgen.api.batch_journal import (
     read_lines,
     scan_answered,
 )
+from batchgen.engine.memory import frozen_heap
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
     lines = read_lines(opts.input)
     exhausted = False
     try:
-        with Signals() as sig:
+        with Signals() as sig, frozen_heap():
             while not sig.abandon:
                 while not (sig.stop or exhausted) and len(pending) < opts.max_in_flight:
                     nxt = next(lines, None)

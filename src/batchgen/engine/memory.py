@@ -1,11 +1,12 @@
-"""Memory planning for the device KV pool."""
+"""Memory planning for the device KV pool, and the host heap during a run."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -199,3 +200,22 @@ def copy_bytes_per_second(device: torch.device, nbytes: int = 64 * 2**20) -> flo
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Python's cyclic collector leaves the objects that exist on entry alone until exit
+    (gc.freeze / gc.unfreeze): the model's modules, the pools' bookkeeping, the caller's
+    own data. Its full passes walk every tracked object; adding a batch's requests and
+    running its steps makes enough new objects to start several of them, and with the
+    heap an engine process holds each one took tens of milliseconds (512 W4 requests
+    took 0.26-0.31 s to add on a 2-core CPU, 0.08 s frozen). On exit the frozen objects
+    are collectable again, so an engine dropped later is freed as before; a heap that
+    was already frozen on entry (the caller's own gc.freeze) stays frozen."""
+    thaw = gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if thaw:
+            gc.unfreeze()
