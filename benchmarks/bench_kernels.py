@@ -177,22 +177,11 @@ def bench_mla_prefill(num_seqs: int, seq_len: int, sweep: bool, gen) -> list[tup
     pairs = num_seqs * seq_len * (seq_len + 1) // 2
     flops = 2 * pairs * heads * (nope + rope + vdim)
     tunings = [pa.default_tuning(q, vdim)]
-    if sweep:
-        tunings += [
-            t
-            for t in (
-                pa.PrefillTuning(128, 64, 8, 3),
-                pa.PrefillTuning(128, 32, 8, 2),
-                pa.PrefillTuning(128, 128, 8, 2),
-                pa.PrefillTuning(64, 64, 4, 2),
-                pa.PrefillTuning(64, 64, 4, 3),
-                pa.PrefillTuning(64, 128, 4, 2),
-                pa.PrefillTuning(64, 32, 4, 3),
-                pa.PrefillTuning(128, 64, 4, 2),
-                pa.PrefillTuning(128, 64, 4, 3),
-            )
-            if t != tunings[0]
-        ]
+    if sweep:  # (block_m, block_n, warps, stages)
+        launches = [(128, 64, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2)]
+        launches += [(64, 64, 4, 3), (64, 128, 4, 2), (64, 32, 4, 3), (128, 64, 4, 2)]
+        launches += [(128, 64, 4, 3)]
+        tunings += [pa.PrefillTuning(*t) for t in launches if pa.PrefillTuning(*t) != tunings[0]]
     rows = []
     for tuning in tunings:
 

@@ -178,39 +178,43 @@ def threads_for(device: str):
 
 def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) -> dict:
     from batchgen import SamplingParams
+    from batchgen.engine.memory import frozen_heap
 
     warmup = [[2 + i] * warmup_len for i in range(4)]
     llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     eng = llm.engine
     before = counters(eng)
     _sync(eng.device)
-    start = time.perf_counter()
-    for i, (p, n) in enumerate(zip(prompts, out_lens)):
-        eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    added_s = time.perf_counter() - start  # the timeline's first step includes this
-    lengths: dict[str, int] = {}
-    # per step: seconds, output tokens so far, tokens computed so far, running requests,
-    # tier pages copied so far (offloaded + loaded; 0 without the tier): a step whose
-    # count grew submitted copies, which its forward may wait on
-    tier = eng.tier.metrics if eng.tier is not None else None
+    with frozen_heap():  # as LLM.generate runs: no full collection walks the engine
+        start = time.perf_counter()
+        for i, (p, n) in enumerate(zip(prompts, out_lens)):
+            eng.add_request(
+                f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            )
+        added_s = time.perf_counter() - start  # the timeline's first step includes this
+        lengths: dict[str, int] = {}
+        # per step: seconds, output tokens so far, tokens computed so far, running requests,
+        # tier pages copied so far (offloaded + loaded; 0 without the tier): a step whose
+        # count grew submitted copies, which its forward may wait on
+        tier = eng.tier.metrics if eng.tier is not None else None
 
-    def copied() -> int:
-        return tier.pages_offloaded + tier.pages_loaded if tier is not None else 0
+        def copied() -> int:
+            return tier.pages_offloaded + tier.pages_loaded if tier is not None else 0
 
-    copied_before = copied()  # the warm-up's copies left out
-    timeline = []
-    while eng.has_unfinished:
-        for req in eng.step():
-            lengths[req.request_id] = len(req.output_token_ids)
-        timeline.append(
-            [
-                round(time.perf_counter() - start, 4),
-                eng.stats.output_tokens - before["output_tokens"],
-                eng.scheduler.num_computed_tokens_total - before["computed_tokens"],
-                len(eng.scheduler.running),
-                copied() - copied_before,
-            ]
-        )
+        copied_before = copied()  # the warm-up's copies left out
+        timeline = []
+        while eng.has_unfinished:
+            for req in eng.step():
+                lengths[req.request_id] = len(req.output_token_ids)
+            timeline.append(
+                [
+                    round(time.perf_counter() - start, 4),
+                    eng.stats.output_tokens - before["output_tokens"],
+                    eng.scheduler.num_computed_tokens_total - before["computed_tokens"],
+                    len(eng.scheduler.running),
+                    copied() - copied_before,
+                ]
+            )
     _sync(eng.device)
     wall = time.perf_counter() - start
     out = sum(lengths.values())

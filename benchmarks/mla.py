@@ -65,6 +65,7 @@ def warm_up_prompts(llm, prompt_len: int) -> int:
 
 def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     from batchgen import LLM, SamplingParams
+    from batchgen.engine.memory import frozen_heap
 
     built = time.perf_counter()
     llm = LLM(
@@ -88,27 +89,30 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     startup = {"build_s": warming - built, "warmup_s": time.perf_counter() - warming}
     eng = llm.engine
     _sync(args.device)
-    before = eng.metrics()
-    start = time.perf_counter()
-    for i, (p, n) in enumerate(zip(prompts, out_lens)):
-        eng.add_request(f"w4-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    steps = 0
-    out0 = eng.stats.output_tokens
-    # the prefill phase ends when every request has its first token (the output-token
-    # count alone would end it early: requests admitted first decode meanwhile)
-    first_all = None
-    step_ms, step_tokens = [], []  # per step as run (pipelined: not each step's own GPU time)
-    computed = eng.scheduler.num_computed_tokens_total
-    last = start
-    while eng.has_unfinished:
-        eng.step()
-        steps += 1
-        now = time.perf_counter()
-        step_ms.append(round((now - last) * 1000, 2))
-        step_tokens.append(eng.scheduler.num_computed_tokens_total - computed)
-        computed, last = eng.scheduler.num_computed_tokens_total, now
-        if first_all is None and not any(not r.output_token_ids for r in eng.requests.values()):
-            first_all = now - start
+    with frozen_heap():  # as LLM.generate runs: no full collection walks the engine
+        before = eng.metrics()
+        start = time.perf_counter()
+        for i, (p, n) in enumerate(zip(prompts, out_lens)):
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            eng.add_request(f"w4-{i}", p, params)
+        added_s = time.perf_counter() - start  # the first step's time includes it
+        steps = 0
+        out0 = eng.stats.output_tokens
+        # the prefill phase ends when every request has its first token (the output-token
+        # count alone would end it early: requests admitted first decode meanwhile)
+        first_all = None
+        step_ms, step_tokens = [], []  # per step as run (pipelined: not each step's own GPU time)
+        computed = eng.scheduler.num_computed_tokens_total
+        last = start
+        while eng.has_unfinished:
+            eng.step()
+            steps += 1
+            now = time.perf_counter()
+            step_ms.append(round((now - last) * 1000, 2))
+            step_tokens.append(eng.scheduler.num_computed_tokens_total - computed)
+            computed, last = eng.scheduler.num_computed_tokens_total, now
+            if first_all is None and not any(not r.output_token_ids for r in eng.requests.values()):
+                first_all = now - start
     _sync(args.device)
     wall = time.perf_counter() - start
     after = eng.metrics()
@@ -131,6 +135,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         "decode_tok_s": (out - len(prompts)) / max(wall - first_all, 1e-9),
         "counters": counters,
         "kv_pool_pages": eng.kv.allocator.num_pages,
+        "add_requests_s": added_s,
         "startup": startup,  # engine build (weights, memory plan, graphs) and warm-up
         "slowest_steps": slowest_steps(step_ms, step_tokens),
         "step_ms": step_ms,
