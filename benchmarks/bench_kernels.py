@@ -239,12 +239,12 @@ def bench_moe(gen) -> list[tuple]:
     gate_up /= hidden**0.5
     down /= inter**0.5
     weight_bytes = (gate_up.numel() + down.numel()) * ELEM
-    tunings = [
-        fused_moe.TUNING,
-        fused_moe.MoETuning(16, 128, 64, 4, 3),
-        fused_moe.MoETuning(32, 64, 64, 4, 3),
-        fused_moe.MoETuning(64, 128, 64, 8, 3),
-    ]
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the first four as measured before;
+    # then deeper K tiles and pipelines, which a weight-bound decode step wants
+    launches = [(16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (64, 128, 64, 8, 3)]
+    launches += [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3)]
+    launches += [(32, 64, 128, 4, 4), (16, 128, 256, 8, 3), (64, 64, 128, 4, 3)]
+    tunings = [fused_moe.TUNING] + [fused_moe.MoETuning(*t) for t in launches]
     rows = []
     for t in (64, 256, 1024, 8192):
         x = torch.randn(t, hidden, generator=gen).to("cuda", DTYPE)

@@ -6,6 +6,7 @@
     PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --profile --out $OUT  # + decode step
     PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --profile-prefill --out $OUT  # + prefill
     PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --mla-tuning 16,64,8,2 --out $OUT
+    PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --moe-triton 1024,16,64,128,4,4 --out $OUT
     PYTHONPATH=src python3 benchmarks/mla.py --small --out /tmp/w4    # CPU, seconds, for CI
 
 Model: workloads.MOONLIGHT_W4, a scaled Moonlight-16B-A3B-like config (27 layers, hidden
@@ -256,6 +257,14 @@ def main(argv=None) -> int:
         help="h,n,w,s: the MLA decode kernel's launch on the GPU (BLOCK_H, BLOCK_N, warps, "
         "stages) in place of kernels/mla_decode.py's GPU_TUNING (mla_decode.py --best)",
     )
+    ap.add_argument(
+        "--moe-triton",
+        default=None,
+        help="t,m,n,k,w,s: steps of at most t tokens run the routed experts on "
+        "kernels/fused_moe.py's Triton GEMMs at that launch (BLOCK_M, BLOCK_N, BLOCK_K, warps, "
+        "stages) in place of grouped_mm (layers.routed_experts.TRITON_MOE_MAX_TOKENS; "
+        "bench_kernels.py --moe for launches)",
+    )
     add_engine_args(ap)
     ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)
@@ -264,6 +273,13 @@ def main(argv=None) -> int:
 
         h, n, w, s = (int(v) for v in args.mla_tuning.split(","))
         mla_decode.GPU_TUNING = mla_decode.MLADecodeTuning(h, n, w, s)
+    if args.moe_triton:
+        from batchgen.kernels.fused_moe import MoETuning
+        from batchgen.layers import routed_experts
+
+        t, *launch = (int(v) for v in args.moe_triton.split(","))
+        routed_experts.TRITON_MOE_MAX_TOKENS = t
+        routed_experts.TRITON_MOE_TUNING = MoETuning(*launch)
     if args.small:
         cfg = SMALL_MOONLIGHT
         prompts, out_lens = w4_requests(n=6, prompt_len=24, out_len=6, max_token=500)
@@ -284,6 +300,8 @@ def main(argv=None) -> int:
     result = {"workload": "small" if args.small else "W4", "batchgen": ours, "peer": peer}
     if args.mla_tuning:
         result["mla_tuning"] = args.mla_tuning
+    if args.moe_triton:
+        result["moe_triton"] = args.moe_triton
     if not args.small:
         result["fraction_of_roofline"] = ours["tok_s"] / ROOFLINE_TOK_S
     if peer:

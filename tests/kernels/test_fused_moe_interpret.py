@@ -77,6 +77,19 @@ def test_matches_the_reference_path(t, k, num_experts, hidden, inter):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("launch", [(16, 64, 128, 4, 4), (16, 128, 256, 8, 3), (32, 64, 128, 4, 4)])
+def test_deep_k_tiles_past_the_rows_are_masked(launch):
+    """bench_kernels.py --moe's deeper launches: K tiles wider than hidden (48) and than
+    inter (40), so every load of both GEMMs runs past K and must be masked."""
+    gen = torch.Generator().manual_seed(5)
+    gate_up, down = experts(8, 48, 40, gen)
+    x = torch.randn(7, 48, generator=gen).to(DEVICE)
+    ids, weights = routing(7, 3, 8, gen)
+    ref = fused_experts(x, gate_up, down, weights, ids, use_grouped_mm=False)
+    out = fused_experts(x, gate_up, down, weights, ids, triton_moe=MoETuning(*launch))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_one_expert_taking_every_pair_spans_many_blocks():
     gen = torch.Generator().manual_seed(1)
     gate_up, down = experts(4, 32, 24, gen)

@@ -99,3 +99,39 @@ def test_forward_does_not_sync_and_replays_in_a_cuda_graph():
     graph.replay()
     torch.testing.assert_close(out, module(x), atol=0, rtol=0)
     assert not torch.equal(out, eager)
+
+
+def test_triton_experts_below_the_switch_match_grouped_mm_and_replay(monkeypatch):
+    """routed_experts.TRITON_MOE_MAX_TOKENS (mla.py --moe-triton): a step of at most that
+    many tokens runs the routed experts on kernels/fused_moe.py's GEMMs, with the same
+    outputs as grouped_mm to bf16 rounding, captured and replayed in a CUDA graph; a
+    larger step keeps grouped_mm."""
+    from batchgen.kernels.fused_moe import MoETuning
+    from batchgen.layers import routed_experts
+
+    module = layer()
+    x = torch.randn(48, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    grouped = module(x)
+    calls = []
+    gemm = routed_experts.moe_gemm
+    monkeypatch.setattr(
+        routed_experts, "moe_gemm", lambda *a, **k: calls.append(1) or gemm(*a, **k)
+    )
+    monkeypatch.setattr(routed_experts, "TRITON_MOE_MAX_TOKENS", 48)
+    monkeypatch.setattr(routed_experts, "TRITON_MOE_TUNING", MoETuning(16, 64, 128, 4, 4))
+    eager = module(x)
+    assert len(calls) == 2  # gate_up and down
+    torch.testing.assert_close(eager.float(), grouped.float(), atol=2e-2, rtol=2e-2)
+    module(torch.randn(49, HIDDEN, device="cuda", dtype=torch.bfloat16))
+    assert len(calls) == 2  # past the switch: grouped_mm
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        module(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = module(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, module(x), atol=0, rtol=0)
