@@ -178,14 +178,14 @@ def threads_for(device: str):
 
 def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) -> dict:
     from batchgen import SamplingParams
-    from batchgen.engine.memory import frozen_heap
+    from batchgen.engine.memory import fewer_full_collections
 
     warmup = [[2 + i] * warmup_len for i in range(4)]
     llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     eng = llm.engine
     before = counters(eng)
     _sync(eng.device)
-    with frozen_heap():  # as LLM.generate runs: no full collection walks the engine
+    with fewer_full_collections():  # as LLM.generate runs
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens)):
             eng.add_request(

@@ -66,7 +66,7 @@ def warm_up_prompts(llm, prompt_len: int) -> int:
 
 def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     from batchgen import LLM, SamplingParams
-    from batchgen.engine.memory import frozen_heap
+    from batchgen.engine.memory import fewer_full_collections
 
     built = time.perf_counter()
     llm = LLM(
@@ -90,7 +90,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     startup = {"build_s": warming - built, "warmup_s": time.perf_counter() - warming}
     eng = llm.engine
     _sync(args.device)
-    with frozen_heap():  # as LLM.generate runs: no full collection walks the engine
+    with fewer_full_collections():  # as LLM.generate runs
         before = eng.metrics()
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens)):

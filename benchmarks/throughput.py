@@ -32,7 +32,7 @@ from workloads import (  # noqa: E402
 
 def run_batchgen(ckpt, prompts, out_lens, args):
     from batchgen import LLM, SamplingParams
-    from batchgen.engine.memory import frozen_heap
+    from batchgen.engine.memory import fewer_full_collections
 
     llm = LLM(
         model=str(ckpt),
@@ -44,7 +44,7 @@ def run_batchgen(ckpt, prompts, out_lens, args):
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     eng = llm.engine
     _sync(args.device)
-    with frozen_heap():  # as LLM.generate runs: no full collection walks the engine
+    with fewer_full_collections():  # as LLM.generate runs
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens)):
             eng.add_request(

@@ -36,7 +36,7 @@ from batchgen.api.batch_journal import (
     read_lines,
     scan_answered,
 )
-from batchgen.engine.memory import frozen_heap
+from batchgen.engine.memory import fewer_full_collections
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
     lines = read_lines(opts.input)
     exhausted = False
     try:
-        with Signals() as sig, frozen_heap():
+        with Signals() as sig, fewer_full_collections():
             while not sig.abandon:
                 while not (sig.stop or exhausted) and len(pending) < opts.max_in_flight:
                     nxt = next(lines, None)

@@ -10,7 +10,7 @@ from batchgen.api.parallel_sampling import child_params, select
 from batchgen.config import EngineConfig
 from batchgen.console import progress_enabled
 from batchgen.engine.engine_core import EngineCore
-from batchgen.engine.memory import frozen_heap
+from batchgen.engine.memory import fewer_full_collections
 from batchgen.engine.request import Request
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -131,7 +131,7 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        with frozen_heap():  # see frozen_heap: no full collection walks the engine
+        with fewer_full_collections():  # see fewer_full_collections
             batch = next(self._ids)
             groups: list[list[str]] = []  # per prompt: its engine requests, one per sample
             for i, ((tokens, _), p) in enumerate(zip(encoded, params)):
