@@ -87,17 +87,7 @@ def test_forward_does_not_sync_and_replays_in_a_cuda_graph():
         module(x)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        module(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = module(x)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.testing.assert_close(out, module(x), atol=0, rtol=0)
+    out = _replay_after_capture(module, x)
     assert not torch.equal(out, eager)
 
 
@@ -124,6 +114,12 @@ def test_triton_experts_below_the_switch_match_grouped_mm_and_replay(monkeypatch
     torch.testing.assert_close(eager.float(), grouped.float(), atol=2e-2, rtol=2e-2)
     module(torch.randn(49, HIDDEN, device="cuda", dtype=torch.bfloat16))
     assert len(calls) == 2  # past the switch: grouped_mm
+    _replay_after_capture(module, x)
+
+
+def _replay_after_capture(module, x: torch.Tensor) -> torch.Tensor:
+    """Capture module(x) in a CUDA graph (after a side-stream warm-up), refill x, replay:
+    the replay's output must equal an eager forward of the new x; returns it."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -135,3 +131,4 @@ def test_triton_experts_below_the_switch_match_grouped_mm_and_replay(monkeypatch
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, module(x), atol=0, rtol=0)
+    return out
