@@ -95,9 +95,7 @@ class LinearAttentionMetadata:
         host = torch.tensor(starts, dtype=torch.int64)
         slots = [s.slot for s in seqs]
         fresh = [s.slot for s in seqs if not s.has_state]
-        parts = [starts, slots, fresh]
-        dev = to_device(torch.from_numpy(pack_aligned(parts)), device)
-        cu_seqlens, state_slots, fresh_slots = unpack_aligned(dev, [len(p) for p in parts])
+        cu_seqlens, state_slots, fresh_slots = parts_to_device([starts, slots, fresh], device)
         return cls(
             seqs=seqs,
             cu_seqlens=cu_seqlens,
@@ -129,6 +127,14 @@ def unpack_aligned(packed: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]
         out.append(packed[at : at + size])
         at += size + size % 2
     return out
+
+
+def parts_to_device(parts: list, device: torch.device | str) -> list[torch.Tensor]:
+    """int64 parts (arrays or sequences) on `device` in one copy (to_device), each
+    part's view starting 16-byte aligned (pack_aligned)."""
+    arrays = [np.asarray(p, dtype=np.int64).ravel() for p in parts]
+    packed = to_device(torch.from_numpy(pack_aligned(arrays)), device)
+    return unpack_aligned(packed, [a.size for a in arrays])
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

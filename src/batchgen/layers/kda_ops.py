@@ -26,13 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from batchgen.forward_context import (
-    LinearAttentionMetadata,
-    derived,
-    pack_aligned,
-    to_device,
-    unpack_aligned,
-)
+from batchgen.forward_context import LinearAttentionMetadata, derived, parts_to_device
 from batchgen.layers import kda_torch
 
 
@@ -262,7 +256,7 @@ def _split(meta: LinearAttentionMetadata, device: torch.device) -> _Split | None
     prefills = [s for s in meta.seqs if s.q_len > 1]
     if not decodes or not prefills:
         return None
-    nd, npre = len(decodes), len(prefills)
+    nd = len(decodes)
     lens = np.array([s.q_len for s in prefills], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lens)])
     starts = np.array([s.q_start for s in prefills], dtype=np.int64)
@@ -275,6 +269,4 @@ def _split(meta: LinearAttentionMetadata, device: torch.device) -> _Split | None
         [s.slot for s in prefills],
         cu,
     ]
-    dev = to_device(torch.from_numpy(pack_aligned(parts)), device)
-    views = unpack_aligned(dev, [nd, nd, nd + 1, len(prefill_rows), npre, npre + 1])
-    return _Split(*views, torch.from_numpy(cu.astype(np.int64)))
+    return _Split(*parts_to_device(parts, device), torch.from_numpy(cu))

@@ -22,13 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from batchgen.forward_context import (
-    AttentionMetadata,
-    derived,
-    pack_aligned,
-    to_device,
-    unpack_aligned,
-)
+from batchgen.forward_context import AttentionMetadata, derived, parts_to_device
 from batchgen.kernels.mla_decode import mla_decode
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.store_kv import store_latent  # noqa: F401  (the backend's latent write)
@@ -101,7 +95,6 @@ def _prefill_index(meta: AttentionMetadata, device: torch.device):
         table[i, :n] = np.arange(first, first + n)
         first += n
     parts = [[s.q_start for s in seqs], [s.q_len for s in seqs], [s.seq_len for s in seqs], table]
-    dev = to_device(torch.from_numpy(pack_aligned(parts)), device)
-    q_start, q_len, seq_len, flat = unpack_aligned(dev, [num, num, num, table.size])
+    q_start, q_len, seq_len, flat = parts_to_device(parts, device)
     index = (q_start, q_len, seq_len, flat.view(num, width))
     return pages, index, max(s.q_len for s in seqs)
