@@ -125,50 +125,48 @@ class LLM:
             f"prompt {index}: expected a string or a list of token ids, got {type(prompt).__name__}"
         )
 
+    @fewer_full_collections()  # adding the requests and every step run inside it
     def _run(
         self,
         encoded: list[tuple[list[int], str | None]],
         params: list[SamplingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        with fewer_full_collections():  # see fewer_full_collections
-            batch = next(self._ids)
-            groups: list[list[str]] = []  # per prompt: its engine requests, one per sample
-            for i, ((tokens, _), p) in enumerate(zip(encoded, params)):
-                children = child_params(p)
-                rid = f"{batch}-{i}"
-                group = (
-                    [rid] if len(children) == 1 else [f"{rid}#{k}" for k in range(len(children))]
-                )
-                for child_id, child in zip(group, children):  # consecutive: one prompt prefill
-                    self.engine.add_request(child_id, tokens, child, validated=True)
-                groups.append(group)
-            ids = [rid for group in groups for rid in group]
-            done: dict[str, Request] = {}
-            tokens_before = self.engine.stats.output_tokens  # the bar counts this call's tokens
-            bar = None
-            if use_tqdm and progress_enabled():
-                from tqdm.auto import tqdm
+        batch = next(self._ids)
+        groups: list[list[str]] = []  # per prompt: its engine requests, one per sample
+        for i, ((tokens, _), p) in enumerate(zip(encoded, params)):
+            children = child_params(p)
+            rid = f"{batch}-{i}"
+            group = [rid] if len(children) == 1 else [f"{rid}#{k}" for k in range(len(children))]
+            for child_id, child in zip(group, children):  # consecutive: one prompt prefill
+                self.engine.add_request(child_id, tokens, child, validated=True)
+            groups.append(group)
+        ids = [rid for group in groups for rid in group]
+        done: dict[str, Request] = {}
+        tokens_before = self.engine.stats.output_tokens  # the bar counts this call's tokens
+        bar = None
+        if use_tqdm and progress_enabled():
+            from tqdm.auto import tqdm
 
-                bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)
-            try:
-                while self.engine.has_unfinished:
-                    for req in self.engine.step():
-                        done[req.request_id] = req
-                        if bar is not None:
-                            bar.update(1)
-                            out_tok = self.engine.stats.output_tokens - tokens_before
-                            bar.set_postfix(out_tok=out_tok, refresh=False)
-            except BaseException:
-                self.engine.abort(rid for rid in ids if rid not in done)
-                raise
-            finally:
-                if bar is not None:
-                    bar.close()
-            return [
-                self._output(f"{batch}-{i}", [done[rid] for rid in group], text, p)
-                for i, (group, (_, text), p) in enumerate(zip(groups, encoded, params))
-            ]
+            bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished:
+                for req in self.engine.step():
+                    done[req.request_id] = req
+                    if bar is not None:
+                        bar.update(1)
+                        out_tok = self.engine.stats.output_tokens - tokens_before
+                        bar.set_postfix(out_tok=out_tok, refresh=False)
+        except BaseException:
+            self.engine.abort(rid for rid in ids if rid not in done)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [
+            self._output(f"{batch}-{i}", [done[rid] for rid in group], text, p)
+            for i, (group, (_, text), p) in enumerate(zip(groups, encoded, params))
+        ]
 
     def _output(
         self, request_id: str, reqs: list[Request], prompt: str | None, params: SamplingParams
