@@ -10,6 +10,7 @@ time) against the H200 device-copy ceiling of 4.23 TB/s; prefill on attention TF
     python benchmarks/bench_kernels.py --quick    # defaults only
     python benchmarks/bench_kernels.py --moe      # routed experts only (see bench_moe)
     python benchmarks/bench_kernels.py --mla      # W4's MLA prefill attention only
+    python benchmarks/bench_kernels.py --silu     # silu_and_mul launches at W4/W6 shapes
 
 --moe: W4's routed experts (64 experts of hidden 2048 and intermediate 1408, top-6,
 bf16) at 64 to 8192 tokens, through torch._grouped_mm (layers.routed_experts, the
@@ -276,11 +277,54 @@ def bench_moe(gen) -> list[tuple]:
     return rows
 
 
+def bench_silu(gen) -> list[tuple]:
+    """kernels/silu_and_mul.py at the MoE models' shapes, rated on the bytes it moves
+    (the [T, 2I] input read once, the [T, I] output written once) against the copy
+    ceiling; launches (rows, block, warps), the shape's default first."""
+    from batchgen.kernels import silu_and_mul as sm
+
+    launches = [(1, 1024, 4), (1, 2048, 8), (2, 1024, 8), (2, 512, 4), (4, 512, 4)]
+    launches += [(4, 256, 4), (8, 256, 4), (8, 128, 4), (16, 128, 4), (16, 256, 8)]
+    launches += [(32, 128, 8)]
+    shapes = [
+        ("W4 routed prefill", 16384 * 6, 1408),
+        ("W6 routed prefill", 16384 * 6, 1024),
+        ("W4 shared prefill", 16384, 2 * 1408),
+        ("W4 dense prefill", 16384, 11264),
+        ("W4 routed decode", 512 * 6, 1408),
+    ]
+    rows = []
+    for name, t, inter in shapes:
+        x = torch.randn(t, 2 * inter, generator=gen).to("cuda", DTYPE)
+        out = torch.empty(t, inter, device="cuda", dtype=DTYPE)
+        ref = sm.silu_and_mul(x)
+        moved = 3 * t * inter * ELEM
+        default = sm.launch_for(inter)
+        others = [sm.SiluTuning(*launch) for launch in launches]
+        for tn in [default] + [o for o in others if o != default]:
+            sm.silu_and_mul(x, out=out, tuning=tn)
+            same = "same bits" if torch.equal(out, ref) else "DIFFERS"
+            seconds = _bench(partial(sm.silu_and_mul, x, out=out, tuning=tn))
+            bw = moved / seconds
+            rows.append(
+                (
+                    f"silu {name} [{t}, {inter}]",
+                    f"{tn.block_rows}x{tn.block} w{tn.num_warps} ({same})",
+                    "-",
+                    f"{seconds * 1e6:.1f} us",
+                    f"{bw / 1e12:.2f} TB/s",
+                    f"{100 * bw / COPY_BW:.0f}% of copy",
+                )
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="default launch parameters only")
     parser.add_argument("--moe", action="store_true", help="the routed-expert GEMMs only")
     parser.add_argument("--mla", action="store_true", help="W4's MLA prefill attention only")
+    parser.add_argument("--silu", action="store_true", help="silu_and_mul launches only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device", file=sys.stderr)
@@ -303,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.mla:
         rows += bench_mla_prefill(16, 1024, sweep, gen)
+        _print(rows)
+        return 0
+    if args.silu:
+        rows += bench_silu(gen)
         _print(rows)
         return 0
     rows += bench_decode(caches, 256, 1000, sweep, gen)

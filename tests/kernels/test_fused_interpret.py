@@ -25,7 +25,12 @@ from conftest import tiny_config  # noqa: E402
 
 from batchgen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: E402
 from batchgen.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
-from batchgen.kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference  # noqa: E402
+from batchgen.kernels.silu_and_mul import (  # noqa: E402
+    SiluTuning,
+    launch_for,
+    silu_and_mul,
+    silu_and_mul_reference,
+)
 from batchgen.layers.activation import silu_and_mul_torch  # noqa: E402
 from batchgen.layers.norm import RMSNorm, rms_norm_torch  # noqa: E402
 from batchgen.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -109,6 +114,26 @@ def test_silu_and_mul_matches_reference(dtype, inter):
     out = torch.full((4, inter), float("nan"), dtype=dtype, device=DEVICE)
     assert silu_and_mul(x, out=out) is out
     _assert_rounded_alike(out, silu_and_mul_reference(x), exact_on_gpu=True)
+
+
+@pytest.mark.parametrize("tuning", [SiluTuning(4, 32, 4), SiluTuning(8, 16, 2)])
+def test_silu_and_mul_tiles_cover_partial_rows_and_columns(tuning):
+    """Tiles of several rows: 7 rows and 44 columns leave the last row block and the last
+    column block partial; every output element is written once, nothing past them."""
+    gen = torch.Generator().manual_seed(6)
+    x = _rows_view(7, 2 * 44, gen, torch.bfloat16)
+    buf = torch.full((8, 48), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = buf[:7, :44]
+    assert silu_and_mul(x, out=out, tuning=tuning) is out
+    _assert_rounded_alike(out, silu_and_mul_reference(x), exact_on_gpu=True)
+    assert torch.isnan(buf[7]).all() and torch.isnan(buf[:, 44:]).all()
+
+
+def test_silu_and_mul_launch_for_width():
+    """One 1,024-wide row a program where I is a multiple of 1,024, else 16 x 128 tiles:
+    the launches bench_kernels.py --silu found best at each of the MoE models' widths."""
+    assert launch_for(1024) == launch_for(11264) == SiluTuning(1, 1024, 4)
+    assert launch_for(1408) == launch_for(2816) == launch_for(40) == SiluTuning(16, 128, 4)
 
 
 def _rotary(arch, head_dim, max_positions=64):
