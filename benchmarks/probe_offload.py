@@ -91,6 +91,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from engine_runs import dummy_model, engine_default, threads_for  # noqa: E402
+from schedule_replay import ReplayScheduler, StepRecorder, replay_params  # noqa: E402
 from workloads import MODELS  # noqa: E402
 
 from batchgen.eval.closeness import close_under_top5, top5_from_logprobs  # noqa: E402
@@ -166,8 +167,10 @@ def compare_debug(tier, ample) -> dict:
     }
 
 
-def run(model, prompts, params, after=None, swap_every: int = 0, **kw):
+def run(model, prompts, params, after=None, swap_every: int = 0, record: bool = False, **kw):
     """Generate on a fresh engine, then free it; after(llm, rows) runs on it first.
+    record: the fourth value returned is the engine's launched steps (StepRecorder), their
+    request ids renamed probe<i> for prompt i.
     swap_every > 0: the engine is driven step by step and, every swap_every steps, its
     pool re-created at the same size (reconfigure), which preempts, so swaps (the
     tier's policy permitting), every running request; metrics then count the requests
@@ -178,6 +181,7 @@ def run(model, prompts, params, after=None, swap_every: int = 0, **kw):
 
     with threads_for(kw["device"]):
         llm = LLM(model=model, **kw)
+        recorder = StepRecorder(llm.engine) if record else None
         t0 = time.perf_counter()
         if swap_every:
             outs, forced = _generate_swapping(llm.engine, prompts, params, swap_every)
@@ -196,6 +200,8 @@ def run(model, prompts, params, after=None, swap_every: int = 0, **kw):
             else outs
         )
         extra = after(llm, rows) if after is not None else None
+        if recorder is not None:
+            extra = [[(_probe_id(r), s, n) for r, s, n in step] for step in recorder.steps]
         if llm.engine.tier is not None:
             llm.engine.tier.copies.close()
         llm.engine.shutdown()
@@ -204,6 +210,38 @@ def run(model, prompts, params, after=None, swap_every: int = 0, **kw):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows, metrics, wall, extra
+
+
+def _probe_id(request_id: str) -> str:
+    """probe<i> for generate()'s request id <call>-<i> (and for probe<i> itself)."""
+    return request_id if request_id.startswith("probe") else f"probe{request_id.split('-')[-1]}"
+
+
+def replay(model, prompts, params, steps, **kw) -> tuple[list[list[int]], float]:
+    """The recorded tier run's steps computed again by an engine with the ample pool and
+    no tier (schedule_replay.py): (each prompt's tokens, wall seconds)."""
+    import torch
+
+    from batchgen import LLM
+
+    kw = dict(kw, host_kv_size_gib=0, enable_prefix_caching=False, pipeline_decode=False)
+    with threads_for(kw["device"]):
+        llm = LLM(model=model, **kw)
+        eng = llm.engine
+        scheduler = ReplayScheduler.install(eng, steps)
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            eng.add_request(f"probe{i}", prompt, replay_params(params))
+        while not scheduler.done:
+            eng.step()
+        wall = time.perf_counter() - t0
+        rows = [list(scheduler.by_id[f"probe{i}"].output_token_ids) for i in range(len(prompts))]
+        eng.shutdown()
+        del llm, eng, scheduler
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows, wall
 
 
 def _generate_swapping(eng, prompts, params, every: int) -> tuple[list, dict]:
@@ -307,6 +345,12 @@ def main(argv=None) -> int:
         help="default mode: + an ample run at half --max-num-seqs, judged the same way",
     )
     ap.add_argument(
+        "--replay",
+        action="store_true",
+        help="default modes: + the tier run's steps replayed with the ample pool (same rows, "
+        "same shapes; only where KV lived differs), judged the same way; decides the exit",
+    )
+    ap.add_argument(
         "--dtype",
         default=None,
         choices=("bfloat16", "float16", "float32"),
@@ -346,6 +390,8 @@ def main(argv=None) -> int:
 
     if args.debug and args.swap_every:
         ap.error("--swap-every drives the default modes' tier run, not --debug's")
+    if args.replay and (args.debug or args.tp > 1):
+        ap.error("--replay replays a default mode's tier run on one rank")
     if args.debug:
         params = SamplingParams(
             temperature=0, max_tokens=args.output_len, ignore_eos=True, logprobs=5
@@ -358,10 +404,20 @@ def main(argv=None) -> int:
         verdict["readback_mismatches"] = 0  # a mismatch raises KVReadbackError
     else:
         params = SamplingParams(temperature=0, max_tokens=args.output_len)
-        tier_rows, m_tier, wall_tier, _ = run(
-            model, prompts, params, swap_every=args.swap_every, **tight, **common
+        tier_rows, m_tier, wall_tier, steps = run(
+            model,
+            prompts,
+            params,
+            swap_every=args.swap_every,
+            record=args.replay,
+            **tight,
+            **common,
         )
         tier_ids = [r[0] for r in tier_rows]
+        replay_ids = wall_replay = None
+        if args.replay:  # the extra token a pipelined step computed after an EOS is cut
+            replayed, wall_replay = replay(model, prompts, params, steps, **common)
+            replay_ids = [r[: len(t)] for r, t in zip(replayed, tier_ids)]
         control_ids = None
         if args.control:  # no tier, other batches: what batching alone changes
             half = dict(common, max_num_seqs=max(1, args.max_num_seqs // 2))
@@ -372,6 +428,8 @@ def main(argv=None) -> int:
             verdict = compare(prompts, tier_ids, ample_ids, score)
             if control_ids is not None:
                 verdict["control"] = compare(prompts, control_ids, ample_ids, score)
+            if replay_ids is not None:  # the tier run against its own batching
+                verdict["replay"] = compare(prompts, tier_ids, replay_ids, score)
             return verdict
 
         ample_rows, m_ample, wall_ample, verdict = run(
@@ -399,6 +457,9 @@ def main(argv=None) -> int:
         "ample_run": m_ample,
         "ample_wall_s": wall_ample,
     }
+    if args.replay:
+        result["replay_steps"] = len(steps)
+        result["replay_wall_s"] = wall_replay
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "probe_offload.json").write_text(json.dumps(result, indent=2))
     shown = {k: v for k, v in result.items() if k not in ("offload_run", "ample_run")}
@@ -409,7 +470,8 @@ def main(argv=None) -> int:
         sys.stdout.write(f"tier run, rank {rank}: " + json.dumps(worker) + "\n")
     if not m_tier.get("swaps_out"):
         sys.stdout.write("note: the tier run swapped nothing (see tier_policy, --kv-gib)\n")
-    return 0 if verdict["broken_rows"] == 0 and lost == 0 else 1
+    judged = verdict["replay"] if args.replay else verdict
+    return 0 if judged["broken_rows"] == 0 and lost == 0 else 1
 
 
 if __name__ == "__main__":

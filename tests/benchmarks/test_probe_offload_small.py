@@ -122,3 +122,13 @@ def test_readback_probe_at_two_tensor_parallel_ranks(tmp_path):
     assert worker["pages_offloaded"] == m["pages_offloaded"] > 0
     assert worker["state_stores"] >= m["state_swaps_out"]  # checkpoints store too
     assert worker["readback_checks"] == m["readback_checks"] > 0
+
+
+def test_replay_judges_the_tier_run_against_its_own_batching(tmp_path):
+    """--replay: the W4 model's tier run in defaults (EOS endings, pipelined decode) and
+    the ample pool computing the very same rows: identical tokens, and the exit status
+    follows that verdict."""
+    result = _run(tmp_path, "--model", "moonlight-w4", "--tier-policy", "always", "--replay")
+    assert result["offload_run"]["swaps_out"] > 0
+    assert result["replay"]["identical_rows"] == 16 and result["replay"]["broken_rows"] == 0
+    assert result["replay_steps"] > 0 and result["replay_wall_s"] > 0
