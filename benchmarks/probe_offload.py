@@ -65,6 +65,16 @@ with random weights whose routing flips on small differences (random-weight MoE 
 the closeness rule can count rows broken with no tier at all; the control says how many,
 and the tier run's copies are proven by the readback either way.
 
+--replay (default modes): the tier run's launched steps are recorded and computed again
+by an engine with the ample pool, no tier and no prefix caching, one step at a time
+(schedule_replay.py): the same rows, tokens and shapes in every step, so only where the
+KV lived between steps differs ("replay" in the output, judged by the same rule; it
+decides the exit status). A correct tier gives identical rows however batching rounds:
+the W4 and W6 models' probes on the GPU:
+
+    PYTHONPATH=src python3 benchmarks/probe_offload.py --model moonlight-w4 --replay --out $OUT
+    PYTHONPATH=src python3 benchmarks/probe_offload.py --model kimi-w6 --kv-gib 1 --replay --out $OUT
+
 --dtype float32 (GPU): the same probe with batching's rounding far below any routing
 margin, so that rows broken in bf16 by routing flips alone come out identical; the MoE
 layers' grouped GEMM serves bfloat16 only, so decode then runs without CUDA graphs.

@@ -109,3 +109,26 @@ def test_replay_refuses_what_it_cannot_reproduce(tmp_path):
         plain.engine.step()
     with pytest.raises(sr.ReplayError, match="no row in the recording"):
         scheduler.add(plain.engine.requests["a"].__class__("b", [1, 2], params, 4))
+
+
+def test_replay_catches_pages_loaded_wrong(tmp_path, monkeypatch):
+    """The comparison can fail: a tier run whose swap-in loads leave layer 0 of every
+    loaded page zeroed diverges from its replay, where those pages never moved."""
+    import batchgen.kv.tiered as tiered
+
+    load = tiered.host_to_device_pages
+
+    def zeroing(host_kv, dev_kv, host_pages, dev_pages, on_layer=None):
+        handle = load(host_kv, dev_kv, host_pages, dev_pages, on_layer)
+        dev_kv[0].index_fill_(1, handle[1], 0.0)
+        return handle
+
+    monkeypatch.setattr(tiered, "host_to_device_pages", zeroing)
+    kw, prompts = _kw(tmp_path), _prompts()
+    params = SamplingParams(temperature=0, max_tokens=16)
+    tier = dict(num_kv_pages=40, host_kv_size_gib=0.002, tier_policy="always")
+    tier_rows, steps, m = _record(kw, prompts, params, **tier)
+    assert m["swaps_in"] > 0 and m["pages_loaded"] > 0
+    rows, replayed, _ = _replay(kw, prompts, params, steps)
+    assert replayed == steps  # the same rows, and yet
+    assert [r[: len(t)] for r, t in zip(rows, tier_rows)] != tier_rows
