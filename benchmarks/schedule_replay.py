@@ -37,7 +37,7 @@ from dataclasses import replace
 
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler import Scheduler
-from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+from batchgen.runner.batch import SchedulerOutput
 
 Row = tuple[str, int, int]  # (request id, start, tokens)
 
@@ -139,22 +139,7 @@ class ReplayScheduler(Scheduler):
                 raise ReplayError("the replaying engine's pool is too small")
             scheduled.append((req, n))
         out.released_ids = self.take_released()
-        pages = self.kv.pages
-        out.requests = [
-            ScheduledRequest(
-                req.request_id,
-                req.token_ids[req.num_computed_tokens : req.num_computed_tokens + n],
-                req.num_computed_tokens,
-                pages[req.request_id],
-                req.num_computed_tokens + n == req.num_tokens,
-                req.params,
-                req.prompt_token_ids,
-                req.output_token_ids,
-                req.seed,
-                None if self.state_slots is None else self.state_slots.slot(req.request_id),
-            )
-            for req, n in scheduled
-        ]
+        out.requests = [self._scheduled(req, n) for req, n in scheduled]
         return out
 
     def _admit(self, req: Request, start: int) -> None:

@@ -189,23 +189,24 @@ class Scheduler:
         out.wait_for = self.kv.take_step_copies() + waits
         if self.exact_swap is not None:
             out.wait_for += self.exact_swap.take_waits()
-        pages = self.kv.pages
-        out.requests = [
-            ScheduledRequest(  # fields in order: id, new tokens, start, pages, sample, ...
-                req.request_id,
-                _new_tokens(req, n),
-                req.num_computed_tokens,
-                pages[req.request_id],
-                req.num_computed_tokens + n == len(req.token_ids) + req.num_pending,
-                req.params,
-                req.prompt_token_ids,
-                req.output_token_ids,
-                req.seed,
-                None if self.state_slots is None else self.state_slots.slot(req.request_id),
-            )
-            for req, n in scheduled
-        ]
+        out.requests = [self._scheduled(req, n) for req, n in scheduled]
         return out
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        """The step's entry for a request that computes its next n tokens."""
+        start = req.num_computed_tokens
+        return ScheduledRequest(  # fields in order: id, new tokens, start, pages, sample, ...
+            req.request_id,
+            _new_tokens(req, n),
+            start,
+            self.kv.pages[req.request_id],
+            start + n == len(req.token_ids) + req.num_pending,
+            req.params,
+            req.prompt_token_ids,
+            req.output_token_ids,
+            req.seed,
+            None if self.state_slots is None else self.state_slots.slot(req.request_id),
+        )
 
     def _chunk(self, req: Request, computed: int, budget: int) -> int:
         """Tokens the request computes this step from `computed`: what is left, within
