@@ -22,6 +22,9 @@ _DTYPES = {
 LARGE_GPU_GIB = 70
 LARGE_GPU_LIMITS = (1024, 16384)  # (max_num_seqs, max_num_batched_tokens)
 DEFAULT_LIMITS = (256, 8192)
+# the compressed-state slots of a model with linear-attention layers (one a row) take at
+# most this share of the device memory under the large limits: rows are halved until they do
+STATE_POOL_SHARE = 1 / 8
 
 
 @dataclass
@@ -32,7 +35,9 @@ class EngineConfig:
     engine is built (`with_batch_limits`): 1024 rows and 16,384 tokens a step on a GPU of
     at least 70 GiB that is not an A100 (as vLLM's offline LLM does: more rows a decode
     step for the same weight reads), else 256 and 8,192. A model with linear-attention
-    layers keeps 256 rows there: each row holds a compressed-state slot on the device.
+    layers takes fewer rows there where its compressed-state slots (one a row, on the
+    device) would take more than an eighth of the device memory: 512 for W6's model
+    (19.5 MB a row), 256 for one of Kimi-Linear-48B's size.
 
     kv_cache_size_gib, when set, fixes the device KV pool size; otherwise the pool
     takes gpu_memory_utilization of the device memory left after a warm-up forward
@@ -163,11 +168,13 @@ class EngineConfig:
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
 
-    def with_batch_limits(self, device: torch.device, hybrid: bool) -> EngineConfig:
+    def with_batch_limits(self, device: torch.device, state_bytes_per_seq: int = 0) -> EngineConfig:
         """This config with max_num_seqs and max_num_batched_tokens set where they are
-        None: the large limits on a GPU of at least LARGE_GPU_GIB that is not an A100
-        (rows capped at the default's for a `hybrid` model, whose rows each hold a
-        compressed-state slot), else the default ones."""
+        None: the large limits on a GPU of at least LARGE_GPU_GIB that is not an A100,
+        else the default ones. Under the large limits, a model whose rows each hold
+        `state_bytes_per_seq` bytes of compressed state on the device (a slot a running
+        request) gets rows halved, down to the default's, until the slots take at most
+        STATE_POOL_SHARE of the device memory."""
         if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
             return self
         seqs, tokens = DEFAULT_LIMITS
@@ -175,8 +182,9 @@ class EngineConfig:
             props = torch.cuda.get_device_properties(device)
             if props.total_memory >= LARGE_GPU_GIB * 2**30 and "A100" not in props.name:
                 seqs, tokens = LARGE_GPU_LIMITS
-                if hybrid:
-                    seqs = DEFAULT_LIMITS[0]
+                share = props.total_memory * STATE_POOL_SHARE
+                while seqs > DEFAULT_LIMITS[0] and seqs * state_bytes_per_seq > share:
+                    seqs //= 2
         return replace(
             self,
             max_num_seqs=self.max_num_seqs or seqs,

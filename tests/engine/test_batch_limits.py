@@ -1,7 +1,8 @@
 """max_num_seqs and max_num_batched_tokens left unset are set for the device when the
 engine is built: 1024 rows and 16,384 tokens on a GPU of 70 GiB or more that is not an
-A100 (vLLM's offline defaults there), 256 rows for a model with linear-attention layers
-there, 256 and 8,192 elsewhere; values given are kept. On the GPU, a default engine
+A100 (vLLM's offline defaults there), fewer rows there for a model with linear-attention
+layers whose state slots would fill more than an eighth of the GPU, 256 and 8,192
+elsewhere; values given are kept. On the GPU, a default engine
 decodes 700 requests in one captured step (a bucket above 512)."""
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from conftest import save_tiny_model
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
-from batchgen.engine.engine_core import has_linear_layers
+from batchgen.engine.engine_core import state_bytes_per_seq
 from batchgen.runner.cuda_graphs import bucket_for
 
 GIB = 2**30
+MB = 10**6
 
 
 def _on_gpu(monkeypatch, name: str, gib: float) -> torch.device:
@@ -28,32 +30,36 @@ def _on_gpu(monkeypatch, name: str, gib: float) -> torch.device:
 
 
 @pytest.mark.parametrize(
-    "name,gib,hybrid,want",
+    "name,gib,state_bytes,want",
     [
-        ("NVIDIA H200", 139.8, False, (1024, 16384)),
-        ("NVIDIA H100 80GB HBM3", 79.2, False, (1024, 16384)),
-        ("NVIDIA H200", 139.8, True, (256, 16384)),
-        ("NVIDIA A100-SXM4-80GB", 79.2, False, (256, 8192)),
-        ("NVIDIA L4", 22.0, False, (256, 8192)),
-        ("NVIDIA A10G", 69.9, False, (256, 8192)),
+        ("NVIDIA H200", 139.8, 0, (1024, 16384)),
+        ("NVIDIA H100 80GB HBM3", 79.2, 0, (1024, 16384)),
+        ("NVIDIA H200", 139.8, 1 * MB, (1024, 16384)),  # 1 GB of slots
+        ("NVIDIA H200", 139.8, 19 * MB, (512, 16384)),  # W6: 1024 rows would take 20 GB
+        ("NVIDIA H200", 139.8, 42 * MB, (256, 16384)),  # Kimi-Linear-48B's size
+        ("NVIDIA H200", 139.8, 400 * MB, (256, 16384)),  # never below the default's
+        ("NVIDIA H100 80GB HBM3", 79.2, 19 * MB, (512, 16384)),
+        ("NVIDIA A100-SXM4-80GB", 79.2, 0, (256, 8192)),
+        ("NVIDIA L4", 22.0, 0, (256, 8192)),
+        ("NVIDIA A10G", 69.9, 0, (256, 8192)),
     ],
 )
-def test_unset_limits_follow_the_gpu(monkeypatch, name, gib, hybrid, want):
+def test_unset_limits_follow_the_gpu(monkeypatch, name, gib, state_bytes, want):
     device = _on_gpu(monkeypatch, name, gib)
-    config = EngineConfig().with_batch_limits(device, hybrid)
+    config = EngineConfig().with_batch_limits(device, state_bytes)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == want
 
 
 def test_limits_given_are_kept_and_the_cpu_takes_the_small_ones(monkeypatch):
-    cpu = EngineConfig().with_batch_limits(torch.device("cpu"), False)
+    cpu = EngineConfig().with_batch_limits(torch.device("cpu"), 19 * MB)
     assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (256, 8192)
     device = _on_gpu(monkeypatch, "NVIDIA H200", 139.8)
-    one = EngineConfig(max_num_seqs=64).with_batch_limits(device, False)
+    one = EngineConfig(max_num_seqs=64).with_batch_limits(device)
     assert (one.max_num_seqs, one.max_num_batched_tokens) == (64, 16384)
-    other = EngineConfig(max_num_batched_tokens=2048).with_batch_limits(device, True)
+    other = EngineConfig(max_num_batched_tokens=2048).with_batch_limits(device, 42 * MB)
     assert (other.max_num_seqs, other.max_num_batched_tokens) == (256, 2048)
     given = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128)
-    assert given.with_batch_limits(device, False) == given
+    assert given.with_batch_limits(device) == given
 
 
 @pytest.mark.parametrize("name", ["max_num_seqs", "max_num_batched_tokens"])
@@ -63,11 +69,18 @@ def test_bad_limits_are_refused_by_name(name, bad):
         EngineConfig(**{name: bad})
 
 
-def test_hybrid_configs_are_told_by_their_layer_types():
-    assert has_linear_layers(SimpleNamespace(layer_types=["linear_attention", "full_attention"]))
-    assert not has_linear_layers(SimpleNamespace(layer_types=["full_attention"] * 2))
-    assert not has_linear_layers(SimpleNamespace(layer_types=None))
-    assert not has_linear_layers(SimpleNamespace())
+def test_a_hybrid_configs_state_bytes_come_from_its_linear_layers():
+    w6_like = SimpleNamespace(
+        layer_types=["full_attention"] + ["linear_attention"] * 3,
+        linear_num_heads=16,
+        linear_head_dim=128,
+        linear_conv_kernel_dim=4,
+    )
+    # three layers of a float32 16x128x128 state and a 3-token window of q, k and v
+    assert state_bytes_per_seq(w6_like) == 3 * (16 * 128 * 128 * 4 + 3 * 3 * 16 * 128 * 2)
+    assert state_bytes_per_seq(SimpleNamespace(layer_types=["full_attention"] * 2)) == 0
+    assert state_bytes_per_seq(SimpleNamespace(layer_types=None)) == 0
+    assert state_bytes_per_seq(SimpleNamespace()) == 0
 
 
 def test_an_engine_on_the_cpu_runs_with_the_small_limits(tmp_path):

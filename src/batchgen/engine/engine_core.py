@@ -47,9 +47,18 @@ from batchgen.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def has_linear_layers(hf_config) -> bool:
-    """Whether a checkpoint's config names linear-attention layers (`layer_types`)."""
-    return "linear_attention" in (getattr(hf_config, "layer_types", None) or ())
+def state_bytes_per_seq(hf_config) -> int:
+    """Device bytes of compressed state a running request holds in a model with
+    linear-attention layers (`layer_types`): per such layer a float32 [heads, head_dim,
+    head_dim] state and a short-convolution window (at two bytes an element); 0 for a
+    model without them."""
+    types = list(getattr(hf_config, "layer_types", None) or ())
+    layers = types.count("linear_attention")
+    if not layers:
+        return 0
+    heads, dim = hf_config.linear_num_heads, hf_config.linear_head_dim
+    window = (getattr(hf_config, "linear_conv_kernel_dim", 4) - 1) * 3 * heads * dim * 2
+    return layers * (heads * dim * dim * 4 + window)
 
 
 @dataclass
@@ -72,7 +81,7 @@ class EngineCore:
         dtype: torch.dtype,
         tp_workers: TPWorkers | None = None,
     ) -> None:
-        config = config.with_batch_limits(device, has_linear_layers(hf_config))
+        config = config.with_batch_limits(device, state_bytes_per_seq(hf_config))
         self.config = config
         self.tp_workers = tp_workers  # tensor parallel: this is rank 0 of the group
         self.model = model
@@ -393,7 +402,7 @@ class EngineCore:
         tokenizer = source.load_tokenizer()
         device = config.torch_device()
         # set here, before tensor-parallel workers take the config
-        config = config.with_batch_limits(device, has_linear_layers(hf_config))
+        config = config.with_batch_limits(device, state_bytes_per_seq(hf_config))
         dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
         max_len = max_model_len(config, hf_config)
         if config.tensor_parallel_size == 1:
