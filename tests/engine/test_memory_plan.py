@@ -1,4 +1,5 @@
-"""The warm-up forward that memory planning measures on a GPU also runs on the CPU."""
+"""The warm-up forward that memory planning measures on a GPU also runs on the CPU: a
+full step of the token budget, in prompts as long as max_model_len allows."""
 
 from __future__ import annotations
 
@@ -42,18 +43,21 @@ def test_warmup_forward_runs_a_full_budget_step(tmp_path, monkeypatch):
 
     layout, hf_config, eos = eng.layout, eng.hf_config, eng.eos_token_ids
     warmup_forward(eng.model, layout, eng.device, hf_config, eos, 37, attention_backend="asked")
-    eng._profile_forward(10**6)  # capped at max_model_len, on the engine's backend
+    eng._profile_forward(150)  # prompts of 63, 63 and 24: max_model_len is 64
     hook.remove()
 
-    # one forward of the requested number of tokens each, capped at max_model_len = 64,
-    # on the backend asked for
-    assert forwards == [(torch.Size([37]), "asked"), (torch.Size([64]), "engine's")]
-    # each wrote the KV of exactly those tokens into its own pool, and nothing else
+    # one forward of the requested number of tokens each, on the backend asked for
+    assert forwards == [(torch.Size([37]), "asked"), (torch.Size([150]), "engine's")]
+    # each wrote the KV of exactly those tokens into its own pool, and nothing else: the
+    # second's three prompts from the first token slot of pages 0, 16 and 32
     assert len(pools) == 2
-    for pool, n in zip(pools, (37, 64)):
+    for pool, prompts in zip(pools, ([(0, 37)], [(0, 63), (64, 63), (128, 24)])):
         assert pool.kv is not eng.pool.kv
         slots = pool.kv.flatten(2, 3).abs().amax(dim=(0, 1, 3, 4))  # per token slot
-        assert bool((slots[:n] > 0).all()) and not bool(slots[n:].any())
+        written = torch.zeros_like(slots, dtype=torch.bool)
+        for first, n in prompts:
+            written[first : first + n] = True
+        assert torch.equal(slots > 0, written)
     # the engine's own pool is bit-for-bit untouched, its pages all still free
     assert torch.equal(eng.pool.kv, engine_kv)
     assert eng.kv.num_free_pages == free
@@ -76,3 +80,63 @@ def test_the_host_budget_gives_hybrid_models_a_state_slot_per_seat():
         EngineConfig(host_kv_size_gib=1.0, max_num_seqs=8), layout
     )
     assert slots == 32 and gib == 1.0 - 32 * per / 2**30
+
+
+def test_a_step_is_cut_into_prompts_no_longer_than_allowed():
+    assert memory.prompt_lengths(150, 63) == [63, 63, 24]
+    assert memory.prompt_lengths(126, 63) == [63, 63]
+    assert memory.prompt_lengths(40, 63) == [40]
+    assert memory.prompt_lengths(40, None) == [40]
+
+
+def test_norm_buckets_are_each_met_once_up_to_the_budget():
+    # 16 heads: a bucket per 4,096 tokens (65,536 rows of head_dim)
+    assert memory.norm_bucket_sizes(16384, 16) == [4096, 8192, 12288, 16384]
+    assert memory.norm_bucket_sizes(10000, 16) == [4096, 8192, 10000]
+    assert memory.norm_bucket_sizes(16384, 32) == [2048 * i for i in range(1, 9)]
+    assert memory.norm_bucket_sizes(1000, 2) == [1000]  # one bucket holds it all
+
+
+def test_a_hybrid_engine_warms_each_norm_bucket_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU the engine runs a warm-up step of each size (the budget's own ran in the
+    memory plan); on the CPU, with nothing to autotune, none. A warm-up step of several
+    prompts runs them all in the spare state slot: no other slot is written."""
+    from types import SimpleNamespace
+
+    from kimi_checkpoints import save_tiny_kimi
+
+    save_tiny_kimi(tmp_path, layer_types=["full_attention", "linear_attention"] * 2)
+    llm = LLM(
+        model=str(tmp_path),
+        device="cpu",
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=100,
+    )
+    eng = llm.engine
+    sizes = []
+    monkeypatch.setattr(eng, "_profile_forward", sizes.append)
+    monkeypatch.setattr(memory, "NORM_BUCKET_ROWS", 64)  # 2 heads: a bucket per 32 tokens
+    eng._warm_linear_norms()
+    assert sizes == []
+    monkeypatch.setattr(eng, "device", SimpleNamespace(type="cuda"))
+    eng._warm_linear_norms()
+    assert sizes == [32, 64, 96]
+    sizes.clear()
+    monkeypatch.setattr(eng.config, "num_kv_pages", 64)  # no memory plan ran
+    eng._warm_linear_norms()
+    assert sizes == [32, 64, 96, 100]
+    monkeypatch.undo()
+
+    torch.manual_seed(0)
+    for states, windows in eng.state_pool.layer_states():
+        states.normal_()
+        windows.normal_()
+    before = [(s.clone(), w.clone()) for s, w in eng.state_pool.layer_states()]
+    eng._profile_forward(100)  # prompts of 63 and 37
+    spare = eng.config.max_num_seqs
+    for (states, windows), (s0, w0) in zip(eng.state_pool.layer_states(), before):
+        assert torch.equal(states[:spare], s0[:spare])
+        assert torch.equal(windows[:spare], w0[:spare])
+        assert not torch.equal(states[spare], s0[spare])  # the prompts ran in the spare

@@ -16,6 +16,7 @@ from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
 from batchgen.engine.memory import (
     build_state_pool,
     copy_bytes_per_second,
+    norm_bucket_sizes,
     plan_num_pages,
     recompute_seconds_per_token,
     remake_pool,
@@ -97,6 +98,7 @@ class EngineCore:
         # out of what the KV pool may use
         self.state_pool = build_state_pool(model, config, dtype, device)
         num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
+        self._warm_linear_norms()
         self._check_pool_size(num_pages)
         # the host tier's budget: GiB of KV pages, and host slots of compressed state
         state_layout = None if self.state_pool is None else self.state_pool.layout
@@ -436,9 +438,12 @@ class EngineCore:
             self.tp_workers = None
 
     def _profile_forward(self, num_tokens: int) -> None:
-        n = min(num_tokens, self.max_model_len)
+        """A prefill step of num_tokens in prompts no longer than max_model_len allows
+        (warmup_forward), on every rank."""
+        n, longest = num_tokens, self.max_model_len - 1
         if self.tp_workers is not None:  # the workers run it too: collectives pair up
-            self.tp_workers.send({"profile": n, "eos_token_ids": self.eos_token_ids})
+            message = {"profile": n, "max_len": longest, "eos_token_ids": self.eos_token_ids}
+            self.tp_workers.send(message)
         backend = self._attention_backend()
         states = None if self.state_pool is None else self.state_pool.layer_states()
         warmup_forward(
@@ -451,7 +456,21 @@ class EngineCore:
             backend,
             linear_states=states,
             state_slot=self.config.max_num_seqs,  # the spare slot (build_state_pool)
+            max_len=longest,
         )
+
+    def _warm_linear_norms(self) -> None:
+        """On a GPU, a model with linear-attention layers runs a prefill step of each
+        size norm_bucket_sizes names, so that fla-core autotunes its norms at build time
+        rather than in the middle of a run (a first mixed step of a new size otherwise
+        stalled W6 for 12-15 s on a fresh machine)."""
+        if self.device.type != "cuda" or self.state_pool is None:
+            return
+        heads = self.state_pool.layout.num_heads
+        budget = self.config.max_num_batched_tokens
+        for n in norm_bucket_sizes(budget, heads):
+            if n != budget or self.config.num_kv_pages or self.config.kv_cache_size_gib:
+                self._profile_forward(n)  # the memory plan ran the full budget already
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, what: str) -> None:
         """Raise ValueError naming `what` for a prompt the engine cannot run."""

@@ -141,14 +141,19 @@ def warmup_forward(
     attention_backend: str = "torch",
     linear_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     state_slot: int | None = None,
+    max_len: int | None = None,
 ) -> None:
-    """One forward of a num_tokens prompt through a throw-away pool, on the attention
-    backend the engine runs: the peak memory of the largest step, for plan_num_pages,
-    and its time, for the tier's cost rule (the caller caps num_tokens at max_model_len).
-    A model with linear-attention layers runs on the engine's state pool (`linear_states`)
-    in `state_slot`, a slot no request holds (the layers zero it first)."""
-    pages = -(-num_tokens // layout.page_size)
-    pool = PagePool(layout, pages + 1, device)
+    """One prefill step of num_tokens prompt tokens through a throw-away pool, on the
+    attention backend the engine runs: the peak memory of the largest step, for
+    plan_num_pages, and its time, for the tier's cost rule. The tokens are prompts of
+    at most `max_len` tokens each (None: one prompt), as a full step of a model whose
+    context is shorter than the step's token budget holds several. A model with
+    linear-attention layers runs on the engine's state pool (`linear_states`), every
+    prompt in `state_slot`, a slot no request holds (the layers zero it first; what the
+    prompts leave there is never read)."""
+    lens = prompt_lengths(num_tokens, max_len)
+    per = [-(-n // layout.page_size) for n in lens]
+    pool = PagePool(layout, sum(per) + 1, device)
     runner = ModelRunner(
         model,
         pool.layer_caches(),
@@ -157,16 +162,46 @@ def warmup_forward(
         hf_config.vocab_size,
         eos_token_ids,
         attention_backend=attention_backend,
-        max_num_seqs=1,
-        max_pages=pages,
+        max_num_seqs=len(lens),
+        max_pages=max(per),
         linear_states=linear_states,
     )
-    prompt = [0] * num_tokens
     greedy = SamplingParams(temperature=0)
-    request = ScheduledRequest(
-        "profile", prompt, 0, list(range(pages)), True, greedy, prompt, [], None, state_slot
+    requests, first = [], 0
+    for i, (n, pages) in enumerate(zip(lens, per)):
+        prompt = [0] * n
+        page_ids = list(range(first, first + pages))
+        requests.append(
+            ScheduledRequest(
+                f"profile{i}", prompt, 0, page_ids, True, greedy, prompt, [], None, state_slot
+            )
+        )
+        first += pages
+    runner.execute(SchedulerOutput(requests))
+
+
+def prompt_lengths(num_tokens: int, max_len: int | None) -> list[int]:
+    """num_tokens as prompts of at most max_len tokens (None: one prompt), the longest
+    first."""
+    if max_len is None or num_tokens <= max_len:
+        return [num_tokens]
+    full, rest = divmod(num_tokens, max_len)
+    return [max_len] * full + ([rest] if rest else [])
+
+
+def norm_bucket_sizes(max_tokens: int, linear_heads: int) -> list[int]:
+    """Step sizes that meet every autotuning bucket of fla-core's l2norm and gated
+    output norm (their NB key: a bucket per NORM_BUCKET_ROWS rows of head_dim, a token
+    giving one row a head) up to max_tokens: the largest size of each bucket, capped at
+    max_tokens. A step of a new bucket otherwise autotunes those kernels mid-run (seconds
+    on a machine whose Triton cache lacks them)."""
+    per_bucket = max(1, NORM_BUCKET_ROWS // max(linear_heads, 1))
+    return sorted(
+        {min(b, max_tokens) for b in range(per_bucket, max_tokens + per_bucket, per_bucket)}
     )
-    runner.execute(SchedulerOutput([request]))
+
+
+NORM_BUCKET_ROWS = 2048 * 32  # fla-core's norms: NB = cdiv(rows, 2048 * 32)
 
 
 def recompute_seconds_per_token(

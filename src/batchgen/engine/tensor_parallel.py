@@ -268,6 +268,7 @@ class _Worker:
                 self.backend,
                 linear_states=self._linear_states(),
                 state_slot=self.config.max_num_seqs,  # the spare slot (build_state_pool)
+                max_len=message["max_len"],
             )
         elif message.get("query") == "reconfigure":
             return self.reconfigure(message["num_pages"])
