@@ -287,3 +287,28 @@ def _sync(device) -> None:
         import torch
 
         torch.cuda.synchronize(device)
+
+
+@contextmanager
+def compile_log(step_of):
+    """Triton kernel specialisations first met inside the block (compiled, or read from
+    Triton's disk cache: either way not met in the warm-up), as "step N: repr" with N
+    from `step_of()`, through Triton's jit_cache_hook; nothing is logged without
+    Triton."""
+    entries: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        yield entries
+        return
+    before = knobs.runtime.jit_cache_hook
+
+    def hook(*, repr, **kwargs):
+        entries.append(f"step {step_of()}: {repr[:300]}")
+        return before(repr=repr, **kwargs) if before is not None else None
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield entries
+    finally:
+        knobs.runtime.jit_cache_hook = before

@@ -135,6 +135,8 @@ def main(argv=None) -> int:
         "counters     " + json.dumps(ours["counters"]),
         "slowest      " + "; ".join(ours["slowest_steps"]),
         "untimed      build {build_s:.1f} s, warm-up {warmup_s:.1f} s".format(**ours["startup"]),
+        f"compiles     {len(ours['compiles_after_warmup'])} Triton specialisations after the "
+        "warm-up" + "".join(f"\n  {c}" for c in ours["compiles_after_warmup"][:12]),
     ]
     if peer and "skipped" in peer:
         lines.append(f"transformers skipped: {peer['skipped']}")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_runs import add_engine_args, engine_kwargs  # noqa: E402
+from engine_runs import add_engine_args, compile_log, engine_kwargs  # noqa: E402
 from workloads import MOONLIGHT_W4, SMALL_MOONLIGHT, config_dir, w4_requests  # noqa: E402
 
 ROOFLINE_TOK_S = 13_350  # BENCHMARKS.md W4, H200
@@ -90,14 +90,14 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     startup = {"build_s": warming - built, "warmup_s": time.perf_counter() - warming}
     eng = llm.engine
     _sync(args.device)
-    with fewer_full_collections():  # as LLM.generate runs
+    steps = 0
+    with fewer_full_collections(), compile_log(lambda: steps) as compiles:
         before = eng.metrics()
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens)):
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
             eng.add_request(f"w4-{i}", p, params)
         added_s = time.perf_counter() - start  # the first step's time includes it
-        steps = 0
         out0 = eng.stats.output_tokens
         # the prefill phase ends when every request has its first token (the output-token
         # count alone would end it early: requests admitted first decode meanwhile)
@@ -141,6 +141,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         "slowest_steps": slowest_steps(step_ms, step_tokens),
         "step_ms": step_ms,
         "step_tokens": step_tokens,
+        "compiles_after_warmup": compiles,  # Triton specialisations the timed run met first
     }
     if args.profile:
         from throughput import profile_decode
@@ -314,6 +315,8 @@ def main(argv=None) -> int:
         f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']})",
         "slowest      " + "; ".join(ours["slowest_steps"]),
         "untimed      build {build_s:.1f} s, warm-up {warmup_s:.1f} s".format(**ours["startup"]),
+        f"compiles     {len(ours['compiles_after_warmup'])} Triton specialisations after the "
+        "warm-up" + "".join(f"\n  {c}" for c in ours["compiles_after_warmup"][:12]),
     ]
     if "fraction_of_roofline" in result:
         lines.append(

@@ -234,7 +234,9 @@ def profile_prefill(llm, prompts, steps: int = 3) -> dict:
     max_num_batched_tokens prompt tokens) and, on a GPU, two more under the torch
     profiler: their kernels by name and by family, and the GPU's idle time between them
     (gpu_idle; GPU activities only, so the causes it names are "device" or the launch
-    calls, the host's ranges not recorded). Each prompt's first token is changed,
+    calls, the host's ranges not recorded), then one more with the host's side of it
+    (`host_side`: its synchronizing CUDA calls by Python site, and its Python time by
+    function). Each prompt's first token is changed,
     so that no page hits the prefix cache an earlier run left. The requests are aborted
     after."""
     from torch.profiler import ProfilerActivity, profile
@@ -264,6 +266,7 @@ def profile_prefill(llm, prompts, steps: int = 3) -> dict:
             _sync(device)
         kernels, families = kernel_table(prof, 2)
         idle = gpu_idle(trace_events(prof), 2)
+    host = host_side(eng.step, device) if device != "cpu" else None
     eng.abort(list(eng.requests))
     return {
         "steps": steps,
@@ -273,6 +276,51 @@ def profile_prefill(llm, prompts, steps: int = 3) -> dict:
         "gpu_ms_by_family": families,
         "kernels": kernels,
         "gpu_idle": idle,
+        "host_side": host,
+    }
+
+
+def host_side(step, device: str, top: int = 25) -> dict:
+    """One call of `step` seen from the host: the synchronizing CUDA calls it makes
+    (torch's sync debug mode, each put down to the Python line that made it) and where
+    its Python time goes (cProfile, by function, own time and with callees; the
+    profiler slows Python, so read the shares, not the totals)."""
+    import collections
+    import cProfile
+    import pstats
+    import warnings
+
+    import torch
+
+    sites: collections.Counter = collections.Counter()
+    prof = cProfile.Profile()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            prof.enable()
+            step()
+            prof.disable()
+            wall = time.perf_counter() - t0
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _sync(device)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, name), (_, calls, own, cum, _) in stats.stats.items():
+        rows.append((own, cum, calls, f"{Path(path).name}:{line}({name})"))
+    by_own = sorted(rows, reverse=True)[:top]
+    by_cum = sorted(rows, key=lambda r: r[1], reverse=True)[:top]
+    return {
+        "profiled_step_ms": wall * 1000,
+        "sync_calls": sum(sites.values()),
+        "sync_sites": dict(sites.most_common(top)),
+        "python_own_ms": [f"{o * 1000:8.2f} {c:6d}x {n}" for o, _, c, n in by_own],
+        "python_cum_ms": [f"{cu * 1000:8.2f} {c:6d}x {n}" for _, cu, c, n in by_cum],
     }
 
 

@@ -52,3 +52,31 @@ def test_profile_prefill_times_whole_prefill_chunks(tmp_path):
     assert prof["steps"] == 3 and prof["tokens_per_step"] == 16  # every step a full chunk
     assert prof["step_wall_ms"] > 0 and prof["prefill_tok_s"] > 0
     assert prof["kernels"] == [] and prof["gpu_ms_by_family"] == {}  # no GPU profile on a CPU
+
+
+def test_the_compile_log_records_kernels_met_in_the_block_and_restores_the_hook():
+    """compile_log puts its hook in Triton's jit_cache_hook (which Triton calls before it
+    specialises a kernel), chains the hook it found, and gives it back on exit. The
+    hook is called here as Triton would, with its keyword arguments."""
+    import pytest
+
+    knobs = pytest.importorskip("triton").knobs
+    engine_runs = load("engine_runs")
+    earlier = []
+
+    def hook(**kwargs):
+        earlier.append(kwargs["repr"])
+
+    saved = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        step = 0
+        with engine_runs.compile_log(lambda: step) as entries:
+            knobs.runtime.jit_cache_hook(key=1, repr="kernel_a[num_warps=4]", fn=None)
+            step = 7
+            knobs.runtime.jit_cache_hook(key=2, repr="kernel_b[num_warps=8]", fn=None)
+        assert entries == ["step 0: kernel_a[num_warps=4]", "step 7: kernel_b[num_warps=8]"]
+        assert earlier == ["kernel_a[num_warps=4]", "kernel_b[num_warps=8]"]
+        assert knobs.runtime.jit_cache_hook is hook
+    finally:
+        knobs.runtime.jit_cache_hook = saved
