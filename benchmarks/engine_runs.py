@@ -312,3 +312,27 @@ def compile_log(step_of):
         yield entries
     finally:
         knobs.runtime.jit_cache_hook = before
+
+
+@contextmanager
+def gc_pauses():
+    """The cyclic collector's pauses inside the block, through gc.callbacks: per
+    generation the number of collections and their milliseconds (a collection runs on
+    whichever thread allocates, so a pause lands in a step's host time as idle GPU time
+    between launches)."""
+    out: dict[str, dict[str, float]] = {}
+    started: list[float] = []
+
+    def callback(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            entry = out.setdefault(f"gen{info['generation']}", {"collections": 0, "ms": 0.0})
+            entry["collections"] += 1
+            entry["ms"] = round(entry["ms"] + (time.perf_counter() - started.pop()) * 1000, 3)
+
+    gc.callbacks.append(callback)
+    try:
+        yield out
+    finally:
+        gc.callbacks.remove(callback)

@@ -137,6 +137,7 @@ def main(argv=None) -> int:
         "untimed      build {build_s:.1f} s, warm-up {warmup_s:.1f} s".format(**ours["startup"]),
         f"compiles     {len(ours['compiles_after_warmup'])} Triton specialisations after the "
         "warm-up" + "".join(f"\n  {c}" for c in ours["compiles_after_warmup"][:12]),
+        "gc pauses    " + json.dumps(ours["gc_pauses"]),
     ]
     if peer and "skipped" in peer:
         lines.append(f"transformers skipped: {peer['skipped']}")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_runs import add_engine_args, compile_log, engine_kwargs  # noqa: E402
+from engine_runs import add_engine_args, compile_log, engine_kwargs, gc_pauses  # noqa: E402
 from workloads import MOONLIGHT_W4, SMALL_MOONLIGHT, config_dir, w4_requests  # noqa: E402
 
 ROOFLINE_TOK_S = 13_350  # BENCHMARKS.md W4, H200
@@ -91,7 +91,11 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     eng = llm.engine
     _sync(args.device)
     steps = 0
-    with fewer_full_collections(), compile_log(lambda: steps) as compiles:
+    with (
+        fewer_full_collections(),
+        compile_log(lambda: steps) as compiles,
+        gc_pauses() as collections,
+    ):
         before = eng.metrics()
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens)):
@@ -142,6 +146,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         "step_ms": step_ms,
         "step_tokens": step_tokens,
         "compiles_after_warmup": compiles,  # Triton specialisations the timed run met first
+        "gc_pauses": collections,  # the cyclic collector's, in the timed run
     }
     if args.profile:
         from throughput import profile_decode
@@ -317,6 +322,7 @@ def main(argv=None) -> int:
         "untimed      build {build_s:.1f} s, warm-up {warmup_s:.1f} s".format(**ours["startup"]),
         f"compiles     {len(ours['compiles_after_warmup'])} Triton specialisations after the "
         "warm-up" + "".join(f"\n  {c}" for c in ours["compiles_after_warmup"][:12]),
+        "gc pauses    " + json.dumps(ours["gc_pauses"]),
     ]
     if "fraction_of_roofline" in result:
         lines.append(

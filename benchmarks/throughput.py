@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_runs import add_engine_args, engine_kwargs  # noqa: E402
+from engine_runs import add_engine_args, engine_kwargs, gc_pauses  # noqa: E402
 from roofline import roofline_seconds  # noqa: E402
 from workloads import (  # noqa: E402
     QWEN3_0_6B,
@@ -282,8 +282,8 @@ def profile_prefill(llm, prompts, steps: int = 3) -> dict:
 
 def host_side(step, device: str, top: int = 25) -> dict:
     """One call of `step` seen from the host: the synchronizing CUDA calls it makes
-    (torch's sync debug mode, each put down to the Python line that made it) and where
-    its Python time goes (cProfile, by function, own time and with callees; the
+    (torch's sync debug mode, each put down to the Python line that made it), the cyclic
+    collector's pauses in it, and where its Python time goes (cProfile, by function, own time and with callees; the
     profiler slows Python, so read the shares, not the totals)."""
     import collections
     import cProfile
@@ -298,11 +298,12 @@ def host_side(step, device: str, top: int = 25) -> dict:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            t0 = time.perf_counter()
-            prof.enable()
-            step()
-            prof.disable()
-            wall = time.perf_counter() - t0
+            with gc_pauses() as collections:
+                t0 = time.perf_counter()
+                prof.enable()
+                step()
+                prof.disable()
+                wall = time.perf_counter() - t0
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _sync(device)
@@ -319,6 +320,7 @@ def host_side(step, device: str, top: int = 25) -> dict:
         "profiled_step_ms": wall * 1000,
         "sync_calls": sum(sites.values()),
         "sync_sites": dict(sites.most_common(top)),
+        "gc_pauses": collections,
         "python_own_ms": [f"{o * 1000:8.2f} {c:6d}x {n}" for o, _, c, n in by_own],
         "python_cum_ms": [f"{cu * 1000:8.2f} {c:6d}x {n}" for _, cu, c, n in by_cum],
     }

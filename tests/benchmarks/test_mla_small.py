@@ -80,3 +80,19 @@ def test_the_compile_log_records_kernels_met_in_the_block_and_restores_the_hook(
         assert knobs.runtime.jit_cache_hook is hook
     finally:
         knobs.runtime.jit_cache_hook = saved
+
+
+def test_gc_pauses_counts_the_collections_run_in_the_block():
+    import gc
+
+    engine_runs = load("engine_runs")
+    callbacks = len(gc.callbacks)
+    with engine_runs.gc_pauses() as pauses:
+        gc.collect()  # a full collection: generation 2
+        gc.collect(0)
+    assert pauses["gen2"]["collections"] >= 1 and pauses["gen0"]["collections"] >= 1
+    assert all(entry["ms"] >= 0 for entry in pauses.values())
+    assert len(gc.callbacks) == callbacks  # its callback removed on exit
+    full = pauses["gen2"]["collections"]
+    gc.collect()
+    assert pauses["gen2"]["collections"] == full  # nothing counted after the block
