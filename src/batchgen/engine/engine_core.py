@@ -34,7 +34,7 @@ from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.state_checkpoints import StateCheckpoints
-from batchgen.kv.state_pool import HostStatePool, StateSlots
+from batchgen.kv.state_pool import HostStatePool, StateLayout, StateSlots
 from batchgen.kv.state_tier import StateTier
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model
@@ -50,16 +50,22 @@ logger = logging.getLogger(__name__)
 
 def state_bytes_per_seq(hf_config) -> int:
     """Device bytes of compressed state a running request holds in a model with
-    linear-attention layers (`layer_types`): per such layer a float32 [heads, head_dim,
-    head_dim] state and a short-convolution window (at two bytes an element); 0 for a
-    model without them."""
-    types = list(getattr(hf_config, "layer_types", None) or ())
-    layers = types.count("linear_attention")
+    linear-attention layers (`layer_types`): a `StateLayout` slot of those layers, read
+    from the config before any model exists (the window's q, k and v at two bytes an
+    element); 0 for a model without them."""
+    layers = list(getattr(hf_config, "layer_types", None) or ()).count("linear_attention")
     if not layers:
         return 0
     heads, dim = hf_config.linear_num_heads, hf_config.linear_head_dim
-    window = (getattr(hf_config, "linear_conv_kernel_dim", 4) - 1) * 3 * heads * dim * 2
-    return layers * (heads * dim * dim * 4 + window)
+    return StateLayout(
+        num_layers=layers,
+        num_heads=heads,
+        head_k_dim=dim,
+        head_v_dim=dim,
+        conv_dim=3 * heads * dim,
+        conv_kernel=getattr(hf_config, "linear_conv_kernel_dim", 4),
+        conv_dtype=torch.bfloat16,
+    ).bytes_per_slot
 
 
 @dataclass
@@ -440,9 +446,13 @@ class EngineCore:
     def _profile_forward(self, num_tokens: int) -> None:
         """A prefill step of num_tokens in prompts no longer than max_model_len allows
         (warmup_forward), on every rank."""
-        n, longest = num_tokens, self.max_model_len - 1
+        longest = self.max_model_len - 1
         if self.tp_workers is not None:  # the workers run it too: collectives pair up
-            message = {"profile": n, "max_len": longest, "eos_token_ids": self.eos_token_ids}
+            message = {
+                "profile": num_tokens,
+                "max_len": longest,
+                "eos_token_ids": self.eos_token_ids,
+            }
             self.tp_workers.send(message)
         backend = self._attention_backend()
         states = None if self.state_pool is None else self.state_pool.layer_states()
@@ -452,7 +462,7 @@ class EngineCore:
             self.device,
             self.hf_config,
             self.eos_token_ids,
-            n,
+            num_tokens,
             backend,
             linear_states=states,
             state_slot=self.config.max_num_seqs,  # the spare slot (build_state_pool)

@@ -189,6 +189,9 @@ def prompt_lengths(num_tokens: int, max_len: int | None) -> list[int]:
     return [max_len] * full + ([rest] if rest else [])
 
 
+NORM_BUCKET_ROWS = 2048 * 32  # fla-core's norms: NB = cdiv(rows, 2048 * 32)
+
+
 def norm_bucket_sizes(max_tokens: int, linear_heads: int) -> list[int]:
     """Step sizes that meet every autotuning bucket of fla-core's l2norm and gated
     output norm (their NB key: a bucket per NORM_BUCKET_ROWS rows of head_dim, a token
@@ -196,12 +199,8 @@ def norm_bucket_sizes(max_tokens: int, linear_heads: int) -> list[int]:
     max_tokens. A step of a new bucket otherwise autotunes those kernels mid-run (seconds
     on a machine whose Triton cache lacks them)."""
     per_bucket = max(1, NORM_BUCKET_ROWS // max(linear_heads, 1))
-    return sorted(
-        {min(b, max_tokens) for b in range(per_bucket, max_tokens + per_bucket, per_bucket)}
-    )
-
-
-NORM_BUCKET_ROWS = 2048 * 32  # fla-core's norms: NB = cdiv(rows, 2048 * 32)
+    # only the last bucket's end can pass max_tokens: capping it makes no duplicate
+    return [min(b, max_tokens) for b in range(per_bucket, max_tokens + per_bucket, per_bucket)]
 
 
 def recompute_seconds_per_token(
