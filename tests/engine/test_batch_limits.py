@@ -1,8 +1,8 @@
 """max_num_seqs and max_num_batched_tokens left unset are set for the device when the
 engine is built: 1024 rows and 16,384 tokens on a GPU of 70 GiB or more that is not an
-A100 (vLLM's offline defaults there), fewer rows there for a model with linear-attention
-layers whose state slots would fill more than an eighth of the GPU, 256 and 8,192
-elsewhere; values given are kept. On the GPU, a default engine
+A100 (vLLM's offline defaults there), 32,768 tokens there for a mixture-of-experts model,
+fewer rows there for a model with linear-attention layers whose state slots would fill
+more than an eighth of the GPU, 256 and 8,192 elsewhere; values given are kept. On the GPU, a default engine
 decodes 700 requests in one captured step (a bucket above 512)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from conftest import save_tiny_model
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
-from batchgen.engine.engine_core import state_bytes_per_seq
+from batchgen.engine.engine_core import has_moe_layers, state_bytes_per_seq
 from batchgen.runner.cuda_graphs import bucket_for
 
 GIB = 2**30
@@ -30,23 +30,26 @@ def _on_gpu(monkeypatch, name: str, gib: float) -> torch.device:
 
 
 @pytest.mark.parametrize(
-    "name,gib,state_bytes,want",
+    "name,gib,state_bytes,moe,want",
     [
-        ("NVIDIA H200", 139.8, 0, (1024, 16384)),
-        ("NVIDIA H100 80GB HBM3", 79.2, 0, (1024, 16384)),
-        ("NVIDIA H200", 139.8, 1 * MB, (1024, 16384)),  # 1 GB of slots
-        ("NVIDIA H200", 139.8, 19 * MB, (512, 16384)),  # W6: 1024 rows would take 20 GB
-        ("NVIDIA H200", 139.8, 42 * MB, (256, 16384)),  # Kimi-Linear-48B's size
-        ("NVIDIA H200", 139.8, 400 * MB, (256, 16384)),  # never below the default's
-        ("NVIDIA H100 80GB HBM3", 79.2, 19 * MB, (512, 16384)),
-        ("NVIDIA A100-SXM4-80GB", 79.2, 0, (256, 8192)),
-        ("NVIDIA L4", 22.0, 0, (256, 8192)),
-        ("NVIDIA A10G", 69.9, 0, (256, 8192)),
+        ("NVIDIA H200", 139.8, 0, False, (1024, 16384)),
+        ("NVIDIA H100 80GB HBM3", 79.2, 0, False, (1024, 16384)),
+        ("NVIDIA H200", 139.8, 0, True, (1024, 32768)),  # W4
+        ("NVIDIA H200", 139.8, 1 * MB, False, (1024, 16384)),  # 1 GB of slots
+        ("NVIDIA H200", 139.8, 19 * MB, True, (512, 32768)),  # W6: 1024 rows would take 20 GB
+        ("NVIDIA H200", 139.8, 19 * MB, False, (512, 16384)),
+        ("NVIDIA H200", 139.8, 42 * MB, True, (256, 32768)),  # Kimi-Linear-48B's size
+        ("NVIDIA H200", 139.8, 400 * MB, False, (256, 16384)),  # never below the default's
+        ("NVIDIA H100 80GB HBM3", 79.2, 19 * MB, False, (512, 16384)),
+        ("NVIDIA A100-SXM4-80GB", 79.2, 0, False, (256, 8192)),
+        ("NVIDIA A100-SXM4-80GB", 79.2, 0, True, (256, 8192)),  # small limits: no MoE rule
+        ("NVIDIA L4", 22.0, 0, True, (256, 8192)),
+        ("NVIDIA A10G", 69.9, 0, False, (256, 8192)),
     ],
 )
-def test_unset_limits_follow_the_gpu(monkeypatch, name, gib, state_bytes, want):
+def test_unset_limits_follow_the_gpu(monkeypatch, name, gib, state_bytes, moe, want):
     device = _on_gpu(monkeypatch, name, gib)
-    config = EngineConfig().with_batch_limits(device, state_bytes)
+    config = EngineConfig().with_batch_limits(device, state_bytes, moe)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == want
 
 
@@ -56,7 +59,7 @@ def test_limits_given_are_kept_and_the_cpu_takes_the_small_ones(monkeypatch):
     device = _on_gpu(monkeypatch, "NVIDIA H200", 139.8)
     one = EngineConfig(max_num_seqs=64).with_batch_limits(device)
     assert (one.max_num_seqs, one.max_num_batched_tokens) == (64, 16384)
-    other = EngineConfig(max_num_batched_tokens=2048).with_batch_limits(device, 42 * MB)
+    other = EngineConfig(max_num_batched_tokens=2048).with_batch_limits(device, 42 * MB, True)
     assert (other.max_num_seqs, other.max_num_batched_tokens) == (256, 2048)
     given = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128)
     assert given.with_batch_limits(device) == given
@@ -81,6 +84,15 @@ def test_a_hybrid_configs_state_bytes_come_from_its_linear_layers():
     assert state_bytes_per_seq(SimpleNamespace(layer_types=["full_attention"] * 2)) == 0
     assert state_bytes_per_seq(SimpleNamespace(layer_types=None)) == 0
     assert state_bytes_per_seq(SimpleNamespace()) == 0
+
+
+def test_moe_configs_are_told_from_dense_ones():
+    from transformers import DeepseekV3Config, KimiLinearConfig, LlamaConfig
+
+    assert has_moe_layers(DeepseekV3Config(n_routed_experts=8))
+    assert has_moe_layers(KimiLinearConfig(num_experts=8))
+    assert not has_moe_layers(KimiLinearConfig(num_experts=0))
+    assert not has_moe_layers(LlamaConfig())
 
 
 def test_an_engine_on_the_cpu_runs_with_the_small_limits(tmp_path):

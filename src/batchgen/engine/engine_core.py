@@ -68,6 +68,12 @@ def state_bytes_per_seq(hf_config) -> int:
     ).bytes_per_slot
 
 
+def has_moe_layers(hf_config) -> bool:
+    """Whether the model routes tokens to experts: DeepSeek-V3's `n_routed_experts` or
+    Kimi Linear's `num_local_experts` (behind transformers' name `num_experts`)."""
+    return any(getattr(hf_config, name, None) for name in ("n_routed_experts", "num_local_experts"))
+
+
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0
@@ -88,7 +94,9 @@ class EngineCore:
         dtype: torch.dtype,
         tp_workers: TPWorkers | None = None,
     ) -> None:
-        config = config.with_batch_limits(device, state_bytes_per_seq(hf_config))
+        config = config.with_batch_limits(
+            device, state_bytes_per_seq(hf_config), has_moe_layers(hf_config)
+        )
         self.config = config
         self.tp_workers = tp_workers  # tensor parallel: this is rank 0 of the group
         self.model = model
@@ -410,7 +418,9 @@ class EngineCore:
         tokenizer = source.load_tokenizer()
         device = config.torch_device()
         # set here, before tensor-parallel workers take the config
-        config = config.with_batch_limits(device, state_bytes_per_seq(hf_config))
+        config = config.with_batch_limits(
+            device, state_bytes_per_seq(hf_config), has_moe_layers(hf_config)
+        )
         dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
         max_len = max_model_len(config, hf_config)
         if config.tensor_parallel_size == 1:
