@@ -127,7 +127,7 @@ def test_prefill_conv_and_output_norm_match_torch_in_bf16():
     windows.index_fill_(0, meta.fresh_slots, 0.0)
     want_windows = windows.clone()
     want = kda_torch.short_conv_packed(x, weight, want_windows, meta.cu_seqlens, meta.state_slots)
-    got = kda_ops.short_conv(x, weight, windows, meta)
+    got = torch.cat(kda_ops.short_conv(x, weight, windows, meta), dim=-1)
     # the torch code sums the taps in bfloat16, fla in float32
     assert (got.float() - want.float()).abs().max().item() < 0.1
     assert torch.equal(windows, want_windows)
@@ -137,3 +137,38 @@ def test_prefill_conv_and_output_norm_match_torch_in_bf16():
     want = kda_torch.gated_rms_norm(o, norm_weight, gate, 1e-5)
     got = kda_ops.output_norm(o, norm_weight, gate, 1e-5)
     assert (got.float() - want.float()).abs().max().item() < TOL[torch.bfloat16]
+
+
+def test_decode_conv_replays_from_a_cuda_graph_as_the_torch_step():
+    """A decode-only step's short convolution (kernels/conv_decode.py through
+    kda_ops.short_conv) captured in a CUDA graph and replayed twice, against the torch
+    decode step run twice on the same windows: q, k and v within bf16 rounding (the
+    kernel sums the taps in float32, the torch code in bfloat16), contiguous, and the
+    windows moved on bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    channels, taps = 3 * H * DK, 4
+    meta = meta_for([(1, 6, True), (1, 2, True), (1, 4, True)])
+    weight = torch.randn(channels, taps, device="cuda", generator=gen).to(torch.bfloat16)
+    windows = torch.randn(SLOTS, taps - 1, channels, device="cuda", generator=gen)
+    windows = windows.to(torch.bfloat16)
+    xs = [torch.randn(3, channels, device="cuda", generator=gen).to(torch.bfloat16)]
+    xs.append(torch.randn(3, channels, device="cuda", generator=gen).to(torch.bfloat16))
+    want_windows, wants = windows.clone(), []
+    for x in xs:
+        wants.append(kda_torch.short_conv_decode(x, weight, want_windows, meta.state_slots))
+    start = windows.clone()
+    x_in = xs[0].clone()
+    kda_ops.short_conv(x_in, weight, windows, meta)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, k, v = kda_ops.short_conv(x_in, weight, windows, meta)
+    windows.copy_(start)
+    for x, want in zip(xs, wants):
+        x_in.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(t.is_contiguous() for t in (q, k, v))
+        got = torch.cat([q, k, v], dim=-1)
+        assert (got.float() - want.float()).abs().max().item() < 0.1
+    assert torch.equal(windows, want_windows)

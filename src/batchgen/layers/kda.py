@@ -97,7 +97,7 @@ class KimiDeltaAttention(nn.Module):
         kda_ops.reset_fresh_slots(states, windows, meta)
         rows, heads, dim = x.shape[0], self.num_heads, self.head_dim
         qkv = kda_ops.short_conv(self.qkv_proj(x), self.conv1d.weight, windows, meta)
-        q, k, v = (t.view(rows, heads, dim) for t in qkv.split(self.proj_dim, dim=-1))
+        q, k, v = (t.view(rows, heads, dim) for t in qkv)
         f = self.f_b_proj(self.f_a_proj(x)).view(rows, heads, dim)  # the decay, raw
         raw = kda_ops.RawGates(self.A_log, self.dt_bias)
         o = kda_ops.kda_attention(q, k, v, f, self.b_proj(x), states, meta, self.chunk_size, raw)

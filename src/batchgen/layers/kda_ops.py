@@ -13,9 +13,10 @@ through `ssm_state_indices`: no gather, no host sync, capturable), `chunk_kda` w
 states scattered back), both with the decay gate and beta's sigmoid computed inside the
 kernel from the raw projections (`RawGates`); `causal_conv1d` for the short convolution
 of a step with a prefill (each request's window in, its new window out), and
-`rms_norm_gated` for the output norm. Elsewhere the torch code runs: `short_conv_packed`
-(all requests of a step at once) or `short_conv_decode` (also the CUDA decode step's,
-inside its graph), `kda_gate`, `gated_rms_norm`.
+`rms_norm_gated` for the output norm; our `conv_decode` kernel for the short convolution
+of a decode-only step (fla's update kernel takes no state slots), inside its graph.
+Elsewhere the torch code runs: `short_conv_packed` (all requests of a step at once) or
+`short_conv_decode`, `kda_gate`, `gated_rms_norm`.
 """
 
 from __future__ import annotations
@@ -47,15 +48,26 @@ class RawGates(NamedTuple):
 
 
 def short_conv(
-    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, meta: LinearAttentionMetadata
-) -> torch.Tensor:
-    """Causal depthwise conv + SiLU of x [T, C] with each request's window, which moves on."""
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    windows: torch.Tensor,
+    meta: LinearAttentionMetadata,
+    parts: int = 3,
+) -> tuple[torch.Tensor, ...]:
+    """Causal depthwise conv + SiLU of x [T, C] with each request's window, which moves
+    on -> `parts` tensors [T, C / parts], the channels in order (q, k and v); a
+    decode-only step's on CUDA come contiguous from one kernel (kernels/conv_decode.py)."""
     if meta.max_q_len == 1:
-        return kda_torch.short_conv_decode(x, weight, windows, meta.state_slots)
-    conv = fla_conv() if x.is_cuda else None
-    if conv is not None:
-        return _conv_fla(conv, x, weight, windows, meta)
-    return kda_torch.short_conv_packed(x, weight, windows, meta.cu_seqlens, meta.state_slots)
+        if x.is_cuda:
+            from batchgen.kernels.conv_decode import conv_decode
+
+            return conv_decode(x, weight, windows, meta.state_slots, parts)
+        y = kda_torch.short_conv_decode(x, weight, windows, meta.state_slots)
+    elif (conv := fla_conv() if x.is_cuda else None) is not None:
+        y = _conv_fla(conv, x, weight, windows, meta)
+    else:
+        y = kda_torch.short_conv_packed(x, weight, windows, meta.cu_seqlens, meta.state_slots)
+    return y.split(y.shape[-1] // parts, dim=-1)
 
 
 def output_norm(
