@@ -84,8 +84,9 @@ layers' grouped GEMM serves bfloat16 only, so decode then runs without CUDA grap
 (load_format="dummy", the directory --ckpt or /tmp/batchgen-<model>-config holds only
 config.json and a tokenizer); "default" for batchgen's embedded default model (needs
 the gguf package); or the path of a model directory or GGUF file (its own weights).
-Prints identical / close / broken rows and the tier run's swaps, recomputes and host
-prefix hits; writes probe_offload.json into --out; exits 1 when a row is broken.
+Prints identical / close / broken rows, the tier run's swaps, recomputes and host
+prefix hits, and its copies by reason with their GB/s of copy-stream time (`copies`: a
+hybrid model's state slots as state_swap_out / state_swap_in); writes probe_offload.json into --out; exits 1 when a row is broken.
 """
 
 from __future__ import annotations
@@ -126,6 +127,20 @@ TIER_KEYS = (
     "tier_load_us_per_token",
     "tier_recompute_us_per_token",
 )
+
+
+def copy_rates(metrics: dict) -> dict:
+    """The tier run's copies by why they moved (engine metrics' bytes_<reason> and
+    copy_seconds_<reason>): bytes, copy-stream seconds and GB/s; a hybrid model's
+    compressed-state slots as state_swap_out / state_swap_in."""
+    out = {}
+    for key, nbytes in sorted(metrics.items()):
+        reason = key[len("bytes_") :]
+        if key.startswith("bytes_") and nbytes and f"copy_seconds_{reason}" in metrics:
+            secs = metrics[f"copy_seconds_{reason}"]
+            rate = round(nbytes / secs / 1e9, 2) if secs > 0 else None
+            out[reason] = {"bytes": nbytes, "seconds": round(secs, 4), "gb_per_s": rate}
+    return out
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -462,6 +477,7 @@ def main(argv=None) -> int:
             "tier": sum(len(r[0]) < args.output_len for r in tier_rows),
             "ample": sum(len(r[0]) < args.output_len for r in ample_rows),
         },
+        "copies": copy_rates(m_tier),
         "offload_run": m_tier,
         "offload_wall_s": wall_tier,
         "ample_run": m_ample,
