@@ -11,6 +11,15 @@ time) against the H200 device-copy ceiling of 4.23 TB/s; prefill on attention TF
     python benchmarks/bench_kernels.py --moe      # routed experts only (see bench_moe)
     python benchmarks/bench_kernels.py --mla      # W4's MLA prefill attention only
     python benchmarks/bench_kernels.py --silu     # silu_and_mul launches at W4/W6 shapes
+    python benchmarks/bench_kernels.py --kda      # W6's KDA decode and prefill, two layouts
+
+--kda: W6's KDA layer (16 heads of 128, float32 state slots) through fla-core, in the
+engine's state layout [H, K, V] and in fla's `state_v_first` [H, V, K]: the decode step
+(fused_recurrent_kda_fwd in place on 512 and 256 slots, rated on the state bytes read and
+written against the copy ceiling) and a 32,768-token prefill chunk (chunk_kda, 32
+prompts of 1,024, states gathered and returned); each layout's outputs are checked
+against the engine's. Also the decode step's short convolution: kernels/conv_decode.py
+against the torch step (kda_torch.short_conv_decode).
 
 --moe: W4's routed experts (64 experts of hidden 2048 and intermediate 1408, top-6,
 bf16) at 64 to 8192 tokens, through torch._grouped_mm (layers.routed_experts, the
@@ -319,12 +328,106 @@ def bench_silu(gen) -> list[tuple]:
     return rows
 
 
+def bench_kda(gen) -> list[tuple]:
+    """W6's KDA kernels (see --kda in the module text)."""
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    from batchgen.kernels.conv_decode import conv_decode
+    from batchgen.layers import kda_torch
+
+    heads, dim, slots = 16, 128, 1040
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to("cuda")
+
+    gates = dict(A_log=randn(heads, scale=0.5), dt_bias=randn(heads * dim))
+    gates |= dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    gates |= dict(use_qk_l2norm_in_kernel=True, scale=dim**-0.5)
+    states_k = randn(slots, heads, dim, dim, scale=0.1)  # [S, H, K, V]: the engine's
+    states_v = states_k.transpose(-1, -2).contiguous()  # [S, H, V, K]
+    layouts = (("[H, K, V]", states_k, False), ("[H, V, K]", states_v, True))
+    rows = []
+
+    def compared(case: str, outs: list[torch.Tensor]) -> tuple:
+        diff = (outs[0].float() - outs[1].float()).abs().max().item()
+        return (case, "the layouts' outputs", "-", f"max |diff| {diff:.2e}", "-", "-")
+
+    for batch in (512, 256):
+        q, k, v, f = (randn(1, batch, heads, dim).to(DTYPE) for _ in range(4))
+        beta = randn(1, batch, heads).to(DTYPE)
+        step_kw = dict(
+            inplace_final_state=True,
+            cu_seqlens=torch.arange(batch + 1, device="cuda"),
+            ssm_state_indices=torch.randperm(slots - 1, generator=gen)[:batch].to("cuda"),
+            **gates,
+        )
+        outs = []
+        for name, states, v_first in layouts:
+            step = partial(
+                fused_recurrent_kda_fwd, q, k, v, f, beta, initial_state=states.clone(),
+                state_v_first=v_first, **step_kw,
+            )  # fmt: skip
+            outs.append(step()[0])
+            seconds = _bench(step)
+            bw = 2 * batch * heads * dim * dim * 4 / seconds  # float32 state read and written
+            rows.append(
+                (f"kda decode, {batch} rows", f"state {name}", "-", f"{seconds * 1e6:.1f} us",
+                 f"{bw / 1e12:.2f} TB/s", f"{100 * bw / COPY_BW:.0f}% of copy")
+            )  # fmt: skip
+        rows.append(compared(f"kda decode, {batch} rows", outs))
+
+    prompts, length = 32, 1024
+    tokens = prompts * length
+    q, k, v, f = (randn(1, tokens, heads, dim).to(DTYPE) for _ in range(4))
+    beta = randn(1, tokens, heads).to(DTYPE)
+    cu = torch.arange(0, tokens + 1, length, device="cuda")
+    chunk_kw = dict(output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), **gates)
+    idx = torch.arange(prompts, device="cuda")
+    outs = []
+    for name, states, v_first in layouts:
+
+        def chunk(states=states, v_first=v_first):  # the engine gathers the states each step
+            init = states.index_select(0, idx)
+            return chunk_kda(
+                q, k, v, f, beta, initial_state=init, state_v_first=v_first, **chunk_kw
+            )
+
+        outs.append(chunk()[0])
+        seconds = _bench(chunk)
+        rows.append(
+            (f"kda prefill, {tokens} tokens", f"state {name}", "-", f"{seconds * 1e6:.1f} us",
+             f"{tokens / seconds / 1e6:.1f} Mtok/s", "-")
+        )  # fmt: skip
+    rows.append(compared(f"kda prefill, {tokens} tokens", outs))
+
+    channels, taps = 3 * heads * dim, 4
+    weight = randn(channels, taps).to(DTYPE)
+    windows = randn(slots, taps - 1, channels).to(DTYPE)
+    for batch in (512, 256):
+        x = randn(batch, channels).to(DTYPE)
+        idx = torch.randperm(slots - 1, generator=gen)[:batch].to("cuda")
+        for name, fn in (
+            ("kernels/conv_decode.py", partial(conv_decode, x, weight, windows, idx, 3)),
+            ("torch step", partial(kda_torch.short_conv_decode, x, weight, windows, idx)),
+        ):
+            seconds = _bench(fn)
+            # the windows read and written, x read, the output written
+            bw = batch * channels * (2 * (taps - 1) + 2) * ELEM / seconds
+            rows.append(
+                (f"conv decode, {batch} rows", name, "-", f"{seconds * 1e6:.1f} us",
+                 f"{bw / 1e12:.2f} TB/s", f"{100 * bw / COPY_BW:.0f}% of copy")
+            )  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="default launch parameters only")
     parser.add_argument("--moe", action="store_true", help="the routed-expert GEMMs only")
     parser.add_argument("--mla", action="store_true", help="W4's MLA prefill attention only")
     parser.add_argument("--silu", action="store_true", help="silu_and_mul launches only")
+    parser.add_argument("--kda", action="store_true", help="W6's KDA kernels, two state layouts")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device", file=sys.stderr)
@@ -351,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.silu:
         rows += bench_silu(gen)
+        _print(rows)
+        return 0
+    if args.kda:
+        rows += bench_kda(gen)
         _print(rows)
         return 0
     rows += bench_decode(caches, 256, 1000, sweep, gen)
