@@ -121,10 +121,11 @@ def test_a_hybrid_engine_warms_each_norm_bucket_on_a_gpu(tmp_path, monkeypatch):
     eng._warm_linear_norms()
     assert sizes == []
     monkeypatch.setattr(eng, "device", SimpleNamespace(type="cuda"))
+    eng._profiled = {100}  # as after a GPU memory plan: the budget's step ran
     eng._warm_linear_norms()
     assert sizes == [32, 64, 96]
     sizes.clear()
-    monkeypatch.setattr(eng.config, "num_kv_pages", 64)  # no memory plan ran
+    eng._profiled = set()  # num_kv_pages or kv_cache_size_gib given: no plan ran
     eng._warm_linear_norms()
     assert sizes == [32, 64, 96, 100]
     monkeypatch.undo()

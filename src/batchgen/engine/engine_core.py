@@ -111,6 +111,7 @@ class EngineCore:
         # allocated before the warm-up profile: its bytes count in the peak, so they come
         # out of what the KV pool may use
         self.state_pool = build_state_pool(model, config, dtype, device)
+        self._profiled: set[int] = set()  # the warm-up steps' sizes run so far
         num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
         self._warm_linear_norms()
         self._check_pool_size(num_pages)
@@ -478,6 +479,7 @@ class EngineCore:
             state_slot=self.config.max_num_seqs,  # the spare slot (build_state_pool)
             max_len=longest,
         )
+        self._profiled.add(num_tokens)
 
     def _warm_linear_norms(self) -> None:
         """On a GPU, a model with linear-attention layers runs a prefill step of each
@@ -487,10 +489,9 @@ class EngineCore:
         if self.device.type != "cuda" or self.state_pool is None:
             return
         heads = self.state_pool.layout.num_heads
-        budget = self.config.max_num_batched_tokens
-        for n in norm_bucket_sizes(budget, heads):
-            if n != budget or self.config.num_kv_pages or self.config.kv_cache_size_gib:
-                self._profile_forward(n)  # the memory plan ran the full budget already
+        for n in norm_bucket_sizes(self.config.max_num_batched_tokens, heads):
+            if n not in self._profiled:  # the memory plan's own step counts
+                self._profile_forward(n)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, what: str) -> None:
         """Raise ValueError naming `what` for a prompt the engine cannot run."""
