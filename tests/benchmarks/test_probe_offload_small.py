@@ -11,7 +11,7 @@ import torch
 from bench_scripts import load
 from transformers import AutoConfig
 
-from batchgen.kv.state_pool import StateLayout
+from batchgen.engine.engine_core import state_bytes_per_seq
 
 
 def _run(tmp_path: Path, *extra: str) -> dict:
@@ -74,15 +74,7 @@ def test_readback_probe_of_the_w4_and_w6_models_in_defaults(tmp_path, model):
         assert m["state_swaps_out"] > 0 and m["state_swaps_in"] > 0
         # each swap moves one slot of every KDA layer (float32 windows on the CPU)
         config = AutoConfig.from_pretrained(tmp_path / "ckpt-small")
-        slot = StateLayout(
-            num_layers=config.layer_types.count("linear_attention"),
-            num_heads=config.linear_num_heads,
-            head_k_dim=config.linear_head_dim,
-            head_v_dim=config.linear_head_dim,
-            conv_dim=3 * config.linear_num_heads * config.linear_head_dim,
-            conv_kernel=config.linear_conv_kernel_dim,
-            conv_dtype=torch.float32,
-        ).bytes_per_slot
+        slot = state_bytes_per_seq(config, torch.float32)
         copies = result["copies"]
         assert set(copies) >= {"state_swap_out", "state_swap_in", "swap_out", "swap_in"}
         assert "loaded" not in copies  # totals, not reasons

@@ -136,6 +136,7 @@ def test_a_hybrid_engine_warms_each_norm_bucket_on_a_gpu(tmp_path, monkeypatch):
         windows.normal_()
     before = [(s.clone(), w.clone()) for s, w in eng.state_pool.layer_states()]
     eng._profile_forward(100)  # prompts of 63 and 37
+    assert eng._profiled == {100}  # what _warm_linear_norms will not run again
     spare = eng.config.max_num_seqs
     for (states, windows), (s0, w0) in zip(eng.state_pool.layer_states(), before):
         assert torch.equal(states[:spare], s0[:spare])

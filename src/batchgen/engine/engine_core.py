@@ -48,11 +48,11 @@ from batchgen.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def state_bytes_per_seq(hf_config) -> int:
+def state_bytes_per_seq(hf_config, conv_dtype: torch.dtype = torch.bfloat16) -> int:
     """Device bytes of compressed state a running request holds in a model with
     linear-attention layers (`layer_types`): a `StateLayout` slot of those layers, read
-    from the config before any model exists (the window's q, k and v at two bytes an
-    element); 0 for a model without them."""
+    from the config before any model exists (the window's q, k and v in `conv_dtype`,
+    the GPU's bfloat16 by default); 0 for a model without them."""
     layers = list(getattr(hf_config, "layer_types", None) or ()).count("linear_attention")
     if not layers:
         return 0
@@ -64,7 +64,7 @@ def state_bytes_per_seq(hf_config) -> int:
         head_v_dim=dim,
         conv_dim=3 * heads * dim,
         conv_kernel=getattr(hf_config, "linear_conv_kernel_dim", 4),
-        conv_dtype=torch.bfloat16,
+        conv_dtype=conv_dtype,
     ).bytes_per_slot
 
 
