@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from engine_runs import add_engine_args  # noqa: E402
-from mla import _release_device_memory, run_batchgen, run_peer  # noqa: E402
+from mla import _release_device_memory, run_batchgen, run_lines, run_peer  # noqa: E402
 from workloads import KIMI_W6, SMALL_KIMI, config_dir, w4_requests  # noqa: E402
 
 KDA_FUNCTIONS = (
@@ -133,11 +133,7 @@ def main(argv=None) -> int:
         f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']}, backend "
         f"{ours['backend']})",
         "counters     " + json.dumps(ours["counters"]),
-        "slowest      " + "; ".join(ours["slowest_steps"]),
-        "untimed      build {build_s:.1f} s, warm-up {warmup_s:.1f} s".format(**ours["startup"]),
-        f"compiles     {len(ours['compiles_after_warmup'])} Triton specialisations after the "
-        "warm-up" + "".join(f"\n  {c}" for c in ours["compiles_after_warmup"][:12]),
-        "gc pauses    " + json.dumps(ours["gc_pauses"]),
+        *run_lines(ours),
     ]
     if peer and "skipped" in peer:
         lines.append(f"transformers skipped: {peer['skipped']}")

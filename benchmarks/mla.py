@@ -237,6 +237,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def run_lines(ours: dict) -> list[str]:
+    """run_batchgen's slowest steps, untimed start-up, Triton specialisations met after
+    the warm-up and the collector's pauses, a printed line each (W4 and W6 alike)."""
+    compiles = ours["compiles_after_warmup"]
+    return [
+        "slowest      " + "; ".join(ours["slowest_steps"]),
+        "untimed      build {build_s:.1f} s, warm-up {warmup_s:.1f} s".format(**ours["startup"]),
+        f"compiles     {len(compiles)} Triton specialisations after the warm-up"
+        + "".join(f"\n  {c}" for c in compiles[:12]),
+        "gc pauses    " + json.dumps(ours["gc_pauses"]),
+    ]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
@@ -318,11 +331,7 @@ def main(argv=None) -> int:
         f"batchgen     {ours['tok_s']:10.1f} output tok/s ({ours['wall_s']:.2f} s, "
         f"{ours['steps']} steps; prefill phase {ours['prefill_phase_s']:.2f} s, decode "
         f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']})",
-        "slowest      " + "; ".join(ours["slowest_steps"]),
-        "untimed      build {build_s:.1f} s, warm-up {warmup_s:.1f} s".format(**ours["startup"]),
-        f"compiles     {len(ours['compiles_after_warmup'])} Triton specialisations after the "
-        "warm-up" + "".join(f"\n  {c}" for c in ours["compiles_after_warmup"][:12]),
-        "gc pauses    " + json.dumps(ours["gc_pauses"]),
+        *run_lines(ours),
     ]
     if "fraction_of_roofline" in result:
         lines.append(

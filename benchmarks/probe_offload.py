@@ -86,7 +86,8 @@ config.json and a tokenizer); "default" for batchgen's embedded default model (n
 the gguf package); or the path of a model directory or GGUF file (its own weights).
 Prints identical / close / broken rows, the tier run's swaps, recomputes and host
 prefix hits, and its copies by reason with their GB/s of copy-stream time (`copies`: a
-hybrid model's state slots as state_swap_out / state_swap_in); writes probe_offload.json into --out; exits 1 when a row is broken.
+hybrid model's state slots as state_swap_out / state_swap_in); writes probe_offload.json
+into --out; exits 1 when a row is broken.
 """
 
 from __future__ import annotations

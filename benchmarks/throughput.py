@@ -283,8 +283,9 @@ def profile_prefill(llm, prompts, steps: int = 3) -> dict:
 def host_side(step, device: str, top: int = 25) -> dict:
     """One call of `step` seen from the host: the synchronizing CUDA calls it makes
     (torch's sync debug mode, each put down to the Python line that made it), the cyclic
-    collector's pauses in it, and where its Python time goes (cProfile, by function, own time and with callees; the
-    profiler slows Python, so read the shares, not the totals)."""
+    collector's pauses in it, and where its Python time goes (cProfile, by function, own
+    time and with callees; the profiler slows Python, so read the shares, not the
+    totals)."""
     import collections
     import cProfile
     import pstats
@@ -298,7 +299,7 @@ def host_side(step, device: str, top: int = 25) -> dict:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with gc_pauses() as collections:
+            with gc_pauses() as pauses:
                 t0 = time.perf_counter()
                 prof.enable()
                 step()
@@ -320,7 +321,7 @@ def host_side(step, device: str, top: int = 25) -> dict:
         "profiled_step_ms": wall * 1000,
         "sync_calls": sum(sites.values()),
         "sync_sites": dict(sites.most_common(top)),
-        "gc_pauses": collections,
+        "gc_pauses": pauses,
         "python_own_ms": [f"{o * 1000:8.2f} {c:6d}x {n}" for o, _, c, n in by_own],
         "python_cum_ms": [f"{cu * 1000:8.2f} {c:6d}x {n}" for _, cu, c, n in by_cum],
     }

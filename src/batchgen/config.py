@@ -41,9 +41,9 @@ class EngineConfig:
     step for the same weight reads), else 256 and 8,192. A mixture-of-experts model takes
     32,768 tokens a step there: its prefill steps launch enough kernels from Python that
     at 16,384 tokens the GPU waits on the host (W4 +3.8%, W6 +7% on an H200). A model
-    with linear-attention layers takes fewer rows there where its compressed-state slots (one a row, on the
-    device) would take more than an eighth of the device memory: 512 for W6's model
-    (19.5 MB a row), 256 for one of Kimi-Linear-48B's size.
+    with linear-attention layers takes fewer rows there where its compressed-state slots
+    (one a row, on the device) would take more than an eighth of the device memory: 512
+    for W6's model (19.5 MB a row), 256 for one of Kimi-Linear-48B's size.
 
     kv_cache_size_gib, when set, fixes the device KV pool size; otherwise the pool
     takes gpu_memory_utilization of the device memory left after a warm-up forward
