@@ -14,12 +14,13 @@ time) against the H200 device-copy ceiling of 4.23 TB/s; prefill on attention TF
     python benchmarks/bench_kernels.py --kda      # W6's KDA decode and prefill, two layouts
 
 --kda: W6's KDA layer (16 heads of 128, float32 state slots) through fla-core, in the
-engine's state layout [H, K, V] and in fla's `state_v_first` [H, V, K]: the decode step
+engine's state layout, fla's `state_v_first` [H, V, K], and in [H, K, V]: the decode step
 (fused_recurrent_kda_fwd in place on 512 and 256 slots, rated on the state bytes read and
 written against the copy ceiling) and a 32,768-token prefill chunk (chunk_kda, 32
 prompts of 1,024, states gathered and returned); each layout's outputs are checked
 against the engine's. Also the decode step's short convolution: kernels/conv_decode.py
-against the torch step (kda_torch.short_conv_decode).
+against the torch step (kda_torch.short_conv_decode), and a prefill step's:
+kernels/conv_packed.py against fla-core's causal_conv1d with the copies it needs.
 
 --moe: W4's routed experts (64 experts of hidden 2048 and intermediate 1408, top-6,
 bf16) at 64 to 8192 tokens, through torch._grouped_mm (layers.routed_experts, the
@@ -344,9 +345,9 @@ def bench_kda(gen) -> list[tuple]:
     gates = dict(A_log=randn(heads, scale=0.5), dt_bias=randn(heads * dim))
     gates |= dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     gates |= dict(use_qk_l2norm_in_kernel=True, scale=dim**-0.5)
-    states_k = randn(slots, heads, dim, dim, scale=0.1)  # [S, H, K, V]: the engine's
-    states_v = states_k.transpose(-1, -2).contiguous()  # [S, H, V, K]
-    layouts = (("[H, K, V]", states_k, False), ("[H, V, K]", states_v, True))
+    states_k = randn(slots, heads, dim, dim, scale=0.1)  # [S, H, K, V]
+    states_v = states_k.transpose(-1, -2).contiguous()  # [S, H, V, K]: the engine's
+    layouts = (("[H, V, K]", states_v, True), ("[H, K, V]", states_k, False))
     rows = []
 
     def compared(case: str, outs: list[torch.Tensor]) -> tuple:
@@ -418,7 +419,55 @@ def bench_kda(gen) -> list[tuple]:
                 (f"conv decode, {batch} rows", name, "-", f"{seconds * 1e6:.1f} us",
                  f"{bw / 1e12:.2f} TB/s", f"{100 * bw / COPY_BW:.0f}% of copy")
             )  # fmt: skip
-    return rows
+    return rows + bench_conv_prefill(weight, windows, prompts, length, gen)
+
+
+def fla_prefill_conv(x, weight, windows, cu, slots):
+    """A prefill step's convolution through fla-core's causal_conv1d, as the engine ran it
+    before kernels/conv_packed.py: initial states [N, C, K] built from the windows (column
+    0 never read), the final states written back, then q, k and v made contiguous (the
+    chunked KDA kernels index rows as if contiguous)."""
+    from fla.modules.causal_conv1d.ops import causal_conv1d
+
+    width = weight.shape[1] - 1
+    past = windows.index_select(0, slots)
+    init = torch.zeros(past.shape[0], past.shape[2], width + 1, dtype=x.dtype, device=x.device)
+    init[:, :, 1:] = past.transpose(1, 2)
+    y, final = causal_conv1d(
+        x.unsqueeze(0), weight=weight, initial_state=init, output_final_state=True,
+        activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
+    )  # fmt: skip
+    windows.index_copy_(0, slots, final[:, :, 1:].transpose(1, 2).to(windows.dtype))
+    return tuple(t.contiguous() for t in y[0].split(y.shape[-1] // 3, dim=-1))
+
+
+def bench_conv_prefill(weight, windows, prompts: int, length: int, gen) -> list[tuple]:
+    """A 32,768-token prefill step's q, k and v convolution: kernels/conv_packed.py against
+    fla-core's causal_conv1d and the copies that make its thirds contiguous; the outputs
+    compared (both sum the taps in float32)."""
+    from batchgen.kernels.conv_packed import conv_packed
+
+    tokens, channels = prompts * length, weight.shape[0]
+    x = torch.randn(tokens, channels, generator=gen).to("cuda", DTYPE)
+    cu = torch.arange(0, tokens + 1, length, device="cuda")
+    slots = torch.randperm(windows.shape[0], generator=gen)[:prompts].to("cuda")
+    case = f"conv prefill, {tokens} tokens"
+    outs, rows = [], []
+    for name, fn in (
+        ("kernels/conv_packed.py", partial(conv_packed, x, weight, windows, cu, slots, length, 3)),
+        ("fla causal_conv1d + copies", partial(fla_prefill_conv, x, weight, windows, cu, slots)),
+    ):
+        start = windows.clone()
+        outs.append(torch.cat(fn(), dim=-1))
+        windows.copy_(start)
+        seconds = _bench(fn)
+        bw = 2 * tokens * channels * ELEM / seconds  # x read, the output written
+        rows.append(
+            (case, name, "-", f"{seconds * 1e6:.1f} us", f"{bw / 1e12:.2f} TB/s",
+             f"{100 * bw / COPY_BW:.0f}% of copy")
+        )  # fmt: skip
+    diff = (outs[0].float() - outs[1].float()).abs().max().item()
+    return rows + [(case, "the two outputs", "-", f"max |diff| {diff:.2e}", "-", "-")]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,7 +167,7 @@ class ForwardContext:
     # hook(layer) before a layer touches its KV pages: waits for the pages a copy loads
     # into that layer (or must read from it first) on the compute stream
     before_layer: Callable[[int], None] | None = None
-    # linear-attention (KDA) layers: per such layer (recurrent states [slots, H, Dk, Dv]
+    # linear-attention (KDA) layers: per such layer (recurrent states [slots, H, Dv, Dk]
     # float32, conv windows [slots, K - 1, conv_dim]), owned by kv/state_pool.py
     linear_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     linear_metadata: LinearAttentionMetadata | None = None

@@ -31,7 +31,8 @@ def test_layout_bytes_per_slot():
 def test_pool_shapes_and_layer_views():
     lay = layout()
     pool = StatePool(lay, num_slots=5, device="cpu")
-    assert pool.states.shape == (3, 5, 2, 8, 4) and pool.states.dtype == torch.float32
+    # value-major per head: [H, Dv, Dk]
+    assert pool.states.shape == (3, 5, 2, 4, 8) and pool.states.dtype == torch.float32
     assert pool.windows.shape == (3, 5, 3, 48) and pool.windows.dtype == torch.bfloat16
     assert pool.nbytes == 5 * lay.bytes_per_slot
     views = pool.layer_states()

@@ -1,6 +1,6 @@
 """fla-core's kernels as kda_ops calls them, under the Triton interpreter, against our
-torch reference: the recurrent KDA step (gates given or computed in the kernel), the
-packed causal convolution with per-request windows, the gated output norm.
+torch reference: the recurrent KDA step (gates given or computed in the kernel) and the
+gated output norm.
 
 Runs where fla-core is installed (skipped otherwise). On the CPU the chunked KDA kernels
 do not run: fla-core 0.6's chunk kernels index with a loop counter the interpreter hands over as
@@ -91,44 +91,19 @@ def one_config(*modules) -> None:
 
 
 @pytest.fixture
-def fla_conv_and_norm():
-    conv, norm = kda_ops.fla_conv(), kda_ops.fla_norm()
-    if conv is None or norm is None:
-        pytest.skip("this fla-core has no causal_conv1d or rms_norm_gated")
-    from fla.modules.causal_conv1d import ops as conv_ops
+def fla_norm():
+    norm = kda_ops.fla_norm()
+    if norm is None:
+        pytest.skip("this fla-core has no rms_norm_gated")
     from fla.modules.norm import fused_norm_gate
 
     if os.environ.get("TRITON_INTERPRET") == "1":
-        one_config(conv_ops, fused_norm_gate)
-    return conv, norm
+        one_config(fused_norm_gate)
+    return norm
 
 
-def test_packed_conv_with_windows_matches_the_torch_step(fla_conv_and_norm):
-    """fla's causal_conv1d as a prefill step runs it (requests shorter than the window,
-    one-row decodes among prefills, slots out of order, one slot left alone) against
-    short_conv_packed: the same outputs and the same new windows."""
-    conv, _ = fla_conv_and_norm
-    lengths, slots = [5, 1, 9, 2], [4, 0, 2, 5]
-    channels, taps = 24, 4
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(sum(lengths), channels, generator=gen)
-    weight = torch.randn(channels, taps, generator=gen)
-    windows = torch.randn(6, taps - 1, channels, generator=gen)
-    seqs, row = [], 0
-    for n, slot in zip(lengths, slots):
-        seqs.append(LinearSeq(q_start=row, q_len=n, slot=slot, has_state=True))
-        row += n
-    meta = LinearAttentionMetadata.build(seqs, "cpu")
-    want_windows = windows.clone()
-    want = kda_torch.short_conv_packed(x, weight, want_windows, meta.cu_seqlens, meta.state_slots)
-    got = kda_ops._conv_fla(conv, x, weight, windows, meta)
-    assert (got - want).abs().max().item() < TOL
-    assert (windows - want_windows).abs().max().item() < TOL
-    assert torch.equal(windows[[1, 3]], want_windows[[1, 3]])
-
-
-def test_gated_output_norm_matches_the_torch_norm(fla_conv_and_norm):
-    _, norm = fla_conv_and_norm
+def test_gated_output_norm_matches_the_torch_norm(fla_norm):
+    norm = fla_norm
     gen = torch.Generator().manual_seed(5)
     o, gate = torch.randn(7, 2, 16, generator=gen), torch.randn(7, 2, 16, generator=gen)
     weight = torch.randn(16, generator=gen)

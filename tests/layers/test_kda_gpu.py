@@ -112,11 +112,12 @@ def test_decode_step_replays_from_a_cuda_graph():
 
 
 def test_prefill_conv_and_output_norm_match_torch_in_bf16():
-    """A prefill step's short convolution (fla's causal_conv1d) and the gated output norm
-    (fla's rms_norm_gated) on CUDA against the torch code on the same tensors; the conv
-    window of every slot the step holds moves on alike, the others stay."""
-    if kda_ops.fla_conv() is None or kda_ops.fla_norm() is None:
-        pytest.skip("this fla-core has no causal_conv1d or rms_norm_gated")
+    """A prefill step's short convolution (kernels/conv_packed.py) and the gated output
+    norm (fla's rms_norm_gated) on CUDA against the torch code on the same tensors; q, k
+    and v contiguous, the conv window of every slot the step holds moves on alike, the
+    others stay."""
+    if kda_ops.fla_norm() is None:
+        pytest.skip("this fla-core has no rms_norm_gated")
     gen = torch.Generator(device="cuda").manual_seed(11)
     channels, taps = 3 * H * DK, 4
     meta = meta_for([(150, 5, True), (1, 1, True), (2, 3, True), (64, 6, False)])
@@ -127,8 +128,10 @@ def test_prefill_conv_and_output_norm_match_torch_in_bf16():
     windows.index_fill_(0, meta.fresh_slots, 0.0)
     want_windows = windows.clone()
     want = kda_torch.short_conv_packed(x, weight, want_windows, meta.cu_seqlens, meta.state_slots)
-    got = torch.cat(kda_ops.short_conv(x, weight, windows, meta), dim=-1)
-    # the torch code sums the taps in bfloat16, fla in float32
+    qkv = kda_ops.short_conv(x, weight, windows, meta)
+    assert all(t.is_contiguous() for t in qkv)
+    got = torch.cat(qkv, dim=-1)
+    # the torch code sums the taps in bfloat16, the kernel in float32
     assert (got.float() - want.float()).abs().max().item() < 0.1
     assert torch.equal(windows, want_windows)
     o = torch.randn(217, H, DV, device="cuda", generator=gen).to(torch.bfloat16)

@@ -15,8 +15,8 @@ cross in long blocks instead of one small copy per page and layer.
 Compressed-state slots of linear-attention layers (state_pool.py) cross the same way, a
 slot standing for a page:
 
-    device  states [L, slots, H, Dk, Dv]   windows [L, slots, K - 1, C]
-    host    states [L, slots_h, H, Dk, Dv] windows [L, slots_h, K - 1, C]  (layer-major)
+    device  states [L, slots, H, Dv, Dk]   windows [L, slots, K - 1, C]
+    host    states [L, slots_h, H, Dv, Dk] windows [L, slots_h, K - 1, C]  (layer-major)
 """
 
 from __future__ import annotations

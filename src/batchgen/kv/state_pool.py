@@ -3,12 +3,13 @@
 A KDA layer keeps no per-token KV. Each running request owns one slot, the same index in
 every KDA layer, holding that layer's
 
-    recurrent state  [H, Dk, Dv]          float32 (rounding compounds over the recurrence)
+    recurrent state  [H, Dv, Dk]          float32 (rounding compounds over the recurrence;
+                                          value-major, as layers/kda_ops.py holds it)
     conv window      [K - 1, conv_dim]    the last K - 1 inputs of the short convolution
 
 The pool allocates both once, layer-major, so a slot is one block per layer:
 
-    states   [L_kda, num_slots, H, Dk, Dv]          windows  [L_kda, num_slots, K - 1, C]
+    states   [L_kda, num_slots, H, Dv, Dk]          windows  [L_kda, num_slots, K - 1, C]
               ^ layer i's view: states[i]  (what ForwardContext.linear_states[i] holds)
 
 `StateSlots` is the bookkeeping (no tensors; the scheduler's side): a slot is taken when
@@ -60,7 +61,7 @@ class StateLayout:
         return self.num_layers * (state + window)
 
     def states_shape(self, num_slots: int) -> tuple[int, ...]:
-        return (self.num_layers, num_slots, self.num_heads, self.head_k_dim, self.head_v_dim)
+        return (self.num_layers, num_slots, self.num_heads, self.head_v_dim, self.head_k_dim)
 
     def windows_shape(self, num_slots: int) -> tuple[int, ...]:
         return (self.num_layers, num_slots, self.conv_kernel - 1, self.conv_dim)
@@ -83,7 +84,7 @@ class StatePool:
         )
 
     def layer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per KDA layer (states [slots, H, Dk, Dv], windows [slots, K - 1, C]), views."""
+        """Per KDA layer (states [slots, H, Dv, Dk], windows [slots, K - 1, C]), views."""
         return [(self.states[i], self.windows[i]) for i in range(self.layout.num_layers)]
 
     @property
@@ -93,7 +94,7 @@ class StatePool:
 
 class HostStatePool:
     """Host slots with the device pool's slot geometry, pinned when `pin`: states
-    [L, num_slots, H, Dk, Dv] float32 and windows [L, num_slots, K - 1, C], layer-major
+    [L, num_slots, H, Dv, Dk] float32 and windows [L, num_slots, K - 1, C], layer-major
     like HostPool (pinned.host_empty): a host slot is read only after a copy wrote it. Copies
     in and out are page_copies.device_to_host_state / host_to_device_state, run only
     inside closures handed to CopyEngine.submit."""

@@ -7,7 +7,7 @@
     o ──o_norm (RMSNorm per head, * sigmoid(g_b_proj(g_a_proj(x))))──o_proj──> out
 
 No per-token KV: each request owns one slot of the layer's compressed state (recurrent
-state [H, Dk, Dv] float32 and conv window [K - 1, 3 * H * D]) in kv/state_pool.py; the
+state [H, Dv, Dk] float32 and conv window [K - 1, 3 * H * D]) in kv/state_pool.py; the
 slot ids and token ranges come from `ForwardContext.linear_metadata`.
 
 Tensor parallel (`tp`): heads are split across ranks, everything per head stays on its

@@ -4,17 +4,23 @@ Every function here takes the packed step as `LinearAttentionMetadata` describes
 the layer's slot tensors from the pool, and updates the slots of the step's requests in
 place (nothing else is written):
 
-    states  [num_slots, H, Dk, Dv] float32    windows [num_slots, K - 1, conv_dim]
+    states  [num_slots, H, Dv, Dk] float32    windows [num_slots, K - 1, conv_dim]
+
+A state is held value-major, [Dv, Dk] per head (the transpose of the math's S [Dk, Dv]),
+the layout fla-core's kernels read fastest (`state_v_first`; bench_kernels.py --kda: the
+decode step and the chunked prefill each 6-9% faster than in [Dk, Dv]); the torch path
+transposes its views.
 
 fla-core (pip `fla-core`, pure Triton) serves CUDA tensors when it imports:
 `fused_recurrent_kda_fwd` for decode-only steps (reads and writes the slots in place
 through `ssm_state_indices`: no gather, no host sync, capturable), `chunk_kda` with
 `cu_seqlens` for steps with a prefill (initial states gathered from the slots, final
 states scattered back), both with the decay gate and beta's sigmoid computed inside the
-kernel from the raw projections (`RawGates`); `causal_conv1d` for the short convolution
-of a step with a prefill (each request's window in, its new window out), and
-`rms_norm_gated` for the output norm; our `conv_decode` kernel for the short convolution
-of a decode-only step (fla's update kernel takes no state slots), inside its graph.
+kernel from the raw projections (`RawGates`); `rms_norm_gated` for the output norm.
+The short convolution is ours on CUDA: `conv_decode` for a decode-only step, inside its
+graph (fla's update kernel takes no state slots), and `conv_packed` for a step with a
+prefill (q, k and v come out contiguous, where fla's causal_conv1d gives one tensor whose
+thirds the chunked kernels would copy).
 Elsewhere the torch code runs: `short_conv_packed` (all requests of a step at once) or
 `short_conv_decode`, `kda_gate`, `gated_rms_norm`.
 """
@@ -55,16 +61,20 @@ def short_conv(
     parts: int = 3,
 ) -> tuple[torch.Tensor, ...]:
     """Causal depthwise conv + SiLU of x [T, C] with each request's window, which moves
-    on -> `parts` tensors [T, C / parts], the channels in order (q, k and v); a
-    decode-only step's on CUDA come contiguous from one kernel (kernels/conv_decode.py)."""
-    if meta.max_q_len == 1:
-        if x.is_cuda:
+    on -> `parts` tensors [T, C / parts], the channels in order (q, k and v); on CUDA
+    they come contiguous from one kernel (kernels/conv_decode.py for a decode-only step,
+    else kernels/conv_packed.py)."""
+    if x.is_cuda:
+        slots = meta.state_slots
+        if meta.max_q_len == 1:
             from batchgen.kernels.conv_decode import conv_decode
 
-            return conv_decode(x, weight, windows, meta.state_slots, parts)
+            return conv_decode(x, weight, windows, slots, parts)
+        from batchgen.kernels.conv_packed import conv_packed
+
+        return conv_packed(x, weight, windows, meta.cu_seqlens, slots, meta.max_q_len, parts)
+    if meta.max_q_len == 1:
         y = kda_torch.short_conv_decode(x, weight, windows, meta.state_slots)
-    elif (conv := fla_conv() if x.is_cuda else None) is not None:
-        y = _conv_fla(conv, x, weight, windows, meta)
     else:
         y = kda_torch.short_conv_packed(x, weight, windows, meta.cu_seqlens, meta.state_slots)
     return y.split(y.shape[-1] // parts, dim=-1)
@@ -112,15 +122,17 @@ def kda_attention_torch(q, k, v, g, beta, states, meta, chunk_size=64):
     step on device tensors; otherwise request by request, chunked where q_len > 1."""
     if meta.max_q_len == 1:
         slots = meta.state_slots
-        o, new = kda_torch.kda_recurrent(q, k, v, g, beta, states.index_select(0, slots))
-        states.index_copy_(0, slots, new)
+        past = states.index_select(0, slots).transpose(-1, -2)  # the math's [N, H, Dk, Dv]
+        o, new = kda_torch.kda_recurrent(q, k, v, g, beta, past)
+        states.index_copy_(0, slots, new.transpose(-1, -2))
         return o
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for seq in meta.seqs:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        o, states[seq.slot] = kda_torch.kda_chunk(
-            q[rows], k[rows], v[rows], g[rows], beta[rows], states[seq.slot], chunk_size
+        o, new = kda_torch.kda_chunk(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], states[seq.slot].mT, chunk_size
         )
+        states[seq.slot] = new.mT
         out[rows] = o
     return out
 
@@ -138,17 +150,6 @@ def fla_kda():
 
 
 @functools.cache
-def fla_conv():
-    """fla-core's `causal_conv1d` (Triton, packed sequences with initial and final
-    states), or None where it is not installed."""
-    try:
-        from fla.modules.causal_conv1d.ops import causal_conv1d
-    except ImportError:
-        return None
-    return causal_conv1d
-
-
-@functools.cache
 def fla_norm():
     """fla-core's `rms_norm_gated` (Triton), or None where it is not installed."""
     try:
@@ -156,27 +157,6 @@ def fla_norm():
     except ImportError:
         return None
     return rms_norm_gated
-
-
-def _conv_fla(conv, x, weight, windows, meta):
-    """`short_conv` of a step with a prefill through fla's causal_conv1d. Its states are
-    [N, C, K] with the newest input last and column 0 never read: a request's window
-    [K - 1, C] goes in as columns 1..K-1 and comes out of its final state the same way."""
-    width = weight.shape[1] - 1
-    past = windows.index_select(0, meta.state_slots)  # [S, K - 1, C]
-    init = torch.zeros(past.shape[0], past.shape[2], width + 1, dtype=x.dtype, device=x.device)
-    init[:, :, 1:] = past.transpose(1, 2)
-    y, final = conv(
-        x.unsqueeze(0),
-        weight=weight,
-        initial_state=init,
-        output_final_state=True,
-        activation="silu",
-        cu_seqlens=meta.cu_seqlens,
-        cu_seqlens_cpu=meta.cu_seqlens_host,
-    )
-    windows.index_copy_(0, meta.state_slots, final[:, :, 1:].transpose(1, 2).to(windows.dtype))
-    return y[0]
 
 
 def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
@@ -223,6 +203,7 @@ def _recurrent(step, states, cu_seqlens, slots, scale, gates):
         inplace_final_state=True,
         cu_seqlens=cu_seqlens,
         ssm_state_indices=slots,
+        state_v_first=True,
         use_qk_l2norm_in_kernel=True,
         **gates,
     )  # fmt: skip
@@ -239,6 +220,7 @@ def _chunked(step, states, slots, cu_seqlens, cu_seqlens_host, scale, gates):
         scale=scale,
         initial_state=states.index_select(0, slots),
         output_final_state=True,
+        state_v_first=True,
         use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_host,
