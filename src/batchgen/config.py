@@ -84,7 +84,10 @@ class EngineConfig:
     linear-attention layers prefix hits: with the host tier on, a request's compressed
     state is copied to host each time its prefill reaches a multiple of it, and a later
     request whose prompt starts with the same tokens (its pages cached too) resumes from
-    the longest such copy instead of computing that prefix.
+    the longest such copy instead of computing that prefix. state_checkpoint_policy
+    "shared" (the default) stores a position only where another request the engine holds
+    (waiting or running) has the same prompt up to it; "all" stores every position, for
+    prefixes shared by requests that come later (one request per generate() call).
 
     load_format "dummy" builds the model with random weights from its config alone (no
     checkpoint read): for benchmarks, as in vLLM.
@@ -114,6 +117,7 @@ class EngineConfig:
     tier_policy: str = "auto"
     tier_copy_issue: str = "inline"
     state_checkpoint_interval: int = 1024
+    state_checkpoint_policy: str = "shared"
     load_format: str = "auto"
     batchgen_debug: bool = False
     tensor_parallel_size: int = 1
@@ -166,6 +170,7 @@ class EngineConfig:
             ("admission", ("prefix", "arrival")),
             ("tier_policy", ("auto", "always")),
             ("tier_copy_issue", ("worker", "inline")),
+            ("state_checkpoint_policy", ("shared", "all")),
             ("load_format", ("auto", "dummy")),
         ):
             if getattr(self, name) not in allowed:

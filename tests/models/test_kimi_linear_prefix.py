@@ -74,8 +74,10 @@ def test_shared_prefixes_resume_from_state_checkpoints(model, debug):
     llm = LLM(model=path, batchgen_debug=debug, **TIER, **POOL)
     _check_same(llm.generate(prompts, TOKENS, use_tqdm=False), ref[0], logprobs=False)
     m = llm.engine.metrics()
-    # each group's first request stores positions 8..32; its two others resume at 32
-    assert m["state_checkpoints"] >= 3 * 4, m
+    # each group's first request stores positions 8..32, the positions its group shares
+    # (state_checkpoint_policy "shared"); its two others resume at 32. Positions past a
+    # group's prefix and the lone prompt's are stored by nobody.
+    assert m["state_checkpoints"] == 3 * 4, m
     assert m["state_checkpoint_hit_tokens"] == 3 * 2 * 32, m
     # the hit's pages are cut to its checkpoint too: nothing else of the prefix is reused
     assert m["prefix_hit_tokens"] + 4 * m["host_prefix_hit_pages"] == 3 * 2 * 32, m
@@ -91,6 +93,34 @@ def test_shared_prefixes_resume_from_state_checkpoints(model, debug):
     again = llm.engine.metrics()
     hits = again["state_checkpoint_hit_tokens"] - m["state_checkpoint_hit_tokens"]
     assert hits >= 3 * 3 * 32, again
+
+
+def test_policy_all_stores_every_position(model):
+    """state_checkpoint_policy="all": positions nobody else shares are stored too (the
+    groups' suffixes, the lone prompt), so a later call with the lone prompt hits; the
+    outputs are the tier-off run's either way. Under "shared" it does not hit, and no
+    finished request is still counted as a holder."""
+    path, prompts, ref = model
+    lone = prompts[-1:]
+    for policy in ("all", "shared"):
+        llm = LLM(model=path, state_checkpoint_policy=policy, **TIER, **POOL)
+        _check_same(llm.generate(prompts, TOKENS, use_tqdm=False), ref[0], logprobs=False)
+        m = llm.engine.metrics()
+        assert m["state_checkpoint_hit_tokens"] == 3 * 2 * 32, m
+        if policy == "all":
+            assert m["state_checkpoints"] > 3 * 4 + 3, m  # + the lone prompt's 8, 16, 24
+        else:
+            assert m["state_checkpoints"] == 3 * 4, m
+            assert not llm.engine.checkpoints._holders and not llm.engine.checkpoints._tracked
+        _check_same(llm.generate(lone, LOGPROBS, use_tqdm=False), ref[1][-1:], logprobs=True)
+        hit = llm.engine.metrics()["state_checkpoint_hit_tokens"] - m["state_checkpoint_hit_tokens"]
+        assert hit == (24 if policy == "all" else 0), (policy, hit)
+
+
+def test_an_unknown_checkpoint_policy_is_named(model):
+    path, _, _ = model
+    with pytest.raises(ValueError, match="state_checkpoint_policy must be 'shared' or 'all'"):
+        LLM(model=path, state_checkpoint_policy="some", **TIER, **POOL)
 
 
 def test_interval_zero_turns_prefix_hits_off(model):

@@ -308,6 +308,7 @@ class EngineCore:
                     self.config.state_checkpoint_interval,
                     self.config.page_size,
                     max(host_slots - self.config.max_num_seqs, host_slots // 2, 1),
+                    shared_only=self.config.state_checkpoint_policy == "shared",
                 )
             self.exact_swap = ExactSwap(self.kv, tier.states, self.checkpoints)
             logger.info(

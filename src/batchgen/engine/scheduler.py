@@ -73,6 +73,10 @@ class Scheduler:
         self._released: list[str] = []  # left the running set since the last schedule()
 
     def add(self, request: Request) -> None:
+        if self.checkpoints is not None:  # its positions may be shared with others'
+            ids = request.token_ids
+            hashes = self.kv.page_hashes(request.request_id, ids)
+            self.checkpoints.track(request.request_id, hashes, len(ids))
         if self.admission == "arrival":
             self.waiting.append(request)
         elif not self.kv.allocator.enable_caching:
@@ -382,6 +386,8 @@ class Scheduler:
         self.kv.forget(req.request_id)
         if self.exact_swap is not None:
             self.exact_swap.forget(req.request_id)
+        if self.checkpoints is not None:
+            self.checkpoints.untrack(req.request_id)
         self._left_running(req)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
@@ -402,6 +408,8 @@ class Scheduler:
             if self.exact_swap is not None:
                 self.exact_swap.forget(req.request_id)
         self.kv.forget(req.request_id)
+        if self.checkpoints is not None:
+            self.checkpoints.untrack(req.request_id)
         self._left_running(req)
 
 

@@ -8,8 +8,14 @@ page that ends at P, so both name the same prefix.
 
     positions  multiples of `interval` tokens (a multiple of the page size) at least two
                tokens before a request's end (so it is still in its prefill there)
-    take       schedule() cuts a prefill chunk so it ends at the next position nobody
-               has stored; at the start of the next schedule() the request's slot is
+    shared     by default a position is stored only where another request the engine
+               holds (waiting or running) has the same prefix up to it (`track`): a
+               position past the shared part of a prompt would cost a copy and a host
+               slot and serve no hit (W3 on the W6 model: 2,048 of 2,752 checkpoints).
+               shared_only=False stores every position, for sharing that arrives later
+               (a request per generate() call, say)
+    take       schedule() cuts a prefill chunk so it ends at the next wanted position
+               nobody has stored; at the start of the next schedule() the request's slot is
                copied to host (StateTier.checkpoint_out), and that step waits on the copy
                before its forward writes the slot
     hit        admission looks up the longest cached page prefix (device or host), cut to
@@ -30,7 +36,14 @@ from batchgen.kv.state_tier import StateTier
 
 
 class StateCheckpoints:
-    def __init__(self, states: StateTier, interval: int, page_size: int, max_slots: int) -> None:
+    def __init__(
+        self,
+        states: StateTier,
+        interval: int,
+        page_size: int,
+        max_slots: int,
+        shared_only: bool = True,
+    ) -> None:
         if interval <= 0 or interval % page_size:
             raise ValueError(
                 f"state_checkpoint_interval must be a positive multiple of the page size "
@@ -41,6 +54,9 @@ class StateCheckpoints:
         self.page_size = page_size
         self.max_slots = max_slots
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # page hash -> host slot, LRU
+        self.shared_only = shared_only
+        self._holders: dict[bytes, int] = {}  # position's page hash -> requests tracked
+        self._tracked: dict[str, list[bytes]] = {}  # request id -> its positions' hashes
         self.num_stored = 0
         self.hit_tokens = 0
 
@@ -49,6 +65,32 @@ class StateCheckpoints:
 
     def has(self, page_hash: bytes) -> bool:
         return page_hash in self._slots
+
+    def track(self, request_id: str, hashes: list[bytes], num_tokens: int) -> None:
+        """A request the engine now holds (num_tokens of prompt, `hashes` its full pages'
+        chained hashes): its positions count toward `wanted` until `untrack`."""
+        if not self.shared_only:
+            return
+        step = self.interval // self.page_size
+        last = max(0, num_tokens - 2) // self.interval * step  # positions < num_tokens - 1
+        keys = hashes[step - 1 : last : step]
+        self._tracked[request_id] = keys
+        for key in keys:
+            self._holders[key] = self._holders.get(key, 0) + 1
+
+    def untrack(self, request_id: str) -> None:
+        """The request ended (finished or aborted): its positions no longer count."""
+        for key in self._tracked.pop(request_id, ()):
+            n = self._holders[key] - 1
+            if n:
+                self._holders[key] = n
+            else:
+                del self._holders[key]
+
+    def wanted(self, page_hash: bytes) -> bool:
+        """Whether the position ending with that page is worth storing: always with
+        shared_only False, else when two or more tracked requests reach it."""
+        return not self.shared_only or self._holders.get(page_hash, 0) >= 2
 
     def next_position(self, computed: int, num_tokens: int) -> int | None:
         """The first checkpoint position after `computed` that leaves the request at
@@ -59,21 +101,23 @@ class StateCheckpoints:
 
     def cut(self, computed: int, n: int, num_tokens: int, hashes: list[bytes]) -> int:
         """n, or fewer so that the chunk [computed, computed + n) ends at the next
-        position whose checkpoint is missing (a chunk never runs past it)."""
+        position whose checkpoint is missing and wanted (a chunk never runs past it)."""
         pos = self.next_position(computed, num_tokens)
-        if pos is None or pos >= computed + n or self.has(hashes[pos // self.page_size - 1]):
+        if pos is None or pos >= computed + n:
             return n
-        return pos - computed
+        key = hashes[pos // self.page_size - 1]
+        return n if self.has(key) or not self.wanted(key) else pos - computed
 
     def take(
         self, dev_slot: int, computed: int, hashes: list[bytes], tag: str
     ) -> CopyHandle | None:
         """Store the slot's state if `computed` is a position whose checkpoint is missing
-        and a host slot can be had; the handle the next step waits on, else None."""
+        and wanted, and a host slot can be had; the handle the next step waits on, else
+        None."""
         if not computed or computed % self.interval or computed // self.page_size > len(hashes):
             return None
         key = hashes[computed // self.page_size - 1]
-        if key in self._slots or not self._room():
+        if key in self._slots or not self.wanted(key) or not self._room():
             return None
         host_slot = self.states.take_host_slot()
         self._slots[key] = host_slot
