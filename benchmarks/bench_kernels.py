@@ -454,7 +454,7 @@ def bench_conv_prefill(weight, windows, prompts: int, length: int, gen) -> list[
     case = f"conv prefill, {tokens} tokens"
     outs, rows = [], []
     for name, fn in (
-        ("kernels/conv_packed.py", partial(conv_packed, x, weight, windows, cu, slots, length, 3)),
+        ("kernels/conv_packed.py", partial(conv_packed, x, weight, windows, cu, slots, 3)),
         ("fla causal_conv1d + copies", partial(fla_prefill_conv, x, weight, windows, cu, slots)),
     ):
         start = windows.clone()

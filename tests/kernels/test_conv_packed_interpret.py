@@ -26,7 +26,7 @@ from batchgen.kernels.conv_packed import conv_packed  # noqa: E402
 from batchgen.layers import kda_torch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SLOTS = 9
+SLOTS = 24
 
 
 def _case(lengths, channels, taps, dtype, seed=0):
@@ -63,6 +63,7 @@ def _float64_conv(x, weight, windows, cu, slots):
         ([40], 300, 4, 3),  # one request over several row blocks, a ragged channel block
         ([1, 1, 3], 40, 2, 1),  # a one-row window
         ([2, 17], 130, 3, 2),
+        ([1] * 12 + [45] + [1] * 7, 64, 4, 1),  # one long prompt among one-row requests
     ],
 )
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
@@ -70,9 +71,7 @@ def test_conv_packed_matches_the_convolution(dtype, lengths, channels, taps, par
     x, weight, windows, cu, slots = _case(lengths, channels, taps, dtype)
     want, want_windows = _float64_conv(x, weight, windows, cu, slots)
     before = windows.clone()
-    got = conv_packed(
-        x, weight, windows, cu.to(index_dtype), slots.to(index_dtype), max(lengths), parts
-    )
+    got = conv_packed(x, weight, windows, cu.to(index_dtype), slots.to(index_dtype), parts)
     assert len(got) == parts
     assert all(t.is_contiguous() and t.shape == (sum(lengths), channels // parts) for t in got)
     out = torch.cat(got, dim=-1)
@@ -90,7 +89,7 @@ def test_conv_packed_matches_the_torch_packed_step_in_float32():
     x, weight, windows, cu, slots = _case([7, 1, 2, 20], 3 * 32, 4, torch.float32, seed=3)
     torch_windows = windows.clone()
     want = kda_torch.short_conv_packed(x, weight, torch_windows, cu, slots)
-    got = torch.cat(conv_packed(x, weight, windows, cu, slots, 20, 3), dim=-1)
+    got = torch.cat(conv_packed(x, weight, windows, cu, slots, 3), dim=-1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(windows, torch_windows)
 
@@ -103,11 +102,11 @@ def test_a_request_split_across_two_steps_gives_the_whole_request(monkeypatch):
     x, weight, windows, cu, slots = _case([13], 48, 4, torch.float32, seed=5)
     x = x.contiguous()
     whole_windows = windows.clone()
-    whole = torch.cat(conv_packed(x, weight, whole_windows, cu, slots, 13), dim=-1)
+    whole = torch.cat(conv_packed(x, weight, whole_windows, cu, slots), dim=-1)
     parts = []
     for lo, hi in ((0, 6), (6, 13)):
         cu_part = torch.tensor([0, hi - lo], device=DEVICE)
-        parts.append(conv_packed(x[lo:hi], weight, windows, cu_part, slots, hi - lo)[0])
+        parts.append(conv_packed(x[lo:hi], weight, windows, cu_part, slots)[0])
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-6, atol=1e-6)
     assert torch.equal(windows, whole_windows)
 
@@ -121,14 +120,15 @@ def test_a_request_split_across_two_steps_gives_the_whole_request(monkeypatch):
         (lambda a: a.update(cu=a["cu"][:-1]), r"cu_seqlens \[N \+ 1\]"),
         (lambda a: a.update(slots=a["slots"].float()), "slots must be int32/int64"),
         (lambda a: a.update(parts=5), "does not divide"),
+        (lambda a: a.update(rows=a["cu"][:2]), r"rows must be \[5\]"),
     ],
 )
 def test_bad_arguments_name_what_is_wrong(change, match):
     x, weight, windows, cu, slots = _case([3, 2], 24, 4, torch.float32)
-    args = dict(x=x, weight=weight, windows=windows, cu=cu, slots=slots, parts=3)
+    args = dict(x=x, weight=weight, windows=windows, cu=cu, slots=slots, parts=3, rows=None)
     change(args)
     with pytest.raises(ValueError, match=match):
         conv_packed(
-            args["x"], args["weight"], args["windows"], args["cu"], args["slots"], 3,
-            args["parts"],
+            args["x"], args["weight"], args["windows"], args["cu"], args["slots"],
+            args["parts"], args["rows"],
         )  # fmt: skip

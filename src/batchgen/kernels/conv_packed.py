@@ -5,11 +5,12 @@ single rows together), with SiLU, continuing each request from its slot-held win
     y[cu[s] + p, c] = silu(sum_j weight[c, j] * ext_s[p + j, c])
     windows[slots[s]] <- the last K - 1 rows of ext_s
 
-Two launches on one stream: the first writes y, one program per (request, block of rows,
-block of channels), reading the window for a request's first K - 1 rows; the second moves
-each request's window on, after every read of the old window by the first. A request of
-fewer than K - 1 rows keeps part of its old window (shifted); a longer one takes its last
-K - 1 rows. Taps are summed in float32 and SiLU applied there, the result rounded once to
+Two launches on one stream. The first writes y, one program per block of packed rows and
+block of channels; each row finds its request through `rows`, so a step that mixes one
+long prompt with many one-row requests launches no idle programs. It reads the window for
+a request's first K - 1 rows. The second moves each request's window on, after every read
+of the old window by the first. A request of fewer than K - 1 rows keeps part of its old
+window (shifted); a longer one takes its last K - 1 rows. Taps are summed in float32 and SiLU applied there, the result rounded once to
 x's dtype (as kernels/conv_decode.py, the decode-only step's kernel).
 
 A KDA layer's q, k and v convolution (layers/kda_ops.py) in steps with a prefill. The
@@ -30,31 +31,25 @@ BLOCK_C = 256
 
 @triton.jit
 def _conv_packed_kernel(
-    x_ptr, w_ptr, win_ptr, cu_ptr, slot_ptr, out_ptr, channels, part_width, num_rows,
-    row_blocks, stride_x, stride_wc, stride_wk, stride_ws, stride_wj,
+    x_ptr, w_ptr, win_ptr, cu_ptr, slot_ptr, seq_ptr, out_ptr, channels, part_width,
+    num_rows, stride_x, stride_wc, stride_wk, stride_ws, stride_wj,
     TAPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0) // row_blocks
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    seq = tl.load(seq_ptr + rows, mask=row_ok, other=0)  # each row's request
     first = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    rows = first + (tl.program_id(0) % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    if first + (tl.program_id(0) % row_blocks) * BLOCK_R >= end:
-        return
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < channels
-    live = (rows < end)[:, None] & col_ok[None, :]
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    live = row_ok[:, None] & col_ok[None, :]
     acc = tl.zeros((BLOCK_R, BLOCK), dtype=tl.float32)
     for j in tl.static_range(TAPS):
-        src = rows - (TAPS - 1) + j  # ext row p + j is x row src, or window row K - 1 + src - first
+        src = rows - (TAPS - 1) + j  # ext row p + j: x row src, or window row K - 1 + src - first
         in_x = (src >= first)[:, None]
         xv = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=live & in_x, other=0.0)
-        wrow = (TAPS - 1 + src - first)[:, None]
-        wv = tl.load(
-            win_ptr + slot * stride_ws + wrow * stride_wj + cols[None, :],
-            mask=live & ~in_x,
-            other=0.0,
-        )
+        at = slot * stride_ws + (TAPS - 1 + src - first) * stride_wj
+        wv = tl.load(win_ptr + at[:, None] + cols[None, :], mask=live & ~in_x, other=0.0)
         w = tl.load(w_ptr + cols * stride_wc + j * stride_wk, mask=col_ok, other=0.0)
         acc += (xv.to(tl.float32) + wv.to(tl.float32)) * w.to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))
@@ -88,23 +83,31 @@ def _window_kernel(
         tl.store(win + j * stride_wj, v, mask=mask)
 
 
+def request_of_row(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The request index of each packed row [num_rows] int64, on cu_seqlens' device (no
+    host sync); a step's layers can share it (conv_packed's `rows`)."""
+    rows = torch.arange(num_rows, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:], rows, right=True)
+
+
 def conv_packed(
     x: torch.Tensor,
     weight: torch.Tensor,
     windows: torch.Tensor,
     cu_seqlens: torch.Tensor,
     slots: torch.Tensor,
-    max_len: int,
     parts: int = 1,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """x [T, C] (the step's rows, packed by request; rows may be strided), weight [C, K],
     windows [S, K - 1, C] (written in place: each request's window moves on by its rows),
-    cu_seqlens [N + 1] and slots [N] int on x's device, max_len >= every request's row
-    count (sizes the launch; no device read) -> `parts` contiguous tensors [T, C / parts]
-    in x's dtype, the convolved channels in order. Slots must be distinct."""
+    cu_seqlens [N + 1] and slots [N] int on x's device; rows: request_of_row(cu_seqlens,
+    T), built here when not given -> `parts` contiguous tensors [T, C / parts] in x's
+    dtype, the convolved channels in order. Slots must be distinct. One program per block
+    of packed rows and of channels, whatever the mix of request lengths."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, C] with contiguous rows: {list(x.shape)} {x.stride()}")
-    rows, channels = x.shape
+    num_rows, channels = x.shape
     if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 2:
         raise ValueError(f"weight must be [{channels}, K >= 2]: {list(weight.shape)}")
     taps = weight.shape[1]
@@ -123,16 +126,19 @@ def conv_packed(
             raise ValueError(f"{name} must be int32/int64: {t.dtype}")
     if parts < 1 or channels % parts:
         raise ValueError(f"parts={parts} does not divide {channels} channels")
-    if len({t.device for t in (x, weight, windows, cu_seqlens, slots)}) != 1:
-        raise ValueError("x, weight, windows, cu_seqlens and slots must be on one device")
+    if rows is None:
+        rows = request_of_row(cu_seqlens, num_rows)
+    if tuple(rows.shape) != (num_rows,):
+        raise ValueError(f"rows must be [{num_rows}]: {list(rows.shape)}")
+    if len({t.device for t in (x, weight, windows, cu_seqlens, slots, rows)}) != 1:
+        raise ValueError("x, weight, windows, cu_seqlens, slots and rows must be on one device")
     width = channels // parts
-    out = torch.empty((parts, rows, width), dtype=x.dtype, device=x.device)
-    if rows and n and max_len > 0:
+    out = torch.empty((parts, num_rows, width), dtype=x.dtype, device=x.device)
+    if num_rows and n:
         block = min(BLOCK_C, triton.next_power_of_2(channels))
-        row_blocks = triton.cdiv(max_len, BLOCK_T)
         col_blocks = triton.cdiv(channels, block)
-        _conv_packed_kernel[(n * row_blocks, col_blocks)](
-            x, weight, windows, cu_seqlens, slots, out, channels, width, rows, row_blocks,
+        _conv_packed_kernel[(triton.cdiv(num_rows, BLOCK_T), col_blocks)](
+            x, weight, windows, cu_seqlens, slots, rows, out, channels, width, num_rows,
             x.stride(0), weight.stride(0), weight.stride(1), windows.stride(0),
             windows.stride(1), TAPS=taps, BLOCK_R=BLOCK_T, BLOCK=block,
         )  # fmt: skip

@@ -70,9 +70,11 @@ def short_conv(
             from batchgen.kernels.conv_decode import conv_decode
 
             return conv_decode(x, weight, windows, slots, parts)
-        from batchgen.kernels.conv_packed import conv_packed
+        from batchgen.kernels.conv_packed import conv_packed, request_of_row
 
-        return conv_packed(x, weight, windows, meta.cu_seqlens, slots, meta.max_q_len, parts)
+        cu, count = meta.cu_seqlens, x.shape[0]
+        rows = derived(meta, "conv_rows", lambda: request_of_row(cu, count))
+        return conv_packed(x, weight, windows, cu, slots, parts, rows)
     if meta.max_q_len == 1:
         y = kda_torch.short_conv_decode(x, weight, windows, meta.state_slots)
     else:
