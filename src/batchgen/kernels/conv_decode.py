@@ -55,6 +55,27 @@ def _conv_decode_kernel(
     tl.store(out_at, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def conv_shapes(
+    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, parts: int
+) -> tuple[int, int, int]:
+    """(rows, channels, taps) of a short convolution's x [rows, C] (contiguous rows),
+    weight [C, K >= 2] and windows [S, K - 1, C] (contiguous along C) into `parts`
+    outputs; ValueError naming what does not fit."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, C] with contiguous rows: {list(x.shape)} {x.stride()}")
+    rows, channels = x.shape
+    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 2:
+        raise ValueError(f"weight must be [{channels}, K >= 2]: {list(weight.shape)}")
+    taps = weight.shape[1]
+    if windows.dim() != 3 or tuple(windows.shape[1:]) != (taps - 1, channels):
+        raise ValueError(f"windows must be [S, {taps - 1}, {channels}]: {list(windows.shape)}")
+    if windows.stride(2) != 1:
+        raise ValueError(f"windows must be contiguous along channels: {windows.stride()}")
+    if parts < 1 or channels % parts:
+        raise ValueError(f"parts={parts} does not divide {channels} channels")
+    return rows, channels, taps
+
+
 def conv_decode(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -65,20 +86,9 @@ def conv_decode(
     """x [N, C] (rows may be strided), weight [C, K], windows [S, K - 1, C] (written in
     place: each slot's window moves on by x's row), slots [N] int -> `parts` contiguous
     tensors [N, C / parts] in x's dtype, the convolved channels in order."""
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be [N, C] with contiguous rows: {list(x.shape)} {x.stride()}")
-    rows, channels = x.shape
-    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 2:
-        raise ValueError(f"weight must be [{channels}, K >= 2]: {list(weight.shape)}")
-    taps = weight.shape[1]
-    if windows.dim() != 3 or tuple(windows.shape[1:]) != (taps - 1, channels):
-        raise ValueError(f"windows must be [S, {taps - 1}, {channels}]: {list(windows.shape)}")
-    if windows.stride(2) != 1:
-        raise ValueError(f"windows must be contiguous along channels: {windows.stride()}")
+    rows, channels, taps = conv_shapes(x, weight, windows, parts)
     if slots.shape != (rows,) or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be [{rows}] int32/int64: {list(slots.shape)} {slots.dtype}")
-    if parts < 1 or channels % parts:
-        raise ValueError(f"parts={parts} does not divide {channels} channels")
     if len({t.device for t in (x, weight, windows, slots)}) != 1:
         raise ValueError("x, weight, windows and slots must be on one device")
     width = channels // parts

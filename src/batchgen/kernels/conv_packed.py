@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.conv_decode import conv_shapes
+
 BLOCK_T = 16
 BLOCK_C = 256
 
@@ -105,16 +107,7 @@ def conv_packed(
     T), built here when not given -> `parts` contiguous tensors [T, C / parts] in x's
     dtype, the convolved channels in order. Slots must be distinct. One program per block
     of packed rows and of channels, whatever the mix of request lengths."""
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be [T, C] with contiguous rows: {list(x.shape)} {x.stride()}")
-    num_rows, channels = x.shape
-    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 2:
-        raise ValueError(f"weight must be [{channels}, K >= 2]: {list(weight.shape)}")
-    taps = weight.shape[1]
-    if windows.dim() != 3 or tuple(windows.shape[1:]) != (taps - 1, channels):
-        raise ValueError(f"windows must be [S, {taps - 1}, {channels}]: {list(windows.shape)}")
-    if windows.stride(2) != 1:
-        raise ValueError(f"windows must be contiguous along channels: {windows.stride()}")
+    num_rows, channels, taps = conv_shapes(x, weight, windows, parts)
     n = slots.shape[0] if slots.dim() == 1 else -1
     if n < 0 or tuple(cu_seqlens.shape) != (n + 1,):
         raise ValueError(
@@ -124,8 +117,6 @@ def conv_packed(
     for name, t in (("cu_seqlens", cu_seqlens), ("slots", slots)):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32/int64: {t.dtype}")
-    if parts < 1 or channels % parts:
-        raise ValueError(f"parts={parts} does not divide {channels} channels")
     if rows is None:
         rows = request_of_row(cu_seqlens, num_rows)
     if tuple(rows.shape) != (num_rows,):
