@@ -71,6 +71,7 @@ class StateCheckpoints:
         chained hashes): its positions count toward `wanted` until `untrack`."""
         if not self.shared_only:
             return
+        self.untrack(request_id)  # counted once, whatever was tracked under the id before
         step = self.interval // self.page_size
         last = max(0, num_tokens - 2) // self.interval * step  # positions < num_tokens - 1
         keys = hashes[step - 1 : last : step]
