@@ -56,6 +56,10 @@ process per interval (each its own engine):
     for i in 0 256 512 1024; do PYTHONPATH=src python3 benchmarks/shared_prefix.py \
         --model kimi-w6 --runs defaults --checkpoint-interval $i --out $OUT/ck$i; done
 
+--checkpoint-policy shared|all sets state_checkpoint_policy (default: the engine's,
+"shared": only positions another request of the batch reaches are stored); "all" stores
+every position, as the engine did before, to measure what the policy saves.
+
 --profile: after the timed part of the first tier-on run (or of each run --profile-runs
 names), the first 128 requests of the workload are submitted again (their prefixes are
 then mostly on the host only) and a torch.profiler trace of CPU and CUDA activity is
@@ -135,6 +139,8 @@ def engine_kwargs(args) -> dict:
     )
     if args.checkpoint_interval is not None:
         kw["state_checkpoint_interval"] = args.checkpoint_interval
+    if args.checkpoint_policy is not None:
+        kw["state_checkpoint_policy"] = args.checkpoint_policy
     if args.small:
         return dict(kw, device="cpu", dtype="float32", max_model_len=96 + 8 + 4, num_kv_pages=16)
     return dict(
@@ -372,7 +378,11 @@ def summary(result: dict) -> str:
     for name, run in runs.items():
         m = run["metrics"]
         if "state_swaps_out" in m:  # a model with linear-attention layers
-            lines.append(state_checkpoint_line(name, m, result.get("checkpoint_interval")))
+            lines.append(
+                state_checkpoint_line(
+                    name, m, result.get("checkpoint_interval"), result.get("checkpoint_policy")
+                )
+            )
     for name, r in result["ratios"].items():
         a, b = r["runs"]
         lines.append(
@@ -388,7 +398,7 @@ def summary(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def state_checkpoint_line(name: str, m: dict, interval) -> str:
+def state_checkpoint_line(name: str, m: dict, interval, policy=None) -> str:
     """A hybrid model's prefix reuse: the state checkpoints stored (what they cost in
     copies) and the prompt tokens they let a prefix hit skip."""
     stored, loaded = m.get("bytes_state_checkpoint", 0), m.get("bytes_state_checkpoint_load", 0)
@@ -399,7 +409,7 @@ def state_checkpoint_line(name: str, m: dict, interval) -> str:
         f"{name}: state checkpoints every {every}: {m.get('state_checkpoints', 0):,} stored "
         f"({size(stored)} over {secs:.2f} s of copy-stream time, {rate}), {size(loaded)} "
         f"loaded back; prefix hits through them {m.get('state_checkpoint_hit_tokens', 0):,} "
-        "tokens"
+        f"tokens; policy {policy or 'the engine default'}"
     )
 
 
@@ -487,6 +497,12 @@ def main(argv=None) -> int:
         help="state_checkpoint_interval of every run (models with linear-attention layers; "
         "0: off; default: the engine's)",
     )
+    ap.add_argument(
+        "--checkpoint-policy",
+        choices=("shared", "all"),
+        default=None,
+        help="state_checkpoint_policy of every run (default: the engine's)",
+    )
     add_engine_args(ap)
     add_model_args(ap)
     add_policy_args(ap, admission=False)
@@ -538,6 +554,7 @@ def main(argv=None) -> int:
         "model": args.model + (" (small)" if args.small else ""),
         "tier_policy": args.tier_policy,
         "checkpoint_interval": args.checkpoint_interval,
+        "checkpoint_policy": args.checkpoint_policy,
         "requests": len(prompts),
         "prefixes": prefixes,
         "questions": questions,

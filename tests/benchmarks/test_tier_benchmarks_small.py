@@ -244,9 +244,12 @@ def test_shared_prefix_measures_a_hybrid_models_state_checkpoints(tmp_path, caps
             "shared_prefix",
             tmp_path / str(interval),
             *("--model", "kimi-w6", "--runs", "defaults", "--checkpoint-interval", str(interval)),
+            *(("--checkpoint-policy", "all") if interval else ()),
         )
         assert result["checkpoint_interval"] == interval
         assert result["engine"]["state_checkpoint_interval"] == interval
+        if interval:  # --checkpoint-policy reaches the engine
+            assert result["engine"]["state_checkpoint_policy"] == "all"
         runs[interval] = result["runs"]["defaults"]["metrics"]
     off, on = runs[0], runs[32]
     assert off.get("state_checkpoints", 0) == 0  # no checkpoint store is built at 0
@@ -257,6 +260,7 @@ def test_shared_prefix_measures_a_hybrid_models_state_checkpoints(tmp_path, caps
     out = capsys.readouterr().out
     assert "state checkpoints every 0 tokens: 0 stored" in out
     assert "state checkpoints every 32 tokens" in out
+    assert "policy the engine default" in out and "tokens; policy all" in out
 
 
 def test_shared_prefix_runs_option_refuses_unknown_names(tmp_path, capsys):
