@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import batchgen.kv.state_tier as state_tier
+from batchgen.kv import page_copies
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool, StateSlots
 from batchgen.kv.state_tier import StateTier
@@ -211,3 +212,30 @@ def test_a_worker_mirror_replays_the_logged_state_copies_on_its_own_pools():
     m = mirror.metrics
     assert (m.state_stores, m.state_loads) == (2, 2)
     assert m.readback_checks == 2  # debug: each store's slot (state and window) compared
+
+
+def test_a_checkpoint_frees_its_slot_for_writing_once_read_into_staging():
+    """The step after a checkpoint waits only on the handle's one gate (wait_layer and
+    wait_gates take gate 0), which the copy marks once the slot is gathered into staging:
+    a write to the slot from then on (done here at the gate itself) leaves the host slot
+    with the state as it was. A gate marked before the gather would let it through.
+    (On the CPU a copy is issued whole before any gate can be awaited; the GPU's events
+    let the forward start while the transfer to host runs.)"""
+    tier, slots = make()
+    slot = slots.take("r")
+    want = source(tier, slot)
+    dev, host = tier._tensors()
+    host_slot = tier.take_host_slot()
+
+    def overwrite():  # the next step's forward, at the gate
+        dev[0][:, slot] = 7.0
+        dev[1][:, slot] = 7.0
+
+    kept = page_copies.device_to_host_state(dev, host, [slot], [host_slot], on_read=overwrite)
+    assert kept and torch.equal(tier.device_pool.states[:, slot], torch.full_like(want[0], 7.0))
+    assert torch.equal(tier.host_pool.states[:, host_slot], want[0])
+    assert torch.equal(tier.host_pool.windows[:, host_slot], want[1])
+    # checkpoint_out hands the gate over: one gate, marked by the time the copy is done
+    handle = tier.checkpoint_out(slots.take("s"), tier.take_host_slot(), "request s")
+    tier.drain()
+    assert len(handle.gates) == 1 and handle.gates[0].event.is_set()

@@ -101,12 +101,17 @@ def device_to_host_state(
     host: tuple[torch.Tensor, torch.Tensor],
     dev_slots: list[int],
     host_slots: list[int],
+    on_read: Callable[[], None] | None = None,
 ) -> tuple:
     """Device state slots -> host slots, (states, windows) alike, every layer: one gather
-    per tensor into staging, then per layer one block per run of consecutive host slots."""
+    per tensor into staging, then per layer one block per run of consecutive host slots.
+    `on_read()` once the gathers are queued: past that point on the copy stream the
+    device slots may be written again."""
     host_slots, dev_slots = _by_host_page(host_slots, dev_slots)
     idx = torch.tensor(dev_slots, dtype=torch.int64).to(dev[0].device, non_blocking=True)
     staged = tuple(t.index_select(1, idx) for t in dev)  # [L, n, ...] each
+    if on_read is not None:
+        on_read()
     runs = _runs(host_slots)
     for src, dst in zip(staged, host):
         for layer in range(dst.shape[0]):

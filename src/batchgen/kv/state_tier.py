@@ -17,9 +17,9 @@ Who may reuse a slot:
 Handles complete in `poll()` / `drain()`, which TieredKVManager's poll and drain call.
 
 Checkpoints (state_checkpoints.py) use the same host slots through `checkpoint_out` (a
-copy of a slot its request keeps using: the step after it waits on the handle before
-its forward writes the slot, and a swap-out store of that slot waits for it on the copy
-stream) and `checkpoint_in` (a checkpoint into a request's new slot; the host slot stays
+copy of a slot its request keeps using: the step after it waits on the handle's gate,
+the slot read into device staging, before its forward writes the slot, and a swap-out
+store of that slot waits for the whole copy on the copy stream) and `checkpoint_in` (a checkpoint into a request's new slot; the host slot stays
 the checkpoint's and is not reused before the load completes).
 """
 
@@ -159,13 +159,18 @@ class StateTier:
 
     def checkpoint_out(self, dev_slot: int, host_slot: int, tag: str) -> CopyHandle:
         """Copy a slot its request keeps using to `host_slot`, ordered after the compute
-        that wrote it. The step that runs next waits on the handle before writing it."""
+        that wrote it. The handle's one gate is marked once the slot is read into staging:
+        the step that runs next waits on that gate before writing the slot (a device
+        gather), not on the transfer to host behind it."""
         dev, host = self._tensors()
         dev_slots, host_slots = [dev_slot], [host_slot]
         handle = self.copies.submit(
             "store",
             self.slot_bytes,
-            lambda h: device_to_host_state(dev, host, dev_slots, host_slots),
+            lambda h: device_to_host_state(
+                dev, host, dev_slots, host_slots, on_read=lambda: h.mark(0)
+            ),
+            num_gates=1,
         )
         self._log("state_store", dev_slot, host_slot, tag)
         for s in host_slots:
