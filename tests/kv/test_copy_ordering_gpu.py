@@ -20,6 +20,9 @@ from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_pool import PagePool
+from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool, StateSlots
+from batchgen.kv.state_tier import StateTier
+from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.layers.attention_torch import store_kv
 
@@ -283,3 +286,66 @@ def test_forward_waits_layer_by_layer_for_a_host_prefix_load(wait, model_dir, mo
     again = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.engine.metrics()["host_prefix_hit_pages"] > 0
     assert again == ref
+
+
+# ---- a hybrid model's state checkpoints (kv/state_tier.py) ----------------------------
+
+STATE_LAYOUT = StateLayout(
+    num_layers=3,
+    num_heads=4,
+    head_k_dim=64,
+    head_v_dim=64,
+    conv_dim=3 * 4 * 64,
+    conv_kernel=4,
+    conv_dtype=torch.bfloat16,
+)
+
+
+def state_tier(ordered: bool = True) -> tuple[StateTier, StateSlots]:
+    device = torch.device("cuda")
+    pool = StatePool(STATE_LAYOUT, 4, device)
+    host = HostStatePool(STATE_LAYOUT, 4, pin=True)
+    host.states.fill_(-1.0)
+    host.windows.fill_(-1.0)
+    slots = StateSlots(4)
+    copies = CopyEngine(device, ordered=ordered, issue=ISSUE)
+    return StateTier(pool, host, slots, copies, TierMetrics()), slots
+
+
+def state_filled(tier: StateTier, host_slot: int, value: float) -> bool:
+    host = tier.host_pool
+    return bool((host.states[:, host_slot] == value).all()) and bool(
+        (host.windows[:, host_slot] == value).all()
+    )
+
+
+@pytest.mark.parametrize("ordered", ORDERING)
+def test_a_checkpoint_reads_its_slot_after_the_step_that_wrote_it(ordered):
+    tier, slots = state_tier(ordered)
+    slot, host_slot = slots.take("r"), tier.take_host_slot()
+    torch.cuda._sleep(SPIN)
+    tier.device_pool.states[:, slot].fill_(7.0)  # the step's write, on the default stream
+    tier.device_pool.windows[:, slot].fill_(7.0)
+    tier.checkpoint_out(slot, host_slot, "request r")
+    tier.drain()
+    assert state_filled(tier, host_slot, 7.0)
+
+
+@pytest.mark.parametrize("wait", [True, pytest.param(False, id="no-wait", marks=STALE)])
+def test_the_step_after_a_checkpoint_writes_the_slot_only_after_its_gather(wait):
+    """The next step waits on the checkpoint's gate (the slot gathered into staging),
+    not on its transfer to host; without the wait it overwrites the slot first."""
+    tier, slots = state_tier()
+    slot, host_slot = slots.take("r"), tier.take_host_slot()
+    tier.device_pool.states[:, slot].fill_(7.0)
+    tier.device_pool.windows[:, slot].fill_(7.0)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(tier.copies.streams[0]):  # the checkpoint's stream starts late
+        torch.cuda._sleep(SPIN)
+    handle = tier.checkpoint_out(slot, host_slot, "request r")
+    if wait:
+        handle.wait_layer(0)  # what the next step's forward does before its KDA layers
+    tier.device_pool.states[:, slot].fill_(9.0)  # the next step writes the slot
+    tier.device_pool.windows[:, slot].fill_(9.0)
+    tier.drain()
+    assert state_filled(tier, host_slot, 7.0)
