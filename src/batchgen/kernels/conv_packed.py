@@ -10,8 +10,9 @@ block of channels; each row finds its request through `rows`, so a step that mix
 long prompt with many one-row requests launches no idle programs. It reads the window for
 a request's first K - 1 rows. The second moves each request's window on, after every read
 of the old window by the first. A request of fewer than K - 1 rows keeps part of its old
-window (shifted); a longer one takes its last K - 1 rows. Taps are summed in float32 and SiLU applied there, the result rounded once to
-x's dtype (as kernels/conv_decode.py, the decode-only step's kernel).
+window (shifted); a longer one takes its last K - 1 rows. Taps are summed in float32 and
+SiLU applied there, the result rounded once to x's dtype (as kernels/conv_decode.py, the
+decode-only step's kernel).
 
 A KDA layer's q, k and v convolution (layers/kda_ops.py) in steps with a prefill. The
 output comes as `parts` contiguous [T, C / parts] tensors (q, k and v), so the chunked

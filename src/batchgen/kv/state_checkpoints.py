@@ -16,8 +16,8 @@ page that ends at P, so both name the same prefix.
                (a request per generate() call, say)
     take       schedule() cuts a prefill chunk so it ends at the next wanted position
                nobody has stored; at the start of the next schedule() the request's slot is
-               copied to host (StateTier.checkpoint_out), and that step waits on the copy
-               before its forward writes the slot
+               copied to host (StateTier.checkpoint_out), and that step waits for the
+               slot's gather into device staging before its forward writes the slot
     hit        admission looks up the longest cached page prefix (device or host), cut to
                its longest checkpoint; the request takes a slot, the checkpoint is loaded
                into it (StateTier.checkpoint_in, the step waits) and it starts at P

@@ -19,8 +19,9 @@ Handles complete in `poll()` / `drain()`, which TieredKVManager's poll and drain
 Checkpoints (state_checkpoints.py) use the same host slots through `checkpoint_out` (a
 copy of a slot its request keeps using: the step after it waits on the handle's gate,
 the slot read into device staging, before its forward writes the slot, and a swap-out
-store of that slot waits for the whole copy on the copy stream) and `checkpoint_in` (a checkpoint into a request's new slot; the host slot stays
-the checkpoint's and is not reused before the load completes).
+store of that slot waits for the whole copy on the copy stream) and `checkpoint_in` (a
+checkpoint into a request's new slot; the host slot stays the checkpoint's and is not
+reused before the load completes).
 """
 
 from __future__ import annotations

@@ -196,7 +196,8 @@ def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
 def _recurrent(step, states, cu_seqlens, slots, scale, gates):
     """One token per request: fla's recurrent step, in place on the slots."""
     _, fused_recurrent_kda_fwd = fla_kda()
-    # the kernels index rows as if contiguous: q, k, v arrive as views of the conv output
+    # the kernels index rows as if contiguous: the convolution kernels hand q, k and v
+    # over contiguous (no copy here); the torch path's are views of one tensor
     q, k, v, g, beta = (x.contiguous().unsqueeze(0) for x in step)
     o, _ = fused_recurrent_kda_fwd(
         q, k, v, g, beta,
