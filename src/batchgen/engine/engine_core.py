@@ -68,6 +68,14 @@ def state_bytes_per_seq(hf_config, conv_dtype: torch.dtype = torch.bfloat16) -> 
     ).bytes_per_slot
 
 
+def with_limits_for(config: EngineConfig, device: torch.device, hf_config) -> EngineConfig:
+    """config with its unset batch limits set for `device` and this model: a hybrid
+    model's compressed state a row, and whether it routes to experts."""
+    return config.with_batch_limits(
+        device, state_bytes_per_seq(hf_config), has_moe_layers(hf_config)
+    )
+
+
 def has_moe_layers(hf_config) -> bool:
     """Whether the model routes tokens to experts: DeepSeek-V3's `n_routed_experts` or
     Kimi Linear's `num_local_experts` (behind transformers' name `num_experts`)."""
@@ -94,9 +102,7 @@ class EngineCore:
         dtype: torch.dtype,
         tp_workers: TPWorkers | None = None,
     ) -> None:
-        config = config.with_batch_limits(
-            device, state_bytes_per_seq(hf_config), has_moe_layers(hf_config)
-        )
+        config = with_limits_for(config, device, hf_config)
         self.config = config
         self.tp_workers = tp_workers  # tensor parallel: this is rank 0 of the group
         self.model = model
@@ -420,9 +426,7 @@ class EngineCore:
         tokenizer = source.load_tokenizer()
         device = config.torch_device()
         # set here, before tensor-parallel workers take the config
-        config = config.with_batch_limits(
-            device, state_bytes_per_seq(hf_config), has_moe_layers(hf_config)
-        )
+        config = with_limits_for(config, device, hf_config)
         dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
         max_len = max_model_len(config, hf_config)
         if config.tensor_parallel_size == 1:
