@@ -73,8 +73,8 @@ class Scheduler:
         self._released: list[str] = []  # left the running set since the last schedule()
 
     def add(self, request: Request) -> None:
-        if self.checkpoints is not None:  # its positions may be shared with others'
-            ids = request.token_ids
+        if self.checkpoints is not None and self.checkpoints.shared_only:
+            ids = request.token_ids  # its positions may be shared with others'
             hashes = self.kv.page_hashes(request.request_id, ids)
             self.checkpoints.track(request.request_id, hashes, len(ids))
         if self.admission == "arrival":
