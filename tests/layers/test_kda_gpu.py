@@ -92,6 +92,37 @@ def test_fla_matches_reference_over_steps(dtype, gates):
     assert torch.equal(states_fla[untouched], states_ref[untouched])
 
 
+@pytest.mark.parametrize("prepared", [True, False])
+@pytest.mark.parametrize(
+    "parts",
+    [[(150, 5, False), (7, 1, False)], [(1, 5, True), (33, 1, True)]],
+    ids=["prefill", "mixed"],
+)
+def test_a_prepared_step_queues_its_kda_without_a_host_sync(parts, prepared):
+    """`prepare_step` (called by the runner's linear_metadata) makes fla's chunk index
+    before the forward: the layer then queues its kernels without waiting for the GPU.
+    Unprepared, fla's pageable copy of that index synchronises inside the layer: the
+    check below must catch it there (else it proves nothing of the prepared case)."""
+    raw = raw_gates(4)
+    states = torch.randn(SLOTS, H, DK, DV, device="cuda") * 0.1
+    rows = sum(n for n, _, _ in parts)
+    args = step_inputs(rows, torch.bfloat16, 5)
+    kda_ops.kda_attention(*args, states, meta_for(parts), raw=raw)  # autotuning syncs: outside
+    meta = meta_for(parts)
+    if prepared:
+        kda_ops.prepare_step(meta)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        if prepared:
+            kda_ops.kda_attention(*args, states, meta, raw=raw)
+        else:
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                kda_ops.kda_attention(*args, states, meta, raw=raw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_decode_step_replays_from_a_cuda_graph():
     states = torch.randn(SLOTS, H, DK, DV, device="cuda") * 0.1
     meta = meta_for([(1, 6, True), (1, 2, True)])

@@ -193,6 +193,31 @@ def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
     return out
 
 
+# the chunk length fla-core's chunk_kda takes when none is passed (as _chunked does)
+FLA_CHUNK = 64
+
+
+def prepare_step(meta: LinearAttentionMetadata) -> None:
+    """Before the step's first kernel is queued: the chunk index fla-core's chunk_kda
+    derives from a step's host-side lengths. fla builds it on the host and copies it to
+    the device without pinning, a copy that waits for everything queued on the stream.
+    Made by the first KDA layer, that wait held the host while the GPU ran the layers
+    before it, and the GPU then waited on the host's launches. Made here, it waits for
+    no forward; fla's cache (keyed by its arguments' identity) hands the index to every
+    layer of the step. Nothing on the CPU or for a decode-only step."""
+    if meta.max_q_len <= 1 or not meta.cu_seqlens.is_cuda or fla_kda() is None:
+        return
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    split = derived(meta, "kda_split", lambda: _split(meta, meta.cu_seqlens.device))
+    if split is None:
+        cu, cu_host = meta.cu_seqlens, meta.cu_seqlens_host
+    else:
+        cu, cu_host = split.prefill_cu, split.prefill_cu_host
+    # the keywords chunk_kda's forward passes: the cache matches them by name
+    prepare_chunk_indices(cu_seqlens=cu, chunk_size=FLA_CHUNK, cu_seqlens_cpu=cu_host)
+
+
 def _recurrent(step, states, cu_seqlens, slots, scale, gates):
     """One token per request: fla's recurrent step, in place on the slots."""
     _, fused_recurrent_kda_fwd = fla_kda()

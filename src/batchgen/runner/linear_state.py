@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.forward_context import LinearAttentionMetadata, LinearSeq
+from batchgen.layers.kda_ops import prepare_step
 from batchgen.runner.batch import ScheduledRequest
 
 
@@ -21,4 +22,6 @@ def linear_metadata(
         n = len(req.new_token_ids)
         seqs.append(LinearSeq(q_start=row, q_len=n, slot=req.state_slot, has_state=req.start > 0))
         row += n
-    return LinearAttentionMetadata.build(seqs, device)
+    meta = LinearAttentionMetadata.build(seqs, device)
+    prepare_step(meta)  # what the KDA kernels derive on the host, before any is queued
+    return meta
