@@ -11,7 +11,11 @@ R1  A copy body (a function of kv/page_copies.py that issues a copy; its name sa
     device_to_host* or host_to_device*), reached by its name, an alias or its module, is only
     called inside a closure (lambda or nested def) that its enclosing function hands to
     CopyEngine.submit and uses nowhere else, and submit never runs the closure itself. Anything
-    else issues the copy without the producer event submit records at call time.
+    else issues the copy without the producer event submit records at call time. A gather
+    (a function of page_copies.py named gather_*) reads device pages into new staging on the
+    stream that calls it and may run anywhere; it moves nothing to the host but a
+    non-blocking upload of its index (no copy method, no subscript assignment, no copy body
+    called), so its staging reaches the host only through a submitted copy body.
 R2  Nothing outside page_copies.py writes into a KV pool tensor (the tensors the kv package's
     pool classes own, their views, names bound to them): no subscript assignment, no
     copy_/index_copy_/index_put_ or out= into one, and no .to/.cuda/.pin_memory/non_blocking
@@ -60,6 +64,7 @@ from pathlib import Path
 from hygiene.report import Finding
 
 COPY_PREFIXES = ("device_to_host", "host_to_device")
+GATHER_PREFIX = "gather_"  # page_copies.py: a device-side read into staging (R1)
 COPY_METHODS = {"copy_", "index_copy_", "index_put_", "index_add_", "scatter_", "masked_scatter_"}
 TRANSFERS = {"to", "cuda", "cpu", "pin_memory"}
 READS = {"to", "cpu"}
@@ -292,7 +297,9 @@ class _Contract:
         records = [_record_of(self.methods[n]) for n in sorted(self.submits)]
         self.producer = ast.unparse(records[0].func.value).split(".")[-1] if records else ""
         self.copies = pkg.by_rel.get("kv/page_copies.py")
-        self.bodies = _copying_functions(self.copies) if self.copies else {}
+        copying = _copying_functions(self.copies) if self.copies else {}
+        self.gathers = {n: f for n, f in copying.items() if n.startswith(GATHER_PREFIX)}
+        self.bodies = {n: f for n, f in copying.items() if n not in self.gathers}
         pools = [
             (m.rel, c.name)
             for m in pkg.modules
@@ -328,6 +335,11 @@ class _Contract:
             if not name.lstrip("_").startswith(COPY_PREFIXES):
                 why = f"copy body {name} must say its direction: device_to_host* or host_to_device*"
                 yield self.copies, (fn, "R1", why)
+        for name, fn in self.gathers.items():
+            for node in _walk(fn):
+                if _copies(node, self.bodies) and not _index_upload(node):
+                    why = f"gather {name} copies ({ast.unparse(node)[:60]}): only a copy body may"
+                    yield self.copies, (node, "R1", why)
         reads = 0
         for m in self.pkg.modules:
             yield from self._check_capture(m)
@@ -1025,6 +1037,15 @@ def _copying_functions(m: _Module) -> dict[str, ast.AST]:
                 copying[name] = f
         if len(copying) == before:
             return copying
+
+
+def _index_upload(node: ast.AST) -> bool:
+    """A non-blocking .to(...) (a gather's index on its way to the device)."""
+    return (
+        isinstance(node, ast.Call)
+        and _attr(node.func) == "to"
+        and any(k.arg == "non_blocking" for k in node.keywords)
+    )
 
 
 def _copies(node: ast.AST, copying: dict[str, ast.AST]) -> bool:

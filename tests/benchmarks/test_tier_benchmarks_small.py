@@ -65,8 +65,10 @@ def observed(monkeypatch):
 
     noting("_submit_store")
     noting("_submit_load")
-    # a store stages every layer of its pages; a load one layer at a time
+    # a store stages every layer of its pages (a store of freed pages gets that staging
+    # from flush()); a load one layer at a time
     counting("device_to_host_pages", 3, lambda a: 1)
+    counting("device_to_host_staged", 2, lambda a: 1)
     counting("host_to_device_pages", 2, lambda a: a[1].shape[0])
 
     def totals() -> tuple[Counter, Counter]:

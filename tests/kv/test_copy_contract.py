@@ -190,7 +190,13 @@ def stream_waits(src: Source, scope: ast.AST) -> list[ast.stmt]:
 def sync_store_with_noop_closure(root):
     src = Source(root, "kv/tiered.py")
     fn = src.func("_submit_store")
-    hoist(src, fn, src.only(fn, "device_to_host* call", copy_call("device_to_host")))
+    hoist(src, fn, src.only(fn, "device_to_host_pages call", calling("device_to_host_pages")))
+
+
+def sync_staged_store_with_noop_closure(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("_submit_store")
+    hoist(src, fn, src.only(fn, "device_to_host_staged call", calling("device_to_host_staged")))
 
 
 def sync_load_with_noop_closure(root):
@@ -288,6 +294,20 @@ def copy_body_without_a_direction(root):
             dst[:, pages].copy_(src[:, pages], non_blocking=True)
         """
     )
+
+
+def gather_that_copies_to_the_host(root):
+    src = Source(root, "kv/page_copies.py")
+    fn = src.func("gather_pages")
+    ret = next(n for n in ast.walk(fn) if isinstance(n, ast.Return))
+    src.insert_before(ret, "torch.empty(1).copy_(idx[:1].float(), non_blocking=True)\n")
+
+
+def gather_through_a_copy_body(root):
+    src = Source(root, "kv/page_copies.py")
+    fn = src.func("gather_pages")
+    ret = next(n for n in ast.walk(fn) if isinstance(n, ast.Return))
+    src.insert_before(ret, "_device_to_host_runs(dev_kv, dev_kv, host_pages, range(1))\n")
 
 
 # --- R2: nothing else copies between pools ----------------------------------------------
@@ -694,6 +714,7 @@ def worker_replays_no_copies(root):
 
 MUTATIONS = [
     (sync_store_with_noop_closure, "R1"),
+    (sync_staged_store_with_noop_closure, "R1"),
     (sync_load_with_noop_closure, "R1"),
     (sync_layer_store_with_noop_closure, "R1"),
     (closure_reference_instead_of_call, "R1"),
@@ -705,6 +726,8 @@ MUTATIONS = [
     (copy_body_through_a_relative_name_alias, "R1"),
     (copy_body_by_dotted_path_outside_kv, "R1"),
     (copy_body_without_a_direction, "R1"),
+    (gather_that_copies_to_the_host, "R1"),
+    (gather_through_a_copy_body, "R1"),
     (slice_assignment_between_pools, "R2"),
     (slice_assignment_through_a_local, "R2"),
     (slice_assignment_into_a_host_page_view, "R2"),

@@ -84,6 +84,7 @@ class Traffic:
 
     def _wrap_bodies(self, monkeypatch) -> None:
         d2h, h2d = tiered.device_to_host_pages, tiered.host_to_device_pages
+        staged_d2h = tiered.device_to_host_staged
 
         def store(dev_kv, host_kv, dev_pages, host_pages, layers=None, on_read=None):
             kept = d2h(dev_kv, host_kv, dev_pages, host_pages, layers, on_read)
@@ -92,12 +93,19 @@ class Traffic:
             self._ran("store", host_pages, len(layers), written, dev_kv.shape[0])
             return kept
 
+        def staged_store(staged, host_kv, host_pages):  # pages flush() gathered itself
+            kept = staged_d2h(staged, host_kv, host_pages)
+            written = host_kv[:, list(host_pages)]
+            self._ran("store", host_pages, host_kv.shape[0], written, host_kv.shape[0])
+            return kept
+
         def load(host_kv, dev_kv, host_pages, dev_pages, on_layer=None):
             kept = h2d(host_kv, dev_kv, host_pages, dev_pages, on_layer)
             written = dev_kv[:, :, list(dev_pages)]
             self._ran("load", host_pages, dev_kv.shape[0], written, dev_kv.shape[0])
             return kept
 
+        monkeypatch.setattr(tiered, "device_to_host_staged", staged_store)
         monkeypatch.setattr(tiered, "device_to_host_pages", store)
         monkeypatch.setattr(tiered, "host_to_device_pages", load)
 

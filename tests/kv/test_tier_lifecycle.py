@@ -47,7 +47,7 @@ def device_page(tier, page):
     return tier.device_pool.kv[:, :, page]  # [L, 2, S, H, D]
 
 
-def test_store_holds_its_device_pages_and_registers_host_pages_on_completion():
+def test_store_holds_its_pages_until_it_completes_and_registers_host_pages_at_once():
     tier, alloc = make()
     pages = alloc.allocate(2)
     expected = [device_page(tier, p).clone() for p in pages]
@@ -58,8 +58,10 @@ def test_store_holds_its_device_pages_and_registers_host_pages_on_completion():
     assert all(alloc.ref_count[p] == 1 for p in pages)
     grabbed = alloc.allocate(alloc.num_free)
     assert not set(grabbed) & set(pages)
-    assert tier.lookup([b"h0"]) == []  # not findable before its write completes
-    assert tier.holds(b"h0")  # but known to be on its way
+    in_flight = tier.lookup([b"h0", b"h1"])  # findable at once: a load of it would wait
+    assert len(in_flight) == 2 and tier.holds(b"h0")
+    with pytest.raises(RuntimeError):
+        tier.host_alloc.allocate(tier.host_alloc.num_pages)  # held by the store: kept
     tier.poll()
     assert tier.num_in_flight == 1  # blocked: nothing completes early
     release.set()
@@ -78,7 +80,7 @@ def test_load_waits_for_the_store_writing_its_host_pages():
     tier.copies.submit("spacer", 0, lambda h: None)  # the load goes to the free stream
     tier.queue_store(src, [b"x"], "write_through", "r")
     tier.flush()
-    host = tier.host_alloc.lookup([b"x"]) or list(tier._writing)  # in flight: not cached
+    host = tier.host_alloc.lookup([b"x"])  # in flight, and found already
     dst = alloc.allocate(1)
     tier.queue_load(host, dst, "prefix_load", "r")
     (load,) = tier.flush()
@@ -115,12 +117,11 @@ def test_write_back_copies_an_evicted_page_before_its_new_owner_writes_it():
     old = device_page(tier, page).clone()
     release = block_streams(tier)
     tier.queue_write_back(page, b"evicted", "write_back", "a cached prefix page")
-    (store,) = tier.flush()
+    assert tier.flush() == []  # read by the flush itself: the forward waits on nothing
     assert alloc.ref_count[page] == 1  # not held: the new owner has it already
-    assert not store.gates[0].event.wait(PAUSE)
+    device_page(tier, page).fill_(3.0)  # the new owner writes at once
+    assert tier.num_in_flight == 1  # before the transfer ran
     release.set()
-    store.wait_layer(0)  # the forward's wait: the source has been read
-    device_page(tier, page).fill_(3.0)  # the new owner writes
     tier.drain()
     assert torch.equal(tier.host_pool.page(tier.lookup([b"evicted"])[0]), old)
 

@@ -8,8 +8,8 @@ caching is off for them (a hit would need the recurrent state at the hit's end; 
 checkpoints are a later step), and recomputing a partial page would run its tokens
 through the recurrence twice.
 
-    preempt  swap_out: pages -> tier.queue_swap_out (freed at once; the step's compute
-             waits on the store's read gate, as for a write-back); slot -> states.store
+    preempt  swap_out: pages -> tier.queue_swap_out (freed at once; the flush reads
+             them on the compute stream, as for a write-back); slot -> states.store
              (the device slot is free only once that copy completes)
     resume   swap_in (after kv.allocate covered the request's tokens and a slot is
              free): host pages -> its first device pages with the step's load; host

@@ -214,20 +214,16 @@ class KVCacheManager:
     # ---- host tier -----------------------------------------------------------------
     def _evicted(self, page: int, page_hash: bytes) -> None:
         """The allocator reuses a cached page: keep its tokens on host if an unfinished
-        request wants them (the step's forward waits for the copy to read the page).
+        request wants them (the step's flush reads the page before its forward runs).
         Wanted pages are evicted last (`PageAllocator`), and a swapped request's pages
         were stored ahead at its swap-out, so this is rare; a page nobody wants is not
-        copied on the chance that a later call asks for it. A page whose store ahead
-        has yet to read it makes the step wait on that store instead."""
+        copied on the chance that a later call asks for it. A page whose store ahead was
+        flushed already was read then, in stream order: nothing to do."""
         if self.tier is None:
             return
         if self.tier.expedite(page):
             return
-        store = self.tier.reading(page)
-        if store is not None:
-            if all(w is not store for w in self._waits):
-                self._waits.append(store)
-        elif self.tier_active and page_hash in self._demand:
+        if self.tier_active and page_hash in self._demand:
             self._write_back(page, page_hash)
 
     def _write_back(self, page: int, page_hash: bytes) -> None:

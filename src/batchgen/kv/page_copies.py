@@ -58,17 +58,43 @@ def device_to_host_pages(
     gathered into staging by one kernel, then `on_read()` (they may be overwritten
     from then on), then each layer's runs cross to the host."""
     layers = range(dev_kv.shape[0]) if layers is None else layers
-    host_pages, dev_pages = _by_host_page(host_pages, dev_pages)
-    idx = torch.tensor(dev_pages, dtype=torch.int64).to(dev_kv.device, non_blocking=True)
-    lay = dev_kv[layers.start : layers.stop]
-    staged = lay.index_select(2, idx).transpose(1, 2).contiguous()  # [L', n, C, S, H, D]
+    staged = gather_pages(dev_kv[layers.start : layers.stop], dev_pages, host_pages)
     if on_read is not None:
         on_read()
+    return _device_to_host_runs(staged, host_kv, sorted(host_pages), layers)
+
+
+def gather_pages(dev_kv: torch.Tensor, dev_pages: list[int], host_pages: list[int]) -> torch.Tensor:
+    """The device pages of every layer of `dev_kv`, gathered by one kernel on the current
+    stream into new staging [L, n, C, S, H, D], ordered by their host pages. It copies
+    nothing to the host: on the compute stream it reads the pages in stream order, after
+    the step that last wrote them and before anything queued later can write them;
+    `device_to_host_staged`, submitted after it, takes the staging to the host."""
+    _, dev_pages = _by_host_page(host_pages, dev_pages)
+    idx = torch.tensor(dev_pages, dtype=torch.int64).to(dev_kv.device, non_blocking=True)
+    return dev_kv.index_select(2, idx).transpose(1, 2).contiguous()
+
+
+def device_to_host_staged(
+    staged: torch.Tensor, host_kv: torch.Tensor, host_pages: list[int]
+) -> tuple:
+    """gather_pages' staging -> its host pages, layer by layer. The staging was written
+    on the stream that submitted this copy (its producer); the allocator is told this
+    stream reads it too, so its memory is not reused before the transfer is done."""
+    if staged.is_cuda:
+        staged.record_stream(torch.cuda.current_stream(staged.device))
+    return _device_to_host_runs(staged, host_kv, sorted(host_pages), range(staged.shape[0]))
+
+
+def _device_to_host_runs(staged, host_kv, host_pages: list[int], layers: range) -> tuple:
+    """Staging [L', n, ...] in ascending host-page order -> `host_pages` (ascending):
+    each layer's runs of consecutive host pages cross in one block each (layer j of the
+    staging is host layer layers[j])."""
     runs = _runs(host_pages)
     for j, layer in enumerate(layers):
         for i, first, n in runs:
             host_kv[layer, first : first + n].copy_(staged[j, i : i + n], non_blocking=True)
-    return (staged, idx)
+    return (staged,)
 
 
 def host_to_device_pages(

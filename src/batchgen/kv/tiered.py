@@ -4,24 +4,30 @@ A step's copies are queued while the scheduler plans it and submitted together b
 `flush()` (one load task, one store task per kind), before the step's forward:
 
     schedule():  evictions -> queue_write_back   admissions -> queue_load
-    flush():     [write-backs: gather pages | read gate | D2H]  [write-throughs]
+    flush():     [write-backs, swap-outs, stores ahead: gather pages on the compute
+                 stream | D2H of the staging on a copy stream]  [write-throughs]
                  [load: wait stores it reads; per layer: H2D, scatter | gate l]
-    forward:     layer l waits the load's gate l and the write-backs' read gate
+    forward:     layer l waits the load's gate l
 
 Who may free or reuse a page:
 - A load holds its host pages and its destination device pages (extra references,
   taken at queue time) until it completes: neither can be evicted or reallocated while
   the copy is in flight, whatever fails in between. A load of host pages whose store
   is in flight waits for that store on the copy stream.
-- A write-through store holds its source device pages and its host pages until it
-  completes; then the host pages join the host cache under their hashes.
+- A store's host pages join the host cache under their hashes when it is submitted
+  (a layer-wise decode append's when it completes): a lookup finds them at once, and a
+  load of them waits for the store on the copy stream. The store holds them until it
+  completes. A write-through store also holds its source device pages until then.
 - A write-back store copies a device page the allocator has just evicted and handed to
-  a new owner: the page is reused at once, so the step's compute waits on the store's
-  read gate (the gather of its source pages) before anything writes it, and a load into
-  such a page waits on that gate on the copy stream.
+  a new owner. flush() gathers the page into staging on the compute stream, so the read
+  comes after the page's last write and before anything queued later (the new owner's
+  forward, a load into the page) writes it; the copy stream carries the staging, kept
+  alive by the handle, to the host. Nothing waits on the store but a load of its host
+  pages.
 - A swap-out store (`queue_swap_out`, requests with a compressed state) is a write-back
   whose host pages the swapped request owns until its swap-in: they are allocated at
-  queue time, kept at completion, and freed by `release_host`.
+  queue time, kept at completion, and freed by `release_host`. A store ahead
+  (`queue_store_ahead`) is a write-back of pages nobody has been handed yet.
 Handles complete in `poll()`, which the engine calls once per step, or `drain()`; both
 complete the state tier's copies too (`states`, kv/state_tier.py).
 """
@@ -36,7 +42,12 @@ from typing import TYPE_CHECKING
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.page_allocator import PageAllocator
-from batchgen.kv.page_copies import device_to_host_pages, host_to_device_pages
+from batchgen.kv.page_copies import (
+    device_to_host_pages,
+    device_to_host_staged,
+    gather_pages,
+    host_to_device_pages,
+)
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tier_mirror import KVReadbackError as KVReadbackError  # its old home
@@ -99,12 +110,11 @@ class TieredKVManager:
         self._pending: deque[_Pending] = deque()
         self._writing: dict[int, CopyHandle] = {}  # host page -> store in flight
         self._loading: dict[int, CopyHandle] = {}  # device page -> load in flight
-        self._reading: dict[int, CopyHandle] = {}  # unheld device page -> store reading it
         self._ahead: dict[int, tuple[bytes, str]] = {}  # stores ahead: page -> (hash, tag)
         self._storing: dict[bytes, int] = {}  # hashes queued or in flight to host
         self._loads = _Queued()
         self._stores = _Queued()  # write-through: sources held
-        self._write_backs = _Queued()  # evicted sources: compute waits the read gate
+        self._write_backs = _Queued()  # evicted sources: read by flush() on the compute stream
         self._swap_outs = _Queued()  # freed sources, host pages owned: like write-backs
         self._dropped: set[int] = set()  # owned host pages freed once their store completes
         self.states: StateTier | None = None  # the compressed-state slots' tier, if any
@@ -165,8 +175,9 @@ class TieredKVManager:
 
     def queue_store(self, dev_pages: list[int], hashes: list[bytes], reason: str, tag: str) -> int:
         """Write full device pages through to new host pages, registered under `hashes`
-        once written. The device pages are held until then. Returns pages queued (fewer
-        when the host pool is out of room)."""
+        when submitted (a load of them waits for the store). The device pages are held
+        until it completes. Returns pages queued (fewer when the host pool is out of
+        room)."""
         room = min(len(dev_pages), self.host_room())
         self.device_alloc.touch(dev_pages[:room])
         q = self._stores
@@ -180,19 +191,18 @@ class TieredKVManager:
     def queue_store_ahead(self, dev_pages: list[int], hashes: list[bytes], tag: str) -> None:
         """Copy a swapped request's full pages to host while they wait free but cached on
         the device for its resume: an eviction later finds them on host and copies
-        nothing, so no decode step waits on a write-back. The device pages are not held
-        (the preemption freed them for others). Submitted by flush() on the background
-        stream, where nothing the step waits on queues behind its transfer; a page
-        reallocated before then becomes a write-back the step waits on (`expedite`),
-        and one reallocated while the store has yet to read it makes that step wait on
-        the store (`reading`). The caller checks host_room()."""
+        nothing. The device pages are not held (the preemption freed them for others).
+        flush() gathers them on the compute stream, then their transfer runs on the
+        background stream, where nothing a step waits on queues behind it; a page
+        reallocated before the flush becomes a write-back of that step (`expedite`).
+        The caller checks host_room()."""
         self._note_storing(hashes, 1)
         for page, h in zip(dev_pages, hashes):
             self._ahead[page] = (h, tag)
 
     def expedite(self, dev_page: int) -> bool:
         """A page queued for a store ahead is reallocated before flush(): it becomes a
-        write-back of this step (the forward waits on its read). False if not queued."""
+        write-back of this step (read before the step's forward). False if not queued."""
         entry = self._ahead.pop(dev_page, None)
         if entry is None:
             return False
@@ -200,18 +210,13 @@ class TieredKVManager:
         self._write_backs.add(dev_page, page_hash, "swap_out", tag)  # already noted storing
         return True
 
-    def reading(self, dev_page: int) -> CopyHandle | None:
-        """The store in flight that reads `dev_page`, a page it does not hold (a
-        write-back, a swap-out or a store ahead), if any."""
-        return self._reading.get(dev_page)
-
     def queue_swap_out(self, dev_pages: list[int], tag: str) -> list[int]:
         """Copy a request's pages, its last partial one too, to host pages it owns until
         its swap-in (`queue_load`, then `release_host`); the caller checks host_room().
         For a request whose compressed state resumes at its exact position: it cannot
         recompute a partial page (its linear-attention layers would see those tokens
-        twice). The caller frees the device pages at once: as with a write-back, the
-        step's compute waits on the store's read gate before anything writes them."""
+        twice). The caller frees the device pages at once: as with a write-back, flush()
+        reads them on the compute stream before anything queued later writes them."""
         host_pages = self.host_alloc.allocate(len(dev_pages))
         q = self._swap_outs
         q.dev_pages += dev_pages
@@ -232,7 +237,7 @@ class TieredKVManager:
 
     def queue_write_back(self, dev_page: int, page_hash: bytes, reason: str, tag: str) -> None:
         """Copy an evicted (already reallocated) device page to host before its new owner
-        writes it; the step's forward waits on the read gate."""
+        writes it: flush() reads it on the compute stream, ahead of the step's forward."""
         self._write_backs.add(dev_page, page_hash, reason, tag)
         self._note_storing([page_hash], 1)
 
@@ -248,8 +253,10 @@ class TieredKVManager:
 
     # ---- submission --------------------------------------------------------------------
     def flush(self, stores_only: bool = False) -> list[CopyHandle]:
-        """Submit the queued copies (stores first, so a load can wait for them); returns
-        the handles the step's forward must wait on (write-backs, loads)."""
+        """Submit the queued copies; returns the handles the step's forward must wait on
+        (its loads). Stores of pages no longer held (write-backs, swap-outs, stores
+        ahead) read their pages here, on the current stream, before anything queued
+        later (the forward, a load) can write them: nothing waits on them."""
         waits = []
         if not self._has_queued(stores_only):  # most steps: nothing to submit
             return waits
@@ -260,22 +267,19 @@ class TieredKVManager:
             return waits
         q, self._write_backs = self._write_backs, _Queued()
         for chunk in self._chunks(q):
-            h = self._submit_store(chunk, hold_dev=False)
-            if h is not None:
-                waits.append(h)
+            self._submit_store(chunk, hold_dev=False)
         q, self._swap_outs = self._swap_outs, _Queued()
         for chunk in self._chunks(q):
-            waits.append(self._submit_store(chunk, hold_dev=False))
-        read_gates = list(waits)
-        q, self._loads = self._loads, _Queued()
-        if q.dev_pages:
-            waits.append(self._submit_load(q, read_gates))
+            self._submit_store(chunk, hold_dev=False)
         if self._ahead:
             ahead, self._ahead, q = self._ahead, {}, _Queued()
             for page, (page_hash, tag) in ahead.items():
                 q.add(page, page_hash, "swap_out", tag)
             for chunk in self._chunks(q):
                 self._submit_store(chunk, hold_dev=False, background=True)
+        q, self._loads = self._loads, _Queued()
+        if q.dev_pages:
+            waits.append(self._submit_load(q))
         return waits
 
     def _has_queued(self, stores_only: bool) -> bool:
@@ -310,20 +314,22 @@ class TieredKVManager:
         dev_pages, hashes = q.dev_pages[:n], q.hashes[:n]
         host_pages = q.host_pages if owned else self.host_alloc.allocate(n)
         dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
-        handle = self.copies.submit(
-            "store",
-            n * self.page_bytes,
-            lambda h: device_to_host_pages(
-                dev_kv, host_kv, dev_pages, host_pages, on_read=lambda: h.mark(0)
-            ),
-            num_gates=1,
-            background=background,
-        )
+        # pages no longer held (a new owner may have them already) are read now, on this
+        # (the compute) stream, so that whatever is queued after, a forward or a load,
+        # writes them only after the read; their copy only carries staging to the host
+        staged = None if hold_dev else gather_pages(dev_kv, dev_pages, host_pages)
+
+        def copy(handle: CopyHandle):
+            if staged is None:  # held until the copy completes: read on its stream
+                return device_to_host_pages(dev_kv, host_kv, dev_pages, host_pages)
+            return device_to_host_staged(staged, host_kv, host_pages)
+
+        handle = self.copies.submit("store", n * self.page_bytes, copy, background=background)
         for p in host_pages:
             self._writing[p] = handle
-        if not hold_dev:
-            for p in dev_pages:
-                self._reading[p] = handle
+        for page, h in zip(host_pages, hashes):
+            if h is not None:  # a lookup finds it at once; a load of it waits for this store
+                self.host_alloc.register(page, h)
         for reason, pages in Counter(q.reasons[:n]).items():
             self.metrics.count(reason, pages * self.page_bytes)
         self.metrics.pages_offloaded += n
@@ -336,19 +342,16 @@ class TieredKVManager:
             self._readback(dev_pages, host_pages, handle, range(dev_kv.shape[0]), q.tags)
         return handle
 
-    def _submit_load(self, q: _Queued, read_gates: list[CopyHandle]) -> CopyHandle:
+    def _submit_load(self, q: _Queued) -> CopyHandle:
         host_pages, dev_pages = q.host_pages, q.dev_pages
         after = {self._writing[p] for p in host_pages if p in self._writing}
-        # stores of earlier steps still reading a destination page (a store ahead)
-        earlier = {id(h): h for p in dev_pages if (h := self._reading.get(p)) is not None}
-        read_gates = [*read_gates, *(h for h in earlier.values() if h not in read_gates)]
         host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
 
         def copy(handle: CopyHandle):
             for store in after:  # a host page is not read before its write completes
                 store.wait_on_current_stream()
-            for store in read_gates:  # nor a device page written before a store read it
-                store.wait_layer(0)
+            # a destination page a store read before its load: the read was queued on
+            # the producer's stream before this copy was submitted (flush)
             return host_to_device_pages(host_kv, dev_kv, host_pages, dev_pages, handle.mark)
 
         handle = self.copies.submit(
@@ -438,13 +441,10 @@ class TieredKVManager:
         for reason in p.reasons:  # a task moves pages of equal size: split its time by them
             by_reason[reason] = by_reason.get(reason, 0.0) + seconds / len(p.reasons)
         if p.kind == "store":
-            for page in p.dev_pages:
-                if self._reading.get(page) is p.handle:
-                    del self._reading[page]
             for page, h in zip(p.host_pages, p.hashes):
                 if self._writing.get(page) is p.handle:
                     del self._writing[page]
-                if h is not None:
+                if h is not None:  # a layer-wise store's pages (the others' are already)
                     self.host_alloc.register(page, h)
             self._note_storing(p.hashes, -1)
         else:
