@@ -176,7 +176,7 @@ def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
     step = (q, k, v, g, beta)
     if meta.max_q_len == 1:
         return _recurrent(step, states, meta.cu_seqlens, meta.state_slots, scale, gates)
-    split = derived(meta, "kda_split", lambda: _split(meta, q.device))
+    split = _step_split(meta)
     if split is None:
         slots, cu, cu_host = meta.state_slots, meta.cu_seqlens, meta.cu_seqlens_host
         return _chunked(step, states, slots, cu, cu_host, scale, gates)
@@ -203,13 +203,14 @@ def prepare_step(meta: LinearAttentionMetadata) -> None:
     the device without pinning, a copy that waits for everything queued on the stream.
     Made by the first KDA layer, that wait held the host while the GPU ran the layers
     before it, and the GPU then waited on the host's launches. Made here, it waits for
-    no forward; fla's cache (keyed by its arguments' identity) hands the index to every
-    layer of the step. Nothing on the CPU or for a decode-only step."""
+    nothing of this step (a step queued behind one in flight still waits for that one);
+    fla's cache (keyed by its arguments' identity) hands the index to every layer of the
+    step. Nothing on the CPU or for a decode-only step."""
     if meta.max_q_len <= 1 or not meta.cu_seqlens.is_cuda or fla_kda() is None:
         return
     from fla.ops.utils.index import prepare_chunk_indices
 
-    split = derived(meta, "kda_split", lambda: _split(meta, meta.cu_seqlens.device))
+    split = _step_split(meta)
     if split is None:
         cu, cu_host = meta.cu_seqlens, meta.cu_seqlens_host
     else:
@@ -269,6 +270,11 @@ class _Split(NamedTuple):
     prefill_slots: torch.Tensor
     prefill_cu: torch.Tensor
     prefill_cu_host: torch.Tensor
+
+
+def _step_split(meta: LinearAttentionMetadata) -> _Split | None:
+    """The step's `_split`, built once (by prepare_step or the first KDA layer)."""
+    return derived(meta, "kda_split", lambda: _split(meta, meta.cu_seqlens.device))
 
 
 def _split(meta: LinearAttentionMetadata, device: torch.device) -> _Split | None:
