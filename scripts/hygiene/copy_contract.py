@@ -1040,11 +1040,15 @@ def _copying_functions(m: _Module) -> dict[str, ast.AST]:
 
 
 def _index_upload(node: ast.AST) -> bool:
-    """A non-blocking .to(...) (a gather's index on its way to the device)."""
+    """`torch.tensor(...).to(..., non_blocking=...)`: a gather's index, built from host
+    ints, on its way to the device (no pool data moves)."""
     return (
         isinstance(node, ast.Call)
         and _attr(node.func) == "to"
         and any(k.arg == "non_blocking" for k in node.keywords)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Call)
+        and ast.unparse(node.func.value.func) == "torch.tensor"
     )
 
 

@@ -303,6 +303,13 @@ def gather_that_copies_to_the_host(root):
     src.insert_before(ret, "torch.empty(1).copy_(idx[:1].float(), non_blocking=True)\n")
 
 
+def gather_that_moves_its_pages_to_the_host(root):
+    src = Source(root, "kv/page_copies.py")
+    fn = src.func("gather_pages")
+    ret = next(n for n in ast.walk(fn) if isinstance(n, ast.Return))
+    src.insert_before(ret, 'dev_kv.to("cpu", non_blocking=True)\n')
+
+
 def gather_through_a_copy_body(root):
     src = Source(root, "kv/page_copies.py")
     fn = src.func("gather_pages")
@@ -727,6 +734,7 @@ MUTATIONS = [
     (copy_body_by_dotted_path_outside_kv, "R1"),
     (copy_body_without_a_direction, "R1"),
     (gather_that_copies_to_the_host, "R1"),
+    (gather_that_moves_its_pages_to_the_host, "R1"),
     (gather_through_a_copy_body, "R1"),
     (slice_assignment_between_pools, "R2"),
     (slice_assignment_through_a_local, "R2"),
