@@ -55,6 +55,7 @@ def check_sources(root: Path, listed: list[str]) -> list[Finding]:
     for src in sources:
         findings += source.check_prints(src)
         findings += source.check_env_vars(src)
+        findings += source.check_pageable_uploads(src)
         findings += comments.check_commented_code(src.path, src.text)
     findings += layering.check_layering(sources, listed)
     files = [root / src.path for src in sources]  # those that parse; the others are reported

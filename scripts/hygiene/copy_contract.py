@@ -14,7 +14,7 @@ R1  A copy body (a function of kv/page_copies.py that issues a copy; its name sa
     else issues the copy without the producer event submit records at call time. A gather
     (a function of page_copies.py named gather_*) reads device pages into new staging on the
     stream that calls it and may run anywhere; it moves nothing to the host but a
-    non-blocking upload of its index (no copy method, no subscript assignment, no copy body
+    non-blocking upload of its index from pinned memory (no copy method, no subscript assignment, no copy body
     called), so its staging reaches the host only through a submitted copy body.
 R2  Nothing outside page_copies.py writes into a KV pool tensor (the tensors the kv package's
     pool classes own, their views, names bound to them): no subscript assignment, no
@@ -1040,8 +1040,9 @@ def _copying_functions(m: _Module) -> dict[str, ast.AST]:
 
 
 def _index_upload(node: ast.AST) -> bool:
-    """`torch.tensor(...).to(..., non_blocking=...)`: a gather's index, built from host
-    ints, on its way to the device (no pool data moves)."""
+    """`torch.tensor(..., pin_memory=...).to(..., non_blocking=...)`: a gather's index,
+    built from host ints in pinned memory, on its way to the device (no pool data moves;
+    source.check_pageable_uploads holds the pinning to account)."""
     return (
         isinstance(node, ast.Call)
         and _attr(node.func) == "to"
@@ -1049,6 +1050,7 @@ def _index_upload(node: ast.AST) -> bool:
         and isinstance(node.func, ast.Attribute)
         and isinstance(node.func.value, ast.Call)
         and ast.unparse(node.func.value.func) == "torch.tensor"
+        and any(k.arg == "pin_memory" for k in node.func.value.keywords)
     )
 
 

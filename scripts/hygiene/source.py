@@ -1,4 +1,5 @@
-"""Rules on the package's Python source: no print, no BATCHGEN_* environment variables."""
+"""Rules on the package's Python source: no print, no BATCHGEN_* environment variables, no
+non-blocking upload from pageable memory."""
 
 from __future__ import annotations
 
@@ -49,6 +50,43 @@ def check_env_vars(source: Source, allowed: frozenset[str] = ALLOWED_ENV_VARS) -
         if name.startswith(ENV_PREFIX) and name not in allowed:
             message = f"reads environment variable {name}; use a config field or batchgen_debug"
             yield Finding(source.path, line, "env-var", message)
+
+
+# Calls that build a host tensor; torch.tensor and torch.as_tensor can build it pinned
+# (pin_memory=...), torch.from_numpy cannot.
+HOST_BUILDERS = {"torch.tensor": True, "torch.as_tensor": True, "torch.from_numpy": False}
+
+
+def check_pageable_uploads(source: Source) -> Iterator[Finding]:
+    """`torch.tensor(...).to(dev, non_blocking=True)` (or .cuda) from pageable memory is not
+    reliably asynchronous: CUDA may stage pageable data through its own pinned buffer and
+    synchronise with the stream first, so on the compute stream the host can stall behind
+    the step in flight. The tensor must be built with pin_memory=... (or staged through a
+    pinned buffer)."""
+    for node in ast.walk(source.tree):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("to", "cuda")
+            and isinstance(node.func.value, ast.Call)
+            and any(k.arg == "non_blocking" for k in node.keywords)
+        ):
+            continue
+        built = node.func.value
+        builder = ast.unparse(built.func)
+        if builder not in HOST_BUILDERS:
+            continue
+        pinned = HOST_BUILDERS[builder] and any(
+            k.arg == "pin_memory"
+            and not (isinstance(k.value, ast.Constant) and k.value.value is False)
+            for k in built.keywords
+        )
+        if not pinned:
+            message = (
+                f"non-blocking upload of a pageable {builder}(...) may make the host wait for "
+                "the stream; build it with pin_memory=... or stage it in a pinned buffer"
+            )
+            yield Finding(source.path, node.lineno, "pageable-upload", message)
 
 
 def env_var_reads(tree: ast.AST) -> Iterator[tuple[int, str]]:

@@ -310,6 +310,12 @@ def gather_that_moves_its_pages_to_the_host(root):
     src.insert_before(ret, 'dev_kv.to("cpu", non_blocking=True)\n')
 
 
+def gather_with_a_pageable_index(root):
+    src = Source(root, "kv/page_copies.py")
+    fn = src.func("gather_pages")
+    src.replace_in(fn, ", pin_memory=dev_kv.is_cuda)", ")")
+
+
 def gather_through_a_copy_body(root):
     src = Source(root, "kv/page_copies.py")
     fn = src.func("gather_pages")
@@ -735,6 +741,7 @@ MUTATIONS = [
     (copy_body_without_a_direction, "R1"),
     (gather_that_copies_to_the_host, "R1"),
     (gather_that_moves_its_pages_to_the_host, "R1"),
+    (gather_with_a_pageable_index, "R1"),
     (gather_through_a_copy_body, "R1"),
     (slice_assignment_between_pools, "R2"),
     (slice_assignment_through_a_local, "R2"),

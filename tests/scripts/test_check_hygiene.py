@@ -16,7 +16,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from hygiene.comments import looks_like_code  # noqa: E402
 from hygiene.review import check_change_folders  # noqa: E402
-from hygiene.source import Source, check_env_vars  # noqa: E402
+from hygiene.source import Source, check_env_vars, check_pageable_uploads  # noqa: E402
 
 GIT_ENV = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
 GOOD_MESSAGE = "feat(kv): change the pool\n\nThe scheduler needs it."
@@ -290,6 +290,48 @@ def test_env_var_allow_list_is_honoured():
     source = Source("src/batchgen/kv/pool.py", text, ast.parse(text))
     assert len(list(check_env_vars(source))) == 1
     assert list(check_env_vars(source, allowed=frozenset({"BATCHGEN_X"}))) == []
+
+
+# --- pageable uploads ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)",
+        "torch.as_tensor(ids).cuda(non_blocking=True)",
+        "torch.tensor(ids, pin_memory=False).to(device, non_blocking=True)",
+        "torch.from_numpy(array).to(device, non_blocking=True)",
+    ],
+)
+def test_pageable_non_blocking_upload_is_reported(expression):
+    text = f"import torch\n\n\ndef f(ids, array, device):\n    return {expression}\n"
+    source = Source("src/batchgen/kv/page_copies.py", text, ast.parse(text))
+    found = list(check_pageable_uploads(source))
+    assert [(f.line, f.rule) for f in found] == [(5, "pageable-upload")]
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "torch.tensor(ids, dtype=torch.int64, pin_memory=dev.is_cuda).to(device, non_blocking=True)",
+        "torch.tensor(ids, pin_memory=True).cuda(non_blocking=True)",
+        "torch.tensor(ids).to(device)",
+        "buf.to(device, non_blocking=True)",
+    ],
+)
+def test_pinned_or_blocking_upload_passes(expression):
+    text = f"import torch\n\n\ndef f(ids, buf, dev, device):\n    return {expression}\n"
+    source = Source("src/batchgen/kv/page_copies.py", text, ast.parse(text))
+    assert list(check_pageable_uploads(source)) == []
+
+
+def test_pageable_upload_fails_the_check(repo):
+    text = "import torch\n\n\ndef f(ids):\n    return torch.tensor(ids).to('cuda', non_blocking=True)\n"
+    write(repo, {"src/batchgen/kv/pool.py": text})
+    code, out = check(repo)
+    assert code == 1
+    assert "src/batchgen/kv/pool.py:5: [pageable-upload]" in out
 
 
 # --- layering -------------------------------------------------------------------------
