@@ -56,8 +56,10 @@ class EngineConfig:
     included: the next step is scheduled and launched while the current one runs (a
     request's token in flight read on the device), for requests with no structured
     output, penalty, logprobs or prompt logprobs; it needs pipeline_decode, and is not
-    used for models with linear-attention layers, under tensor parallel or with
-    batchgen_debug.
+    used under tensor parallel or with batchgen_debug. On models with linear-attention
+    layers the state slots are read and written in stream order, and the host tier's
+    state swaps and checkpoints are submitted between two launches, so they copy the
+    state of the tokens committed so far.
 
     seed gives each request without a seed of its own one derived from it and the
     request's arrival index, so a run is reproducible and no request's draws depend on

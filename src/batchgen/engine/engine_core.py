@@ -186,14 +186,12 @@ class EngineCore:
         self._finished_early: list[Request] = []
         self._pipeline = config.pipeline_decode
         # async scheduling: the next step scheduled and launched while this one runs;
-        # not for hybrid models (their state checkpoints and swaps read the counters)
-        # nor tensor parallel (workers take steps as rank 0 executes them)
+        # not for tensor parallel (workers take steps as rank 0 executes them)
         self._async = (
             config.async_scheduling
             and config.pipeline_decode
             and not config.batchgen_debug
             and config.decode_append != "layer"  # its per-layer hook needs known tokens
-            and self.state_pool is None
             and tp_workers is None
         )
         if config.async_scheduling and not self._async:
