@@ -185,6 +185,7 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
     eng = llm.engine
     before = counters(eng)
     _sync(eng.device)
+    alloc_before = allocator_stats(eng.device)
     with fewer_full_collections():  # as LLM.generate runs
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens)):
@@ -217,6 +218,7 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
             )
     _sync(eng.device)
     wall = time.perf_counter() - start
+    alloc = allocator_stats(eng.device, alloc_before)
     out = sum(lengths.values())
     return {
         "wall_s": wall,
@@ -228,7 +230,29 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
         "metrics": delta(before, counters(eng), len(prompts)),
         "add_requests_s": added_s,
         "timeline": timeline,
+        "allocator": alloc,
     }
+
+
+def allocator_stats(device, before: dict | None = None) -> dict | None:
+    """The CUDA caching allocator's counters (cudaMalloc and cudaFree calls, retries after
+    a failed allocation: each frees the cache and synchronises) as counted since `before`,
+    and its segments and peak reserved memory now; None on the CPU."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    s = torch.cuda.memory_stats(device)
+    counts = {
+        "device_mallocs": s.get("num_device_alloc", 0),
+        "device_frees": s.get("num_device_free", 0),
+        "alloc_retries": s.get("num_alloc_retries", 0),
+    }
+    if before is not None:
+        counts = {k: v - before[k] for k, v in counts.items()}
+    counts["segments"] = s.get("segment.all.current", 0)
+    counts["reserved_peak_bytes"] = s.get("reserved_bytes.all.peak", 0)
+    return counts
 
 
 def counters(eng) -> dict:

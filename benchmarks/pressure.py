@@ -26,7 +26,10 @@ requests on that engine, as run and phase by phase (throughput.profile_decode: a
 graph replay's GPU time, host phases, heaviest kernels, and the GPU's idle time per step
 as run, put down to what the host was doing while it waited: throughput.gpu_idle), to tell
 where a tier-on run's extra time per step goes: the timed runs' per-step timelines (pressure.json) show
-whether it is in decode steps or in mixed ones. --profile-only: the same profile on
+whether it is in decode steps or in mixed ones: with both runs (one process, or --against
+the other process's pressure.json) the summary splits the two runs' step times by kind,
+step by step over their common schedule (step_split), and gives each run's CUDA
+allocator counters. --profile-only: the same profile on
 each freshly built engine, with no timed run before it (pressure_profile.json).
 --pin-gib G holds G GiB of host memory pinned the way the tier's pool is (registered with
 CUDA) through every run, the tier-off one too: whether the pinned pool alone changes a
@@ -104,9 +107,21 @@ def decode_profile(prompts: list[list[int]], args, llm) -> dict:
     a device sync around each, one graph replay's GPU time and the heaviest kernels."""
     from throughput import profile_decode
 
-    return profile_decode(
-        llm, prompts, Namespace(max_num_seqs=args.profile, device=llm.engine.device.type)
-    )
+    ns = Namespace(max_num_seqs=args.profile, device=llm.engine.device.type)
+    prof = profile_decode(llm, prompts, ns)
+    if args.profile_emptied and torch_cuda():
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        prof["emptied"] = profile_decode(llm, prompts, ns)
+    return prof
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def pinned_ballast(gib: float):
@@ -168,6 +183,55 @@ def idle_lines(label: str, idle: dict | None) -> list[str]:
     return lines
 
 
+def step_split(on: list, off: list) -> dict | None:
+    """The two runs' timelines step by step, where they ran the same schedule (the same
+    count of steps, and the same output tokens and running requests at each; a swap and a
+    recompute leave the schedule as it is): seconds each run spent on the steps of each
+    kind. A step is a decode step when it computed one token per output token (tier-off
+    run's counts), mixed otherwise; "+copy" when the tier-on run copied pages at it or
+    at the step before (a copy counts when its completion is seen). None when the
+    schedules differ."""
+    if len(on) != len(off) or any(a[1:2] + a[3:4] != b[1:2] + b[3:4] for a, b in zip(on, off)):
+        return None
+    split: dict[str, dict] = {}
+    prev_on = prev_off = [0.0, 0, 0, 0, 0]
+    copied = [0, 0]
+    for a, b in zip(on, off):
+        copied = [copied[1], a[4] - prev_on[4]]
+        kind = "decode" if b[2] - prev_off[2] == b[1] - prev_off[1] else "mixed"
+        kind += "+copy" if any(copied) else ""
+        cell = split.setdefault(kind, {"steps": 0, "on_s": 0.0, "off_s": 0.0})
+        cell["steps"] += 1
+        cell["on_s"] += a[0] - prev_on[0]
+        cell["off_s"] += b[0] - prev_off[0]
+        prev_on, prev_off = a, b
+    return split
+
+
+def split_lines(split: dict | None) -> list[str]:
+    if split is None:
+        return ["steps compared: the two runs' schedules differ"]
+    lines = []
+    for kind, c in sorted(split.items()):
+        diff = c["on_s"] - c["off_s"]
+        lines.append(
+            f"steps compared, {kind:12s} {c['steps']:5d} steps: tier on {c['on_s']:7.2f} s, "
+            f"off {c['off_s']:7.2f} s, on - off {diff:+.2f} s ({1e3 * diff / c['steps']:+.2f} ms a step)"
+        )
+    return lines
+
+
+def allocator_line(label: str, run: dict) -> list[str]:
+    a = run.get("allocator")
+    if not a:
+        return []
+    return [
+        f"{label} device allocator over the run: {a['device_mallocs']} cudaMalloc, "
+        f"{a['device_frees']} cudaFree, {a['alloc_retries']} alloc retries, "
+        f"{a['segments']} segments, reserved peak {size(a['reserved_peak_bytes'])}"
+    ]
+
+
 def summary(result: dict) -> str:
     on, off = result.get("tier_on"), result.get("tier_off")
     lines = [
@@ -186,8 +250,11 @@ def summary(result: dict) -> str:
             f"{m.get('swaps_out', 0)}/{m.get('swaps_in', 0)}  recomputes {m['recomputes']}  "
             f"computed {m['computed_tokens']:,}"
         )
+    profiles = []
     for label, run in (("host tier on ", on), ("host tier off", off)):
         prof = (run or {}).get("after")
+        profiles += [(label, prof), (label + " (emptied)", (prof or {}).get("emptied"))]
+    for label, prof in profiles:
         if prof:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in prof["phase_ms"].items())
             replay = prof["replay_gpu_ms"]
@@ -198,6 +265,11 @@ def summary(result: dict) -> str:
                 f"({phases}); graph replay " + ("-" if replay is None else f"{replay:.2f} ms")
             )
             lines.extend(idle_lines(label, prof.get("gpu_idle")))
+    for label, run in (("host tier on ", on), ("host tier off", off)):
+        if run is not None:
+            lines.extend(allocator_line(label, run))
+    if "step_split" in result:
+        lines.extend(split_lines(result["step_split"]))
     if on is None:
         lines.append(checks_line(result["checks"]))
         return "\n".join(lines) + "\n"
@@ -253,6 +325,21 @@ def main(argv=None) -> int:
         default=0.0,
         help="host memory pinned as the tier's pool is, held through every run (GPU only)",
     )
+    ap.add_argument(
+        "--profile-emptied",
+        action="store_true",
+        help="with --profile, on the GPU: then release the allocator's cached memory "
+        "(torch.cuda.empty_cache) and profile the step again, to tell whether what the run "
+        "left in the allocator slows the step",
+    )
+    ap.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        metavar="PRESSURE_JSON",
+        help="another process's pressure.json of the same workload: its run of the engine "
+        "this process did not build joins the step-by-step comparison (step_split)",
+    )
     add_engine_args(ap)
     add_model_args(ap)
     add_policy_args(ap)
@@ -299,6 +386,11 @@ def main(argv=None) -> int:
     }
     if off is not None:
         result["tier_off"] = off
+    other = json.loads(args.against.read_text()) if args.against is not None else {}
+    on_tl = (on or other.get("tier_on") or {}).get("timeline")
+    off_tl = (off or other.get("tier_off") or {}).get("timeline")
+    if on_tl is not None and off_tl is not None:
+        result["step_split"] = step_split(on_tl, off_tl)
     if on is not None:
         m = on["metrics"]
         moved = m["bytes_offloaded"] + m["bytes_loaded"]
