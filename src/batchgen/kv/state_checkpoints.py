@@ -101,13 +101,16 @@ class StateCheckpoints:
         return pos if pos < num_tokens - 1 else None
 
     def cut(self, computed: int, n: int, num_tokens: int, hashes: list[bytes]) -> int:
-        """n, or fewer so that the chunk [computed, computed + n) ends at the next
-        position whose checkpoint is missing and wanted (a chunk never runs past it)."""
+        """n, or fewer so that the chunk [computed, computed + n) ends at the first
+        position inside it whose checkpoint is missing and wanted (a chunk never runs
+        past one; positions already stored or wanted by nobody are run through)."""
         pos = self.next_position(computed, num_tokens)
-        if pos is None or pos >= computed + n:
-            return n
-        key = hashes[pos // self.page_size - 1]
-        return n if self.has(key) or not self.wanted(key) else pos - computed
+        while pos is not None and pos < computed + n:
+            key = hashes[pos // self.page_size - 1]
+            if not self.has(key) and self.wanted(key):
+                return pos - computed
+            pos = self.next_position(pos, num_tokens)
+        return n
 
     def take(
         self, dev_slot: int, computed: int, hashes: list[bytes], tag: str
