@@ -191,8 +191,8 @@ class ModelRunner:
         )
         if all(r.sample for r in reqs):
             return hidden, None
-        keep = [i for i, r in enumerate(reqs) if r.sample]
-        return hidden, torch.tensor(keep, dtype=torch.int64).to(hidden.device)
+        keep = np.fromiter((i for i, r in enumerate(reqs) if r.sample), np.int64)
+        return hidden, self.stage(keep)  # pinned staging: a blocking upload would sync
 
     def can_launch_decode(self, sched: SchedulerOutput) -> bool:
         """Whether `launch_decode` takes this step: a decode step (graph-replayed when
