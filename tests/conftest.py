@@ -157,6 +157,23 @@ def record_launches(runner) -> list:
     return launches
 
 
+def count_launches_ahead(runner) -> dict:
+    """Wrap `runner.launch_step` (async scheduling): the dict returned counts the steps
+    launched while another was in flight ("steps") and those of them with a prefill
+    chunk ("with_prefill")."""
+    ahead = {"steps": 0, "with_prefill": 0}
+    launch = runner.launch_step
+
+    def counted(sched, prev=None):
+        if prev is not None:
+            ahead["steps"] += 1
+            ahead["with_prefill"] += any(len(r.new_token_ids) > 1 for r in sched.requests)
+        return launch(sched, prev)
+
+    runner.launch_step = counted
+    return ahead
+
+
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine_device(request) -> str:
     """The device a module's engines run on: the CPU, and the GPU (marked gpu) with

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import count_launches_ahead, save_tiny_model
 
 from batchgen import LLM, SamplingParams
 
@@ -35,17 +35,7 @@ def _run(model_dir, prompts, params, async_: bool, **kw):
     """Outputs (ids, finish reason, text) of a run, the launches that followed a step in
     flight and, of those, the ones with a prefill chunk; the engine, checked empty."""
     llm = LLM(model=str(model_dir), pipeline_decode=async_, async_scheduling=async_, **{**KW, **kw})
-    runner = llm.engine.runner
-    ahead = {"steps": 0, "with_prefill": 0}
-    launch = runner.launch_step
-
-    def counted(sched, prev=None):
-        if prev is not None:
-            ahead["steps"] += 1
-            ahead["with_prefill"] += any(len(r.new_token_ids) > 1 for r in sched.requests)
-        return launch(sched, prev)
-
-    runner.launch_step = counted
+    ahead = count_launches_ahead(llm.engine.runner)
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.engine
     assert not engine.has_unfinished and not engine.requests

@@ -11,6 +11,7 @@ runs here ask for none)."""
 from __future__ import annotations
 
 import pytest
+from conftest import count_launches_ahead
 from test_kimi_linear import (
     PATTERNS,
     RUN,
@@ -40,16 +41,7 @@ def _run(path, prompts, params, async_: bool, **kw):
     held a prefill chunk) and the engine, checked idle and empty."""
     llm = LLM(model=path, async_scheduling=async_, **{**RUN, **kw})
     assert llm.engine._async == async_
-    runner, ahead = llm.engine.runner, {"steps": 0, "with_prefill": 0}
-    launch = runner.launch_step
-
-    def counted(sched, prev=None):
-        if prev is not None:
-            ahead["steps"] += 1
-            ahead["with_prefill"] += any(len(r.new_token_ids) > 1 for r in sched.requests)
-        return launch(sched, prev)
-
-    runner.launch_step = counted
+    ahead = count_launches_ahead(llm.engine.runner)
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.engine
     assert not engine.has_unfinished and not engine.requests

@@ -100,18 +100,26 @@ def test_swaps_keep_a_dense_model_on_the_ample_run(dense_model_dir):
     assert _collapsed(rows, ref) == 0
 
 
+def _shared_prefix_prompts(seed: int, longest_suffix: int) -> list[list[int]]:
+    """Four groups of four prompts: a shared prefix of 100 tokens, then 3 to
+    longest_suffix tokens of their own."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(4):
+        prefix = [rng.randint(3, 500) for _ in range(100)]
+        prompts += [
+            prefix + [rng.randint(3, 500) for _ in range(rng.randint(3, longest_suffix))]
+            for _ in range(4)
+        ]
+    return prompts
+
+
 def test_prefix_hits_from_state_checkpoints(dense_model_dir):
     """Groups of prompts sharing 100 tokens, checkpoints every 32: each group's later
     requests resume at 96 from the KDA state its first one stored (its pages from the
     cache), in the default configuration; rows stay close to a tier-off run, which has
     no prefix hits for a hybrid model."""
-    rng = random.Random(3)
-    prompts = []
-    for _ in range(4):
-        prefix = [rng.randint(3, 500) for _ in range(100)]
-        prompts += [
-            prefix + [rng.randint(3, 500) for _ in range(rng.randint(3, 40))] for _ in range(4)
-        ]
+    prompts = _shared_prefix_prompts(seed=3, longest_suffix=40)
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
     plain = LLM(model=dense_model_dir, num_kv_pages=1024, **KW)
     ref = _rows(plain, prompts, params)
@@ -148,13 +156,7 @@ def test_async_scheduling_matches_plain_steps(dense_model_dir, setup):
     pool too small, async scheduling may take other steps, since a request finishing in
     the step in flight still holds its pages: swaps under it are compared on the CPU, in
     fp32, tests/models/test_kimi_linear_async.py.)"""
-    rng = random.Random(4)
-    prompts = []
-    for _ in range(4):
-        prefix = [rng.randint(3, 500) for _ in range(100)]
-        prompts += [
-            prefix + [rng.randint(3, 500) for _ in range(rng.randint(3, 60))] for _ in range(4)
-        ]
+    prompts = _shared_prefix_prompts(seed=4, longest_suffix=60)
     params = [
         SamplingParams(temperature=0, max_tokens=8 + i % 23, ignore_eos=True)
         for i in range(len(prompts))
