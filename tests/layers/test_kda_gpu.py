@@ -100,21 +100,21 @@ def test_fla_matches_reference_over_steps(dtype, gates):
 )
 def test_a_prepared_step_queues_its_kda_without_a_host_sync(parts, prepared):
     """`prepare_step` (called by the runner's linear_metadata) makes fla's chunk index
-    before the forward: the layer then queues its kernels without waiting for the GPU.
-    Unprepared, fla's pageable copy of that index synchronises inside the layer: the
-    check below must catch it there (else it proves nothing of the prepared case)."""
+    before the forward, uploaded from pinned memory: neither it nor the layer then waits
+    for the GPU, so a step can be prepared and queued behind one in flight. Unprepared,
+    fla's pageable copy of that index synchronises inside the layer: the check below
+    must catch it there (else it proves nothing of the prepared case)."""
     raw = raw_gates(4)
     states = torch.randn(SLOTS, H, DK, DV, device="cuda") * 0.1
     rows = sum(n for n, _, _ in parts)
     args = step_inputs(rows, torch.bfloat16, 5)
     kda_ops.kda_attention(*args, states, meta_for(parts), raw=raw)  # autotuning syncs: outside
     meta = meta_for(parts)
-    if prepared:
-        kda_ops.prepare_step(meta)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         if prepared:
+            kda_ops.prepare_step(meta)
             kda_ops.kda_attention(*args, states, meta, raw=raw)
         else:
             with pytest.raises(RuntimeError, match="synchroniz"):

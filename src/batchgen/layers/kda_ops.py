@@ -27,13 +27,19 @@ Elsewhere the torch code runs: `short_conv_packed` (all requests of a step at on
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from batchgen.forward_context import LinearAttentionMetadata, derived, parts_to_device
+from batchgen.forward_context import (
+    LinearAttentionMetadata,
+    derived,
+    parts_to_device,
+    to_device,
+)
 from batchgen.layers import kda_torch
 
 
@@ -200,23 +206,57 @@ FLA_CHUNK = 64
 def prepare_step(meta: LinearAttentionMetadata) -> None:
     """Before the step's first kernel is queued: the chunk index fla-core's chunk_kda
     derives from a step's host-side lengths. fla builds it on the host and copies it to
-    the device without pinning, a copy that waits for everything queued on the stream.
-    Made by the first KDA layer, that wait held the host while the GPU ran the layers
-    before it, and the GPU then waited on the host's launches. Made here, it waits for
-    nothing of this step (a step queued behind one in flight still waits for that one);
-    fla's cache (keyed by its arguments' identity) hands the index to every layer of the
-    step. Nothing on the CPU or for a decode-only step."""
+    the device from pageable memory, a copy that waits for everything queued on the
+    stream: made by the first KDA layer, that wait held the host while the GPU ran the
+    layers before it; made before the forward, it still held the host behind a step in
+    flight (async scheduling, or a mixed step queued behind a decode step). The index is
+    built here instead, uploaded from pinned memory without a wait, and put in fla's
+    cache (keyed by its arguments' identity) under the arguments chunk_kda passes, so
+    every layer of the step finds it. Nothing on the CPU or for a decode-only step."""
     if meta.max_q_len <= 1 or not meta.cu_seqlens.is_cuda or fla_kda() is None:
         return
-    from fla.ops.utils.index import prepare_chunk_indices
-
     split = _step_split(meta)
     if split is None:
         cu, cu_host = meta.cu_seqlens, meta.cu_seqlens_host
     else:
         cu, cu_host = split.prefill_cu, split.prefill_cu_host
-    # the keywords chunk_kda's forward passes: the cache matches them by name
-    prepare_chunk_indices(cu_seqlens=cu, chunk_size=FLA_CHUNK, cu_seqlens_cpu=cu_host)
+    seed_chunk_indices(cu, cu_host)
+
+
+def chunk_indices(cu_host: torch.Tensor, chunk: int = FLA_CHUNK) -> np.ndarray:
+    """fla's chunk index of a packed batch, from its host-side cu_seqlens: for each chunk
+    of `chunk` tokens of each sequence, (sequence, chunk within it), [chunks, 2]."""
+    lens = np.diff(cu_host.numpy().astype(np.int64))
+    counts = (lens + chunk - 1) // chunk
+    seq = np.repeat(np.arange(lens.size, dtype=np.int64), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([seq, np.arange(seq.size, dtype=np.int64) - starts], axis=1)
+
+
+def seed_chunk_indices(cu: torch.Tensor, cu_host: torch.Tensor) -> torch.Tensor:
+    """The chunk index chunk_kda will ask fla's prepare_chunk_indices for, built from
+    `cu_host` in pinned memory, moved to `cu`'s device (and dtype) without a wait, and
+    cached as fla would cache it; returned. Where fla's cache cannot be reached (another
+    fla-core), fla builds it here instead, waiting as it does."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    keys = dict(cu_seqlens=cu, chunk_size=FLA_CHUNK, cu_seqlens_cpu=cu_host)
+    cache = _identity_cache(prepare_chunk_indices)
+    if cache is None:
+        return prepare_chunk_indices(**keys)  # the keywords chunk_kda's forward passes
+    index = to_device(torch.from_numpy(chunk_indices(cu_host)).to(cu.dtype), cu.device)
+    cache.append(((), keys, index))
+    return index
+
+
+def _identity_cache(fn):
+    """The deque of (args, kwargs, result) behind fla's `tensor_cache` decorator of fn,
+    or None where fn has no such cache."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        contents = cell.cell_contents
+        if isinstance(contents, collections.deque):
+            return contents
+    return None
 
 
 def _recurrent(step, states, cu_seqlens, slots, scale, gates):

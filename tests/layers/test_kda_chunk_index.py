@@ -1,0 +1,40 @@
+"""prepare_step's chunk index: built on the host as fla-core's prepare_chunk_indices
+builds it, and found by chunk_kda in fla's cache under the arguments it passes. CPU;
+the GPU side (no wait on the stream) is in test_kda_gpu.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchgen.layers import kda_ops
+
+index = pytest.importorskip("fla.ops.utils.index")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_index_is_fla_s(seed):
+    rng = random.Random(seed)
+    lens = [rng.choice([1, 2, 63, 64, 65, 128, 200, rng.randint(1, 500)]) for _ in range(9)]
+    cu_host = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    want = index.prepare_chunk_indices.__wrapped__(cu_host, 64, cu_seqlens_cpu=cu_host)
+    got = torch.from_numpy(kda_ops.chunk_indices(cu_host, 64))
+    assert torch.equal(got, want.to(torch.int64))
+    assert got.shape[0] == sum((n + 63) // 64 for n in lens)
+
+
+def test_a_seeded_index_is_what_fla_hands_to_the_layers():
+    cu_host = torch.tensor([0, 5, 140, 141], dtype=torch.int32)
+    cu = cu_host.clone()  # the device copy on a GPU
+    seeded = kda_ops.seed_chunk_indices(cu, cu_host)
+    assert seeded.dtype == cu.dtype
+    # chunk_kda's forward asks with these keywords (fla/ops/kda/chunk.py)
+    got = index.prepare_chunk_indices(cu_seqlens=cu, chunk_size=64, cu_seqlens_cpu=cu_host)
+    assert got is seeded
+    other = cu_host.clone()  # another step's lengths: not the seeded entry
+    assert (
+        index.prepare_chunk_indices(cu_seqlens=other, chunk_size=64, cu_seqlens_cpu=other)
+        is not seeded
+    )
