@@ -77,7 +77,9 @@ def gather_pages(dev_kv: torch.Tensor, dev_pages: list[int], host_pages: list[in
     idx = torch.tensor(dev_pages, dtype=torch.int64, pin_memory=dev_kv.is_cuda).to(
         dev_kv.device, non_blocking=True
     )
-    return dev_kv.index_select(2, idx).transpose(1, 2).contiguous()
+    # pages picked from the [L, P, C, ...] view: the output comes out [L, n, C, ...] and
+    # contiguous from the one kernel (.contiguous() copies nothing then)
+    return dev_kv.transpose(1, 2).index_select(1, idx).contiguous()
 
 
 def device_to_host_staged(
