@@ -138,8 +138,8 @@ def main(argv=None) -> int:
     lines = [
         f"batchgen     {ours['tok_s']:10.1f} output tok/s ({ours['wall_s']:.2f} s, "
         f"{ours['steps']} steps; prefill phase {ours['prefill_phase_s']:.2f} s, decode "
-        f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']}, backend "
-        f"{ours['backend']})",
+        f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']}, async scheduling "
+        f"{ours['async_scheduling']}, backend {ours['backend']})",
         "counters     " + json.dumps(ours["counters"]),
         *run_lines(ours),
     ]

@@ -133,6 +133,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         "output_tokens": out,
         "tok_s": out / wall,
         "cuda_graphs": eng.runner.graphs is not None,
+        "async_scheduling": eng._async,  # asked for and used: the engine may decline it
         "backend": eng.runner.attention_backend,
         "steps": steps,
         "prefill_phase_s": first_all,
@@ -330,7 +331,8 @@ def main(argv=None) -> int:
     lines = [
         f"batchgen     {ours['tok_s']:10.1f} output tok/s ({ours['wall_s']:.2f} s, "
         f"{ours['steps']} steps; prefill phase {ours['prefill_phase_s']:.2f} s, decode "
-        f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']})",
+        f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']}, async scheduling "
+        f"{ours['async_scheduling']})",
         *run_lines(ours),
     ]
     if "fraction_of_roofline" in result:
