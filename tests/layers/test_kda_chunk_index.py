@@ -38,3 +38,12 @@ def test_a_seeded_index_is_what_fla_hands_to_the_layers():
         index.prepare_chunk_indices(cu_seqlens=other, chunk_size=64, cu_seqlens_cpu=other)
         is not seeded
     )
+
+
+def test_without_fla_s_cache_fla_builds_the_index(monkeypatch):
+    """Another fla-core whose cache is out of reach: the index is fla's own, equal."""
+    assert kda_ops._identity_cache(index.prepare_chunk_indices) is not None  # this fla's
+    monkeypatch.setattr(kda_ops, "_identity_cache", lambda fn: None)
+    cu_host = torch.tensor([0, 70, 71, 200], dtype=torch.int32)
+    got = kda_ops.seed_chunk_indices(cu_host.clone(), cu_host)
+    assert torch.equal(got.to(torch.int64), torch.from_numpy(kda_ops.chunk_indices(cu_host)))
