@@ -13,9 +13,10 @@ R1  A copy body (a function of kv/page_copies.py that issues a copy; its name sa
     CopyEngine.submit and uses nowhere else, and submit never runs the closure itself. Anything
     else issues the copy without the producer event submit records at call time. A gather
     (a function of page_copies.py named gather_*) reads device pages into new staging on the
-    stream that calls it and may run anywhere; it moves nothing to the host but a
-    non-blocking upload of its index from pinned memory (no copy method, no subscript assignment, no copy body
-    called), so its staging reaches the host only through a submitted copy body.
+    stream that calls it and may run anywhere; it copies nothing itself (no copy method,
+    non-blocking transfer or subscript assignment, no copy body called; its index goes up
+    through forward_context.to_device), so its staging reaches the host only through a
+    submitted copy body.
 R2  Nothing outside page_copies.py writes into a KV pool tensor (the tensors the kv package's
     pool classes own, their views, names bound to them): no subscript assignment, no
     copy_/index_copy_/index_put_ or out= into one, and no .to/.cuda/.pin_memory/non_blocking
@@ -337,7 +338,7 @@ class _Contract:
                 yield self.copies, (fn, "R1", why)
         for name, fn in self.gathers.items():
             for node in _walk(fn):
-                if _copies(node, self.bodies) and not _index_upload(node):
+                if _copies(node, self.bodies):
                     why = f"gather {name} copies ({ast.unparse(node)[:60]}): only a copy body may"
                     yield self.copies, (node, "R1", why)
         reads = 0
@@ -1037,21 +1038,6 @@ def _copying_functions(m: _Module) -> dict[str, ast.AST]:
                 copying[name] = f
         if len(copying) == before:
             return copying
-
-
-def _index_upload(node: ast.AST) -> bool:
-    """`torch.tensor(..., pin_memory=...).to(..., non_blocking=...)`: a gather's index,
-    built from host ints in pinned memory, on its way to the device (no pool data moves;
-    source.check_pageable_uploads holds the pinning to account)."""
-    return (
-        isinstance(node, ast.Call)
-        and _attr(node.func) == "to"
-        and any(k.arg == "non_blocking" for k in node.keywords)
-        and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Call)
-        and ast.unparse(node.func.value.func) == "torch.tensor"
-        and any(k.arg == "pin_memory" for k in node.func.value.keywords)
-    )
 
 
 def _copies(node: ast.AST, copying: dict[str, ast.AST]) -> bool:

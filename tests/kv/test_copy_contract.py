@@ -296,31 +296,34 @@ def copy_body_without_a_direction(root):
     )
 
 
-def gather_that_copies_to_the_host(root):
+def _in_gather(root, code: str) -> None:
+    """Insert `code` into gather_pages, before its return."""
     src = Source(root, "kv/page_copies.py")
     fn = src.func("gather_pages")
     ret = next(n for n in ast.walk(fn) if isinstance(n, ast.Return))
-    src.insert_before(ret, "torch.empty(1).copy_(idx[:1].float(), non_blocking=True)\n")
+    src.insert_before(ret, code)
+
+
+def gather_that_copies_to_the_host(root):
+    _in_gather(root, "torch.empty(1).copy_(idx[:1].float(), non_blocking=True)\n")
 
 
 def gather_that_moves_its_pages_to_the_host(root):
-    src = Source(root, "kv/page_copies.py")
-    fn = src.func("gather_pages")
-    ret = next(n for n in ast.walk(fn) if isinstance(n, ast.Return))
-    src.insert_before(ret, 'dev_kv.to("cpu", non_blocking=True)\n')
+    _in_gather(root, 'dev_kv.to("cpu", non_blocking=True)\n')
 
 
 def gather_with_a_pageable_index(root):
     src = Source(root, "kv/page_copies.py")
     fn = src.func("gather_pages")
-    src.replace_in(fn, ", pin_memory=dev_kv.is_cuda)", ")")
+    src.replace_in(
+        fn,
+        "to_device(torch.tensor(dev_pages, dtype=torch.int64), dev_kv.device)",
+        "torch.tensor(dev_pages, dtype=torch.int64).to(dev_kv.device, non_blocking=True)",
+    )
 
 
 def gather_through_a_copy_body(root):
-    src = Source(root, "kv/page_copies.py")
-    fn = src.func("gather_pages")
-    ret = next(n for n in ast.walk(fn) if isinstance(n, ast.Return))
-    src.insert_before(ret, "_device_to_host_runs(dev_kv, dev_kv, host_pages, range(1))\n")
+    _in_gather(root, "_device_to_host_runs(dev_kv, dev_kv, host_pages, range(1))\n")
 
 
 # --- R2: nothing else copies between pools ----------------------------------------------

@@ -11,9 +11,10 @@ device staging tensor; the device side gathers or scatters pages with one kernel
 pages are taken in host-page order (the device side's index follows it), so pages whose
 host ids run backwards or interleave, as a sequence evicted tail first leaves them, still
 cross in long blocks instead of one small copy per page and layer. Each index goes up
-from pinned memory: for an upload from pageable memory CUDA may stage the data through
-its own pinned buffer and synchronise with the stream first (on the compute stream, wait
-for the step in flight), which would stall the decode pipeline at a store.
+through pinned memory (`forward_context.to_device`): for an upload from pageable memory
+CUDA may stage the data through its own pinned buffer and synchronise with the stream
+first (on the compute stream, wait for the step in flight), which would stall the
+decode pipeline at a store.
 
 Compressed-state slots of linear-attention layers (state_pool.py) cross the same way, a
 slot standing for a page:
@@ -27,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from batchgen.forward_context import to_device
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
@@ -74,9 +77,7 @@ def gather_pages(dev_kv: torch.Tensor, dev_pages: list[int], host_pages: list[in
     the step that last wrote them and before anything queued later can write them;
     `device_to_host_staged`, submitted after it, takes the staging to the host."""
     _, dev_pages = _by_host_page(host_pages, dev_pages)
-    idx = torch.tensor(dev_pages, dtype=torch.int64, pin_memory=dev_kv.is_cuda).to(
-        dev_kv.device, non_blocking=True
-    )
+    idx = to_device(torch.tensor(dev_pages, dtype=torch.int64), dev_kv.device)
     # pages picked from the [L, P, C, ...] view: the output comes out [L, n, C, ...] and
     # contiguous from the one kernel (.contiguous() copies nothing then)
     return dev_kv.transpose(1, 2).index_select(1, idx).contiguous()
@@ -118,9 +119,7 @@ def host_to_device_pages(
     staging = torch.empty(
         (n, *host_kv.shape[2:]), dtype=host_kv.dtype, device=dev_kv.device
     )  # one layer's pages [n, C, S, H, D], reused layer after layer (same stream)
-    idx = torch.tensor(dev_pages, dtype=torch.int64, pin_memory=dev_kv.is_cuda).to(
-        dev_kv.device, non_blocking=True
-    )
+    idx = to_device(torch.tensor(dev_pages, dtype=torch.int64), dev_kv.device)
     runs = _runs(host_pages)
     for layer in range(dev_kv.shape[0]):
         for i, first, k in runs:
@@ -143,9 +142,7 @@ def device_to_host_state(
     `on_read()` once the gathers are queued: past that point on the copy stream the
     device slots may be written again."""
     host_slots, dev_slots = _by_host_page(host_slots, dev_slots)
-    idx = torch.tensor(dev_slots, dtype=torch.int64, pin_memory=dev[0].is_cuda).to(
-        dev[0].device, non_blocking=True
-    )
+    idx = to_device(torch.tensor(dev_slots, dtype=torch.int64), dev[0].device)
     staged = tuple(t.index_select(1, idx) for t in dev)  # [L, n, ...] each
     if on_read is not None:
         on_read()
@@ -166,9 +163,7 @@ def host_to_device_state(
     """Host state slots -> device slots, (states, windows) alike, every layer: per layer
     one block per run of consecutive host slots into staging, then one scatter per tensor."""
     host_slots, dev_slots = _by_host_page(host_slots, dev_slots)
-    idx = torch.tensor(dev_slots, dtype=torch.int64, pin_memory=dev[0].is_cuda).to(
-        dev[0].device, non_blocking=True
-    )
+    idx = to_device(torch.tensor(dev_slots, dtype=torch.int64), dev[0].device)
     runs = _runs(host_slots)
     keep = [idx]
     for src, dst in zip(host, dev):
