@@ -1,6 +1,6 @@
-"""prepare_step's chunk index: built on the host as fla-core's prepare_chunk_indices
-builds it, and found by chunk_kda in fla's cache under the arguments it passes. CPU;
-the GPU side (no wait on the stream) is in test_kda_gpu.py."""
+"""prepare_step's chunk index: built on the host by fla-core's own builder, and found
+by chunk_kda in fla's cache under the arguments it passes. CPU; the GPU side (no wait
+on the stream) is in test_kda_gpu.py."""
 
 from __future__ import annotations
 
@@ -14,15 +14,19 @@ from batchgen.layers import kda_ops
 index = pytest.importorskip("fla.ops.utils.index")
 
 
+def _numbered(lens: list[int], chunk: int = 64) -> list[list[int]]:
+    """(sequence, chunk within it) for each chunk of each sequence, in order."""
+    return [[i, c] for i, n in enumerate(lens) for c in range((n + chunk - 1) // chunk)]
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_the_index_is_fla_s(seed):
+def test_the_seeded_index_numbers_every_chunk(seed):
     rng = random.Random(seed)
     lens = [rng.choice([1, 2, 63, 64, 65, 128, 200, rng.randint(1, 500)]) for _ in range(9)]
     cu_host = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    want = index.prepare_chunk_indices.__wrapped__(cu_host, 64, cu_seqlens_cpu=cu_host)
-    got = torch.from_numpy(kda_ops.chunk_indices(cu_host, 64))
-    assert torch.equal(got, want.to(torch.int64))
-    assert got.shape[0] == sum((n + 63) // 64 for n in lens)
+    got = kda_ops.seed_chunk_indices(cu_host.clone(), cu_host)
+    assert got.dtype == torch.int32
+    assert got.tolist() == _numbered(lens)
 
 
 def test_a_seeded_index_is_what_fla_hands_to_the_layers():
@@ -46,4 +50,4 @@ def test_without_fla_s_cache_fla_builds_the_index(monkeypatch):
     monkeypatch.setattr(kda_ops, "_identity_cache", lambda fn: None)
     cu_host = torch.tensor([0, 70, 71, 200], dtype=torch.int32)
     got = kda_ops.seed_chunk_indices(cu_host.clone(), cu_host)
-    assert torch.equal(got.to(torch.int64), torch.from_numpy(kda_ops.chunk_indices(cu_host)))
+    assert got.tolist() == _numbered([70, 1, 129])

@@ -223,28 +223,21 @@ def prepare_step(meta: LinearAttentionMetadata) -> None:
     seed_chunk_indices(cu, cu_host)
 
 
-def chunk_indices(cu_host: torch.Tensor, chunk: int = FLA_CHUNK) -> np.ndarray:
-    """fla's chunk index of a packed batch, from its host-side cu_seqlens: for each chunk
-    of `chunk` tokens of each sequence, (sequence, chunk within it), [chunks, 2]."""
-    lens = np.diff(cu_host.numpy().astype(np.int64))
-    counts = (lens + chunk - 1) // chunk
-    seq = np.repeat(np.arange(lens.size, dtype=np.int64), counts)
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.stack([seq, np.arange(seq.size, dtype=np.int64) - starts], axis=1)
-
-
 def seed_chunk_indices(cu: torch.Tensor, cu_host: torch.Tensor) -> torch.Tensor:
-    """The chunk index chunk_kda will ask fla's prepare_chunk_indices for, built from
-    `cu_host` in pinned memory, moved to `cu`'s device (and dtype) without a wait, and
-    cached as fla would cache it; returned. Where fla's cache cannot be reached (another
+    """The chunk index chunk_kda will ask fla's prepare_chunk_indices for: built by fla's
+    own (uncached) builder from `cu_host` alone, so on the host with no device copy, then
+    moved to `cu`'s device (and dtype) through pinned memory without a wait, and cached
+    as fla would cache it; returned. Where fla's cache cannot be reached (another
     fla-core), fla builds it here instead, waiting as it does."""
     from fla.ops.utils.index import prepare_chunk_indices
 
     keys = dict(cu_seqlens=cu, chunk_size=FLA_CHUNK, cu_seqlens_cpu=cu_host)
     cache = _identity_cache(prepare_chunk_indices)
-    if cache is None:
+    build = getattr(prepare_chunk_indices, "__wrapped__", None)
+    if cache is None or build is None:
         return prepare_chunk_indices(**keys)  # the keywords chunk_kda's forward passes
-    index = to_device(torch.from_numpy(chunk_indices(cu_host)).to(cu.dtype), cu.device)
+    host = build(cu_seqlens=cu_host, chunk_size=FLA_CHUNK, cu_seqlens_cpu=cu_host)
+    index = to_device(host.to(cu.dtype), cu.device)
     cache.append(((), keys, index))
     return index
 
