@@ -71,6 +71,8 @@ class _Pending:
     hold_dev: bool = True  # device pages carry an extra reference until completion
     reasons: list[str] = field(default_factory=list)  # per page; copy time split by them
     keep_host: bool = False  # a swap-out's host pages: its request owns them after completion
+    register: bool = False  # hashes join the host cache at completion (a layer-wise
+    # store's; the other stores' joined it at submission)
 
 
 @dataclass
@@ -412,6 +414,7 @@ class TieredKVManager:
                 dev_pages,
                 hashes if last else [],
                 reasons=["decode_append"],
+                register=True,
             )
         )
         if self.debug:
@@ -444,7 +447,7 @@ class TieredKVManager:
             for page, h in zip(p.host_pages, p.hashes):
                 if self._writing.get(page) is p.handle:
                     del self._writing[page]
-                if h is not None:  # a layer-wise store's pages (the others' are already)
+                if p.register and h is not None:
                     self.host_alloc.register(page, h)
             self._note_storing(p.hashes, -1)
         else:
