@@ -191,7 +191,7 @@ def step_split(on: list, off: list) -> dict | None:
     run's counts), mixed otherwise; "+copy" when the tier-on run copied pages at it or
     at the step before (a copy counts when its completion is seen). None when the
     schedules differ."""
-    if len(on) != len(off) or any(a[1:2] + a[3:4] != b[1:2] + b[3:4] for a, b in zip(on, off)):
+    if len(on) != len(off) or any((a[1], a[3]) != (b[1], b[3]) for a, b in zip(on, off)):
         return None
     split: dict[str, dict] = {}
     prev_on = prev_off = [0.0, 0, 0, 0, 0]
