@@ -204,7 +204,13 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
 
         copied_before = copied()  # the warm-up's copies left out
         timeline = []
+        # every 100 steps: the allocator's segments and cudaMalloc calls so far, to see
+        # whether what it holds grows with the run (sampled: memory_stats is not free)
+        alloc_trace = []
         while eng.has_unfinished:
+            if len(timeline) % 100 == 0 and alloc_before is not None:
+                now = allocator_stats(eng.device, alloc_before)
+                alloc_trace.append([len(timeline), now["segments"], now["device_mallocs"]])
             for req in eng.step():
                 lengths[req.request_id] = len(req.output_token_ids)
             timeline.append(
@@ -232,6 +238,7 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
         "add_requests_s": added_s,
         "timeline": timeline,
         "allocator": alloc,
+        "allocator_trace": alloc_trace,
     }
 
 

@@ -115,6 +115,10 @@ def decode_profile(prompts: list[list[int]], args, llm) -> dict:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         prof["emptied"] = profile_decode(llm, prompts, ns)
+    graphs = llm.engine.runner.graphs
+    if args.profile_recaptured and graphs is not None:
+        graphs.graphs.clear()  # captured again, lazily, by the profile's first decode step
+        prof["recaptured"] = profile_decode(llm, prompts, ns)
     return prof
 
 
@@ -253,7 +257,8 @@ def summary(result: dict) -> str:
     profiles = []
     for label, run in (("host tier on ", on), ("host tier off", off)):
         prof = (run or {}).get("after")
-        profiles += [(label, prof), (label + " (emptied)", (prof or {}).get("emptied"))]
+        profiles += [(label, prof)]
+        profiles += [(f"{label} ({k})", (prof or {}).get(k)) for k in ("emptied", "recaptured")]
     for label, prof in profiles:
         if prof:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in prof["phase_ms"].items())
@@ -268,6 +273,10 @@ def summary(result: dict) -> str:
     for label, run in (("host tier on ", on), ("host tier off", off)):
         if run is not None:
             lines.extend(allocator_line(label, run))
+            trace = run.get("allocator_trace") or []
+            if trace:
+                pts = ", ".join(f"{s}: {n}" for s, n, _ in trace[:: max(len(trace) // 12, 1)])
+                lines.append(f"{label} allocator segments by step: {pts}")
     if "step_split" in result:
         lines.extend(split_lines(result["step_split"]))
     if on is None:
@@ -331,6 +340,12 @@ def main(argv=None) -> int:
         help="with --profile, on the GPU: then release the allocator's cached memory "
         "(torch.cuda.empty_cache) and profile the step again, to tell whether what the run "
         "left in the allocator slows the step",
+    )
+    ap.add_argument(
+        "--profile-recaptured",
+        action="store_true",
+        help="with --profile: then capture the decode graphs again and profile the step "
+        "once more, to tell whether the graphs captured before the run are what runs slower",
     )
     ap.add_argument(
         "--against",
