@@ -1,0 +1,16 @@
+"""benchmarks/graph_replay.py on a machine without a GPU: a clear refusal, nothing built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench_scripts import load
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines with no GPU")
+def test_graph_replay_refuses_without_a_gpu(tmp_path):
+    graph_replay = load("graph_replay")
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        graph_replay.main(["--out", str(tmp_path)])
+    assert not (tmp_path / "graph_replay.json").exists()
