@@ -29,7 +29,9 @@ where a tier-on run's extra time per step goes: the timed runs' per-step timelin
 whether it is in decode steps or in mixed ones: with both runs (one process, or --against
 the other process's pressure.json) the summary splits the two runs' step times by kind,
 step by step over their common schedule (step_split), and gives each run's CUDA
-allocator counters. --profile-only: the same profile on
+allocator counters (and its segments every 100 steps). --profile-emptied and
+--profile-recaptured profile the step again after torch.cuda.empty_cache() and after the
+decode graphs are captured again. --profile-only: the same profile on
 each freshly built engine, with no timed run before it (pressure_profile.json).
 --pin-gib G holds G GiB of host memory pinned the way the tier's pool is (registered with
 CUDA) through every run, the tier-off one too: whether the pinned pool alone changes a
