@@ -86,8 +86,13 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     # The prompts are the first ones reversed: no page of them is a workload prefix.
     warm = [p[::-1] for p in prompts[: warm_up_prompts(llm, len(prompts[0]))]]
     warming = time.perf_counter()
+    # progress on stderr: a run cut off by a time limit shows which phase it was in
+    sys.stderr.write(f"built in {warming - built:.1f} s; warming up\n")
+    sys.stderr.flush()
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     startup = {"build_s": warming - built, "warmup_s": time.perf_counter() - warming}
+    sys.stderr.write(f"warmed up in {startup['warmup_s']:.1f} s; timing the workload\n")
+    sys.stderr.flush()
     eng = llm.engine
     _sync(args.device)
     steps = 0
