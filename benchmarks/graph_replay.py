@@ -71,6 +71,46 @@ def replay_ms(graph, replays: int) -> float:
     return statistics.median(times)
 
 
+PROBES = ("malloc", "pin", "stream")
+
+
+def parse_probes(text: str) -> list[str]:
+    """--probes: names in order, repeats kept (each `stream` is one more stream)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(PROBES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown probes {unknown}; known: {', '.join(PROBES)}")
+    return names
+
+
+def time_graphs(graphs, table: dict, buckets, args, geometry, side_stream=None):
+    """Replay ms of each of `buckets` in `table` (bucket -> graph), on the current stream
+    and, with side_stream, on that one too; the static inputs staged for each."""
+    import torch
+
+    times, side = {}, {}
+    for bs in buckets:
+        if bs not in table:
+            continue
+        stage_rows(graphs, bs, args.context, *geometry)
+        times[bs] = replay_ms(table[bs], args.replays)
+        if side_stream is not None:
+            side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side_stream):
+                side[bs] = replay_ms(table[bs], args.replays)
+            torch.cuda.current_stream().wait_stream(side_stream)
+    return times, side
+
+
+def report(label: str, times: dict, side: dict) -> None:
+    cells = ", ".join(
+        f"bs {bs}: {ms:.3f}" + (f" ({side[bs]:.3f})" if bs in side else "")
+        for bs, ms in times.items()
+    )
+    sys.stdout.write(f"{label}: {cells} ms\n")
+    sys.stdout.flush()
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -105,7 +145,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--probes",
-        default="",
+        type=parse_probes,
+        default=[],
         help="comma list, each done after the captures and followed by the engine graphs' "
         "times: malloc (a new 2 GiB device segment), pin (1 GiB of host memory pinned as "
         "the tier pins), stream (work on a new stream of torch's pool)",
@@ -130,19 +171,22 @@ def main(argv=None) -> int:
         warm = [[2 + i] * 64 for i in range(4)]
         llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         graphs = eng.runner.graphs
-        page_size, num_pages = eng.config.page_size, eng.kv.allocator.num_pages
+        geometry = (eng.config.page_size, eng.kv.allocator.num_pages)
         make_stream = torch.cuda.Stream
         side_stream = make_stream() if args.side else None  # replays timed there too
         first_stream = None
 
         def capture_stream(*a, **k):
             nonlocal first_stream
-            s = first_stream if (args.same_stream and first_stream is not None) else None
-            s = s or make_stream(*a, **k)
-            first_stream = first_stream or s
+            if first_stream is None or not args.same_stream:
+                s = make_stream(*a, **k)
+                first_stream = first_stream or s
+            else:
+                s = first_stream
             streams.append(s.stream_id)
             return s
 
+        first_graphs = {}
         for i in range(args.captures + 1):
             streams: list[int] = []
             if i > 0:
@@ -157,57 +201,30 @@ def main(argv=None) -> int:
                     graphs.capture()
                 finally:
                     torch.cuda.Stream = make_stream
-            times, side = {}, {}
-            for bs in buckets:
-                if bs in graphs.graphs:
-                    stage_rows(graphs, bs, args.context, page_size, num_pages)
-                    times[bs] = replay_ms(graphs.graphs[bs], args.replays)
-                    if side_stream is None:
-                        continue
-                    side_stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side_stream):
-                        side[bs] = replay_ms(graphs.graphs[bs], args.replays)
-                    torch.cuda.current_stream().wait_stream(side_stream)
-            row = {"capture": i, "streams": streams, "replay_ms": times, "side_stream_ms": side}
-            rows.append(row)
-            cells = ", ".join(
-                f"bs {bs}: {ms:.3f}" + (f" ({side[bs]:.3f})" if bs in side else "")
-                for bs, ms in times.items()
+            times, side = time_graphs(graphs, graphs.graphs, buckets, args, geometry, side_stream)
+            rows.append(
+                {"capture": i, "streams": streams, "replay_ms": times, "side_stream_ms": side}
             )
-            sys.stdout.write(
-                f"capture {i} ({'engine' if i == 0 else f'stream ids {streams}'}): {cells} ms\n"
-            )
-            sys.stdout.flush()
-        if args.keep_first and args.captures > 0:
-            times = {}
-            for bs in buckets:
-                if bs in first_graphs:
-                    stage_rows(graphs, bs, args.context, page_size, num_pages)
-                    times[bs] = replay_ms(first_graphs[bs], args.replays)
+            report(f"capture {i} ({'engine' if i == 0 else f'stream ids {streams}'})", times, side)
+        if first_graphs:
+            times, _ = time_graphs(graphs, first_graphs, buckets, args, geometry)
             rows.append({"capture": 0, "again": True, "replay_ms": times})
-            cells = ", ".join(f"bs {bs}: {ms:.3f}" for bs, ms in times.items())
-            sys.stdout.write(f"capture 0 (engine), timed again at the end: {cells} ms\n")
+            report("capture 0 (engine), timed again at the end", times, {})
         held = []
-        for probe in filter(None, args.probes.split(",")):
+        for probe in args.probes:
             if probe == "malloc":
                 held.append(torch.empty(2 << 30, dtype=torch.uint8, device="cuda"))
             elif probe == "pin":
                 from batchgen.kv.pinned import host_empty
 
                 held.append(host_empty((1 << 30,), torch.uint8, pin=True))
-            elif probe == "stream":
-                s = make_stream()
-                with torch.cuda.stream(s):
+            else:  # stream
+                with torch.cuda.stream(make_stream()):
                     held.append(torch.ones(1 << 20, device="cuda") * 2)
                 torch.cuda.synchronize()
-            times = {}
-            for bs in buckets:
-                if bs in graphs.graphs:
-                    stage_rows(graphs, bs, args.context, page_size, num_pages)
-                    times[bs] = replay_ms(graphs.graphs[bs], args.replays)
+            times, _ = time_graphs(graphs, graphs.graphs, buckets, args, geometry)
             rows.append({"probe": probe, "replay_ms": times})
-            cells = ", ".join(f"bs {bs}: {ms:.3f}" for bs, ms in times.items())
-            sys.stdout.write(f"capture after probe {probe}: {cells} ms\n")
+            report(f"capture after probe {probe}", times, {})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "graph_replay.json").write_text(json.dumps(rows, indent=2))
     return 0

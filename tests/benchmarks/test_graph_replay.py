@@ -13,3 +13,12 @@ def test_graph_replay_refuses_without_a_gpu(tmp_path):
     with pytest.raises(SystemExit, match="needs a GPU"):
         graph_replay.main(["--out", str(tmp_path)])
     assert not (tmp_path / "graph_replay.json").exists()
+
+
+def test_probes_keep_repeats_and_refuse_unknown_names(capsys):
+    graph_replay = load("graph_replay")
+    assert graph_replay.parse_probes("stream, stream,pin,") == ["stream", "stream", "pin"]
+    with pytest.raises(SystemExit) as exit_info:
+        graph_replay.main(["--probes", "stream,swap"])
+    assert exit_info.value.code == 2  # argparse's usage error, before any engine is built
+    assert "unknown probes ['swap']" in capsys.readouterr().err
