@@ -16,12 +16,17 @@ Each capture's stream (torch's pool hands them out in turn) is recorded beside i
 `--same-stream` captures every time on one stream instead of a new one; `--empty-cache`
 releases the allocator's cache before each capture again; `--keep-first` keeps the
 engine's graphs and times them again at the end; `--probes` does one thing at a time
-after the captures (work on a new stream, pinned host memory, a device segment) and
-times the graphs after each.
+after the captures and times the graphs after each (see --probes: work on a new
+stream, on the capture stream, pinned memory, a device segment, copies, events, and,
+with --host-gib and a small --kv-gib, a generate that swaps through the host tier).
 
 Found with it (H200, torch 2.11): the engine's graphs replay ~0.17 ms slower at 32 rows
-(430 kernels) once work has run on a further stream of the process, and stay so. The
-graphs themselves are not the cause: the first capture's graphs, kept, slow down as much.
+(430 kernels) once work has run on a further stream of the process, and stay so; the
+graphs themselves are not the cause (the first capture's graphs, kept, slow down as
+much). A second further stream adds nothing. Work on the capture stream itself (replays,
+a kernel from another thread, 64 MiB copies either way, a timed event the default
+stream waits on) changes nothing, nor does pinning a 64 GiB tier; a generate that swaps
+through the tier slows the replays as much, with GPU work on two streams only.
 
 Writes graph_replay.json into --out and prints one line per capture or probe.
 """
@@ -71,7 +76,10 @@ def replay_ms(graph, replays: int) -> float:
     return statistics.median(times)
 
 
-PROBES = ("malloc", "pin", "stream")
+PROBES = (
+    *("capture", "d2h", "event", "h2d", "malloc", "none", "pin", "stream", "swap"),
+    *("swap-traced", "thread", "pinmem", "gates", "alloc", "index"),
+)
 
 
 def parse_probes(text: str) -> list[str]:
@@ -109,6 +117,103 @@ def report(label: str, times: dict, side: dict) -> None:
     )
     sys.stdout.write(f"{label}: {cells} ms\n")
     sys.stdout.flush()
+
+
+def on_capture_stream(probe: str, stream):
+    """What the host tier does on its copy stream, one thing at a time, on the engine's
+    capture stream: a timed event the default stream waits on (event), a 64 MiB copy
+    from pinned host memory (h2d) or into it (d2h), a kernel issued by another thread
+    (thread). Returns what must stay alive."""
+    import threading
+
+    import torch
+
+    from batchgen.kv.pinned import host_empty
+
+    stream.wait_stream(torch.cuda.current_stream())
+    kept = []
+    if probe == "thread":
+
+        def work():
+            with torch.cuda.stream(stream):
+                kept.append(torch.ones(1 << 20, device="cuda") * 2)
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+    with torch.cuda.stream(stream):
+        if probe == "event":
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            done.record(stream)
+            kept += [start, done]
+        elif probe in ("h2d", "d2h"):
+            host = host_empty((64 << 20,), torch.uint8, pin=True)
+            dev = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+            if probe == "h2d":
+                dev.copy_(host, non_blocking=True)
+            else:
+                host.copy_(dev, non_blocking=True)
+            kept += [host, dev]
+        elif probe == "pinmem":  # forward_context.to_device, as a load's index goes up
+            from batchgen.forward_context import to_device
+
+            kept += [to_device(torch.arange(64 + i), torch.device("cuda")) for i in range(8)]
+        elif probe == "alloc":  # a segment of a size nothing asked for, on this stream
+            kept.append(torch.empty(37 << 20, dtype=torch.uint8, device="cuda").fill_(1))
+        elif probe == "index":  # a load's scatter into a pool-like tensor
+            pool = torch.zeros(4, 256, 4096, dtype=torch.bfloat16, device="cuda")
+            staging = torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda")
+            pool.index_copy_(1, torch.arange(16, device="cuda") * 3, staging)
+            kept += [pool, staging]
+        elif probe == "gates":  # a gate event a layer, each waited on by the default stream
+            host = host_empty((32, 1 << 20), torch.uint8, pin=True)
+            dev = torch.empty(32, 1 << 20, dtype=torch.uint8, device="cuda")
+            for layer in range(32):
+                dev[layer].copy_(host[layer], non_blocking=True)
+                gate = torch.cuda.Event()
+                gate.record(stream)
+                torch.cuda.default_stream().wait_event(gate)
+                kept.append(gate)
+            kept += [host, dev]
+    if probe == "event":
+        torch.cuda.current_stream().wait_event(kept[-1])
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return kept
+
+
+def swap_run(llm, traced: bool) -> dict:
+    """A generate that preempts and swaps through the tier (run with a small --kv-gib and
+    --host-gib), as W2 does; with `traced`, under the profiler, with the GPU activities
+    it ran counted by stream and kind."""
+    from collections import Counter
+
+    import torch
+    from throughput import GPU_CATEGORIES, trace_events
+
+    from batchgen import SamplingParams
+
+    prompts = [[(7 * i + j) % 30000 + 10 for j in range(512)] for i in range(24)]
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    before = llm.engine.metrics()
+    if traced:
+        activity = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activity) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+        events = trace_events(prof)
+    else:
+        llm.generate(prompts, params, use_tqdm=False)
+    after = llm.engine.metrics()
+    out = {k: after[k] - before[k] for k in ("swaps_out", "swaps_in", "pages_loaded")}
+    if traced:
+        tally = Counter(
+            f"stream {e.get('args', {}).get('stream', '?')} {e['cat']}"
+            for e in events
+            if e.get("cat") in GPU_CATEGORIES
+        )
+        out["gpu_activities"] = dict(sorted(tally.items()))
+    return out
 
 
 def main(argv=None) -> int:
@@ -149,7 +254,9 @@ def main(argv=None) -> int:
         default=[],
         help="comma list, each done after the captures and followed by the engine graphs' "
         "times: malloc (a new 2 GiB device segment), pin (1 GiB of host memory pinned as "
-        "the tier pins), stream (work on a new stream of torch's pool)",
+        "the tier pins), stream (work on a new stream of torch's pool), none (nothing: "
+        "the times again), capture (the replays timed on the engine's first capture "
+        "stream instead, so that stream gets work and no new one does)",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -169,10 +276,20 @@ def main(argv=None) -> int:
     with built_engine(ckpt, **kw) as llm:
         eng = llm.engine
         warm = [[2 + i] * 64 for i in range(4)]
-        llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        make_stream = torch.cuda.Stream
+        engine_streams = []  # the streams the engine makes for its first capture
+
+        def recorded_stream(*a, **k):
+            engine_streams.append(make_stream(*a, **k))
+            return engine_streams[-1]
+
+        torch.cuda.Stream = recorded_stream
+        try:
+            llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        finally:
+            torch.cuda.Stream = make_stream
         graphs = eng.runner.graphs
         geometry = (eng.config.page_size, eng.kv.allocator.num_pages)
-        make_stream = torch.cuda.Stream
         side_stream = make_stream() if args.side else None  # replays timed there too
         first_stream = None
 
@@ -218,11 +335,24 @@ def main(argv=None) -> int:
                 from batchgen.kv.pinned import host_empty
 
                 held.append(host_empty((1 << 30,), torch.uint8, pin=True))
-            else:  # stream
+            elif probe == "stream":
                 with torch.cuda.stream(make_stream()):
                     held.append(torch.ones(1 << 20, device="cuda") * 2)
                 torch.cuda.synchronize()
-            times, _ = time_graphs(graphs, graphs.graphs, buckets, args, geometry)
+            elif probe in ("d2h", "event", "h2d", "thread", "pinmem", "gates", "alloc", "index"):
+                held.append(on_capture_stream(probe, graphs.capture_stream))
+            elif probe in ("swap", "swap-traced"):
+                swapped = swap_run(llm, traced=probe == "swap-traced")
+                rows.append({"probe_run": probe, **swapped})
+                sys.stdout.write(f"{probe}: {json.dumps(swapped)}\n")
+            if probe == "capture":  # the replays themselves run on the capture stream
+                stream = graphs.capture_stream
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    times, _ = time_graphs(graphs, graphs.graphs, buckets, args, geometry)
+                torch.cuda.current_stream().wait_stream(stream)
+            else:
+                times, _ = time_graphs(graphs, graphs.graphs, buckets, args, geometry)
             rows.append({"probe": probe, "replay_ms": times})
             report(f"capture after probe {probe}", times, {})
     args.out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,11 @@ def test_probes_keep_repeats_and_refuse_unknown_names(capsys):
     graph_replay = load("graph_replay")
     assert graph_replay.parse_probes("stream, stream,pin,") == ["stream", "stream", "pin"]
     with pytest.raises(SystemExit) as exit_info:
-        graph_replay.main(["--probes", "stream,swap"])
+        graph_replay.main(["--probes", "stream,teleport"])
     assert exit_info.value.code == 2  # argparse's usage error, before any engine is built
-    assert "unknown probes ['swap']" in capsys.readouterr().err
+    assert "unknown probes ['teleport']" in capsys.readouterr().err
+
+
+def test_probes_include_the_control_and_the_capture_stream():
+    graph_replay = load("graph_replay")
+    assert graph_replay.parse_probes("none,capture,stream") == ["none", "capture", "stream"]
