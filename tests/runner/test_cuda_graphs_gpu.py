@@ -76,5 +76,10 @@ def test_graphs_with_swaps_and_reconfigure(model_dir):
     m = tight.engine.metrics()
     assert m["swaps_out"] > 0 and m["recomputes"] == 0
     assert _collapsed(rows, ref) == 0
+    graphs = tight.engine.runner.graphs
+    stream = graphs.capture_stream
+    assert stream is not None
     tight.engine.reconfigure(120)
     assert _collapsed(_rows(tight, prompts, params), ref) == 0
+    assert graphs.graphs, "the decode graphs should have been captured again"
+    assert graphs.capture_stream is stream  # no further stream: it would slow every replay

@@ -87,6 +87,10 @@ class DecodeGraphs:
         # held around every capture: a global-mode capture fails if another thread
         # issues CUDA work meanwhile (the host tier's copy worker pauses under it)
         self.capture_guard = capture_guard or nullcontext
+        # every capture runs on one side stream, made at the first: a capture again
+        # (after a pool change) adds no stream with work to the process, and on an H200
+        # work on a further stream slows every later graph replay (~0.4 us a kernel)
+        self.capture_stream: torch.cuda.Stream | None = None
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -152,7 +156,9 @@ class DecodeGraphs:
         if self.linear_states is not None:
             self.state_slots.fill_(self.spare_slot)
         pool = None
-        stream = torch.cuda.Stream()
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream()
+        stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bs in reversed(self.buckets):
