@@ -78,7 +78,11 @@ def replay_ms(graph, replays: int) -> float:
 
 PROBES = (
     *("capture", "d2h", "event", "h2d", "malloc", "none", "pin", "stream", "swap"),
-    *("swap-traced", "thread", "pinmem", "gates", "alloc", "index"),
+    *("swap-traced", "thread", "pinmem", "gates", "alloc", "index", "store", "load"),
+)
+# the probes on_capture_stream does
+CAPTURE_STREAM_PROBES = (
+    *("d2h", "event", "h2d", "thread", "pinmem", "gates", "alloc", "index", "store", "load"),
 )
 
 
@@ -119,11 +123,14 @@ def report(label: str, times: dict, side: dict) -> None:
     sys.stdout.flush()
 
 
-def on_capture_stream(probe: str, stream):
+def on_capture_stream(probe: str, stream, tier=None):
     """What the host tier does on its copy stream, one thing at a time, on the engine's
     capture stream: a timed event the default stream waits on (event), a 64 MiB copy
     from pinned host memory (h2d) or into it (d2h), a kernel issued by another thread
-    (thread). Returns what must stay alive."""
+    (thread), a small index uploaded through pinned memory (pinmem), a new segment
+    (alloc), a scatter into a pool-like tensor (index), a gate event a layer (gates),
+    or the tier's own page copy functions on 64 pages of its pools, device to host
+    (store) or back (load; needs --host-gib). Returns what must stay alive."""
     import threading
 
     import torch
@@ -166,6 +173,18 @@ def on_capture_stream(probe: str, stream):
             staging = torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda")
             pool.index_copy_(1, torch.arange(16, device="cuda") * 3, staging)
             kept += [pool, staging]
+        elif probe in ("store", "load"):
+            from batchgen.kv.page_copies import device_to_host_pages, host_to_device_pages
+
+            if tier is None:
+                raise SystemExit(f"--probes {probe} needs the host tier (--host-gib)")
+            dev_kv, host_kv = tier.device_pool.kv, tier.host_pool.kv
+            pages = list(range(64))
+            if probe == "store":
+                kept.append(device_to_host_pages(dev_kv, host_kv, pages, pages))
+            else:
+                host_kv[:, :64].zero_()  # host pages a store never wrote: no NaNs loaded
+                kept.append(host_to_device_pages(host_kv, dev_kv, pages, pages))
         elif probe == "gates":  # a gate event a layer, each waited on by the default stream
             host = host_empty((32, 1 << 20), torch.uint8, pin=True)
             dev = torch.empty(32, 1 << 20, dtype=torch.uint8, device="cuda")
@@ -339,8 +358,8 @@ def main(argv=None) -> int:
                 with torch.cuda.stream(make_stream()):
                     held.append(torch.ones(1 << 20, device="cuda") * 2)
                 torch.cuda.synchronize()
-            elif probe in ("d2h", "event", "h2d", "thread", "pinmem", "gates", "alloc", "index"):
-                held.append(on_capture_stream(probe, graphs.capture_stream))
+            elif probe in CAPTURE_STREAM_PROBES:
+                held.append(on_capture_stream(probe, graphs.capture_stream, eng.tier))
             elif probe in ("swap", "swap-traced"):
                 swapped = swap_run(llm, traced=probe == "swap-traced")
                 rows.append({"probe_run": probe, **swapped})

@@ -35,7 +35,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_runs import add_engine_args, compile_log, engine_kwargs, gc_pauses  # noqa: E402
+from engine_runs import (  # noqa: E402
+    add_engine_args,
+    allocator_stats,
+    compile_log,
+    engine_kwargs,
+    gc_pauses,
+)
 from workloads import MOONLIGHT_W4, SMALL_MOONLIGHT, config_dir, w4_requests  # noqa: E402
 
 ROOFLINE_TOK_S = 13_350  # BENCHMARKS.md W4, H200
@@ -102,6 +108,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         gc_pauses() as collections,
     ):
         before = eng.metrics()
+        alloc_before = allocator_stats(args.device)
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens)):
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -126,6 +133,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     _sync(args.device)
     wall = time.perf_counter() - start
     after = eng.metrics()
+    alloc = allocator_stats(args.device, alloc_before)
     out = eng.stats.output_tokens - out0
     first_all = wall if first_all is None else first_all
     counters = {
@@ -153,6 +161,9 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         "step_tokens": step_tokens,
         "compiles_after_warmup": compiles,  # Triton specialisations the timed run met first
         "gc_pauses": collections,  # the cyclic collector's, in the timed run
+        # the caching allocator in the timed run (None on the CPU): a retry frees its
+        # cache and synchronises, a cudaMalloc of a new segment can take milliseconds
+        "allocator": alloc,
     }
     if args.profile:
         from throughput import profile_decode
@@ -253,6 +264,17 @@ def run_lines(ours: dict) -> list[str]:
         f"compiles     {len(compiles)} Triton specialisations after the warm-up"
         + "".join(f"\n  {c}" for c in compiles[:12]),
         "gc pauses    " + json.dumps(ours["gc_pauses"]),
+    ] + allocator_lines(ours.get("allocator"))
+
+
+def allocator_lines(alloc: dict | None) -> list[str]:
+    """The timed run's allocator counters as a printed line (none on the CPU)."""
+    if alloc is None:
+        return []
+    return [
+        f"allocator    {alloc['device_mallocs']} cudaMalloc, {alloc['device_frees']} cudaFree, "
+        f"{alloc['alloc_retries']} retries in the timed run; {alloc['segments']} segments, "
+        f"reserved peak {alloc['reserved_peak_bytes'] / 2**30:.2f} GiB"
     ]
 
 

@@ -17,6 +17,7 @@ def test_small_run_writes_its_result(tmp_path):
     assert ours["output_tokens"] == peer["output_tokens"] == 6 * 6
     assert ours["steps"] > 0 and 0 < ours["prefill_phase_s"] <= ours["wall_s"]
     assert result["ratio"] > 0
+    assert ours["allocator"] is None  # the allocator counters are CUDA's
 
 
 def test_peer_warms_up_on_two_tokens_then_times_whole_batches(tmp_path, monkeypatch):
@@ -96,3 +97,18 @@ def test_gc_pauses_counts_the_collections_run_in_the_block():
     full = pauses["gen2"]["collections"]
     gc.collect()
     assert pauses["gen2"]["collections"] == full  # nothing counted after the block
+
+
+def test_allocator_line_names_each_counter_and_is_absent_on_the_cpu():
+    mla = load("mla")
+    assert mla.allocator_lines(None) == []
+    alloc = {
+        "device_mallocs": 3,
+        "device_frees": 1,
+        "alloc_retries": 2,
+        "segments": 159,
+        "reserved_peak_bytes": 3 << 30,
+    }
+    (line,) = mla.allocator_lines(alloc)
+    assert "3 cudaMalloc, 1 cudaFree, 2 retries" in line
+    assert "159 segments" in line and "3.00 GiB" in line
