@@ -35,10 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 SCENARIOS = (
     "none",
@@ -53,20 +54,10 @@ SCENARIOS = (
 
 
 def per_kernel_us(graph, replays: int, kernels: int) -> float:
-    import torch
+    """graph_replay's timing (median of five batches of back-to-back replays) a kernel."""
+    from graph_replay import replay_ms
 
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(5):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / replays / kernels)
-    return statistics.median(times)
+    return replay_ms(graph, replays) * 1e3 / kernels
 
 
 def scenario(name: str, kernels: int, replays: int) -> dict:
