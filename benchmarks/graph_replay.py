@@ -17,8 +17,9 @@ Each capture's stream (torch's pool hands them out in turn) is recorded beside i
 releases the allocator's cache before each capture again; `--keep-first` keeps the
 engine's graphs and times them again at the end; `--probes` does one thing at a time
 after the captures and times the graphs after each (see --probes: work on a new
-stream, on the capture stream, pinned memory, a device segment, copies, events, and,
-with --host-gib and a small --kv-gib, a generate that swaps through the host tier).
+stream, on the capture stream, pinned memory, a device segment, copies, events, a
+kernel no step had run (its module loaded then), and, with --host-gib and a small
+--kv-gib, a generate that swaps through the host tier).
 
 Found with it (H200, torch 2.11): the engine's graphs replay ~0.17 ms slower at 32 rows
 (430 kernels) once work has run on a further stream of the process, and stay so; the
@@ -77,7 +78,7 @@ def replay_ms(graph, replays: int) -> float:
 
 
 PROBES = (
-    *("capture", "d2h", "event", "h2d", "malloc", "none", "pin", "stream", "swap"),
+    *("capture", "d2h", "event", "h2d", "kernel", "malloc", "none", "pin", "stream", "swap"),
     *("swap-traced", "thread", "pinmem", "gates", "alloc", "index", "store", "load"),
 )
 # the probes on_capture_stream does
@@ -275,7 +276,11 @@ def main(argv=None) -> int:
         "times: malloc (a new 2 GiB device segment), pin (1 GiB of host memory pinned as "
         "the tier pins), stream (work on a new stream of torch's pool), none (nothing: "
         "the times again), capture (the replays timed on the engine's first capture "
-        "stream instead, so that stream gets work and no new one does)",
+        "stream instead, so that stream gets work and no new one does), kernel (a "
+        "float64 cumprod, never run before, on the default stream), swap and "
+        "swap-traced (a generate that swaps through the tier; see swap_run), and "
+        "the work on the capture stream that on_capture_stream describes: "
+        + ", ".join(CAPTURE_STREAM_PROBES),
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -357,6 +362,10 @@ def main(argv=None) -> int:
             elif probe == "stream":
                 with torch.cuda.stream(make_stream()):
                     held.append(torch.ones(1 << 20, device="cuda") * 2)
+                torch.cuda.synchronize()
+            elif probe == "kernel":  # kernels the engine never ran, on the default stream
+                steps = torch.arange(4096, device="cuda", dtype=torch.float64) * 1e-4 + 1
+                held.append(torch.cumprod(steps, 0))
                 torch.cuda.synchronize()
             elif probe in CAPTURE_STREAM_PROBES:
                 held.append(on_capture_stream(probe, graphs.capture_stream, eng.tier))
