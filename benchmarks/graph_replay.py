@@ -236,6 +236,32 @@ def swap_run(llm, traced: bool) -> dict:
     return out
 
 
+def each_in_its_process(args) -> int:
+    """--each: every probe in a child process of this script, timed by the `none` probe
+    just before it and the one just after."""
+    import subprocess
+
+    common = ["--model", args.model, "--buckets", args.buckets, "--context", str(args.context)]
+    common += ["--replays", str(args.replays), "--kv-gib", str(args.kv_gib)]
+    common += ["--host-gib", str(args.host_gib), "--captures", "0"]
+    table = {}
+    for probe in args.probes:
+        out = args.out / f"each-{probe}"
+        cmd = [sys.executable, __file__, *common, "--probes", f"none,{probe},none"]
+        done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"probe {probe} failed:\n{done.stderr[-4000:]}")
+        rows = [r for r in json.loads((out / "graph_replay.json").read_text()) if "replay_ms" in r]
+        before, after = rows[1]["replay_ms"], rows[-1]["replay_ms"]
+        table[probe] = {bs: after[bs] - before[bs] for bs in before}
+        cells = ", ".join(f"bs {bs}: {before[bs]:.3f} -> {after[bs]:.3f}" for bs in before)
+        sys.stdout.write(f"{probe:>12}: {cells} ms\n")
+        sys.stdout.flush()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "graph_replay_each.json").write_text(json.dumps(table, indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -282,9 +308,18 @@ def main(argv=None) -> int:
         "the work on the capture stream that on_capture_stream describes: "
         + ", ".join(CAPTURE_STREAM_PROBES),
     )
+    ap.add_argument(
+        "--each",
+        action="store_true",
+        help="each of --probes in a fresh process of its own (none, the probe, none, with "
+        "--captures 0), then one line a probe: what it changed. A probe's effect lasts "
+        "for the rest of its process, so a sequence in one process tells only the first",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("graph_replay.py times CUDA graphs: it needs a GPU")
+    if args.each:
+        return each_in_its_process(args)
     args.small = False
     _, ckpt = dummy_model(args)
     buckets = [int(b) for b in args.buckets.split(",")]

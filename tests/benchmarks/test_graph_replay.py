@@ -27,3 +27,38 @@ def test_probes_keep_repeats_and_refuse_unknown_names(capsys):
 def test_probes_include_the_control_and_the_capture_stream():
     graph_replay = load("graph_replay")
     assert graph_replay.parse_probes("none,capture,stream") == ["none", "capture", "stream"]
+
+
+def test_each_runs_every_probe_in_a_process_of_its_own(tmp_path, monkeypatch, capsys):
+    """--each: one child a probe, `none` before and after it, and the change per probe
+    read from each child's graph_replay.json (the children faked: no GPU here)."""
+    import json
+    import subprocess
+    import types
+    from pathlib import Path
+
+    graph_replay = load("graph_replay")
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        slow = 0.17 if "stream" in cmd[cmd.index("--probes") + 1] else 0.0
+        rows = [
+            {"capture": 0, "replay_ms": {"32": 5.94}},
+            {"probe": "none", "replay_ms": {"32": 5.94}},
+            {"probe": "x", "replay_ms": {"32": 5.94 + slow}},
+            {"probe": "none", "replay_ms": {"32": 5.94 + slow}},
+        ]
+        (out / "graph_replay.json").write_text(json.dumps(rows))
+        return types.SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = ["--each", "--probes", "pin,stream", "--buckets", "32", "--out", str(tmp_path)]
+    assert graph_replay.main(argv) == 0
+    assert [c[c.index("--probes") + 1] for c in calls] == ["none,pin,none", "none,stream,none"]
+    table = json.loads((tmp_path / "graph_replay_each.json").read_text())
+    assert table["pin"]["32"] == 0.0 and abs(table["stream"]["32"] - 0.17) < 1e-9
+    assert "stream: bs 32: 5.940 -> 6.110 ms" in capsys.readouterr().out
