@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from workloads import MODELS, config_dir
@@ -125,15 +125,17 @@ def timed_run(
     out_lens: list[int],
     warmup_len: int,
     after=None,
+    phases: bool = False,
     **engine_kw,
 ) -> dict:
     """Run every prompt greedily to exactly its output length (ignore_eos) on a fresh
     engine built with engine_kw, then free it; returns wall time, output tok/s, the timed
     part's counters (engine metrics() plus copy_seconds) and a per-step timeline.
     after(llm), if given, runs on the engine after the timed part (e.g. a profile); what
-    it returns is the result's "after"."""
+    it returns is the result's "after". phases: each step's host time in the engine
+    calls step_phases names, too ("step_phases", one row a step)."""
     with built_engine(ckpt, **engine_kw) as llm:
-        result = _timed(llm, prompts, out_lens, warmup_len)
+        result = _timed(llm, prompts, out_lens, warmup_len, phases)
         if after is not None:
             result["after"] = after(llm)
         return result
@@ -176,7 +178,68 @@ def threads_for(device: str):
         torch.set_num_threads(threads)
 
 
-def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) -> dict:
+# (column, object path from the engine, method): the host calls step_phases times. They
+# nest: schedule holds the preemptions' swap_out, launch and execute hold the flush.
+PHASES = (
+    ("schedule", "scheduler", "schedule"),
+    ("swap_out", "kv", "swap_out"),
+    ("flush", "tier", "flush"),
+    ("poll", "tier", "poll"),
+    ("launch", "runner", "launch_decode"),
+    ("execute", "runner", "execute"),
+    ("result", None, "InFlightDecode.result"),
+)
+
+
+@contextmanager
+def step_phases(eng):
+    """Milliseconds of host time spent in each of PHASES' calls since the last take():
+    yields take(), which returns them as one row (PHASES' order) and starts again. The
+    calls are wrapped on the engine's objects (InFlightDecode on its class) and given
+    back on exit; a phase whose object the engine lacks (no tier) stays 0."""
+    from batchgen.runner.model_runner import InFlightDecode
+
+    spent = dict.fromkeys((name for name, _, _ in PHASES), 0.0)
+    undo = []
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+
+        return wrapper
+
+    for name, path, method in PHASES:
+        if path is None:
+            original = InFlightDecode.result
+            InFlightDecode.result = timed(name, original)
+            undo.append(lambda original=original: setattr(InFlightDecode, "result", original))
+            continue
+        owner = getattr(eng, path, None)
+        if owner is None:
+            continue
+        setattr(owner, method, timed(name, getattr(owner, method)))
+        undo.append(lambda owner=owner, method=method: delattr(owner, method))
+
+    def take() -> list[float]:
+        row = [round(spent[name] * 1e3, 3) for name, _, _ in PHASES]
+        for name in spent:
+            spent[name] = 0.0
+        return row
+
+    try:
+        yield take
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
+def _timed(
+    llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int, phases: bool = False
+) -> dict:
     from batchgen import SamplingParams
     from batchgen.engine.memory import fewer_full_collections
 
@@ -207,21 +270,26 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
         # every 100 steps: the allocator's segments and cudaMalloc calls so far, to see
         # whether what it holds grows with the run (sampled: memory_stats is not free)
         alloc_trace = []
-        while eng.has_unfinished:
-            if len(timeline) % 100 == 0 and alloc_before is not None:
-                now = allocator_stats(eng.device, alloc_before)
-                alloc_trace.append([len(timeline), now["segments"], now["device_mallocs"]])
-            for req in eng.step():
-                lengths[req.request_id] = len(req.output_token_ids)
-            timeline.append(
-                [
-                    round(time.perf_counter() - start, 4),
-                    eng.stats.output_tokens - before["output_tokens"],
-                    eng.scheduler.num_computed_tokens_total - before["computed_tokens"],
-                    len(eng.scheduler.running),
-                    copied() - copied_before,
-                ]
-            )
+        phase_rows = []
+        phase_timer = step_phases(eng) if phases else nullcontext(None)
+        with phase_timer as take_phases:
+            while eng.has_unfinished:
+                if len(timeline) % 100 == 0 and alloc_before is not None:
+                    now = allocator_stats(eng.device, alloc_before)
+                    alloc_trace.append([len(timeline), now["segments"], now["device_mallocs"]])
+                for req in eng.step():
+                    lengths[req.request_id] = len(req.output_token_ids)
+                timeline.append(
+                    [
+                        round(time.perf_counter() - start, 4),
+                        eng.stats.output_tokens - before["output_tokens"],
+                        eng.scheduler.num_computed_tokens_total - before["computed_tokens"],
+                        len(eng.scheduler.running),
+                        copied() - copied_before,
+                    ]
+                )
+                if take_phases is not None:
+                    phase_rows.append(take_phases())
     _sync(eng.device)
     wall = time.perf_counter() - start
     alloc = allocator_stats(eng.device, alloc_before)
@@ -239,6 +307,10 @@ def _timed(llm, prompts: list[list[int]], out_lens: list[int], warmup_len: int) 
         "timeline": timeline,
         "allocator": alloc,
         "allocator_trace": alloc_trace,
+        # with phases: a row a step, ms of host time in each of PHASES' calls
+        "step_phases": {"columns": [name for name, _, _ in PHASES], "rows": phase_rows}
+        if phases
+        else None,
     }
 
 

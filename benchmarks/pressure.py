@@ -29,7 +29,9 @@ where a tier-on run's extra time per step goes: the timed runs' per-step timelin
 whether it is in decode steps or in mixed ones: with both runs (one process, or --against
 the other process's pressure.json) the summary splits the two runs' step times by kind,
 step by step over their common schedule (step_split), and gives each run's CUDA
-allocator counters (and its segments every 100 steps). --profile-emptied and
+allocator counters (and its segments every 100 steps). --step-phases adds, by step kind,
+the host milliseconds a step spent in the engine's main calls, tier on against off: a
+step that waits on a copy shows where. --profile-emptied and
 --profile-recaptured profile the step again after torch.cuda.empty_cache() and after the
 decode graphs are captured again. --profile-only: the same profile on
 each freshly built engine, with no timed run before it (pressure_profile.json).
@@ -189,29 +191,74 @@ def idle_lines(label: str, idle: dict | None) -> list[str]:
     return lines
 
 
-def step_split(on: list, off: list) -> dict | None:
-    """The two runs' timelines step by step, where they ran the same schedule (the same
+def step_kinds(on: list, off: list) -> list[str] | None:
+    """Each step's kind where the two runs' timelines ran the same schedule (the same
     count of steps, and the same output tokens and running requests at each; a swap and a
-    recompute leave the schedule as it is): seconds each run spent on the steps of each
-    kind. A step is a decode step when it computed one token per output token (tier-off
-    run's counts), mixed otherwise; "+copy" when the tier-on run copied pages at it or
-    at the step before (a copy counts when its completion is seen). None when the
-    schedules differ."""
+    recompute leave the schedule as it is). A step is a decode step when it computed one
+    token per output token (tier-off run's counts), mixed otherwise; "+copy" when the
+    tier-on run copied pages at it or at the step before (a copy counts when its
+    completion is seen). None when the schedules differ."""
     if len(on) != len(off) or any((a[1], a[3]) != (b[1], b[3]) for a, b in zip(on, off)):
         return None
-    split: dict[str, dict] = {}
+    kinds = []
     prev_on = prev_off = [0.0, 0, 0, 0, 0]
     copied = [0, 0]
     for a, b in zip(on, off):
         copied = [copied[1], a[4] - prev_on[4]]
         kind = "decode" if b[2] - prev_off[2] == b[1] - prev_off[1] else "mixed"
-        kind += "+copy" if any(copied) else ""
+        kinds.append(kind + ("+copy" if any(copied) else ""))
+        prev_on, prev_off = a, b
+    return kinds
+
+
+def step_split(on: list, off: list) -> dict | None:
+    """Seconds each run spent on the steps of each kind (step_kinds); None when the
+    schedules differ."""
+    kinds = step_kinds(on, off)
+    if kinds is None:
+        return None
+    split: dict[str, dict] = {}
+    prev_on = prev_off = [0.0, 0, 0, 0, 0]
+    for kind, a, b in zip(kinds, on, off):
         cell = split.setdefault(kind, {"steps": 0, "on_s": 0.0, "off_s": 0.0})
         cell["steps"] += 1
         cell["on_s"] += a[0] - prev_on[0]
         cell["off_s"] += b[0] - prev_off[0]
         prev_on, prev_off = a, b
     return split
+
+
+def phase_split(on: dict, off: dict) -> dict | None:
+    """--step-phases: the mean host ms a step of each kind (step_kinds) spent in each of
+    engine_runs.PHASES' calls, tier on and off; None when the schedules differ or a run
+    has no phases."""
+    kinds = step_kinds(on["timeline"], off["timeline"])
+    if kinds is None or not on.get("step_phases") or not off.get("step_phases"):
+        return None
+    columns = on["step_phases"]["columns"]
+    out: dict[str, dict] = {}
+    for kind, a, b in zip(kinds, on["step_phases"]["rows"], off["step_phases"]["rows"]):
+        cell = out.setdefault(kind, {"steps": 0, "on": [0.0] * len(a), "off": [0.0] * len(b)})
+        cell["steps"] += 1
+        cell["on"] = [x + y for x, y in zip(cell["on"], a)]
+        cell["off"] = [x + y for x, y in zip(cell["off"], b)]
+    return {
+        kind: {
+            name: [round(c["on"][i] / c["steps"], 3), round(c["off"][i] / c["steps"], 3)]
+            for i, name in enumerate(columns)
+        }
+        for kind, c in out.items()
+    }
+
+
+def phase_lines(split: dict | None) -> list[str]:
+    if split is None:
+        return []
+    return [
+        f"host ms a step, {kind:12s} (on/off): "
+        + ", ".join(f"{name} {on:.2f}/{off:.2f}" for name, (on, off) in cells.items())
+        for kind, cells in sorted(split.items())
+    ]
 
 
 def split_lines(split: dict | None) -> list[str]:
@@ -281,6 +328,7 @@ def summary(result: dict) -> str:
                 lines.append(f"{label} allocator segments by step: {pts}")
     if "step_split" in result:
         lines.extend(split_lines(result["step_split"]))
+    lines.extend(phase_lines(result.get("phase_split")))
     if on is None:
         lines.append(checks_line(result["checks"]))
         return "\n".join(lines) + "\n"
@@ -350,6 +398,13 @@ def main(argv=None) -> int:
         "once more, to tell whether the graphs captured before the run are what runs slower",
     )
     ap.add_argument(
+        "--step-phases",
+        action="store_true",
+        help="time each step's host calls (engine_runs.PHASES: schedule, swap_out, flush, "
+        "poll, launch, execute, the wait for the tokens) in the timed runs; with both runs, "
+        "their means a step by step kind (phase_split)",
+    )
+    ap.add_argument(
         "--against",
         type=Path,
         default=None,
@@ -377,7 +432,14 @@ def main(argv=None) -> int:
         host_gib = args.host_gib if name == "on" else 0.0
         after = partial(decode_profile, prompts, args) if args.profile else None
         runs[name] = timed_run(
-            ckpt, prompts, out_lens, warmup_len, after=after, host_kv_size_gib=host_gib, **kw
+            ckpt,
+            prompts,
+            out_lens,
+            warmup_len,
+            after=after,
+            phases=args.step_phases,
+            host_kv_size_gib=host_gib,
+            **kw,
         )
     on, off = runs.get("on"), runs.get("off")
     checks = {
@@ -408,6 +470,9 @@ def main(argv=None) -> int:
     off_tl = (off or other.get("tier_off") or {}).get("timeline")
     if on_tl is not None and off_tl is not None:
         result["step_split"] = step_split(on_tl, off_tl)
+        on_run, off_run = on or other.get("tier_on"), off or other.get("tier_off")
+        if args.step_phases:
+            result["phase_split"] = phase_split(on_run, off_run)
     if on is not None:
         m = on["metrics"]
         moved = m["bytes_offloaded"] + m["bytes_loaded"]

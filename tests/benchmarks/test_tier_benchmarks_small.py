@@ -136,6 +136,28 @@ def test_pressure_profile_times_a_decode_step_of_each_engine(tmp_path, capsys):
     assert out.count("decode step at 3 rows") == 2
 
 
+def test_pressure_step_phases_time_the_engine_calls_of_every_step(tmp_path, capsys):
+    """--step-phases: a row a step in each run, the swap-outs and flushes timed only where
+    the tier swapped, the means split by step kind; the engine's methods given back."""
+    from batchgen.runner.model_runner import InFlightDecode
+
+    result_of = InFlightDecode.result
+    result = _run("pressure", tmp_path, "--tier-policy", "always", "--step-phases")
+    on, off = result["tier_on"], result["tier_off"]
+    columns = on["step_phases"]["columns"]
+    assert columns[:3] == ["schedule", "swap_out", "flush"] and "result" in columns
+    for run in (on, off):
+        assert len(run["step_phases"]["rows"]) == len(run["timeline"])
+    flush = columns.index("flush")
+    assert sum(row[flush] for row in on["step_phases"]["rows"]) > 0
+    assert sum(row[flush] for row in off["step_phases"]["rows"]) == 0  # no tier, no flush
+    split = result["phase_split"]
+    assert set(split) == set(result["step_split"])
+    assert all(set(cells) == set(columns) for cells in split.values())
+    assert "host ms a step, decode" in capsys.readouterr().out
+    assert InFlightDecode.result is result_of
+
+
 def test_pressure_profile_only_profiles_fresh_engines_three_times(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--small", "--out", str(out), "--ckpt", str(tmp_path / "ckpt")]
