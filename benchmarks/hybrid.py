@@ -105,6 +105,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="+ where a prefill step's time goes (throughput.profile_prefill)",
     )
+    ap.add_argument(
+        "--allocator-steps",
+        action="store_true",
+        help="+ the caching allocator's counters after every step (GPU), so the steps that "
+        "called cudaMalloc or retried are named; off by default, reading them costs a little",
+    )
     add_engine_args(ap)
     ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)

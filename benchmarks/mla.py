@@ -121,6 +121,8 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         step_ms, step_tokens = [], []  # per step as run (pipelined: not each step's own GPU time)
         computed = eng.scheduler.num_computed_tokens_total
         last = start
+        # --allocator-steps: the allocator's cudaMalloc calls and retries so far, a step
+        alloc_steps = [] if getattr(args, "allocator_steps", False) and alloc_before else None
         while eng.has_unfinished:
             eng.step()
             steps += 1
@@ -128,6 +130,10 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
             step_ms.append(round((now - last) * 1000, 2))
             step_tokens.append(eng.scheduler.num_computed_tokens_total - computed)
             computed, last = eng.scheduler.num_computed_tokens_total, now
+            if alloc_steps is not None:
+                counts = allocator_stats(args.device, alloc_before)
+                alloc_steps.append([counts["device_mallocs"], counts["alloc_retries"]])
+                last = time.perf_counter()  # reading the counters is no step's time
             if first_all is None and not any(not r.output_token_ids for r in eng.requests.values()):
                 first_all = now - start
     _sync(args.device)
@@ -164,6 +170,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         # the caching allocator in the timed run (None on the CPU): a retry frees its
         # cache and synchronises, a cudaMalloc of a new segment can take milliseconds
         "allocator": alloc,
+        "allocator_steps": alloc_steps,  # [cudaMalloc, retries] so far, a step
     }
     if args.profile:
         from throughput import profile_decode
@@ -264,18 +271,30 @@ def run_lines(ours: dict) -> list[str]:
         f"compiles     {len(compiles)} Triton specialisations after the warm-up"
         + "".join(f"\n  {c}" for c in compiles[:12]),
         "gc pauses    " + json.dumps(ours["gc_pauses"]),
-    ] + allocator_lines(ours.get("allocator"))
+    ] + allocator_lines(ours.get("allocator"), ours.get("allocator_steps"))
 
 
-def allocator_lines(alloc: dict | None) -> list[str]:
-    """The timed run's allocator counters as a printed line (none on the CPU)."""
+def allocator_lines(alloc: dict | None, steps: list | None = None) -> list[str]:
+    """The timed run's allocator counters as a printed line (none on the CPU); with
+    --allocator-steps, the steps that called cudaMalloc or retried, and how often."""
     if alloc is None:
         return []
-    return [
+    lines = [
         f"allocator    {alloc['device_mallocs']} cudaMalloc, {alloc['device_frees']} cudaFree, "
         f"{alloc['alloc_retries']} retries in the timed run; {alloc['segments']} segments, "
         f"reserved peak {alloc['reserved_peak_bytes'] / 2**30:.2f} GiB"
     ]
+    if steps:
+        cells, previous = [], [0, 0]
+        for i, now in enumerate(steps):
+            mallocs, retries = now[0] - previous[0], now[1] - previous[1]
+            if mallocs or retries:
+                cells.append(
+                    f"#{i} {mallocs} cudaMalloc" + (f" {retries} retries" if retries else "")
+                )
+            previous = now
+        lines.append("  by step    " + ("; ".join(cells) if cells else "none"))
+    return lines
 
 
 def main(argv=None) -> int:
@@ -297,6 +316,12 @@ def main(argv=None) -> int:
         "--profile-prefill",
         action="store_true",
         help="+ where a prefill step's time goes (throughput.profile_prefill)",
+    )
+    ap.add_argument(
+        "--allocator-steps",
+        action="store_true",
+        help="+ the caching allocator's counters after every step (GPU), so the steps that "
+        "called cudaMalloc or retried are named; off by default, reading them costs a little",
     )
     ap.add_argument(
         "--mla-tuning",

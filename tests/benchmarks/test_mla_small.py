@@ -112,3 +112,8 @@ def test_allocator_line_names_each_counter_and_is_absent_on_the_cpu():
     (line,) = mla.allocator_lines(alloc)
     assert "3 cudaMalloc, 1 cudaFree, 2 retries" in line
     assert "159 segments" in line and "3.00 GiB" in line
+    # --allocator-steps: counts so far after each step; the steps where they grew are named
+    _, by_step = mla.allocator_lines(alloc, [[0, 0], [2, 0], [2, 0], [3, 2]])
+    assert by_step.split(None, 2)[2] == "#1 2 cudaMalloc; #3 1 cudaMalloc 2 retries"
+    _, quiet = mla.allocator_lines(alloc, [[0, 0], [0, 0]])
+    assert quiet.endswith("none")
