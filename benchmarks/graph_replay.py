@@ -154,6 +154,7 @@ def on_capture_stream(probe: str, stream, tier=None):
             start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             done.record(stream)
+            torch.cuda.default_stream().wait_event(done)
             kept += [start, done]
         elif probe in ("h2d", "d2h"):
             host = host_empty((64 << 20,), torch.uint8, pin=True)
@@ -196,8 +197,6 @@ def on_capture_stream(probe: str, stream, tier=None):
                 torch.cuda.default_stream().wait_event(gate)
                 kept.append(gate)
             kept += [host, dev]
-    if probe == "event":
-        torch.cuda.current_stream().wait_event(kept[-1])
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return kept
@@ -335,18 +334,8 @@ def main(argv=None) -> int:
     with built_engine(ckpt, **kw) as llm:
         eng = llm.engine
         warm = [[2 + i] * 64 for i in range(4)]
+        llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         make_stream = torch.cuda.Stream
-        engine_streams = []  # the streams the engine makes for its first capture
-
-        def recorded_stream(*a, **k):
-            engine_streams.append(make_stream(*a, **k))
-            return engine_streams[-1]
-
-        torch.cuda.Stream = recorded_stream
-        try:
-            llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-        finally:
-            torch.cuda.Stream = make_stream
         graphs = eng.runner.graphs
         geometry = (eng.config.page_size, eng.kv.allocator.num_pages)
         side_stream = make_stream() if args.side else None  # replays timed there too

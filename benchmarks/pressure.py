@@ -466,11 +466,9 @@ def main(argv=None) -> int:
     if off is not None:
         result["tier_off"] = off
     other = json.loads(args.against.read_text()) if args.against is not None else {}
-    on_tl = (on or other.get("tier_on") or {}).get("timeline")
-    off_tl = (off or other.get("tier_off") or {}).get("timeline")
-    if on_tl is not None and off_tl is not None:
-        result["step_split"] = step_split(on_tl, off_tl)
-        on_run, off_run = on or other.get("tier_on"), off or other.get("tier_off")
+    on_run, off_run = on or other.get("tier_on"), off or other.get("tier_off")
+    if on_run and off_run and "timeline" in on_run and "timeline" in off_run:
+        result["step_split"] = step_split(on_run["timeline"], off_run["timeline"])
         if args.step_phases:
             result["phase_split"] = phase_split(on_run, off_run)
     if on is not None:
