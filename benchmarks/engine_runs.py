@@ -179,7 +179,10 @@ def threads_for(device: str):
 
 
 # (column, object path from the engine, method): the host calls step_phases times. They
-# nest: schedule holds the preemptions' swap_out, launch and execute hold the flush.
+# nest: schedule holds the preemptions' swap_out and the step's flush (take_step_copies);
+# flush holds the tier's store and load submits, which hold gather (a store's source
+# pages read on the compute stream) and submit (CopyEngine.submit, the hand-off to the
+# copy worker).
 PHASES = (
     ("schedule", "scheduler", "schedule"),
     ("swap_out", "kv", "swap_out"),
@@ -188,6 +191,10 @@ PHASES = (
     ("launch", "runner", "launch_decode"),
     ("execute", "runner", "execute"),
     ("result", None, "InFlightDecode.result"),
+    ("store", "tier", "_submit_store"),
+    ("load", "tier", "_submit_load"),
+    ("gather", "module", "batchgen.kv.tiered.gather_pages"),
+    ("submit", "tier.copies", "submit"),
 )
 
 
@@ -195,8 +202,11 @@ PHASES = (
 def step_phases(eng):
     """Milliseconds of host time spent in each of PHASES' calls since the last take():
     yields take(), which returns them as one row (PHASES' order) and starts again. The
-    calls are wrapped on the engine's objects (InFlightDecode on its class) and given
-    back on exit; a phase whose object the engine lacks (no tier) stays 0."""
+    calls are wrapped on the engine's objects (InFlightDecode on its class, a module's
+    function in its module) and given back on exit; a phase whose object the engine
+    lacks (no tier) stays 0."""
+    import importlib
+
     from batchgen.runner.model_runner import InFlightDecode
 
     spent = dict.fromkeys((name for name, _, _ in PHASES), 0.0)
@@ -212,17 +222,30 @@ def step_phases(eng):
 
         return wrapper
 
+    def restore(owner, attr, original, own):
+        # an attribute the object held itself is put back; one it found on its class
+        # (a method) is dropped again
+        if own:
+            setattr(owner, attr, original)
+        else:
+            delattr(owner, attr)
+
     for name, path, method in PHASES:
         if path is None:
-            original = InFlightDecode.result
-            InFlightDecode.result = timed(name, original)
-            undo.append(lambda original=original: setattr(InFlightDecode, "result", original))
-            continue
-        owner = getattr(eng, path, None)
-        if owner is None:
-            continue
-        setattr(owner, method, timed(name, getattr(owner, method)))
-        undo.append(lambda owner=owner, method=method: delattr(owner, method))
+            owner, attr = InFlightDecode, "result"
+        elif path == "module":
+            module, attr = method.rsplit(".", 1)
+            owner = importlib.import_module(module)
+        else:
+            owner, attr = eng, method
+            for part in path.split("."):
+                owner = getattr(owner, part, None)
+            if owner is None:
+                continue
+        original = getattr(owner, attr)
+        own = attr in vars(owner)
+        setattr(owner, attr, timed(name, original))
+        undo.append(lambda o=owner, a=attr, f=original, w=own: restore(o, a, f, w))
 
     def take() -> list[float]:
         row = [round(spent[name] * 1e3, 3) for name, _, _ in PHASES]
@@ -233,8 +256,8 @@ def step_phases(eng):
     try:
         yield take
     finally:
-        for restore in reversed(undo):
-            restore()
+        for put_back in reversed(undo):
+            put_back()
 
 
 def _timed(

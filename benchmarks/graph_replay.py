@@ -80,10 +80,12 @@ def replay_ms(graph, replays: int) -> float:
 PROBES = (
     *("capture", "d2h", "event", "h2d", "kernel", "malloc", "none", "pin", "stream", "swap"),
     *("swap-traced", "thread", "pinmem", "gates", "alloc", "index", "store", "load"),
+    *("index-only", "index-put", "index-default", "arange", "stream-copy"),
 )
 # the probes on_capture_stream does
 CAPTURE_STREAM_PROBES = (
     *("d2h", "event", "h2d", "thread", "pinmem", "gates", "alloc", "index", "store", "load"),
+    *("index-only", "index-put", "arange"),
 )
 
 
@@ -129,7 +131,10 @@ def on_capture_stream(probe: str, stream, tier=None):
     capture stream: a timed event the default stream waits on (event), a 64 MiB copy
     from pinned host memory (h2d) or into it (d2h), a kernel issued by another thread
     (thread), a small index uploaded through pinned memory (pinmem), a new segment
-    (alloc), a scatter into a pool-like tensor (index), a gate event a layer (gates),
+    (alloc), a scatter into a pool-like tensor (index; index-only: its tensors made
+    before, on the default stream; index-put: that scatter as an indexed assignment;
+    arange: only its index made), a gate event a layer
+    (gates),
     or the tier's own page copy functions on 64 pages of its pools, device to host
     (store) or back (load; needs --host-gib). Returns what must stay alive."""
     import threading
@@ -138,8 +143,16 @@ def on_capture_stream(probe: str, stream, tier=None):
 
     from batchgen.kv.pinned import host_empty
 
-    stream.wait_stream(torch.cuda.current_stream())
     kept = []
+    if probe in (
+        "index-only",
+        "index-put",
+    ):  # its tensors made on the default stream: the scatter alone
+        pool = torch.zeros(4, 256, 4096, dtype=torch.bfloat16, device="cuda")
+        staging = torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda")
+        idx = torch.arange(16, device="cuda") * 3
+        kept += [pool, staging, idx]
+    stream.wait_stream(torch.cuda.current_stream())
     if probe == "thread":
 
         def work():
@@ -175,6 +188,12 @@ def on_capture_stream(probe: str, stream, tier=None):
             staging = torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda")
             pool.index_copy_(1, torch.arange(16, device="cuda") * 3, staging)
             kept += [pool, staging]
+        elif probe == "index-only":
+            pool.index_copy_(1, idx, staging)
+        elif probe == "index-put":  # the same scatter as an indexed assignment
+            pool[:, idx] = staging
+        elif probe == "arange":  # the index probe's index, made on this stream
+            kept.append(torch.arange(16, device="cuda") * 3)
         elif probe in ("store", "load"):
             from batchgen.kv.page_copies import device_to_host_pages, host_to_device_pages
 
@@ -302,7 +321,9 @@ def main(argv=None) -> int:
         "the tier pins), stream (work on a new stream of torch's pool), none (nothing: "
         "the times again), capture (the replays timed on the engine's first capture "
         "stream instead, so that stream gets work and no new one does), kernel (a "
-        "float64 cumprod, never run before, on the default stream), swap and "
+        "float64 cumprod, never run before, on the default stream), stream-copy (a 64 "
+        "MiB copy from pinned memory on a new stream, no kernel), index-default (the "
+        "index probe on the default stream), swap and "
         "swap-traced (a generate that swaps through the tier; see swap_run), and "
         "the work on the capture stream that on_capture_stream describes: "
         + ", ".join(CAPTURE_STREAM_PROBES),
@@ -387,6 +408,23 @@ def main(argv=None) -> int:
                 with torch.cuda.stream(make_stream()):
                     held.append(torch.ones(1 << 20, device="cuda") * 2)
                 torch.cuda.synchronize()
+            elif probe == "stream-copy":  # a new stream that only copies (no kernel)
+                from batchgen.kv.pinned import host_empty
+
+                host = host_empty((64 << 20,), torch.uint8, pin=True)
+                dev = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+                copier = make_stream()
+                copier.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(copier):
+                    dev.copy_(host, non_blocking=True)
+                torch.cuda.synchronize()
+                held += [host, dev]
+            elif probe == "index-default":  # the index probe on the default stream
+                pool = torch.zeros(4, 256, 4096, dtype=torch.bfloat16, device="cuda")
+                staging = torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda")
+                pool.index_copy_(1, torch.arange(16, device="cuda") * 3, staging)
+                torch.cuda.synchronize()
+                held += [pool, staging]
             elif probe == "kernel":  # kernels the engine never ran, on the default stream
                 steps = torch.arange(4096, device="cuda", dtype=torch.float64) * 1e-4 + 1
                 held.append(torch.cumprod(steps, 0))

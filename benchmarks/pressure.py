@@ -235,13 +235,18 @@ def phase_split(on: dict, off: dict) -> dict | None:
     kinds = step_kinds(on["timeline"], off["timeline"])
     if kinds is None or not on.get("step_phases") or not off.get("step_phases"):
         return None
-    columns = on["step_phases"]["columns"]
+    # by name: runs recorded by different versions of PHASES share the columns both have
+    on_cols, off_cols = on["step_phases"]["columns"], off["step_phases"]["columns"]
+    columns = [c for c in on_cols if c in off_cols]
+    at_on, at_off = [on_cols.index(c) for c in columns], [off_cols.index(c) for c in columns]
     out: dict[str, dict] = {}
     for kind, a, b in zip(kinds, on["step_phases"]["rows"], off["step_phases"]["rows"]):
-        cell = out.setdefault(kind, {"steps": 0, "on": [0.0] * len(a), "off": [0.0] * len(b)})
+        cell = out.setdefault(
+            kind, {"steps": 0, "on": [0.0] * len(columns), "off": [0.0] * len(columns)}
+        )
         cell["steps"] += 1
-        cell["on"] = [x + y for x, y in zip(cell["on"], a)]
-        cell["off"] = [x + y for x, y in zip(cell["off"], b)]
+        cell["on"] = [x + a[i] for x, i in zip(cell["on"], at_on)]
+        cell["off"] = [x + b[i] for x, i in zip(cell["off"], at_off)]
     return {
         kind: {
             name: [round(c["on"][i] / c["steps"], 3), round(c["off"][i] / c["steps"], 3)]
