@@ -256,6 +256,15 @@ def phase_split(on: dict, off: dict) -> dict | None:
     }
 
 
+def runs_line(m: dict) -> list[str]:
+    """The tier's transfers and their runs of consecutive host pages (a block a layer
+    each); none from a pressure.json older than those counters."""
+    if not m.get("tier_transfers"):
+        return []
+    t, r = m["tier_transfers"], m["host_runs"]
+    return [f"tier transfers: {t:,}, {r:,} runs of consecutive host pages ({r / t:.2f} a transfer)"]
+
+
 def phase_lines(split: dict | None) -> list[str]:
     if split is None:
         return []
@@ -346,6 +355,7 @@ def summary(result: dict) -> str:
         f"tier copies: {size(m['bytes_offloaded'])} to host, {size(m['bytes_loaded'])} back, "
         f"{m['copy_seconds']:.2f} s of copy-stream time -> {m['copy_gb_per_s']:.1f} GB/s = {100 * result['fraction_of_ceiling']:.1f}% of "
         f"{CEILING_GB_S:.0f} GB/s ({result['wall_gb_per_s']:.1f} GB/s over the run's wall time)",
+        *runs_line(m),
         f"swap traffic: {size(result['swap_bytes'])} over {result['swap_copy_seconds']:.2f} s of "
         f"copy-stream time -> {result['swap_gb_per_s']:.1f} GB/s = "
         f"{100 * result['swap_gb_per_s'] / CEILING_GB_S:.1f}% of {CEILING_GB_S:.0f} GB/s",

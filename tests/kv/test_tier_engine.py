@@ -218,6 +218,14 @@ def test_small_pool_swaps_instead_of_recomputing(model_dir, monkeypatch):
     assert seen["swap_out"] > 0 and seen["swap_in"] > 0
     assert set(seen) <= {"swap_out", "swap_in", "write_back", "prefix_load"}
     assert m["copy_seconds_swap_out"] > 0 and m["copy_seconds_swap_in"] > 0
+    # each transfer counted once, with its runs of consecutive host pages (a block a
+    # layer each, what issuing a transfer costs)
+    assert m["tier_transfers"] == len(traffic.ran) > 0
+    runs = [
+        1 + sum(b != a + 1 for a, b in zip(sorted(pages), sorted(pages)[1:]))
+        for _, pages, _, _ in traffic.ran
+    ]
+    assert m["host_runs"] == sum(runs) >= m["tier_transfers"]
     off = LLM(model=model_dir, num_kv_pages=40, **BASE)
     outs_off = [o.outputs[0].token_ids for o in off.generate(prompts, GREEDY, use_tqdm=False)]
     assert off.engine.metrics()["recomputes"] > 0

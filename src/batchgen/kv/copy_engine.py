@@ -59,9 +59,9 @@ class _Gate:
 class CopyHandle:
     """A submitted copy: completion can be polled, awaited by the host, or awaited by
     a stream, whole or gate by gate. `keep` holds the tensors the copy reads or writes
-    until it completes. `num_gates` gates are points inside the copy (a load marks one
-    per layer once that layer's pages are written; a store marks one once its source
-    pages are read)."""
+    until it completes. `num_gates` gates are points inside the copy (a load has one a
+    layer, reached once that layer's pages are written, and marks them a group of layers
+    at a time; a store marks one once its source pages are read)."""
 
     def __init__(self, kind: str, nbytes: int, cuda: bool, num_gates: int = 0) -> None:
         self.kind = kind
@@ -74,6 +74,7 @@ class CopyHandle:
         self.done_event = torch.cuda.Event(enable_timing=True) if cuda else None
         self.start_event = torch.cuda.Event(enable_timing=True) if cuda else None
         self.gates = [_Gate(cuda) for _ in range(num_gates)]
+        self._marked = 0  # gates before it are marked
         self.cpu_seconds = 0.0
 
     def _wait_issued(self) -> None:
@@ -82,8 +83,13 @@ class CopyHandle:
             raise RuntimeError(f"{self.kind} copy failed on the copy worker") from self.error
 
     def mark(self, gate: int) -> None:
-        """Called by the copy body, on its stream, when gate `gate` is reached."""
+        """Called by the copy body, on its stream, when gate `gate` is reached: so are the
+        gates before it not marked yet, which share its point from then on (one event for
+        a group of layers). Nobody reads the gates before the body has run (`issued`)."""
         self.gates[gate].mark()
+        for g in range(self._marked, gate):
+            self.gates[g] = self.gates[gate]
+        self._marked = max(self._marked, gate + 1)
 
     def is_done(self) -> bool:
         if not self.issued.is_set():

@@ -23,6 +23,11 @@ class TierMetrics:
     state_swaps_in: int = 0
     recomputes: int = 0
     readback_checks: int = 0
+    # page transfers submitted (stores and loads) and their runs of consecutive host
+    # pages: a run crosses as one block a layer, and issuing each block costs the issuing
+    # thread a few microseconds
+    transfers: int = 0
+    host_runs: int = 0
     # bytes and copy-stream seconds by why they moved: write_through (full pages as they
     # fill, decode_append="batched"), decode_append (per layer, decode_append="layer"),
     # write_back (an evicted page others still want), swap_out (an evicted page of a
@@ -70,6 +75,8 @@ class TierMetrics:
             host_prefix_hit_pages=self.host_prefix_hit_pages,
             host_prefix_hit_rate=self.host_prefix_hit_rate,
             readback_checks=self.readback_checks,
+            tier_transfers=self.transfers,
+            host_runs=self.host_runs,
         )
         for reason, nbytes in self.bytes_by_reason.items():
             out[f"bytes_{reason}"] = nbytes

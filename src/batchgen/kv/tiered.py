@@ -47,6 +47,7 @@ from batchgen.kv.page_copies import (
     device_to_host_staged,
     gather_pages,
     host_to_device_pages,
+    num_runs,
 )
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tier_metrics import TierMetrics
@@ -335,6 +336,8 @@ class TieredKVManager:
         for reason, pages in Counter(q.reasons[:n]).items():
             self.metrics.count(reason, pages * self.page_bytes)
         self.metrics.pages_offloaded += n
+        self.metrics.transfers += 1
+        self.metrics.host_runs += num_runs(host_pages)
         self._pending.append(
             _Pending(handle, "store", host_pages, dev_pages, hashes, hold_dev, q.reasons[:n], owned)
         )
@@ -362,6 +365,8 @@ class TieredKVManager:
         for reason, pages in Counter(q.reasons).items():
             self.metrics.count(reason, pages * self.page_bytes)
         self.metrics.pages_loaded += len(host_pages)
+        self.metrics.transfers += 1
+        self.metrics.host_runs += num_runs(host_pages)
         for p in dev_pages:
             self._loading[p] = handle
         self._pending.append(_Pending(handle, "load", host_pages, dev_pages, reasons=q.reasons))
