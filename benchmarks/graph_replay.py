@@ -80,12 +80,12 @@ def replay_ms(graph, replays: int) -> float:
 PROBES = (
     *("capture", "d2h", "event", "h2d", "kernel", "malloc", "none", "pin", "stream", "swap"),
     *("swap-traced", "thread", "pinmem", "gates", "alloc", "index", "store", "load"),
-    *("index-only", "index-put", "index-default", "arange", "stream-copy"),
+    *("index-only", "index-put", "index-default", "index-alloc", "arange", "stream-copy"),
 )
 # the probes on_capture_stream does
 CAPTURE_STREAM_PROBES = (
     *("d2h", "event", "h2d", "thread", "pinmem", "gates", "alloc", "index", "store", "load"),
-    *("index-only", "index-put", "arange"),
+    *("index-only", "index-put", "index-alloc", "arange"),
 )
 
 
@@ -133,6 +133,7 @@ def on_capture_stream(probe: str, stream, tier=None):
     (thread), a small index uploaded through pinned memory (pinmem), a new segment
     (alloc), a scatter into a pool-like tensor (index; index-only: its tensors made
     before, on the default stream; index-put: that scatter as an indexed assignment;
+    index-alloc: its tensors made here, no scatter;
     arange: only its index made), a gate event a layer
     (gates),
     or the tier's own page copy functions on 64 pages of its pools, device to host
@@ -190,6 +191,12 @@ def on_capture_stream(probe: str, stream, tier=None):
             kept += [pool, staging]
         elif probe == "index-only":
             pool.index_copy_(1, idx, staging)
+        elif probe == "index-alloc":  # the index probe's tensors made here, no scatter
+            kept += [
+                torch.zeros(4, 256, 4096, dtype=torch.bfloat16, device="cuda"),
+                torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda"),
+                torch.arange(16, device="cuda") * 3,
+            ]
         elif probe == "index-put":  # the same scatter as an indexed assignment
             pool[:, idx] = staging
         elif probe == "arange":  # the index probe's index, made on this stream
