@@ -180,13 +180,15 @@ def threads_for(device: str):
 
 # (column, object path from the engine, method): the host calls step_phases times. They
 # nest: schedule holds the preemptions' swap_out and the step's flush (take_step_copies);
-# flush holds the tier's store and load submits, which hold gather (a store's source
-# pages read on the compute stream) and submit (CopyEngine.submit, the hand-off to the
-# copy worker).
+# flush_ahead (the stores ahead a pipelined step submits after its launch) is outside
+# it; flush and flush_ahead hold the tier's store and load submits, which hold gather (a
+# store's source pages read on the compute stream) and submit (CopyEngine.submit, the
+# hand-off to the copy worker).
 PHASES = (
     ("schedule", "scheduler", "schedule"),
     ("swap_out", "kv", "swap_out"),
     ("flush", "tier", "flush"),
+    ("flush_ahead", "tier", "flush_ahead"),
     ("poll", "tier", "poll"),
     ("launch", "runner", "launch_decode"),
     ("execute", "runner", "execute"),

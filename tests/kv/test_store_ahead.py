@@ -181,3 +181,35 @@ def test_without_a_background_stream_background_copies_share_the_streams_in_turn
     second.synchronize()
     assert order == ["a", "b"]  # one stream: submission order (a tensor-parallel mirror)
     copies.close()
+
+
+def test_a_deferred_store_ahead_reads_its_pages_when_flushed_after_the_forward():
+    # pipelined decode: the step's stores ahead are submitted once its forward is
+    # launched (defer_ahead); the forward cannot write their pages, which nobody holds
+    kv = make()
+    pages, old = running(kv)
+    assert kv.swap_out("a", len(TOKENS))
+    assert kv.take_step_copies(defer_ahead=True) == []
+    assert kv.tier.num_in_flight == 0  # nothing submitted yet
+    assert kv.tier.holds(kv.page_hashes("a", TOKENS)[0])  # counted as on its way to host
+    kv.flush_ahead()  # after the launch
+    assert kv.tier.num_in_flight == 1
+    kv.tier.drain()
+    assert [torch.equal(h, o) for h, o in zip(on_host(kv), old[:2])] == [True, True]
+
+
+def test_a_deferred_store_ahead_whose_page_is_reallocated_first_is_read_before_the_write():
+    # a later step's schedule evicts the page before the deferred flush ran: the page
+    # becomes that step's write-back, read in its flush, before its new owner writes it
+    kv = make()
+    pages, old = running(kv)
+    assert kv.swap_out("a", len(TOKENS))
+    assert kv.take_step_copies(defer_ahead=True) == []
+    assert kv.allocate("b", kv.num_free_pages * PS)  # the next schedule evicts them
+    assert set(pages[:2]) <= set(kv.pages["b"])
+    assert kv.take_step_copies(defer_ahead=True) == []  # the write-backs: read here
+    for p in kv.pages["b"]:  # the new owner's forward
+        kv.tier.device_pool.kv[:, :, p].fill_(3.0)
+    kv.flush_ahead()  # nothing left ahead
+    kv.tier.drain()
+    assert [torch.equal(h, o) for h, o in zip(on_host(kv), old[:2])] == [True, True]

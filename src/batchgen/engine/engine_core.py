@@ -198,6 +198,12 @@ class EngineCore:
             logger.info(
                 "async scheduling is not used here (see EngineConfig); steps pipeline as before"
             )
+        # pipelined decode on one rank: a step's stores ahead (swap-outs' pages) are
+        # submitted once its forward is launched, off the step's critical path
+        # (TieredKVManager.flush); tensor parallel keeps them in the step's copy log
+        self.scheduler.defer_stores_ahead = (
+            self.tier is not None and self._pipeline and not self._async and tp_workers is None
+        )
         self._num_sync = 0  # requests whose sampling needs the host's tokens each step
         self.grammar = None  # StructuredOutputs, built for the first constrained request
         logger.info(
@@ -603,6 +609,7 @@ class EngineCore:
 
     def _step(self) -> list[Request]:
         if self.tier is not None:  # finished copies release their pages, pipelined or not
+            self.kv.flush_ahead()  # none stays deferred past its step (defer_stores_ahead)
             with profiled("batchgen.tier_poll"):
                 self.tier.poll()
         if self._async:
@@ -620,6 +627,7 @@ class EngineCore:
             if not (self._pipeline and self.runner.can_launch_decode(sched)):
                 return self._finish_step(sched, self.runner.execute(sched))
             self._in_flight = self.runner.launch_decode(sched)
+            self.kv.flush_ahead()  # the stores ahead schedule() deferred, behind the forward
         current = self._in_flight
         with profiled("batchgen.next_decode"):
             following = next_decode(current.sched, self.scheduler, self.kv, self.requests)

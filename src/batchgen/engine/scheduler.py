@@ -62,6 +62,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
+        # the engine launches the forward before the step's stores ahead are submitted
+        # (KVCacheManager.take_step_copies); it calls kv.flush_ahead() then
+        self.defer_stores_ahead = False
         self.waiting: deque[Request] | PrefixWaiting = (
             deque() if admission == "arrival" else PrefixWaiting()
         )
@@ -190,7 +193,7 @@ class Scheduler:
         out.on_kv_written = self.kv.layer_store_hook(
             [(r.request_id, r.num_computed_tokens, r.token_ids) for r, n in scheduled if n == 1]
         )
-        out.wait_for = self.kv.take_step_copies() + waits
+        out.wait_for = self.kv.take_step_copies(self.defer_stores_ahead) + waits
         if self.exact_swap is not None:
             out.wait_for += self.exact_swap.take_waits()
         out.requests = [self._scheduled(req, n) for req, n in scheduled]

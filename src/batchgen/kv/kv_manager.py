@@ -306,12 +306,19 @@ class KVCacheManager:
         for page, page_hash in self.allocator.cached_pages():
             self._write_back(page, page_hash)
 
-    def take_step_copies(self) -> list:
-        """Submit the copies the step planned; the handles its forward must wait on."""
+    def take_step_copies(self, defer_ahead: bool = False) -> list:
+        """Submit the copies the step planned; the handles its forward must wait on.
+        `defer_ahead`: the swapped requests' stores ahead wait for `flush_ahead()`
+        (TieredKVManager.flush)."""
         if self.tier is None:
             return []
-        waits, self._waits = self.tier.flush() + self._waits, []
+        waits, self._waits = self.tier.flush(defer_ahead=defer_ahead) + self._waits, []
         return waits
+
+    def flush_ahead(self) -> None:
+        """Submit the stores ahead a step deferred (once its forward is launched)."""
+        if self.tier is not None:
+            self.tier.flush_ahead()
 
     # ---- release -------------------------------------------------------------------
     def free(self, request_id: str) -> None:

@@ -255,13 +255,18 @@ class TieredKVManager:
                 self._storing.pop(h, None)
 
     # ---- submission --------------------------------------------------------------------
-    def flush(self, stores_only: bool = False) -> list[CopyHandle]:
+    def flush(self, stores_only: bool = False, defer_ahead: bool = False) -> list[CopyHandle]:
         """Submit the queued copies; returns the handles the step's forward must wait on
         (its loads). Stores of pages no longer held (write-backs, swap-outs, stores
         ahead) read their pages here, on the current stream, before anything queued
-        later (the forward, a load) can write them: nothing waits on them."""
+        later (the forward, a load) can write them: nothing waits on them.
+        `defer_ahead`: the stores ahead stay queued for `flush_ahead()`, which the engine
+        calls once the step's forward is launched. Their pages belong to nobody (a page
+        reallocated first becomes a write-back of the step: `expedite`), so the forward
+        cannot write them, and reading them after it keeps their issuing off the step's
+        critical path."""
         waits = []
-        if not self._has_queued(stores_only):  # most steps: nothing to submit
+        if not self._has_queued(stores_only, defer_ahead):  # most steps: nothing to submit
             return waits
         q, self._stores = self._stores, _Queued()
         for chunk in self._chunks(q):
@@ -274,18 +279,25 @@ class TieredKVManager:
         q, self._swap_outs = self._swap_outs, _Queued()
         for chunk in self._chunks(q):
             self._submit_store(chunk, hold_dev=False)
-        if self._ahead:
-            ahead, self._ahead, q = self._ahead, {}, _Queued()
-            for page, (page_hash, tag) in ahead.items():
-                q.add(page, page_hash, "swap_out", tag)
-            for chunk in self._chunks(q):
-                self._submit_store(chunk, hold_dev=False, background=True)
+        if not defer_ahead:
+            self.flush_ahead()
         q, self._loads = self._loads, _Queued()
         if q.dev_pages:
             waits.append(self._submit_load(q))
         return waits
 
-    def _has_queued(self, stores_only: bool) -> bool:
+    def flush_ahead(self) -> None:
+        """Submit the queued stores ahead (gathered on the current stream, crossing on
+        the background stream); nothing waits on them."""
+        if not self._ahead:
+            return
+        ahead, self._ahead, q = self._ahead, {}, _Queued()
+        for page, (page_hash, tag) in ahead.items():
+            q.add(page, page_hash, "swap_out", tag)
+        for chunk in self._chunks(q):
+            self._submit_store(chunk, hold_dev=False, background=True)
+
+    def _has_queued(self, stores_only: bool, defer_ahead: bool = False) -> bool:
         if self._stores.dev_pages:
             return True
         if stores_only:
@@ -294,7 +306,7 @@ class TieredKVManager:
             self._write_backs.dev_pages
             or self._swap_outs.dev_pages
             or self._loads.dev_pages
-            or self._ahead
+            or (self._ahead and not defer_ahead)
         )
 
     def _chunks(self, q: _Queued):
