@@ -71,6 +71,24 @@ def _queues(pipeline: bool, decode_append: str) -> bool:
     return pipeline
 
 
+def spy_recomputes(engine) -> list[int]:
+    """The tokens each preemption that recomputes (not swaps) had computed. A request with
+    less than a page computed has nothing the tier keeps, so it recomputes by design;
+    whether reconfigure() finds one so young depends on when the CPU copy threads finish
+    (the schedule waits on them), so tests bound what was lost, not the count."""
+    lost: list[int] = []
+    preempt = engine.scheduler.preempt
+
+    def spied(request):
+        computed = request.num_computed_tokens
+        preempt(request)
+        if request.status != RequestStatus.SWAPPED:
+            lost.append(computed)
+
+    engine.scheduler.preempt = spied
+    return lost
+
+
 def _tier_llm(path, pipeline, decode_append, **kw):
     return LLM(
         model=path, pipeline_decode=pipeline, decode_append=decode_append, **TIER, **BASE, **kw
@@ -201,6 +219,7 @@ def test_reconfigure_mid_run_and_between_calls(workload, pipeline, decode_append
     path, prompts, params, reference = workload
     llm = _tier_llm(path, pipeline, decode_append)
     engine = llm.engine
+    lost = spy_recomputes(engine)
     queues = _queues(pipeline, decode_append)
     ids, reqs = _start(engine, prompts, params, "r")
     index = {rid: i for i, rid in enumerate(ids)}
@@ -228,7 +247,9 @@ def test_reconfigure_mid_run_and_between_calls(workload, pipeline, decode_append
     got = [request_row(reqs[rid]) for rid in ids]
     assert got == reference, _diff(got, reference)
     m = engine.metrics()
-    assert m["swaps_in"] > 0 and m["recomputes"] == 0, m
+    assert m["swaps_in"] > 0, m
+    # every preemption with a page computed swapped; only requests with less recomputed
+    assert m["recomputes"] == len(lost) and all(n < BASE["page_size"] for n in lost), (lost, m)
     assert m["host_prefix_hit_pages"] > hits_at, "no host prefix hit after reconfigure()"
     assert engine.pool.num_pages == 48
     assert_nothing_held(engine)
