@@ -126,6 +126,23 @@ def report(label: str, times: dict, side: dict) -> None:
     sys.stdout.flush()
 
 
+def index_tensors() -> list:
+    """The index probes' tensors, made on the current stream: a pool-like tensor, a
+    staging of 16 pages, and the index of the pages it scatters to."""
+    import torch
+
+    pool = torch.zeros(4, 256, 4096, dtype=torch.bfloat16, device="cuda")
+    staging = torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda")
+    return [pool, staging, torch.arange(16, device="cuda") * 3]
+
+
+def index_scatter() -> list:
+    """The index probe on the current stream: its tensors made, then the scatter."""
+    pool, staging, idx = tensors = index_tensors()
+    pool.index_copy_(1, idx, staging)
+    return tensors
+
+
 def on_capture_stream(probe: str, stream, tier=None):
     """What the host tier does on its copy stream, one thing at a time, on the engine's
     capture stream: a timed event the default stream waits on (event), a 64 MiB copy
@@ -133,11 +150,10 @@ def on_capture_stream(probe: str, stream, tier=None):
     (thread), a small index uploaded through pinned memory (pinmem), a new segment
     (alloc), a scatter into a pool-like tensor (index; index-only: its tensors made
     before, on the default stream; index-put: that scatter as an indexed assignment;
-    index-alloc: its tensors made here, no scatter;
-    arange: only its index made), a gate event a layer
-    (gates),
-    or the tier's own page copy functions on 64 pages of its pools, device to host
-    (store) or back (load; needs --host-gib). Returns what must stay alive."""
+    index-alloc: its tensors made here, no scatter; arange: only its index made), a gate
+    event a layer (gates), or the tier's own page copy functions on 64 pages of its
+    pools, device to host (store) or back (load; needs --host-gib). Returns what must
+    stay alive."""
     import threading
 
     import torch
@@ -145,14 +161,9 @@ def on_capture_stream(probe: str, stream, tier=None):
     from batchgen.kv.pinned import host_empty
 
     kept = []
-    if probe in (
-        "index-only",
-        "index-put",
-    ):  # its tensors made on the default stream: the scatter alone
-        pool = torch.zeros(4, 256, 4096, dtype=torch.bfloat16, device="cuda")
-        staging = torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda")
-        idx = torch.arange(16, device="cuda") * 3
-        kept += [pool, staging, idx]
+    if probe in ("index-only", "index-put"):  # tensors made on the default stream first
+        kept += index_tensors()
+        pool, staging, idx = kept
     stream.wait_stream(torch.cuda.current_stream())
     if probe == "thread":
 
@@ -185,18 +196,11 @@ def on_capture_stream(probe: str, stream, tier=None):
         elif probe == "alloc":  # a segment of a size nothing asked for, on this stream
             kept.append(torch.empty(37 << 20, dtype=torch.uint8, device="cuda").fill_(1))
         elif probe == "index":  # a load's scatter into a pool-like tensor
-            pool = torch.zeros(4, 256, 4096, dtype=torch.bfloat16, device="cuda")
-            staging = torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda")
-            pool.index_copy_(1, torch.arange(16, device="cuda") * 3, staging)
-            kept += [pool, staging]
+            kept += index_scatter()
         elif probe == "index-only":
             pool.index_copy_(1, idx, staging)
         elif probe == "index-alloc":  # the index probe's tensors made here, no scatter
-            kept += [
-                torch.zeros(4, 256, 4096, dtype=torch.bfloat16, device="cuda"),
-                torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda"),
-                torch.arange(16, device="cuda") * 3,
-            ]
+            kept += index_tensors()
         elif probe == "index-put":  # the same scatter as an indexed assignment
             pool[:, idx] = staging
         elif probe == "arange":  # the index probe's index, made on this stream
@@ -427,11 +431,8 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 held += [host, dev]
             elif probe == "index-default":  # the index probe on the default stream
-                pool = torch.zeros(4, 256, 4096, dtype=torch.bfloat16, device="cuda")
-                staging = torch.ones(4, 16, 4096, dtype=torch.bfloat16, device="cuda")
-                pool.index_copy_(1, torch.arange(16, device="cuda") * 3, staging)
+                held += index_scatter()
                 torch.cuda.synchronize()
-                held += [pool, staging]
             elif probe == "kernel":  # kernels the engine never ran, on the default stream
                 steps = torch.arange(4096, device="cuda", dtype=torch.float64) * 1e-4 + 1
                 held.append(torch.cumprod(steps, 0))

@@ -43,7 +43,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from engine_runs import add_engine_args  # noqa: E402
-from mla import _release_device_memory, run_batchgen, run_lines, run_peer  # noqa: E402
+from mla import (  # noqa: E402
+    _release_device_memory,
+    add_allocator_steps_arg,
+    run_batchgen,
+    run_lines,
+    run_peer,
+)
 from workloads import KIMI_W6, SMALL_KIMI, config_dir, w4_requests  # noqa: E402
 
 KDA_FUNCTIONS = (
@@ -105,12 +111,7 @@ def main(argv=None) -> int:
         action="store_true",
         help="+ where a prefill step's time goes (throughput.profile_prefill)",
     )
-    ap.add_argument(
-        "--allocator-steps",
-        action="store_true",
-        help="+ the caching allocator's counters after every step (GPU), so the steps that "
-        "called cudaMalloc or retried are named; off by default, reading them costs a little",
-    )
+    add_allocator_steps_arg(ap)
     add_engine_args(ap)
     ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)

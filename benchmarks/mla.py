@@ -297,6 +297,16 @@ def allocator_lines(alloc: dict | None, steps: list | None = None) -> list[str]:
     return lines
 
 
+def add_allocator_steps_arg(ap: argparse.ArgumentParser) -> None:
+    """--allocator-steps (run_batchgen reads it), for this script and hybrid.py."""
+    ap.add_argument(
+        "--allocator-steps",
+        action="store_true",
+        help="+ the caching allocator's counters after every step (GPU), so the steps that "
+        "called cudaMalloc or retried are named; off by default, reading them costs a little",
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
@@ -317,12 +327,7 @@ def main(argv=None) -> int:
         action="store_true",
         help="+ where a prefill step's time goes (throughput.profile_prefill)",
     )
-    ap.add_argument(
-        "--allocator-steps",
-        action="store_true",
-        help="+ the caching allocator's counters after every step (GPU), so the steps that "
-        "called cudaMalloc or retried are named; off by default, reading them costs a little",
-    )
+    add_allocator_steps_arg(ap)
     ap.add_argument(
         "--mla-tuning",
         default=None,

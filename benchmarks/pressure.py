@@ -416,8 +416,8 @@ def main(argv=None) -> int:
         "--step-phases",
         action="store_true",
         help="time each step's host calls (engine_runs.PHASES: schedule, swap_out, flush, "
-        "poll, launch, execute, the wait for the tokens) in the timed runs; with both runs, "
-        "their means a step by step kind (phase_split)",
+        "poll, launch, execute, the wait for the tokens, and the tier's calls inside flush) "
+        "in the timed runs; with both runs, their means a step by step kind (phase_split)",
     )
     ap.add_argument(
         "--against",

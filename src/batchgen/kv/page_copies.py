@@ -160,7 +160,7 @@ def host_to_device_pages(
     )  # [G, n, C, S, H, D]
     idx = to_device(torch.tensor(dev_pages, dtype=torch.int64), dev_kv.device)
     runs = _runs(host_pages)
-    # each run's blocks of every layer, one call a run: [layer][run]
+    # each run's blocks of every layer, one call a run: [run][layer]
     host_blocks = [host_kv[:, first : first + k].unbind(0) for _, first, k in runs]
     pages_first = dev_kv.transpose(1, 2)  # [L, P, C, S, H, D]: the scatter's view
     for group in groups:
