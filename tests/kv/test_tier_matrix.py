@@ -16,12 +16,14 @@ import torch
 from tier_workload import (
     KINDS,
     assert_nothing_held,
+    assert_stores_ahead_follow_a_launch,
     build,
     endings,
     request_row,
     rows,
     spy_finishes,
     spy_launches,
+    spy_stores_ahead,
 )
 
 from batchgen import LLM
@@ -262,3 +264,18 @@ def test_reconfigure_mid_run_and_between_calls(workload, pipeline, decode_append
     assert engine.metrics()["host_prefix_hit_pages"] > before
     assert engine.pool.num_pages == 64
     assert_nothing_held(engine)
+
+
+def test_the_default_engine_submits_stores_ahead_after_the_forward_launch(workload):
+    # the first row, on the mixed-endings batch: a swap-out step's stores ahead are
+    # issued once its forward is queued (the issuing cost a W2-8B swap-out step about
+    # 1.4 ms of idle GPU), never inside schedule(); the outputs stay the tier-off run's
+    path, prompts, params, reference = workload
+    llm = _tier_llm(path, *ROWS[0].values)
+    eng = llm.engine
+    assert eng.scheduler.defer_stores_ahead
+    events = spy_stores_ahead(eng)
+    got = rows(llm.generate(prompts, params, use_tqdm=False))
+    assert got == reference, _diff(got, reference)
+    assert eng.metrics()["swaps_out"] > 0
+    assert_stores_ahead_follow_a_launch(events)

@@ -160,3 +160,42 @@ def assert_nothing_held(engine) -> None:
     held = [p for p, r in enumerate(engine.kv.allocator.ref_count) if r]
     assert not held, f"device pages still referenced: {held[:10]}"
     assert engine.kv.num_free_pages == engine.pool.num_pages
+
+
+def spy_stores_ahead(engine) -> list[str]:
+    """Record, in order, each step, schedule() and launch_decode call and each store
+    ahead submitted ("step", "schedule", "launch", "ahead")."""
+    events: list[str] = []
+    schedule, launch, step = engine.scheduler.schedule, engine.runner.launch_decode, engine._step
+    submit_store = engine.tier._submit_store
+
+    def stepped():
+        events.append("step")
+        return step()
+
+    def scheduled(*a, **k):
+        events.append("schedule")
+        return schedule(*a, **k)
+
+    def launched(*a, **k):
+        events.append("launch")
+        return launch(*a, **k)
+
+    def stored(q, hold_dev, background=False):
+        if background:
+            events.append("ahead")
+        return submit_store(q, hold_dev, background)
+
+    engine.scheduler.schedule, engine.runner.launch_decode = scheduled, launched
+    engine.tier._submit_store, engine._step = stored, stepped
+    return events
+
+
+def assert_stores_ahead_follow_a_launch(events: list[str]) -> None:
+    """Each store ahead was submitted after a launch of its own step, with no schedule
+    (nor a new step) between them."""
+    assert "ahead" in events
+    for i, e in enumerate(events):
+        if e == "ahead":
+            before = [x for x in events[:i] if x != "ahead"]
+            assert before and before[-1] == "launch", events[max(0, i - 4) : i + 1]
