@@ -81,11 +81,12 @@ PROBES = (
     *("capture", "d2h", "event", "h2d", "kernel", "malloc", "none", "pin", "stream", "swap"),
     *("swap-traced", "thread", "pinmem", "gates", "alloc", "index", "store", "load"),
     *("index-only", "index-put", "index-default", "index-alloc", "arange", "stream-copy"),
+    *("load-alloc", "load-triton"),
 )
 # the probes on_capture_stream does
 CAPTURE_STREAM_PROBES = (
     *("d2h", "event", "h2d", "thread", "pinmem", "gates", "alloc", "index", "store", "load"),
-    *("index-only", "index-put", "index-alloc", "arange"),
+    *("index-only", "index-put", "index-alloc", "arange", "load-alloc", "load-triton"),
 )
 
 
@@ -98,12 +99,79 @@ def parse_probes(text: str) -> list[str]:
     return names
 
 
+class ClockSampler:
+    """The GPU's clocks while replays run, read through NVML (nvidia-ml-py) every few
+    ms by a thread: SM and memory MHz (medians), board power (W, median) and the clock
+    event reasons seen (NVML's bit mask, or-ed). Empty where NVML is not there."""
+
+    def __init__(self, period_s: float = 0.005):
+        import threading
+
+        self.period_s, self.samples, self.reasons = period_s, [], 0
+        self._stop = threading.Event()
+        self._thread = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._dev = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML here: clocks not read
+            self._nvml = None
+
+    def _run(self) -> None:
+        nv = self._nvml
+        reasons = (
+            getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
+        while not self._stop.is_set():
+            sm = nv.nvmlDeviceGetClockInfo(self._dev, nv.NVML_CLOCK_SM)
+            mem = nv.nvmlDeviceGetClockInfo(self._dev, nv.NVML_CLOCK_MEM)
+            watts = nv.nvmlDeviceGetPowerUsage(self._dev) / 1000
+            self.samples.append((sm, mem, watts))
+            self.reasons |= reasons(self._dev)
+            self._stop.wait(self.period_s)
+
+    def __enter__(self):
+        import threading
+
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        sm, mem, watts = (statistics.median(col) for col in zip(*self.samples))
+        low = min(s[0] for s in self.samples)
+        return {"sm_mhz": sm, "sm_mhz_min": low, "mem_mhz": mem, "watts": round(watts, 1),
+                "reasons": hex(self.reasons), "samples": len(self.samples)}  # fmt: skip
+
+
 def time_graphs(graphs, table: dict, buckets, args, geometry, side_stream=None):
     """Replay ms of each of `buckets` in `table` (bucket -> graph), on the current stream
-    and, with side_stream, on that one too; the static inputs staged for each."""
-    import torch
+    and, with side_stream, on that one too; the static inputs staged for each. The
+    clocks seen while they ran go into `table`'s bucket "clocks" of the returned side
+    dict (ClockSampler)."""
 
     times, side = {}, {}
+    sampler = ClockSampler()
+    with sampler:
+        _time_buckets(graphs, table, buckets, args, geometry, side_stream, times, side)
+    if sampler.samples:
+        side["clocks"] = sampler.summary()
+    return times, side
+
+
+def _time_buckets(graphs, table, buckets, args, geometry, side_stream, times, side) -> None:
+    import torch
+
     for bs in buckets:
         if bs not in table:
             continue
@@ -114,7 +182,6 @@ def time_graphs(graphs, table: dict, buckets, args, geometry, side_stream=None):
             with torch.cuda.stream(side_stream):
                 side[bs] = replay_ms(table[bs], args.replays)
             torch.cuda.current_stream().wait_stream(side_stream)
-    return times, side
 
 
 def report(label: str, times: dict, side: dict) -> None:
@@ -122,7 +189,8 @@ def report(label: str, times: dict, side: dict) -> None:
         f"bs {bs}: {ms:.3f}" + (f" ({side[bs]:.3f})" if bs in side else "")
         for bs, ms in times.items()
     )
-    sys.stdout.write(f"{label}: {cells} ms\n")
+    clocks = f" {side['clocks']}" if "clocks" in side else ""
+    sys.stdout.write(f"{label}: {cells} ms{clocks}\n")
     sys.stdout.flush()
 
 
@@ -152,8 +220,10 @@ def on_capture_stream(probe: str, stream, tier=None):
     before, on the default stream; index-put: that scatter as an indexed assignment;
     index-alloc: its tensors made here, no scatter; arange: only its index made), a gate
     event a layer (gates), or the tier's own page copy functions on 64 pages of its
-    pools, device to host (store) or back (load; needs --host-gib). Returns what must
-    stay alive."""
+    pools, device to host (store) or back (load; needs --host-gib; its staging and index
+    made on the default stream first, as the tier makes them; load-alloc: made on this
+    stream, as the tier made them before; load-triton: as load, scattered by
+    kernels/page_scatter.py instead of index_copy_). Returns what must stay alive."""
     import threading
 
     import torch
@@ -164,6 +234,14 @@ def on_capture_stream(probe: str, stream, tier=None):
     if probe in ("index-only", "index-put"):  # tensors made on the default stream first
         kept += index_tensors()
         pool, staging, idx = kept
+    if probe in ("store", "load", "load-alloc", "load-triton") and tier is None:
+        raise SystemExit(f"--probes {probe} needs the host tier (--host-gib)")
+    pages = list(range(64))
+    buffers = None
+    if probe in ("load", "load-triton"):  # the tier's load buffers: on the default stream
+        from batchgen.kv.page_copies import load_buffers
+
+        buffers = load_buffers(tier.host_pool.kv, tier.device_pool.kv, pages, pages)
     stream.wait_stream(torch.cuda.current_stream())
     if probe == "thread":
 
@@ -205,18 +283,20 @@ def on_capture_stream(probe: str, stream, tier=None):
             pool[:, idx] = staging
         elif probe == "arange":  # the index probe's index, made on this stream
             kept.append(torch.arange(16, device="cuda") * 3)
-        elif probe in ("store", "load"):
+        elif probe in ("store", "load", "load-alloc", "load-triton"):
             from batchgen.kv.page_copies import device_to_host_pages, host_to_device_pages
 
-            if tier is None:
-                raise SystemExit(f"--probes {probe} needs the host tier (--host-gib)")
             dev_kv, host_kv = tier.device_pool.kv, tier.host_pool.kv
-            pages = list(range(64))
             if probe == "store":
                 kept.append(device_to_host_pages(dev_kv, host_kv, pages, pages))
             else:
                 host_kv[:, :64].zero_()  # host pages a store never wrote: no NaNs loaded
-                kept.append(host_to_device_pages(host_kv, dev_kv, pages, pages))
+                scatter = "triton" if probe == "load-triton" else "index"
+                kept.append(
+                    host_to_device_pages(
+                        host_kv, dev_kv, pages, pages, buffers=buffers, scatter=scatter
+                    )
+                )
         elif probe == "gates":  # a gate event a layer, each waited on by the default stream
             host = host_empty((32, 1 << 20), torch.uint8, pin=True)
             dev = torch.empty(32, 1 << 20, dtype=torch.uint8, device="cuda")
@@ -284,7 +364,15 @@ def each_in_its_process(args) -> int:
         before, after = rows[1]["replay_ms"], rows[-1]["replay_ms"]
         table[probe] = {bs: after[bs] - before[bs] for bs in before}
         cells = ", ".join(f"bs {bs}: {before[bs]:.3f} -> {after[bs]:.3f}" for bs in before)
-        sys.stdout.write(f"{probe:>12}: {cells} ms\n")
+        clocks = [rows[1].get("clocks"), rows[-1].get("clocks")]
+        if all(clocks):
+            table[probe]["clocks"] = clocks
+            cells += " ms; " + " -> ".join(
+                f"SM {c['sm_mhz']:.0f} (min {c['sm_mhz_min']}) MHz, mem {c['mem_mhz']:.0f}, "
+                f"{c['watts']} W, reasons {c['reasons']}"
+                for c in clocks
+            )
+        sys.stdout.write(f"{probe:>12}: {cells}\n")
         sys.stdout.flush()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "graph_replay_each.json").write_text(json.dumps(table, indent=2))
@@ -450,9 +538,9 @@ def main(argv=None) -> int:
                     times, _ = time_graphs(graphs, graphs.graphs, buckets, args, geometry)
                 torch.cuda.current_stream().wait_stream(stream)
             else:
-                times, _ = time_graphs(graphs, graphs.graphs, buckets, args, geometry)
-            rows.append({"probe": probe, "replay_ms": times})
-            report(f"capture after probe {probe}", times, {})
+                times, side = time_graphs(graphs, graphs.graphs, buckets, args, geometry)
+            rows.append({"probe": probe, "replay_ms": times, "clocks": side.get("clocks")})
+            report(f"capture after probe {probe}", times, side)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "graph_replay.json").write_text(json.dumps(rows, indent=2))
     return 0

@@ -118,8 +118,8 @@ def test_replay_catches_pages_loaded_wrong(tmp_path, monkeypatch):
 
     load = tiered.host_to_device_pages
 
-    def zeroing(host_kv, dev_kv, host_pages, dev_pages, on_layer=None):
-        handle = load(host_kv, dev_kv, host_pages, dev_pages, on_layer)
+    def zeroing(host_kv, dev_kv, host_pages, dev_pages, on_layer=None, **kw):
+        handle = load(host_kv, dev_kv, host_pages, dev_pages, on_layer, **kw)
         dev_kv[0].index_fill_(1, handle[1], 0.0)
         return handle
 

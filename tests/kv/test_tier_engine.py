@@ -100,8 +100,8 @@ class Traffic:
             self._ran("store", host_pages, host_kv.shape[0], written, host_kv.shape[0])
             return kept
 
-        def load(host_kv, dev_kv, host_pages, dev_pages, on_layer=None):
-            kept = h2d(host_kv, dev_kv, host_pages, dev_pages, on_layer)
+        def load(host_kv, dev_kv, host_pages, dev_pages, on_layer=None, **kw):
+            kept = h2d(host_kv, dev_kv, host_pages, dev_pages, on_layer, **kw)
             written = dev_kv[:, :, list(dev_pages)]
             self._ran("load", host_pages, dev_kv.shape[0], written, dev_kv.shape[0])
             return kept

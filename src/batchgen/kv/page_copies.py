@@ -26,6 +26,7 @@ slot standing for a page:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -136,34 +137,67 @@ def layer_groups(num_layers: int, max_size: int | None = None) -> list[range]:
     return groups
 
 
+# how a load's staged pages reach the pool: "index" (torch's index_copy_) or "triton"
+# (kernels/page_scatter.py); benchmarks/graph_replay.py measures both on the copy stream
+LOAD_SCATTER = "index"
+
+
+@dataclass
+class LoadBuffers:
+    """A load's device staging [G, n, C, S, H, D] and the destination pages' index,
+    made on the submitting (compute) stream before the copy is submitted, so that the
+    copy stream allocates nothing; the copy keeps them alive until it completes."""
+
+    staging: torch.Tensor
+    index: torch.Tensor
+    groups: list[range]
+
+
+def load_buffers(
+    host_kv: torch.Tensor, dev_kv: torch.Tensor, host_pages: list[int], dev_pages: list[int]
+) -> LoadBuffers:
+    """The buffers host_to_device_pages needs for these pages, on the current stream."""
+    n = len(host_pages)
+    _, dev_pages = _by_host_page(host_pages, dev_pages)
+    layer_bytes = n * host_kv[0, 0].nbytes
+    groups = layer_groups(dev_kv.shape[0], max(1, LOAD_STAGING_BYTES // max(1, layer_bytes)))
+    staging = torch.empty(
+        (max(len(g) for g in groups), n, *host_kv.shape[2:]),
+        dtype=host_kv.dtype,
+        device=dev_kv.device,
+    )
+    index = to_device(torch.tensor(dev_pages, dtype=torch.int64), dev_kv.device)
+    return LoadBuffers(staging, index, groups)
+
+
 def host_to_device_pages(
     host_kv: torch.Tensor,
     dev_kv: torch.Tensor,
     host_pages: list[int],
     dev_pages: list[int],
     on_layer: Callable[[int], None] | None = None,
+    buffers: LoadBuffers | None = None,
+    scatter: str | None = None,
 ) -> tuple:
     """Host pages -> device pages, a group of layers at a time (`layer_groups`): the
     group's blocks into staging, then one scatter into the device pages, then
     `on_layer(last)` (every layer up to `last` is written), so compute on the first
     layers can start while later ones load. The groups share one staging tensor, in
-    stream order (a group's blocks land after the scatter before them has read it)."""
-    n = len(host_pages)
-    host_pages, dev_pages = _by_host_page(host_pages, dev_pages)
-    num_layers = dev_kv.shape[0]
-    layer_bytes = n * host_kv[0, 0].nbytes
-    groups = layer_groups(num_layers, max(1, LOAD_STAGING_BYTES // max(1, layer_bytes)))
-    staging = torch.empty(
-        (max(len(g) for g in groups), n, *host_kv.shape[2:]),
-        dtype=host_kv.dtype,
-        device=dev_kv.device,
-    )  # [G, n, C, S, H, D]
-    idx = to_device(torch.tensor(dev_pages, dtype=torch.int64), dev_kv.device)
+    stream order (a group's blocks land after the scatter before them has read it).
+    `buffers` (load_buffers, made on the submitting stream) or made here; `scatter`
+    "index" or "triton" (a CUDA pool), LOAD_SCATTER if None."""
+    if buffers is None:
+        buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages)
+    scatter = LOAD_SCATTER if scatter is None else scatter
+    if scatter not in ("index", "triton"):
+        raise ValueError(f"scatter must be 'index' or 'triton', got {scatter!r}")
+    host_pages, _ = _by_host_page(host_pages, dev_pages)
+    staging, idx = buffers.staging, buffers.index
     runs = _runs(host_pages)
     # each run's blocks of every layer, one call a run: [run][layer]
     host_blocks = [host_kv[:, first : first + k].unbind(0) for _, first, k in runs]
     pages_first = dev_kv.transpose(1, 2)  # [L, P, C, S, H, D]: the scatter's view
-    for group in groups:
+    for group in buffers.groups:
         part = staging[: len(group)]
         dst, src = [], []
         for (i, _, k), blocks in zip(runs, host_blocks):
@@ -171,7 +205,12 @@ def host_to_device_pages(
             src += blocks[group.start : group.stop]
         if dst:  # FOREACH_COPY
             torch._foreach_copy_(dst, src, non_blocking=True)
-        pages_first[group.start : group.stop].index_copy_(1, idx, part)
+        if scatter == "triton" and dev_kv.is_cuda:
+            from batchgen.kernels.page_scatter import page_scatter
+
+            page_scatter(dev_kv, part, idx, group.start)
+        else:
+            pages_first[group.start : group.stop].index_copy_(1, idx, part)
         if on_layer is not None:
             on_layer(group.stop - 1)
     return (staging, idx)

@@ -40,6 +40,7 @@ from batchgen.kv.page_copies import (
     device_to_host_state,
     host_to_device_pages,
     host_to_device_state,
+    load_buffers,
 )
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.state_pool import HostStatePool, StatePool
@@ -164,11 +165,14 @@ class TierMirror:
         host_pages, dev_pages = c.host_pages, c.dev_pages
         after = {self._writing[p] for p in host_pages if p in self._writing}
         host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
+        buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages)  # on this stream
 
         def copy(handle: CopyHandle):
             for store in after:  # a host page is not read before its write completes
                 store.wait_on_current_stream()
-            return host_to_device_pages(host_kv, dev_kv, host_pages, dev_pages, handle.mark)
+            return host_to_device_pages(
+                host_kv, dev_kv, host_pages, dev_pages, handle.mark, buffers=buffers
+            )
 
         handle = self.copies.submit(
             "load",

@@ -47,6 +47,7 @@ from batchgen.kv.page_copies import (
     device_to_host_staged,
     gather_pages,
     host_to_device_pages,
+    load_buffers,
     num_runs,
 )
 from batchgen.kv.page_pool import PagePool
@@ -363,13 +364,18 @@ class TieredKVManager:
         host_pages, dev_pages = q.host_pages, q.dev_pages
         after = {self._writing[p] for p in host_pages if p in self._writing}
         host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
+        # staging and index made here, on the compute stream: the copy stream allocates
+        # nothing (the copy keeps them alive until it completes)
+        buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages)
 
         def copy(handle: CopyHandle):
             for store in after:  # a host page is not read before its write completes
                 store.wait_on_current_stream()
             # a destination page a store read before its load: the read was queued on
             # the producer's stream before this copy was submitted (flush)
-            return host_to_device_pages(host_kv, dev_kv, host_pages, dev_pages, handle.mark)
+            return host_to_device_pages(
+                host_kv, dev_kv, host_pages, dev_pages, handle.mark, buffers=buffers
+            )
 
         handle = self.copies.submit(
             "load", len(host_pages) * self.page_bytes, copy, num_gates=dev_kv.shape[0]
