@@ -105,6 +105,12 @@ def add_policy_args(ap: argparse.ArgumentParser, admission: bool = True) -> None
         choices=("worker", "inline"),
         help="which thread issues the host tier's CUDA copies (tier-on runs)",
     )
+    ap.add_argument(
+        "--load-scatter",
+        default=engine_default("tier_load_scatter"),
+        choices=("copy", "compute"),
+        help="which stream scatters a load's staged pages into the pool (tier-on runs)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

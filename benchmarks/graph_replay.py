@@ -364,10 +364,11 @@ def each_in_its_process(args) -> int:
         before, after = rows[1]["replay_ms"], rows[-1]["replay_ms"]
         table[probe] = {bs: after[bs] - before[bs] for bs in before}
         cells = ", ".join(f"bs {bs}: {before[bs]:.3f} -> {after[bs]:.3f}" for bs in before)
+        cells += " ms"
         clocks = [rows[1].get("clocks"), rows[-1].get("clocks")]
         if all(clocks):
             table[probe]["clocks"] = clocks
-            cells += " ms; " + " -> ".join(
+            cells += "; " + " -> ".join(
                 f"SM {c['sm_mhz']:.0f} (min {c['sm_mhz_min']}) MHz, mem {c['mem_mhz']:.0f}, "
                 f"{c['watts']} W, reasons {c['reasons']}"
                 for c in clocks

@@ -95,6 +95,7 @@ def engine_kwargs(args) -> dict:
         admission=args.admission,
         tier_policy=args.tier_policy,
         tier_copy_issue=args.copy_issue,
+        tier_load_scatter=args.load_scatter,
         load_format="dummy",
     )
     if args.small:
@@ -428,20 +429,20 @@ def main(argv=None) -> int:
         "this process did not build joins the step-by-step comparison (step_split)",
     )
     ap.add_argument(
-        "--load-scatter",
+        "--scatter-kernel",
         default=None,
         choices=("index", "triton"),
-        help="how the tier's loads scatter staged pages into the pool (page_copies."
-        "LOAD_SCATTER; default: the engine's): torch's index_copy_ or kernels/page_scatter.py",
+        help="the kernel a load scatters staged pages with (page_copies.LOAD_SCATTER; "
+        "default: the engine's): torch's index_copy_ or kernels/page_scatter.py",
     )
     add_engine_args(ap)
     add_model_args(ap)
     add_policy_args(ap)
     args = ap.parse_args(argv)
-    if args.load_scatter is not None:
+    if args.scatter_kernel is not None:
         from batchgen.kv import page_copies
 
-        page_copies.LOAD_SCATTER = args.load_scatter
+        page_copies.LOAD_SCATTER = args.scatter_kernel
     ballast = pinned_ballast(args.pin_gib)  # noqa: F841  (held until main returns)
     if args.small:
         prompts, out_lens = small_workload()

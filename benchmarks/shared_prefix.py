@@ -135,7 +135,10 @@ def small_workload() -> tuple[list[list[int]], list[int]]:
 
 def engine_kwargs(args) -> dict:
     kw = common_engine_kwargs(args) | dict(
-        tier_policy=args.tier_policy, tier_copy_issue=args.copy_issue, load_format="dummy"
+        tier_policy=args.tier_policy,
+        tier_copy_issue=args.copy_issue,
+        tier_load_scatter=args.load_scatter,
+        load_format="dummy",
     )
     if args.checkpoint_interval is not None:
         kw["state_checkpoint_interval"] = args.checkpoint_interval

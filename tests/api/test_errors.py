@@ -245,6 +245,7 @@ def test_unknown_llm_kwarg_is_a_type_error(model_dir):
         ("admission", "lpm"),
         ("tier_policy", "never"),
         ("tier_copy_issue", "thread"),
+        ("tier_load_scatter", "side"),
         ("load_format", "pt"),
     ],
 )

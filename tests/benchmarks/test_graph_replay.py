@@ -45,11 +45,13 @@ def test_each_runs_every_probe_in_a_process_of_its_own(tmp_path, monkeypatch, ca
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True)
         slow = 0.17 if "stream" in cmd[cmd.index("--probes") + 1] else 0.0
+        clocks = {"sm_mhz": 1980, "sm_mhz_min": 1965, "mem_mhz": 3201, "watts": 450.5}
+        clocks["reasons"] = "0x0"
         rows = [
             {"capture": 0, "replay_ms": {"32": 5.94}},
-            {"probe": "none", "replay_ms": {"32": 5.94}},
+            {"probe": "none", "replay_ms": {"32": 5.94}, "clocks": clocks},
             {"probe": "x", "replay_ms": {"32": 5.94 + slow}},
-            {"probe": "none", "replay_ms": {"32": 5.94 + slow}},
+            {"probe": "none", "replay_ms": {"32": 5.94 + slow}, "clocks": clocks},
         ]
         (out / "graph_replay.json").write_text(json.dumps(rows))
         return types.SimpleNamespace(returncode=0, stderr="")
@@ -61,4 +63,23 @@ def test_each_runs_every_probe_in_a_process_of_its_own(tmp_path, monkeypatch, ca
     assert [c[c.index("--probes") + 1] for c in calls] == ["none,pin,none", "none,stream,none"]
     table = json.loads((tmp_path / "graph_replay_each.json").read_text())
     assert table["pin"]["32"] == 0.0 and abs(table["stream"]["32"] - 0.17) < 1e-9
-    assert "stream: bs 32: 5.940 -> 6.110 ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stream: bs 32: 5.940 -> 6.110 ms; SM 1980 (min 1965) MHz, mem 3201, 450.5 W" in out
+
+
+def test_clock_sampler_summarises_its_samples_and_is_empty_without_nvml():
+    graph_replay = load("graph_replay")
+    sampler = graph_replay.ClockSampler()
+    sampler._nvml = None  # as where NVML is missing: no thread, nothing read
+    with sampler:
+        pass
+    assert sampler.summary() == {}
+    sampler.samples = [(1980, 3201, 500.0), (1935, 3201, 560.0), (1965, 3201, 540.0)]
+    sampler.reasons = 0x4
+    got = sampler.summary()
+    assert (got["sm_mhz"], got["sm_mhz_min"], got["watts"], got["reasons"]) == (
+        1965,
+        1935,
+        540.0,
+        "0x4",
+    )

@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
+from batchgen.kv import page_copies
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
@@ -51,14 +52,15 @@ def issue(request):
     ISSUE = "worker"
 
 
-def make(ordered: bool = True):
+def make(ordered: bool = True, load_scatter: str = "copy"):
     device = torch.device("cuda")
     assert torch.cuda.current_stream().cuda_stream == 0, "runs on the default stream"
     pool = PagePool(LAYOUT, 64, device)
     alloc = PageAllocator(64)
     host = HostPool(LAYOUT, 16, pin=True)
     host.kv.fill_(-1)
-    tier = TieredKVManager(pool, host, alloc, CopyEngine(device, ordered=ordered, issue=ISSUE))
+    copies = CopyEngine(device, ordered=ordered, issue=ISSUE)
+    tier = TieredKVManager(pool, host, alloc, copies, load_scatter=load_scatter)
     return tier, alloc
 
 
@@ -251,6 +253,38 @@ def test_load_after_the_pool_is_recreated_with_torch_zeros(ordered):
     assert bool((got == 5.0).all())
 
 
+@pytest.mark.parametrize("ordered", ORDERING)
+def test_a_deferred_scatter_waits_for_its_blocks_to_land(ordered, monkeypatch):
+    """tier_load_scatter="compute": the load's scatter runs on the compute stream; its
+    blocks cross on a copy stream held back by a spin, so only the scatter's wait for
+    them (page_copies._on_consumer) keeps it from reading the staging too early."""
+    if ISSUE != "inline":
+        pytest.skip("a load defers its scatter only when its copies are issued inline")
+    tier, alloc = make(load_scatter="compute")
+    value = float(next(FRESH))
+    host = tier.host_alloc.allocate(1)
+    tier.host_pool.kv[:, host[0]].fill_(value)
+    if not ordered:  # the scatter without its wait for the blocks
+
+        def unordered(consumer, landed, finish):
+            with torch.cuda.stream(consumer):
+                finish()
+
+        monkeypatch.setattr(page_copies, "_on_consumer", unordered)
+    page = alloc.allocate(1)
+    torch.cuda.synchronize()
+    for stream in tier.copies.streams:  # the blocks land late
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SPIN)
+    tier.queue_load(host, page, "prefix_load", "r")
+    (load,) = tier.flush()
+    assert load.has_deferred  # nothing scattered on the copy stream
+    load.wait_gates()
+    got = tier.device_pool.kv[:, :, page[0]].clone()
+    tier.drain()
+    assert bool((got == value).all())
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("ordering-llama")
@@ -258,11 +292,13 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.parametrize("scatter", ["copy", "compute"])
 @pytest.mark.parametrize("wait", [True, pytest.param(False, id="no-wait", marks=STALE)])
-def test_forward_waits_layer_by_layer_for_a_host_prefix_load(wait, model_dir, monkeypatch):
+def test_forward_waits_layer_by_layer_for_a_host_prefix_load(wait, scatter, model_dir, monkeypatch):
     """A prefix evicted to host comes back through the engine; its load is held back by
     a spin on the copy streams, so only the runner's per-layer wait makes the forward
-    read the loaded pages instead of the zeros of a re-created pool."""
+    read the loaded pages instead of the zeros of a re-created pool (with the scatter
+    on the compute stream, that wait is also what queues the scatter)."""
     from batchgen import LLM, SamplingParams
 
     llm = LLM(
@@ -274,6 +310,7 @@ def test_forward_waits_layer_by_layer_for_a_host_prefix_load(wait, model_dir, mo
         host_kv_size_gib=0.05,
         tier_policy="always",
         tier_copy_issue=ISSUE,
+        tier_load_scatter=scatter,
         enforce_eager=True,
     )
     assert llm.engine.tier.copies.inline == (ISSUE == "inline")

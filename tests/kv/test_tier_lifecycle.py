@@ -24,13 +24,14 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype=t
 PAUSE = 0.3  # seconds a copy that must wait is given to (wrongly) run
 
 
-def make(dev_pages=6, host_pages=4, debug=False):
+def make(dev_pages=6, host_pages=4, debug=False, load_scatter="copy"):
     pool = PagePool(LAYOUT, dev_pages, torch.device("cpu"))
     pool.kv.normal_()
     alloc = PageAllocator(dev_pages)
     host = HostPool(LAYOUT, host_pages, pin=False)
     host.kv.fill_(-1.0)  # a page nothing wrote reads -1
-    tier = TieredKVManager(pool, host, alloc, CopyEngine(torch.device("cpu")), debug=debug)
+    copies = CopyEngine(torch.device("cpu"))
+    tier = TieredKVManager(pool, host, alloc, copies, debug=debug, load_scatter=load_scatter)
     return tier, alloc
 
 
@@ -109,6 +110,75 @@ def test_load_holds_host_and_destination_pages_until_it_completes():
     release.set()
     tier.drain()
     assert alloc.ref_count[dst[0]] == 0 and tier.host_alloc.ref_count[host[0]] == 0
+
+
+def _stored_page(tier, alloc, key: bytes):
+    """A device page stored to host under `key` and then overwritten: (host page, the
+    page's values as stored)."""
+    (src,) = alloc.allocate(1)
+    want = device_page(tier, src).clone()
+    tier.queue_store([src], [key], "write_through", "r")
+    tier.flush()
+    tier.drain()
+    device_page(tier, src).zero_()
+    return tier.lookup([key])[0], want
+
+
+def test_a_deferred_scatter_runs_layer_by_layer_at_the_waits_once(monkeypatch):
+    """tier_load_scatter="compute": the load's staged pages reach the pool only when a
+    wait needs their layer, each group once, in order; the copy is not done before."""
+    tier, alloc = make(load_scatter="compute")
+    host, want = _stored_page(tier, alloc, b"p")
+    scattered = []
+    real = page_copies._host_to_device_scatter
+
+    def counted(dev_kv, part, idx, group, *a):
+        scattered.append(group)
+        return real(dev_kv, part, idx, group, *a)
+
+    monkeypatch.setattr(page_copies, "_host_to_device_scatter", counted)
+    (dst,) = alloc.allocate(1)
+    before = device_page(tier, dst).clone()
+    tier.queue_load([host], [dst], "prefix_load", "r")
+    (load,) = tier.flush()
+    load.issued.wait(10)
+    assert load.has_deferred and not load.is_done()
+    assert torch.equal(device_page(tier, dst), before)  # staged, not yet in the pool
+    load.wait_layer(0)
+    assert scattered == [range(0, 1)]
+    assert torch.equal(device_page(tier, dst)[0], want[0])
+    assert torch.equal(device_page(tier, dst)[1], before[1])  # layer 1 not asked for yet
+    load.wait_layer(1)
+    load.wait_gates()
+    assert scattered == [range(0, 1), range(1, 2)]  # each once
+    assert torch.equal(device_page(tier, dst), want)
+    tier.drain()
+    assert alloc.ref_count[dst] == 1 and scattered == [range(0, 1), range(1, 2)]
+
+
+def test_poll_runs_the_deferred_scatter_a_failed_step_left():
+    """A load whose step never ran its forward (it failed after the flush) still writes
+    its pages before they can go to anyone else: the next poll queues its scatter, and
+    the destination stays held until then."""
+    tier, alloc = make(load_scatter="compute")
+    host, want = _stored_page(tier, alloc, b"q")
+    (dst,) = alloc.allocate(1)
+    tier.queue_load([host], [dst], "swap_in", "r")
+    (load,) = tier.flush()
+    alloc.free([dst])  # the step failed and its request was aborted
+    assert alloc.ref_count[dst] == 1  # held by the load
+    load.issued.wait(10)
+    assert load.has_deferred
+    tier.poll()
+    assert not load.has_deferred
+    assert torch.equal(device_page(tier, dst), want)
+    tier.drain()
+    assert alloc.ref_count[dst] == 0
+
+
+def test_a_bad_load_scatter_is_named():
+    with pytest.raises(ValueError, match="load_scatter"):
+        make(load_scatter="side")
 
 
 def test_write_back_copies_an_evicted_page_before_its_new_owner_writes_it():

@@ -32,12 +32,15 @@ from batchgen.engine.request import RequestStatus
 BASE = dict(device="cpu", page_size=4, max_model_len=160, max_num_batched_tokens=48)
 TIER = dict(num_kv_pages=40, host_kv_size_gib=0.02)  # 40 pages: 160 tokens, preempts often
 ROWS = [
-    pytest.param(True, "off", id="default-pipelined-append-off"),
-    pytest.param(True, "batched", id="pipelined-append-batched"),
-    pytest.param(True, "layer", id="pipelined-append-layer"),
-    pytest.param(False, "off", id="plain-append-off"),
-    pytest.param(False, "batched", id="plain-append-batched"),
-    pytest.param(False, "layer", id="plain-append-layer"),
+    pytest.param(True, "off", "copy", id="default-pipelined-append-off"),
+    pytest.param(True, "batched", "copy", id="pipelined-append-batched"),
+    pytest.param(True, "layer", "copy", id="pipelined-append-layer"),
+    pytest.param(False, "off", "copy", id="plain-append-off"),
+    pytest.param(False, "batched", "copy", id="plain-append-batched"),
+    pytest.param(False, "layer", "copy", id="plain-append-layer"),
+    # tier_load_scatter="compute": each load's scatter deferred to the compute stream
+    pytest.param(True, "off", "compute", id="pipelined-append-off-scatter-compute"),
+    pytest.param(False, "layer", "compute", id="plain-append-layer-scatter-compute"),
 ]
 
 
@@ -91,16 +94,39 @@ def spy_recomputes(engine) -> list[int]:
     return lost
 
 
-def _tier_llm(path, pipeline, decode_append, **kw):
+def _tier_llm(path, pipeline, decode_append, scatter="copy", **kw):
     return LLM(
-        model=path, pipeline_decode=pipeline, decode_append=decode_append, **TIER, **BASE, **kw
+        model=path,
+        pipeline_decode=pipeline,
+        decode_append=decode_append,
+        tier_load_scatter=scatter,
+        **TIER,
+        **BASE,
+        **kw,
     )
 
 
-@pytest.mark.parametrize("pipeline,decode_append", ROWS)
-def test_mixed_endings_match_tier_off(workload, pipeline, decode_append):
+def spy_deferred(monkeypatch) -> list:
+    """Every load handle that deferred its scatter (tier_load_scatter="compute")."""
+    from batchgen.kv.copy_engine import CopyHandle
+
+    handles = []
+    defer = CopyHandle.defer
+
+    def spied(self, gate, finish):
+        if not handles or handles[-1] is not self:
+            handles.append(self)
+        defer(self, gate, finish)
+
+    monkeypatch.setattr(CopyHandle, "defer", spied)
+    return handles
+
+
+@pytest.mark.parametrize("pipeline,decode_append,scatter", ROWS)
+def test_mixed_endings_match_tier_off(workload, pipeline, decode_append, scatter, monkeypatch):
     path, prompts, params, reference = workload
-    llm = _tier_llm(path, pipeline, decode_append)
+    llm = _tier_llm(path, pipeline, decode_append, scatter)
+    deferred = spy_deferred(monkeypatch)
     launches = spy_launches(llm)
     finishes = spy_finishes(llm.engine)
     got = rows(llm.generate(prompts, params, use_tqdm=False))
@@ -117,6 +143,9 @@ def test_mixed_endings_match_tier_off(workload, pipeline, decode_append):
     assert again["host_prefix_hit_pages"] > m["host_prefix_hit_pages"], again
     assert again["bytes_prefix_load"] > 0, again
     assert_nothing_held(llm.engine)
+    # every load deferred its scatter or none did, and each deferred part ran
+    assert bool(deferred) == (scatter == "compute"), len(deferred)
+    assert not [h for h in deferred if h.has_deferred]
     if not pipeline:
         assert not launches, "pipeline_decode=False launched a pipelined decode step"
         return
@@ -163,12 +192,12 @@ def _victim(engine, done: dict) -> tuple[str, str] | None:
     return None
 
 
-@pytest.mark.parametrize("pipeline,decode_append", ROWS)
+@pytest.mark.parametrize("pipeline,decode_append,scatter", ROWS)
 def test_aborts_in_every_state_leave_others_exact_and_nothing_held(
-    workload, pipeline, decode_append
+    workload, pipeline, decode_append, scatter
 ):
     path, prompts, params, reference = workload
-    llm = _tier_llm(path, pipeline, decode_append)
+    llm = _tier_llm(path, pipeline, decode_append, scatter)
     engine = llm.engine
     queues = _queues(pipeline, decode_append)
     ids, reqs = _start(engine, prompts, params, "a")
@@ -216,10 +245,10 @@ def _ends_in_queued_step(engine, reference, index) -> bool:
     )
 
 
-@pytest.mark.parametrize("pipeline,decode_append", ROWS)
-def test_reconfigure_mid_run_and_between_calls(workload, pipeline, decode_append):
+@pytest.mark.parametrize("pipeline,decode_append,scatter", ROWS)
+def test_reconfigure_mid_run_and_between_calls(workload, pipeline, decode_append, scatter):
     path, prompts, params, reference = workload
-    llm = _tier_llm(path, pipeline, decode_append)
+    llm = _tier_llm(path, pipeline, decode_append, scatter)
     engine = llm.engine
     lost = spy_recomputes(engine)
     queues = _queues(pipeline, decode_append)

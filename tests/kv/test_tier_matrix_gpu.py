@@ -41,15 +41,27 @@ GPU = dict(
 )
 TIER = dict(num_kv_pages=40, host_kv_size_gib=0.02)
 SCORE = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-ROWS = [  # the first row is the default configuration (copies issued by the asking thread)
-    pytest.param(graphs, pipeline, append, "inline", id=f"{g}-{p}-append-{append}")
-    for graphs, g in ((True, "graphs"), (False, "eager"))
-    for pipeline, p in ((True, "pipelined"), (False, "plain"))
-    for append in ("off", "batched", "layer")
-] + [  # copies issued by the copy worker
-    pytest.param(True, True, append, "worker", id=f"graphs-pipelined-append-{append}-worker")
-    for append in ("off", "layer")
-]
+ROWS = (
+    [  # the first row is the default configuration (copies issued by the asking thread)
+        pytest.param(graphs, pipeline, append, "inline", "copy", id=f"{g}-{p}-append-{append}")
+        for graphs, g in ((True, "graphs"), (False, "eager"))
+        for pipeline, p in ((True, "pipelined"), (False, "plain"))
+        for append in ("off", "batched", "layer")
+    ]
+    + [  # copies issued by the copy worker
+        pytest.param(
+            True, True, append, "worker", "copy", id=f"graphs-pipelined-append-{append}-worker"
+        )
+        for append in ("off", "layer")
+    ]
+    + [  # loads scattered on the compute stream (tier_load_scatter="compute")
+        pytest.param(
+            graphs, True, append, "inline", "compute", id=f"{g}-pipelined-append-{append}-compute"
+        )
+        for graphs, g in ((True, "graphs"), (False, "eager"))
+        for append in ("off", "layer")
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +97,10 @@ def _judge(ref, prompts, got, reference) -> tuple[Counter, list]:
     return Counter(verdicts), broken
 
 
-@pytest.mark.parametrize("graphs,pipeline,decode_append,copy_issue", ROWS)
-def test_mixed_endings_close_to_tier_off(workload, graphs, pipeline, decode_append, copy_issue):
+@pytest.mark.parametrize("graphs,pipeline,decode_append,copy_issue,scatter", ROWS)
+def test_mixed_endings_close_to_tier_off(
+    workload, graphs, pipeline, decode_append, copy_issue, scatter
+):
     path, prompts, params, reference, ref = workload
     llm = LLM(
         model=path,
@@ -94,6 +108,7 @@ def test_mixed_endings_close_to_tier_off(workload, graphs, pipeline, decode_appe
         pipeline_decode=pipeline,
         decode_append=decode_append,
         tier_copy_issue=copy_issue,
+        tier_load_scatter=scatter,
         **TIER,
         **GPU,
     )

@@ -301,6 +301,7 @@ class EngineCore:
             CopyEngine(self.device, issue=self.config.tier_copy_issue, background=True),
             debug=self.config.batchgen_debug,
             loads_pay=self.tier_cost["loads_pay"],
+            load_scatter=self.config.tier_load_scatter,
         )
         self.kv.tier = tier
         if host_slots:  # hybrid models: requests swap with their compressed state

@@ -11,7 +11,11 @@
 Consumers never read a copy's destination before it is written (rule 3): compute waits
 with `handle.wait_layer(layer)` (a load's pages of one layer, or a store's source pages
 read) or `handle.wait_on_current_stream()` (all of it); host-side readers call
-`handle.synchronize()`. Tensors touched by the copy stay referenced by the handle until
+`handle.synchronize()`. A body may leave the last part of its work to the submitting
+stream (`handle.defer`: a load's scatter of staged pages into the pool, so that no kernel
+runs on a copy stream): the first wait that needs that part queues it there, on the
+submitting stream after the copy stream's transfer (`run_finishers`), and the tier's
+poll queues any a failed step left; the copy is done once they have run. Tensors touched by the copy stay referenced by the handle until
 it completes (rule 5). No task issues CUDA work inside `paused()` (rule 6: a CUDA-graph
 capture in global mode fails when another thread issues CUDA work).
 
@@ -76,6 +80,14 @@ class CopyHandle:
         self.gates = [_Gate(cuda) for _ in range(num_gates)]
         self._marked = 0  # gates before it are marked
         self.cpu_seconds = 0.0
+        # CUDA, issued inline: the stream the copy was submitted from (its producer's),
+        # where deferred parts run; the finishers, (last gate, function) in order, and
+        # how many have run
+        self.consumer: torch.cuda.Stream | None = None
+        self._finishers: list[tuple[int, Callable[[], None]]] = []
+        self._finished = 0
+        self._finish_lock = threading.Lock()
+        self.finished_event = torch.cuda.Event() if cuda else None
 
     def _wait_issued(self) -> None:
         self.issued.wait()
@@ -91,11 +103,40 @@ class CopyHandle:
             self.gates[g] = self.gates[gate]
         self._marked = max(self._marked, gate + 1)
 
+    def defer(self, gate: int, finish: Callable[[], None]) -> None:
+        """Called by the copy body: `finish()` does the copy's work up to gate `gate` (and
+        marks it) on the submitting stream, `consumer`, after what the body issued; it
+        runs when a wait first needs it (run_finishers), in the order deferred."""
+        self._finishers.append((gate, finish))
+
+    def run_finishers(self, gate: int | None = None) -> None:
+        """Run, in order, the deferred parts needed for gate `gate` (all with None), each
+        once; after the last, the copy's finished event on the consumer stream."""
+        self._wait_issued()
+        with self._finish_lock:
+            todo = self._finishers
+            while self._finished < len(todo) and (
+                gate is None or self._finished == 0 or todo[self._finished - 1][0] < gate
+            ):
+                todo[self._finished][1]()
+                self._finished += 1
+                if self._finished == len(todo) and self.cuda:
+                    self.finished_event.record(self.consumer)
+
+    @property
+    def has_deferred(self) -> bool:
+        """Deferred parts not run yet (the copy is not done before they are)."""
+        return self._finished < len(self._finishers)
+
     def is_done(self) -> bool:
         if not self.issued.is_set():
             return False
         self._wait_issued()
-        return self.done_event.query() if self.cuda else self.completed.is_set()
+        if self.has_deferred:
+            return False
+        if not self.cuda:
+            return self.completed.is_set()
+        return self.done_event.query() and (not self._finishers or self.finished_event.query())
 
     def copy_seconds(self) -> float:
         """Time the copy itself took on its stream (after its producer was done)."""
@@ -104,17 +145,21 @@ class CopyHandle:
         return self.start_event.elapsed_time(self.done_event) / 1000
 
     def synchronize(self) -> None:
-        self._wait_issued()
+        self.run_finishers()
         if self.cuda:
             self.done_event.synchronize()
+            if self._finishers:
+                self.finished_event.synchronize()
         else:
             self.completed.wait()
 
     def wait_on_current_stream(self) -> None:
         """Make the caller's current stream wait for the whole copy (rule 3)."""
-        self._wait_issued()
+        self.run_finishers()
         if self.cuda:
             torch.cuda.current_stream().wait_event(self.done_event)
+            if self._finishers:
+                torch.cuda.current_stream().wait_event(self.finished_event)
         else:
             self.completed.wait()
 
@@ -131,7 +176,9 @@ class CopyHandle:
         if not self.gates:
             self.wait_on_current_stream()
         else:
-            self.gates[min(layer, len(self.gates) - 1)].wait_on_current_stream()
+            gate = min(layer, len(self.gates) - 1)
+            self.run_finishers(gate)
+            self.gates[gate].wait_on_current_stream()
 
 
 class CopyEngine:
@@ -203,7 +250,7 @@ class CopyEngine:
         stream = self.streams[lane] if self.cuda else None
         if self.inline and not self._paused and not torch.cuda.is_current_stream_capturing():
             # on this thread (never paused here: it is the one that captures)
-            self._issue((handle, producer, copy, stream))
+            self._issue((handle, producer, copy, stream), inline=True)
         else:
             q.put((handle, producer, copy, stream))
         return handle
@@ -234,11 +281,15 @@ class CopyEngine:
             del item  # the worker keeps no reference to a task once it is issued
 
     @torch.inference_mode()
-    def _issue(self, task: tuple) -> None:
+    def _issue(self, task: tuple, inline: bool = False) -> None:
         """Issue one task, on the worker or (issue="inline") on the asking thread: not
         while paused (rule 6); its stream waits for the producer (rule 2), then the copy
-        body runs on that stream between the start and done events."""
+        body runs on that stream between the start and done events. Issued inline, the
+        handle's `consumer` is the asking thread's stream, the producer's (what a body
+        defers runs there); by the worker it has none."""
         handle, producer, copy, stream = task
+        if inline:
+            handle.consumer = torch.cuda.current_stream(device=self.device)
         with self._cond:
             while self._paused:  # a graph capture is under way
                 self._cond.wait()

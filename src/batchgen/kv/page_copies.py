@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -154,18 +155,22 @@ class LoadBuffers:
 
 
 def load_buffers(
-    host_kv: torch.Tensor, dev_kv: torch.Tensor, host_pages: list[int], dev_pages: list[int]
+    host_kv: torch.Tensor,
+    dev_kv: torch.Tensor,
+    host_pages: list[int],
+    dev_pages: list[int],
+    whole: bool = False,
 ) -> LoadBuffers:
-    """The buffers host_to_device_pages needs for these pages, on the current stream."""
+    """The buffers host_to_device_pages needs for these pages, on the current stream.
+    `whole`: staging for every layer, so no group's blocks land where another group's
+    scatter has still to read (a deferred scatter: host_to_device_pages' `defer`)."""
     n = len(host_pages)
     _, dev_pages = _by_host_page(host_pages, dev_pages)
     layer_bytes = n * host_kv[0, 0].nbytes
-    groups = layer_groups(dev_kv.shape[0], max(1, LOAD_STAGING_BYTES // max(1, layer_bytes)))
-    staging = torch.empty(
-        (max(len(g) for g in groups), n, *host_kv.shape[2:]),
-        dtype=host_kv.dtype,
-        device=dev_kv.device,
-    )
+    num_layers = dev_kv.shape[0]
+    groups = layer_groups(num_layers, max(1, LOAD_STAGING_BYTES // max(1, layer_bytes)))
+    rows = num_layers if whole else max(len(g) for g in groups)
+    staging = torch.empty((rows, n, *host_kv.shape[2:]), dtype=host_kv.dtype, device=dev_kv.device)
     index = to_device(torch.tensor(dev_pages, dtype=torch.int64), dev_kv.device)
     return LoadBuffers(staging, index, groups)
 
@@ -178,6 +183,8 @@ def host_to_device_pages(
     on_layer: Callable[[int], None] | None = None,
     buffers: LoadBuffers | None = None,
     scatter: str | None = None,
+    defer: Callable[[int, Callable[[], None]], None] | None = None,
+    consumer: torch.cuda.Stream | None = None,
 ) -> tuple:
     """Host pages -> device pages, a group of layers at a time (`layer_groups`): the
     group's blocks into staging, then one scatter into the device pages, then
@@ -185,35 +192,68 @@ def host_to_device_pages(
     layers can start while later ones load. The groups share one staging tensor, in
     stream order (a group's blocks land after the scatter before them has read it).
     `buffers` (load_buffers, made on the submitting stream) or made here; `scatter`
-    "index" or "triton" (a CUDA pool), LOAD_SCATTER if None."""
+    "index" or "triton" (a CUDA pool), LOAD_SCATTER if None.
+    `defer` (CopyHandle.defer, with buffers made `whole`): each group's scatter and
+    on_layer are handed over instead, to run later on `consumer` (CUDA: the submitting
+    stream, after this stream's blocks of the group have landed; without one, as a copy
+    worker issues, nothing is deferred), so no kernel runs on this stream; a deferred
+    group has staging of its own."""
     if buffers is None:
-        buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages)
+        buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages, whole=defer is not None)
     scatter = LOAD_SCATTER if scatter is None else scatter
     if scatter not in ("index", "triton"):
         raise ValueError(f"scatter must be 'index' or 'triton', got {scatter!r}")
-    host_pages, _ = _by_host_page(host_pages, dev_pages)
     staging, idx = buffers.staging, buffers.index
+    if defer is not None and consumer is None and dev_kv.is_cuda:
+        defer = None  # issued by a copy worker: no submitting stream to defer to
+    if defer is not None and staging.shape[0] < dev_kv.shape[0]:
+        raise ValueError("a deferred scatter needs staging for every layer (load_buffers whole)")
+    host_pages, _ = _by_host_page(host_pages, dev_pages)
     runs = _runs(host_pages)
     # each run's blocks of every layer, one call a run: [run][layer]
     host_blocks = [host_kv[:, first : first + k].unbind(0) for _, first, k in runs]
-    pages_first = dev_kv.transpose(1, 2)  # [L, P, C, S, H, D]: the scatter's view
     for group in buffers.groups:
-        part = staging[: len(group)]
+        part = staging[: len(group)] if defer is None else staging[group.start : group.stop]
         dst, src = [], []
         for (i, _, k), blocks in zip(runs, host_blocks):
             dst += part[:, i : i + k].unbind(0)
             src += blocks[group.start : group.stop]
         if dst:  # FOREACH_COPY
             torch._foreach_copy_(dst, src, non_blocking=True)
-        if scatter == "triton" and dev_kv.is_cuda:
-            from batchgen.kernels.page_scatter import page_scatter
-
-            page_scatter(dev_kv, part, idx, group.start)
+        finish = partial(_host_to_device_scatter, dev_kv, part, idx, group, scatter, on_layer)
+        if defer is None:
+            finish()
+        elif consumer is None:  # CPU: the blocks have landed
+            defer(group.stop - 1, finish)
         else:
-            pages_first[group.start : group.stop].index_copy_(1, idx, part)
-        if on_layer is not None:
-            on_layer(group.stop - 1)
+            defer(group.stop - 1, partial(_on_consumer, consumer, _landed(), finish))
     return (staging, idx)
+
+
+def _host_to_device_scatter(dev_kv, part, idx, group: range, scatter: str, on_layer) -> None:
+    """A group's staged pages into the pool on the current stream, then on_layer(last)."""
+    if scatter == "triton" and dev_kv.is_cuda:
+        from batchgen.kernels.page_scatter import page_scatter
+
+        page_scatter(dev_kv, part, idx, group.start)
+    else:
+        dev_kv.transpose(1, 2)[group.start : group.stop].index_copy_(1, idx, part)
+    if on_layer is not None:
+        on_layer(group.stop - 1)
+
+
+def _landed() -> torch.cuda.Event:
+    """An event on the current (copy) stream: the blocks issued so far have landed."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _on_consumer(consumer: torch.cuda.Stream, landed: torch.cuda.Event, finish) -> None:
+    """A deferred group's scatter, on the consumer stream after its blocks landed."""
+    consumer.wait_event(landed)
+    with torch.cuda.stream(consumer):
+        finish()
 
 
 def device_to_host_state(

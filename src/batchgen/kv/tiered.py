@@ -43,6 +43,7 @@ from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_copies import (
+    LOAD_STAGING_BYTES,
     device_to_host_pages,
     device_to_host_staged,
     gather_pages,
@@ -102,7 +103,14 @@ class TieredKVManager:
         copies: CopyEngine,
         debug: bool = False,
         loads_pay: bool = True,
+        load_scatter: str = "copy",
     ) -> None:
+        if load_scatter not in ("copy", "compute"):
+            raise ValueError(f"load_scatter must be 'copy' or 'compute', got {load_scatter!r}")
+        # where a load's staged pages are scattered into the pool: on its copy stream, or
+        # deferred to the compute stream (CopyHandle.defer), each group at the first wait
+        # for its layers, so that no kernel runs on a copy stream
+        self.load_scatter = load_scatter
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.device_alloc = device_alloc
@@ -284,7 +292,11 @@ class TieredKVManager:
             self.flush_ahead()
         q, self._loads = self._loads, _Queued()
         if q.dev_pages:
-            waits.append(self._submit_load(q))
+            if self.load_scatter == "compute":  # staging of every layer: at most so many pages
+                pages = max(1, LOAD_STAGING_BYTES // self.page_bytes)
+                waits += [self._submit_load(c) for c in self._chunks(q, pages)]
+            else:
+                waits.append(self._submit_load(q))
         return waits
 
     def flush_ahead(self) -> None:
@@ -310,9 +322,9 @@ class TieredKVManager:
             or (self._ahead and not defer_ahead)
         )
 
-    def _chunks(self, q: _Queued):
-        for i in range(0, len(q.dev_pages), MAX_PAGES_PER_COPY):
-            s = slice(i, i + MAX_PAGES_PER_COPY)
+    def _chunks(self, q: _Queued, pages: int = MAX_PAGES_PER_COPY):
+        for i in range(0, len(q.dev_pages), pages):
+            s = slice(i, i + pages)
             yield _Queued(q.dev_pages[s], q.host_pages[s], q.hashes[s], q.reasons[s], q.tags[s])
 
     def _submit_store(
@@ -366,7 +378,8 @@ class TieredKVManager:
         host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
         # staging and index made here, on the compute stream: the copy stream allocates
         # nothing (the copy keeps them alive until it completes)
-        buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages)
+        deferred = self.load_scatter == "compute"
+        buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages, whole=deferred)
 
         def copy(handle: CopyHandle):
             for store in after:  # a host page is not read before its write completes
@@ -374,7 +387,14 @@ class TieredKVManager:
             # a destination page a store read before its load: the read was queued on
             # the producer's stream before this copy was submitted (flush)
             return host_to_device_pages(
-                host_kv, dev_kv, host_pages, dev_pages, handle.mark, buffers=buffers
+                host_kv,
+                dev_kv,
+                host_pages,
+                dev_pages,
+                handle.mark,
+                buffers=buffers,
+                defer=handle.defer if deferred else None,
+                consumer=handle.consumer,
             )
 
         handle = self.copies.submit(
@@ -445,7 +465,13 @@ class TieredKVManager:
 
     # ---- completion --------------------------------------------------------------------
     def poll(self) -> None:
-        """Complete every copy that has finished, in submission order."""
+        """Complete every copy that has finished, in submission order. A load's scatter
+        deferred to the compute stream runs at its step's forward; one a failed step
+        left is queued here, before anything else can reuse its pages."""
+        if self.load_scatter == "compute":
+            for p in self._pending:
+                if p.kind == "load" and p.handle.issued.is_set() and p.handle.has_deferred:
+                    p.handle.run_finishers()
         while self._pending and self._pending[0].handle.is_done():
             self._complete(self._pending.popleft())
         if self.states is not None:
