@@ -32,7 +32,7 @@ LAYOUT = StateLayout(
 PAUSE = 0.3  # seconds a copy that must wait is given to (wrongly) run
 
 
-def make(dev_slots=3, host_slots=2, debug=False):
+def make(dev_slots=3, host_slots=2, debug=False, load_scatter="copy"):
     pool = StatePool(LAYOUT, dev_slots, "cpu")
     pool.states.normal_()
     pool.windows.normal_()
@@ -40,7 +40,8 @@ def make(dev_slots=3, host_slots=2, debug=False):
     host.states.fill_(-1.0)  # a slot nothing wrote reads -1
     host.windows.fill_(-1.0)
     slots = StateSlots(dev_slots)
-    tier = StateTier(pool, host, slots, CopyEngine(torch.device("cpu")), TierMetrics(), debug)
+    copies = CopyEngine(torch.device("cpu"))
+    tier = StateTier(pool, host, slots, copies, TierMetrics(), debug, load_scatter=load_scatter)
     return tier, slots
 
 
@@ -239,3 +240,50 @@ def test_a_checkpoint_frees_its_slot_for_writing_once_read_into_staging():
     handle = tier.checkpoint_out(slots.take("s"), tier.take_host_slot(), "request s")
     tier.drain()
     assert len(handle.gates) == 1 and handle.gates[0].event.is_set()
+
+
+def _swapped(tier, slots):
+    """A request's slot stored to host and the device slots zeroed since: its values."""
+    slots.take("other")
+    want = source(tier, slots.take("r"))
+    tier.store("r", "request r")
+    tier.drain()
+    tier.device_pool.states.zero_()
+    tier.device_pool.windows.zero_()
+    return want
+
+
+def test_a_deferred_state_load_scatters_at_its_first_wait():
+    """load_scatter="compute": the slot's staged values reach the pool only when the
+    step resuming the request waits on the load, and the load is not done before."""
+    tier, slots = make(load_scatter="compute")
+    want = _swapped(tier, slots)
+    load = tier.load("r")
+    load.issued.wait(10)
+    back = slots.slot("r")
+    assert load.has_deferred and not load.is_done()
+    assert tier.device_pool.states[:, back].abs().sum() == 0  # staged, not scattered
+    load.wait_layer(0)  # the forward's first layer: a load without gates waits whole
+    assert not load.has_deferred
+    assert torch.equal(tier.device_pool.states[:, back], want[0])
+    assert torch.equal(tier.device_pool.windows[:, back], want[1])
+    tier.drain()
+    assert tier.host_room == 2
+
+
+def test_poll_scatters_a_state_load_a_failed_step_left():
+    tier, slots = make(load_scatter="compute")
+    want = _swapped(tier, slots)
+    load = tier.load("r")
+    load.issued.wait(10)
+    assert load.has_deferred
+    tier.poll()  # the next step's poll: nobody waited on the load
+    assert not load.has_deferred
+    back = slots.slot("r")
+    assert torch.equal(tier.device_pool.states[:, back], want[0])
+    tier.drain()
+
+
+def test_a_bad_state_load_scatter_is_named():
+    with pytest.raises(ValueError, match="load_scatter"):
+        make(load_scatter="side")

@@ -87,13 +87,16 @@ def dense_model_dir(tmp_path_factory):
     return str(path)
 
 
-def test_swaps_keep_a_dense_model_on_the_ample_run(dense_model_dir):
+@pytest.mark.parametrize("scatter", ["copy", "compute"])
+def test_swaps_keep_a_dense_model_on_the_ample_run(dense_model_dir, scatter):
     """Without a router to flip, a row of the small pool (graphs, swaps of pages and state
-    slots between replays) stays close to the same row decoded with an ample pool."""
+    slots between replays) stays close to the same row decoded with an ample pool; with
+    tier_load_scatter="compute" too, where the loads' scatters run on the compute
+    stream."""
     prompts = _prompts(32)
     params = SamplingParams(temperature=0, max_tokens=48, logprobs=5)
     ref = _rows(LLM(model=dense_model_dir, num_kv_pages=1024, **KW), prompts, params)
-    tight = LLM(model=dense_model_dir, **TIGHT, **KW)
+    tight = LLM(model=dense_model_dir, tier_load_scatter=scatter, **TIGHT, **KW)
     rows = _rows(tight, prompts, params)
     assert tight.engine.runner.graphs is not None and tight.engine.runner.graphs.graphs
     _swapped(tight)

@@ -100,6 +100,33 @@ def test_swapped_requests_resume_their_state_exactly(checkpoint, debug):
     _check_released(fresh)
 
 
+def test_swaps_with_the_load_scatter_on_the_compute_stream(checkpoint, monkeypatch):
+    """tier_load_scatter="compute": every load, pages and state slots alike, defers its
+    scatter and runs it, and the swapped requests resume exactly (default endings)."""
+    from batchgen.kv.copy_engine import CopyHandle
+
+    deferred = []
+    defer = CopyHandle.defer
+
+    def spied(self, gate, finish):
+        deferred.append(self)
+        defer(self, gate, finish)
+
+    monkeypatch.setattr(CopyHandle, "defer", spied)
+    path, prompts, ample = checkpoint
+    llm = _tight_llm(path, tier_load_scatter="compute")
+    _check_same(llm.generate(prompts, TOKENS, use_tqdm=False), ample[0], logprobs=False)
+    m = _check_swaps(llm)
+    # each swap-in deferred its state slot's scatter, and the steps' page loads theirs
+    handles = list({id(h): h for h in deferred}.values())
+    slot = llm.engine.state_pool.layout.bytes_per_slot
+    state_loads = [h for h in handles if h.kind == "load" and h.nbytes == slot]
+    assert len(state_loads) == m["state_swaps_in"], (len(state_loads), m)
+    assert len(handles) > len(state_loads), "no page load deferred its scatter"
+    assert not [h for h in deferred if h.has_deferred]
+    _check_released(llm)
+
+
 def test_few_seats_swap_and_resume_when_a_slot_is_free(checkpoint):
     """max_num_seqs 3, so three device and three host state slots: a swapped request
     resumes only once a device slot is free (a store's slot is not free until its copy

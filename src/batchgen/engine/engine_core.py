@@ -312,6 +312,7 @@ class EngineCore:
                 tier.copies,
                 tier.metrics,
                 debug=self.config.batchgen_debug,
+                load_scatter=self.config.tier_load_scatter,
             )
             if self.config.state_checkpoint_interval:  # what a seat per running request leaves
                 self.checkpoints = StateCheckpoints(

@@ -285,13 +285,19 @@ def host_to_device_state(
     dev: tuple[torch.Tensor, torch.Tensor],
     host_slots: list[int],
     dev_slots: list[int],
+    defer: Callable[[int, Callable[[], None]], None] | None = None,
+    consumer: torch.cuda.Stream | None = None,
 ) -> tuple:
     """Host state slots -> device slots, (states, windows) alike, every layer: per layer
-    one block per run of consecutive host slots into staging, then one scatter per tensor."""
+    one block per run of consecutive host slots into staging, then one scatter per tensor.
+    `defer`/`consumer` as in host_to_device_pages: the scatters are handed over (gate 0)
+    to run on the submitting stream once the blocks have landed."""
+    if defer is not None and consumer is None and dev[0].is_cuda:
+        defer = None  # issued by a copy worker: no submitting stream to defer to
     host_slots, dev_slots = _by_host_page(host_slots, dev_slots)
     idx = to_device(torch.tensor(dev_slots, dtype=torch.int64), dev[0].device)
     runs = _runs(host_slots)
-    keep = [idx]
+    keep, pairs = [idx], []
     for src, dst in zip(host, dev):
         staging = torch.empty(
             (dst.shape[0], len(host_slots), *dst.shape[2:]), dtype=src.dtype, device=dst.device
@@ -299,6 +305,19 @@ def host_to_device_state(
         for layer in range(src.shape[0]):
             for i, first, n in runs:
                 staging[layer, i : i + n].copy_(src[layer, first : first + n], non_blocking=True)
-        dst.index_copy_(1, idx, staging)
+        pairs.append((dst, staging))
         keep.append(staging)
+    finish = partial(_host_to_device_state_scatter, pairs, idx)
+    if defer is None:
+        finish()
+    elif consumer is None:  # CPU: the blocks have landed
+        defer(0, finish)
+    else:
+        defer(0, partial(_on_consumer, consumer, _landed(), finish))
     return tuple(keep)
+
+
+def _host_to_device_state_scatter(pairs: list, idx: torch.Tensor) -> None:
+    """Each tensor's staged slots into its device slots, on the current stream."""
+    for dst, staging in pairs:
+        dst.index_copy_(1, idx, staging)

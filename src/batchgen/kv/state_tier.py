@@ -55,7 +55,13 @@ class StateTier:
         copies: CopyEngine,
         metrics: TierMetrics,
         debug: bool = False,
+        load_scatter: str = "copy",
     ) -> None:
+        if load_scatter not in ("copy", "compute"):
+            raise ValueError(f"load_scatter must be 'copy' or 'compute', got {load_scatter!r}")
+        # TieredKVManager.load_scatter: "compute" defers a load's scatter into the slots
+        # to the stream that submitted it (the first wait for the load queues it)
+        self.load_scatter = load_scatter
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.slots = slots
@@ -134,7 +140,7 @@ class StateTier:
         def copy(handle: CopyHandle):
             for store in after:  # a host slot is not read before its write completes
                 store.wait_on_current_stream()
-            return host_to_device_state(host, dev, host_slots, dev_slots)
+            return host_to_device_state(host, dev, host_slots, dev_slots, *self._deferral(handle))
 
         handle = self.copies.submit("load", self.slot_bytes, copy)
         self._log("state_load", dev_slots[0], host_slots[0], f"request {request_id}")
@@ -195,7 +201,7 @@ class StateTier:
         def copy(handle: CopyHandle):
             for store in after:  # a checkpoint is not read before its write completes
                 store.wait_on_current_stream()
-            return host_to_device_state(host, dev, host_slots, dev_slots)
+            return host_to_device_state(host, dev, host_slots, dev_slots, *self._deferral(handle))
 
         handle = self.copies.submit("load", self.slot_bytes, copy)
         self._log("state_load", dev_slot, host_slot, f"checkpoint {host_slot}")
@@ -217,9 +223,19 @@ class StateTier:
         else:
             self._free.append(slot)
 
+    def _deferral(self, handle: CopyHandle) -> tuple:
+        """A load body's (defer, consumer): where its scatter runs (load_scatter)."""
+        if self.load_scatter != "compute":
+            return None, None
+        return handle.defer, handle.consumer
+
     # ---- completion --------------------------------------------------------------------
     def poll(self) -> None:
-        """Complete every copy that has finished, in submission order."""
+        """Complete every copy that has finished, in submission order; a deferred load
+        scatter a failed step left is queued first."""
+        for p in self._pending:
+            if p.kind != "store" and p.handle.issued.is_set() and p.handle.has_deferred:
+                p.handle.run_finishers()
         while self._pending and self._pending[0].handle.is_done():
             self._complete(self._pending.popleft())
 
