@@ -203,3 +203,72 @@ def test_mixed_step_splits_one_token_rows_from_prefill_chunks(monkeypatch, raw):
     assert (got - want).abs().max().item() < TOL
     assert (states - want_states).abs().max().item() < TOL
     assert torch.equal(states[[5, 7]], want_states[[5, 7]])
+
+
+@pytest.mark.parametrize("decodes_first", [True, False])
+def test_mixed_step_in_two_blocks_hands_the_kernels_views(monkeypatch, decodes_first):
+    """The usual mixed step: the running requests' one-token rows in one block, the
+    admitted prompts' chunks in another (either order). Each kernel gets views of the
+    step's contiguous q, k, v and g (no gather: the same storage); beta's rows are 8
+    bytes here, so a view of them that starts off a 16-byte boundary is copied (Triton
+    would compile anew for it) and one that starts on it is not. Every pointer handed
+    over is aligned; the outputs and every slot match the torch step."""
+    seen = []
+
+    def record(name, tensors):
+        seen.append((name, [t.untyped_storage().data_ptr() for t in tensors]))
+        assert all(t.data_ptr() % 16 == 0 for t in tensors)
+
+    def chunked(q, k, v, g, beta, *args, cu_seqlens=None, **kwargs):
+        record("chunked", (q, k, v, g, beta))
+        kwargs.pop("cu_seqlens_cpu")
+        return fla_kda.fused_recurrent_kda(q, k, v, g, beta, *args, cu_seqlens=cu_seqlens, **kwargs)
+
+    def recurrent(q, k, v, g, beta, *args, **kwargs):
+        record("recurrent", (q, k, v, g, beta))
+        return fused_recurrent_kda_fwd(q, k, v, g, beta, *args, **kwargs)
+
+    _, fused_recurrent_kda_fwd = kda_ops.fla_kda()
+    monkeypatch.setattr(kda_ops, "fla_kda", lambda: (chunked, recurrent))
+    decodes = [(1, 6, True), (1, 0, True), (1, 2, True)]
+    prefills = [(5, 1, True), (4, 3, False)]
+    parts = decodes + prefills if decodes_first else prefills + decodes
+    seqs, row = [], 0
+    for n, slot, has_state in parts:
+        seqs.append(LinearSeq(q_start=row, q_len=n, slot=slot, has_state=has_state))
+        row += n
+    meta = LinearAttentionMetadata.build(seqs, "cpu")
+    split = kda_ops._step_split(meta)
+    assert isinstance(split.decode_rows, slice) and isinstance(split.prefill_rows, slice)
+    q, k, v, g, beta = (t.contiguous() for t in inputs(row, seed=21))
+    assert beta.stride(0) * beta.element_size() == 8
+    wide = [t.untyped_storage().data_ptr() for t in (q, k, v, g)]
+    states = torch.randn(8, 2, 16, 16, generator=torch.Generator().manual_seed(22))
+    states.index_fill_(0, meta.fresh_slots, 0.0)
+    want_states = states.clone()
+    want = kda_ops.kda_attention_torch(q, k, v, g, beta, want_states, meta)
+    got = kda_ops._kda_fla(q, k, v, g, beta, states, meta)
+    assert [name for name, _ in seen] == ["recurrent", "chunked"]
+    first_block = "recurrent" if decodes_first else "chunked"  # its view starts at row 0
+    for name, storages in seen:
+        assert storages[:4] == wide
+        copied = storages[4] != beta.untyped_storage().data_ptr()
+        assert copied == (name != first_block)
+    assert (got - want).abs().max().item() < TOL
+    assert (states - want_states).abs().max().item() < TOL
+    assert torch.equal(states[[4, 5, 7]], want_states[[4, 5, 7]])
+
+
+def test_mixed_step_rows_interleaved_are_gathered():
+    """One-token rows between prompt chunks cannot be one block: the split gathers them
+    by row index, as test_mixed_step_splits_one_token_rows_from_prefill_chunks runs."""
+    parts = [(3, 0), (1, 1), (2, 2), (1, 3)]
+    seqs, row = [], 0
+    for n, slot in parts:
+        seqs.append(LinearSeq(q_start=row, q_len=n, slot=slot, has_state=True))
+        row += n
+    split = kda_ops._split(LinearAttentionMetadata.build(seqs, "cpu"), torch.device("cpu"))
+    assert split.decode_rows.tolist() == [3, 6]
+    assert split.prefill_rows.tolist() == [0, 1, 2, 4, 5]
+    assert split.prefill_cu.tolist() == [0, 3, 5]
+    assert split.decode_slots.tolist() == [1, 3] and split.prefill_slots.tolist() == [0, 2]

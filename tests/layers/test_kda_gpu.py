@@ -79,9 +79,13 @@ def test_fla_matches_reference_over_steps(dtype, gates):
     prefill = meta_for([(150, 5, False), (7, 1, False), (64, 3, False)])
     got, want = both(step_inputs(221, dtype, 0), prefill, states_fla, states_ref, raw)
     assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
-    # step 2: a continued prefill chunk beside two decodes
+    # step 2: a continued prefill chunk between two decodes (their rows gathered)
     mixed = meta_for([(1, 5, True), (33, 1, True), (1, 3, True)])
     got, want = both(step_inputs(35, dtype, 1), mixed, states_fla, states_ref, raw)
+    assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
+    # step 2b: the usual layout, decodes ahead of the chunk (the kernels take views)
+    mixed = meta_for([(1, 5, True), (1, 3, True), (20, 1, True)])
+    got, want = both(step_inputs(22, dtype, 4), mixed, states_fla, states_ref, raw)
     assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
     # step 3: decode only (the in-place recurrent kernel)
     decode = meta_for([(1, 3, True), (1, 5, True), (1, 1, True)])
@@ -95,8 +99,12 @@ def test_fla_matches_reference_over_steps(dtype, gates):
 @pytest.mark.parametrize("prepared", [True, False])
 @pytest.mark.parametrize(
     "parts",
-    [[(150, 5, False), (7, 1, False)], [(1, 5, True), (33, 1, True)]],
-    ids=["prefill", "mixed"],
+    [
+        [(150, 5, False), (7, 1, False)],
+        [(1, 5, True), (33, 1, True)],
+        [(1, 5, True), (33, 1, True), (1, 3, True)],
+    ],
+    ids=["prefill", "mixed-blocks", "mixed-interleaved"],
 )
 def test_a_prepared_step_queues_its_kda_without_a_host_sync(parts, prepared):
     """`prepare_step` (called by the runner's linear_metadata) makes fla's chunk index

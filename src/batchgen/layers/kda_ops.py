@@ -189,14 +189,32 @@ def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
     # a mixed step: its one-token rows take the recurrent step in place on their slots,
     # its prefill chunks the chunked kernel (which would spend a whole chunk on each row)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    rows = [x.index_select(0, split.decode_rows) for x in step]
+    rows = [_take(x, split.decode_rows) for x in step]
     o = _recurrent(rows, states, split.decode_cu, split.decode_slots, scale, gates)
-    out.index_copy_(0, split.decode_rows, o)
-    rows = [x.index_select(0, split.prefill_rows) for x in step]
+    _put(out, split.decode_rows, o)
+    rows = [_take(x, split.prefill_rows) for x in step]
     cu, cu_host = split.prefill_cu, split.prefill_cu_host
     o = _chunked(rows, states, split.prefill_slots, cu, cu_host, scale, gates)
-    out.index_copy_(0, split.prefill_rows, o)
+    _put(out, split.prefill_rows, o)
     return out
+
+
+def _take(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """x's rows: a view for a slice, a gather for an index. A view whose start is not
+    16-byte aligned (rows narrower than 16 bytes, as beta's with few heads) is copied:
+    Triton specialises a pointer on that alignment, and a view aligned in one step and
+    not in the next would compile the kernel anew mid-run."""
+    if not isinstance(rows, slice):
+        return x.index_select(0, rows)
+    view = x[rows]
+    return view if view.data_ptr() % 16 == 0 else view.clone()
+
+
+def _put(out: torch.Tensor, rows: slice | torch.Tensor, o: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        out[rows] = o
+    else:
+        out.index_copy_(0, rows, o)
 
 
 # the chunk length fla-core's chunk_kda takes when none is passed (as _chunked does)
@@ -294,12 +312,15 @@ def _chunked(step, states, slots, cu_seqlens, cu_seqlens_host, scale, gates):
 
 class _Split(NamedTuple):
     """A mixed step's rows by kernel: the one-token requests' rows and slots (the
-    recurrent step, cu_seqlens 0..n), the longer ones' rows, slots and cu_seqlens."""
+    recurrent step, cu_seqlens 0..n), the longer ones' rows, slots and cu_seqlens. Rows
+    are a slice where that kind's requests are packed together (the scheduler's running
+    requests decode ahead of those it admits: the usual mixed step), so that the kernels
+    read views of the step's tensors; else an index to gather them by."""
 
-    decode_rows: torch.Tensor
+    decode_rows: slice | torch.Tensor
     decode_slots: torch.Tensor
     decode_cu: torch.Tensor
-    prefill_rows: torch.Tensor
+    prefill_rows: slice | torch.Tensor
     prefill_slots: torch.Tensor
     prefill_cu: torch.Tensor
     prefill_cu_host: torch.Tensor
@@ -320,14 +341,29 @@ def _split(meta: LinearAttentionMetadata, device: torch.device) -> _Split | None
     nd = len(decodes)
     lens = np.array([s.q_len for s in prefills], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lens)])
+    slots = [[s.slot for s in decodes], np.arange(nd + 1), [s.slot for s in prefills], cu]
+    blocks = _blocks(meta.seqs)
+    if blocks is not None:  # each kind's rows in one block: views, no gather
+        decode_slots, decode_cu, prefill_slots, prefill_cu = parts_to_device(slots, device)
+        return _Split(blocks[0], decode_slots, decode_cu, blocks[1], prefill_slots,
+                      prefill_cu, torch.from_numpy(cu))  # fmt: skip
     starts = np.array([s.q_start for s in prefills], dtype=np.int64)
     prefill_rows = np.arange(int(cu[-1])) - np.repeat(cu[:-1] - starts, lens)
-    parts = [
-        [s.q_start for s in decodes],
-        [s.slot for s in decodes],
-        np.arange(nd + 1),
-        prefill_rows,
-        [s.slot for s in prefills],
-        cu,
-    ]
-    return _Split(*parts_to_device(parts, device), torch.from_numpy(cu))
+    rows = [[s.q_start for s in decodes], prefill_rows]
+    decode_rows, prefill_rows, *rest = parts_to_device(rows + slots, device)
+    decode_slots, decode_cu, prefill_slots, prefill_cu = rest
+    return _Split(decode_rows, decode_slots, decode_cu, prefill_rows, prefill_slots,
+                  prefill_cu, torch.from_numpy(cu))  # fmt: skip
+
+
+def _blocks(seqs) -> tuple[slice, slice] | None:
+    """The one-token requests' rows and the others', each one slice, where the first
+    kind comes before or after every request of the other (the step's seqs are packed
+    in order, from row 0); else None."""
+    one_token = [s.q_len == 1 for s in seqs]
+    if sum(a != b for a, b in zip(one_token, one_token[1:])) != 1:
+        return None
+    nd, end = sum(one_token), seqs[-1].q_start + seqs[-1].q_len
+    if one_token[0]:
+        return slice(0, nd), slice(nd, end)
+    return slice(end - nd, end), slice(0, end - nd)
