@@ -15,6 +15,20 @@ from batchgen.kv.state_pool import StateLayout
 from batchgen.layers import attention, attention_torch
 
 
+def small_engine(path, max_num_seqs: int):
+    """The engine of an LLM on the CPU over the model saved at path: fp32, a 64-token
+    context, 100 tokens a step."""
+    llm = LLM(
+        model=str(path),
+        device="cpu",
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=100,
+    )
+    return llm.engine
+
+
 def test_warmup_forward_runs_a_full_budget_step(tmp_path, monkeypatch):
     save_tiny_model(tmp_path, "Qwen3ForCausalLM")
     llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", page_size=4, max_model_len=64)
@@ -106,15 +120,7 @@ def test_a_hybrid_engine_warms_each_norm_bucket_on_a_gpu(tmp_path, monkeypatch):
     from kimi_checkpoints import save_tiny_kimi
 
     save_tiny_kimi(tmp_path, layer_types=["full_attention", "linear_attention"] * 2)
-    llm = LLM(
-        model=str(tmp_path),
-        device="cpu",
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=4,
-        max_num_batched_tokens=100,
-    )
-    eng = llm.engine
+    eng = small_engine(tmp_path, max_num_seqs=4)
     sizes = []
     monkeypatch.setattr(eng, "_profile_forward", sizes.append)
     monkeypatch.setattr(memory, "NORM_BUCKET_ROWS", 64)  # 2 heads: a bucket per 32 tokens
@@ -137,8 +143,75 @@ def test_a_hybrid_engine_warms_each_norm_bucket_on_a_gpu(tmp_path, monkeypatch):
     before = [(s.clone(), w.clone()) for s, w in eng.state_pool.layer_states()]
     eng._profile_forward(100)  # prompts of 63 and 37
     assert eng._profiled == {100}  # what _warm_linear_norms will not run again
+    eng._profile_sampler()  # four one-token prompts, all in the spare slot too
     spare = eng.config.max_num_seqs
     for (states, windows), (s0, w0) in zip(eng.state_pool.layer_states(), before):
         assert torch.equal(states[:spare], s0[:spare])
         assert torch.equal(windows[:spare], w0[:spare])
         assert not torch.equal(states[spare], s0[spare])  # the prompts ran in the spare
+
+
+def test_the_sampler_step_samples_as_many_rows_as_a_step_holds_at_their_widest(
+    tmp_path, monkeypatch
+):
+    """The memory plan's sampler step: max_num_seqs one-token prompts in one forward,
+    every row sampled with top-k, top-p, min-p, penalties and 20 logprobs, so that the
+    measured peak holds the sampler's vocabulary-wide tensors for a full batch of rows
+    (a prefill step of the budget samples only a few)."""
+    from batchgen.runner.sampler import Sampler
+
+    save_tiny_model(tmp_path, "Qwen3ForCausalLM")
+    eng = small_engine(tmp_path, max_num_seqs=6)
+    calls, forwards = [], []
+    sample = Sampler.__call__
+
+    def spy(self, logits, meta):
+        calls.append((tuple(logits.shape), meta))
+        return sample(self, logits, meta)
+
+    monkeypatch.setattr(Sampler, "__call__", spy)
+    hook = eng.model.register_forward_pre_hook(lambda _, args: forwards.append(args[0].shape))
+    eng._profile_sampler()
+    hook.remove()
+    assert forwards == [torch.Size([6])]
+    ((shape, meta),) = calls
+    assert shape == (6, eng.hf_config.vocab_size)
+    assert not meta.all_greedy and meta.use_top_k and meta.use_top_p and meta.use_min_p
+    assert meta.need_logprobs and meta.max_logprobs == 20
+    assert meta.output_token_counts is not None and meta.prompt_token_mask is not None
+    assert meta.output_token_counts.shape == shape
+
+
+def test_the_plan_reads_the_peak_after_the_sampler_step(monkeypatch):
+    """On a GPU the pool gets what is left once both warm-up steps have run: the
+    budget's prefill step and the sampler step, whichever peaks higher."""
+    gib = 2**30
+    peak = {"now": 0}
+    events = []
+
+    def forward(n):
+        events.append(("forward", n))
+        peak["now"] = max(peak["now"], 10 * gib)
+
+    def sampler():
+        events.append(("sampler",))
+        peak["now"] = max(peak["now"], 12 * gib)
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: peak["now"])
+    monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (100 * gib, 100 * gib))
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: 0)
+    layout = memory.KVLayout(1, 1, 4, 16, torch.float32)
+    config = EngineConfig(max_num_batched_tokens=64, gpu_memory_utilization=0.5)
+    device = torch.device("cuda")
+    pages = memory.plan_num_pages(config, layout, device, forward, sampler)
+    assert events == [("forward", 64), ("sampler",)]
+    assert pages == (50 - 12) * gib // layout.bytes_per_page
+    peak["now"] = 0
+    # without a sampler step only the prefill's peak counts
+    assert memory.plan_num_pages(config, layout, device, forward) == (
+        (50 - 10) * gib // layout.bytes_per_page
+    )

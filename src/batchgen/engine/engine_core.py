@@ -14,6 +14,7 @@ from batchgen.config import EngineConfig
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
 from batchgen.engine.memory import (
+    WIDEST_SAMPLING,
     build_state_pool,
     copy_bytes_per_second,
     norm_bucket_sizes,
@@ -118,7 +119,9 @@ class EngineCore:
         # out of what the KV pool may use
         self.state_pool = build_state_pool(model, config, dtype, device)
         self._profiled: set[int] = set()  # the warm-up steps' sizes run so far
-        num_pages = plan_num_pages(config, self.layout, device, self._profile_forward)
+        num_pages = plan_num_pages(
+            config, self.layout, device, self._profile_forward, self._profile_sampler
+        )
         self._warm_linear_norms()
         self._check_pool_size(num_pages)
         # the host tier's budget: GiB of KV pages, and host slots of compressed state
@@ -465,10 +468,13 @@ class EngineCore:
             self.tp_workers.shutdown()
             self.tp_workers = None
 
-    def _profile_forward(self, num_tokens: int) -> None:
-        """A prefill step of num_tokens in prompts no longer than max_model_len allows
+    def _profile_forward(
+        self, num_tokens: int, max_len: int | None = None, params: SamplingParams | None = None
+    ) -> None:
+        """A prefill step of num_tokens in prompts of at most max_len tokens (None: as
+        long as max_model_len allows), each sampled with `params` (None: greedy)
         (warmup_forward), on every rank."""
-        longest = self.max_model_len - 1
+        longest = self.max_model_len - 1 if max_len is None else max_len
         if self.tp_workers is not None:  # the workers run it too: collectives pair up
             message = {
                 "profile": num_tokens,
@@ -489,8 +495,16 @@ class EngineCore:
             linear_states=states,
             state_slot=self.config.max_num_seqs,  # the spare slot (build_state_pool)
             max_len=longest,
+            params=params,
         )
         self._profiled.add(num_tokens)
+
+    def _profile_sampler(self) -> None:
+        """The memory plan's sampler step: as many one-token prompts as a step may hold
+        rows (max_num_seqs), each sampled with every filter, penalty and logprobs
+        (WIDEST_SAMPLING); a vocabulary-wide tensor or several a row."""
+        rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self._profile_forward(rows, max_len=1, params=WIDEST_SAMPLING)
 
     def _warm_linear_norms(self) -> None:
         """On a GPU, a model with linear-attention layers runs a prefill step of each

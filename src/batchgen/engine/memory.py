@@ -21,14 +21,32 @@ from batchgen.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+# what the memory plan's sampler step asks of every row: each filter, each penalty and
+# the most logprobs a request may report, so that its peak is the sampler's widest
+WIDEST_SAMPLING = SamplingParams(
+    temperature=1.0,
+    top_p=0.9,
+    top_k=50,
+    min_p=0.01,
+    logprobs=20,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    repetition_penalty=1.1,
+)
+
+
 def plan_num_pages(
     config: EngineConfig,
     layout: KVLayout,
     device: torch.device,
     profile_forward: Callable[[int], None],
+    profile_sampler: Callable[[], None] | None = None,
 ) -> int:
     """Pages for the pool: fixed by config, else a fraction of what a warm-up forward
-    at the largest token budget leaves free on the GPU (cpu_kv_cache_gib on the CPU)."""
+    at the largest token budget leaves free on the GPU (cpu_kv_cache_gib on the CPU).
+    `profile_sampler`, run after it, counts the sampler's peak at its widest (a step of
+    max_num_seqs rows, each filtered and reporting logprobs): a prefill step samples a
+    few rows, a later mixed or decode step hundreds, each a vocabulary wide."""
     if config.num_kv_pages is not None:
         return config.num_kv_pages
     if config.kv_cache_size_gib is not None:
@@ -41,6 +59,8 @@ def plan_num_pages(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     profile_forward(config.max_num_batched_tokens)
+    if profile_sampler is not None:
+        profile_sampler()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
@@ -142,12 +162,14 @@ def warmup_forward(
     linear_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     state_slot: int | None = None,
     max_len: int | None = None,
+    params: SamplingParams | None = None,
 ) -> None:
     """One prefill step of num_tokens prompt tokens through a throw-away pool, on the
     attention backend the engine runs: the peak memory of the largest step, for
     plan_num_pages, and its time, for the tier's cost rule. The tokens are prompts of
     at most `max_len` tokens each (None: one prompt), as a full step of a model whose
-    context is shorter than the step's token budget holds several. A model with
+    context is shorter than the step's token budget holds several; each samples with
+    `params` (None: greedy). A model with
     linear-attention layers runs on the engine's state pool (`linear_states`), every
     prompt in `state_slot`, a slot no request holds (the layers zero it first; what the
     prompts leave there is never read)."""
@@ -166,14 +188,14 @@ def warmup_forward(
         max_pages=max(per),
         linear_states=linear_states,
     )
-    greedy = SamplingParams(temperature=0)
+    params = SamplingParams(temperature=0) if params is None else params
     requests, first = [], 0
     for i, (n, pages) in enumerate(zip(lens, per)):
         prompt = [0] * n
         page_ids = list(range(first, first + pages))
         requests.append(
             ScheduledRequest(
-                f"profile{i}", prompt, 0, page_ids, True, greedy, prompt, [], None, state_slot
+                f"profile{i}", prompt, 0, page_ids, True, params, prompt, [], i, state_slot
             )
         )
         first += pages
