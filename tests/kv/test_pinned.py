@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import mmap
 
 import pytest
 import torch
@@ -20,16 +21,36 @@ from batchgen.kv.layout import KVLayout
 from batchgen.kv.state_pool import HostStatePool, StateLayout
 
 
+def resident_bytes(ptr: int) -> int | None:
+    """The resident bytes (Rss) of this process's mapping that holds address ptr, from
+    /proc/self/smaps; None where that file is missing."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    return None
+
+
 class FakeCudart:
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         self.registered: dict[int, int] = {}
         self.unregistered: list[int] = []
+        self.resident: dict[int, int | None] = {}  # at registration
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
         if self.fail:
             return 2  # cudaErrorMemoryAllocation
         self.registered[ptr] = nbytes
+        self.resident[ptr] = resident_bytes(ptr)
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:
@@ -61,6 +82,18 @@ def test_pinned_pool_is_registered_at_its_exact_size_and_released(cudart):
     del t
     gc.collect()
     assert cudart.unregistered == [ptr]
+
+
+def test_the_pages_are_faulted_in_before_registration(cudart):
+    """Registration finds every page of the pool resident (our threads faulted them in;
+    registration would fault them one by one), and the pool still reads as zeros."""
+    nbytes = 64 * mmap.PAGESIZE + 100  # a partial last page too
+    t = pinned.host_empty((nbytes,), torch.uint8, pin=True)
+    resident = cudart.resident[t.data_ptr()]
+    if resident is None:
+        pytest.skip("no /proc/self/smaps here")
+    assert resident == 65 * mmap.PAGESIZE
+    assert not t.any()
 
 
 def test_a_view_keeps_the_registration(cudart):
@@ -138,3 +171,44 @@ def test_pinned_pool_round_trips_non_blocking_copies_on_the_gpu():
         back = pool.kv.to("cuda", non_blocking=True)
     stream.synchronize()
     assert torch.equal(back, src)
+
+
+def test_cpu_lists_parse_as_linux_writes_them():
+    assert pinned.cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert pinned.cpu_list("5") == {5}
+    assert pinned.cpu_list("\n") == set()
+
+
+def test_numa_nodes_count_only_nodes_with_cpus_this_process_may_use(tmp_path, monkeypatch):
+    for node, cpus in (("node0", "0-3"), ("node1", "4-7"), ("node2", "")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpus + "\n")
+    monkeypatch.setattr(pinned.os, "sched_getaffinity", lambda pid: {1, 2})
+    assert pinned._numa_nodes(str(tmp_path)) == 1
+    monkeypatch.setattr(pinned.os, "sched_getaffinity", lambda pid: {3, 4})
+    assert pinned._numa_nodes(str(tmp_path)) == 2
+    assert pinned._numa_nodes(str(tmp_path / "missing")) == 1  # no node files: one node
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_first_touch_runs_on_one_thread_where_the_process_spans_numa_nodes(monkeypatch, nodes):
+    """Torch's intra-op threads touch the pages on one node; across nodes one thread
+    does (a page lands on the node of its first toucher). The thread count is put back
+    either way."""
+    seen = []
+    fill = torch.Tensor.fill_
+
+    def spy(self, value):
+        seen.append(torch.get_num_threads())
+        return fill(self, value)
+
+    monkeypatch.setattr(pinned, "_numa_nodes", lambda: nodes)
+    monkeypatch.setattr(torch.Tensor, "fill_", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pinned._prefault(mmap.mmap(-1, 8 * mmap.PAGESIZE))
+        assert seen == [2 if nodes == 1 else 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
