@@ -119,3 +119,42 @@ def test_one_tokenizer_file_is_enough_to_try_loading(tmp_path, name):
     assert not loader._has_tokenizer_files(tmp_path)
     (tmp_path / name).write_bytes(b"")
     assert loader._has_tokenizer_files(tmp_path)
+
+
+def test_inside_gguf_read_once_a_file_is_parsed_once_and_a_name_map_built_once(monkeypatch):
+    """transformers reads a GGUF file for its config, tokenizer and tensors through
+    gguf.GGUFReader, called at the time of the read: inside gguf_read_once those reads
+    share one reader per file and one name map per (architecture, layers); on leaving
+    (an exception too) gguf's own functions are back."""
+    gguf = pytest.importorskip("gguf")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from batchgen.models.default_model import default_model_path
+
+    made, maps = [], []
+    reader_cls, map_fn = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counted_reader(path, mode="r"):
+        made.append(str(path))
+        return reader_cls(path, mode)
+
+    def counted_map(arch, n_blocks):
+        maps.append((arch, n_blocks))
+        return map_fn(arch, n_blocks)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted_reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted_map)
+    path = str(default_model_path())
+    with loader.gguf_read_once():
+        first = load_gguf_checkpoint(path, return_tensors=False)
+        second = load_gguf_checkpoint(path, return_tensors=False)
+        assert gguf.get_tensor_name_map(1, 2) is gguf.get_tensor_name_map(1, 2)
+    assert made == [path]  # one parse for both reads
+    assert maps == [(1, 2)]
+    assert first["config"] == second["config"] and first["tokenizer"] == second["tokenizer"]
+    assert gguf.GGUFReader is counted_reader and gguf.get_tensor_name_map is counted_map
+    with pytest.raises(RuntimeError), loader.gguf_read_once():
+        raise RuntimeError("a failed load")
+    assert gguf.GGUFReader is counted_reader and gguf.get_tensor_name_map is counted_map
+    load_gguf_checkpoint(path, return_tensors=False)
+    assert made == [path, path]  # outside, each read parses anew

@@ -38,7 +38,7 @@ from batchgen.kv.state_checkpoints import StateCheckpoints
 from batchgen.kv.state_pool import HostStatePool, StateLayout, StateSlots
 from batchgen.kv.state_tier import StateTier
 from batchgen.kv.tiered import TieredKVManager
-from batchgen.models.loader import ModelSource, build_model
+from batchgen.models.loader import ModelSource, build_model, gguf_read_once
 from batchgen.models.registry import check_tensor_parallel
 from batchgen.runner.batch import SchedulerOutput
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
@@ -431,6 +431,11 @@ class EngineCore:
         from batchgen.models.default_model import default_model_path
 
         source = ModelSource.resolve(config.model or default_model_path(config.cache_dir))
+        with gguf_read_once():  # config, tokenizer and weights from one parse of a GGUF
+            return cls._from_source(config, source)
+
+    @classmethod
+    def _from_source(cls, config: EngineConfig, source: ModelSource) -> EngineCore:
         hf_config = source.load_config()
         tokenizer = source.load_tokenizer()
         device = config.torch_device()

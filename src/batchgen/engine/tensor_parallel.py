@@ -54,7 +54,7 @@ from batchgen.kv.page_pool import PagePool
 from batchgen.kv.state_pool import HostStatePool
 from batchgen.kv.tier_mirror import TierCopy, TierMirror
 from batchgen.layers.tp_group import TPGroup
-from batchgen.models.loader import ModelSource, build_model
+from batchgen.models.loader import ModelSource, build_model, gguf_read_once
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
 from batchgen.runner.model_runner import ModelRunner
 
@@ -199,19 +199,20 @@ def worker_main(rank: int, size: int, init: str, config: EngineConfig, source) -
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     tp = init_tensor_parallel(rank, size, _backend(config), init)
     try:
-        hf_config = source.load_config()
-        device = _device(config, rank)
-        dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
-        model = build_model(
-            source,
-            hf_config,
-            dtype,
-            device,
-            max_model_len(config, hf_config),
-            config.load_format,
-            config.seed,
-            tp=tp,
-        )
+        with gguf_read_once():  # config and weights from one parse of a GGUF
+            hf_config = source.load_config()
+            device = _device(config, rank)
+            dtype = config.torch_dtype(source.checkpoint_dtype(hf_config), device)
+            model = build_model(
+                source,
+                hf_config,
+                dtype,
+                device,
+                max_model_len(config, hf_config),
+                config.load_format,
+                config.seed,
+                tp=tp,
+            )
         worker = _Worker(config, model, hf_config, device, dtype, tp)
         while (message := _receive(tp)) is not None:
             reply = worker.handle(message)
