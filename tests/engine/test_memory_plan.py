@@ -3,6 +3,9 @@ full step of the token budget, in prompts as long as max_model_len allows."""
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 from conftest import save_tiny_model
 
@@ -215,3 +218,42 @@ def test_the_plan_reads_the_peak_after_the_sampler_step(monkeypatch):
     assert memory.plan_num_pages(config, layout, device, forward) == (
         (50 - 10) * gib // layout.bytes_per_page
     )
+
+
+def test_a_host_tier_larger_than_the_memory_left_is_refused(tmp_path):
+    """MemAvailable, or the cgroup's memory.max less memory.current if smaller, bounds
+    the host tier (on every tensor-parallel rank); unreadable files check nothing."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 67108864 kB\nMemAvailable: 33554432 kB\n")  # 32 GiB left
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text("max\n")
+    check = functools.partial(memory.check_host_budget, meminfo=meminfo, cgroup=cgroup)
+    check(30.0)
+    check(15.0, ranks=2)
+    with pytest.raises(ValueError, match=r"host_kv_size_gib=33 needs 33\.0 GiB .* 32\.0 GiB"):
+        check(33.0)
+    with pytest.raises(ValueError, match="on each of 4 tensor-parallel ranks"):
+        check(10.0, ranks=4)
+    (cgroup / "memory.max").write_text(str(20 * 2**30))  # a container's limit, 12 GiB used
+    (cgroup / "memory.current").write_text(str(12 * 2**30))
+    check(8.0)
+    with pytest.raises(ValueError, match="can take 8.0 GiB more"):
+        check(9.0)
+    memory.check_host_budget(1e6, meminfo=tmp_path / "none", cgroup=tmp_path / "none")
+    check(0.0)
+
+
+def test_the_engine_refuses_an_oversized_host_tier_before_loading_weights(tmp_path, monkeypatch):
+    from batchgen.engine import engine_core
+
+    save_tiny_model(tmp_path, "LlamaForCausalLM")
+    built = []
+    monkeypatch.setattr(engine_core, "build_model", lambda *a, **k: built.append(a))
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable: 1048576 kB\n")  # 1 GiB
+    read = memory._mem_available
+    monkeypatch.setattr(memory, "_mem_available", lambda _: read(meminfo))
+    with pytest.raises(ValueError, match="lower host_kv_size_gib"):
+        LLM(model=str(tmp_path), device="cpu", host_kv_size_gib=2.0)
+    assert built == []

@@ -16,6 +16,7 @@ from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
 from batchgen.engine.memory import (
     WIDEST_SAMPLING,
     build_state_pool,
+    check_host_budget,
     copy_bytes_per_second,
     norm_bucket_sizes,
     plan_num_pages,
@@ -431,6 +432,8 @@ class EngineCore:
         from batchgen.models.default_model import default_model_path
 
         source = ModelSource.resolve(config.model or default_model_path(config.cache_dir))
+        # before the weights: a host tier that cannot fit would fail after loading them
+        check_host_budget(config.host_kv_size_gib, config.tensor_parallel_size)
         with gguf_read_once():  # config, tokenizer and weights from one parse of a GGUF
             return cls._from_source(config, source)
 

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,55 @@ WIDEST_SAMPLING = SamplingParams(
     frequency_penalty=0.5,
     repetition_penalty=1.1,
 )
+
+
+def check_host_budget(
+    gib: float,
+    ranks: int = 1,
+    meminfo: str = "/proc/meminfo",
+    cgroup: str = "/sys/fs/cgroup",
+) -> None:
+    """ValueError, before anything is loaded, when a host tier of `gib` GiB on each of
+    `ranks` ranks cannot fit in the memory this process may still take: Linux's
+    MemAvailable, or what is left under its cgroup's (v2) memory.max if less. Pinning
+    more than that fails late (after the weights are loaded) or gets the process killed
+    as the pages are touched. Where neither can be read, nothing is checked."""
+    if gib <= 0:
+        return
+    left = [v for v in (_mem_available(meminfo), _cgroup_left(cgroup)) if v is not None]
+    if not left:
+        return
+    need = gib * ranks * 2**30
+    if need > min(left):
+        per = f" on each of {ranks} tensor-parallel ranks" if ranks > 1 else ""
+        raise ValueError(
+            f"host_kv_size_gib={gib:g}{per} needs {need / 2**30:.1f} GiB of host memory, "
+            f"but this process can take {min(left) / 2**30:.1f} GiB more: lower "
+            "host_kv_size_gib (--host-kv-gib)"
+        )
+
+
+def _mem_available(meminfo: str) -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where unreadable)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_left(cgroup: str) -> int | None:
+    """memory.max - memory.current of a cgroup v2 directory, in bytes (None where the
+    files are missing or the limit is "max")."""
+    try:
+        limit = Path(cgroup, "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int(Path(cgroup, "memory.current").read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def plan_num_pages(
