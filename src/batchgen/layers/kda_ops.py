@@ -341,19 +341,18 @@ def _split(meta: LinearAttentionMetadata, device: torch.device) -> _Split | None
     nd = len(decodes)
     lens = np.array([s.q_len for s in prefills], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lens)])
-    slots = [[s.slot for s in decodes], np.arange(nd + 1), [s.slot for s in prefills], cu]
     blocks = _blocks(meta.seqs)
-    if blocks is not None:  # each kind's rows in one block: views, no gather
-        decode_slots, decode_cu, prefill_slots, prefill_cu = parts_to_device(slots, device)
-        return _Split(blocks[0], decode_slots, decode_cu, blocks[1], prefill_slots,
-                      prefill_cu, torch.from_numpy(cu))  # fmt: skip
-    starts = np.array([s.q_start for s in prefills], dtype=np.int64)
-    prefill_rows = np.arange(int(cu[-1])) - np.repeat(cu[:-1] - starts, lens)
-    rows = [[s.q_start for s in decodes], prefill_rows]
-    decode_rows, prefill_rows, *rest = parts_to_device(rows + slots, device)
-    decode_slots, decode_cu, prefill_slots, prefill_cu = rest
-    return _Split(decode_rows, decode_slots, decode_cu, prefill_rows, prefill_slots,
-                  prefill_cu, torch.from_numpy(cu))  # fmt: skip
+    index = []  # each kind's rows in one block: views, no gather
+    if blocks is None:  # rows interleaved: gathered by index
+        starts = np.array([s.q_start for s in prefills], dtype=np.int64)
+        prefill_rows = np.arange(int(cu[-1])) - np.repeat(cu[:-1] - starts, lens)
+        index = [[s.q_start for s in decodes], prefill_rows]
+    slots = [[s.slot for s in decodes], np.arange(nd + 1), [s.slot for s in prefills], cu]
+    parts = parts_to_device(index + slots, device)
+    rows = parts[:2] if blocks is None else blocks
+    decode_slots, decode_cu, prefill_slots, prefill_cu = parts[len(index) :]
+    return _Split(rows[0], decode_slots, decode_cu, rows[1], prefill_slots, prefill_cu,
+                  torch.from_numpy(cu))  # fmt: skip
 
 
 def _blocks(seqs) -> tuple[slice, slice] | None:
