@@ -206,6 +206,19 @@ PHASES = (
 )
 
 
+def timed_into(spent: dict[str, float], name: str, fn):
+    """fn, adding the seconds each call takes to spent[name]."""
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+    return wrapper
+
+
 @contextmanager
 def step_phases(eng):
     """Milliseconds of host time spent in each of PHASES' calls since the last take():
@@ -219,16 +232,6 @@ def step_phases(eng):
 
     spent = dict.fromkeys((name for name, _, _ in PHASES), 0.0)
     undo = []
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[name] += time.perf_counter() - t0
-
-        return wrapper
 
     def restore(owner, attr, original, own):
         # an attribute the object held itself is put back; one it found on its class
@@ -252,7 +255,7 @@ def step_phases(eng):
                 continue
         original = getattr(owner, attr)
         own = attr in vars(owner)
-        setattr(owner, attr, timed(name, original))
+        setattr(owner, attr, timed_into(spent, name, original))
         undo.append(lambda o=owner, a=attr, f=original, w=own: restore(o, a, f, w))
 
     def take() -> list[float]:

@@ -25,9 +25,13 @@ from pathlib import Path
 
 import torch
 
-from batchgen import LLM
-from batchgen.engine import engine_core
-from batchgen.models import loader
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engine_runs import timed_into  # noqa: E402
+
+from batchgen import LLM  # noqa: E402
+from batchgen.engine import engine_core  # noqa: E402
+from batchgen.models import loader  # noqa: E402
 
 PHASES = ("config", "tokenizer", "weights")
 
@@ -36,22 +40,11 @@ PHASES = ("config", "tokenizer", "weights")
 def phase_timer(spent: dict[str, float]):
     """Seconds in ModelSource.load_config, load_tokenizer and build_model (as
     engine_core calls it), added to `spent` under PHASES' names."""
-
-    def timed(name, fn):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
-
-        return run
-
     source = loader.ModelSource
     saved = (source.load_config, source.load_tokenizer, engine_core.build_model)
-    source.load_config = timed("config", saved[0])
-    source.load_tokenizer = timed("tokenizer", saved[1])
-    engine_core.build_model = timed("weights", saved[2])
+    source.load_config = timed_into(spent, "config", saved[0])
+    source.load_tokenizer = timed_into(spent, "tokenizer", saved[1])
+    engine_core.build_model = timed_into(spent, "weights", saved[2])
     try:
         yield
     finally:
