@@ -44,6 +44,7 @@ class FakeCudart:
         self.fail = fail
         self.registered: dict[int, int] = {}
         self.unregistered: list[int] = []
+        self.foreign: list[int] = []  # pools registered before the fake was installed
         self.resident: dict[int, int | None] = {}  # at registration
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
@@ -54,7 +55,7 @@ class FakeCudart:
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:
-        self.unregistered.append(ptr)
+        (self.unregistered if ptr in self.registered else self.foreign).append(ptr)
         return 0
 
 
@@ -65,6 +66,9 @@ def check_error(code: int) -> None:
 
 @pytest.fixture
 def cudart(monkeypatch):
+    # Pools an earlier test left to the collector (on a GPU, the tier's, registered with
+    # the real runtime) are released through it now, not through the recorder.
+    gc.collect()
     fake = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "check_error", check_error)
