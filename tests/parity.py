@@ -7,8 +7,10 @@ import torch
 from batchgen.eval import closeness
 
 
-def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None):
-    """transformers' greedy continuation of one prompt and each step's raw logprobs."""
+def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | list[int] | None):
+    """transformers' greedy continuation of one prompt and each step's raw logprobs; it
+    ends at any of the eos ids (pass all the engine stops at: their order in the config
+    differs between transformers versions)."""
     out = model.generate(
         torch.tensor([prompt]),
         max_new_tokens=max_new_tokens,

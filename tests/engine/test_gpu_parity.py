@@ -79,6 +79,6 @@ def test_bf16_default_model_matches_transformers(backend):
         )
         for q in QUESTIONS
     ]
-    identical, close, total = _count_rows(llm, ref, prompts, 40, llm.engine.eos_token_ids[0])
+    identical, close, total = _count_rows(llm, ref, prompts, 40, llm.engine.eos_token_ids)
     print(f"default model/{backend}: {identical} identical, {close} close, {total} rows")
     assert identical + close == total

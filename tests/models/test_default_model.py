@@ -33,7 +33,7 @@ def test_default_model_matches_transformers_on_the_same_gguf(default_llm):
     )
     mismatches = []
     for q, out in zip(QUESTIONS, outs):
-        ref_tokens, _ = reference_greedy(ref, out.prompt_token_ids, MAX_NEW, eos=eos[0])
+        ref_tokens, _ = reference_greedy(ref, out.prompt_token_ids, MAX_NEW, eos=eos)
         ours = out.outputs[0].token_ids
         if ours != ref_tokens:
             mismatches.append((q, ours, ref_tokens))
