@@ -26,7 +26,9 @@ end at EOS or max_tokens (no ignore_eos) and report no logprobs, so they run as 
 would. The top-5 at a divergence comes from scoring afterwards: every non-identical row's
 prompt plus the common part of both outputs runs once more, for one token with
 logprobs=5, on the ample engine; both sides' tokens at the divergence must be in that
-top-5 (both sides continue the same tokens there, so one top-5 stands for both).
+top-5 (both sides continue the same tokens there, so one top-5 stands for both). Ten are
+scored, so each broken row's "broken_detail" gives both tokens' ranks and logprobs: a
+near-tie among more than five tokens reads apart from a collapse.
 --debug: the probe as first run (RESULTS.md, 2026-11-30): batchgen_debug=True on the tier
 run (every offloaded page read back and compared), ignore_eos, logprobs=5 on every token
 of both runs, each side's own top-5 at the divergence.
@@ -150,11 +152,14 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def compare(prompts, tier_rows, ample_rows, score) -> dict:
-    """Rows of token ids under the closeness rule. score(prompts) -> the top-5 next-token
-    ids after each prompt; it is called once, with prompt + common output of every row
-    that is not identical. A row of different length with no differing token (one cut
-    short) is broken."""
-    identical, broken, diverging = [], [], []
+    """Rows of token ids under the closeness rule. score(prompts) -> the most likely
+    next tokens after each prompt, as (token id, logprob) pairs best first (at least
+    five); it is called once, with prompt + common output of every row that is not
+    identical. A row of different length with no differing token (one cut short) is
+    broken. Each broken row is described in "broken_detail": where it departs, both
+    tokens, their ranks in the scored list (None: below it) and the list itself, so a
+    near-tie among more than five tokens tells itself apart from a collapse."""
+    identical, broken, diverging, detail = [], [], [], []
     for i, (a, b) in enumerate(zip(tier_rows, ample_rows)):
         if a == b:
             identical.append(i)
@@ -162,17 +167,32 @@ def compare(prompts, tier_rows, ample_rows, score) -> dict:
         d = first_divergence(a, b)
         if d is None:
             broken.append(i)
+            detail.append({"row": i, "cut_short": True, "lengths": [len(a), len(b)]})
         else:
             diverging.append((i, d))
     tops = score([prompts[i] + tier_rows[i][:d] for i, d in diverging]) if diverging else []
     for (i, d), top in zip(diverging, tops):
-        if tier_rows[i][d] not in top or ample_rows[i][d] not in top:
+        ids = [t for t, _ in top]
+        mine, other = tier_rows[i][d], ample_rows[i][d]
+        if mine not in ids[:5] or other not in ids[:5]:
             broken.append(i)
+            detail.append(
+                {
+                    "row": i,
+                    "position": d,
+                    "tokens": [mine, other],
+                    "ranks": [ids.index(t) if t in ids else None for t in (mine, other)],
+                    "lengths": [len(tier_rows[i]), len(ample_rows[i])],
+                    "top": [[t, round(lp, 4)] for t, lp in top],
+                }
+            )
+    detail.sort(key=lambda x: x["row"])
     return {
         "identical_rows": len(identical),
         "close_rows": len(tier_rows) - len(identical) - len(broken),
         "broken_rows": len(broken),
         "broken": sorted(broken)[:50],
+        "broken_detail": detail[:20],
         "divergence_positions": sorted(d for _, d in diverging)[:50],
     }
 
@@ -294,16 +314,22 @@ def _generate_swapping(eng, prompts, params, every: int) -> tuple[list, dict]:
     return rows, counts
 
 
-def top5_scorer(llm):
-    """score(prompts): the top-5 next-token ids after each prompt (one greedy token,
-    logprobs=5), on an idle engine."""
+SCORED = 10  # tokens scored at a divergence: the rule reads five, a broken row shows ten
+
+
+def top_scorer(llm):
+    """score(prompts): the SCORED most likely next tokens after each prompt as (token id,
+    logprob) pairs, best first (one greedy token, logprobs=SCORED), on an idle engine."""
     from batchgen import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=SCORED, ignore_eos=True)
 
     def score(prompts):
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [top5_from_logprobs(o.outputs[0].logprobs)(0) for o in outs]
+        steps = [o.outputs[0].logprobs[0] for o in outs]
+        return [
+            sorted(((t, lp.logprob) for t, lp in s.items()), key=lambda x: -x[1]) for s in steps
+        ]
 
     return score
 
@@ -450,7 +476,7 @@ def main(argv=None) -> int:
             control_ids = [r[0] for r in run(model, prompts, params, **half)[0]]
 
         def judge(llm, rows):
-            ample_ids, score = [r[0] for r in rows], top5_scorer(llm)
+            ample_ids, score = [r[0] for r in rows], top_scorer(llm)
             verdict = compare(prompts, tier_ids, ample_ids, score)
             if control_ids is not None:
                 verdict["control"] = compare(prompts, control_ids, ample_ids, score)

@@ -93,8 +93,11 @@ def test_compare_scores_each_divergence_once_with_the_common_prefix():
 
     def score(ps):
         asked.append(ps)
-        # row 1 diverges at 1: 8 and 5 both likely; row 2 at 2: 4 is not in the top-5
-        return [[8, 5, 0, 10, 11], [9, 1, 0, 10, 11]]
+        # row 1 diverges at 1: 8 and 5 both likely; row 2 at 2: 4 is 6th, below the top-5
+        return [
+            [(8, -0.5), (5, -0.6), (0, -3.0), (10, -4.0), (11, -5.0)],
+            [(9, -1.0), (1, -1.1), (0, -1.2), (10, -1.3), (11, -1.4), (4, -1.5)],
+        ]
 
     got = probe.compare(prompts, tier, ample, score)
     # rows 3 and 4 are cut short: different lengths with no differing token
@@ -102,11 +105,23 @@ def test_compare_scores_each_divergence_once_with_the_common_prefix():
     assert got["identical_rows"] == 1 and got["close_rows"] == 1
     assert got["broken_rows"] == 3 and got["broken"] == [2, 3, 4]
     assert got["divergence_positions"] == [1, 2]
+    row2, row3, row4 = got["broken_detail"]
+    assert row2["row"] == 2 and row2["position"] == 2 and row2["tokens"] == [9, 4]
+    assert row2["ranks"] == [0, 5] and row2["top"][5] == [4, -1.5]
+    assert row3 == {"row": 3, "cut_short": True, "lengths": [2, 3]}
+    assert row4 == {"row": 4, "cut_short": True, "lengths": [1, 2]}
     assert probe.compare(prompts, tier, tier, score)["identical_rows"] == 5
     assert len(asked) == 1  # nothing to score: no call
 
 
-def test_top5_scorer_ranks_the_greedy_token_first(tmp_path):
+def test_a_token_below_the_scored_list_has_no_rank():
+    probe = load("probe_offload")
+    top = [(t, -0.1 * t) for t in range(10)]
+    got = probe.compare([[1]], [[3, 4]], [[3, 99]], lambda ps: [top])
+    assert got["broken"] == [0] and got["broken_detail"][0]["ranks"] == [4, None]
+
+
+def test_top_scorer_ranks_the_greedy_token_first(tmp_path):
     probe = load("probe_offload")
     workloads = load("workloads")
     from batchgen import LLM, SamplingParams
@@ -115,9 +130,12 @@ def test_top5_scorer_ranks_the_greedy_token_first(tmp_path):
     llm = LLM(model=str(path), load_format="dummy", device="cpu", num_kv_pages=32, max_model_len=64)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    tops = probe.top5_scorer(llm)(prompts)
-    assert [len(t) for t in tops] == [5, 5]
-    assert [t[0] for t in tops] == [o.outputs[0].token_ids[0] for o in greedy]
+    tops = probe.top_scorer(llm)(prompts)
+    assert [len(t) for t in tops] == [probe.SCORED, probe.SCORED]
+    assert [t[0][0] for t in tops] == [o.outputs[0].token_ids[0] for o in greedy]
+    for top in tops:
+        lps = [lp for _, lp in top]
+        assert lps == sorted(lps, reverse=True) and lps[0] <= 0
 
 
 def test_readback_probe_at_two_tensor_parallel_ranks(tmp_path):
