@@ -67,3 +67,17 @@ def test_what_tensor_parallel_cannot_run_yet_is_named():
     check_supported(EngineConfig(tensor_parallel_size=2, host_kv_size_gib=1.0), torch.device("cpu"))
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_tensor_parallel_on_gpus_needs_a_gpu_a_rank_and_eager_steps(monkeypatch):
+    """On CUDA: a rank per GPU (NCCL refuses two ranks on one), and decode without
+    graphs for now; a pool sized by the warm-up profile is planned across the ranks."""
+    cuda = torch.device("cuda")
+    eager = EngineConfig(tensor_parallel_size=2, enforce_eager=True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 GPUs, one a rank; 1"):
+        check_supported(eager, cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_supported(eager, cuda)  # no num_kv_pages or kv_cache_size_gib: the plan sizes it
+    with pytest.raises(ValueError, match=r"does not support CUDA graphs"):
+        check_supported(EngineConfig(tensor_parallel_size=2), cuda)

@@ -185,39 +185,117 @@ def test_the_sampler_step_samples_as_many_rows_as_a_step_holds_at_their_widest(
     assert meta.output_token_counts.shape == shape
 
 
+class FakeGPU:
+    """torch.cuda's memory counters, as the plan reads them: a peak that steps raise,
+    total memory of which `elsewhere` bytes are held outside this process's allocator;
+    `events` records resets."""
+
+    def __init__(self, monkeypatch, total: int, elsewhere: int = 0):
+        self.peak, self.events = 0, []
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", self.reset)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (total - elsewhere, total))
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: 0)
+
+    def reset(self, device=None):
+        self.peak = 0
+        self.events.append(("reset", str(device)))
+
+    def step(self, name: str, peak: int):
+        self.events.append((name,))
+        self.peak = max(self.peak, peak)
+
+
+GIB = 2**30
+LAYOUT = memory.KVLayout(1, 1, 4, 16, torch.float32)
+
+
 def test_the_plan_reads_the_peak_after_the_sampler_step(monkeypatch):
     """On a GPU the pool gets what is left once both warm-up steps have run: the
     budget's prefill step and the sampler step, whichever peaks higher."""
-    gib = 2**30
-    peak = {"now": 0}
-    events = []
-
-    def forward(n):
-        events.append(("forward", n))
-        peak["now"] = max(peak["now"], 10 * gib)
-
-    def sampler():
-        events.append(("sampler",))
-        peak["now"] = max(peak["now"], 12 * gib)
-
-    cuda = torch.cuda
-    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
-    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: peak["now"])
-    monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (100 * gib, 100 * gib))
-    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: 0)
-    layout = memory.KVLayout(1, 1, 4, 16, torch.float32)
+    gpu = FakeGPU(monkeypatch, 100 * GIB)
     config = EngineConfig(max_num_batched_tokens=64, gpu_memory_utilization=0.5)
     device = torch.device("cuda")
-    pages = memory.plan_num_pages(config, layout, device, forward, sampler)
-    assert events == [("forward", 64), ("sampler",)]
-    assert pages == (50 - 12) * gib // layout.bytes_per_page
-    peak["now"] = 0
-    # without a sampler step only the prefill's peak counts
-    assert memory.plan_num_pages(config, layout, device, forward) == (
-        (50 - 10) * gib // layout.bytes_per_page
+    pages = memory.plan_num_pages(
+        config,
+        LAYOUT,
+        device,
+        lambda n: gpu.step(f"forward {n}", 10 * GIB),
+        lambda: gpu.step("sampler", 12 * GIB),
     )
+    assert gpu.events == [("reset", "cuda"), ("forward 64",), ("sampler",)]
+    assert pages == (50 - 12) * GIB // LAYOUT.bytes_per_page
+    # without a sampler step only the prefill's peak counts
+    assert memory.plan_num_pages(
+        config, LAYOUT, device, lambda n: gpu.step(f"forward {n}", 10 * GIB)
+    ) == ((50 - 10) * GIB // LAYOUT.bytes_per_page)
+
+
+class Peers:
+    """memory.PlanPeers as TPWorkers would answer: the pages each worker's GPU has left."""
+
+    def __init__(self, gpu: FakeGPU, pages: list[int]):
+        self.gpu, self.pages = gpu, pages
+
+    def plan_begin(self):
+        self.gpu.events.append(("peers begin",))
+
+    def plan_pages(self):
+        self.gpu.events.append(("peers answer",))
+        return self.pages
+
+
+@pytest.mark.parametrize("worker_gib", [20, 60])
+def test_tensor_parallel_ranks_plan_the_fewest_pages_any_gpu_holds(monkeypatch, worker_gib):
+    """Under tensor parallel every rank holds the same pages: the workers start their
+    counts before the warm-up steps they run beside rank 0's, answer after them, and the
+    pool gets the fewest pages of any rank."""
+    gpu = FakeGPU(monkeypatch, 100 * GIB, elsewhere=10 * GIB)
+    worker = worker_gib * GIB // LAYOUT.bytes_per_page
+    peers = Peers(gpu, [worker])
+    config = EngineConfig(max_num_batched_tokens=64, gpu_memory_utilization=0.9)
+    pages = memory.plan_num_pages(
+        config,
+        LAYOUT,
+        torch.device("cuda"),
+        lambda n: gpu.step(f"forward {n}", 30 * GIB),
+        lambda: gpu.step("sampler", 5 * GIB),
+        peers=peers,
+    )
+    assert gpu.events == [
+        ("peers begin",),
+        ("reset", "cuda"),
+        ("forward 64",),
+        ("sampler",),
+        ("peers answer",),
+    ]
+    own = int((90 - 30 - 10) * GIB // LAYOUT.bytes_per_page)  # 50 GiB
+    assert pages == min(own, worker)
+    # a size given in the config asks nobody
+    gpu.events.clear()
+    fixed = memory.plan_num_pages(
+        EngineConfig(num_kv_pages=7), LAYOUT, torch.device("cuda"), None, peers=peers
+    )
+    assert fixed == 7 and gpu.events == []
+
+
+def test_a_tensor_parallel_worker_counts_and_answers_its_own_gpu(monkeypatch):
+    """The worker's side of the plan: "begin" resets its own peak, the warm-up steps
+    raise it, the query answers the pages of its own layout (its heads) left on its GPU."""
+    from batchgen.engine.tensor_parallel import _Worker
+
+    gpu = FakeGPU(monkeypatch, 80 * GIB)
+    worker = _Worker.__new__(_Worker)  # the plan reads only these three
+    worker.config = EngineConfig(gpu_memory_utilization=0.5)
+    worker.layout = LAYOUT
+    worker.device = torch.device("cuda", 1)
+    assert worker.handle({"plan": "begin"}) is None
+    assert gpu.events == [("reset", "cuda:1")]
+    gpu.step("forward", 16 * GIB)
+    assert worker.handle({"query": "plan"}) == (40 - 16) * GIB // LAYOUT.bytes_per_page
 
 
 def test_a_host_tier_larger_than_the_memory_left_is_refused(tmp_path):

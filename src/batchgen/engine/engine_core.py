@@ -121,7 +121,12 @@ class EngineCore:
         self.state_pool = build_state_pool(model, config, dtype, device)
         self._profiled: set[int] = set()  # the warm-up steps' sizes run so far
         num_pages = plan_num_pages(
-            config, self.layout, device, self._profile_forward, self._profile_sampler
+            config,
+            self.layout,
+            device,
+            self._profile_forward,
+            self._profile_sampler,
+            peers=tp_workers,  # tensor parallel: the fewest pages any rank has room for
         )
         self._warm_linear_norms()
         self._check_pool_size(num_pages)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -85,32 +86,66 @@ def _cgroup_left(cgroup: str) -> int | None:
         return None
 
 
+class PlanPeers(Protocol):
+    """The other ranks of a tensor-parallel group, as the memory plan sees them: each
+    starts counting its own peak (`plan_begin`), runs the warm-up steps rank 0's
+    profile sends it, then answers the pages its own GPU has left (`plan_pages`)."""
+
+    def plan_begin(self) -> None: ...
+
+    def plan_pages(self) -> list[int]: ...
+
+
 def plan_num_pages(
     config: EngineConfig,
     layout: KVLayout,
     device: torch.device,
     profile_forward: Callable[[int], None],
     profile_sampler: Callable[[], None] | None = None,
+    peers: PlanPeers | None = None,
 ) -> int:
     """Pages for the pool: fixed by config, else a fraction of what a warm-up forward
     at the largest token budget leaves free on the GPU (cpu_kv_cache_gib on the CPU).
     `profile_sampler`, run after it, counts the sampler's peak at its widest (a step of
     max_num_seqs rows, each filtered and reporting logprobs): a prefill step samples a
-    few rows, a later mixed or decode step hundreds, each a vocabulary wide."""
+    few rows, a later mixed or decode step hundreds, each a vocabulary wide.
+
+    `peers` (tensor parallel): every rank holds the same pages (of its own heads), so
+    the pool gets the fewest that any rank's GPU has left after the same warm-up."""
     if config.num_kv_pages is not None:
         return config.num_kv_pages
     if config.kv_cache_size_gib is not None:
         return int(config.kv_cache_size_gib * 2**30 // layout.bytes_per_page)
     if device.type != "cuda":
         return int(config.cpu_kv_cache_gib * 2**30 // layout.bytes_per_page)
+    if peers is not None:
+        peers.plan_begin()
+    begin_peak(device)
+    profile_forward(config.max_num_batched_tokens)
+    if profile_sampler is not None:
+        profile_sampler()
+    pages = pages_left(config, layout, device)
+    if peers is None:
+        return pages
+    others = peers.plan_pages()
+    logger.info("memory plan: pages each rank's GPU has left, rank 0 first: %s", [pages, *others])
+    return min(pages, *others)
+
+
+def begin_peak(device: torch.device) -> None:
+    """Start a memory plan's count: what is cached but unused goes back, and the peak
+    counts from here."""
     # an engine dropped with reference cycles still holds its pool until collected
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    profile_forward(config.max_num_batched_tokens)
-    if profile_sampler is not None:
-        profile_sampler()
+
+
+def pages_left(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:
+    """Once the warm-up steps have run since begin_peak: the pages of `layout` that fit
+    in gpu_memory_utilization of the GPU, less the steps' peak and what other processes
+    (or memory outside torch's allocator, such as NCCL's) hold."""
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)

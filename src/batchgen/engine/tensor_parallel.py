@@ -3,7 +3,11 @@ the same steps on their share of the model.
 
     rank 0 (this process)                       rank r (spawned, worker_main)
     start_workers(): spawn, join the group      join the group, build its model share
-    build its model share, plan num_pages  -->  setup: num_pages, host_pages, eos ids
+    build its model share
+    plan num_pages; on a GPU with no size  -->  {"plan": "begin"}: count its own peak
+      given, by warm-up steps              -->  {"profile": n}: the same warm-up forward
+      and the fewest pages of any rank     <--  {"query": "plan"}: pages its GPU has left
+    num_pages                              -->  setup: num_pages, host_pages, eos ids
                                                 -> its own pool (and host tier mirror)
     tier cost rule: _profile_forward       -->  {"profile": n}: the same warm-up forward
     step: schedule; TPModelRunner.execute: ---> TPStep: issue its tier copies on its
@@ -46,7 +50,13 @@ from batchgen.distributed import (
     local_init_method,
 )
 from batchgen.engine.limits import max_model_len
-from batchgen.engine.memory import build_state_pool, remake_pool, warmup_forward
+from batchgen.engine.memory import (
+    begin_peak,
+    build_state_pool,
+    pages_left,
+    remake_pool,
+    warmup_forward,
+)
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.layout import KVLayout
@@ -62,19 +72,21 @@ logger = logging.getLogger(__name__)
 
 
 def check_supported(config: EngineConfig, device: torch.device) -> None:
-    """ValueError naming what tensor_parallel_size > 1 cannot run with yet."""
+    """ValueError naming what tensor_parallel_size > 1 cannot run with yet, or a GPU
+    short: each rank needs its own (NCCL refuses two ranks on one device)."""
+    size = config.tensor_parallel_size
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} GPUs, one a rank; "
+            f"{torch.cuda.device_count()} visible"
+        )
     refused = []
     if config.host_kv_size_gib > 0 and config.decode_append == "layer":
         refused.append("per-layer decode appends to the host tier (decode_append='layer')")
     if device.type == "cuda" and not config.enforce_eager:
         refused.append("CUDA graphs (set enforce_eager=True)")
-    if device.type == "cuda" and config.num_kv_pages is None and config.kv_cache_size_gib is None:
-        refused.append("a pool sized by a profile forward (set num_kv_pages or kv_cache_size_gib)")
     if refused:
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} does not support "
-            f"{' or '.join(refused)} yet"
-        )
+        raise ValueError(f"tensor_parallel_size={size} does not support {' or '.join(refused)} yet")
 
 
 @dataclass
@@ -134,6 +146,17 @@ class TPWorkers:
         self.send(TPStep(None, copies))
         self.send({"query": "reconfigure", "num_pages": num_pages})
         return [error for error in self.gather() if error]
+
+    def plan_begin(self) -> None:
+        """The memory plan (memory.PlanPeers): each worker starts counting its peak; the
+        warm-up steps rank 0's profile sends follow."""
+        self.send({"plan": "begin"})
+
+    def plan_pages(self) -> list[int]:
+        """The memory plan: the pages each worker's GPU has left after those steps, rank
+        1 first."""
+        self.send({"query": "plan"})
+        return self.gather()
 
     def gather(self) -> list:
         """What each worker answered the last message with, rank 1 first."""
@@ -271,6 +294,10 @@ class _Worker:
                 state_slot=self.config.max_num_seqs,  # the spare slot (build_state_pool)
                 max_len=message["max_len"],
             )
+        elif "plan" in message:
+            begin_peak(self.device)
+        elif message.get("query") == "plan":
+            return pages_left(self.config, self.layout, self.device)
         elif message.get("query") == "reconfigure":
             return self.reconfigure(message["num_pages"])
         elif "query" in message:  # the mirror's counters, once its copies are done
