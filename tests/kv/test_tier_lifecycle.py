@@ -74,6 +74,41 @@ def test_store_holds_its_pages_until_it_completes_and_registers_host_pages_at_on
         assert torch.equal(tier.host_pool.page(h), want)
 
 
+@pytest.mark.parametrize("scatter", ["copy", "compute"])
+def test_where_a_write_through_store_reads_its_pages(scatter, monkeypatch):
+    """A write-through store's held pages are read by its copy on the copy stream
+    ("copy"), or gathered at the flush in the submitting stream's order ("compute": the
+    page tier runs no kernel on a copy stream). The page is written again between the
+    flush and the copy, which a blocked stream holds back: the host page shows which
+    read happened."""
+    tier, alloc = make(load_scatter=scatter)
+    copy_stream_reads = []
+    real = page_copies.device_to_host_pages
+
+    def counted(*args, **kwargs):
+        copy_stream_reads.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("batchgen.kv.tiered.device_to_host_pages", counted)
+    (page,) = alloc.allocate(1)
+    at_flush = device_page(tier, page).clone()
+    release = block_streams(tier)
+    tier.queue_store([page], [b"w"], "write_through", "r")
+    tier.flush()
+    device_page(tier, page).add_(1.0)  # a later write, ahead of the blocked copy
+    later = device_page(tier, page).clone()
+    release.set()
+    tier.drain()
+    (host,) = tier.lookup([b"w"])
+    if scatter == "compute":
+        assert torch.equal(tier.host_pool.page(host), at_flush)
+        assert copy_stream_reads == []
+    else:
+        assert torch.equal(tier.host_pool.page(host), later)
+        assert copy_stream_reads == [[page]]
+    assert alloc.ref_count[page] == 1  # held by the store until it completed, either way
+
+
 def test_load_waits_for_the_store_writing_its_host_pages():
     tier, alloc = make()
     src = alloc.allocate(1)

@@ -193,3 +193,44 @@ def test_graphs_captured_while_stores_are_issued(workload, pipeline, decode_appe
     counts, broken = _judge(ref, prompts, got, reference)
     assert counts["broken"] == 0, f"after reconfigure(): {dict(counts)}; broken: {broken[:2]}"
     assert_nothing_held(engine)
+
+
+def _kernel_streams(prof, path) -> Counter:
+    """Kernels a profiled region ran, counted by the CUDA stream they ran on."""
+    import json
+
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    return Counter(e["args"]["stream"] for e in events if e.get("cat") == "kernel")
+
+
+@pytest.mark.parametrize("decode_append", ["off", "batched"])
+@pytest.mark.parametrize("scatter", ["copy", "compute"])
+def test_which_streams_run_the_tiers_kernels(workload, scatter, decode_append, tmp_path):
+    """tier_load_scatter="compute" promises that the page tier runs no kernel on a copy
+    stream (on an H200 one kernel on a second stream slowed every later decode replay
+    ~3%): with it, a call whose pages come back from host (loads) and, with
+    decode_append="batched", are written through runs every kernel on one stream; with
+    "copy" the loads' scatters run on a copy stream. The graphs are captured (on their
+    own stream) by a first call, before the profiled one."""
+    path, prompts, params, _, _ = workload
+    llm = LLM(model=path, decode_append=decode_append, tier_load_scatter=scatter, **TIER, **GPU)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.runner.graphs.graphs
+    before = llm.engine.metrics()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.tier.drain()
+        torch.cuda.synchronize()
+    after = llm.engine.metrics()
+    loaded = after["pages_loaded"] - before["pages_loaded"]
+    assert loaded > 0, "the profiled call loaded nothing from host"
+    if decode_append == "batched":
+        assert after["pages_offloaded"] > before["pages_offloaded"]
+    streams = _kernel_streams(prof, tmp_path / "trace.json")
+    if scatter == "compute":
+        assert len(streams) == 1, f"kernels by stream: {dict(streams)}"
+    else:
+        assert len(streams) >= 2, f"kernels by stream: {dict(streams)}"

@@ -344,8 +344,11 @@ class TieredKVManager:
         dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
         # pages no longer held (a new owner may have them already) are read now, on this
         # (the compute) stream, so that whatever is queued after, a forward or a load,
-        # writes them only after the read; their copy only carries staging to the host
-        staged = None if hold_dev else gather_pages(dev_kv, dev_pages, host_pages)
+        # writes them only after the read; their copy only carries staging to the host.
+        # Held pages are read on the copy stream, unless load_scatter="compute" keeps
+        # every tier kernel off the copy streams (config.EngineConfig)
+        gather_now = not hold_dev or self.load_scatter == "compute"
+        staged = gather_pages(dev_kv, dev_pages, host_pages) if gather_now else None
 
         def copy(handle: CopyHandle):
             if staged is None:  # held until the copy completes: read on its stream
