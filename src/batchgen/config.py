@@ -86,10 +86,10 @@ class EngineConfig:
     pages into the device pool: "copy" on the copy stream that brought them over, or
     "compute" on the compute stream, each group of layers queued by the first wait of the
     forward that needs it (the forward still starts while later layers cross); with
-    "compute" a write-through store's pages are gathered on the compute stream too, at
-    the flush, so that the page tier runs no kernel on a copy stream: on an H200 the
-    decode graphs replayed ~3% slower for the rest of a run once a kernel had run on
-    another stream. (A hybrid model's state stores still gather on a copy stream.)
+    "compute" a write-through store's pages, and a hybrid model's state slots stored or
+    checkpointed, are gathered on the compute stream too, as they are submitted, so that
+    the tier runs no kernel on a copy stream: on an H200 the decode graphs replayed ~3%
+    slower for the rest of a run once a kernel had run on another stream.
 
     state_checkpoint_interval (tokens, a multiple of page_size; 0: off) gives models with
     linear-attention layers prefix hits: with the host tier on, a request's compressed

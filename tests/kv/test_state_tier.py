@@ -242,6 +242,41 @@ def test_a_checkpoint_frees_its_slot_for_writing_once_read_into_staging():
     assert len(handle.gates) == 1 and handle.gates[0].event.is_set()
 
 
+@pytest.mark.parametrize("scatter", ["copy", "compute"])
+def test_where_a_state_store_and_a_checkpoint_read_their_slots(scatter, monkeypatch):
+    """A swap-out store and a checkpoint read their device slots in their copy, on the
+    copy stream ("copy"), or at submission in the submitting stream's order ("compute":
+    the tier runs no kernel on a copy stream). Each slot is written again between the
+    submission and the copy, which a blocked stream holds back: the host slots show
+    which read happened. Either way the checkpoint's gate is marked and its handle done."""
+    tier, slots = make(load_scatter=scatter)
+    copy_stream_reads = []
+    real = state_tier.device_to_host_state
+    monkeypatch.setattr(
+        state_tier,
+        "device_to_host_state",
+        lambda *a, **k: copy_stream_reads.append(a[2]) or real(*a, **k),
+    )
+    stored, kept = slots.take("r"), slots.take("s")
+    at_submit = {s: source(tier, s) for s in (stored, kept)}
+    release = block_streams(tier)
+    tier.store("r", "request r")
+    kept_host = tier.take_host_slot()
+    checkpoint = tier.checkpoint_out(kept, kept_host, "request s")
+    for s in (stored, kept):  # later writes, ahead of the blocked copies
+        tier.device_pool.states[:, s] += 1.0
+        tier.device_pool.windows[:, s] += 1.0
+    later = {s: source(tier, s) for s in (stored, kept)}
+    release.set()
+    tier.drain()
+    want = at_submit if scatter == "compute" else later
+    for s, host in ((stored, tier._owned["r"]), (kept, kept_host)):
+        assert torch.equal(tier.host_pool.states[:, host], want[s][0]), s
+        assert torch.equal(tier.host_pool.windows[:, host], want[s][1]), s
+    assert sorted(copy_stream_reads) == ([] if scatter == "compute" else sorted([[stored], [kept]]))
+    assert checkpoint.gates[0].event.is_set() and checkpoint.is_done()
+
+
 def _swapped(tier, slots):
     """A request's slot stored to host and the device slots zeroed since: its values."""
     slots.take("other")

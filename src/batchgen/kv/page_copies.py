@@ -267,17 +267,43 @@ def device_to_host_state(
     per tensor into staging, then per layer one block per run of consecutive host slots.
     `on_read()` once the gathers are queued: past that point on the copy stream the
     device slots may be written again."""
-    host_slots, dev_slots = _by_host_page(host_slots, dev_slots)
-    idx = to_device(torch.tensor(dev_slots, dtype=torch.int64), dev[0].device)
-    staged = tuple(t.index_select(1, idx) for t in dev)  # [L, n, ...] each
+    staged = gather_state(dev, dev_slots, host_slots)
     if on_read is not None:
         on_read()
-    runs = _runs(host_slots)
+    return _device_to_host_state_runs(staged, host, host_slots)
+
+
+def gather_state(
+    dev: tuple[torch.Tensor, torch.Tensor], dev_slots: list[int], host_slots: list[int]
+) -> tuple:
+    """The device slots of each tensor of `dev`, gathered by one kernel each on the
+    current stream into new staging [L, n, ...], ordered by their host slots, and the
+    index: gather_pages for state slots (`device_to_host_state_staged` takes them on)."""
+    _, dev_slots = _by_host_page(host_slots, dev_slots)
+    idx = to_device(torch.tensor(dev_slots, dtype=torch.int64), dev[0].device)
+    return (*(t.index_select(1, idx) for t in dev), idx)
+
+
+def device_to_host_state_staged(
+    staged: tuple, host: tuple[torch.Tensor, torch.Tensor], host_slots: list[int]
+) -> tuple:
+    """gather_state's staging -> its host slots. Written on the submitting stream: the
+    allocator is told this stream reads it too (device_to_host_staged)."""
+    for t in staged:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+    return _device_to_host_state_runs(staged, host, host_slots)
+
+
+def _device_to_host_state_runs(staged: tuple, host, host_slots: list[int]) -> tuple:
+    """(states, windows, idx) staging in ascending host-slot order -> `host_slots`: per
+    tensor and layer one block per run of consecutive host slots."""
+    runs = _runs(sorted(host_slots))
     for src, dst in zip(staged, host):
         for layer in range(dst.shape[0]):
             for i, first, n in runs:
                 dst[layer, first : first + n].copy_(src[layer, i : i + n], non_blocking=True)
-    return (*staged, idx)
+    return staged
 
 
 def host_to_device_state(

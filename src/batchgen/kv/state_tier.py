@@ -22,6 +22,10 @@ the slot read into device staging, before its forward writes the slot, and a swa
 store of that slot waits for the whole copy on the copy stream) and `checkpoint_in` (a
 checkpoint into a request's new slot; the host slot stays the checkpoint's and is not
 reused before the load completes).
+
+load_scatter="compute" keeps every kernel off the copy streams: a load's scatter is
+deferred to the submitting stream, and a store's or a checkpoint's gather runs there at
+submission (its gate marked as its copy starts), the copy only carrying staging to host.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
-from batchgen.kv.page_copies import device_to_host_state, host_to_device_state
+from batchgen.kv.page_copies import (
+    device_to_host_state,
+    device_to_host_state_staged,
+    gather_state,
+    host_to_device_state,
+)
 from batchgen.kv.state_pool import HostStatePool, StatePool, StateSlots
 from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tier_mirror import TierCopy, check_offloaded_state
@@ -109,10 +118,13 @@ class StateTier:
         host_slots = [self._free.pop()]
         dev, host = self._tensors()
         before = [self._read[s] for s in dev_slots if s in self._read]
+        staged = self._gather_now(dev, dev_slots, host_slots)
 
         def copy(handle: CopyHandle):
             for checkpoint in before:  # the slot is given back only after both read it
                 checkpoint.wait_on_current_stream()
+            if staged is not None:
+                return device_to_host_state_staged(staged, host, host_slots)
             return device_to_host_state(dev, host, dev_slots, host_slots)
 
         handle = self.copies.submit("store", self.slot_bytes, copy)
@@ -171,14 +183,17 @@ class StateTier:
         gather), not on the transfer to host behind it."""
         dev, host = self._tensors()
         dev_slots, host_slots = [dev_slot], [host_slot]
-        handle = self.copies.submit(
-            "store",
-            self.slot_bytes,
-            lambda h: device_to_host_state(
-                dev, host, dev_slots, host_slots, on_read=lambda: h.mark(0)
-            ),
-            num_gates=1,
-        )
+        staged = self._gather_now(dev, dev_slots, host_slots)
+
+        def copy(h: CopyHandle):
+            if staged is None:
+                return device_to_host_state(
+                    dev, host, dev_slots, host_slots, on_read=lambda: h.mark(0)
+                )
+            h.mark(0)  # read already, in the submitting stream's order
+            return device_to_host_state_staged(staged, host, host_slots)
+
+        handle = self.copies.submit("store", self.slot_bytes, copy, num_gates=1)
         self._log("state_store", dev_slot, host_slot, tag)
         for s in host_slots:
             self._writing[s] = handle
@@ -222,6 +237,15 @@ class StateTier:
             self._dropped.add(slot)
         else:
             self._free.append(slot)
+
+    def _gather_now(self, dev: tuple, dev_slots: list[int], host_slots: list[int]):
+        """load_scatter="compute" (no tier kernel on a copy stream): a store's slots
+        gathered into staging now, on the submitting stream, in its order after the
+        compute that wrote them and before any that writes them later; None: its copy
+        reads them on the copy stream."""
+        if self.load_scatter != "compute":
+            return None
+        return gather_state(dev, dev_slots, host_slots)
 
     def _deferral(self, handle: CopyHandle) -> tuple:
         """A load body's (defer, consumer): where its scatter runs (load_scatter)."""
