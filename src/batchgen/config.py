@@ -89,7 +89,8 @@ class EngineConfig:
     "compute" a write-through store's pages, and a hybrid model's state slots stored or
     checkpointed, are gathered on the compute stream too, as they are submitted, so that
     the tier runs no kernel on a copy stream: on an H200 the decode graphs replayed ~3%
-    slower for the rest of a run once a kernel had run on another stream.
+    slower for the rest of a run once a kernel had run on another stream. (Tensor-parallel
+    workers, which replay no graphs yet, mirror the copies on their copy stream whole.)
 
     state_checkpoint_interval (tokens, a multiple of page_size; 0: off) gives models with
     linear-attention layers prefix hits: with the host tier on, a request's compressed
