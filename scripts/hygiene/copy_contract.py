@@ -46,7 +46,9 @@ R8  No copy overlaps a CUDA-graph capture: a capture (`with torch.cuda.graph(...
     inside `with self.<guard>():` (itself, or every call of its function); the guard comes from
     the constructor; every construction passes a CopyEngine pause (a contextmanager of
     CopyEngine that raises a flag) as the guard; and the worker waits while that flag is up
-    before it runs a task.
+    before it runs a task. A builder function may pass the pause of a CopyEngine parameter
+    instead: then every call of the builder passes a CopyEngine there (or one if something
+    holds, else None).
 R9  A tensor-parallel worker's forward waits for the copies it replays: wherever a TierMirror's
     `issue(...)` (kv/tier_mirror.py) runs, the handles it returns are bound to a name that the
     same function, after the issue, hands as `wait_for=` to the step it passes on (an argument
@@ -839,16 +841,44 @@ class _Contract:
                             yield mod, (call, "R8", why)
 
     def _is_pause(self, m: _Module, value: ast.AST | None, pauses: dict[str, str]) -> bool:
-        """value is `<a CopyEngine>.<pause>`, or that if something holds and else None."""
+        """value is `<a CopyEngine>.<pause>`, or that if something holds and else None. A
+        CopyEngine that is a parameter of the function building the class counts only if
+        every call of that function passes one there (or one if something holds, else
+        None): a builder shared by several callers is checked at each of them."""
         if isinstance(value, ast.IfExp):
             branches = [value.body, value.orelse]
             nones = [b for b in branches if isinstance(b, ast.Constant) and b.value is None]
             return len(nones) == 1 and any(self._is_pause(m, b, pauses) for b in branches)
-        return (
+        if not (
             isinstance(value, ast.Attribute)
             and value.attr in pauses
             and self.engines.typed(m, value.value)
+        ):
+            return False
+        fn = m.func_of(value)
+        if not isinstance(value.value, ast.Name) or not isinstance(fn, DEFS):
+            return True
+        params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+        if value.value.id not in params:
+            return True
+        at = params.index(value.value.id) - (1 if m.class_of(fn) is not None else 0)
+        calls = [
+            (mod, call)
+            for mod in self.pkg.modules
+            for node, _ in self.pkg.refs(mod, m.rel, {fn.name})
+            if isinstance(call := mod.parent.get(node), ast.Call) and call.func is node
+        ]
+        return bool(calls) and all(
+            self._passes_engine(mod, _arg(call, at, value.value.id)) for mod, call in calls
         )
+
+    def _passes_engine(self, m: _Module, value: ast.AST | None) -> bool:
+        """value is a CopyEngine, or one if something holds and else None."""
+        if isinstance(value, ast.IfExp):
+            branches = [value.body, value.orelse]
+            nones = [b for b in branches if isinstance(b, ast.Constant) and b.value is None]
+            return len(nones) == 1 and any(self.engines.typed(m, b) for b in branches)
+        return value is not None and self.engines.typed(m, value)
 
 
 def _captures(node: ast.AST) -> bool:

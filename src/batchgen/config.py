@@ -90,7 +90,7 @@ class EngineConfig:
     checkpointed, are gathered on the compute stream too, as they are submitted, so that
     the tier runs no kernel on a copy stream: on an H200 the decode graphs replayed ~3%
     slower for the rest of a run once a kernel had run on another stream. (Tensor-parallel
-    workers, which replay no graphs yet, mirror the copies on their copy stream whole.)
+    workers mirror the copies on their one copy stream whole, either way.)
 
     state_checkpoint_interval (tokens, a multiple of page_size; 0: off) gives models with
     linear-attention layers prefix hits: with the host tier on, a request's compressed

@@ -594,17 +594,24 @@ def worker_copies_before_its_stream_waits(root):
 # --- R7: compute waits for the step's copies --------------------------------------------
 
 
+def _replay_branch(src, fn) -> ast.If:
+    """`if graph:` in ModelRunner._forward: the replay and the waits before it."""
+    return src.only(
+        fn, "if graph:", lambda n: isinstance(n, ast.If) and src.segment(n.test) == "graph"
+    )
+
+
 def replay_wait_deleted(root):
     src = Source(root, "runner/model_runner.py")
     fn = src.func("_forward")
     wait = src.only(fn, "wait_gates()", calling("wait_gates"))
-    src.delete(src.statement(next(s for s in ast.walk(fn) if isinstance(s, ast.If)), wait))
+    src.delete(src.statement(_replay_branch(src, fn), wait))
 
 
 def replay_before_its_wait(root):
     src = Source(root, "runner/model_runner.py")
     fn = src.func("_forward")
-    branch = next(s for s in ast.walk(fn) if isinstance(s, ast.If))
+    branch = _replay_branch(src, fn)
     wait, replay = branch.body[0], branch.body[-1]
     assert isinstance(wait, ast.For) and src.segment(replay).count("_replay") == 1
     old = "".join(src.text.splitlines(True)[wait.lineno - 1 : replay.end_lineno])
@@ -645,17 +652,32 @@ def capture_guard_removed(root):
 
 
 def engine_passes_no_capture_guard(root):
-    src = Source(root, "engine/engine_core.py")
+    src = Source(root, "engine/decode_graphs.py")
     graphs = src.only(src.tree, "DecodeGraphs(...)", calling("DecodeGraphs"))
     guard = next(k for k in graphs.keywords if k.arg == "capture_guard")
     src.replace(src.segment(guard), "capture_guard=None")
 
 
 def engine_passes_a_guard_that_pauses_nothing(root):
-    src = Source(root, "engine/engine_core.py")
+    src = Source(root, "engine/decode_graphs.py")
     graphs = src.only(src.tree, "DecodeGraphs(...)", calling("DecodeGraphs"))
     guard = next(k for k in graphs.keywords if k.arg == "capture_guard")
     src.replace(src.segment(guard), "capture_guard=contextlib.nullcontext")
+
+
+def _graphs_built_without_copies(root, rel: str) -> None:
+    src = Source(root, rel)
+    build = src.only(src.tree, "build_decode_graphs(...)", calling("build_decode_graphs"))
+    copies = next(k for k in build.keywords if k.arg == "copies")
+    src.replace(src.segment(copies), "copies=None")
+
+
+def engine_builds_graphs_without_the_tiers_copies(root):
+    _graphs_built_without_copies(root, "engine/engine_core.py")
+
+
+def tp_worker_builds_graphs_without_its_mirrors_copies(root):
+    _graphs_built_without_copies(root, "engine/tensor_parallel.py")
 
 
 def capture_guard_not_taken_from_the_constructor(root):
@@ -784,6 +806,8 @@ MUTATIONS = [
     (capture_guard_removed, "R8"),
     (engine_passes_no_capture_guard, "R8"),
     (engine_passes_a_guard_that_pauses_nothing, "R8"),
+    (engine_builds_graphs_without_the_tiers_copies, "R8"),
+    (tp_worker_builds_graphs_without_its_mirrors_copies, "R8"),
     (capture_guard_not_taken_from_the_constructor, "R8"),
     (worker_ignores_the_pause, "R8"),
     (new_capture_outside_the_guard, "R8"),

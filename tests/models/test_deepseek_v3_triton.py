@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from eager_graphs import install_eager_graphs  # noqa: E402
 from test_deepseek_v3 import CONFIGS, save_tiny_deepseek  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
@@ -81,7 +82,7 @@ def test_graph_safety_and_split_heads():
 
     from test_deepseek_v3 import tiny_config
 
-    from batchgen.engine.engine_core import EngineCore
+    from batchgen.engine.decode_graphs import decode_split_heads, graphs_wanted
     from batchgen.layers import mla
     from batchgen.models.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -93,56 +94,16 @@ def test_graph_safety_and_split_heads():
     assert mla.decode_split_heads(128, torch.bfloat16, "cuda") == 8  # BLOCK_H 16 on a GPU
     assert moe.decode_split_heads(torch.float32, "cpu") == 1
 
-    gpu = SimpleNamespace(
-        config=SimpleNamespace(enforce_eager=False),
-        device=torch.device("cuda"),
-        dtype=torch.float32,
-        model=moe,
-        layout=SimpleNamespace(num_kv_heads=1),
-        state_pool=None,  # no linear-attention layers: graphs hinge on graph_safe alone
+    config, cuda = SimpleNamespace(enforce_eager=False), torch.device("cuda")
+    layout = SimpleNamespace(num_kv_heads=1)
+    assert not graphs_wanted(config, moe, torch.float32, cuda, "triton")  # eager fallback
+    assert graphs_wanted(config, dense, torch.float32, cuda, "triton")
+    assert not graphs_wanted(config, dense, torch.float32, cuda, "torch")
+    assert decode_split_heads(moe, layout, torch.float32, cuda) == mla.decode_split_heads(
+        4, torch.float32, "cuda"
     )
-    assert EngineCore._decode_graphs(gpu, "triton", None) is None  # eager fallback
-    assert EngineCore._decode_split_heads(gpu) == mla.decode_split_heads(4, torch.float32, "cuda")
-    gpu.model = SimpleNamespace()  # a model that says nothing: the layout's KV heads
-    assert EngineCore._decode_split_heads(gpu) == 1
-
-
-def install_eager_graphs(llm, run: dict, **graph_kw) -> list[int]:
-    """Give llm's runner DecodeGraphs (Triton backend, a fixed split count of 2, for its
-    eager steps too) whose replays run eagerly (_EagerGraph); returns the bucket sizes
-    replayed, as they happen. graph_kw: DecodeGraphs' optional arguments."""
-    from batchgen.runner.cuda_graphs import DecodeGraphs
-
-    engine, runner = llm.engine, llm.engine.runner
-    graphs = DecodeGraphs(
-        engine.model,
-        runner.kv_caches,
-        "triton",
-        run["max_num_seqs"],
-        run["max_model_len"] // run["page_size"],
-        engine.hf_config.hidden_size,
-        engine.device,
-        engine.dtype,
-        lambda n: 2,
-        **graph_kw,
-    )
-    graphs.graphs = {bs: _EagerGraph(graphs, bs) for bs in graphs.buckets}
-    runner.graphs, runner.split_plan = graphs, lambda n: 2
-    replays = []
-    forward = graphs._forward
-    graphs._forward = lambda bs: replays.append(bs) or forward(bs)
-    return replays
-
-
-class _EagerGraph:
-    """Stands in for a captured CUDA graph on the CPU: replay runs the captured forward
-    eagerly on the static buffers, so the graph path's inputs are what is tested."""
-
-    def __init__(self, graphs, bs: int) -> None:
-        self.graphs, self.bs = graphs, bs
-
-    def replay(self) -> None:
-        self.graphs._forward(self.bs)
+    # a model that says nothing: the layout's KV heads
+    assert decode_split_heads(SimpleNamespace(), layout, torch.float32, cuda) == 1
 
 
 def test_graph_shaped_decode_matches_torch_backend(tmp_path):

@@ -9,7 +9,7 @@ tests/models/test_kimi_linear_gpu.py."""
 from __future__ import annotations
 
 import pytest
-from test_deepseek_v3_triton import install_eager_graphs
+from eager_graphs import install_eager_graphs
 from test_kimi_linear import RUN, save_tiny_kimi
 
 from batchgen import LLM, SamplingParams

@@ -11,6 +11,7 @@ import torch
 from torch.profiler import record_function
 
 from batchgen.config import EngineConfig
+from batchgen.engine.decode_graphs import build_decode_graphs, decode_split_plan, graphs_wanted
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
 from batchgen.engine.memory import (
@@ -42,7 +43,6 @@ from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model, gguf_read_once
 from batchgen.models.registry import check_tensor_parallel
 from batchgen.runner.batch import SchedulerOutput
-from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.runner.sampler import request_seed
 from batchgen.sampling_params import SamplingParams
@@ -133,6 +133,8 @@ class EngineCore:
         # the host tier's budget: GiB of KV pages, and host slots of compressed state
         state_layout = None if self.state_pool is None else self.state_pool.layout
         page_gib, host_slots = split_host_budget(config, state_layout)
+        backend = self._attention_backend()
+        graphs_on = graphs_wanted(config, model, dtype, device, backend)
         if tp_workers is not None:  # each rank builds pools of the same pages and slots
             tp_workers.send(
                 {
@@ -140,6 +142,9 @@ class EngineCore:
                     "host_pages": HostPool.pages_in(self.layout, page_gib),
                     "host_state_slots": host_slots,
                     "eos_token_ids": self.eos_token_ids,
+                    # decode takes the same path on every rank (decode_graphs.py)
+                    "attention_backend": backend,
+                    "graphs": graphs_on,
                 }
             )
         self.pool = PagePool(self.layout, num_pages, device)
@@ -163,11 +168,23 @@ class EngineCore:
             exact_swap=self.exact_swap,
             checkpoints=self.checkpoints,
         )
-        backend = self._attention_backend()
-        plan = None
-        if backend == "triton" and device.type == "cuda":
-            plan = DecodeSplitPlan(
-                config.max_num_seqs, self._decode_split_heads(), self.max_model_len, device
+        plan = decode_split_plan(
+            config, model, self.layout, dtype, device, backend, self.max_model_len
+        )
+        graphs = None
+        if graphs_on:
+            graphs = build_decode_graphs(
+                config,
+                model,
+                self.pool.layer_caches(),
+                backend,
+                plan,
+                hf_config.hidden_size,
+                device,
+                dtype,
+                self.max_model_len,
+                copies=self.tier.copies if self.tier is not None else None,
+                state_pool=self.state_pool,
             )
         runner_cls = ModelRunner if tp_workers is None else TPModelRunner
         self.runner = runner_cls(
@@ -179,7 +196,7 @@ class EngineCore:
             self.eos_token_ids,
             debug=config.batchgen_debug,
             attention_backend=backend,
-            graphs=self._decode_graphs(backend, plan),
+            graphs=graphs,
             split_plan=plan,
             max_num_seqs=config.max_num_seqs,
             max_pages=-(-self.max_model_len // config.page_size),
@@ -256,45 +273,6 @@ class EngineCore:
         raise ValueError(
             f"{type(self.model).__name__} has no {backend!r} attention backend "
             f"(it runs on {', '.join(supported)})"
-        )
-
-    def _decode_split_heads(self) -> int:
-        """What the split plan counts as KV heads: the model's decode programs per
-        (request, split) where it says (`decode_split_heads`: MLA's head blocks), else
-        the layout's KV heads (the GQA decode kernel's programs)."""
-        heads = getattr(self.model, "decode_split_heads", None)
-        return self.layout.num_kv_heads if heads is None else heads(self.dtype, self.device)
-
-    def _decode_graphs(self, backend: str, plan) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps: on a GPU with the (graph-safe) Triton backend,
-        when the model's decode forward has no host sync for this dtype and device (its
-        optional `graph_safe(dtype, device)`; DeepSeek-V3's MoE only on the grouped-GEMM
-        path); otherwise decode runs eagerly. A model with linear-attention layers binds
-        its state pool (padding rows on the spare slot)."""
-        if self.config.enforce_eager or self.device.type != "cuda" or backend != "triton":
-            return None
-        graph_safe = getattr(self.model, "graph_safe", None)
-        if graph_safe is not None and not graph_safe(self.dtype, self.device):
-            logger.info(
-                "decode runs eagerly: %s cannot be captured in %s on this device",
-                type(self.model).__name__,
-                self.dtype,
-            )
-            return None
-        return DecodeGraphs(
-            self.model,
-            self.pool.layer_caches(),
-            backend,
-            self.config.max_num_seqs,
-            -(-self.max_model_len // self.config.page_size),
-            self.hf_config.hidden_size,
-            self.device,
-            self.dtype,
-            plan,
-            # rule 6: no copy task issues CUDA work while a graph is captured
-            capture_guard=self.tier.copies.paused if self.tier is not None else None,
-            linear_states=None if self.state_pool is None else self.state_pool.layer_states(),
-            spare_slot=self.config.max_num_seqs,  # the state pool's spare (build_state_pool)
         )
 
     def _build_tier(self, page_gib: float, host_slots: int) -> TieredKVManager:

@@ -27,17 +27,30 @@ ordered by the same contract (see tier_mirror.py for why a page is never reused 
 worker's copy touched it).
 Copies rank 0 submits after a step's forward (write-through stores) go with the next
 message, before any copy or forward that could reuse their pages. Decode is pipelined as
-on one GPU (a worker samples nothing and never reads back, so it keeps up). Not yet: CUDA
-graphs, per-layer decode appends. A worker that dies makes rank 0's next
-message raise (the gloo connection closes; a collective over NCCL times out otherwise)
-instead of hanging.
+on one GPU (a worker samples nothing and never reads back, so it keeps up).
+
+Decode CUDA graphs: each rank captures its own (its share of the model, its pool), at
+the same step, bucket by bucket in the same order, with the all-reduces inside them
+(NCCL collectives are captured like kernels); each step tells the workers whether rank 0
+replays (TPStep.graph), so the ranks' collectives always pair: a replay's all-reduce is
+over the bucket's padded rows, an eager step's over its own. Not yet: per-layer decode
+appends.
+
+A worker that dies makes rank 0 raise instead of hang: its next message fails (the gloo
+connection closes), and a watcher thread aborts the NCCL group, ending the collectives
+in flight (a graph's are not ones the NCCL watchdog would time out); the step they cut
+short is never read (TPWorkers.check).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from multiprocessing import connection as mp_connection
 
 import torch
 import torch.distributed as dist
@@ -49,6 +62,7 @@ from batchgen.distributed import (
     init_tensor_parallel,
     local_init_method,
 )
+from batchgen.engine.decode_graphs import build_decode_graphs, decode_split_plan
 from batchgen.engine.limits import max_model_len
 from batchgen.engine.memory import (
     begin_peak,
@@ -83,8 +97,6 @@ def check_supported(config: EngineConfig, device: torch.device) -> None:
     refused = []
     if config.host_kv_size_gib > 0 and config.decode_append == "layer":
         refused.append("per-layer decode appends to the host tier (decode_append='layer')")
-    if device.type == "cuda" and not config.enforce_eager:
-        refused.append("CUDA graphs (set enforce_eager=True)")
     if refused:
         raise ValueError(f"tensor_parallel_size={size} does not support {' or '.join(refused)} yet")
 
@@ -95,19 +107,76 @@ class TPStep:
     (issued first, in order), then `sched` (None: only the copies), without handles or
     hooks. `pipelined`: a decode step queued after the previous one (rank 0's
     launch_decode), whose input tokens rank 0 broadcasts on the device (the previous
-    step's samples, which no host has seen yet)."""
+    step's samples, which no host has seen yet). `graph`: rank 0 replays a decode graph
+    for it, so the worker replays its own of the same bucket (the collectives captured
+    in the two pair up; an eager forward's would not)."""
 
     sched: SchedulerOutput | None
     copies: list[TierCopy]
     pipelined: bool = False
+    graph: bool = False
 
 
 class TPWorkers:
-    """Rank 0's handle on the other ranks: started with `start`, fed with `send`."""
+    """Rank 0's handle on the other ranks: started with `start`, fed with `send`.
 
-    def __init__(self, processes: list, tp: TPGroup) -> None:
+    A watcher thread waits on the workers' processes. One that ends before `shutdown` is
+    recorded in `exited` (rank: exit code), and under NCCL the tensors' group is aborted:
+    a collective captured in a decode graph is not one the NCCL watchdog times out, so
+    rank 0 would otherwise wait forever on the step it was replaying. `check()` (after
+    each of rank 0's waits for its GPU, and before each message) raises, so the tokens of
+    a step the abort cut short are never used."""
+
+    def __init__(self, processes: list, tp: TPGroup, nccl: bool = False) -> None:
         self.processes = processes
         self.tp = tp
+        self.nccl = nccl
+        self.exited: dict[int, int | None] = {}
+        self._stopping = False
+        self._watcher = threading.Thread(target=self._watch, name="batchgen-tp-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        waiting = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, 1)}
+        while waiting:
+            for sentinel in mp_connection.wait(list(waiting)):
+                rank, process = waiting.pop(sentinel)
+                if self._stopping:
+                    continue
+                self.exited[rank] = _exit_code(process)  # before the abort wakes rank 0
+                logger.error(
+                    "tensor-parallel worker rank %d exited with code %s", rank, self.exited[rank]
+                )
+                if self.nccl:  # the error to report is the exit, raised by check()
+                    _abort_collectives(self.tp)
+
+    @contextmanager
+    def failures_named(self, grace_s: float = 2.0) -> Iterator[None]:
+        """An error from a collective in the block (gloo: the peer's connection reset)
+        becomes check()'s, naming the rank, where a worker has ended (waiting up to
+        grace_s for the watcher to see it); any other error passes unchanged."""
+        try:
+            yield
+        except RuntimeError as e:
+            deadline = time.monotonic() + grace_s
+            while not self.exited and time.monotonic() < deadline:
+                if all(p.is_alive() for p in self.processes):
+                    break
+                time.sleep(0.01)
+            try:
+                self.check()
+            except RuntimeError as named:
+                raise named from e
+            raise
+
+    def check(self) -> None:
+        """RuntimeError naming the workers that ended before shutdown, if any."""
+        if self.exited:
+            codes = ", ".join(f"{r}: {c}" for r, c in sorted(self.exited.items()))
+            raise RuntimeError(
+                f"tensor-parallel worker rank(s) {sorted(self.exited)} stopped responding: "
+                f"exited (rank: exit code) {codes}; its log says why"
+            )
 
     @classmethod
     def start(cls, config: EngineConfig, source: ModelSource) -> TPWorkers:
@@ -126,11 +195,14 @@ class TPWorkers:
         except Exception:
             _kill(processes)
             raise
-        return cls(processes, tp)
+        return cls(processes, tp, nccl=_backend(config) == "nccl")
 
     def send(self, message) -> None:
         """Broadcast a picklable message (a SchedulerOutput, a setup dict, None to stop)
-        from rank 0; RuntimeError naming dead workers when the broadcast fails."""
+        from rank 0; RuntimeError naming dead workers when one has ended or the
+        broadcast fails."""
+        if message is not None:
+            self.check()
         try:
             dist.broadcast_object_list([message], src=0, group=self.tp.host_group)
         except RuntimeError as e:
@@ -166,8 +238,9 @@ class TPWorkers:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the workers (they leave the group) and leave it too."""
+        self._stopping = True
         try:
-            if all(p.is_alive() for p in self.processes):
+            if not self.exited and all(p.is_alive() for p in self.processes):
                 try:
                     self.send(None)
                 except RuntimeError as e:  # whatever stopped them is the error to report
@@ -199,11 +272,17 @@ class TPModelRunner(ModelRunner):
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._send(sched, pipelined=False)
-        return super().execute(sched)
+        with self.workers.failures_named():
+            out = super().execute(sched)
+        self.workers.check()  # a worker that ended mid-step left its collectives short
+        return out
 
     def launch_decode(self, sched: SchedulerOutput, prev=None):
         self._send(sched, pipelined=prev is not None)
-        return super().launch_decode(sched, prev)
+        with self.workers.failures_named():
+            flight = super().launch_decode(sched, prev)
+        flight.check = self.workers.check  # once its tokens are read back
+        return flight
 
     def _pipelined_ids(self, sched: SchedulerOutput, prev) -> torch.Tensor:
         ids = super()._pipelined_ids(sched, prev).to(torch.int64)
@@ -212,7 +291,8 @@ class TPModelRunner(ModelRunner):
 
     def _send(self, sched: SchedulerOutput, pipelined: bool) -> None:
         bare = replace(sched, wait_for=[], on_kv_written=None)  # the workers wait on theirs
-        self.workers.send(TPStep(bare, self.take_copies(), pipelined))
+        graph = self._graph_ok(sched)  # what _forward decides for this step, next
+        self.workers.send(TPStep(bare, self.take_copies(), pipelined, graph))
 
 
 def worker_main(rank: int, size: int, init: str, config: EngineConfig, source) -> None:
@@ -241,6 +321,13 @@ def worker_main(rank: int, size: int, init: str, config: EngineConfig, source) -
             reply = worker.handle(message)
             if isinstance(message, dict) and message.get("query"):
                 dist.gather_object(reply, None, dst=0, group=tp.host_group)
+    except BaseException:
+        # rank 0 gone (its messages' connection reset) or this rank failed: a collective
+        # it queued (a replayed graph's) may wait forever on rank 0, and leaving the
+        # group would wait for it, holding this GPU; an abort ends it
+        if _backend(config) == "nccl":
+            _abort_collectives(tp)
+        raise
     finally:
         destroy_tensor_parallel()
 
@@ -251,7 +338,7 @@ class _Worker:
 
     def __init__(self, config: EngineConfig, model, hf_config, device, dtype, tp) -> None:
         self.config, self.model, self.hf_config = config, model, hf_config
-        self.device, self.tp = device, tp
+        self.device, self.dtype, self.tp = device, dtype, tp
         # its KV share (model.kv_state: its KV heads; under MLA the whole latent,
         # replicated), the same pages as rank 0
         num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
@@ -280,7 +367,9 @@ class _Worker:
                     n = len(message.sched.requests)
                     device_ids = torch.empty(n, dtype=torch.int64, device=self.device)
                     dist.broadcast(device_ids, src=0, group=self.tp.group)
-                self.runner.execute_unsampled(replace(message.sched, wait_for=waits), device_ids)
+                self.runner.execute_unsampled(
+                    replace(message.sched, wait_for=waits), device_ids, graph=message.graph
+                )
         elif "profile" in message:
             warmup_forward(
                 self.model,
@@ -330,22 +419,13 @@ class _Worker:
             self.mirror.device_pool = pool
 
     def _setup(self, setup: dict) -> None:
-        config, device = self.config, self.device
+        """Its pool of rank 0's pages, its host tier mirror, and a runner that decodes as
+        rank 0's does: the same attention backend, and CUDA graphs where rank 0 replays
+        them (decode_graphs.py)."""
+        config, device, model = self.config, self.device, self.model
         pool = self.pool = PagePool(self.layout, setup["num_pages"], device)
         max_len = max_model_len(config, self.hf_config)
-        self.runner = ModelRunner(
-            self.model,
-            pool.layer_caches(),
-            config.page_size,
-            device,
-            self.hf_config.vocab_size,
-            setup["eos_token_ids"],
-            attention_backend=self.backend,
-            max_num_seqs=config.max_num_seqs,
-            max_pages=-(-max_len // config.page_size),
-            seed=config.seed,
-            linear_states=self._linear_states(),
-        )
+        copies = None
         if setup["host_pages"]:
             pin = device.type == "cuda"
             host = HostPool(self.layout, setup["host_pages"], pin=pin)
@@ -356,6 +436,38 @@ class _Worker:
             # one copy stream: copies run in rank 0's submission order (tier_mirror.py)
             copies = CopyEngine(device, num_streams=1, issue=config.tier_copy_issue)
             self.mirror = TierMirror(pool, host, copies, config.batchgen_debug, states)
+        backend = setup["attention_backend"]
+        plan = decode_split_plan(config, model, self.layout, self.dtype, device, backend, max_len)
+        graphs = None
+        if setup["graphs"]:
+            graphs = build_decode_graphs(
+                config,
+                model,
+                pool.layer_caches(),
+                backend,
+                plan,
+                self.hf_config.hidden_size,
+                device,
+                self.dtype,
+                max_len,
+                copies=copies,  # the mirror's: paused while a graph is captured
+                state_pool=self.state_pool,
+            )
+        self.runner = ModelRunner(
+            model,
+            pool.layer_caches(),
+            config.page_size,
+            device,
+            self.hf_config.vocab_size,
+            setup["eos_token_ids"],
+            attention_backend=backend,
+            graphs=graphs,
+            split_plan=plan,
+            max_num_seqs=config.max_num_seqs,
+            max_pages=-(-max_len // config.page_size),
+            seed=config.seed,
+            linear_states=self._linear_states(),
+        )
 
 
 def _receive(tp: TPGroup):
@@ -373,6 +485,24 @@ def _device(config: EngineConfig, rank: int) -> torch.device:
     return (
         torch.device("cuda", rank % torch.cuda.device_count()) if device.type == "cuda" else device
     )
+
+
+def _abort_collectives(tp: TPGroup) -> None:
+    """End every NCCL collective in flight on this rank's tensors' group (a replayed
+    graph's too: NCCL's watchdog does not time those out). Logged if it fails."""
+    try:
+        tp.group.abort()
+    except Exception:
+        logger.exception("aborting the tensor-parallel NCCL group failed")
+
+
+def _exit_code(process, timeout_s: float = 5.0) -> int | None:
+    """The exit code of a process that has ended (its sentinel is ready). Another thread
+    may be reaping it at the same moment (join), so it can read None for a while."""
+    deadline = time.monotonic() + timeout_s
+    while (code := process.exitcode) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return code
 
 
 def _kill(processes: list) -> None:

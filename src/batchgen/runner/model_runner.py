@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -322,15 +323,25 @@ class ModelRunner:
         return apply_token_bitmask(logits, self._masks.upload(n))
 
     def _forward(
-        self, sched: SchedulerOutput, device_ids: torch.Tensor | None = None
+        self,
+        sched: SchedulerOutput,
+        device_ids: torch.Tensor | None = None,
+        graph: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's forward: a graph replay for a pure decode step, else prepare() and
         an eager forward. The step's copies (sched.wait_for) are awaited on the compute
         stream (rule 3): before a graph replay, all of them; in an eager forward, layer by
         layer, so layer i computes while layer i+1's pages load. device_ids [T] replaces
-        the input ids (a pipelined step's tokens, still on the device). Returns the hidden
-        states and the rows to sample from (None: all of them)."""
-        graph = self._graph_ok(sched)
+        the input ids (a pipelined step's tokens, still on the device). `graph`: replay or
+        not as told (a tensor-parallel worker follows rank 0), None: as `_graph_ok` says.
+        Returns the hidden states and the rows to sample from (None: all of them)."""
+        if graph is None:
+            graph = self._graph_ok(sched)
+        elif graph and self.graphs is None:
+            raise RuntimeError(
+                "told to replay a decode CUDA graph, but this runner has no graphs "
+                "(every tensor-parallel rank must build them alike)"
+            )
         if graph:
             for copy in sched.wait_for:
                 copy.wait_gates()
@@ -376,15 +387,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_unsampled(
-        self, sched: SchedulerOutput, device_ids: torch.Tensor | None = None
+        self,
+        sched: SchedulerOutput,
+        device_ids: torch.Tensor | None = None,
+        graph: bool | None = None,
     ) -> None:
         """A tensor-parallel worker's share of `execute` or `launch_decode`: the same
         forward and lm_head calls, so their collectives pair with rank 0's, and nothing
         sampled or read back (rank 0 samples): the worker never waits for its GPU, and is
         ready for rank 0's next step while this one runs. device_ids: a pipelined step's
-        input tokens (rank 0's, broadcast)."""
+        input tokens (rank 0's, broadcast); graph: whether rank 0 replays a decode graph
+        for this step (None: decide here)."""
         self.page_rows.release(sched.released_ids)
-        hidden, sample_rows = self._forward(sched, device_ids)
+        hidden, sample_rows = self._forward(sched, device_ids, graph)
         if wants_prompt_logprobs(sched.requests):
             prompt_logprobs(self.model, hidden, sched.requests)
         if not any(r.sample for r in sched.requests):
@@ -450,6 +465,9 @@ class InFlightDecode:
         self.tokens = self._host = self._done = None
         self.pending = None
         self.deferred = False
+        # run once the tokens are on the host, before they are used (tensor parallel:
+        # raises if a worker ended while the step ran)
+        self.check: Callable[[], None] | None = None
 
     def launch_sample(self) -> None:
         """Queue the step's sampling if it is not queued yet."""
@@ -462,6 +480,8 @@ class InFlightDecode:
         self.launch_sample()
         if self._done is not None:
             self._done.synchronize()
+        if self.check is not None:
+            self.check()
         reqs = self.sampled
         return ModelRunnerOutput(
             [r.request_id for r in reqs], self._host.tolist(), [None] * len(reqs)
