@@ -43,9 +43,9 @@ This is the forced-offload probe of the W4 and W6 models:
     # W6's model (KDA state slots + MLA pages): a 1 GiB pool forces swaps
     PYTHONPATH=src python3 benchmarks/probe_offload.py --model kimi-w6 --kv-gib 1 --readback --out $OUT
 
---tp N: both runs split over N tensor-parallel ranks (gloo on the CPU, NCCL on GPUs;
-eager, as tensor parallel runs for now; random weights are drawn per rank, so the ample
-run splits the same way to hold the same ones); each worker's own swaps, loads and
+--tp N: both runs split over N tensor-parallel ranks (gloo on the CPU, NCCL on GPUs, decode
+CUDA graphs on every rank as in the defaults; random weights are drawn per rank, so the
+ample run splits the same way to hold the same ones); each worker's own swaps, loads and
 readbacks are reported beside rank 0's (`worker_tiers`). The issue-15
 probe at two ranks on the CPU, a tiny Kimi-Linear-shaped model, W6's request mix:
 
@@ -434,9 +434,8 @@ def main(argv=None) -> int:
         host_gib = 32.0 if args.host_gib is None else args.host_gib
         tight = dict(kv_cache_size_gib=args.kv_gib, host_kv_size_gib=host_gib)
     tight.update(tier_policy=args.tier_policy, decode_append=args.decode_append)
-    if args.tp > 1:  # both runs, the same draw of dummy weights; eager: tensor parallel
-        # does not capture graphs yet
-        common.update(tensor_parallel_size=args.tp, enforce_eager=True)
+    if args.tp > 1:  # both runs, the same draw of dummy weights
+        common.update(tensor_parallel_size=args.tp)
     if args.readback:
         tight["batchgen_debug"] = True
 

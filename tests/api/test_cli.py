@@ -208,3 +208,27 @@ def test_shard_size_without_data_parallel_is_a_usage_error(tmp_path, caplog):
     assert code == 2
     assert "--shard-size applies to --data-parallel runs only" in caplog.text
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_tp_splits_the_model_over_processes_and_answers_as_one(tmp_path, caplog):
+    """--tp 2 on the CPU: two gloo ranks, the same greedy answers as one process, and the
+    worker gone when the command returns; --tp 0 is a usage error."""
+    import multiprocessing
+
+    from test_batch_run import _answers, _chat
+
+    model = tmp_path / "model"
+    save_tiny_model(model, "LlamaForCausalLM")
+    inp = tmp_path / "in.jsonl"
+    rows = [
+        _chat(f"r{i}", f"w{5 + i} w{9 + 2 * i}", max_tokens=12, temperature=0) for i in range(8)
+    ]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["run", str(inp), "--model", str(model), "--device", "cpu", "--kv-cache-gib", "0.02"]
+    assert main([*base, "-o", str(tmp_path / "one.jsonl")]) == EXIT_OK
+    assert main([*base, "-o", str(tmp_path / "two.jsonl"), "--tp", "2"]) == EXIT_OK
+    one = _answers(tmp_path / "one.jsonl")
+    assert len(one) == 8 and _answers(tmp_path / "two.jsonl") == one
+    assert multiprocessing.active_children() == []  # the worker left with the job
+    assert main([*base, "-o", str(tmp_path / "bad.jsonl"), "--tp", "0"]) == EXIT_USAGE
+    assert "--tp must be >= 1, got 0" in caplog.text

@@ -32,10 +32,11 @@ def tiny(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray session for the module; its actors run one thread each."""
+    """One local Ray session for the module; its actors run one thread each. Four CPUs
+    (this machine has two cores): two engines of two tensor-parallel ranks fit."""
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the actors' processes
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
     if old is None:
@@ -181,6 +182,23 @@ def test_when_every_engine_dies_the_job_stops_and_a_rerun_completes(
     assert _answers(out) == expected
     written = [r["custom_id"] for r in _read(out)]
     assert written == [c for c in dict.fromkeys(_input_order(inp)) if c in expected]
+    assert _error_lines(out) == expected_errors
+
+
+def test_engines_of_two_tensor_parallel_ranks_give_the_single_engine_answers(
+    tmp_path, tiny, batch, local_ray, caplog
+):
+    """--data-parallel 2 --tp 2: each engine is a Ray actor holding two CPUs, its worker
+    rank spawned inside it; the answers are the single engine's. More engines than the
+    cluster's CPUs hold at two each are refused by name."""
+    inp, expected, expected_errors = batch
+    out = tmp_path / "out.jsonl"
+    assert main(_cli(tiny, inp, out, "--data-parallel", "3", "--tp", "2")) == 2
+    assert "3 engines need 6 CPUs (2 each, tensor_parallel_size=2)" in caplog.text
+    assert not out.exists()
+    extra = ("--data-parallel", "2", "--tp", "2", "--shard-size", "8")
+    assert main(_cli(tiny, inp, out, *extra)) == 1
+    assert _answers(out) == expected
     assert _error_lines(out) == expected_errors
 
 

@@ -111,12 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
         "there, not recomputed, and evicted prefixes come back from it (default: 0, off)",
     )
     run.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model's heads over N processes, one GPU each (NCCL; gloo ranks "
+        "with --device cpu); with --data-parallel, every engine is such a group (default: 1)",
+    )
+    run.add_argument(
         "--data-parallel",
         type=int,
         default=None,
         metavar="N",
-        help="run N engines as Ray actors (one GPU each, or one CPU with --device cpu) "
-        "over shards of the input; needs pip install 'batchgen[ray]'",
+        help="run N engines as Ray actors (one GPU each, or one CPU with --device cpu; "
+        "--tp GPUs or CPUs each with --tp) over shards of the input; needs "
+        "pip install 'batchgen[ray]'",
     )
     run.add_argument(
         "--shard-size",
@@ -184,6 +195,7 @@ def _run(args: argparse.Namespace) -> int:
         ("--max-model-len", args.max_model_len, 2),
         ("--kv-cache-gib", args.kv_cache_gib, 1e-6),
         ("--host-kv-gib", args.host_kv_gib, 0),
+        ("--tp", args.tp, 1),
         ("--data-parallel", args.data_parallel, 1),
         ("--shard-size", args.shard_size, 1),
     ):
@@ -269,6 +281,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         max_model_len=args.max_model_len,
         kv_cache_size_gib=args.kv_cache_gib,
         host_kv_size_gib=args.host_kv_gib,
+        tensor_parallel_size=args.tp,
     )
     if args.seed is not None:
         kwargs["seed"] = args.seed
@@ -291,6 +304,8 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
             "the job stopped on an internal error; what was written is intact, "
             "rerun the same command to resume",
         )
+    finally:
+        llm.engine.shutdown()  # tensor parallel: its workers leave with the job
     return _job_done(summary, out)
 
 

@@ -137,12 +137,16 @@ class EnginePool:
         device = str(self.dp.engine_kwargs.get("device", "auto"))
         gpus = device != "cpu" and (device == "cuda" or resources.get("GPU", 0) > 0)
         kind = "GPU" if gpus else "CPU"
-        if resources.get(kind, 0) < n:
+        # a tensor-parallel engine runs a process per rank inside its actor, each rank
+        # on a GPU (on the CPU: a core) of the actor's own
+        tp = int(self.dp.engine_kwargs.get("tensor_parallel_size") or 1)
+        if resources.get(kind, 0) < n * tp:
+            each = "one each" if tp == 1 else f"{tp} each, tensor_parallel_size={tp}"
             raise DataParallelUsageError(
-                f"{n} engines need {n} {kind}s (one each) but the Ray cluster has "
+                f"{n} engines need {n * tp} {kind}s ({each}) but the Ray cluster has "
                 f"{resources.get(kind, 0):g}"
             )
-        options = dict(num_cpus=1, num_gpus=1 if gpus else 0)
+        options = dict(num_cpus=1 if gpus else tp, num_gpus=tp if gpus else 0)
         return ray.remote(max_concurrency=self.per_engine + 1, **options)(ShardWorker)
 
     def _spawn(self, slot: int) -> Engine:
