@@ -212,16 +212,19 @@ def test_which_streams_run_the_tiers_kernels(workload, scatter, decode_append, t
     ~3%): with it, a call whose pages come back from host (loads) and, with
     decode_append="batched", are written through runs every kernel on one stream; with
     "copy" the loads' scatters run on a copy stream. The graphs are captured (on their
-    own stream) by a first call, before the profiled one."""
+    own stream) by a first call, before the profiled one. The profiled call's prompts
+    extend the first call's: their first pages come back from host, and the pages of
+    the new tails and outputs are new, so "batched" writes them through."""
     path, prompts, params, _, _ = workload
     llm = LLM(model=path, decode_append=decode_append, tier_load_scatter=scatter, **TIER, **GPU)
     llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.runner.graphs.graphs
     before = llm.engine.metrics()
+    longer = [p + [300 + i, 301 + i, 302 + i, 303 + i] * 2 for i, p in enumerate(prompts)]
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(longer, params, use_tqdm=False)
         llm.engine.tier.drain()
         torch.cuda.synchronize()
     after = llm.engine.metrics()
