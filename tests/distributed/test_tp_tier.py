@@ -49,6 +49,7 @@ def _run_twice(path: str, monkeypatch, **kw) -> tuple[list, dict, list]:
         outs = [llm.generate(_prompts(), PARAMS, use_tqdm=False) for _ in range(2)]
         workers = llm.engine.tier_worker_metrics()
         m = llm.engine.metrics() | {f"sent_{k}": n for k, n in sent.items()}
+        m["appends"] = llm.engine.tier.metrics.appends  # per-layer stores (decode_append)
         return outs, m, workers
     finally:
         llm.engine.shutdown()
@@ -80,6 +81,26 @@ def test_tp2_host_tier_equals_tp1_ample_pool_and_the_worker_copies_its_shard(
         assert worker["readback_checks"] == m["readback_checks"] == m["pages_offloaded"]
     else:
         assert worker["readback_checks"] == m["readback_checks"] == 0
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_per_layer_decode_appends_at_two_ranks(reference, debug, monkeypatch):
+    """decode_append="layer": rank 0 copies each layer of the pages a decode token fills
+    right after writing it, and the worker does the same on its shard as its own forward
+    runs (the plan travels with the step). The second call finds those pages on host on
+    both ranks: the outputs stay the ample run's, and under batchgen_debug every layer of
+    every such page is read back on both ranks."""
+    path, want = reference
+    outs, m, (worker,) = _run_twice(path, monkeypatch, decode_append="layer", batchgen_debug=debug)
+    for run in outs:
+        assert [_tokens_and_logprobs(o)[0] for o in run] == [t for t, _ in want]
+    assert _max_logprob_error(outs, want) < 1e-5
+    assert m["appends"] > 0 and worker["layer_stores"] == m["appends"]
+    assert worker["pages_offloaded"] == m["pages_offloaded"] > 0
+    assert worker["pages_loaded"] == m["pages_loaded"] > 0
+    assert m["bytes_decode_append"] > 0
+    if debug:
+        assert worker["readback_checks"] == m["readback_checks"] > 0
 
 
 def test_a_worker_skipping_its_tier_copies_changes_the_outputs(reference, monkeypatch):

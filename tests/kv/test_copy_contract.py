@@ -742,7 +742,7 @@ def mirror_readback_before_its_store_completes(root):
 
 
 def worker_forward_ignores_its_copies(root):
-    Source(root, "engine/tensor_parallel.py").replace("wait_for=waits)", "wait_for=[])")
+    Source(root, "engine/tensor_parallel.py").replace("wait_for=waits,", "wait_for=[],")
 
 
 def worker_replays_no_copies(root):

@@ -33,8 +33,10 @@ Decode CUDA graphs: each rank captures its own (its share of the model, its pool
 the same step, bucket by bucket in the same order, with the all-reduces inside them
 (NCCL collectives are captured like kernels); each step tells the workers whether rank 0
 replays (TPStep.graph), so the ranks' collectives always pair: a replay's all-reduce is
-over the bucket's padded rows, an eager step's over its own. Not yet: per-layer decode
-appends.
+over the bucket's padded rows, an eager step's over its own. Per-layer decode appends
+(decode_append="layer"): the step carries rank 0's plan (TPStep.layer_stores), and each
+worker copies every layer of those pages as its own forward writes it; its next forward
+waits for those copies (TierMirror.issue), since rank 0 may reuse the pages by then.
 
 A worker that dies makes rank 0 raise instead of hang: its next message fails (the gloo
 connection closes), and a watcher thread aborts the NCCL group, ending the collectives
@@ -76,7 +78,7 @@ from batchgen.kv.host_pool import HostPool
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.state_pool import HostStatePool
-from batchgen.kv.tier_mirror import TierCopy, TierMirror
+from batchgen.kv.tier_mirror import LayerStores, TierCopy, TierMirror
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models.loader import ModelSource, build_model, gguf_read_once
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
@@ -86,19 +88,14 @@ logger = logging.getLogger(__name__)
 
 
 def check_supported(config: EngineConfig, device: torch.device) -> None:
-    """ValueError naming what tensor_parallel_size > 1 cannot run with yet, or a GPU
-    short: each rank needs its own (NCCL refuses two ranks on one device)."""
+    """ValueError when GPUs are short: each rank needs its own (NCCL refuses two ranks on
+    one device)."""
     size = config.tensor_parallel_size
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(
             f"tensor_parallel_size={size} needs {size} GPUs, one a rank; "
             f"{torch.cuda.device_count()} visible"
         )
-    refused = []
-    if config.host_kv_size_gib > 0 and config.decode_append == "layer":
-        refused.append("per-layer decode appends to the host tier (decode_append='layer')")
-    if refused:
-        raise ValueError(f"tensor_parallel_size={size} does not support {' or '.join(refused)} yet")
 
 
 @dataclass
@@ -109,12 +106,15 @@ class TPStep:
     launch_decode), whose input tokens rank 0 broadcasts on the device (the previous
     step's samples, which no host has seen yet). `graph`: rank 0 replays a decode graph
     for it, so the worker replays its own of the same bucket (the collectives captured
-    in the two pair up; an eager forward's would not)."""
+    in the two pair up; an eager forward's would not). `layer_stores`
+    (decode_append="layer"): the pages whose every layer the worker copies to host as
+    its forward writes it, as rank 0 does (its hook's plan)."""
 
     sched: SchedulerOutput | None
     copies: list[TierCopy]
     pipelined: bool = False
     graph: bool = False
+    layer_stores: LayerStores | None = None
 
 
 class TPWorkers:
@@ -154,14 +154,13 @@ class TPWorkers:
     def failures_named(self, grace_s: float = 2.0) -> Iterator[None]:
         """An error from a collective in the block (gloo: the peer's connection reset)
         becomes check()'s, naming the rank, where a worker has ended (waiting up to
-        grace_s for the watcher to see it); any other error passes unchanged."""
+        grace_s for the watcher to see it: a worker that raised may still be exiting);
+        any other error passes unchanged, grace_s later."""
         try:
             yield
         except RuntimeError as e:
             deadline = time.monotonic() + grace_s
             while not self.exited and time.monotonic() < deadline:
-                if all(p.is_alive() for p in self.processes):
-                    break
                 time.sleep(0.01)
             try:
                 self.check()
@@ -292,7 +291,8 @@ class TPModelRunner(ModelRunner):
     def _send(self, sched: SchedulerOutput, pipelined: bool) -> None:
         bare = replace(sched, wait_for=[], on_kv_written=None)  # the workers wait on theirs
         graph = self._graph_ok(sched)  # what _forward decides for this step, next
-        self.workers.send(TPStep(bare, self.take_copies(), pipelined, graph))
+        stores = getattr(sched.on_kv_written, "plan", None)  # a LayerStoreHook's
+        self.workers.send(TPStep(bare, self.take_copies(), pipelined, graph, stores))
 
 
 def worker_main(rank: int, size: int, init: str, config: EngineConfig, source) -> None:
@@ -362,13 +362,19 @@ class _Worker:
         if isinstance(message, TPStep):
             waits = self.mirror.issue(message.copies) if self.mirror is not None else []
             if message.sched is not None:
+                hook = None
+                if message.layer_stores is not None:  # decode_append="layer", as on rank 0
+                    plan, mirror = message.layer_stores, self.mirror
+                    hook = lambda layer: mirror.store_layer(plan, layer)  # noqa: E731
                 device_ids = None
                 if message.pipelined:  # rank 0's samples of the step before, on the device
                     n = len(message.sched.requests)
                     device_ids = torch.empty(n, dtype=torch.int64, device=self.device)
                     dist.broadcast(device_ids, src=0, group=self.tp.group)
                 self.runner.execute_unsampled(
-                    replace(message.sched, wait_for=waits), device_ids, graph=message.graph
+                    replace(message.sched, wait_for=waits, on_kv_written=hook),
+                    device_ids,
+                    graph=message.graph,
                 )
         elif "profile" in message:
             warmup_forward(

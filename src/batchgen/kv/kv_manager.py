@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.prefix_hash import hash_full_pages
-from batchgen.kv.tiered import TieredKVManager
+from batchgen.kv.tier_mirror import LayerStores
+from batchgen.kv.tiered import LayerStoreHook, TieredKVManager
 
 
 class PrefixHit(list):
@@ -294,8 +295,7 @@ class KVCacheManager:
             return None
         dev, hashes, tags = dev[:room], hashes[:room], tags[:room]
         host = self.tier.host_alloc.allocate(room)
-        tier = self.tier
-        return lambda layer: tier.store_layer(dev, host, layer, hashes, tags)
+        return LayerStoreHook(self.tier, LayerStores(dev, host, tags), hashes)
 
     def keep_cached_on_host(self) -> None:
         """Before the device pool is dropped (reconfigure): queue the write-back of every

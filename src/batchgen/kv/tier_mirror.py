@@ -63,6 +63,18 @@ class TierCopy:
     tags: list[str]  # whose page each is, for readback errors
 
 
+@dataclass(frozen=True)
+class LayerStores:
+    """decode_append="layer": the full pages a step's decode tokens fill, each layer of
+    them copied to host pages rank 0 allocated, right after that layer's K/V write inside
+    the forward. Plain data: the step's message carries it (TPStep.layer_stores), and
+    each worker copies its own shard of the same pages as its forward runs."""
+
+    dev_pages: list[int]
+    host_pages: list[int]
+    tags: list[str]
+
+
 @dataclass
 class MirrorMetrics:
     """What a worker's mirror really copied (rank 0's TierMetrics count the engine's)."""
@@ -73,6 +85,7 @@ class MirrorMetrics:
     pages_offloaded: int = 0
     state_stores: int = 0
     state_loads: int = 0
+    layer_stores: int = 0  # one layer of a step's decode-filled pages (decode_append="layer")
     readback_checks: int = 0
 
 
@@ -127,6 +140,9 @@ class TierMirror:
         self._in_flight: deque[tuple[CopyHandle, list[int], list[int]]] = deque()
         self._writing: dict[int, CopyHandle] = {}  # host page -> store in flight
         self._writing_slot: dict[int, CopyHandle] = {}  # host state slot -> store
+        # per-layer stores issued inside a forward: the next step's forward waits for them
+        # before it can write a page they read (rank 0 may have freed and reused it)
+        self._layer_stores: list[CopyHandle] = []
         self._by_kind = {
             "store": self._store,
             "load": self._load,
@@ -137,9 +153,36 @@ class TierMirror:
     def issue(self, copies: list[TierCopy]) -> list[CopyHandle]:
         """Submit `copies` in order; the handles the step's forward must wait on (all:
         a load layer by layer, a store until its source pages are read, a state copy
-        whole)."""
+        whole), and the per-layer stores earlier forwards issued (whole)."""
         self.poll()
-        return [self._by_kind[c.kind](c) for c in copies]
+        earlier, self._layer_stores = self._layer_stores, []
+        return earlier + [self._by_kind[c.kind](c) for c in copies]
+
+    def store_layer(self, plan: LayerStores, layer: int) -> None:
+        """decode_append="layer", inside this rank's forward right after layer `layer`
+        wrote its K/V: copy that layer of the plan's pages (this rank's heads) to their
+        host pages, ordered after the write (the copy engine's producer event)."""
+        dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
+        dev_pages, host_pages = plan.dev_pages, plan.host_pages
+        layers = range(layer, layer + 1)
+        handle = self.copies.submit(
+            "store",
+            len(dev_pages) * self.device_pool.layout.bytes_per_page // dev_kv.shape[0],
+            lambda h: device_to_host_pages(dev_kv, host_kv, dev_pages, host_pages, layers),
+        )
+        for p in host_pages:
+            self._writing[p] = handle
+        self._in_flight.append((handle, host_pages, []))
+        self._layer_stores.append(handle)
+        self.metrics.layer_stores += 1
+        if layer == dev_kv.shape[0] - 1:
+            self.metrics.pages_offloaded += len(dev_pages)
+        if self.debug:
+            handle.synchronize()
+            for dev, host, tag in zip(dev_pages, host_pages, plan.tags):
+                self.metrics.readback_checks += 1
+                src = dev_kv[layer : layer + 1, :, dev].cpu()
+                check_offloaded(src, host_kv[layer : layer + 1, host], tag, dev, host, layer)
 
     def _store(self, c: TierCopy) -> CopyHandle:
         dev_pages, host_pages = c.dev_pages, c.host_pages

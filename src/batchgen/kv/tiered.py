@@ -54,7 +54,7 @@ from batchgen.kv.page_copies import (
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tier_mirror import KVReadbackError as KVReadbackError  # its old home
-from batchgen.kv.tier_mirror import TierCopy, check_offloaded
+from batchgen.kv.tier_mirror import LayerStores, TierCopy, check_offloaded
 
 if TYPE_CHECKING:
     from batchgen.kv.state_tier import StateTier
@@ -76,6 +76,19 @@ class _Pending:
     keep_host: bool = False  # a swap-out's host pages: its request owns them after completion
     register: bool = False  # hashes join the host cache at completion (a layer-wise
     # store's; the other stores' joined it at submission)
+
+
+class LayerStoreHook:
+    """decode_append="layer": one step's `on_kv_written`. hook(layer) copies that layer
+    of `plan`'s pages to host right after the layer's K/V write; `plan` is plain data, so
+    tensor parallel sends it to the workers with the step (TPStep.layer_stores)."""
+
+    def __init__(self, tier: TieredKVManager, plan: LayerStores, hashes: list) -> None:
+        self.tier, self.plan, self.hashes = tier, plan, hashes
+
+    def __call__(self, layer: int) -> None:
+        plan = self.plan
+        self.tier.store_layer(plan.dev_pages, plan.host_pages, layer, self.hashes, plan.tags)
 
 
 @dataclass
@@ -434,8 +447,6 @@ class TieredKVManager:
         allocated, right after that layer's K/V write (called inside the forward). The
         last layer's completion registers `hashes` and releases the host pages."""
         dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
-        if self.mirrored is not None:
-            raise RuntimeError("per-layer decode appends are not mirrored to workers yet")
         last = layer == dev_kv.shape[0] - 1
         layers = range(layer, layer + 1)
         handle = self.copies.submit(
