@@ -236,7 +236,7 @@ def worker_main_skipping_tier_copies(*args) -> None:
     from batchgen.engine import tensor_parallel
     from batchgen.kv.tier_mirror import TierMirror
 
-    TierMirror.issue = lambda self, copies: []
+    TierMirror.issue = lambda self, copies, forward=True: []
     tensor_parallel.worker_main(*args)
 
 

@@ -747,7 +747,7 @@ def worker_forward_ignores_its_copies(root):
 
 def worker_replays_no_copies(root):
     src = Source(root, "engine/tensor_parallel.py")
-    src.replace("self.mirror.issue(message.copies)", "list(message.copies)")
+    src.replace("self.mirror.issue(message.copies, forward)", "list(message.copies)")
 
 
 MUTATIONS = [

@@ -360,7 +360,8 @@ class _Worker:
         readback mismatch under batchgen_debug raises here, ending this rank, so rank
         0's next broadcast fails."""
         if isinstance(message, TPStep):
-            waits = self.mirror.issue(message.copies) if self.mirror is not None else []
+            forward = message.sched is not None
+            waits = self.mirror.issue(message.copies, forward) if self.mirror is not None else []
             if message.sched is not None:
                 hook = None
                 if message.layer_stores is not None:  # decode_append="layer", as on rank 0

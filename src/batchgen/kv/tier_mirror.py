@@ -150,12 +150,15 @@ class TierMirror:
             "state_load": self._state_load,
         }
 
-    def issue(self, copies: list[TierCopy]) -> list[CopyHandle]:
+    def issue(self, copies: list[TierCopy], forward: bool = True) -> list[CopyHandle]:
         """Submit `copies` in order; the handles the step's forward must wait on (all:
         a load layer by layer, a store until its source pages are read, a state copy
-        whole), and the per-layer stores earlier forwards issued (whole)."""
+        whole), and with `forward` (a forward follows) the per-layer stores earlier
+        forwards issued (whole); without, those wait for the next forward."""
         self.poll()
-        earlier, self._layer_stores = self._layer_stores, []
+        earlier = []
+        if forward:
+            earlier, self._layer_stores = self._layer_stores, []
         return earlier + [self._by_kind[c.kind](c) for c in copies]
 
     def store_layer(self, plan: LayerStores, layer: int) -> None:
