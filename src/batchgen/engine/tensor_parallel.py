@@ -362,7 +362,7 @@ class _Worker:
         if isinstance(message, TPStep):
             forward = message.sched is not None
             waits = self.mirror.issue(message.copies, forward) if self.mirror is not None else []
-            if message.sched is not None:
+            if forward:
                 hook = None
                 if message.layer_stores is not None:  # decode_append="layer", as on rank 0
                     plan, mirror = message.layer_stores, self.mirror

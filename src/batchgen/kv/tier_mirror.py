@@ -181,11 +181,7 @@ class TierMirror:
         if layer == dev_kv.shape[0] - 1:
             self.metrics.pages_offloaded += len(dev_pages)
         if self.debug:
-            handle.synchronize()
-            for dev, host, tag in zip(dev_pages, host_pages, plan.tags):
-                self.metrics.readback_checks += 1
-                src = dev_kv[layer : layer + 1, :, dev].cpu()
-                check_offloaded(src, host_kv[layer : layer + 1, host], tag, dev, host, layer)
+            self._readback(dev_pages, host_pages, handle, plan.tags, layers)
 
     def _store(self, c: TierCopy) -> CopyHandle:
         dev_pages, host_pages = c.dev_pages, c.host_pages
@@ -288,14 +284,20 @@ class TierMirror:
                 del self._writing_slot[slot]
         handle.keep = ()
 
-    def _readback(self, dev_pages, host_pages, handle: CopyHandle, tags) -> None:
+    def _readback(
+        self, dev_pages, host_pages, handle: CopyHandle, tags, layers: range | None = None
+    ) -> None:
         """batchgen_debug: wait for the store and compare each host page of this rank's
-        shard with its device source (no forward has run since the copy was issued)."""
+        shard with its device source, over `layers` (None: every layer; nothing has
+        written the source since the copy was issued)."""
         handle.synchronize()
         dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
+        layers = layers or range(dev_kv.shape[0])
+        first, end = layers.start, layers.stop
         for dev, host, tag in zip(dev_pages, host_pages, tags):
             self.metrics.readback_checks += 1
-            check_offloaded(dev_kv[:, :, dev].cpu(), host_kv[:, host], tag, dev, host, 0)
+            src = dev_kv[first:end, :, dev].cpu()
+            check_offloaded(src, host_kv[first:end, host], tag, dev, host, first)
 
     def _readback_state(self, dev_slot: int, host_slot: int, handle: CopyHandle, tag) -> None:
         """batchgen_debug: wait for the state store and compare this rank's host slot
