@@ -114,9 +114,12 @@ def test_gated_output_norm_matches_the_torch_norm(fla_norm):
     assert (got.view(o.shape) - want).abs().max().item() < TOL
 
 
-def test_decode_step_with_raw_gates_computes_them_in_the_kernel():
+@pytest.mark.parametrize("kernel", ["batchgen", "fla"])
+def test_decode_step_with_raw_gates_computes_them_in_the_kernel(monkeypatch, kernel):
     """The decode call with g and beta handed over raw (the gate and the sigmoid inside
-    fla's kernel) against the torch step given kda_gate(f) and sigmoid(b)."""
+    the kernel: kernels/kda_decode.py, the default, or fla's) against the torch step
+    given kda_gate(f) and sigmoid(b)."""
+    monkeypatch.setattr(kda_ops, "DECODE_KERNEL", kernel)
     q, k, v, _, _ = inputs(3, seed=6)
     gen = torch.Generator().manual_seed(7)
     f, b = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, generator=gen)
@@ -149,13 +152,17 @@ def test_the_torch_path_applies_raw_gates_itself():
     assert torch.equal(states, want_states)
 
 
-@pytest.mark.parametrize("raw", [False, True])
-def test_mixed_step_splits_one_token_rows_from_prefill_chunks(monkeypatch, raw):
+@pytest.mark.parametrize(
+    "raw,kernel", [(False, "fla"), (True, "fla"), (True, "batchgen")], ids=["given", "raw", "ours"]
+)
+def test_mixed_step_splits_one_token_rows_from_prefill_chunks(monkeypatch, raw, kernel):
     """A mixed step (prefill chunks between one-token rows, a new one-token prompt among
-    them): the one-token rows go to the recurrent step in place on their slots, the
-    chunks to the chunked kernel. The chunked kernel cannot run in the interpreter: its
-    stand-in is fla's varlen recurrent KDA, the same math (compared with kda_chunk above).
-    Outputs and every slot against the torch step."""
+    them): the one-token rows go to the recurrent step in place on their slots (fla's,
+    or with raw gates kernels/kda_decode.py where DECODE_KERNEL says so), the chunks to
+    the chunked kernel. The chunked kernel cannot run in the interpreter: its stand-in is
+    fla's varlen recurrent KDA, the same math (compared with kda_chunk above). Outputs
+    and every slot against the torch step."""
+    monkeypatch.setattr(kda_ops, "DECODE_KERNEL", kernel)
     calls = []
 
     def chunked(q, *args, cu_seqlens=None, **kwargs):
@@ -199,7 +206,8 @@ def test_mixed_step_splits_one_token_rows_from_prefill_chunks(monkeypatch, raw):
         meta,
     )
     got = kda_ops._kda_fla(q, k, v, g, beta, states, meta, gates)
-    assert calls == [("recurrent", 4, [6, 0, 3, 2]), ("chunked", 12, [0, 5, 12])]
+    recurrent_calls = [("recurrent", 4, [6, 0, 3, 2])] if kernel == "fla" else []
+    assert calls == recurrent_calls + [("chunked", 12, [0, 5, 12])]
     assert (got - want).abs().max().item() < TOL
     assert (states - want_states).abs().max().item() < TOL
     assert torch.equal(states[[5, 7]], want_states[[5, 7]])

@@ -70,8 +70,19 @@ def raw_gates(seed: int) -> kda_ops.RawGates:
 @pytest.mark.parametrize(
     "dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16]
 )
-@pytest.mark.parametrize("gates", ["raw", "given"])  # raw: the layer's default call
-def test_fla_matches_reference_over_steps(dtype, gates):
+@pytest.fixture
+def decode_kernel(request, monkeypatch):
+    """The one-token rows' kernel for raw gates: fla-core's or kernels/kda_decode.py."""
+    monkeypatch.setattr(kda_ops, "DECODE_KERNEL", request.param)
+    return request.param
+
+
+# raw gates: the layer's default call; kernels/kda_decode.py takes raw gates only
+KERNELS = [("raw", "fla"), ("given", "fla"), ("raw", "batchgen")]
+
+
+@pytest.mark.parametrize("gates,decode_kernel", KERNELS, indirect=["decode_kernel"])
+def test_fla_matches_reference_over_steps(dtype, gates, decode_kernel):
     raw = raw_gates(9) if gates == "raw" else None
     states_fla = torch.randn(SLOTS, H, DK, DV, device="cuda") * 0.1
     states_ref = states_fla.clone()
@@ -131,18 +142,20 @@ def test_a_prepared_step_queues_its_kda_without_a_host_sync(parts, prepared):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def test_decode_step_replays_from_a_cuda_graph():
+@pytest.mark.parametrize("gates,decode_kernel", KERNELS, indirect=["decode_kernel"])
+def test_decode_step_replays_from_a_cuda_graph(gates, decode_kernel):
+    raw = raw_gates(2) if gates == "raw" else None
     states = torch.randn(SLOTS, H, DK, DV, device="cuda") * 0.1
     meta = meta_for([(1, 6, True), (1, 2, True)])
     q, k, v, g, beta = step_inputs(2, torch.bfloat16, 3)
     eager_states = states.clone()
-    want = kda_ops.kda_attention(q, k, v, g, beta, eager_states, meta)
+    want = kda_ops.kda_attention(q, k, v, g, beta, eager_states, meta, raw=raw)
     graph_states = states.clone()
-    kda_ops.kda_attention(q, k, v, g, beta, graph_states.clone(), meta)  # compile outside
+    kda_ops.kda_attention(q, k, v, g, beta, graph_states.clone(), meta, raw=raw)  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kda_ops.kda_attention(q, k, v, g, beta, graph_states, meta)
+        out = kda_ops.kda_attention(q, k, v, g, beta, graph_states, meta, raw=raw)
     graph_states.copy_(states)
     graph.replay()
     torch.cuda.synchronize()

@@ -12,8 +12,9 @@ decode step and the chunked prefill each 6-9% faster than in [Dk, Dv]); the torc
 transposes its views.
 
 fla-core (pip `fla-core`, pure Triton) serves CUDA tensors when it imports:
-`fused_recurrent_kda_fwd` for decode-only steps (reads and writes the slots in place
-through `ssm_state_indices`: no gather, no host sync, capturable), `chunk_kda` with
+`fused_recurrent_kda_fwd` for one-token rows (reads and writes the slots in place
+through `ssm_state_indices`: no gather, no host sync, capturable; where the gates come
+raw, as the layer passes them, kernels/kda_decode.py does the same faster), `chunk_kda` with
 `cu_seqlens` for steps with a prefill (initial states gathered from the slots, final
 states scattered back), both with the decay gate and beta's sigmoid computed inside the
 kernel from the raw projections (`RawGates`); `rms_norm_gated` for the output norm.
@@ -270,8 +271,20 @@ def _identity_cache(fn):
     return None
 
 
+# The one-token rows' kernel where the gates come raw: "batchgen" (kernels/kda_decode.py,
+# 292 us against fla's 343 at W6's 512 rows on an H200, bench_kernels.py --kda) or "fla"
+# (fla-core's fused_recurrent_kda_fwd, which given gates always take); the same numbers.
+DECODE_KERNEL = "batchgen"
+
+
 def _recurrent(step, states, cu_seqlens, slots, scale, gates):
-    """One token per request: fla's recurrent step, in place on the slots."""
+    """One token per request: the recurrent step, in place on the slots (ours where the
+    gates come raw and DECODE_KERNEL says so, else fla's)."""
+    if DECODE_KERNEL == "batchgen" and gates:
+        from batchgen.kernels.kda_decode import kda_decode
+
+        q, k, v, f, b = step
+        return kda_decode(q, k, v, f, b, gates["A_log"], gates["dt_bias"], states, slots, scale)
     _, fused_recurrent_kda_fwd = fla_kda()
     # the kernels index rows as if contiguous: the convolution kernels hand q, k and v
     # over contiguous (no copy here); the torch path's are views of one tensor
