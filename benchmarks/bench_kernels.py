@@ -8,23 +8,27 @@ time) against the H200 device-copy ceiling of 4.23 TB/s; prefill on attention TF
 
     python benchmarks/bench_kernels.py            # defaults plus a small tuning sweep
     python benchmarks/bench_kernels.py --quick    # defaults only
-    python benchmarks/bench_kernels.py --moe      # routed experts only (see bench_moe)
+    python benchmarks/bench_kernels.py --moe      # W6's routed experts (see bench_moe)
     python benchmarks/bench_kernels.py --mla      # W4's MLA prefill attention only
     python benchmarks/bench_kernels.py --silu     # silu_and_mul launches at W4/W6 shapes
     python benchmarks/bench_kernels.py --kda      # W6's KDA decode and prefill, two layouts
+    python benchmarks/bench_kernels.py --conv     # W6's prefill convolution launches
 
 --kda: W6's KDA layer (16 heads of 128, float32 state slots) through fla-core, in the
 engine's state layout, fla's `state_v_first` [H, V, K], and in [H, K, V]: the decode step
 (fused_recurrent_kda_fwd in place on 512 and 256 slots, rated on the state bytes read and
 written against the copy ceiling) and a 32,768-token prefill chunk (chunk_kda, 32
 prompts of 1,024, states gathered and returned); each layout's outputs are checked
-against the engine's. Also the decode step's short convolution: kernels/conv_decode.py
-against the torch step (kda_torch.short_conv_decode), and a prefill step's:
-kernels/conv_packed.py against fla-core's causal_conv1d with the copies it needs.
+against the engine's. Beside fla's decode step, ours (kernels/kda_decode.py) in the
+engine's layout at a sweep of launches, each from the states fla's started from, its
+output and states compared with fla's. Also the decode step's short convolution:
+kernels/conv_decode.py against the torch step (kda_torch.short_conv_decode), and a
+prefill step's (--conv: that alone): kernels/conv_packed.py at a sweep of launches
+against fla-core's causal_conv1d with the copies it needs.
 
---moe: W4's routed experts (64 experts of hidden 2048 and intermediate 1408, top-6,
-bf16) at 64 to 8192 tokens, through torch._grouped_mm (layers.routed_experts, the
-engine's path) and through kernels/fused_moe.py's Triton GEMMs at a few block shapes,
+--moe: W6's routed experts (64 experts of hidden 2048 and intermediate 1024, top-6,
+bf16) at 512 and 4,096 tokens (--moe-w4: W4's, intermediate 1408, at 64 to 8192),
+through torch._grouped_mm (layers.routed_experts, the engine's path) and through kernels/fused_moe.py's Triton GEMMs at a few block shapes,
 each timed as the whole fused_experts call; rate: the expert weights read once over the
 time (decode is bound by them) against the copy ceiling, and the GEMM TFLOP/s.
 """
@@ -240,11 +244,16 @@ def bench_store_kv(caches, gen) -> list[tuple]:
     ]
 
 
-def bench_moe(gen) -> list[tuple]:
+# routed experts (intermediate size, token counts) by workload: 64 experts of hidden
+# 2048, top-6; W6 at its decode step (512 rows) and at 4,096 tokens
+MOE_SHAPES = {"W4": ("W4", 1408, (64, 256, 1024, 8192)), "W6": ("W6", 1024, (512, 4096))}
+
+
+def bench_moe(gen, label: str, inter: int, sizes: tuple[int, ...]) -> list[tuple]:
     from batchgen.kernels import fused_moe
     from batchgen.layers.routed_experts import fused_experts
 
-    num_experts, top_k, hidden, inter = 64, 6, 2048, 1408
+    num_experts, top_k, hidden = 64, 6, 2048
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen).to("cuda", DTYPE)
     down = torch.randn(num_experts, hidden, inter, generator=gen).to("cuda", DTYPE)
     gate_up /= hidden**0.5
@@ -255,9 +264,13 @@ def bench_moe(gen) -> list[tuple]:
     launches = [(16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (64, 128, 64, 8, 3)]
     launches += [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3)]
     launches += [(32, 64, 128, 4, 4), (16, 128, 256, 8, 3), (64, 64, 128, 4, 3)]
+    # one block of rows an expert at W6's decode step (48 a expert on average), deeper
+    # pipelines
+    launches += [(64, 128, 128, 8, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 5)]
+    launches += [(32, 128, 128, 4, 4), (64, 64, 64, 4, 6)]
     tunings = [fused_moe.TUNING] + [fused_moe.MoETuning(*t) for t in launches]
     rows = []
-    for t in (64, 256, 1024, 8192):
+    for t in sizes:
         x = torch.randn(t, hidden, generator=gen).to("cuda", DTYPE)
         scores = torch.rand(t, num_experts, generator=gen).to("cuda")
         weights, ids = scores.topk(top_k, dim=-1)
@@ -276,7 +289,7 @@ def bench_moe(gen) -> list[tuple]:
             bw = weight_bytes * touched / num_experts / seconds
             rows.append(
                 (
-                    f"moe T={t}",
+                    f"{label} moe T={t}",
                     launch,
                     "-",
                     f"{seconds * 1e6:.1f} us",
@@ -370,6 +383,8 @@ def bench_kda(gen) -> list[tuple]:
                 state_v_first=v_first, **step_kw,
             )  # fmt: skip
             outs.append(step()[0])
+            if v_first:  # fla's one step from the start, which ours are held to
+                fla_state = step.keywords["initial_state"].clone()
             seconds = _bench(step)
             bw = 2 * batch * heads * dim * dim * 4 / seconds  # float32 state read and written
             rows.append(
@@ -377,6 +392,8 @@ def bench_kda(gen) -> list[tuple]:
                  f"{bw / 1e12:.2f} TB/s", f"{100 * bw / COPY_BW:.0f}% of copy")
             )  # fmt: skip
         rows.append(compared(f"kda decode, {batch} rows", outs))
+        rows += bench_kda_decode(q, k, v, f, beta, gates, states_v, step_kw, outs[0], fla_state)
+        del fla_state
 
     prompts, length = 32, 1024
     tokens = prompts * length
@@ -422,6 +439,44 @@ def bench_kda(gen) -> list[tuple]:
     return rows + bench_conv_prefill(weight, windows, prompts, length, gen)
 
 
+# kernels/kda_decode.py launches (block_v, num_warps, heads_per_program, num_stages), its
+# default (fla's own launch) first
+KDA_DECODE_LAUNCHES = [
+    (32, 4, 1, 1), (16, 2, 1, 1), (16, 4, 1, 1), (8, 1, 1, 1), (8, 2, 1, 1), (64, 4, 1, 1),
+    (64, 8, 1, 1), (32, 4, 2, 2), (16, 2, 4, 2), (32, 4, 4, 3), (128, 8, 1, 1),
+]  # fmt: skip
+
+
+def bench_kda_decode(q, k, v, f, beta, gates, states, step_kw, fla_o, fla_state) -> list[tuple]:
+    """kernels/kda_decode.py's decode step in the engine's [H, V, K] layout at a sweep of
+    launches, each from a copy of the states fla's step started from: the time, the state
+    bytes against the copy ceiling, and how far its output and its states (all slots)
+    land from fla's (fla_o, fla_state: fla's one step from `states`)."""
+    from batchgen.kernels.kda_decode import KDADecodeTuning, kda_decode
+
+    batch = q.shape[1]
+    slots = step_kw["ssm_state_indices"]
+    args = (q[0], k[0], v[0], f[0], beta[0], gates["A_log"], gates["dt_bias"])
+    ours = torch.empty_like(states)
+    rows = []
+    for launch in KDA_DECODE_LAUNCHES:
+        tuning = KDADecodeTuning(*launch)
+        ours.copy_(states)
+        step = partial(kda_decode, *args, ours, slots, scale=gates["scale"], tuning=tuning)
+        o = step()
+        d_o = (o.float() - fla_o[0].float()).abs().max().item()
+        d_s = (ours - fla_state).abs().max().item()
+        seconds = _bench(step)
+        bw = 2 * batch * states[0].numel() * 4 / seconds  # float32 state read and written
+        bv, warps, pairs, stages = launch
+        rows.append(
+            (f"kda decode, {batch} rows", f"kda_decode.py bv{bv} w{warps} hp{pairs} st{stages}",
+             "-", f"{seconds * 1e6:.1f} us", f"{bw / 1e12:.2f} TB/s",
+             f"{100 * bw / COPY_BW:.0f}% of copy; vs fla max |diff| o {d_o:.1e}, state {d_s:.1e}")
+        )  # fmt: skip
+    return rows
+
+
 def fla_prefill_conv(x, weight, windows, cu, slots):
     """A prefill step's convolution through fla-core's causal_conv1d, as the engine ran it
     before kernels/conv_packed.py: initial states [N, C, K] built from the windows (column
@@ -445,7 +500,7 @@ def bench_conv_prefill(weight, windows, prompts: int, length: int, gen) -> list[
     """A 32,768-token prefill step's q, k and v convolution: kernels/conv_packed.py against
     fla-core's causal_conv1d and the copies that make its thirds contiguous; each output
     compared with the torch reference in float32."""
-    from batchgen.kernels.conv_packed import conv_packed
+    from batchgen.kernels.conv_packed import LAUNCH, conv_packed
 
     tokens, channels = prompts * length, weight.shape[0]
     x = torch.randn(tokens, channels, generator=gen).to("cuda", DTYPE)
@@ -454,10 +509,18 @@ def bench_conv_prefill(weight, windows, prompts: int, length: int, gen) -> list[
     case = f"conv prefill, {tokens} tokens"
     outs, rows = [], []
     start = windows.clone()
-    for name, fn in (
-        ("kernels/conv_packed.py", partial(conv_packed, x, weight, windows, cu, slots, 3)),
-        ("fla causal_conv1d + copies", partial(fla_prefill_conv, x, weight, windows, cu, slots)),
-    ):
+    # conv_packed's launches (rows, channels, warps), its default first
+    launches = [LAUNCH, (32, 256, 4), (64, 256, 8), (32, 128, 4), (64, 128, 4), (16, 512, 4)]
+    launches += [(8, 512, 4), (32, 512, 8), (128, 128, 8), (64, 64, 4)]
+    cases = [
+        (f"kernels/conv_packed.py {t}x{c} w{w}", partial(conv_packed, *args, launch=(t, c, w)))
+        for args in [(x, weight, windows, cu, slots, 3)]
+        for t, c, w in launches
+    ]
+    cases.append(
+        ("fla causal_conv1d + copies", partial(fla_prefill_conv, x, weight, windows, cu, slots))
+    )
+    for name, fn in cases:
         outs.append(torch.cat(fn(), dim=-1))  # both from the windows as they start
         seconds = _bench(fn)
         windows.copy_(start)
@@ -480,10 +543,12 @@ def bench_conv_prefill(weight, windows, prompts: int, length: int, gen) -> list[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="default launch parameters only")
-    parser.add_argument("--moe", action="store_true", help="the routed-expert GEMMs only")
+    parser.add_argument("--moe", action="store_true", help="W6's routed-expert GEMMs")
+    parser.add_argument("--moe-w4", action="store_true", help="W4's routed-expert GEMMs")
     parser.add_argument("--mla", action="store_true", help="W4's MLA prefill attention only")
     parser.add_argument("--silu", action="store_true", help="silu_and_mul launches only")
     parser.add_argument("--kda", action="store_true", help="W6's KDA kernels, two state layouts")
+    parser.add_argument("--conv", action="store_true", help="W6's prefill convolution only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device", file=sys.stderr)
@@ -500,20 +565,22 @@ def main(argv: list[str] | None = None) -> int:
         f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}"
     )
     rows = []
-    if args.moe:
-        rows += bench_moe(gen)
-        _print(rows)
-        return 0
-    if args.mla:
-        rows += bench_mla_prefill(16, 1024, sweep, gen)
-        _print(rows)
-        return 0
-    if args.silu:
-        rows += bench_silu(gen)
-        _print(rows)
-        return 0
-    if args.kda:
-        rows += bench_kda(gen)
+    if args.moe or args.moe_w4 or args.mla or args.silu or args.kda or args.conv:  # those only
+        if args.moe:
+            rows += bench_moe(gen, *MOE_SHAPES["W6"])
+        if args.moe_w4:
+            rows += bench_moe(gen, *MOE_SHAPES["W4"])
+        if args.mla:
+            rows += bench_mla_prefill(16, 1024, sweep, gen)
+        if args.silu:
+            rows += bench_silu(gen)
+        if args.kda:
+            rows += bench_kda(gen)
+        elif args.conv:  # --kda runs it too
+            channels, taps, slots = 3 * 16 * 128, 4, 1040
+            weight = torch.randn(channels, taps, generator=gen).to("cuda", DTYPE)
+            windows = torch.randn(slots, taps - 1, channels, generator=gen).to("cuda", DTYPE)
+            rows += bench_conv_prefill(weight, windows, 32, 1024, gen)
         _print(rows)
         return 0
     rows += bench_decode(caches, 256, 1000, sweep, gen)

@@ -344,7 +344,7 @@ FAMILIES = (
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def gpu_idle(events: list[dict], steps: int, min_gap_us: float = 2.0) -> dict:
+def gpu_idle(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int = 12) -> dict:
     """Where the GPU waits, from a torch profiler's Chrome trace events (CPU and CUDA
     activities): the time between GPU activities (kernels, copies, memsets, any stream,
     overlaps merged) over the window from the first to the last, per step, and each gap
@@ -363,8 +363,10 @@ def gpu_idle(events: list[dict], steps: int, min_gap_us: float = 2.0) -> dict:
     "small_gaps_ms" (the idle time in gaps under min_gap_us, left unattributed: mostly
     between kernels already queued, as a graph's are), "host_ms" (time in each `record_function` range) and
     "runtime_ms" (in each CUDA runtime/driver call), "streams" (per stream: GPU
-    activities and their ms), all per step, and "gaps" (how many were put down to a
-    cause)}."""
+    activities and their ms), all per step, "gaps" (how many were put down to a
+    cause), "idle_before_ms" (per step, the `top` activities whose start ended the most
+    idle time) and "largest_gaps" (the `top` longest: microseconds, when from the first
+    activity, the activity before and the one after)}."""
     gpu = sorted(
         (e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES),
         key=lambda e: e["ts"],
@@ -390,13 +392,17 @@ def gpu_idle(events: list[dict], steps: int, min_gap_us: float = 2.0) -> dict:
             host[e["name"]] = host.get(e["name"], 0.0) + e.get("dur", 0)
     busy = idle = small = 0.0
     causes: dict[str, float] = {}
+    before_kernel: dict[str, float] = {}  # idle us by the activity that ended the gap
+    largest: list[tuple[float, float, str, str]] = []  # (us, at, after, before)
     gaps = 0
     if gpu:
         start, end = gpu[0]["ts"], gpu[0]["ts"] + gpu[0].get("dur", 0)
+        last = gpu[0]  # the activity whose end closes the running interval
         for e in gpu[1:]:
             e_start, e_end = e["ts"], e["ts"] + e.get("dur", 0)
             if e_start <= end:  # overlaps (or touches) the running interval
-                end = max(end, e_end)
+                if e_end > end:
+                    end, last = e_end, e
                 continue
             busy += end - start
             idle += e_start - end
@@ -404,9 +410,12 @@ def gpu_idle(events: list[dict], steps: int, min_gap_us: float = 2.0) -> dict:
                 gaps += 1
                 for cause, us in _gap_causes(e, end, launches, ranges).items():
                     causes[cause] = causes.get(cause, 0.0) + us
+                name = _short(e["name"])
+                before_kernel[name] = before_kernel.get(name, 0.0) + e_start - end
+                largest.append((e_start - end, end - gpu[0]["ts"], _short(last["name"]), name))
             else:
                 small += e_start - end
-            start, end = e_start, e_end
+            start, end, last = e_start, e_end, e
         busy += end - start
     per_step = max(steps, 1) * 1000.0
 
@@ -426,7 +435,17 @@ def gpu_idle(events: list[dict], steps: int, min_gap_us: float = 2.0) -> dict:
             for k, (n, us) in sorted(streams.items(), key=lambda kv: -kv[1][1])
         },
         "gaps": gaps,
+        "idle_before_ms": dict(list(per_step_ms(before_kernel).items())[:top]),
+        "largest_gaps": [
+            f"{us:8.1f} us at {at / 1000:9.3f} ms: {after} -> {before}"
+            for us, at, after, before in sorted(largest, reverse=True)[:top]
+        ],
     }
+
+
+def _short(name: str, width: int = 60) -> str:
+    """A kernel's name cut to `width` characters (templated names run to thousands)."""
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def _gap_causes(after: dict, gap_start: float, launches: dict, ranges: list) -> dict:

@@ -83,6 +83,11 @@ def test_gpu_idle_puts_each_gap_down_to_the_host_or_the_device():
     assert idle["small_gaps_ms"] == 1 / 2000
     assert idle["streams"] == {"?": {"activities": 2.5, "ms": (120 + 100 + 10 + 20 + 4) / 2000}}
     assert idle["host_ms"] == {"batchgen.next_decode": 50 / 2000, "batchgen.launch": 20 / 2000}
+    assert idle["idle_before_ms"] == {"B": 55 / 2000, "C": 25 / 2000}
+    assert idle["largest_gaps"] == [
+        "    55.0 us at     0.120 ms: A -> B",
+        "    25.0 us at     0.275 ms: B -> C",
+    ]
     assert idle["runtime_ms"] == {
         "cudaLaunchKernel": (2 + 3 + 3) / 2000,
         "cudaGraphLaunch": 5 / 2000,
@@ -101,4 +106,6 @@ def test_gpu_idle_of_an_empty_trace_is_zero():
         "runtime_ms": {},
         "streams": {},
         "gaps": 0,
+        "idle_before_ms": {},
+        "largest_gaps": [],
     }

@@ -21,7 +21,6 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from batchgen.kernels import conv_packed as conv_packed_module  # noqa: E402
 from batchgen.kernels.conv_packed import conv_packed  # noqa: E402
 from batchgen.layers import kda_torch  # noqa: E402
 
@@ -85,6 +84,18 @@ def test_conv_packed_matches_the_convolution(dtype, lengths, channels, taps, par
     assert torch.equal(windows[others], before[others])
 
 
+@pytest.mark.parametrize("launch", [(4, 32, 1), (64, 128, 8), (32, 512, 4)])
+def test_every_launch_gives_the_default_launchs_bits(launch):
+    """The launch the bench sweeps (rows and channels a program, warps) changes which
+    program computes a row, not its numbers; the windows move on alike."""
+    x, weight, windows, cu, slots = _case([5, 1, 70, 2], 3 * 100, 4, torch.bfloat16, seed=7)
+    other = windows.clone()
+    want = torch.cat(conv_packed(x, weight, windows, cu, slots, 3), dim=-1)
+    got = torch.cat(conv_packed(x, weight, other, cu, slots, 3, launch=launch), dim=-1)
+    assert torch.equal(got, want)
+    assert torch.equal(other, windows)
+
+
 def test_conv_packed_matches_the_torch_packed_step_in_float32():
     x, weight, windows, cu, slots = _case([7, 1, 2, 20], 3 * 32, 4, torch.float32, seed=3)
     torch_windows = windows.clone()
@@ -94,19 +105,19 @@ def test_conv_packed_matches_the_torch_packed_step_in_float32():
     assert torch.equal(windows, torch_windows)
 
 
-def test_a_request_split_across_two_steps_gives_the_whole_request(monkeypatch):
+def test_a_request_split_across_two_steps_gives_the_whole_request():
     """Chunked prefill: the second step reads the window the first left. Both halves
-    through the kernel equal the whole request through it in one step (small row blocks,
-    so each half spans several)."""
-    monkeypatch.setattr(conv_packed_module, "BLOCK_T", 4)
+    through the kernel equal the whole request through it in one step (small row and
+    channel blocks, so each half spans several of each)."""
+    small = (4, 16, 4)
     x, weight, windows, cu, slots = _case([13], 48, 4, torch.float32, seed=5)
     x = x.contiguous()
     whole_windows = windows.clone()
-    whole = torch.cat(conv_packed(x, weight, whole_windows, cu, slots), dim=-1)
+    whole = torch.cat(conv_packed(x, weight, whole_windows, cu, slots, launch=small), dim=-1)
     parts = []
     for lo, hi in ((0, 6), (6, 13)):
         cu_part = torch.tensor([0, hi - lo], device=DEVICE)
-        parts.append(conv_packed(x[lo:hi], weight, windows, cu_part, slots)[0])
+        parts.append(conv_packed(x[lo:hi], weight, windows, cu_part, slots, launch=small)[0])
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-6, atol=1e-6)
     assert torch.equal(windows, whole_windows)
 

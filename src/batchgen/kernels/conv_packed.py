@@ -28,8 +28,8 @@ import triton.language as tl
 
 from batchgen.kernels.conv_decode import conv_shapes
 
-BLOCK_T = 16
-BLOCK_C = 256
+# (rows, channels, warps) of one program of the convolution
+LAUNCH = (16, 256, 4)
 
 
 @triton.jit
@@ -101,13 +101,15 @@ def conv_packed(
     slots: torch.Tensor,
     parts: int = 1,
     rows: torch.Tensor | None = None,
+    launch: tuple[int, int, int] = LAUNCH,
 ) -> tuple[torch.Tensor, ...]:
     """x [T, C] (the step's rows, packed by request; rows may be strided), weight [C, K],
     windows [S, K - 1, C] (written in place: each request's window moves on by its rows),
     cu_seqlens [N + 1] and slots [N] int on x's device; rows: request_of_row(cu_seqlens,
     T), built here when not given -> `parts` contiguous tensors [T, C / parts] in x's
     dtype, the convolved channels in order. Slots must be distinct. One program per block
-    of packed rows and of channels, whatever the mix of request lengths."""
+    of packed rows and of channels, whatever the mix of request lengths; `launch`: its
+    rows, channels (powers of 2) and warps."""
     num_rows, channels, taps = conv_shapes(x, weight, windows, parts)
     n = slots.shape[0] if slots.dim() == 1 else -1
     if n < 0 or tuple(cu_seqlens.shape) != (n + 1,):
@@ -127,14 +129,15 @@ def conv_packed(
     width = channels // parts
     out = torch.empty((parts, num_rows, width), dtype=x.dtype, device=x.device)
     if num_rows and n:
-        block = min(BLOCK_C, triton.next_power_of_2(channels))
-        col_blocks = triton.cdiv(channels, block)
-        _conv_packed_kernel[(triton.cdiv(num_rows, BLOCK_T), col_blocks)](
+        block_t, block_c, warps = launch
+        block = min(block_c, triton.next_power_of_2(channels))
+        _conv_packed_kernel[(triton.cdiv(num_rows, block_t), triton.cdiv(channels, block))](
             x, weight, windows, cu_seqlens, slots, rows, out, channels, width, num_rows,
             x.stride(0), weight.stride(0), weight.stride(1), windows.stride(0),
-            windows.stride(1), TAPS=taps, BLOCK_R=BLOCK_T, BLOCK=block,
+            windows.stride(1), TAPS=taps, BLOCK_R=block_t, BLOCK=block, num_warps=warps,
         )  # fmt: skip
-        _window_kernel[(n, col_blocks)](
+        block = min(LAUNCH[1], triton.next_power_of_2(channels))
+        _window_kernel[(n, triton.cdiv(channels, block))](
             x, windows, cu_seqlens, slots, channels, x.stride(0), windows.stride(0),
             windows.stride(1), TAPS=taps, BLOCK=block,
         )  # fmt: skip
