@@ -1,4 +1,4 @@
-"""prepare_step's chunk index: built on the host by fla-core's own builder, and found
+"""prepare_step's chunk index: built on the host in numpy as fla-core's builder would, and found
 by chunk_kda in fla's cache under the arguments it passes. CPU; the GPU side (no wait
 on the stream) is in test_kda_gpu.py."""
 
@@ -27,6 +27,19 @@ def test_the_seeded_index_numbers_every_chunk(seed):
     got = kda_ops.seed_chunk_indices(cu_host.clone(), cu_host)
     assert got.dtype == torch.int32
     assert got.tolist() == _numbered(lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_seeded_index_equals_fla_s_own_builder(dtype):
+    """Built in numpy, the index is bit for bit what fla's builder makes of the same
+    lengths (empty sequences, exact chunk multiples, one sequence, none)."""
+    build = index.prepare_chunk_indices.__wrapped__
+    for lens in ([0, 64, 1, 65, 0, 300], [128], [3], []):
+        cu_host = torch.tensor([0] + lens).cumsum(0).to(dtype)
+        want = build(cu_seqlens=cu_host, chunk_size=64, cu_seqlens_cpu=cu_host)
+        got = kda_ops.seed_chunk_indices(cu_host.clone(), cu_host)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
 
 
 def test_a_seeded_index_is_what_fla_hands_to_the_layers():

@@ -65,11 +65,6 @@ def raw_gates(seed: int) -> kda_ops.RawGates:
     return kda_ops.RawGates(a_log, torch.randn(H * DK, device="cuda", generator=gen))
 
 
-# float32 is marked slow: fla-core autotunes (compiles) its kernels again per dtype, ~100 s
-# of device time on an H200; bf16 is what the engine runs on the GPU by default
-@pytest.mark.parametrize(
-    "dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16]
-)
 @pytest.fixture
 def decode_kernel(request, monkeypatch):
     """The one-token rows' kernel for raw gates: fla-core's or kernels/kda_decode.py."""
@@ -81,6 +76,11 @@ def decode_kernel(request, monkeypatch):
 KERNELS = [("raw", "fla"), ("given", "fla"), ("raw", "batchgen")]
 
 
+# float32 is marked slow: fla-core autotunes (compiles) its kernels again per dtype, ~100 s
+# of device time on an H200; bf16 is what the engine runs on the GPU by default
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16]
+)
 @pytest.mark.parametrize("gates,decode_kernel", KERNELS, indirect=["decode_kernel"])
 def test_fla_matches_reference_over_steps(dtype, gates, decode_kernel):
     raw = raw_gates(9) if gates == "raw" else None
