@@ -2,7 +2,7 @@
 (kda_torch.kda_recurrent with kda_torch.kda_gate and beta's sigmoid): outputs within
 rounding, the step's slots left holding the new states, every other slot untouched bit
 for bit, at several launch tunings (a short last group of pairs among them); on CUDA with
-fla-core also against fla's fused_recurrent_kda_fwd, which the engine runs.
+fla-core also against fla's fused_recurrent_kda_fwd, which the engine ran before it.
 
 Without CUDA the kernel runs in Triton's interpreter (set before triton is imported);
 with CUDA the same cases run compiled on the GPU.
