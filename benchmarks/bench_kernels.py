@@ -28,9 +28,10 @@ against fla-core's causal_conv1d with the copies it needs.
 
 --moe: W6's routed experts (64 experts of hidden 2048 and intermediate 1024, top-6,
 bf16) at 512 and 4,096 tokens (--moe-w4: W4's, intermediate 1408, at 64 to 8192),
-through torch._grouped_mm (layers.routed_experts, the engine's path) and through kernels/fused_moe.py's Triton GEMMs at a few block shapes,
-each timed as the whole fused_experts call; rate: the expert weights read once over the
-time (decode is bound by them) against the copy ceiling, and the GEMM TFLOP/s.
+through torch._grouped_mm (layers.routed_experts, the engine's path) and through
+kernels/fused_moe.py's Triton GEMMs at a few block shapes, each timed as the whole
+fused_experts call; rate: the expert weights read once over the time (decode is bound by
+them) against the copy ceiling, and the GEMM TFLOP/s.
 """
 
 from __future__ import annotations

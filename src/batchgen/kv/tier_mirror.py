@@ -292,7 +292,8 @@ class TierMirror:
         written the source since the copy was issued)."""
         handle.synchronize()
         dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
-        layers = layers or range(dev_kv.shape[0])
+        if layers is None:
+            layers = range(dev_kv.shape[0])
         first, end = layers.start, layers.stop
         for dev, host, tag in zip(dev_pages, host_pages, tags):
             self.metrics.readback_checks += 1
