@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from batchgen.engine import waiting_tree
 from batchgen.engine.request import Request
 from batchgen.engine.waiting_tree import WaitingTree
 from batchgen.sampling_params import SamplingParams
@@ -34,7 +35,8 @@ def cached_upto(cached: set[bytes]):
 
 def check(tree: WaitingTree) -> None:
     """size and first agree with the members below every node; edges are non-empty and
-    siblings differ from their first page."""
+    siblings differ from their first page; each node's heap files every child under its
+    current first."""
 
     def walk(node, depth):
         assert node.depth == depth
@@ -46,6 +48,8 @@ def check(tree: WaitingTree) -> None:
         if node.parent is not None:
             assert node.size > 0
         assert node.first == (min(members, key=lambda e: e[0]) if members else None)
+        for child in node.children.values():
+            assert any(c is child and key == child.first[0] for key, _, c in node.heap)
         return members
 
     walk(tree.root, 0)
@@ -124,3 +128,28 @@ def test_random_inserts_and_removes_keep_the_invariants():
             live.append(r)
         check(t)
     assert sorted(live, key=lambda r: (r.arrival, int(r.request_id[1:]))) == list(t)
+
+
+def test_taking_the_earliest_of_many_distinct_prompts_looks_at_few_entries(monkeypatch):
+    """A batch of n prompts sharing no page is n children of the root; admitting them in
+    arrival order recomputes the root's first n times. Each looks at the heap's top
+    entries only (a scan of the children made 16,384 requests' removals quadratic)."""
+    n = 2048
+    t = WaitingTree()
+    rs = [req(f"r{i}", arrival=i) for i in range(n)]
+    for i, r in enumerate(rs):
+        t.insert(r, (i, 0), h(f"p{i}", "q"))
+    looks = 0
+    current = waiting_tree.Node._current
+
+    def counted(self, entry):
+        nonlocal looks
+        looks += 1
+        return current(self, entry)
+
+    monkeypatch.setattr(waiting_tree.Node, "_current", counted)
+    for r in rs:
+        assert t.root.first[1] is r
+        t.remove(r)
+    assert t.root.first is None and not t.root.children
+    assert looks <= 4 * n  # a scan of the children would be n * (n + 1) / 2

@@ -12,6 +12,11 @@ Invariants:
   `size` counts the requests in a node's subtree and `first` is the earliest of them.
 - A node whose subtree empties is detached from its parent (single-child chains left by
   removals are not merged back: they only add a step to the walk).
+- A node's `heap` holds an entry (key, _, child) for each attached child whose `first`
+  has that key; other entries are stale (a child detached, split away or with a new
+  `first`) and are dropped when they surface. So `earliest` costs O(log children)
+  amortised, and taking the earliest request of a batch of n distinct prompts out n
+  times costs O(n log n), not O(n^2) (16,384 requests: 7.1 s on a 2-core CPU before).
 
 Because the cache holds whole prefixes, every request of the subtree below an edge that
 is cached up to page k (and not at k) has the same cached prefix, of depth + k pages, and
@@ -21,6 +26,8 @@ walk visits the nodes of cached prefixes and their children, never every waiting
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from bisect import insort
 from collections.abc import Callable, Iterator
 
@@ -29,8 +36,11 @@ from batchgen.engine.request import Request
 Key = tuple[int, int]  # (arrival, seq): the admission order among equals
 
 
+_entries = itertools.count()  # ties in a node's heap (a child pushed twice with one key)
+
+
 class Node:
-    __slots__ = ("edge", "depth", "parent", "children", "members", "size", "first")
+    __slots__ = ("edge", "depth", "parent", "children", "members", "size", "first", "heap")
 
     def __init__(self, edge: list[bytes], depth: int, parent: Node | None) -> None:
         self.edge = edge
@@ -40,13 +50,35 @@ class Node:
         self.members: list[tuple[Key, Request]] = []
         self.size = 0
         self.first: tuple[Key, Request] | None = None
+        self.heap: list[tuple[Key, int, Node]] = []  # the children by their `first`
+
+    def note(self, child: Node) -> None:
+        """`child` (attached here) has a new `first`: file it in the heap, dropping the
+        stale entries when they outnumber the children."""
+        heap = self.heap
+        if len(heap) > 2 * len(self.children) + 16:
+            heap[:] = [e for e in heap if self._current(e)]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (child.first[0], next(_entries), child))
+
+    def _current(self, entry: tuple[Key, int, Node]) -> bool:
+        key, _, child = entry
+        return (
+            child.parent is self
+            and self.children.get(child.edge[0]) is child
+            and child.first is not None
+            and child.first[0] == key
+        )
 
     def earliest(self) -> tuple[Key, Request] | None:
-        """The earliest request of the subtree, from the members and the children's."""
+        """The earliest request of the subtree: the first member's or the children's
+        earliest (the heap's first current entry)."""
         best = self.members[0] if self.members else None
-        for child in self.children.values():
-            if child.first is not None and (best is None or child.first[0] < best[0]):
-                best = child.first
+        heap = self.heap
+        while heap and not self._current(heap[0]):
+            heapq.heappop(heap)
+        if heap and (best is None or heap[0][0] < best[0]):
+            best = heap[0][2].first
         return best
 
 
@@ -97,9 +129,12 @@ class WaitingTree:
         entry = (key, req)
         while node is not None:
             node.size += 1
+            parent = node.parent
             if node.first is None or key < node.first[0]:
                 node.first = entry
-            node = node.parent
+                if parent is not None:
+                    parent.note(node)
+            node = parent
 
     def _split(self, child: Node, k: int) -> Node:
         """Cut `child`'s edge after k pages; returns the new node in between."""
@@ -110,6 +145,9 @@ class WaitingTree:
         child.edge = child.edge[k:]
         child.parent = mid
         mid.children[child.edge[0]] = child
+        if child.first is not None:
+            parent.note(mid)
+            mid.note(child)
         return mid
 
     def remove(self, req: Request) -> None:
@@ -123,6 +161,8 @@ class WaitingTree:
                 del parent.children[node.edge[0]]
             elif node.first is not None and node.first[1] is req:
                 node.first = node.earliest()
+                if parent is not None and node.first is not None:
+                    parent.note(node)
             node = parent
 
     def take_touched(self) -> list[Node]:
