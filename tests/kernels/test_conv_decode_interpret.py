@@ -3,20 +3,14 @@ convolution written out in float64 and against the torch code of a KDA decode st
 (kda_torch.short_conv_decode): outputs within rounding, windows moved on bit for bit,
 the slots not in the step untouched.
 
-Without CUDA the kernel runs in Triton's interpreter (set before triton is imported);
+Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py sets it);
 with CUDA the same cases run compiled on the GPU.
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

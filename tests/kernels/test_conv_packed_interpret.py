@@ -4,20 +4,14 @@ prefill (kda_torch.short_conv_packed): outputs within rounding, windows moved on
 bit (requests shorter than the window keep part of it), the slots not in the step
 untouched, and q, k and v contiguous.
 
-Without CUDA the kernel runs in Triton's interpreter (set before triton is imported);
+Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py sets it);
 with CUDA the same cases run compiled on the GPU.
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

@@ -1,7 +1,7 @@
 """The fused elementwise kernels (rms_norm, qk_norm_rope, silu_and_mul) against their torch
 references and against the torch code of batchgen.layers, on small random inputs.
 
-Without CUDA the kernels run in Triton's interpreter (set before triton is imported);
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets it);
 with CUDA the same small cases run compiled on the GPU. In the interpreter bf16 results
 are bit-equal to torch's (the kernels round to nearest even by hand there). On the GPU a
 float32 sum of squares runs in another order than torch's and rope products may fuse into
@@ -10,14 +10,8 @@ FMAs, so an element may land one bf16 ulp away there.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

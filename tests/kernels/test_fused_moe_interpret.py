@@ -2,20 +2,14 @@
 its reference path (one matmul per expert over the same sorted pairs), on small random
 routings.
 
-Without CUDA the kernel runs in Triton's interpreter (set before triton is imported); with
+Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py sets it); with
 CUDA the same cases run compiled. float32 runs at IEEE precision on both, so the outputs
 agree to float32 rounding of another summation order."""
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

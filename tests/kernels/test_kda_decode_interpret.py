@@ -4,20 +4,14 @@ rounding, the step's slots left holding the new states, every other slot untouch
 for bit, at several launch tunings (a short last group of pairs among them); on CUDA with
 fla-core also against fla's fused_recurrent_kda_fwd, which the engine ran before it.
 
-Without CUDA the kernel runs in Triton's interpreter (set before triton is imported);
+Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py sets it);
 with CUDA the same cases run compiled on the GPU.
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

@@ -1,21 +1,15 @@
 """Each Triton kernel against its torch reference on small random inputs.
 
-Without CUDA the kernels run in Triton's interpreter (set before triton is imported);
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets it);
 with CUDA the same small cases run compiled on the GPU.
 """
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import math  # noqa: E402
 
-import pytest  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

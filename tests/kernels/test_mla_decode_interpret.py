@@ -1,21 +1,15 @@
 """The absorbed MLA decode kernel against its torch reference, and the reference against
 attention over the decompressed per-head keys and values, on tiny random inputs.
 
-Without CUDA the kernel runs in Triton's interpreter (set before triton is imported).
+Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py sets it).
 """
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import math  # noqa: E402
 
-import pytest  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 

@@ -2,21 +2,15 @@
 reference and against layers/mla.py's op-by-op torch path, on small random inputs; and the
 MLA layer on the GPU path against its torch path.
 
-Without CUDA the kernel runs in Triton's interpreter (set before triton is imported),
+Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py sets it),
 where bf16 results are bit-equal to the reference's; with CUDA the same cases run
 compiled, where products may fuse into FMAs (an element may land one bf16 ulp away).
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

@@ -3,13 +3,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference  # noqa: E402
 

@@ -6,14 +6,8 @@ matches one through index_copy_."""
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

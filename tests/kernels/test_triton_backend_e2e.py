@@ -6,14 +6,7 @@ the run still mixes prefill chunks, cached prefixes and decodes in one step.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
 

@@ -17,9 +17,6 @@ import torch
 from batchgen.forward_context import LinearAttentionMetadata, LinearSeq
 from batchgen.layers import kda_ops, kda_torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
 fla_kda = pytest.importorskip("fla.ops.kda")
 
 TOL = 1e-5

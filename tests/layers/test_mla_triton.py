@@ -5,15 +5,10 @@ interpreter on the CPU, compiled on a GPU."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

@@ -8,16 +8,10 @@ decode steps mixed with prefill chunks. The interpreter is slow: few prompts, fe
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import random  # noqa: E402
 
-import pytest  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
