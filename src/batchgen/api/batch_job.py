@@ -223,7 +223,7 @@ def run_batch_job(llm, opts: JobOptions) -> JobSummary:
             return fail(line, cid, error)
         try:
             ids, params = prepare_request(llm, item, opts)
-            engine.add_request(str(line), ids, params)
+            engine.add_request(str(line), ids, params, validated=True)  # prepare_request ran it
         except Exception as e:  # a bad line must never stop the job
             return fail(line, cid, e)
         pending[str(line)] = bf.Pending(line, cid, item.url, params.logprobs)
