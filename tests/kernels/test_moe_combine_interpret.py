@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference  # noqa: E402
+from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -28,6 +28,22 @@ def test_matches_the_reference(dtype, tokens, top_k, hidden):
     assert got.dtype == dtype and got.shape == (tokens, hidden)
     # float32 sums in one order on both sides; bfloat16 rounds that sum once
     assert torch.allclose(got.float(), want.float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k,hidden", [(5, 6, 48), (3, 2, 1500)])
+def test_the_residual_is_added_as_the_unfused_add_would(dtype, tokens, top_k, hidden):
+    """The shared experts' output added in the same pass: the bits of `sum + residual`
+    in the output dtype (the sum rounded first), and the reference's."""
+    h, position, weights = case(tokens, top_k, hidden, dtype, seed=tokens * hidden)
+    gen = torch.Generator().manual_seed(hidden)
+    residual = (4 * torch.randn(tokens, hidden, generator=gen)).to(dtype).to(DEVICE)
+    got = moe_combine(h, position, weights, residual=residual)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    assert torch.equal(got, moe_combine(h, position, weights) + residual)
+    want = moe_combine_reference(h, position, weights, residual)
+    assert torch.allclose(got.float(), want.float(), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got, moe_combine(h, position, weights))  # it did add something
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN * 0
@@ -54,13 +70,19 @@ def test_rejects_mismatched_inputs():
         moe_combine(h, position, weights.double())
     with pytest.raises(ValueError, match="h must"):
         moe_combine(h.t(), position, weights)
+    with pytest.raises(ValueError, match="residual must"):
+        moe_combine(h, position, weights, residual=torch.zeros(2, 15, device=h.device))
+    with pytest.raises(ValueError, match="residual must"):
+        moe_combine(h, position, weights, residual=torch.zeros(2, 16, device=h.device).half())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fused_experts_on_cuda_matches_the_cpu_path():
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_experts_on_cuda_matches_the_cpu_path(with_residual):
     """fused_experts on CUDA (grouped GEMMs, the kernel's sum) against the CPU path (one
-    matmul per expert, the reference sum) in float32, experts outside this rank's block."""
+    matmul per expert, the reference sum) in float32, experts outside this rank's block,
+    with and without a residual (the shared experts' output) added in the sum's pass."""
     from batchgen.layers.routed_experts import fused_experts
 
     gen = torch.Generator().manual_seed(3)
@@ -70,7 +92,9 @@ def test_fused_experts_on_cuda_matches_the_cpu_path():
     down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
     weights = torch.rand(t, k, generator=gen)
     ids = torch.randint(0, 2 * experts, (t, k), generator=gen)  # half outside the block
-    want = fused_experts(x, gate_up, down, weights, ids, first_expert=4)
+    residual = torch.randn(t, hidden, generator=gen) if with_residual else None
+    want = fused_experts(x, gate_up, down, weights, ids, first_expert=4, residual=residual)
     args = (a.cuda() for a in (x, gate_up, down, weights, ids))
-    got = fused_experts(*args, first_expert=4)
+    res = None if residual is None else residual.cuda()
+    got = fused_experts(*args, first_expert=4, residual=res)
     assert torch.allclose(got.cpu(), want, rtol=1e-4, atol=1e-4)

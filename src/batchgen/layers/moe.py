@@ -144,9 +144,9 @@ class DeepseekV3MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        # the shared experts' output is added where the routed sum is made (one pass)
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        out = self.experts(x, weights, ids, residual=shared)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None]:

@@ -84,6 +84,7 @@ def fused_experts(
     use_grouped_mm: bool | None = None,
     first_expert: int | None = None,
     triton_moe: MoETuning | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], gate_up [E, 2I, H]
     (gate rows, then up rows), down [E, H, I], weights [T, k], ids [T, k] -> [T, H] in
@@ -98,7 +99,10 @@ def fused_experts(
 
     triton_moe: the two GEMMs as kernels/fused_moe.py's Triton kernels with that launch,
     which read and write rows through the sorted pair ids (no gather or scatter beside
-    them); not the engine's path until benchmarks/bench_kernels.py --moe shows it faster."""
+    them); not the engine's path until benchmarks/bench_kernels.py --moe shows it faster.
+
+    residual [T, H] (x's dtype; the shared experts' output) is added to the sum in the
+    same pass on CUDA (moe_combine), as `sum + residual` in x's dtype would."""
     t, k = ids.shape
     num_experts = gate_up.shape[0]
     outside = None
@@ -131,8 +135,8 @@ def fused_experts(
     if outside is not None:
         weights = weights.masked_fill(outside, 0.0)
     if x.is_cuda:  # one pass over h: no copy back to pair order, no float32 copy of it
-        return moe_combine(h, position, weights.contiguous())
-    return moe_combine_reference(h, position, weights)
+        return moe_combine(h, position, weights.contiguous(), residual=residual)
+    return moe_combine_reference(h, position, weights, residual)
 
 
 class RoutedExperts(nn.Module):
@@ -206,7 +210,14 @@ class RoutedExperts(nn.Module):
         with torch.no_grad():
             target.copy_(tensor)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The routed experts' sum for x, plus residual where given (fused_experts)."""
         triton_moe = None
         if x.is_cuda and x.shape[0] <= TRITON_MOE_MAX_TOKENS:
             triton_moe = TRITON_MOE_TUNING
@@ -218,4 +229,5 @@ class RoutedExperts(nn.Module):
             ids,
             first_expert=None if self.holds_all else self.local_experts.start,
             triton_moe=triton_moe,
+            residual=residual,
         )
