@@ -13,6 +13,7 @@ time) against the H200 device-copy ceiling of 4.23 TB/s; prefill on attention TF
     python benchmarks/bench_kernels.py --silu     # silu_and_mul launches at W4/W6 shapes
     python benchmarks/bench_kernels.py --kda      # W6's KDA decode and prefill, two layouts
     python benchmarks/bench_kernels.py --conv     # W6's prefill convolution launches
+    python benchmarks/bench_kernels.py --route    # W6's router and routed sum, fused or not
 
 --kda: W6's KDA layer (16 heads of 128, float32 state slots) through fla-core, in the
 engine's state layout, fla's `state_v_first` [H, V, K], and in [H, K, V]: the decode step
@@ -32,6 +33,13 @@ through torch._grouped_mm (layers.routed_experts, the engine's path) and through
 kernels/fused_moe.py's Triton GEMMs at a few block shapes, each timed as the whole
 fused_experts call; rate: the expert weights read once over the time (decode is bound by
 them) against the copy ceiling, and the GEMM TFLOP/s.
+
+--route: an MoE layer's small steps at W6's shape (64 experts, top-6, hidden 2048) at
+512 and 32,768 tokens, each eager and replayed from a CUDA graph (a decode step's
+launch costs are the graph's): the expert choice as moe_routing's torch ops against
+kernels/expert_select.py, and the routed sum plus the shared experts' output as
+moe_combine then an add against moe_combine with the residual; each fused result is
+checked against the unfused one.
 """
 
 from __future__ import annotations
@@ -301,6 +309,68 @@ def bench_moe(gen, label: str, inter: int, sizes: tuple[int, ...]) -> list[tuple
     return rows
 
 
+def _graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up call on a side stream): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _then_add(fn, other: torch.Tensor) -> torch.Tensor:
+    return fn() + other
+
+
+def bench_route(gen) -> list[tuple]:
+    from batchgen.kernels.expert_select import expert_select
+    from batchgen.kernels.moe_combine import moe_combine
+    from batchgen.layers import moe_routing
+
+    experts, top_k, hidden, scale = 64, 6, 2048, 2.446
+    cfg = moe_routing.RoutingConfig(experts, top_k, routed_scaling_factor=scale)
+    bias = (0.05 * torch.randn(experts, generator=gen)).cuda()
+
+    def torch_ops(logits):
+        saved, moe_routing.FUSED_SELECT = moe_routing.FUSED_SELECT, False
+        try:
+            return moe_routing.select_experts(logits, bias, cfg)
+        finally:
+            moe_routing.FUSED_SELECT = saved
+
+    rows = []
+    for t in (512, 32768):
+        logits = (2 * torch.randn(t, experts, generator=gen)).cuda()
+        fused = partial(expert_select, logits, bias, top_k, scale=scale)
+        same = torch.equal(fused()[1], torch_ops(logits)[1])
+        h = torch.randn(t * top_k, hidden, generator=gen).to("cuda", DTYPE)
+        position = torch.randperm(t * top_k, generator=gen).cuda()
+        weights = torch.rand(t, top_k, generator=gen).cuda()
+        shared = torch.randn(t, hidden, generator=gen).to("cuda", DTYPE)
+        with_add = partial(moe_combine, h, position, weights, residual=shared)
+        without = partial(moe_combine, h, position, weights)
+        bits = torch.equal(with_add(), without() + shared)
+        combine_bytes = (h.numel() + 2 * shared.numel()) * ELEM
+        cases = [
+            ("route: torch ops", partial(torch_ops, logits), None),
+            (f"route: expert_select ({'same ids' if same else 'IDS DIFFER'})", fused, None),
+            ("combine, then + shared", partial(_then_add, without, shared),
+             combine_bytes + 2 * shared.numel() * ELEM),
+            (f"combine with residual ({'same bits' if bits else 'BITS DIFFER'})", with_add,
+             combine_bytes),
+        ]  # fmt: skip
+        for name, fn, moved in cases:
+            for how, run in (("eager", fn), ("graph", _graphed(fn))):
+                seconds = _bench(run)
+                rate = "-" if moved is None else f"{moved / seconds / 1e12:.2f} TB/s"
+                rows.append((f"W6 T={t} {name}", how, "-", f"{seconds * 1e6:.1f} us", rate, "-"))
+    return rows
+
+
 def bench_silu(gen) -> list[tuple]:
     """kernels/silu_and_mul.py at the MoE models' shapes, rated on the bytes it moves
     (the [T, 2I] input read once, the [T, I] output written once) against the copy
@@ -550,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--silu", action="store_true", help="silu_and_mul launches only")
     parser.add_argument("--kda", action="store_true", help="W6's KDA kernels, two state layouts")
     parser.add_argument("--conv", action="store_true", help="W6's prefill convolution only")
+    parser.add_argument("--route", action="store_true", help="W6's router and routed sum")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device", file=sys.stderr)
@@ -566,7 +637,10 @@ def main(argv: list[str] | None = None) -> int:
         f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}"
     )
     rows = []
-    if args.moe or args.moe_w4 or args.mla or args.silu or args.kda or args.conv:  # those only
+    only = (args.moe, args.moe_w4, args.mla, args.silu, args.kda, args.conv, args.route)
+    if any(only):  # those only
+        if args.route:
+            rows += bench_route(gen)
         if args.moe:
             rows += bench_moe(gen, *MOE_SHAPES["W6"])
         if args.moe_w4:

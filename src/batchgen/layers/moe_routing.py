@@ -14,7 +14,9 @@ E/G consecutive experts:
     weight  = routed_scaling_factor * w_i
 
 G = 1 (or topk_group = G) is no group limit. Everything runs on tensors of fixed shape:
-no host synchronisation, so decode steps can be captured in CUDA graphs.
+no host synchronisation, so decode steps can be captured in CUDA graphs. On CUDA, with no
+group limit, the whole choice is one kernel (kernels/expert_select.py, while
+FUSED_SELECT is true) instead of the seven torch ops below.
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ class RoutingConfig:
         )
 
 
+# CUDA routing without a group limit as kernels/expert_select.py's one kernel; False: the
+# torch ops everywhere (the same ids, weights within the last bit of a float32 sum).
+FUSED_SELECT = True
+
+
 def select_experts(
     logits: torch.Tensor, correction_bias: torch.Tensor | None, cfg: RoutingConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +90,23 @@ def select_experts(
     The order of the top_k columns is unspecified; the weights follow the module
     docstring's equations (computed in float32 whatever the logits' dtype)."""
     logits = logits.float()
+    group_limit = 1 < cfg.n_group and cfg.topk_group < cfg.n_group
+    if FUSED_SELECT and logits.is_cuda and not group_limit and logits.stride(1) == 1:
+        from batchgen.kernels.expert_select import expert_select
+
+        bias = None if correction_bias is None else correction_bias.float()
+        return expert_select(
+            logits,
+            bias,
+            cfg.top_k,
+            scoring=cfg.scoring_func,
+            renormalize=cfg.norm_topk_prob,
+            scale=cfg.routed_scaling_factor,
+        )
     t, e = logits.shape
     scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
     choice = scores if correction_bias is None else scores + correction_bias.float()
-    if 1 < cfg.n_group and cfg.topk_group < cfg.n_group:
+    if group_limit:
         grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
         group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
         kept = group_scores.topk(cfg.topk_group, dim=-1).indices
