@@ -184,7 +184,8 @@ def threads_for(device: str):
         torch.set_num_threads(threads)
 
 
-# (column, object path from the engine, method): the host calls step_phases times. They
+# (column, object path from the engine, method): the host calls step_phases times. update
+# applies a step's tokens (finished requests release their pages and slots there). They
 # nest: schedule holds the preemptions' swap_out and the step's flush (take_step_copies);
 # flush_ahead (the stores ahead a pipelined step submits after its launch) is outside
 # it; flush and flush_ahead hold the tier's store and load submits, which hold gather (a
@@ -203,6 +204,7 @@ PHASES = (
     ("load", "tier", "_submit_load"),
     ("gather", "module", "batchgen.kv.tiered.gather_pages"),
     ("submit", "tier.copies", "submit"),
+    ("update", "scheduler", "update"),
 )
 
 

@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 benchmarks/hybrid.py --out $OUT               # W6 on the GPU, peer beside it
     PYTHONPATH=src python3 benchmarks/hybrid.py --skip-peer --out $OUT   # while iterating
     PYTHONPATH=src python3 benchmarks/hybrid.py --skip-peer --profile --profile-prefill --out $OUT
+    PYTHONPATH=src python3 benchmarks/hybrid.py --skip-peer --step-phases --out $OUT  # host ms a step
     PYTHONPATH=src python3 benchmarks/hybrid.py --small --out /tmp/w6    # CPU, seconds, for CI
 
 Model: workloads.KIMI_W6, a scaled Kimi-Linear-48B-A3B-like config (24 layers, every 4th

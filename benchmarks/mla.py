@@ -31,16 +31,19 @@ import argparse
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from engine_runs import (  # noqa: E402
+    PHASES,
     add_engine_args,
     allocator_stats,
     compile_log,
     engine_kwargs,
     gc_pauses,
+    step_phases,
 )
 from workloads import MOONLIGHT_W4, SMALL_MOONLIGHT, config_dir, w4_requests  # noqa: E402
 
@@ -102,10 +105,13 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     eng = llm.engine
     _sync(args.device)
     steps = 0
+    # --step-phases: the host ms of each step in the engine calls engine_runs.PHASES names
+    phases = step_phases(eng) if getattr(args, "step_phases", False) else nullcontext(None)
     with (
         fewer_full_collections(),
         compile_log(lambda: steps) as compiles,
         gc_pauses() as collections,
+        phases as take_phases,
     ):
         before = eng.metrics()
         alloc_before = allocator_stats(args.device)
@@ -123,10 +129,15 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         last = start
         # --allocator-steps: the allocator's cudaMalloc calls and retries so far, a step
         alloc_steps = [] if getattr(args, "allocator_steps", False) and alloc_before else None
+        phase_rows = [] if take_phases is not None else None
+        if take_phases is not None:
+            take_phases()  # adding the requests is no step's
         while eng.has_unfinished:
             eng.step()
             steps += 1
             now = time.perf_counter()
+            if phase_rows is not None:
+                phase_rows.append(take_phases())
             step_ms.append(round((now - last) * 1000, 2))
             step_tokens.append(eng.scheduler.num_computed_tokens_total - computed)
             computed, last = eng.scheduler.num_computed_tokens_total, now
@@ -171,6 +182,9 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         # cache and synchronises, a cudaMalloc of a new segment can take milliseconds
         "allocator": alloc,
         "allocator_steps": alloc_steps,  # [cudaMalloc, retries] so far, a step
+        "step_phases": None
+        if phase_rows is None
+        else {"columns": [name for name, _, _ in PHASES], "rows": phase_rows},
     }
     if args.profile:
         from throughput import profile_decode
@@ -298,12 +312,19 @@ def allocator_lines(alloc: dict | None, steps: list | None = None) -> list[str]:
 
 
 def add_allocator_steps_arg(ap: argparse.ArgumentParser) -> None:
-    """--allocator-steps (run_batchgen reads it), for this script and hybrid.py."""
+    """--allocator-steps and --step-phases (run_batchgen reads them), for this script and
+    hybrid.py."""
     ap.add_argument(
         "--allocator-steps",
         action="store_true",
         help="+ the caching allocator's counters after every step (GPU), so the steps that "
         "called cudaMalloc or retried are named; off by default, reading them costs a little",
+    )
+    ap.add_argument(
+        "--step-phases",
+        action="store_true",
+        help="+ each step's host ms in the engine calls engine_runs.PHASES names (waiting "
+        "for a queued step's tokens is `result`): which steps the host or the GPU bounds",
     )
 
 

@@ -22,3 +22,18 @@ def test_small_run_writes_its_result(tmp_path):
     else:
         assert peer["output_tokens"] == 6 * 6 and result["ratio"] > 0
         assert peer["peer_kda"] in ("fla-core", "torch")
+
+
+def test_step_phases_give_a_row_of_host_times_per_step(tmp_path):
+    """--step-phases: one row per step of the timed run in engine_runs.PHASES' columns;
+    every step applied its tokens (update), and scheduling ran."""
+    hybrid = load("hybrid")
+    out = tmp_path / "out"
+    argv = ["--small", "--skip-peer", "--step-phases", "--out", str(out)]
+    assert hybrid.main(argv + ["--ckpt", str(tmp_path / "config")]) == 0
+    ours = json.loads((out / "hybrid.json").read_text())["batchgen"]
+    phases = ours["step_phases"]
+    assert len(phases["rows"]) == ours["steps"]
+    update, schedule = phases["columns"].index("update"), phases["columns"].index("schedule")
+    assert all(row[update] > 0 for row in phases["rows"])
+    assert sum(row[schedule] for row in phases["rows"]) > 0
