@@ -52,6 +52,11 @@ probe at two ranks on the CPU, a tiny Kimi-Linear-shaped model, W6's request mix
     python3 benchmarks/probe_offload.py --small --model kimi-w6 --tp 2 --readback \
         --requests 512 --prompt-len 1000 --output-len 128 --kv-pages 36000 --host-gib 0.5
 
+The 8-GPU contract itself, on 8 GPUs (every request preempted every 16 steps, swapped):
+
+    PYTHONPATH=src python3 benchmarks/probe_offload.py --model kimi-w6-x8 --tp 8 --readback \
+        --tier-policy always --swap-every 16 --out $OUT
+
 --swap-every STEPS (default modes): the tier run is driven step by step and every STEPS
 steps reconfigure() re-creates its device pool at the same size, which preempts every
 running request (swapped where the tier's policy and room allow, else recomputed): with
@@ -81,8 +86,9 @@ the W4 and W6 models' probes on the GPU:
 margin, so that rows broken in bf16 by routing flips alone come out identical; the MoE
 layers' grouped GEMM serves bfloat16 only, so decode then runs without CUDA graphs.
 
---model: qwen3-0.6b (W1's model, the default), llama-3.1-8b, moonlight-w4 (W4) or kimi-w6
-(W6) with random bf16 weights
+--model: qwen3-0.6b (W1's model, the default), llama-3.1-8b, moonlight-w4 (W4), kimi-w6
+(W6) or kimi-w6-x8 (the 8-GPU contract's model, W6 scaled: workloads.KIMI_W6_X8) with
+random bf16 weights
 (load_format="dummy", the directory --ckpt or /tmp/batchgen-<model>-config holds only
 config.json and a tokenizer); "default" for batchgen's embedded default model (needs
 the gguf package); or the path of a model directory or GGUF file (its own weights).

@@ -192,12 +192,40 @@ SMALL_KIMI = dict(
     pad_token_id=0,
 )
 
+# The 8-GPU contract's model: W6 scaled to fill 8 GPUs. Twice its layers (12 MLA + 36
+# KDA), four times its routed experts (256, top-8), hidden 4096 with 32 heads in both
+# attention kinds: about 157B parameters, 39 GB a GPU in bf16 at tensor parallel 8 with
+# expert parallel 8. Every head, expert and vocabulary count divides by 8.
+_X8_LAYERS = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(48)]
+KIMI_W6_X8 = dict(
+    KIMI_W6,
+    hidden_size=4096,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    layer_types=_X8_LAYERS,
+    mlp_layer_types=["dense"] + ["sparse"] * 47,
+    linear_num_heads=32,
+    num_local_experts=256,
+    num_experts_per_tok=8,
+)
+
+# its CPU-sized version: the heads and experts still divide by 8, for 8 gloo ranks
+SMALL_KIMI_X8 = dict(
+    SMALL_KIMI,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    linear_num_heads=8,
+    num_local_experts=16,
+)
+
 # --model names: (config, its CPU-sized version for --small)
 MODELS = {
     "qwen3-0.6b": (QWEN3_0_6B, SMALL_MODEL),
     "llama-3.1-8b": (LLAMA_3_1_8B, SMALL_LLAMA),
     "moonlight-w4": (MOONLIGHT_W4, SMALL_MOONLIGHT),
     "kimi-w6": (KIMI_W6, SMALL_KIMI),
+    "kimi-w6-x8": (KIMI_W6_X8, SMALL_KIMI_X8),
 }
 
 

@@ -138,21 +138,25 @@ def test_top_scorer_ranks_the_greedy_token_first(tmp_path):
         assert lps == sorted(lps, reverse=True) and lps[0] <= 0
 
 
-def test_readback_probe_at_two_tensor_parallel_ranks(tmp_path):
+@pytest.mark.parametrize("model,ranks", [("kimi-w6", 2), ("kimi-w6-x8", 8)])
+def test_readback_probe_at_two_and_eight_tensor_parallel_ranks(tmp_path, model, ranks):
     """The issue-15 probe's CPU form: the hybrid model's tier run split over 2 gloo
-    ranks, readback on both, each rank's copies counted; no row broken against the
-    ample run on one rank."""
-    argv = ["--model", "kimi-w6", "--tp", "2", "--readback", "--tier-policy", "always"]
+    ranks, and the 8-GPU contract's model (its CPU size, every head and expert count
+    divisible by 8) over 8; readback on every rank, each rank's copies counted; no row
+    broken against the ample run, which splits the same way."""
+    argv = ["--model", model, "--tp", str(ranks), "--readback", "--tier-policy", "always"]
     result = _run(tmp_path, *argv, "--swap-every", "1", "--requests", "8")
-    assert result["tier_run"]["tensor_parallel_size"] == 2  # the ample run too
+    assert result["tier_run"]["tensor_parallel_size"] == ranks  # the ample run too
     assert result["broken_rows"] == 0 and result["rows_without_output"] == 0
     m = result["offload_run"]
     assert m["requests_preempted"] == 8 and m["reconfigures"] > 0  # every request swapped
     assert m["recomputes"] == 0 and m["swaps_out"] >= 8 and m["state_swaps_out"] >= 8
-    (worker,) = m["worker_tiers"]
-    assert worker["pages_offloaded"] == m["pages_offloaded"] > 0
-    assert worker["state_stores"] >= m["state_swaps_out"]  # checkpoints store too
-    assert worker["readback_checks"] == m["readback_checks"] > 0
+    workers = m["worker_tiers"]
+    assert len(workers) == ranks - 1
+    for worker in workers:
+        assert worker["pages_offloaded"] == m["pages_offloaded"] > 0
+        assert worker["state_stores"] >= m["state_swaps_out"]  # checkpoints store too
+        assert worker["readback_checks"] == m["readback_checks"] > 0
 
 
 def test_replay_judges_the_tier_run_against_its_own_batching(tmp_path):
