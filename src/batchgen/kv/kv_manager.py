@@ -52,13 +52,14 @@ class KVCacheManager:
         self.page_size = page_size
         self.tier = tier
         self.decode_append = decode_append
+        self._demand: dict[bytes, int] = {}  # unfinished requests whose pages these are
+        # the allocator asks `hash in _demand` for each page freed: the dict's own method
         self.allocator = PageAllocator(
-            num_pages, enable_prefix_caching, self._evicted, self._is_wanted
+            num_pages, enable_prefix_caching, self._evicted, self._demand.__contains__
         )
         self.pages: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_registered: dict[str, int] = {}
-        self._demand: dict[bytes, int] = {}  # unfinished requests whose pages these are
         self._counted: dict[str, int] = {}  # per request: hashes counted in _demand
         self._swapped: dict[str, list[bytes]] = {}  # swapped request -> its cached pages
         self._swapped_by: dict[bytes, str] = {}  # page hash -> a swapped request holding it
@@ -79,7 +80,7 @@ class KVCacheManager:
         if self.pages or self._waits:
             raise RuntimeError("resize() with requests holding device pages")
         self.allocator = PageAllocator(
-            num_pages, self.allocator.enable_caching, self._evicted, self._is_wanted
+            num_pages, self.allocator.enable_caching, self._evicted, self._demand.__contains__
         )
         self._num_registered.clear()
 
@@ -113,9 +114,6 @@ class KVCacheManager:
             if not n:
                 self.allocator.want(h)
         self._counted[request_id] = len(hashes)
-
-    def _is_wanted(self, page_hash: bytes) -> bool:
-        return page_hash in self._demand
 
     def lookup_prefix(self, request_id: str, token_ids: list[int]) -> PrefixHit:
         """Cached pages for the request's longest hit; at least one token stays to compute."""
@@ -331,13 +329,14 @@ class KVCacheManager:
         """Drop everything kept for a finished request (its demand first, so that its
         pages go back to the LRU queue in order, tail first)."""
         hashes = self._hashes.pop(request_id, [])
+        demand, unwant = self._demand, self.allocator.unwant
         for h in hashes[: self._counted.pop(request_id, 0)]:
-            left = self._demand[h] - 1
+            left = demand[h] - 1
             if left:
-                self._demand[h] = left
+                demand[h] = left
             else:
-                del self._demand[h]
-                self.allocator.unwant(h)
+                del demand[h]
+                unwant(h)
         self.free(request_id)
         swapped = self._swapped.pop(request_id, None)
         if swapped is not None:

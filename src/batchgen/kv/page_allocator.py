@@ -70,19 +70,25 @@ class PageAllocator:
             self.ref_count[page] += 1
 
     def free(self, pages: list[int]) -> None:
-        """Drop one reference on each page; the tail of a sequence is freed first."""
+        """Drop one reference on each page; the tail of a sequence is freed first. (A
+        finished request frees every page it held in one call: the loop's names are
+        bound once, as it runs for each page of each request.)"""
+        ref_count, page_hash = self.ref_count, self._page_hash
+        free, kept, wanted = self._free, self._kept, self.wanted
         for page in reversed(pages):
-            self.ref_count[page] -= 1
-            assert self.ref_count[page] >= 0, f"page {page} freed twice"
-            if self.ref_count[page] == 0:
-                h = self._page_hash.get(page)
-                if h is None:
-                    self._free[page] = None
-                    self._free.move_to_end(page, last=False)
-                elif self.wanted is not None and self.wanted(h):
-                    self._kept[page] = None
-                else:
-                    self._free[page] = None
+            left = ref_count[page] - 1
+            assert left >= 0, f"page {page} freed twice"
+            ref_count[page] = left
+            if left:
+                continue
+            h = page_hash.get(page)
+            if h is None:
+                free[page] = None
+                free.move_to_end(page, last=False)
+            elif wanted is not None and wanted(h):
+                kept[page] = None
+            else:
+                free[page] = None
 
     def want(self, page_hash: bytes) -> None:
         """An unfinished request now wants `page_hash`: a free page holding it is kept."""
