@@ -208,6 +208,11 @@ PHASES = (
 )
 
 
+def phase_table(rows: list[list[float]]) -> dict:
+    """A run's "step_phases" entry: PHASES' columns and a row of host ms a step."""
+    return {"columns": [name for name, _, _ in PHASES], "rows": rows}
+
+
 def timed_into(spent: dict[str, float], name: str, fn):
     """fn, adding the seconds each call takes to spent[name]."""
 
@@ -344,9 +349,7 @@ def _timed(
         "allocator": alloc,
         "allocator_trace": alloc_trace,
         # with phases: a row a step, ms of host time in each of PHASES' calls
-        "step_phases": {"columns": [name for name, _, _ in PHASES], "rows": phase_rows}
-        if phases
-        else None,
+        "step_phases": phase_table(phase_rows) if phases else None,
     }
 
 

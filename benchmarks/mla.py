@@ -37,12 +37,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from engine_runs import (  # noqa: E402
-    PHASES,
     add_engine_args,
     allocator_stats,
     compile_log,
     engine_kwargs,
     gc_pauses,
+    phase_table,
     step_phases,
 )
 from workloads import MOONLIGHT_W4, SMALL_MOONLIGHT, config_dir, w4_requests  # noqa: E402
@@ -129,9 +129,10 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         last = start
         # --allocator-steps: the allocator's cudaMalloc calls and retries so far, a step
         alloc_steps = [] if getattr(args, "allocator_steps", False) and alloc_before else None
-        phase_rows = [] if take_phases is not None else None
+        phase_rows = None
         if take_phases is not None:
             take_phases()  # adding the requests is no step's
+            phase_rows = []
         while eng.has_unfinished:
             eng.step()
             steps += 1
@@ -182,9 +183,7 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         # cache and synchronises, a cudaMalloc of a new segment can take milliseconds
         "allocator": alloc,
         "allocator_steps": alloc_steps,  # [cudaMalloc, retries] so far, a step
-        "step_phases": None
-        if phase_rows is None
-        else {"columns": [name for name, _, _ in PHASES], "rows": phase_rows},
+        "step_phases": None if phase_rows is None else phase_table(phase_rows),
     }
     if args.profile:
         from throughput import profile_decode
