@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from batchgen.kernels.rounding import exp_as_torch, libdevice_exp
 
 _TILE = 2048  # logits a program holds: BLOCK_T tokens x BLOCK_E experts
 
@@ -44,17 +45,10 @@ def _expert_select_kernel(
     u = tl.load(at, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     if SOFTMAX:
         u = tl.where(col_ok[None, :], u, float("-inf"))
-        shifted = u - tl.max(u, axis=1)[:, None]
-        if LIBDEVICE_EXP:
-            e = libdevice.exp(shifted)
-        else:
-            e = tl.exp(shifted)
+        e = exp_as_torch(u - tl.max(u, axis=1)[:, None], LIBDEVICE_EXP)
         s = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None])
     else:
-        if LIBDEVICE_EXP:
-            e = libdevice.exp(-u)
-        else:
-            e = tl.exp(-u)
+        e = exp_as_torch(-u, LIBDEVICE_EXP)
         s = tl.math.div_rn(tl.full(u.shape, 1.0, tl.float32), 1.0 + e)
     c = s
     if HAS_BIAS:
@@ -117,6 +111,6 @@ def expert_select(
             E=experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e,
             BLOCK_K=triton.next_power_of_2(top_k), SOFTMAX=scoring == "softmax",
             HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
-            LIBDEVICE_EXP=logits.device.type == "cuda", num_warps=4,
+            LIBDEVICE_EXP=libdevice_exp(logits), num_warps=4,
         )  # fmt: skip
     return weights, ids

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from batchgen.kernels.rounding import rne_by_hand, to_dtype
+from batchgen.kernels.rounding import exp_as_torch, libdevice_exp, rne_by_hand, to_dtype
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -60,10 +59,7 @@ def _silu_and_mul_kernel(
     x_at = x_ptr + rows[:, None] * stride_x + cols[None, :]
     gate = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_at + INTER, mask=mask, other=0.0).to(tl.float32)
-    if LIBDEVICE_EXP:
-        e = libdevice.exp(-gate)
-    else:
-        e = tl.exp(-gate)
+    e = exp_as_torch(-gate, LIBDEVICE_EXP)
     dtype = out_ptr.dtype.element_ty
     silu = to_dtype(tl.math.div_rn(gate, 1.0 + e), dtype, RNE_BY_HAND).to(tl.float32)
     out_at = out_ptr + rows[:, None] * stride_out + cols[None, :]
@@ -92,7 +88,7 @@ def silu_and_mul(
         grid = (triton.cdiv(num_rows, rows), triton.cdiv(inter, block))
         _silu_and_mul_kernel[grid](
             x, out, num_rows, x.stride(0), out.stride(0), INTER=inter, BLOCK_ROWS=rows,
-            BLOCK=block, LIBDEVICE_EXP=x.device.type == "cuda", RNE_BY_HAND=rne_by_hand(x),
+            BLOCK=block, LIBDEVICE_EXP=libdevice_exp(x), RNE_BY_HAND=rne_by_hand(x),
             num_warps=tuning.num_warps,
         )  # fmt: skip
     return out
