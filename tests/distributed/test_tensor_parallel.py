@@ -87,3 +87,29 @@ def test_a_shard_that_does_not_split_evenly_is_refused():
         ColumnParallelLinear(
             8, 10, shards={"q": (0, 4), "k": (4, 7), "v": (7, 10)}, tp=TPGroup(0, 2)
         )
+
+
+def test_replicated_shards_are_whole_on_every_rank_and_the_rest_split():
+    """Rows a rank holds, loaded shard by shard or from the whole stacked tensor: its
+    half of q and b, all of f (KDA's in_proj: heads split, the low-rank input not)."""
+    shards = {"q": (0, 4), "b": (4, 6), "f": (6, 9)}
+    full = torch.arange(9 * 3, dtype=torch.float32).view(9, 3)
+    for rank in range(2):
+        want = torch.cat([full[2 * rank : 2 * rank + 2], full[4 + rank : 5 + rank], full[6:9]])
+        layer = ColumnParallelLinear(3, 9, shards=shards, tp=TPGroup(rank, 2), replicated=("f",))
+        assert layer.weight.shape == (6, 3) and layer.shards == {
+            "q": (0, 2),
+            "b": (2, 3),
+            "f": (3, 6),
+        }
+        layer.load("weight", full)
+        assert torch.equal(layer.weight, want)
+        layer.weight.zero_()
+        for name, (start, end) in shards.items():
+            layer.load("weight", full[start:end], name)
+        assert torch.equal(layer.weight, want)
+    with pytest.raises(ValueError, match=r"replicated shards \['g'\]"):
+        ColumnParallelLinear(3, 9, shards=shards, tp=TPGroup(0, 2), replicated=("g",))
+    with pytest.raises(ValueError, match="gather_output with replicated shards"):
+        ColumnParallelLinear(3, 9, shards=shards, tp=TPGroup(0, 2), replicated=("f",),
+                             gather_output=True)  # fmt: skip

@@ -227,7 +227,8 @@ def test_gate_matches_transformers(setup):
     x = torch.randn(5, config.hidden_size)
     with torch.no_grad():
         want = hf.forget_gate(x[None])[0]
-        f = ours.f_b_proj(ours.f_a_proj(x)).view(5, ours.num_heads, ours.head_dim)
+        f_a = ours.in_proj(x)[:, ours.in_proj.shards["f_a"][0] : ours.in_proj.shards["f_a"][1]]
+        f = ours.f_b_proj(f_a).view(5, ours.num_heads, ours.head_dim)
         got = kda_torch.kda_gate(f, ours.A_log, ours.dt_bias)
     assert err(got, want) < TOL
 

@@ -168,9 +168,14 @@ def test_checkpoint_names(tmp_path):
         None,
     )
     assert model.checkpoint_target("model.layers.1.self_attn.k_proj.weight") == (
-        model.layers[1].self_attn.qkv_proj,
+        model.layers[1].self_attn.in_proj,
         "weight",
         "k",
+    )
+    assert model.checkpoint_target("model.layers.1.self_attn.g_a_proj.weight") == (
+        model.layers[1].self_attn.in_proj,
+        "weight",
+        "g_a",
     )
     assert model.checkpoint_target("model.layers.3.self_attn.kv_b_proj.weight") == (
         mla.kv_b_proj,
@@ -191,4 +196,4 @@ def test_checkpoint_names(tmp_path):
     bf16 = build_model(source, config, torch.bfloat16, torch.device("cpu"), 64, "dummy")
     assert bf16.layers[0].self_attn.A_log.dtype == torch.float32
     assert bf16.layers[0].self_attn.dt_bias.dtype == torch.float32
-    assert bf16.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert bf16.layers[0].self_attn.in_proj.weight.dtype == torch.bfloat16

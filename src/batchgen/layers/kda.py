@@ -1,10 +1,16 @@
 """Kimi Delta Attention, the linear-attention layer of Kimi Linear and Kimi-K3.
 
-    x ──qkv_proj──> conv1d (causal, K taps, SiLU; per-request window) ──> q | k | v
-    x ──f_a_proj──f_b_proj──> -exp(A_log) * softplus(. + dt_bias) = g   (log decay per key dim)
-    x ──b_proj──sigmoid──> beta
+    x ──in_proj──> q k v | b | f_a | g_a          (one GEMM: the checkpoint's q_proj, k_proj,
+                                                  v_proj, b_proj, f_a_proj and g_a_proj)
+    q k v ──conv1d (causal, K taps, SiLU; per-request window) ──> q | k | v
+    f_a ──f_b_proj──> -exp(A_log) * softplus(. + dt_bias) = g   (log decay per key dim)
+    b ──sigmoid──> beta
     q, k, v, g, beta, state[slot] ──KDA (kda_ops)──> o        state[slot] moves on
-    o ──o_norm (RMSNorm per head, * sigmoid(g_b_proj(g_a_proj(x))))──o_proj──> out
+    o ──o_norm (RMSNorm per head, * sigmoid(g_b_proj(g_a)))──o_proj──> out
+
+The six projections of x are stacked into one weight: x is read once, and a decode step
+runs one GEMM where it ran four (three of them 16 to 128 columns wide, each about as slow
+as the wide one at a decode batch).
 
 No per-token KV: each request owns one slot of the layer's compressed state (recurrent
 state [H, Dv, Dk] float32 and conv window [K - 1, 3 * H * D]) in kv/state_pool.py; the
@@ -12,9 +18,9 @@ slot ids and token ranges come from `ForwardContext.linear_metadata`.
 
 Tensor parallel (`tp`): heads are split across ranks, everything per head stays on its
 rank (q/k/v rows and their conv taps, the decay and output-gate rows, A_log, dt_bias,
-beta, the state slot's heads and window channels); f_a_proj, g_a_proj (rank-wide
-low-rank inputs) and o_norm (per head, shared) are replicated; o_proj is row-parallel,
-the layer's one all-reduce.
+beta, the state slot's heads and window channels); f_a and g_a (rank-wide low-rank
+inputs: `in_proj`'s replicated shards) and o_norm (per head, shared) are replicated;
+o_proj is row-parallel, the layer's one all-reduce.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from torch import nn
 
 from batchgen.forward_context import get_forward_context
 from batchgen.layers import kda_ops
-from batchgen.layers.linear import Linear, merged_shards
+from batchgen.layers.linear import merged_shards
 from batchgen.layers.norm import RMSNorm
 from batchgen.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from batchgen.layers.tp_group import SINGLE, TPGroup
@@ -65,10 +71,13 @@ class KimiDeltaAttention(nn.Module):
         hidden, dim = config.hidden_size, self.head_dim
         full_width = full_heads * dim
         self.proj_dim = self.num_heads * dim  # this rank's q (k, v) width
-        parts = merged_shards({"q": full_width, "k": full_width, "v": full_width})
-        self.qkv_proj = ColumnParallelLinear(hidden, 3 * full_width, shards=parts, tp=tp)
-        self.conv1d = ConvWeight(self.conv_kernel, 3 * full_width, shards=parts, tp=tp)
-        self.f_a_proj = Linear(hidden, dim)
+        qkv = {"q": full_width, "k": full_width, "v": full_width}
+        parts = merged_shards({**qkv, "b": full_heads, "f_a": dim, "g_a": dim})
+        self.in_proj = ColumnParallelLinear(
+            hidden, 3 * full_width + full_heads + 2 * dim, shards=parts, tp=tp,
+            replicated=("f_a", "g_a"),
+        )  # fmt: skip
+        self.conv1d = ConvWeight(self.conv_kernel, 3 * full_width, shards=merged_shards(qkv), tp=tp)
         self.f_b_proj = ColumnParallelLinear(dim, full_width, tp=tp)
         # the decay's parameters stay float32 whatever the model dtype (as checkpoints keep
         # them): the gate is computed in float32 and its rounding compounds over the recurrence
@@ -76,11 +85,14 @@ class KimiDeltaAttention(nn.Module):
         heads, width = self.num_heads, self.proj_dim
         self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1, **fp32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(width, **fp32), requires_grad=False)
-        self.b_proj = ColumnParallelLinear(hidden, full_heads, tp=tp)
-        self.g_a_proj = Linear(hidden, dim)
         self.g_b_proj = ColumnParallelLinear(dim, full_width, tp=tp)
         self.o_norm = RMSNorm(dim, self.eps)
         self.o_proj = RowParallelLinear(full_width, hidden, tp=tp)
+
+    @property
+    def _in_widths(self) -> tuple[int, int, int, int]:
+        """This rank's columns of in_proj's output: q k v, b, f_a, g_a."""
+        return (3 * self.proj_dim, self.num_heads, self.head_dim, self.head_dim)
 
     @property
     def conv_dim(self) -> int:
@@ -96,12 +108,13 @@ class KimiDeltaAttention(nn.Module):
         states, windows = ctx.linear_states[self.state_index]
         kda_ops.reset_fresh_slots(states, windows, meta)
         rows, heads, dim = x.shape[0], self.num_heads, self.head_dim
-        qkv = kda_ops.short_conv(self.qkv_proj(x), self.conv1d.weight, windows, meta)
+        qkv, b, f_a, g_a = self.in_proj(x).split(self._in_widths, dim=-1)
+        qkv = kda_ops.short_conv(qkv, self.conv1d.weight, windows, meta)
         q, k, v = (t.view(rows, heads, dim) for t in qkv)
-        f = self.f_b_proj(self.f_a_proj(x)).view(rows, heads, dim)  # the decay, raw
+        f = self.f_b_proj(f_a).view(rows, heads, dim)  # the decay, raw
         raw = kda_ops.RawGates(self.A_log, self.dt_bias)
-        o = kda_ops.kda_attention(q, k, v, f, self.b_proj(x), states, meta, self.chunk_size, raw)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(rows, heads, dim)
+        o = kda_ops.kda_attention(q, k, v, f, b, states, meta, self.chunk_size, raw)
+        gate = self.g_b_proj(g_a).view(rows, heads, dim)
         o = kda_ops.output_norm(o, self.o_norm.weight, gate, self.eps)
         return self.o_proj(o.reshape(rows, heads * dim))
 
@@ -114,8 +127,8 @@ class KimiDeltaAttention(nn.Module):
         if name in ("A_log", "dt_bias"):
             return self, name, None
         proj, _, param = name.rpartition(".")
-        if proj in ("q_proj", "k_proj", "v_proj"):
-            return self.qkv_proj, param, proj[0]
+        if proj in _STACKED:
+            return self.in_proj, param, _STACKED[proj]
         if proj in ("q_conv1d", "k_conv1d", "v_conv1d"):
             return self.conv1d, param, proj[0]
         if proj == "conv1d":
@@ -154,4 +167,13 @@ class KimiDeltaAttention(nn.Module):
             target.copy_(tensor.reshape(target.shape))
 
 
-_PLAIN = ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj")
+# checkpoint projections of x stacked into in_proj, and the shard each fills
+_STACKED = {
+    "q_proj": "q",
+    "k_proj": "k",
+    "v_proj": "v",
+    "b_proj": "b",
+    "f_a_proj": "f_a",
+    "g_a_proj": "g_a",
+}
+_PLAIN = ("f_b_proj", "g_b_proj", "o_norm", "o_proj")

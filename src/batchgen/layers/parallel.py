@@ -30,8 +30,10 @@ from batchgen.layers.tp_group import SINGLE, TPGroup
 
 class ColumnParallelLinear(Linear):
     """Output features split across ranks; `shards` are the full layer's row ranges (as
-    `Linear` takes them) and each must split evenly. With gather_output the full output,
-    in the full layer's order, is all-gathered on every rank."""
+    `Linear` takes them) and each must split evenly, except the `replicated` ones, which
+    every rank holds whole (a small projection of the same input that each rank needs in
+    full, stacked in to save its own GEMM). With gather_output the full output, in the
+    full layer's order, is all-gathered on every rank (no replicated shards then)."""
 
     def __init__(
         self,
@@ -41,17 +43,24 @@ class ColumnParallelLinear(Linear):
         shards: dict[str, tuple[int, int]] | None = None,
         tp: TPGroup = SINGLE,
         gather_output: bool = False,
+        replicated: tuple[str, ...] = (),
     ) -> None:
         full = dict(shards or {})
+        whole = frozenset(replicated)
+        if whole - full.keys():
+            raise ValueError(f"replicated shards {sorted(whole - full.keys())} not in {full}")
+        if whole and gather_output:
+            raise ValueError("gather_output with replicated shards")
         local = {
-            name: tp.split(end - start, f"shard {name!r} rows")
+            name: end - start if name in whole else tp.split(end - start, f"shard {name!r} rows")
             for name, (start, end) in full.items()
         }
         local_out = sum(local.values()) if local else tp.split(out_features, "out_features")
-        if local and local_out * tp.size != out_features:
+        if local and sum(end - start for start, end in full.values()) != out_features:
             raise ValueError(f"shards {full} do not cover {out_features} rows")
         super().__init__(in_features, local_out, bias, merged_shards(local) if local else None)
         self.full_shards = full
+        self.replicated = whole
         self.tp = tp
         self.full_out_features = out_features
         self.gather_output = gather_output
@@ -77,6 +86,8 @@ class ColumnParallelLinear(Linear):
         if shard is not None:
             start, end = self.full_shards[shard]
             _check_rows(tensor, end - start, f"shard {shard!r}")
+            if shard in self.replicated:
+                return tensor
             n = (end - start) // self.tp.size
             return tensor[rank * n : (rank + 1) * n]
         _check_rows(tensor, self.full_out_features, "the layer")
@@ -84,7 +95,10 @@ class ColumnParallelLinear(Linear):
             n = self.full_out_features // self.tp.size
             return tensor[rank * n : (rank + 1) * n]
         parts = []
-        for start, end in self.full_shards.values():
+        for name, (start, end) in self.full_shards.items():
+            if name in self.replicated:
+                parts.append(tensor[start:end])
+                continue
             n = (end - start) // self.tp.size
             parts.append(tensor[start + rank * n : start + (rank + 1) * n])
         return torch.cat(parts)
