@@ -53,10 +53,7 @@ class KVCacheManager:
         self.tier = tier
         self.decode_append = decode_append
         self._demand: dict[bytes, int] = {}  # unfinished requests whose pages these are
-        # the allocator asks `hash in _demand` for each page freed: the dict's own method
-        self.allocator = PageAllocator(
-            num_pages, enable_prefix_caching, self._evicted, self._demand.__contains__
-        )
+        self.allocator = self._new_allocator(num_pages, enable_prefix_caching)
         self.pages: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_registered: dict[str, int] = {}
@@ -79,10 +76,13 @@ class KVCacheManager:
         carry over. Only valid when no request holds pages."""
         if self.pages or self._waits:
             raise RuntimeError("resize() with requests holding device pages")
-        self.allocator = PageAllocator(
-            num_pages, self.allocator.enable_caching, self._evicted, self._demand.__contains__
-        )
+        self.allocator = self._new_allocator(num_pages, self.allocator.enable_caching)
         self._num_registered.clear()
+
+    def _new_allocator(self, num_pages: int, caching: bool) -> PageAllocator:
+        """The device pool's bookkeeping: evictions come to `_evicted`, and it asks
+        `hash in _demand` for each page freed (the dict's own method, bound once)."""
+        return PageAllocator(num_pages, caching, self._evicted, self._demand.__contains__)
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

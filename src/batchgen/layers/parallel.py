@@ -82,26 +82,23 @@ class ColumnParallelLinear(Linear):
         super().load(param, self._rank_rows(tensor, shard), shard)
 
     def _rank_rows(self, tensor: torch.Tensor, shard: str | None) -> torch.Tensor:
-        rank = self.tp.rank
         if shard is not None:
             start, end = self.full_shards[shard]
             _check_rows(tensor, end - start, f"shard {shard!r}")
-            if shard in self.replicated:
-                return tensor
-            n = (end - start) // self.tp.size
-            return tensor[rank * n : (rank + 1) * n]
+            return self._own_rows(shard, tensor)
         _check_rows(tensor, self.full_out_features, "the layer")
         if not self.full_shards:
-            n = self.full_out_features // self.tp.size
-            return tensor[rank * n : (rank + 1) * n]
-        parts = []
-        for name, (start, end) in self.full_shards.items():
-            if name in self.replicated:
-                parts.append(tensor[start:end])
-                continue
-            n = (end - start) // self.tp.size
-            parts.append(tensor[start + rank * n : start + (rank + 1) * n])
+            return self._own_rows(None, tensor)
+        parts = [self._own_rows(name, tensor[s:e]) for name, (s, e) in self.full_shards.items()]
         return torch.cat(parts)
+
+    def _own_rows(self, shard: str | None, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of one shard's full rows (of the whole layer's for None):
+        all of a replicated shard, else its equal slice."""
+        if shard in self.replicated:
+            return rows
+        n = rows.shape[0] // self.tp.size
+        return rows[self.tp.rank * n : (self.tp.rank + 1) * n]
 
 
 def _check_rows(tensor: torch.Tensor, rows: int, what: str) -> None:
