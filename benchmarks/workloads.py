@@ -129,7 +129,16 @@ SMALL_MOONLIGHT = dict(
     eos_token_id=2,
 )
 
-_W6_LAYERS = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(24)]
+
+def _kimi_layers(n: int) -> dict:
+    """A Kimi-Linear-shaped model's n layers: every 4th an MLA (full-attention) layer,
+    the rest KDA; the first MLP dense, the others MoE."""
+    return dict(
+        num_hidden_layers=n,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)],
+        mlp_layer_types=["dense"] + ["sparse"] * (n - 1),
+    )
+
 
 # W6 `hybrid` (BENCHMARKS.md): a scaled Kimi-Linear-48B-A3B-like config; the dense first
 # MLP's width (not given there) is Kimi Linear's default, 9216
@@ -139,11 +148,9 @@ KIMI_W6 = dict(
     hidden_size=2048,
     intermediate_size=9216,
     moe_intermediate_size=1024,
-    num_hidden_layers=24,
     num_attention_heads=16,
     num_key_value_heads=16,
-    layer_types=_W6_LAYERS,
-    mlp_layer_types=["dense"] + ["sparse"] * 23,
+    **_kimi_layers(24),
     linear_num_heads=16,
     linear_head_dim=128,
     linear_conv_kernel_dim=4,
@@ -173,11 +180,9 @@ SMALL_KIMI = dict(
     hidden_size=64,
     intermediate_size=128,
     moe_intermediate_size=32,
-    num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=4,
-    layer_types=_W6_LAYERS[:4],
-    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    **_kimi_layers(4),
     linear_num_heads=2,
     linear_head_dim=16,
     num_local_experts=8,
@@ -196,15 +201,12 @@ SMALL_KIMI = dict(
 # KDA), four times its routed experts (256, top-8), hidden 4096 with 32 heads in both
 # attention kinds: about 157B parameters, 39 GB a GPU in bf16 at tensor parallel 8 with
 # expert parallel 8. Every head, expert and vocabulary count divides by 8.
-_X8_LAYERS = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(48)]
 KIMI_W6_X8 = dict(
     KIMI_W6,
     hidden_size=4096,
-    num_hidden_layers=48,
     num_attention_heads=32,
     num_key_value_heads=32,
-    layer_types=_X8_LAYERS,
-    mlp_layer_types=["dense"] + ["sparse"] * 47,
+    **_kimi_layers(48),
     linear_num_heads=32,
     num_local_experts=256,
     num_experts_per_tok=8,
