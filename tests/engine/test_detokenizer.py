@@ -93,3 +93,49 @@ def test_word_level_tokenizer(tmp_path, stream):
     ids = [rng.randrange(3, 500) for _ in range(60)]
     req = _grow(_detokenizer(tok, stream), ids, ["<never>"])
     assert req.text == tok.decode(ids)
+
+
+def _special_ids(tok) -> list[int]:
+    assert tok.all_special_ids, "the test needs a tokenizer with special tokens"
+    return tok.all_special_ids
+
+
+@pytest.mark.parametrize("kind", ["byte-level-bpe", "word-level"])
+def test_direct_decode_equals_transformers_decode(tmp_path, kind):
+    """The backend's decode, which a fast tokenizer that cleans up no spaces goes
+    through, gives transformers' text, special tokens kept or skipped."""
+    if kind == "byte-level-bpe":
+        tok = _byte_level_bpe()
+        tok.add_special_tokens({"eos_token": "<|end|>"})
+    else:
+        save_tiny_model(tmp_path, "LlamaForCausalLM")
+        tok = AutoTokenizer.from_pretrained(tmp_path)
+    detok = Detokenizer(tok)
+    assert tok.clean_up_tokenization_spaces is False and detok._direct is not None
+    rng = random.Random(2)
+    special = _special_ids(tok)
+    for skip in (False, True):
+        req = Request("r", [1], SamplingParams(skip_special_tokens=skip), 10_000)
+        for _ in range(5):
+            ids = [rng.randrange(len(tok)) for _ in range(80)] + special
+            rng.shuffle(ids)
+            want = tok.decode(ids, skip_special_tokens=skip)
+            assert detok.decode(req, ids) == want
+            req.output_token_ids = ids
+            detok.finalize(req)
+            assert req.text == want
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers():
+    """transformers' clean-up (" ." -> "." and the like) is kept where the tokenizer asks
+    for it: such a tokenizer is not decoded through its backend."""
+    vocab = {"[UNK]": 0, "hello": 1, ".": 2, "world": 3, ",": 4}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=True)
+    detok = Detokenizer(tok)
+    assert detok._direct is None
+    req = Request("r", [1], SamplingParams(), 10_000)
+    ids = [1, 4, 3, 2]
+    assert backend.decode(ids) == "hello , world ."  # what the backend alone gives
+    assert detok.decode(req, ids) == tok.decode(ids) == "hello, world."

@@ -26,18 +26,27 @@ class Detokenizer:
     It is searched from where the previous search could no longer match. On a hit the
     whole output is decoded once and the stop is found in that exact text. Requests
     without stop strings are decoded once, when they finish.
+
+    A fast tokenizer that cleans up no spaces decodes through its tokenizers backend
+    directly: transformers' decode adds only that clean-up, after checking every id's
+    type (about 25 us of a finished 128-token request's 40 us).
     """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "_tokenizer", None)
-        self._rust = backend if _DecodeStream is not None and hasattr(backend, "decode") else None
+        if not hasattr(backend, "decode"):
+            backend = None
+        self._rust = backend if _DecodeStream is not None else None
+        cleans = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        self._direct = backend if cleans is False else None
 
     def decode(self, req: Request, ids: list[int] | None = None) -> str:
-        return self.tokenizer.decode(
-            req.output_token_ids if ids is None else ids,
-            skip_special_tokens=req.params.skip_special_tokens,
-        )
+        ids = req.output_token_ids if ids is None else ids
+        skip = req.params.skip_special_tokens
+        if self._direct is not None:
+            return self._direct.decode(ids, skip_special_tokens=skip)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def _new_text(self, req: Request) -> str:
         ids = req.output_token_ids
