@@ -1,6 +1,7 @@
 """Kimi Linear on the GPU in the default configuration (bf16, Triton MLA, decode CUDA
-graphs binding the KDA state slots, pipelined decode, EOS endings): against the same
-engine decoding eagerly, no row may collapse under the logprob-closeness rule; and with
+graphs binding the KDA state slots, pipelined decode, EOS and stop-string endings)
+against the same engine asked for logprobs; against the same engine decoding eagerly,
+no row may collapse under the logprob-closeness rule; and with
 a device pool too small for the batch, the host tier swaps pages and state slots between
 graph replays (debug readback on) without breaking a row: against the same small pool
 decoded eagerly (the MoE model), and against an ample pool (a dense model)."""
@@ -11,10 +12,12 @@ import random
 
 import pytest
 import torch
+from test_deepseek_v3 import _count_queued
 from test_deepseek_v3_gpu import _collapsed, _rows
 from test_kimi_linear import save_tiny_kimi
 
 from batchgen import LLM, SamplingParams
+from batchgen.eval.closeness import close_under_top5, top5_from_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +53,47 @@ def test_graphs_match_eager_decode(model_dir, n):
     rows = _rows(llm, prompts, params)
     assert graphs.graphs, "decode steps should have replayed graphs"
     assert _collapsed(rows, ref) == 0
+
+
+def _top5_at(llm, prompt: list[int], tokens: list[int], i: int) -> list[int]:
+    """The five most likely next tokens after `prompt` and tokens[:i], by a one-token
+    request on that prefix (a side that was run without logprobs)."""
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    out = llm.generate([prompt + tokens[:i]], params, use_tqdm=False)[0].outputs[0]
+    return top5_from_logprobs(out.logprobs)(0)
+
+
+def test_default_configuration_stays_close_to_the_logprobs_run(dense_model_dir):
+    """What users run on a GPU: decode graphs with pipelined decode (no logprobs asked),
+    EOS and stop-string endings. Against the same engine asked for 5 logprobs (graphs
+    replayed a step at a time, not pipelined), no row may collapse under the
+    logprob-closeness rule; the default run's own top five at a row's first divergence
+    come from a one-token request on its prefix. The dense model: a row that stops
+    computes one token more in the pipelined run (discarded), so the batches differ,
+    and a bf16 router would flip expert choices on that alone (see
+    test_swaps_between_graph_replays)."""
+    prompts = _prompts(32)
+    stop = ["w7"]  # the test tokenizer's words w7 and w70-w79: ~2% of the vocabulary
+    llm = LLM(model=dense_model_dir, num_kv_pages=1024, **KW)
+    queued = _count_queued(llm)
+    plain = SamplingParams(temperature=0, max_tokens=48, stop=stop)
+    outs = [o.outputs[0] for o in llm.generate(prompts, plain, use_tqdm=False)]
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    assert any(queued), "no decode step was queued ahead"
+    assert {o.finish_reason for o in outs} == {"stop", "length"}, "both endings seen"
+    params = SamplingParams(temperature=0, max_tokens=48, stop=stop, logprobs=5)
+    ref = _rows(llm, prompts, params)
+    collapsed = []
+    for p, (o, (ref_tokens, ref_lps)) in enumerate(zip(outs, ref)):
+        ours = list(o.token_ids)
+        if not close_under_top5(
+            ours,
+            ref_tokens,
+            lambda i, p=p, ours=ours: _top5_at(llm, prompts[p], ours, i),
+            top5_from_logprobs(ref_lps),
+        ):
+            collapsed.append(p)
+    assert not collapsed, f"rows {collapsed} collapsed"
 
 
 TIGHT = dict(num_kv_pages=60, host_kv_size_gib=0.25, batchgen_debug=True)
