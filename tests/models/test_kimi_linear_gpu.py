@@ -26,12 +26,15 @@ if not torch.cuda.is_available():
 
 L, F = "linear_attention", "full_attention"
 KW = dict(device="cuda", dtype="bfloat16", page_size=16, max_model_len=512, max_num_seqs=32)
+# the KDA heads of tests/layers/test_kda_gpu.py (4 of 128 x 128): fla-core keys its
+# kernels' autotuning on them, so this file reuses what that one compiled and tuned
+LINEAR = dict(linear_num_heads=4, linear_head_dim=128)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("kimi-gpu")
-    save_tiny_kimi(path, layer_types=[L, L, L, F], linear_head_dim=64)
+    save_tiny_kimi(path, layer_types=[L, L, L, F], **LINEAR)
     return str(path)
 
 
@@ -127,7 +130,7 @@ def test_swaps_between_graph_replays(model_dir):
 @pytest.fixture(scope="module")
 def dense_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("kimi-gpu-dense")
-    save_tiny_kimi(path, layer_types=[L, L, L, F], linear_head_dim=64, first_k_dense_replace=4)
+    save_tiny_kimi(path, layer_types=[L, L, L, F], first_k_dense_replace=4, **LINEAR)
     return str(path)
 
 
