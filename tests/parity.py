@@ -35,3 +35,14 @@ def close_under_top5(ours_tokens, our_logprobs, ref_tokens, ref_logprobs) -> boo
         closeness.top5_from_logprobs(our_logprobs),
         lambda i: torch.topk(ref_logprobs[i], 5).indices.tolist(),
     )
+
+
+def top5_after(llm, prompt: list[int], tokens: list[int], i: int) -> list[int]:
+    """The five most likely next tokens after `prompt` and tokens[:i], by a one-token
+    greedy request on that prefix: the top five at a divergence of a side that was run
+    without logprobs."""
+    from batchgen import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    out = llm.generate([prompt + tokens[:i]], params, use_tqdm=False)[0].outputs[0]
+    return closeness.top5_from_logprobs(out.logprobs)(0)

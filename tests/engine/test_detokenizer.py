@@ -95,11 +95,6 @@ def test_word_level_tokenizer(tmp_path, stream):
     assert req.text == tok.decode(ids)
 
 
-def _special_ids(tok) -> list[int]:
-    assert tok.all_special_ids, "the test needs a tokenizer with special tokens"
-    return tok.all_special_ids
-
-
 @pytest.mark.parametrize("kind", ["byte-level-bpe", "word-level"])
 def test_direct_decode_equals_transformers_decode(tmp_path, kind):
     """The backend's decode, which a fast tokenizer that cleans up no spaces goes
@@ -113,7 +108,8 @@ def test_direct_decode_equals_transformers_decode(tmp_path, kind):
     detok = Detokenizer(tok)
     assert tok.clean_up_tokenization_spaces is False and detok._direct is not None
     rng = random.Random(2)
-    special = _special_ids(tok)
+    special = tok.all_special_ids
+    assert special, "the test needs a tokenizer with special tokens"
     for skip in (False, True):
         req = Request("r", [1], SamplingParams(skip_special_tokens=skip), 10_000)
         for _ in range(5):

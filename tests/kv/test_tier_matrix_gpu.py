@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
+from parity import top5_after
 from tier_workload import (
     KINDS,
     assert_nothing_held,
@@ -25,8 +26,8 @@ from tier_workload import (
     spy_launches,
 )
 
-from batchgen import LLM, SamplingParams
-from batchgen.eval.closeness import close_under_top5, top5_from_logprobs
+from batchgen import LLM
+from batchgen.eval.closeness import close_under_top5
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +41,6 @@ GPU = dict(
     max_num_seqs=32,  # 7 graph buckets per engine
 )
 TIER = dict(num_kv_pages=40, host_kv_size_gib=0.02)
-SCORE = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
 ROWS = (
     [  # the first row is the default configuration (copies issued by the asking thread)
         pytest.param(graphs, pipeline, append, "inline", "copy", id=f"{g}-{p}-append-{append}")
@@ -85,8 +85,7 @@ def _classify(ref: LLM, prompt: list[int], got: tuple, want: tuple) -> str:
         return "broken"
 
     def top5(i: int) -> list[int]:
-        out = ref.generate([prompt + a[:i]], SCORE, use_tqdm=False)[0].outputs[0]
-        return top5_from_logprobs(out.logprobs)(0)
+        return top5_after(ref, prompt, a, i)
 
     return "close" if close_under_top5(a, b, top5, top5) else "broken"
 

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from parity import top5_after
 from test_deepseek_v3 import _count_queued
 from test_deepseek_v3_gpu import _collapsed, _rows
 from test_kimi_linear import save_tiny_kimi
@@ -58,14 +59,6 @@ def test_graphs_match_eager_decode(model_dir, n):
     assert _collapsed(rows, ref) == 0
 
 
-def _top5_at(llm, prompt: list[int], tokens: list[int], i: int) -> list[int]:
-    """The five most likely next tokens after `prompt` and tokens[:i], by a one-token
-    request on that prefix (a side that was run without logprobs)."""
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    out = llm.generate([prompt + tokens[:i]], params, use_tqdm=False)[0].outputs[0]
-    return top5_from_logprobs(out.logprobs)(0)
-
-
 def test_default_configuration_stays_close_to_the_logprobs_run(dense_model_dir):
     """What users run on a GPU: decode graphs with pipelined decode (no logprobs asked),
     EOS and stop-string endings. Against the same engine asked for 5 logprobs (graphs
@@ -92,7 +85,7 @@ def test_default_configuration_stays_close_to_the_logprobs_run(dense_model_dir):
         if not close_under_top5(
             ours,
             ref_tokens,
-            lambda i, p=p, ours=ours: _top5_at(llm, prompts[p], ours, i),
+            lambda i, p=p, ours=ours: top5_after(llm, prompts[p], ours, i),
             top5_from_logprobs(ref_lps),
         ):
             collapsed.append(p)
