@@ -204,6 +204,9 @@ class EngineCore:
             linear_states=None if self.state_pool is None else self.state_pool.layer_states(),
             **({} if tp_workers is None else self._tp_runner_args()),
         )
+        # a step samples at most this many rows: each count's GEMM loaded before a run
+        sample_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner.warm_logits(sample_rows, hf_config.hidden_size, dtype)
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()

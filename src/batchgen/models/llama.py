@@ -195,6 +195,12 @@ class DecoderStack(nn.Module):
             return head.logits(hidden)
         return hidden @ head.weight.t()
 
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of compute_logits (all of them on one process),
+        with no collective: the same GEMM, for warming it on one rank alone."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return hidden @ head.weight.t()
+
 
 class LlamaForCausalLM(DecoderStack):
     """Weight names follow transformers' checkpoints; q/k/v and gate/up are stacked.

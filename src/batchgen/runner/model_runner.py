@@ -195,6 +195,20 @@ class ModelRunner:
         keep = np.fromiter((i for i, r in enumerate(reqs) if r.sample), np.int64)
         return hidden, self.stage(keep)  # pinned staging: a blocking upload would sync
 
+    @torch.inference_mode()
+    def warm_logits(self, rows: int, hidden_size: int, dtype: torch.dtype) -> None:
+        """On a GPU, the logits GEMM and greedy pick once for every row count 1..rows a
+        step may sample. cuBLAS chooses its kernel by the row count, and under CUDA's
+        lazy module loading the first launch of a kernel not loaded yet waits for the
+        GPU to drain: in W6's decode tail that blocked six pipelined launches for
+        15-29 ms each. Build time pays the loads instead. The model's local_logits
+        runs the GEMM without the tensor-parallel gather, so each rank warms alone."""
+        if self.device.type != "cuda":
+            return
+        hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=self.device)
+        for m in range(1, rows + 1):
+            self.model.local_logits(hidden[:m]).argmax(dim=-1)
+
     def can_launch_decode(self, sched: SchedulerOutput) -> bool:
         """Whether `launch_decode` takes this step: a decode step (graph-replayed when
         graphs are on) whose every request samples with no penalty and reports nothing
