@@ -235,6 +235,12 @@ class EngineConfig:
             return "torch"
         return "triton"
 
+    @property
+    def max_step_rows(self) -> int:
+        """The most rows one step can sample: a row a request, and a row takes at least
+        a token of the step's budget (the limits set, see with_batch_limits)."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}

@@ -204,9 +204,7 @@ class EngineCore:
             linear_states=None if self.state_pool is None else self.state_pool.layer_states(),
             **({} if tp_workers is None else self._tp_runner_args()),
         )
-        # a step samples at most this many rows: each count's GEMM loaded before a run
-        sample_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner.warm_logits(sample_rows, hf_config.hidden_size, dtype)
+        self.runner.warm_logits(config.max_step_rows, hf_config.hidden_size, dtype)
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -497,8 +495,7 @@ class EngineCore:
         """The memory plan's sampler step: as many one-token prompts as a step may hold
         rows (max_num_seqs), each sampled with every filter, penalty and logprobs
         (WIDEST_SAMPLING); a vocabulary-wide tensor or several a row."""
-        rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        self._profile_forward(rows, max_len=1, params=WIDEST_SAMPLING)
+        self._profile_forward(self.config.max_step_rows, max_len=1, params=WIDEST_SAMPLING)
 
     def _warm_linear_norms(self) -> None:
         """On a GPU, a model with linear-attention layers runs a prefill step of each

@@ -475,8 +475,7 @@ class _Worker:
             seed=config.seed,
             linear_states=self._linear_states(),
         )
-        sample_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner.warm_logits(sample_rows, self.hf_config.hidden_size, self.dtype)
+        self.runner.warm_logits(config.max_step_rows, self.hf_config.hidden_size, self.dtype)
 
 
 def _receive(tp: TPGroup):
