@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from batchgen.api.chat_messages import checked_conversation
 from batchgen.api.parallel_sampling import child_params, select
 from batchgen.config import EngineConfig
 from batchgen.console import progress_enabled
@@ -69,23 +70,30 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Complete conversations through the tokenizer's chat template."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for i, conv in enumerate(convs):
-            if not conv:
-                raise ValueError(f"conversation {i} has no messages")
-            prompts.append(
-                self.apply_chat_template(
-                    conv, add_generation_prompt, **(chat_template_kwargs or {})
-                )
-            )
+        """Complete conversations through the tokenizer's chat template.
+
+        `messages` is one conversation (a list of messages) or a list of them. Each is
+        checked as a batch line's messages are (chat_messages.checked_conversation:
+        roles system, user, assistant, developer; content a string or OpenAI text parts)
+        before any work starts.
+        """
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], list):
+            convs = [
+                checked_conversation(conv, f"conversation {i}: ") for i, conv in enumerate(messages)
+            ]
+        elif isinstance(messages, (list, tuple)) and not messages:
+            convs = []  # no conversations, as vLLM reads an empty list
+        else:
+            convs = [checked_conversation(messages)]
+        prompts = [
+            self._render(conv, add_generation_prompt, chat_template_kwargs or {}) for conv in convs
+        ]
         params = _params_for(prompts, sampling_params)
         encoded = [(self.tokenizer.encode(p, add_special_tokens=False), p) for p in prompts]
         for i, (ids, _) in enumerate(encoded):
@@ -99,12 +107,18 @@ class LLM:
         self.engine.validate(ids, params, what)
 
     def apply_chat_template(
-        self, conversation: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """The prompt text of one conversation, checked and flattened as LLM.chat does."""
+        return self._render(checked_conversation(conversation), add_generation_prompt, kwargs)
+
+    def _render(
+        self, flat: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
     ) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; use generate()")
         return self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            flat, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
 
     def _encode(self, prompt: PromptLike, index: int) -> tuple[list[int], str | None]:
