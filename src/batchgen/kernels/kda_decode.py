@@ -87,13 +87,16 @@ def _kda_decode_kernel(
         h = pair % HEADS
         slot = tl.load(slot_ptr + n, mask=live, other=0).to(tl.int64)
         s_at = state_ptr + slot * stride_ss + h * stride_sh + tile
-        mask_s = mask_v[:, None] & mask_k[None, :] & live
+        # a scalar mask is folded in with where(), not `&`: triton 3.9's interpreter
+        # broadcasts a scalar int1 to int32, which tl.load refuses as a mask
+        mask_kl = tl.where(live, mask_k, False)
+        mask_vl = tl.where(live, mask_v, False)
+        mask_s = mask_vl[:, None] & mask_k[None, :]
         s = tl.load(s_at, mask=mask_s, other=0.0)
-        mask_kl = mask_k & live
         q = tl.load(q_ptr + n * stride_qn + h * stride_qh + cols, mask=mask_kl, other=0.0)
         key = tl.load(k_ptr + n * stride_kn + h * stride_kh + cols, mask=mask_kl, other=0.0)
         f = tl.load(f_ptr + n * stride_fn + h * stride_fh + cols, mask=mask_kl, other=0.0)
-        v = tl.load(v_ptr + n * stride_vn + h * stride_vh + rows, mask=mask_v & live, other=0.0)
+        v = tl.load(v_ptr + n * stride_vn + h * stride_vh + rows, mask=mask_vl, other=0.0)
         b = tl.load(b_ptr + n * stride_bn + h * stride_bh, mask=live, other=0.0).to(tl.float32)
         a_log = tl.load(a_log_ptr + h, mask=live, other=0.0)
         bias = tl.load(dt_bias_ptr + h * K + cols, mask=mask_kl, other=0.0)
@@ -113,7 +116,7 @@ def _kda_decode_kernel(
         o = tl.sum(s * q[None, :], axis=1)
         tl.store(s_at, s, mask=mask_s)
         o_at = o_ptr + n * stride_on + h * stride_oh + rows
-        tl.store(o_at, to_dtype(o, o_ptr.dtype.element_ty, RNE_BY_HAND), mask=mask_v & live)
+        tl.store(o_at, to_dtype(o, o_ptr.dtype.element_ty, RNE_BY_HAND), mask=mask_vl)
 
 
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
