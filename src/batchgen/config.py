@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -246,9 +247,25 @@ class EngineConfig:
         return {f.name for f in fields(cls)}
 
     def torch_device(self) -> torch.device:
+        """The device the engine runs on; ValueError where this torch cannot use it."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            if not torch.backends.cuda.is_built():
+                raise ValueError(
+                    f"device={self.device!r} but this torch build has no CUDA support "
+                    f"(torch {torch.__version__}); install a CUDA build of torch or use "
+                    "device='cpu'"
+                )
+            count = torch.cuda.device_count()
+            if (device.index or 0) >= count:
+                raise ValueError(
+                    f"device={self.device!r} but torch sees {count} CUDA device(s) "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                    "use a visible device or device='cpu'"
+                )
+        return device
 
     def torch_dtype(self, model_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
         """The compute dtype: explicit, else the checkpoint's on a GPU, float32 on the CPU."""

@@ -1,8 +1,10 @@
-"""vLLM compatibility of the LLM object: get_tokenizer() and trust_remote_code."""
+"""vLLM compatibility of the LLM object: get_tokenizer(), trust_remote_code, vLLM's
+keyword names and the errors a user coming from vLLM meets first."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import save_tiny_model
 
 from batchgen import LLM, SamplingParams
@@ -38,3 +40,77 @@ def test_trust_remote_code_is_accepted(model_dir, trust):
 def test_trust_remote_code_must_be_a_bool(model_dir):
     with pytest.raises(TypeError, match="trust_remote_code must be a bool"):
         LLM(model=str(model_dir), trust_remote_code="yes", **KW)
+
+
+# --- vLLM's keyword names ----------------------------------------------------------------
+
+
+def test_vllm_names_set_their_options(model_dir, tmp_path):
+    kw = {k: v for k, v in KW.items() if k != "page_size"}
+    llm = LLM(
+        model=str(model_dir),
+        block_size=8,
+        swap_space=0.01,
+        download_dir=str(tmp_path),
+        kv_cache_dtype="auto",
+        tokenizer=str(model_dir),
+        revision=None,
+        **kw,
+    )
+    config = llm.engine.config
+    assert (config.page_size, config.host_kv_size_gib) == (8, 0.01)
+    assert config.cache_dir == str(tmp_path)
+    assert llm.engine.tier is not None  # swap_space gave the engine a host tier
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported: batchgen keeps"),
+        (dict(tokenizer="other/tok"), "tokenizer='other/tok' is not supported"),
+        (dict(revision="v2"), "revision='v2' is not supported"),
+        (dict(block_size=8), "block_size=8 and page_size=4 name one option"),
+        (dict(swap_space=1, enable_prefix_caching=False), r"\(host_kv_size_gib is swap_space\)"),
+    ],
+)
+def test_vllm_names_at_values_batchgen_cannot_take(model_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(model_dir), **{**KW, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "name, nearest",
+    [("max_num_seq", "max_num_seqs"), ("blocksize", "block_size"), ("swapspace", "swap_space")],
+)
+def test_unknown_argument_names_the_nearest_option(model_dir, name, nearest):
+    with pytest.raises(TypeError) as info:
+        LLM(model=str(model_dir), **{**KW, name: 4})
+    assert f"unknown argument(s): {name} (did you mean {nearest!r}?)" in str(info.value)
+
+
+def test_max_model_len_beyond_the_models_context_is_refused(model_dir):
+    # the tiny model's max_position_embeddings is 1024
+    with pytest.raises(ValueError) as info:
+        LLM(model=str(model_dir), **{**KW, "max_model_len": 1500, "num_kv_pages": 400})
+    assert "max_model_len=1500" in str(info.value) and "(1024," in str(info.value)
+    llm = LLM(model=str(model_dir), **{**KW, "max_model_len": 1024, "num_kv_pages": 256})
+    assert llm.engine.max_model_len == 1024
+
+
+def test_cuda_device_without_a_cuda_build_of_torch(model_dir, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    with pytest.raises(ValueError) as info:
+        LLM(model=str(model_dir), **{**KW, "device": "cuda"})
+    assert str(info.value) == (
+        f"device='cuda' but this torch build has no CUDA support (torch {torch.__version__}); "
+        "install a CUDA build of torch or use device='cpu'"
+    )
+
+
+def test_cuda_device_that_torch_does_not_see(model_dir, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"device='cuda:1' but torch sees 1 CUDA device\(s\)"):
+        LLM(model=str(model_dir), **{**KW, "device": "cuda:1"})

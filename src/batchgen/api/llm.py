@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchgen.api.chat_messages import checked_conversation
+from batchgen.api.engine_args import engine_config
 from batchgen.api.parallel_sampling import child_params, select
-from batchgen.config import EngineConfig
 from batchgen.console import progress_enabled
 from batchgen.engine.engine_core import EngineCore
 from batchgen.engine.memory import fewer_full_collections
@@ -25,7 +25,11 @@ class LLM:
     LLM(model=None) loads the embedded default model (SmolLM2-135M-Instruct). Keyword
     arguments name EngineConfig fields (dtype, device, max_num_seqs,
     max_num_batched_tokens, max_model_len, page_size, kv_cache_size_gib,
-    gpu_memory_utilization, ...); unknown ones raise TypeError.
+    gpu_memory_utilization, ...) or their vLLM names (block_size, swap_space,
+    download_dir; kv_cache_dtype, tokenizer and revision at the values batchgen takes:
+    see engine_args); unknown ones raise TypeError naming the nearest option.
+    max_model_len above the model's context length (max_position_embeddings) raises
+    ValueError, as in vLLM.
 
     trust_remote_code is accepted for compatibility with vLLM's signature and ignored:
     batchgen runs its own model classes and loads configs and tokenizers with
@@ -38,13 +42,25 @@ class LLM:
     ) -> None:
         if not isinstance(trust_remote_code, bool):
             raise TypeError(f"trust_remote_code must be a bool, got {trust_remote_code!r}")
-        unknown = set(kwargs) - EngineConfig.field_names()
-        if unknown:
-            raise TypeError(f"LLM() got unknown argument(s): {', '.join(sorted(unknown))}")
-        self.config = EngineConfig(model=model, **kwargs)
+        self.config = engine_config(model, kwargs)
+        self.config.torch_device()  # a device this torch cannot use fails before loading
         self.engine = EngineCore.from_config(self.config)
+        self._check_max_model_len()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def _check_max_model_len(self) -> None:
+        """The engine caps max_model_len at the model's context length; a larger one asked
+        for is refused rather than silently cut."""
+        asked = self.config.max_model_len
+        context = getattr(self.engine.hf_config, "max_position_embeddings", None)
+        if asked is not None and context and asked > context:
+            self.engine.shutdown()
+            raise ValueError(
+                f"max_model_len={asked} is more than the model's context length "
+                f"({context}, max_position_embeddings in its config); use a max_model_len "
+                f"of at most {context} or leave it unset"
+            )
 
     def get_tokenizer(self):
         """The tokenizer the engine encodes prompts and decodes outputs with."""

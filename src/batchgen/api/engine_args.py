@@ -1,0 +1,98 @@
+"""LLM(...)'s keyword arguments -> an EngineConfig, vLLM's names included.
+
+Keywords name EngineConfig fields. The vLLM names a user types first are read too:
+- `block_size` is `page_size` and `swap_space` (GiB of host memory for KV) is
+  `host_kv_size_gib`; `download_dir` is `cache_dir`, where batchgen fetches its default
+  model (a Hugging Face hub model is kept in the Hugging Face cache, HF_HUB_CACHE);
+- `kv_cache_dtype="auto"`, `tokenizer` equal to the model (or None) and `revision=None`
+  (or "main") are what batchgen does anyway and are accepted; other values raise
+  ValueError saying what batchgen does instead.
+An unknown name raises TypeError naming the nearest option.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from typing import Any
+
+from batchgen.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# vLLM's name -> the EngineConfig field it sets
+ALIASES = {"block_size": "page_size", "swap_space": "host_kv_size_gib", "download_dir": "cache_dir"}
+# vLLM's names for what batchgen does in one way only: accepted at that one value
+_FIXED = ("kv_cache_dtype", "tokenizer", "revision")
+
+
+def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
+    """The EngineConfig of LLM(model, **kwargs); raises TypeError for an unknown name
+    and ValueError for a vLLM name at a value batchgen cannot take."""
+    kwargs = dict(kwargs)
+    known = EngineConfig.field_names()
+    unknown = sorted(set(kwargs) - known - set(ALIASES) - set(_FIXED))
+    if unknown:
+        raise TypeError(f"LLM() got unknown argument(s): {', '.join(map(_nearest, unknown))}")
+    _check_fixed(model, kwargs.pop("kv_cache_dtype", None), kwargs.pop("tokenizer", None))
+    revision = kwargs.pop("revision", None)
+    if revision not in (None, "main"):
+        raise ValueError(
+            f"revision={revision!r} is not supported: batchgen loads a hub model's main "
+            "revision; download that revision (huggingface-cli download MODEL --revision "
+            f"{revision} --local-dir DIR) and pass model=DIR"
+        )
+    if "download_dir" in kwargs and model and not os.path.exists(model):
+        logger.warning(
+            "download_dir (batchgen's cache_dir) holds batchgen's default model; a model "
+            "from the Hugging Face hub is kept in the Hugging Face cache (set HF_HUB_CACHE)"
+        )
+    renamed = {}
+    for vllm_name, field in ALIASES.items():
+        if vllm_name not in kwargs:
+            continue
+        renamed[field] = vllm_name
+        value = kwargs.pop(vllm_name)
+        if field in kwargs and kwargs[field] != value:
+            raise ValueError(
+                f"{vllm_name}={value!r} and {field}={kwargs[field]!r} name one option "
+                f"(vLLM's name and batchgen's); give one of them"
+            )
+        kwargs[field] = value
+    try:
+        return EngineConfig(model=model, **kwargs)
+    except ValueError as e:
+        given = [f"{field} is {name}" for field, name in renamed.items() if field in str(e)]
+        if given:
+            raise ValueError(f"{e} ({'; '.join(given)})") from None
+        raise
+
+
+def _check_fixed(model: str | None, kv_cache_dtype: Any, tokenizer: Any) -> None:
+    if kv_cache_dtype not in (None, "auto"):
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported: batchgen keeps the KV "
+            "cache in the model's compute dtype (set it with dtype=); use 'auto'"
+        )
+    if tokenizer is not None and not _same_model(str(tokenizer), model):
+        raise ValueError(
+            f"tokenizer={tokenizer!r} is not supported: batchgen loads the tokenizer from "
+            f"the model's own files (model={model!r}); leave tokenizer unset or give the model"
+        )
+
+
+def _same_model(tokenizer: str, model: str | None) -> bool:
+    if model is None:
+        return False
+    if tokenizer == str(model):
+        return True
+    return (
+        os.path.exists(tokenizer) and os.path.exists(model) and os.path.samefile(tokenizer, model)
+    )
+
+
+def _nearest(name: str) -> str:
+    options = sorted(EngineConfig.field_names() | set(ALIASES) | set(_FIXED))
+    close = difflib.get_close_matches(name, options, n=1)
+    return f"{name} (did you mean {close[0]!r}?)" if close else name
