@@ -114,3 +114,23 @@ def test_cuda_device_that_torch_does_not_see(model_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"device='cuda:1' but torch sees 1 CUDA device\(s\)"):
         LLM(model=str(model_dir), **{**KW, "device": "cuda:1"})
+
+
+# --- sampling params of the wrong type ---------------------------------------------------
+
+
+def test_a_dict_for_sampling_params_is_named(model_dir):
+    llm = LLM(model=str(model_dir), **KW)
+    with pytest.raises(TypeError) as info:
+        llm.generate("w5 w6", {"temperature": 0}, use_tqdm=False)
+    assert str(info.value) == (
+        "sampling_params must be a SamplingParams or a list of them (one a prompt), got "
+        "a dict; write SamplingParams(**d) for a dict d of its fields"
+    )
+    with pytest.raises(TypeError, match=r"^conversation 1: sampling params must be .* a dict"):
+        llm.chat(
+            [[{"role": "user", "content": "w5"}]] * 2,
+            [SamplingParams(), {"max_tokens": 2}],
+            use_tqdm=False,
+        )
+    assert not llm.engine.has_unfinished and not llm.engine.requests

@@ -78,7 +78,7 @@ class LLM:
         {"prompt_token_ids": [...]}. Every prompt is checked before any work starts.
         """
         items = _as_list(prompts)
-        params = _params_for(items, sampling_params)
+        params = _params_for(items, sampling_params, "prompt")
         encoded = [self._encode(p, i) for i, p in enumerate(items)]
         for i, (ids, _) in enumerate(encoded):
             self._validate(ids, params[i], f"prompt {i}")
@@ -110,7 +110,7 @@ class LLM:
         prompts = [
             self._render(conv, add_generation_prompt, chat_template_kwargs or {}) for conv in convs
         ]
-        params = _params_for(prompts, sampling_params)
+        params = _params_for(prompts, sampling_params, "conversation")
         encoded = [(self.tokenizer.encode(p, add_special_tokens=False), p) for p in prompts]
         for i, (ids, _) in enumerate(encoded):
             self._validate(ids, params[i], f"conversation {i}")
@@ -248,12 +248,27 @@ def _as_list(prompts) -> list:
     return prompts
 
 
-def _params_for(items: list, params) -> list[SamplingParams]:
+def _params_for(items: list, params, what: str) -> list[SamplingParams]:
+    """One SamplingParams a prompt (`what` names one: "prompt", "conversation")."""
     if params is None:
         params = SamplingParams()
     if isinstance(params, SamplingParams):
         return [params] * len(items)
-    params = list(params)
+    if not isinstance(params, (list, tuple)):
+        raise TypeError(
+            "sampling_params must be a SamplingParams or a list of them (one a "
+            f"{what}), got {_kind(params)}"
+        )
     if len(params) != len(items):
-        raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
-    return params
+        raise ValueError(f"got {len(params)} SamplingParams for {len(items)} {what}s")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"{what} {i}: sampling params must be a SamplingParams, got {_kind(p)}")
+    return list(params)
+
+
+def _kind(value) -> str:
+    """A value's type, with the fix for the dict a user may pass for SamplingParams."""
+    if isinstance(value, dict):
+        return "a dict; write SamplingParams(**d) for a dict d of its fields"
+    return type(value).__name__
