@@ -77,7 +77,10 @@ def test_best_of_returns_the_best_by_cumulative_logprob(llm):
     )
     assert [c.index for c in best.outputs] == [0, 1]
     assert _tokens(best) == [c.token_ids for c in ranked[:2]]
-    assert all(c.logprobs is None and c.cumulative_logprob is None for c in best.outputs)
+    # the ranking's cumulative logprobs are reported; its per-token logprobs are not
+    assert all(c.logprobs is None for c in best.outputs)
+    best_cums = [c.cumulative_logprob for c in best.outputs]
+    assert best_cums == pytest.approx([c.cumulative_logprob for c in ranked[:2]], abs=1e-5)
     (logged,) = _generate(
         llm,
         [PROMPT],

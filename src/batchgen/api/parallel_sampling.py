@@ -52,11 +52,10 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
 def select(params: SamplingParams, samples: list[CompletionOutput]) -> list[CompletionOutput]:
     """The n completions to return, indexed 0..n-1: all of them in sampling order, or,
     when best_of > n, the n with the highest cumulative logprob, best first (stable on
-    ties). Logprobs the children reported only for the ranking are dropped."""
+    ties). Each keeps its cumulative logprob; the per-token logprobs the children reported
+    only for the ranking are dropped."""
     if len(samples) > params.n:
         samples = sorted(samples, key=lambda c: -c.cumulative_logprob)[: params.n]
         if params.logprobs is None:
-            samples = [
-                dataclasses.replace(c, logprobs=None, cumulative_logprob=None) for c in samples
-            ]
+            samples = [dataclasses.replace(c, logprobs=None) for c in samples]
     return [dataclasses.replace(c, index=i) for i, c in enumerate(samples)]
