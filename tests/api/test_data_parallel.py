@@ -18,8 +18,6 @@ from test_batch_run import _answers, _chat, _read
 from batchgen.api.batch_job import JobOptions
 from batchgen.api.cli import main
 
-ray = pytest.importorskip("ray")
-
 N_ROWS = 96
 
 
@@ -33,7 +31,10 @@ def tiny(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def local_ray():
     """One local Ray session for the module; its actors run one thread each. Four CPUs
-    (this machine has two cores): two engines of two tensor-parallel ranks fit."""
+    (this machine has two cores): two engines of two tensor-parallel ranks fit. Ray is
+    the one optional extra: without it the tests that need it skip, and the test of the
+    message that says how to install it still runs."""
+    ray = pytest.importorskip("ray")
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the actors' processes
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -104,6 +105,8 @@ def test_two_engines_give_the_single_engine_answers_in_input_order(
 def _engine_pids() -> list[int]:
     """The pids of the live engines. An engine of an earlier job may still be listed
     while Ray tears it down: it answers with an error, and is left out."""
+    import ray
+
     pids = []
     for name in sorted(n for n in ray.util.list_named_actors() if n.startswith("batchgen-engine")):
         try:

@@ -59,9 +59,8 @@ def test_the_compile_log_records_kernels_met_in_the_block_and_restores_the_hook(
     """compile_log puts its hook in Triton's jit_cache_hook (which Triton calls before it
     specialises a kernel), chains the hook it found, and gives it back on exit. The
     hook is called here as Triton would, with its keyword arguments."""
-    import pytest
+    from triton import knobs
 
-    knobs = pytest.importorskip("triton").knobs
     engine_runs = load("engine_runs")
     earlier = []
 

@@ -11,16 +11,15 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
+import xgrammar as xgr
 from conftest import record_launches, save_byte_tokenizer, save_tiny_model
 
 from batchgen import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from batchgen.runner.sampler import apply_token_bitmask
-
-# a test dependency the GPU image lacks: without it the file skips, not the whole run
-jsonschema = pytest.importorskip("jsonschema")
 
 KW = dict(device="cpu", dtype="float32", page_size=4, max_model_len=192, max_num_batched_tokens=128)
 
@@ -202,7 +201,6 @@ def test_min_tokens_past_the_grammar_end_stops_the_request(llm):
 def test_bitmask_bits_are_tokens_in_xgrammar_order():
     """Bit j of word i is token 32 i + j: our unpacking masks exactly the logits
     xgrammar's own CPU kernel masks."""
-    xgr = pytest.importorskip("xgrammar")
     rng = np.random.default_rng(0)
     rows, vocab = 5, 300
     words = torch.from_numpy(rng.integers(-(2**31), 2**31, size=(rows, 10), dtype=np.int32))

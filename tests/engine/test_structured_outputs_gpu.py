@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 import torch
+import xgrammar as xgr
 from conftest import record_launches, save_byte_tokenizer, save_tiny_model
 
 from batchgen import LLM, SamplingParams, StructuredOutputsParams
 from batchgen.runner.sampler import apply_token_bitmask
-
-# a test dependency the GPU image lacks: without it the file skips, not the whole run
-jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,7 +64,6 @@ def test_json_schema_in_the_default_gpu_configuration(model_dir):
 
 @pytest.mark.parametrize("rows, vocab", [(1, 49152), (256, 151936)])
 def test_device_mask_equals_xgrammars_cuda_kernel(rows, vocab):
-    xgr = pytest.importorskip("xgrammar")
     gen = torch.Generator(device="cuda").manual_seed(0)
     words = torch.randint(
         -(2**31), 2**31 - 1, (rows, -(-vocab // 32)), dtype=torch.int32, device="cuda",

@@ -12,10 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.kernels.conv_decode import conv_decode  # noqa: E402
-from batchgen.layers import kda_torch  # noqa: E402
+from batchgen.kernels.conv_decode import conv_decode
+from batchgen.layers import kda_torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SLOTS = 9

@@ -13,10 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.kernels.conv_packed import conv_packed  # noqa: E402
-from batchgen.layers import kda_torch  # noqa: E402
+from batchgen.kernels.conv_packed import conv_packed
+from batchgen.layers import kda_torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SLOTS = 24

@@ -9,11 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.kernels.expert_select import expert_select  # noqa: E402
-from batchgen.layers import moe_routing  # noqa: E402
-from batchgen.layers.moe_routing import RoutingConfig, select_experts  # noqa: E402
+from batchgen.kernels.expert_select import expert_select
+from batchgen.layers import moe_routing
+from batchgen.layers.moe_routing import RoutingConfig, select_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

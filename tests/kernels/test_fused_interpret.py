@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_config
 
-pytest.importorskip("triton")
-
-from conftest import tiny_config  # noqa: E402
-
-from batchgen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: E402
-from batchgen.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
-from batchgen.kernels.silu_and_mul import (  # noqa: E402
+from batchgen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from batchgen.kernels.rms_norm import rms_norm, rms_norm_reference
+from batchgen.kernels.silu_and_mul import (
     SiluTuning,
     launch_for,
     silu_and_mul,
     silu_and_mul_reference,
 )
-from batchgen.layers.activation import silu_and_mul_torch  # noqa: E402
-from batchgen.layers.norm import RMSNorm, rms_norm_torch  # noqa: E402
-from batchgen.layers.rotary import RotaryEmbedding  # noqa: E402
+from batchgen.layers.activation import silu_and_mul_torch
+from batchgen.layers.norm import RMSNorm, rms_norm_torch
+from batchgen.layers.rotary import RotaryEmbedding
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6

@@ -11,10 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.kernels.fused_moe import TUNING, MoETuning, align_pairs, sort_by_group  # noqa: E402
-from batchgen.layers.routed_experts import fused_experts  # noqa: E402
+from batchgen.kernels.fused_moe import TUNING, MoETuning, align_pairs, sort_by_group
+from batchgen.layers.routed_experts import fused_experts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL = MoETuning(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)

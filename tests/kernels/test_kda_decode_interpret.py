@@ -13,10 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.kernels.kda_decode import KDADecodeTuning, kda_decode  # noqa: E402
-from batchgen.layers import kda_torch  # noqa: E402
+from batchgen.kernels.kda_decode import KDADecodeTuning, kda_decode
+from batchgen.layers import kda_torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SPARE = 4  # slots beyond the step's rows, never touched
@@ -169,7 +167,8 @@ def test_bad_arguments_are_refused_by_name(change, match):
 def test_matches_fla_fused_recurrent_kda(tuning):
     """W6's geometry (16 heads of 128, bfloat16 inputs): the same outputs and new states
     as fla-core's recurrent step, called as layers/kda_ops.py calls it."""
-    fla = pytest.importorskip("fla.ops.kda.fused_recurrent", reason="needs fla-core")
+    from fla.ops.kda import fused_recurrent as fla
+
     rows, heads, dim = 48, 16, 128
     args = _case(rows, heads, dim, dim, torch.bfloat16, seed=3)
     q, k, v, f, b, a_log, dt_bias, states, slots = args

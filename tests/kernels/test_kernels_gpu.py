@@ -7,25 +7,23 @@ Outputs are poisoned with NaN before each call.
 
 from __future__ import annotations
 
-import math  # noqa: E402
+import math
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.forward_context import AttentionMetadata, PrefillSeq  # noqa: E402
-from batchgen.kernels.decode_attention import (  # noqa: E402
+from batchgen.forward_context import AttentionMetadata, PrefillSeq
+from batchgen.kernels.decode_attention import (
     choose_num_splits,
     decode_attention,
     decode_attention_reference,
 )
-from batchgen.kernels.prefill_attention import (  # noqa: E402
+from batchgen.kernels.prefill_attention import (
     prefill_attention,
     prefill_attention_reference,
 )
-from batchgen.kernels.store_kv import store_kv, store_kv_reference  # noqa: E402
-from batchgen.layers import attention_torch, attention_triton  # noqa: E402
+from batchgen.kernels.store_kv import store_kv, store_kv_reference
+from batchgen.layers import attention_torch, attention_triton
 
 pytestmark = pytest.mark.gpu
 

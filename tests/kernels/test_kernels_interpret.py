@@ -6,29 +6,27 @@ with CUDA the same small cases run compiled on the GPU.
 
 from __future__ import annotations
 
-import math  # noqa: E402
+import math
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.forward_context import AttentionMetadata, PrefillSeq  # noqa: E402
-from batchgen.kernels.decode_attention import (  # noqa: E402
+from batchgen.forward_context import AttentionMetadata, PrefillSeq
+from batchgen.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
 )
-from batchgen.kernels.prefill_attention import (  # noqa: E402
+from batchgen.kernels.prefill_attention import (
     prefill_attention,
     prefill_attention_reference,
 )
-from batchgen.kernels.store_kv import (  # noqa: E402
+from batchgen.kernels.store_kv import (
     store_kv,
     store_kv_reference,
     store_latent,
     store_latent_reference,
 )
-from batchgen.layers import attention_torch, attention_triton  # noqa: E402
+from batchgen.layers import attention_torch, attention_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HEAD_DIM = 16

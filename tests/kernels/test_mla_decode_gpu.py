@@ -9,14 +9,12 @@ each request's pages; outputs are poisoned with NaN before each call.
 
 from __future__ import annotations
 
-import math  # noqa: E402
+import math
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.kernels.mla_decode import (  # noqa: E402
+from batchgen.kernels.mla_decode import (
     choose_mla_num_splits,
     default_tuning,
     mla_decode,

@@ -6,21 +6,19 @@ Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py sets it)
 
 from __future__ import annotations
 
-import math  # noqa: E402
+import math
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.kernels.mla_decode import (  # noqa: E402
+from batchgen.kernels.mla_decode import (
     choose_mla_num_splits,
     default_tuning,
     head_blocks,
     mla_decode,
     mla_decode_reference,
 )
-from batchgen.runner.cuda_graphs import DecodeSplitPlan, bucket_for  # noqa: E402
+from batchgen.runner.cuda_graphs import DecodeSplitPlan, bucket_for
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LORA, ROPE = 32, 16

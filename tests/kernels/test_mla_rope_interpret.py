@@ -12,12 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.kernels.mla_rope import mla_rope_latent, mla_rope_latent_reference  # noqa: E402
-from batchgen.layers.mla import deinterleave  # noqa: E402
-from batchgen.layers.norm import rms_norm_torch  # noqa: E402
-from batchgen.layers.rotary import RotaryEmbedding  # noqa: E402
+from batchgen.kernels.mla_rope import mla_rope_latent, mla_rope_latent_reference
+from batchgen.layers.mla import deinterleave
+from batchgen.layers.norm import rms_norm_torch
+from batchgen.layers.rotary import RotaryEmbedding
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6

@@ -9,10 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from batchgen.kernels.page_scatter import page_scatter, page_scatter_reference  # noqa: E402
-from batchgen.kv.page_copies import host_to_device_pages, load_buffers  # noqa: E402
+from batchgen.kernels.page_scatter import page_scatter, page_scatter_reference
+from batchgen.kv.page_copies import host_to_device_pages, load_buffers
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -6,13 +6,9 @@ the run still mixes prefill chunks, cached prefixes and decodes in one step.
 
 from __future__ import annotations
 
-import pytest
+from conftest import save_tiny_model
 
-pytest.importorskip("triton")
-
-from conftest import save_tiny_model  # noqa: E402
-
-from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen import LLM, SamplingParams
 
 PROMPTS = [
     [5, 17, 99, 4, 250, 31, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 40, 41, 42, 43, 44, 45],

@@ -8,10 +8,9 @@ import random
 
 import pytest
 import torch
+from fla.ops.utils import index
 
 from batchgen.layers import kda_ops
-
-index = pytest.importorskip("fla.ops.utils.index")
 
 
 def _numbered(lens: list[int], chunk: int = 64) -> list[list[int]]:

@@ -2,7 +2,7 @@
 torch reference: the recurrent KDA step (gates given or computed in the kernel) and the
 gated output norm.
 
-Runs where fla-core is installed (skipped otherwise). On the CPU the chunked KDA kernels
+fla-core is a dependency of the package, imported plainly. On the CPU the chunked KDA kernels
 do not run: fla-core 0.6's chunk kernels index with a loop counter the interpreter hands over as
 a Python int (`i_t.to(...)` fails), so the chunked path is covered by GPU tests only.
 """
@@ -13,11 +13,10 @@ import os
 
 import pytest
 import torch
+from fla.ops import kda as fla_kda
 
 from batchgen.forward_context import LinearAttentionMetadata, LinearSeq
 from batchgen.layers import kda_ops, kda_torch
-
-fla_kda = pytest.importorskip("fla.ops.kda")
 
 TOL = 1e-5
 

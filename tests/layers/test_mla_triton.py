@@ -9,12 +9,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_mla import HIDDEN, PAGE, POISON, _config, _layer, _slots
 
-pytest.importorskip("triton")
-
-from test_mla import HIDDEN, PAGE, POISON, _config, _layer, _slots  # noqa: E402
-
-from batchgen.forward_context import (  # noqa: E402
+from batchgen.forward_context import (
     AttentionMetadata,
     ForwardContext,
     PrefillSeq,

@@ -8,17 +8,14 @@ decode steps mixed with prefill chunks. The interpreter is slow: few prompts, fe
 
 from __future__ import annotations
 
-import random  # noqa: E402
+import random
 
 import pytest
 import torch
+from eager_graphs import install_eager_graphs
+from test_deepseek_v3 import CONFIGS, save_tiny_deepseek
 
-pytest.importorskip("triton")
-
-from eager_graphs import install_eager_graphs  # noqa: E402
-from test_deepseek_v3 import CONFIGS, save_tiny_deepseek  # noqa: E402
-
-from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen import LLM, SamplingParams
 
 RUN = dict(device="cpu", dtype="float32", page_size=4, max_model_len=96, max_num_seqs=4)
 MAX_NEW = 5

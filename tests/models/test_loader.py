@@ -126,7 +126,7 @@ def test_inside_gguf_read_once_a_file_is_parsed_once_and_a_name_map_built_once(m
     gguf.GGUFReader, called at the time of the read: inside gguf_read_once those reads
     share one reader per file and one name map per (architecture, layers); on leaving
     (an exception too) gguf's own functions are back."""
-    gguf = pytest.importorskip("gguf")
+    import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from batchgen.models.default_model import default_model_path
