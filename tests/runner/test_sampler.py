@@ -311,7 +311,10 @@ def test_cuda_call_has_no_host_sync():
     vocab, dev = 5000, torch.device("cuda")
     params, prompts, outputs = mixed_batch(vocab)
     meta = SamplingMetadata.build(params, prompts, outputs, vocab, dev, [EOS])
-    logits = torch.randn(4, vocab, device=dev, dtype=torch.bfloat16)
+    logits = torch.randn(4, vocab, device=dev).clamp(-3, 3).to(torch.bfloat16)
+    # row 0 (greedy, repetition_penalty 1.3): token 10, an output, leads at 5.0 but is
+    # divided to 5.0 / 1.3 = 3.85, below token 42 (seen nowhere) at 4.5
+    logits[0, 10], logits[0, 42] = 5.0, 4.5
     sampler = Sampler()
     sampler(logits, meta)  # warm-up: lazy CUDA initialisation may synchronise
     torch.cuda.synchronize()
@@ -322,7 +325,7 @@ def test_cuda_call_has_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.device.type == "cuda"
     assert out.topk_logprobs.shape == (4, 5)
-    assert int(out.sampled_token_ids[0]) == int(apply_penalties(logits.float(), meta)[0].argmax())
+    assert int(out.sampled_token_ids[0]) == 42
 
 
 @pytest.mark.gpu

@@ -14,10 +14,15 @@ from batchgen.models.llama import DecoderStack
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def saved(tmp_path_factory):
+    """(checkpoint path, transformers' model of it)."""
     path = tmp_path_factory.mktemp("tiny-warm-logits")
-    save_tiny_model(path, "Qwen3ForCausalLM")
-    return str(path)
+    return str(path), save_tiny_model(path, "Qwen3ForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def model_dir(saved):
+    return saved[0]
 
 
 def _spy(monkeypatch) -> list[int]:
@@ -32,14 +37,21 @@ def _spy(monkeypatch) -> list[int]:
     return rows
 
 
-def test_local_logits_are_compute_logits_on_one_process(model_dir):
-    """The GEMM the warm-up runs is the one compute_logits runs: equal logits."""
+def test_local_logits_are_compute_logits_on_one_process(saved):
+    """The GEMM the warm-up runs is the one compute_logits runs: on one process both give
+    the checkpoint's lm_head applied in float64 (its own matrix, not the tied embedding),
+    to float32 rounding."""
+    model_dir, hf = saved
     llm = LLM(model=model_dir, device="cpu", dtype="float32", max_num_seqs=4)
     model = llm.engine.model
     hidden = torch.randn(
         5, llm.engine.hf_config.hidden_size, generator=torch.Generator().manual_seed(0)
     )
-    assert torch.equal(model.local_logits(hidden), model.compute_logits(hidden))
+    head = hf.get_output_embeddings().weight.detach().double()
+    assert not torch.equal(head, hf.get_input_embeddings().weight.detach().double())
+    want = (hidden.double() @ head.t()).float()
+    torch.testing.assert_close(model.local_logits(hidden), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_cpu_build_warms_nothing(model_dir, monkeypatch):
