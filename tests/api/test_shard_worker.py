@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import save_tiny_model
 
+from batchgen import LLM, SamplingParams
 from batchgen.api import batch_file as bf
 from batchgen.api.batch_job import JobOptions
 from batchgen.api.shard_worker import Shard, ShardWorker
@@ -63,8 +64,18 @@ def test_shards_share_the_engine_and_come_back_in_input_order(model):
     error = json.loads(first.errors[0][1])
     assert error["custom_id"] == "c3" and "max_model_len" in error["error"]["message"]
     assert [line for line, _ in second.outputs] == [4, 5]
-    usage = [json.loads(o)["response"]["body"]["usage"] for _, o in first.outputs]
-    assert first.completion_tokens == sum(u["completion_tokens"] for u in usage)
+    # each shard's token totals are its own requests' only, counted here by a plain
+    # engine generating the same prompts (the refused line counts nothing)
+    prompts = {1: ("w5 w6", 12), 2: ("w7", 2), 4: ("w8", 3), 5: ("w10 w11", 1)}
+    plain = LLM(model, device="cpu", kv_cache_size_gib=0.02, max_num_seqs=4)
+    counted = {}
+    for line, (words, max_tokens) in prompts.items():
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        (out,) = plain.generate([words], params, use_tqdm=False)
+        counted[line] = (len(out.prompt_token_ids), len(out.outputs[0].token_ids))
+    for result, lines in ((first, (1, 2)), (second, (4, 5))):
+        assert result.prompt_tokens == sum(counted[line][0] for line in lines)
+        assert result.completion_tokens == sum(counted[line][1] for line in lines)
 
 
 @pytest.mark.parametrize("where", ["step", "output_line"])
