@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 
@@ -357,18 +358,32 @@ def test_checkpoint_weight_of_the_wrong_shape_names_it(broken):
         LLM(model=str(broken), **KW)
 
 
-def test_checkpoint_with_more_layers_than_the_config(broken):
+def test_checkpoint_with_more_layers_than_the_config_runs_the_configs_layers(
+    broken, tmp_path, caplog
+):
+    """The config's num_hidden_layers rules: the extra layer's weights are logged as
+    unused (as the loader does for every weight it has no place for) and the model is
+    the checkpoint's first layer alone, generating what a checkpoint cut to that layer
+    generates."""
     cfg = json.loads((broken / "config.json").read_text())
     cfg["num_hidden_layers"] = 1  # the weights hold 2 layers
     (broken / "config.json").write_text(json.dumps(cfg))
-    # Either refuse, naming a weight of the extra layer, or load and ignore it (as the
-    # loader does for other unused weights); never a bare IndexError.
-    try:
-        llm = LLM(model=str(broken), **KW)
-    except ValueError as e:
-        assert "layers.1" in str(e)
-    else:
-        assert_still_works(llm)
+    cut = tmp_path / "cut"
+    shutil.copytree(broken, cut)
+
+    def drop_layer_1(tensors):
+        for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+            del tensors[name]
+
+    _rewrite_weights(cut, drop_layer_1)
+    caplog.set_level(logging.WARNING)
+    llm = LLM(model=str(broken), **KW)
+    assert "model.layers.1.mlp.down_proj.weight is not used" in caplog.text
+    prompts, params = [[3, 4, 5], [7, 8, 9, 10]], SamplingParams(temperature=0, max_tokens=8)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = LLM(model=str(cut), **KW).generate(prompts, params, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in want]
+    assert_idle(llm)
 
 
 # --- failures during generation --------------------------------------------------------
