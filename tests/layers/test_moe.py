@@ -6,9 +6,11 @@ On the "masked groups = 0" bug: transformers has filled the experts of dropped g
 with 0 instead of -inf, which picks them whenever every kept choice score is negative
 (negative correction biases). transformers 5.24 fills them with -inf (its
 DeepseekV3TopkRouter uses masked_fill(..., float("-inf"))), so the layer is compared with
-it directly on every config, negative biases included. `_transformers_masks_with_zero`
-runs its router on the constructed case so that a transformers with the bug turns that
-comparison into an assertion that the outputs differ instead.
+it directly on every config, negative biases included. The layer is also held, on every
+config, to a float64 reference built from the paper's routing and its weights
+(moe_reference); `_transformers_masks_with_zero` runs transformers' router on the
+constructed case, and a transformers with the bug is expected to differ from that
+reference instead of being compared with the layer.
 """
 
 from __future__ import annotations
@@ -160,6 +162,29 @@ def ours_from(state_dict, cfg) -> DeepseekV3MoE:
     return module
 
 
+def moe_reference(state: dict[str, torch.Tensor], cfg, x: torch.Tensor) -> torch.Tensor:
+    """The layer in float64 from its weights (transformers' fused names): the paper's
+    routing (route_reference), each chosen expert's SwiGLU MLP times its weight, plus the
+    shared experts' MLP."""
+    w = {name: t.detach().double() for name, t in state.items()}
+    x = x.double()
+
+    def mlp(h, gate, up, down):
+        return (torch.nn.functional.silu(h @ gate.t()) * (h @ up.t())) @ down.t()
+
+    routes = route_reference(
+        x @ w["gate.weight"].t(), w["gate.e_score_correction_bias"], RoutingConfig.from_hf(cfg)
+    )
+    inter = w["experts.down_proj"].shape[2]
+    out = mlp(x, *(w[f"shared_experts.{p}_proj.weight"] for p in ("gate", "up", "down")))
+    for t, route in enumerate(routes):
+        for e, weight in route.items():
+            gate_up = w["experts.gate_up_proj"][e]
+            down = w["experts.down_proj"][e]
+            out[t] += weight * mlp(x[t], gate_up[:inter], gate_up[inter:], down)
+    return out
+
+
 def _transformers_masks_with_zero() -> bool:
     """Whether the installed transformers' router picks a masked expert in the
     constructed case (the old 0-fill bug)."""
@@ -190,8 +215,11 @@ def test_layer_matches_transformers(name):
     with torch.no_grad():
         expected, got = hf(x), ours(x)
     assert got.shape == (40, HIDDEN) and expected.abs().max() > 0.1
+    reference = moe_reference(hf.state_dict(), cfg, x).float()
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
     if bias_mean < 0 and cfg.topk_group < cfg.n_group and _transformers_masks_with_zero():
-        assert not torch.allclose(got, expected, atol=1e-5), "transformers' 0-fill differs"
+        # transformers' 0-fill picks masked experts here: it, not the layer, is off
+        assert not torch.allclose(expected, reference, atol=1e-5)
     else:
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
