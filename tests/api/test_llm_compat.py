@@ -99,6 +99,25 @@ def test_max_model_len_beyond_the_models_context_is_refused(model_dir):
     assert llm.engine.max_model_len == 1024
 
 
+def test_max_model_len_is_refused_before_any_weight_is_read(model_dir, monkeypatch):
+    import safetensors
+
+    def no_weights(path, *args, **kwargs):
+        raise AssertionError(f"a weights file was opened: {path}")
+
+    monkeypatch.setattr(safetensors, "safe_open", no_weights)
+    with pytest.raises(ValueError) as info:
+        LLM(model=str(model_dir), **{**KW, "max_model_len": 1025, "num_kv_pages": 400})
+    assert str(info.value) == (
+        "max_model_len=1025 is more than the model's context length (1024, "
+        "max_position_embeddings in its config); use a max_model_len of at most 1024 or "
+        "leave it unset"
+    )
+    # the patch is on the load path: a max_model_len the model takes reaches it
+    with pytest.raises(AssertionError, match="a weights file was opened: .*safetensors"):
+        LLM(model=str(model_dir), **{**KW, "max_model_len": 1024, "num_kv_pages": 256})
+
+
 def test_cuda_device_without_a_cuda_build_of_torch(model_dir, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
     with pytest.raises(ValueError) as info:

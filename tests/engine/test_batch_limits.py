@@ -17,6 +17,7 @@ from conftest import save_tiny_model
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
 from batchgen.engine.engine_core import has_moe_layers, state_bytes_per_seq
+from batchgen.engine.limits import DEFAULT_MAX_MODEL_LEN, max_model_len
 from batchgen.runner.cuda_graphs import bucket_for
 
 GIB = 2**30
@@ -70,6 +71,18 @@ def test_limits_given_are_kept_and_the_cpu_takes_the_small_ones(monkeypatch):
 def test_bad_limits_are_refused_by_name(name, bad):
     with pytest.raises(ValueError, match=name):
         EngineConfig(**{name: bad})
+
+
+def test_max_model_len_is_the_models_context_or_less():
+    stated = SimpleNamespace(max_position_embeddings=1024)
+    assert max_model_len(EngineConfig(), stated) == 1024
+    assert max_model_len(EngineConfig(max_model_len=1024), stated) == 1024
+    assert max_model_len(EngineConfig(max_model_len=96), stated) == 96
+    with pytest.raises(ValueError, match=r"^max_model_len=1025 is more than .* \(1024, "):
+        max_model_len(EngineConfig(max_model_len=1025), stated)
+    # a config that states no context length: the default, or what was asked
+    assert max_model_len(EngineConfig(), SimpleNamespace()) == DEFAULT_MAX_MODEL_LEN
+    assert max_model_len(EngineConfig(max_model_len=9000), SimpleNamespace()) == 9000
 
 
 def test_a_hybrid_configs_state_bytes_come_from_its_linear_layers():

@@ -45,22 +45,8 @@ class LLM:
         self.config = engine_config(model, kwargs)
         self.config.torch_device()  # a device this torch cannot use fails before loading
         self.engine = EngineCore.from_config(self.config)
-        self._check_max_model_len()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
-
-    def _check_max_model_len(self) -> None:
-        """The engine caps max_model_len at the model's context length; a larger one asked
-        for is refused rather than silently cut."""
-        asked = self.config.max_model_len
-        context = getattr(self.engine.hf_config, "max_position_embeddings", None)
-        if asked is not None and context and asked > context:
-            self.engine.shutdown()
-            raise ValueError(
-                f"max_model_len={asked} is more than the model's context length "
-                f"({context}, max_position_embeddings in its config); use a max_model_len "
-                f"of at most {context} or leave it unset"
-            )
 
     def get_tokenizer(self):
         """The tokenizer the engine encodes prompts and decodes outputs with."""

@@ -7,11 +7,27 @@ from pathlib import Path
 
 from batchgen.config import EngineConfig
 
+# the context limit of a model whose config states none, where max_model_len is unset
+DEFAULT_MAX_MODEL_LEN = 4096
+
 
 def max_model_len(config: EngineConfig, hf_config) -> int:
-    """The configured context limit, capped by the model's max_position_embeddings."""
-    limit = getattr(hf_config, "max_position_embeddings", None) or 4096
-    return min(config.max_model_len or limit, limit)
+    """The context limit: config.max_model_len, else the model's context length
+    (max_position_embeddings; DEFAULT_MAX_MODEL_LEN where its config states none).
+    A max_model_len above a stated context length raises ValueError naming both, as in
+    vLLM, rather than being cut to it; the engine resolves it from the model's config
+    before any weight is read."""
+    context = getattr(hf_config, "max_position_embeddings", None)
+    asked = config.max_model_len
+    if asked is None:
+        return context or DEFAULT_MAX_MODEL_LEN
+    if context and asked > context:
+        raise ValueError(
+            f"max_model_len={asked} is more than the model's context length "
+            f"({context}, max_position_embeddings in its config); use a max_model_len "
+            f"of at most {context} or leave it unset"
+        )
+    return asked
 
 
 def generation_eos(model) -> int | list[int] | None:
