@@ -104,6 +104,12 @@ class EngineConfig:
 
     load_format "dummy" builds the model with random weights from its config alone (no
     checkpoint read): for benchmarks, as in vLLM.
+
+    cache_dir is where models are downloaded (vLLM's download_dir): the default model's
+    GGUF (None: ~/.cache/batchgen) and, for a model named by its Hugging Face id, the hub
+    cache its snapshot is looked up in and downloaded into (None: HF_HUB_CACHE, else
+    huggingface_hub's default). revision is the branch, tag or commit of a Hugging Face id
+    to load (None: "main"); a local path has no revisions and ignores it.
     """
 
     model: str | None = None
@@ -125,6 +131,7 @@ class EngineConfig:
     pipeline_decode: bool = True
     async_scheduling: bool = False
     cache_dir: str | None = None
+    revision: str | None = None
     seed: int = 0
     admission: str = "prefix"
     tier_policy: str = "auto"
@@ -191,6 +198,10 @@ class EngineConfig:
             if getattr(self, name) not in allowed:
                 choices = " or ".join(repr(a) for a in allowed)
                 raise ValueError(f"{name} must be {choices}, got {getattr(self, name)!r}")
+        if self.revision is not None and not (isinstance(self.revision, str) and self.revision):
+            raise ValueError(
+                f"revision must be None or a branch, tag or commit, got {self.revision!r}"
+            )
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
 

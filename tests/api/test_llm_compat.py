@@ -70,7 +70,7 @@ def test_vllm_names_set_their_options(model_dir, tmp_path):
     [
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported: batchgen keeps"),
         (dict(tokenizer="other/tok"), "tokenizer='other/tok' is not supported"),
-        (dict(revision="v2"), "revision='v2' is not supported"),
+        (dict(revision=""), "revision must be None or a branch, tag or commit, got ''"),
         (dict(block_size=8), "block_size=8 and page_size=4 name one option"),
         (dict(swap_space=1, enable_prefix_caching=False), r"\(host_kv_size_gib is swap_space\)"),
     ],

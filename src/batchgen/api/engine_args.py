@@ -2,29 +2,28 @@
 
 Keywords name EngineConfig fields. The vLLM names a user types first are read too:
 - `block_size` is `page_size` and `swap_space` (GiB of host memory for KV) is
-  `host_kv_size_gib`; `download_dir` is `cache_dir`, where batchgen fetches its default
-  model (a Hugging Face hub model is kept in the Hugging Face cache, HF_HUB_CACHE);
-- `kv_cache_dtype="auto"`, `tokenizer` equal to the model (or None) and `revision=None`
-  (or "main") are what batchgen does anyway and are accepted; other values raise
-  ValueError saying what batchgen does instead.
+  `host_kv_size_gib`; `download_dir` is `cache_dir`, where models are downloaded: the
+  hub cache of a model named by its Hugging Face id, and batchgen's default model;
+- `revision` (a Hugging Face id's branch, tag or commit) is an EngineConfig field of
+  the same name;
+- `kv_cache_dtype="auto"` and `tokenizer` equal to the model (or None) are what
+  batchgen does anyway and are accepted; other values raise ValueError saying what
+  batchgen does instead.
 An unknown name raises TypeError naming the nearest option.
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
 import os
 from typing import Any
 
 from batchgen.config import EngineConfig
 
-logger = logging.getLogger(__name__)
-
 # vLLM's name -> the EngineConfig field it sets
 ALIASES = {"block_size": "page_size", "swap_space": "host_kv_size_gib", "download_dir": "cache_dir"}
 # vLLM's names for what batchgen does in one way only: accepted at that one value
-_FIXED = ("kv_cache_dtype", "tokenizer", "revision")
+_FIXED = ("kv_cache_dtype", "tokenizer")
 
 
 def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
@@ -36,18 +35,6 @@ def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
     if unknown:
         raise TypeError(f"LLM() got unknown argument(s): {', '.join(map(_nearest, unknown))}")
     _check_fixed(model, kwargs.pop("kv_cache_dtype", None), kwargs.pop("tokenizer", None))
-    revision = kwargs.pop("revision", None)
-    if revision not in (None, "main"):
-        raise ValueError(
-            f"revision={revision!r} is not supported: batchgen loads a hub model's main "
-            "revision; download that revision (huggingface-cli download MODEL --revision "
-            f"{revision} --local-dir DIR) and pass model=DIR"
-        )
-    if "download_dir" in kwargs and model and not os.path.exists(model):
-        logger.warning(
-            "download_dir (batchgen's cache_dir) holds batchgen's default model; a model "
-            "from the Hugging Face hub is kept in the Hugging Face cache (set HF_HUB_CACHE)"
-        )
     renamed = {}
     for vllm_name, field in ALIASES.items():
         if vllm_name not in kwargs:

@@ -415,7 +415,8 @@ class EngineCore:
     def from_config(cls, config: EngineConfig) -> EngineCore:
         from batchgen.models.default_model import default_model_path
 
-        source = ModelSource.resolve(config.model or default_model_path(config.cache_dir))
+        model = config.model or default_model_path(config.cache_dir)
+        source = ModelSource.resolve(model, config.revision, config.cache_dir)
         # before the weights: a host tier that cannot fit would fail after loading them
         check_host_budget(config.host_kv_size_gib, config.tensor_parallel_size)
         with gguf_read_once():  # config, tokenizer and weights from one parse of a GGUF

@@ -29,7 +29,12 @@ class ModelSource:
     gguf_file: str | None = None
 
     @classmethod
-    def resolve(cls, model: str | Path) -> ModelSource:
+    def resolve(
+        cls, model: str | Path, revision: str | None = None, cache_dir: str | None = None
+    ) -> ModelSource:
+        """`model`: an HF directory, a .gguf file, a directory holding one .gguf file, or
+        a Hugging Face id that is no local path, taken at `revision` from the hub cache
+        `cache_dir` (hub.snapshot_path; both apply to an id only)."""
         path = Path(model).expanduser()
         if path.is_file() and path.suffix == ".gguf":
             return cls(path.parent, path.name)
@@ -41,7 +46,7 @@ class ModelSource:
                 return cls(path, ggufs[0].name)
             raise FileNotFoundError(f"model directory {path} has no config.json")
         if not path.exists() and looks_like_repo_id(str(model)):
-            return cls.resolve(snapshot_path(str(model)))
+            return cls.resolve(snapshot_path(str(model), revision, cache_dir))
         raise FileNotFoundError(f"model path {path} does not exist (a directory or a .gguf file)")
 
     def _kwargs(self) -> dict:
