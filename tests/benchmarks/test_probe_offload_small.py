@@ -60,10 +60,11 @@ def test_debug_probe_reads_back_every_offloaded_page(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["moonlight-w4", "kimi-w6"])
-def test_readback_probe_of_the_w4_and_w6_models_in_defaults(tmp_path, model):
-    """The forced-offload probe of the MLA and hybrid models: every default on (EOS
-    endings, no logprobs, pipelined decode), batchgen_debug reading back each offloaded
-    page (and state slot) on the tier run alone."""
+def test_readback_probe_of_the_w4_and_w6_models(tmp_path, model):
+    """The forced-offload probe of the MLA and hybrid models with --readback: EOS endings
+    and no logprobs, tier_policy "always", and batchgen_debug on the tier run alone,
+    reading back each offloaded page (and state slot); debug turns that run's pipelined
+    decode off."""
     result = _run(tmp_path, "--model", model, "--readback", "--tier-policy", "always")
     assert result["mode"] == "default + readback" and result["readback_mismatches"] == 0
     assert result["tier_run"]["batchgen_debug"] is True

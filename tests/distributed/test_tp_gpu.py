@@ -97,7 +97,12 @@ def test_tp2_decode_graphs_equal_tp1s(model_dir, tier):
     want_stopped = _tokens(one, stop)
     assert one.engine.runner.graphs.graphs  # TP=1 replayed
     del one
-    kw = dict(num_kv_pages=40, host_kv_size_gib=0.02, tier_policy="always") if tier else {}
+    swapping = dict(
+        num_kv_pages=40,
+        host_kv_size_gib=0.02,
+        tier_policy="always",  # off-defaults: the tier variant forces swaps
+    )
+    kw = swapping if tier else {}
     llm = LLM(model_dir, tensor_parallel_size=2, **GRAPHS, **kw)
     try:
         assert _tokens(llm, params) == want

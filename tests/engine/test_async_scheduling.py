@@ -148,9 +148,8 @@ def test_on_the_gpu_with_graphs_it_matches_plain_steps(model_dir):
     gpu = dict(KW, device="cuda", dtype="bfloat16", attention_backend="triton", num_kv_pages=4096)
     gpu.update(max_num_batched_tokens=2048, max_num_seqs=64)
     prompts = _prompts(40)
-    params = [
-        SamplingParams(temperature=0, max_tokens=3 + i % 17, ignore_eos=True) for i in range(40)
-    ]
+    by_length = dict(temperature=0, ignore_eos=True)  # off-defaults: the first half only
+    params = [SamplingParams(max_tokens=3 + i % 17, **by_length) for i in range(40)]
     runs, texts = [], []
     for async_ in (False, True):
         llm = LLM(model=str(model_dir), async_scheduling=async_, **gpu)

@@ -77,7 +77,12 @@ def test_default_configuration_stays_close_to_the_logprobs_run(dense_model_dir):
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
     assert any(queued), "no decode step was queued ahead"
     assert {o.finish_reason for o in outs} == {"stop", "length"}, "both endings seen"
-    params = SamplingParams(temperature=0, max_tokens=48, stop=stop, logprobs=5)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=48,
+        stop=stop,
+        logprobs=5,  # off-defaults: the reference run
+    )
     ref = _rows(llm, prompts, params)
     collapsed = []
     for p, (o, (ref_tokens, ref_lps)) in enumerate(zip(outs, ref)):
@@ -160,8 +165,8 @@ def _shared_prefix_prompts(seed: int, longest_suffix: int) -> list[list[int]]:
 def test_prefix_hits_from_state_checkpoints(dense_model_dir):
     """Groups of prompts sharing 100 tokens, checkpoints every 32: each group's later
     requests resume at 96 from the KDA state its first one stored (its pages from the
-    cache), in the default configuration; rows stay close to a tier-off run, which has
-    no prefix hits for a hybrid model."""
+    cache), with 5 logprobs asked (pipelined decode off) and tier_policy "always"; rows
+    stay close to a tier-off run, which has no prefix hits for a hybrid model."""
     prompts = _shared_prefix_prompts(seed=3, longest_suffix=40)
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
     plain = LLM(model=dense_model_dir, num_kv_pages=1024, **KW)
