@@ -11,6 +11,8 @@ Checks the files git tracks plus untracked files that are not ignored:
   init-import      subpackages do not import names from batchgen/__init__.py
   module-md        every package folder has a MODULE.md
   copy-R1..R8      the KV copy-ordering contract (see hygiene/copy_contract.py)
+  importorskip     tests skip only for an optional extra (see hygiene/evidence.py)
+  claims-defaults  a test claiming the defaults sets no option that leaves them
 
 With `--base REF --type TYPE` it also reviews the change since REF: commit messages
 (blocking), files outside the type's folders and public API changes without a MODULE.md
@@ -25,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hygiene import comments, copy_contract, layering, paths, review, source  # noqa: E402
+from hygiene import comments, copy_contract, evidence, layering, paths, review, source  # noqa: E402
 from hygiene.git import GitError, listed_files, repo_root  # noqa: E402
 from hygiene.report import Finding, summarise  # noqa: E402
 
@@ -64,12 +66,21 @@ def check_sources(root: Path, listed: list[str]) -> list[Finding]:
     return findings
 
 
+def check_tests(root: Path, listed: list[str]) -> list[Finding]:
+    optional = evidence.optional_modules(root / "pyproject.toml")
+    findings: list[Finding] = []
+    for path, text, tree in evidence.load_test_sources(root, listed):
+        findings += evidence.check_importorskip(path, tree, optional)
+        findings += evidence.check_default_claims(path, text, tree)
+    return findings
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         root = repo_root(Path.cwd())
         listed = listed_files(root)
-        findings = check_files(listed) + check_sources(root, listed)
+        findings = check_files(listed) + check_sources(root, listed) + check_tests(root, listed)
         if args.base:
             findings += review.review_change(root, args.base, args.type)
     except GitError as exc:

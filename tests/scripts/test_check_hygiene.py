@@ -537,3 +537,126 @@ def test_unknown_base_ref_fails(repo):
     code, out = check(repo, "--base", "no-such-ref", "--type", "core")
     assert code == 1
     assert "check_hygiene: git merge-base" in out
+
+
+# --- tests as evidence ------------------------------------------------------------------
+
+PYPROJECT = """\
+    [project]
+    name = "fake"
+    dependencies = ["torch>=2.6", "fla-core>=0.6", "xgrammar>=0.2.9"]
+
+    [project.optional-dependencies]
+    ray = ["ray>=2.10"]
+    test = ["ray>=2.10", "pytest>=8", "jsonschema>=4.0"]
+    """
+
+
+@pytest.mark.parametrize(
+    ("module", "reported"),
+    [
+        ("xgrammar", True),  # required by the package
+        ("fla.ops.kda", True),  # fla-core's module, required
+        ("jsonschema", True),  # installed by the test command
+        ("torch.cuda", True),
+        ("not_declared", True),  # nothing optional names it
+        ("ray", False),  # the optional extra
+        ("ray.util", False),
+        ("transformers.models.kimi_linear.modeling_kimi_linear", False),  # a version probe
+    ],
+)
+def test_importorskip_only_for_optional_extras(repo, module, reported):
+    test = f'import pytest\n\nmod = pytest.importorskip("{module}")\n'
+    write(repo, {"pyproject.toml": PYPROJECT, "tests/engine/test_x.py": test})
+    code, out = check(repo)
+    if reported:
+        assert code == 1
+        assert f"tests/engine/test_x.py:3: [importorskip] importorskip('{module}')" in out
+    else:
+        assert (code, out) == (0, "blocking: 0, advisory: 0\n")
+
+
+def test_importorskip_inside_a_test_is_found_and_skipping_by_hand_is_not_flagged(repo):
+    test = """\
+        import pytest
+        from pytest import importorskip
+
+
+        def test_x():
+            knobs = importorskip("triton").knobs
+            assert knobs
+
+
+        def test_y():
+            pytest.skip("needs a GPU")
+        """
+    write(repo, {"pyproject.toml": PYPROJECT, "tests/kernels/test_k.py": test})
+    code, out = check(repo)
+    assert code == 1
+    assert "tests/kernels/test_k.py:6: [importorskip] importorskip('triton')" in out
+    assert out.count("[importorskip]") == 1
+
+
+CLAIMING = """\
+    from batchgen import LLM, SamplingParams
+
+
+    def test_{name}(model):
+        \"\"\"{doc}\"\"\"
+        llm = LLM(model{engine})
+        return llm.generate([[1, 2]], SamplingParams(max_tokens=4{params}))
+    """
+
+
+@pytest.mark.parametrize(
+    ("name", "doc", "engine", "params", "setting"),
+    [
+        ("default_configuration", "Greedy.", "", ", ignore_eos=True", "ignore_eos=True"),
+        ("greedy", "Every default on (EOS, no logprobs).", "", ", logprobs=0", "logprobs=0"),
+        ("greedy", "In the engine's defaults.", ", batchgen_debug=True", "", "batchgen_debug"),
+        ("greedy", "The default configuration.", ', tier_policy="always"', "", "tier_policy"),
+        ("in_defaults", "Greedy.", ", **{'batchgen_debug': 1}", "", "'batchgen_debug': 1"),
+    ],
+)
+def test_a_test_claiming_the_defaults_that_leaves_them_fails(
+    repo, name, doc, engine, params, setting
+):
+    test = CLAIMING.format(name=name, doc=doc, engine=engine, params=params)
+    write(repo, {"tests/engine/test_defaults.py": test})
+    code, out = check(repo)
+    assert code == 1
+    flagged = [line for line in out.splitlines() if "[claims-defaults]" in line]
+    assert len(flagged) == 1 and setting in flagged[0]
+    assert flagged[0].startswith("tests/engine/test_defaults.py:")
+
+
+@pytest.mark.parametrize(
+    ("name", "doc", "engine", "params"),
+    [
+        ("default_configuration", "Greedy.", "", ", stop=['w7']"),  # defaults kept
+        ("default_configuration", "Greedy.", ", batchgen_debug=False", ", logprobs=None"),
+        ("greedy", "With logprobs asked, pipelined decode off.", "", ", logprobs=5"),
+        ("ignore_eos_fills_the_pool", "Each request to its length.", "", ", ignore_eos=True"),
+    ],
+)
+def test_a_test_keeping_the_defaults_or_not_claiming_them_passes(repo, name, doc, engine, params):
+    test = CLAIMING.format(name=name, doc=doc, engine=engine, params=params)
+    write(repo, {"tests/engine/test_defaults.py": test})
+    assert check(repo) == (0, "blocking: 0, advisory: 0\n")
+
+
+def test_a_reference_run_off_the_defaults_says_so_on_its_line(repo):
+    test = """\
+        from batchgen import SamplingParams
+
+
+        def test_default_configuration_matches_the_logprobs_run(llm):
+            plain = SamplingParams(max_tokens=8)
+            ref = SamplingParams(max_tokens=8, logprobs=5)  # off-defaults: the reference
+            return plain, ref
+        """
+    write(repo, {"tests/engine/test_defaults.py": test})
+    assert check(repo) == (0, "blocking: 0, advisory: 0\n")
+    write(repo, {"tests/engine/test_defaults.py": test.replace("# off-defaults: ", "# ")})
+    code, out = check(repo)
+    assert code == 1 and "tests/engine/test_defaults.py:6: [claims-defaults]" in out
