@@ -81,6 +81,7 @@ from batchgen.kv.state_pool import HostStatePool
 from batchgen.kv.tier_mirror import LayerStores, TierCopy, TierMirror
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models.loader import ModelSource, build_model, gguf_read_once
+from batchgen.models.registry import model_class
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
 from batchgen.runner.model_runner import ModelRunner
 
@@ -96,6 +97,15 @@ def check_supported(config: EngineConfig, device: torch.device) -> None:
             f"tensor_parallel_size={size} needs {size} GPUs, one a rank; "
             f"{torch.cuda.device_count()} visible"
         )
+
+
+def _check_shares(hf_config, size: int, max_positions: int) -> None:
+    """The model's own ValueError (naming the number that does not divide: KV heads,
+    heads, ...) when it cannot be split over `size` ranks. Rank 0's share is built on the
+    meta device (no memory, no weights read, no collective), before any worker is
+    spawned: otherwise each worker fails with its traceback before rank 0 says why."""
+    with torch.device("meta"):
+        model_class(hf_config)(hf_config, max_positions, tp=TPGroup(rank=0, size=size))
 
 
 @dataclass
@@ -179,8 +189,10 @@ class TPWorkers:
 
     @classmethod
     def start(cls, config: EngineConfig, source: ModelSource) -> TPWorkers:
-        """Spawn ranks 1..N-1 and join the group as rank 0."""
+        """Spawn ranks 1..N-1 and join the group as rank 0 (_check_shares first)."""
         size = config.tensor_parallel_size
+        hf_config = source.load_config()
+        _check_shares(hf_config, size, max_model_len(config, hf_config))
         init = local_init_method()
         ctx = mp.get_context("spawn")
         processes = [
