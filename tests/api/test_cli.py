@@ -151,10 +151,14 @@ def test_quiet_prints_nothing_on_success(tmp_path, noisy):
 
 
 def test_quiet_still_prints_errors(tmp_path):
-    done = _run(str(tmp_path / "no-such-model"), tmp_path, "--quiet")
+    """A usage error reads as argparse's own: the command, `error:`, no log prefix."""
+    missing = tmp_path / "no-such-model"
+    done = _run(str(missing), tmp_path, "--quiet")
     assert done.returncode == EXIT_USAGE
-    lines = done.stderr.splitlines()
-    assert len(lines) == 1 and "ERROR batchgen.api.cli: error: model" in lines[0], lines
+    assert done.stderr.splitlines() == [
+        f"batchgen run: error: --model {missing} not found: no such file or directory, nor "
+        "a Hugging Face id (org/name)"
+    ]
 
 
 def test_in_process_main_puts_logging_back(tmp_path, noisy):
@@ -180,7 +184,8 @@ DEFAULT_GGUF_PATH = default_cache_dir() / DEFAULT_GGUF
 )
 def test_the_readme_command_on_the_default_model_prints_no_library_noise(tmp_path):
     """The README's first command (one of its requests, a few tokens: a CPU is slow): no
-    deprecation warning, no GGUF de-quantization bar when stderr is not a terminal."""
+    deprecation warning, no GGUF de-quantization bar when stderr is not a terminal; a
+    line saying the model loads; `batchgen show` prints the answer."""
     first = (ROOT / "examples" / "chat_batch.jsonl").read_text().splitlines()[0]
     inp = tmp_path / "in.jsonl"
     inp.write_text(first + "\n")
@@ -191,7 +196,17 @@ def test_the_readme_command_on_the_default_model_prints_no_library_noise(tmp_pat
     assert done.returncode == EXIT_OK, done.stderr[-2000:]
     assert done.stdout == ""
     assert _foreign_lines(done.stderr) == []
+    assert "loading the default model SmolLM2-135M-Instruct on cpu" in done.stderr
     assert "done: 1 succeeded" in done.stderr
+    # the command's last part: the answer as people read it
+    shown = _batchgen("show", str(tmp_path / "out.jsonl"), timeout=120)
+    assert (shown.returncode, shown.stderr) == (EXIT_OK, "")
+    (record,) = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    choice = record["response"]["body"]["choices"][0]
+    answer = choice["message"]["content"].strip()
+    assert shown.stdout.splitlines()[0] == (
+        f"{json.loads(first)['custom_id']} ({choice['finish_reason']}): {answer}"
+    )
     # on a terminal the de-quantization bar still shows
     rc, shown = _on_a_terminal(
         "run", str(inp), "-o", str(tmp_path / "tty.jsonl"), "--device", "cpu",
