@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import pytest
 
@@ -55,3 +56,42 @@ def test_count_records_skips_a_torn_line_and_repairs_nothing(tmp_path):
     assert bj.count_records(path) == 2
     assert path.read_bytes() == data
     assert bj.count_records(tmp_path / "missing.jsonl") == 0
+
+
+def test_appender_syncs_on_time_while_its_caller_is_busy(tmp_path, monkeypatch):
+    """Written lines are synced within about sync_every_s although the caller never
+    calls write() or tick() again (a long engine step)."""
+    synced: list[float] = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(time.monotonic())
+        real_fsync(fd)
+
+    monkeypatch.setattr(bj.os, "fsync", fsync)
+    app = bj.Appender(tmp_path / "out.jsonl", sync_every_s=0.2)
+    app.write([b'{"a": 1}\n'])
+    written = time.monotonic()
+    synced.clear()  # the directory's sync at creation
+    time.sleep(0.6)
+    assert synced and synced[0] - written < 0.2 + 0.2, synced
+    count = len(synced)
+    time.sleep(0.4)
+    assert len(synced) == count  # nothing new written: nothing to sync
+    app.close()
+
+
+def test_input_check_refuses_another_input_and_accepts_edited_lines(tmp_path):
+    first, other, out = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "out.jsonl"
+    first.write_bytes(b"".join(b'{"id": "%d", "prompt": "w5"}\n' % i for i in range(12)))
+    other.write_bytes(b"".join(b'{"id": "x%d", "prompt": "w6"}\n' % i for i in range(12)))
+    bj.check_input(other, out)  # nothing answered yet
+    out.write_bytes(b"")
+    bj.record_input(first, out)
+    bj.check_input(first, out)
+    with pytest.raises(bj.InputMismatch, match=r"holds the answers to another input"):
+        bj.check_input(other, out)
+    lines = first.read_bytes().splitlines(keepends=True)
+    lines[0] = b'{"id": "0", "prompt": "w5 fixed"}\n'  # a line fixed in place
+    first.write_bytes(b"".join(lines))
+    bj.check_input(first, out)
