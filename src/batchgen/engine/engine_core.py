@@ -84,6 +84,23 @@ def has_moe_layers(hf_config) -> bool:
     return any(getattr(hf_config, name, None) for name in ("n_routed_experts", "num_local_experts"))
 
 
+class RequestsFailed(RuntimeError):
+    """A step failed for these requests alone: the engine has dropped them (as abort()
+    does) and every other request is intact, its tokens of the step applied; the
+    requests the step finished come out of the next step() call."""
+
+    def __init__(self, errors: dict[str, BaseException]) -> None:
+        self.errors = errors  # request id -> why it failed
+        first = next(iter(errors.values()))
+        super().__init__(
+            f"request(s) {', '.join(errors)} failed in a step: {type(first).__name__}: {first}"
+        )
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self.errors)
+
+
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0
@@ -211,6 +228,7 @@ class EngineCore:
         self._arrival = itertools.count()
         self._in_flight = None  # a queued decode step (pipelined decode)
         self._finished_early: list[Request] = []
+        self._failed: dict[str, BaseException] = {}  # in this step: RequestsFailed
         self._pipeline = config.pipeline_decode
         # async scheduling: the next step scheduled and launched while this one runs;
         # not for tensor parallel (workers take steps as rank 0 executes them)
@@ -609,10 +627,18 @@ class EngineCore:
         input tokens read there) before this one's tokens reach the host, so the host's
         bookkeeping overlaps the GPU.
         A request that stops on a token it could not foresee (EOS, a stop string) has
-        its queued extra token discarded."""
+        its queued extra token discarded.
+
+        Raises RequestsFailed when the step failed for some requests only (their
+        grammar raised on their token): they are dropped, the rest of the step stands."""
         finished = self._step()
         if self._finished_early:
             finished, self._finished_early = self._finished_early + finished, []
+        if self._failed:
+            failed, self._failed = self._failed, {}
+            self._finished_early = finished  # handed out by the next step()
+            self.abort(failed)
+            raise RequestsFailed(failed)
         return finished
 
     def _step(self) -> list[Request]:
@@ -711,6 +737,8 @@ class EngineCore:
             self._advance_grammars(advanced)
         finished = []
         for req in advanced:
+            if req.request_id in self._failed:
+                continue  # step() drops it
             if req.finish_reason in (None, "length"):  # a stop string beats the length limit
                 stop = self.detokenizer.find_stop(req)
                 if stop is not None:
@@ -728,10 +756,15 @@ class EngineCore:
     def _advance_grammars(self, advanced: list[Request]) -> None:
         """Feed each constrained request's new token to its matcher. A token the grammar
         rejects can only come from another mask forbidding every token it allowed
-        (min_tokens holding back the EOS of a complete grammar): the request stops."""
-        rejected = self.grammar.advance(
-            [req.request_id for req in advanced], [req.output_token_ids[-1] for req in advanced]
-        )
+        (min_tokens holding back the EOS of a complete grammar): the request stops.
+        A matcher that raises fails its request alone (step() raises RequestsFailed): one
+        call per request, so the others' matchers advance whatever one of them does."""
+        rejected = []
+        for req in advanced:
+            try:
+                rejected += self.grammar.advance([req.request_id], [req.output_token_ids[-1]])
+            except Exception as e:
+                self._failed[req.request_id] = e
         for rid in rejected:
             req = self.requests[rid]
             logger.warning(
