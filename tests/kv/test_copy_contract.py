@@ -831,6 +831,7 @@ def test_the_real_tree_keeps_the_contract(package):
     assert [str(f) for f in check_copy_contract(package)] == []  # the copy mutations start from
 
 
+@pytest.mark.slow  # ~40 mutations, each a copy of the package checked anew
 @pytest.mark.parametrize(
     ("mutate", "rule"), MUTATIONS, ids=[f"{r}-{m.__name__}" for m, r in MUTATIONS]
 )

@@ -19,6 +19,7 @@ def default_llm():
     return LLM(device="cpu", dtype="float32", max_model_len=1024, max_num_batched_tokens=256)
 
 
+@pytest.mark.slow  # ~85 s on 2 cores: CI runs it in its slow step
 def test_default_model_matches_transformers_on_the_same_gguf(default_llm):
     from transformers import AutoModelForCausalLM
 
