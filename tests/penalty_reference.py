@@ -64,10 +64,11 @@ def set_eos(path: Path, eos: int) -> None:
         (path / name).write_text(json.dumps(data))
 
 
-def emitted_eos(runs: list[list[int]]) -> int:
-    """A token the runs emit mid-way in the most rows (not an id below 3): set as the
-    EOS, it ends some rows early and leaves others to their length."""
-    rows = Counter(t for tokens in runs for t in set(tokens[2:-2]) if t > 2)
+def emitted_eos(runs: list[list[int]], avoid=()) -> int:
+    """A token the runs emit mid-way in the most rows (not an id below 3, nor one in
+    `avoid`): set as the EOS, it ends some rows early and leaves others to their
+    length."""
+    rows = Counter(t for tokens in runs for t in set(tokens[2:-2]) if t > 2 and t not in avoid)
     return rows.most_common(1)[0][0]
 
 

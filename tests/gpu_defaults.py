@@ -1,0 +1,76 @@
+"""Helpers of the GPU tests that run the configuration users run (bf16, decode CUDA
+graphs, pipelined decode, EOS and stop-string endings, no logprobs, debug off): proof
+that the path ran (graphs replayed, steps queued ahead), and the logprob-closeness rule
+between such a run and a reference run that reported five logprobs a step."""
+
+from __future__ import annotations
+
+from conftest import record_launches
+from parity import top5_after
+
+from batchgen.eval.closeness import close_under_top5, top5_from_logprobs
+
+# what a GPU engine of these tests is given besides its model: the device and dtype
+# users run on a GPU
+GPU = dict(device="cuda", dtype="bfloat16")
+
+
+class PathSeen:
+    """Checks that llm runs the Triton backend with decode CUDA graphs, then counts its
+    decode graph replays and its decode steps queued behind another (pipelined)."""
+
+    def __init__(self, llm) -> None:
+        runner = llm.engine.runner
+        assert runner.attention_backend == "triton", runner.attention_backend
+        assert runner.graphs is not None, "no decode CUDA graphs were captured"
+        if llm.engine.state_pool is not None:  # linear-attention layers: slots bound too
+            assert runner.graphs.linear_states is not None
+        self.replays = 0
+        run = runner.graphs.run
+
+        def counted(*args, **kwargs):
+            self.replays += 1
+            return run(*args, **kwargs)
+
+        runner.graphs.run = counted
+        self._launches = record_launches(runner)
+
+    @property
+    def queued_ahead(self) -> int:
+        return sum(behind for _, behind in self._launches)
+
+    def check(self) -> None:
+        assert self.replays > 0, "no decode step replayed a CUDA graph"
+        assert self.queued_ahead > 0, "no decode step was queued ahead"
+
+
+def collapsed_rows(llm, prompts, outs, ref, eos_ids) -> list[int]:
+    """Indices of the rows of `outs` (CompletionOutputs of a run on `llm`) that break the
+    logprob-closeness rule, endings included, against the same rows of `ref`
+    (CompletionOutputs with logprobs >= 5, run with the same stop conditions). A row of
+    `outs` run without logprobs has its top five at a divergence from a one-token
+    request on its prefix on `llm` (parity.top5_after). eos_ids: the ids that end a row
+    on both sides."""
+    bad = []
+    for p, (o, r) in enumerate(zip(outs, ref, strict=True)):
+        ours = list(o.token_ids)
+        if o.logprobs is not None:
+            top5 = top5_from_logprobs(o.logprobs)
+        else:
+            top5 = lambda i, p=p, ours=ours: top5_after(llm, prompts[p], ours, i)  # noqa: E731
+        if not close_under_top5(
+            ours,
+            list(r.token_ids),
+            top5,
+            top5_from_logprobs(r.logprobs),
+            a_finish=o.finish_reason,
+            b_finish=r.finish_reason,
+            eos_ids=eos_ids,
+        ):
+            bad.append(p)
+    return bad
+
+
+def completions(llm, prompts, params) -> list:
+    """Each prompt's first CompletionOutput."""
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
