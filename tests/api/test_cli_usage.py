@@ -153,6 +153,21 @@ def test_outputs_own_files_are_refused_as_input(tmp_path, caplog, own):
     assert given.read_bytes() == before and not (tmp_path / "out.jsonl").exists()
 
 
+def test_an_output_that_answers_another_input_is_a_usage_error(tmp_path, tiny, caplog):
+    """Resuming OUTPUT with an input other than the one its journal answers would skip
+    lines by number that never ran: the command refuses it plainly and writes nothing."""
+    common = ["--model", str(tiny), "--device", "cpu", "--kv-cache-gib", "0.02"]
+    out = tmp_path / "out.jsonl"
+    assert main(["run", str(_lines(tmp_path / "a.jsonl")), "-o", str(out), *common]) == EXIT_OK
+    before = out.read_bytes()
+    other = tmp_path / "b.jsonl"
+    other.write_text((tmp_path / "a.jsonl").read_text().replace("w9", "w8"))
+    assert main(["run", str(other), "-o", str(out), *common]) == EXIT_USAGE
+    assert "another input" in caplog.text
+    assert "Traceback" not in caplog.text
+    assert out.read_bytes() == before
+
+
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch, tiny):
     """HF_HUB_CACHE holding "acme/tiny-llama" in the hub's layout; offline."""

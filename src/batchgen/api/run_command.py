@@ -20,6 +20,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from batchgen.api.batch_journal import InputMismatch
 from batchgen.console import usage_error
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_INTERNAL = 0, 1, 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 # errors a job raises that are the user's to fix, not the job's: a usage error (exit 2)
-USAGE_ERRORS: tuple[type[Exception], ...] = ()
+USAGE_ERRORS: tuple[type[Exception], ...] = (InputMismatch,)
 
 
 def add_run_parser(sub) -> None:
