@@ -4,8 +4,9 @@
 device pool small enough to force preemption (4 GiB, --kv-gib) and a host tier (32 GiB,
 --host-gib), against an ample-pool run of the same requests without the tier. A row is
 broken when its output departs from the ample run's beyond the logprob-closeness rule
-(batchgen/eval/closeness.py): identical, or at the first differing position each side's
-token is among the other side's five most likely.
+(batchgen/eval/closeness.py): identical (tokens, length and finish reason), or at the
+first differing token each side's token is among the other side's five most likely; a
+row that stops where the other goes on, or runs past an EOS, is broken.
 
 On the GPU (from the repository root):
 
@@ -114,7 +115,12 @@ from engine_runs import dummy_model, engine_default, threads_for  # noqa: E402
 from schedule_replay import ReplayScheduler, StepRecorder, replay_params  # noqa: E402
 from workloads import MODELS  # noqa: E402
 
-from batchgen.eval.closeness import close_under_top5, top5_from_logprobs  # noqa: E402
+from batchgen.eval.closeness import (  # noqa: E402
+    close_under_top5,
+    ending_mismatch,
+    first_difference,
+    top5_from_logprobs,
+)
 
 # the tier run's counters worth a line (engine metrics() names)
 TIER_KEYS = (
@@ -152,34 +158,32 @@ def copy_rates(metrics: dict) -> dict:
     return out
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first position where a and b differ, None when one is a prefix of the other."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
-def compare(prompts, tier_rows, ample_rows, score) -> dict:
-    """Rows of token ids under the closeness rule. score(prompts) -> the most likely
-    next tokens after each prompt, as (token id, logprob) pairs best first (at least
-    five); it is called once, with prompt + common output of every row that is not
-    identical. A row of different length with no differing token (one cut short) is
-    broken. Each broken row is described in "broken_detail": where it departs, both
-    tokens, their ranks in the scored list (None: below it) and the list itself, so a
-    near-tie among more than five tokens tells itself apart from a collapse."""
+def compare(prompts, tier_rows, ample_rows, score, eos_ids=()) -> dict:
+    """Rows of (token ids, finish reason) under the closeness rule, endings included;
+    eos_ids: the ids both runs end a row at (the EOS ids unless ignore_eos).
+    score(prompts) -> the most likely next tokens after each prompt, as (token id,
+    logprob) pairs best first (at least five); it is called once, with prompt + common
+    output of every row whose tokens differ. A row whose endings alone break the rule (one
+    stopped where the other went on, equal tokens with other finish reasons, a run past
+    an EOS) is broken with its "ending" said. Each broken row is described in
+    "broken_detail": where it departs, both tokens, their ranks in the scored list (None:
+    below it) and the list itself, so a near-tie among more than five tokens tells
+    itself apart from a collapse."""
     identical, broken, diverging, detail = [], [], [], []
-    for i, (a, b) in enumerate(zip(tier_rows, ample_rows)):
-        if a == b:
-            identical.append(i)
-            continue
-        d = first_divergence(a, b)
-        if d is None:
+    for i, ((a, fa), (b, fb)) in enumerate(zip(tier_rows, ample_rows, strict=True)):
+        ending = ending_mismatch(a, b, fa, fb, eos_ids)
+        if ending is not None:
             broken.append(i)
-            detail.append({"row": i, "cut_short": True, "lengths": [len(a), len(b)]})
+            lengths, finish = [len(a), len(b)], [fa, fb]
+            detail.append({"row": i, "ending": ending, "lengths": lengths, "finish": finish})
+        elif a == b:
+            identical.append(i)
         else:
-            diverging.append((i, d))
-    tops = score([prompts[i] + tier_rows[i][:d] for i, d in diverging]) if diverging else []
-    for (i, d), top in zip(diverging, tops):
+            diverging.append((i, first_difference(a, b)))
+    tops = score([prompts[i] + tier_rows[i][0][:d] for i, d in diverging]) if diverging else []
+    for (i, d), top in zip(diverging, tops, strict=True):
         ids = [t for t, _ in top]
-        mine, other = tier_rows[i][d], ample_rows[i][d]
+        mine, other = tier_rows[i][0][d], ample_rows[i][0][d]
         if mine not in ids[:5] or other not in ids[:5]:
             broken.append(i)
             detail.append(
@@ -188,7 +192,7 @@ def compare(prompts, tier_rows, ample_rows, score) -> dict:
                     "position": d,
                     "tokens": [mine, other],
                     "ranks": [ids.index(t) if t in ids else None for t in (mine, other)],
-                    "lengths": [len(tier_rows[i]), len(ample_rows[i])],
+                    "lengths": [len(tier_rows[i][0]), len(ample_rows[i][0])],
                     "top": [[t, round(lp, 4)] for t, lp in top],
                 }
             )
@@ -204,12 +208,20 @@ def compare(prompts, tier_rows, ample_rows, score) -> dict:
 
 
 def compare_debug(tier, ample) -> dict:
-    """(token ids, per-token logprobs) rows, each side's own top-5 at the divergence."""
-    identical = sum(a[0] == b[0] for a, b in zip(tier, ample))
+    """(token ids, per-token logprobs, finish reason) rows, each side's own top-5 at the
+    divergence; ignore_eos, so every row ends by length."""
+    identical = sum(a[0] == b[0] and a[2] == b[2] for a, b in zip(tier, ample, strict=True))
     broken = [
         i
-        for i, (a, b) in enumerate(zip(tier, ample))
-        if not close_under_top5(a[0], b[0], top5_from_logprobs(a[1]), top5_from_logprobs(b[1]))
+        for i, (a, b) in enumerate(zip(tier, ample, strict=True))
+        if not close_under_top5(
+            a[0],
+            b[0],
+            top5_from_logprobs(a[1]),
+            top5_from_logprobs(b[1]),
+            a_finish=a[2],
+            b_finish=b[2],
+        )
     ]
     return {
         "identical_rows": identical,
@@ -247,7 +259,7 @@ def run(model, prompts, params, after=None, swap_every: int = 0, record: bool = 
             # each worker rank's own copies (rank 0's are the metrics above)
             metrics["worker_tiers"] = llm.engine.tier_worker_metrics()
         rows = (
-            [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+            [(list(c.token_ids), c.logprobs, c.finish_reason) for c in (o.outputs[0] for o in outs)]
             if not swap_every
             else outs
         )
@@ -297,7 +309,8 @@ def replay(model, prompts, params, steps, **kw) -> tuple[list[list[int]], float]
 
 
 def _generate_swapping(eng, prompts, params, every: int) -> tuple[list, dict]:
-    """run()'s swap_every: (rows of token ids, no logprobs; the counts it adds)."""
+    """run()'s swap_every: (rows of token ids, no logprobs, finish reason; the counts it
+    adds)."""
     for i, prompt in enumerate(prompts):
         eng.add_request(f"probe{i}", prompt, params)
     done, steps, reconfigures = {}, 0, 0
@@ -309,7 +322,7 @@ def _generate_swapping(eng, prompts, params, every: int) -> tuple[list, dict]:
             reconfigures += 1
     done.update((r.request_id, r) for r in eng.step())  # what a last drain finished
     reqs = [done[f"probe{i}"] for i in range(len(prompts))]
-    rows = [(list(r.output_token_ids), None) for r in reqs]
+    rows = [(list(r.output_token_ids), None, r.finish_reason) for r in reqs]
     spared = [len(r.output_token_ids) for r in reqs if not r.num_preemptions]
     counts = {
         "reconfigures": reconfigures,
@@ -470,23 +483,28 @@ def main(argv=None) -> int:
             **tight,
             **common,
         )
-        tier_ids = [r[0] for r in tier_rows]
-        replay_ids = wall_replay = None
-        if args.replay:  # the extra token a pipelined step computed after an EOS is cut
+        tier_ends = [(r[0], r[2]) for r in tier_rows]
+        replay_ends = wall_replay = None
+        if args.replay:
+            # a replayed request ignores stops and ends where the recording's rows do (plus
+            # the extra token a pipelined step computed after an EOS, cut here): its tokens
+            # are judged over the tier run's output, with the tier run's ending and no EOS
+            # ids, so a replay row shorter than the tier run's still reads as cut short
             replayed, wall_replay = replay(model, prompts, params, steps, **common)
-            replay_ids = [r[: len(t)] for r, t in zip(replayed, tier_ids)]
-        control_ids = None
+            replay_ends = [(r[: len(t)], f) for r, (t, f) in zip(replayed, tier_ends, strict=True)]
+        control_ends = None
         if args.control:  # no tier, other batches: what batching alone changes
             half = dict(common, max_num_seqs=max(1, args.max_num_seqs // 2))
-            control_ids = [r[0] for r in run(model, prompts, params, **half)[0]]
+            control_ends = [(r[0], r[2]) for r in run(model, prompts, params, **half)[0]]
 
         def judge(llm, rows):
-            ample_ids, score = [r[0] for r in rows], top_scorer(llm)
-            verdict = compare(prompts, tier_ids, ample_ids, score)
-            if control_ids is not None:
-                verdict["control"] = compare(prompts, control_ids, ample_ids, score)
-            if replay_ids is not None:  # the tier run against its own batching
-                verdict["replay"] = compare(prompts, tier_ids, replay_ids, score)
+            ample_ends, score = [(r[0], r[2]) for r in rows], top_scorer(llm)
+            eos = llm.engine.eos_token_ids
+            verdict = compare(prompts, tier_ends, ample_ends, score, eos)
+            if control_ends is not None:
+                verdict["control"] = compare(prompts, control_ends, ample_ends, score, eos)
+            if replay_ends is not None:  # the tier run against its own batching
+                verdict["replay"] = compare(prompts, tier_ends, replay_ends, score)
             return verdict
 
         ample_rows, m_ample, wall_ample, verdict = run(
@@ -506,8 +524,8 @@ def main(argv=None) -> int:
         ),
         "rows_without_output": lost,
         "eos_endings": {
-            "tier": sum(len(r[0]) < args.output_len for r in tier_rows),
-            "ample": sum(len(r[0]) < args.output_len for r in ample_rows),
+            "tier": sum(r[2] == "stop" for r in tier_rows),
+            "ample": sum(r[2] == "stop" for r in ample_rows),
         },
         "copies": copy_rates(m_tier),
         "offload_run": m_tier,

@@ -26,14 +26,53 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | l
     return tokens, logprobs
 
 
-def close_under_top5(ours_tokens, our_logprobs, ref_tokens, ref_logprobs) -> bool:
-    """The logprob-closeness rule (batchgen.eval.closeness) between our greedy tokens with
-    their {token: Logprob} dicts and transformers' tokens with raw logprob tensors."""
+def eos_list(eos: int | list[int] | None) -> list[int]:
+    """reference_greedy's eos argument as a list of ids."""
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def reference_finish(tokens: list[int], eos: int | list[int] | None) -> str:
+    """The finish reason of a reference_greedy continuation: "stop" when it ends on one
+    of the eos ids, else "length" (generate() ran out of max_new_tokens)."""
+    return "stop" if tokens and tokens[-1] in eos_list(eos) else "length"
+
+
+def close_under_top5(ours, ref_tokens, ref_logprobs, eos: int | list[int] | None) -> bool:
+    """The logprob-closeness rule (batchgen.eval.closeness), endings included, between our
+    greedy CompletionOutput (logprobs >= 5) and transformers' tokens with raw logprob
+    tensors, both run to the same eos ids (None: ignore_eos on our side)."""
     return closeness.close_under_top5(
-        ours_tokens,
+        ours.token_ids,
         ref_tokens,
-        closeness.top5_from_logprobs(our_logprobs),
+        closeness.top5_from_logprobs(ours.logprobs),
         lambda i: torch.topk(ref_logprobs[i], 5).indices.tolist(),
+        a_finish=ours.finish_reason,
+        b_finish=reference_finish(ref_tokens, eos),
+        eos_ids=eos_list(eos),
+    )
+
+
+def completions(llm, prompts, params) -> list:
+    """Each prompt's CompletionOutput (token ids, finish reason, logprobs)."""
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def collapsed(rows, ref, eos_ids=()) -> int:
+    """Rows (CompletionOutputs with logprobs >= 5) departing from the same rows of `ref`
+    beyond the logprob-closeness rule, endings included; eos_ids: the ids both runs end a
+    row at (the engine's eos_token_ids unless ignore_eos)."""
+    top5 = closeness.top5_from_logprobs
+    return sum(
+        not closeness.close_under_top5(
+            a.token_ids,
+            b.token_ids,
+            top5(a.logprobs),
+            top5(b.logprobs),
+            a_finish=a.finish_reason,
+            b_finish=b.finish_reason,
+            eos_ids=eos_ids,
+        )
+        for a, b in zip(rows, ref, strict=True)
     )
 
 

@@ -85,11 +85,15 @@ def test_readback_probe_of_the_w4_and_w6_models(tmp_path, model):
     assert "readback_checks" not in result["ample_run"]
 
 
+def _ended(rows, finish="length"):
+    return [(r, finish) for r in rows]
+
+
 def test_compare_scores_each_divergence_once_with_the_common_prefix():
     probe = load("probe_offload")
     prompts = [[1], [2], [3], [4], [5]]
-    tier = [[7, 8, 9], [7, 8, 9], [7, 8, 9], [7, 8], [7]]
-    ample = [[7, 8, 9], [7, 5, 6], [7, 8, 4], [7, 8, 3], [7, 2]]
+    tier = _ended([[7, 8, 9], [7, 8, 9], [7, 8, 9], [7, 8], [7]])
+    ample = _ended([[7, 8, 9], [7, 5, 6], [7, 8, 4], [7, 8, 3], [7, 2]])
     asked = []
 
     def score(ps):
@@ -109,16 +113,34 @@ def test_compare_scores_each_divergence_once_with_the_common_prefix():
     row2, row3, row4 = got["broken_detail"]
     assert row2["row"] == 2 and row2["position"] == 2 and row2["tokens"] == [9, 4]
     assert row2["ranks"] == [0, 5] and row2["top"][5] == [4, -1.5]
-    assert row3 == {"row": 3, "cut_short": True, "lengths": [2, 3]}
-    assert row4 == {"row": 4, "cut_short": True, "lengths": [1, 2]}
+    assert row3["row"] == 3 and row3["lengths"] == [2, 3]
+    assert row3["ending"].startswith("one stopped where the other went on")
+    assert row4["row"] == 4 and row4["lengths"] == [1, 2]
     assert probe.compare(prompts, tier, tier, score)["identical_rows"] == 5
     assert len(asked) == 1  # nothing to score: no call
+
+
+def test_compare_judges_endings():
+    """Equal tokens with other finish reasons, a run past an EOS (after a near-tie, where
+    the rows may otherwise diverge freely) and an EOS chosen at a near-tie."""
+    probe = load("probe_offload")
+    eos = 99
+    prompts = [[1], [2], [3]]
+    tier = [([7, 8], "stop"), ([7, 5, eos, 6], "length"), ([7, eos], "stop")]
+    ample = [([7, 8], "length"), ([7, 8, eos], "stop"), ([7, 8, 9], "length")]
+    top = [(8, -0.5), (5, -0.6), (eos, -0.7), (10, -4.0), (11, -5.0)]
+    got = probe.compare(prompts, tier, ample, lambda ps: [top] * len(ps), [eos])
+    assert got["broken"] == [0, 1] and got["close_rows"] == 1
+    row0, row1 = got["broken_detail"]
+    assert row0["ending"] == "the same 2 tokens, finish reasons 'stop' and 'length'"
+    assert row1["ending"].startswith("a ran past the EOS 99 at 2")
+    assert row1["finish"] == ["length", "stop"]
 
 
 def test_a_token_below_the_scored_list_has_no_rank():
     probe = load("probe_offload")
     top = [(t, -0.1 * t) for t in range(10)]
-    got = probe.compare([[1]], [[3, 4]], [[3, 99]], lambda ps: [top])
+    got = probe.compare([[1]], _ended([[3, 4]]), _ended([[3, 99]]), lambda ps: [top])
     assert got["broken"] == [0] and got["broken_detail"][0]["ranks"] == [4, None]
 
 

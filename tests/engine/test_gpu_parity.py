@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from conftest import ARCHS, save_tiny_model
-from parity import close_under_top5, reference_greedy
+from parity import close_under_top5, reference_finish, reference_greedy
 from prompts import QUESTIONS
 
 from batchgen import LLM, SamplingParams
@@ -28,12 +28,12 @@ def _count_rows(llm, ref, prompts, max_new, eos):
     params = SamplingParams(temperature=0, max_tokens=max_new, logprobs=5, ignore_eos=eos is None)
     outs = llm.generate(prompts, params, use_tqdm=False)
     identical = close = 0
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         c = out.outputs[0]
         ref_tokens, ref_lps = reference_greedy(ref, prompt, max_new, eos=eos)
-        if c.token_ids == ref_tokens:
+        if c.token_ids == ref_tokens and c.finish_reason == reference_finish(ref_tokens, eos):
             identical += 1
-        elif close_under_top5(c.token_ids, c.logprobs, ref_tokens, ref_lps):
+        elif close_under_top5(c, ref_tokens, ref_lps, eos):
             close += 1
     return identical, close, len(prompts)
 

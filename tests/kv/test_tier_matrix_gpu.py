@@ -76,22 +76,26 @@ def workload(tmp_path_factory):
     return path, prompts, params, reference, ref
 
 
-def _classify(ref: LLM, prompt: list[int], got: tuple, want: tuple) -> str:
-    """identical, close or broken (a row equal in tokens must be equal in everything)."""
+def _classify(ref: LLM, prompt: list[int], params, got: tuple, want: tuple) -> str:
+    """identical, close or broken under the closeness rule, endings included (a row equal
+    in tokens must be equal in everything: finish and stop reasons, text)."""
     if got == want:
         return "identical"
     a, b = got[0], want[0]
-    if all(x == y for x, y in zip(a, b)):  # one is a prefix of the other: endings differ
+    if a == b:
         return "broken"
 
     def top5(i: int) -> list[int]:
         return top5_after(ref, prompt, a, i)
 
-    return "close" if close_under_top5(a, b, top5, top5) else "broken"
+    eos = {*ref.engine.eos_token_ids, *params.stop_token_ids}
+    ends = dict(a_finish=got[1], b_finish=want[1], eos_ids=eos)
+    return "close" if close_under_top5(a, b, top5, top5, **ends) else "broken"
 
 
-def _judge(ref, prompts, got, reference) -> tuple[Counter, list]:
-    verdicts = [_classify(ref, p, g, w) for p, g, w in zip(prompts, got, reference)]
+def _judge(ref, prompts, params, got, reference) -> tuple[Counter, list]:
+    rows_ = zip(prompts, params, got, reference, strict=True)
+    verdicts = [_classify(ref, *row) for row in rows_]
     broken = [(i, got[i], reference[i]) for i, v in enumerate(verdicts) if v == "broken"]
     return Counter(verdicts), broken
 
@@ -114,13 +118,13 @@ def test_mixed_endings_close_to_tier_off(
     launches = spy_launches(llm)
     finishes = spy_finishes(llm.engine)
     counts, broken = _judge(
-        ref, prompts, rows(llm.generate(prompts, params, use_tqdm=False)), reference
+        ref, prompts, params, rows(llm.generate(prompts, params, use_tqdm=False)), reference
     )
     m = llm.engine.metrics()
     assert_nothing_held(llm.engine)
     # again: the prompts' pages are gone from the device and come back from host
     again, broken2 = _judge(
-        ref, prompts, rows(llm.generate(prompts, params, use_tqdm=False)), reference
+        ref, prompts, params, rows(llm.generate(prompts, params, use_tqdm=False)), reference
     )
     counts += again
     msg = f"{dict(counts)} of {2 * len(prompts)} rows; broken: {(broken + broken2)[:2]}"
@@ -179,7 +183,7 @@ def test_graphs_captured_while_stores_are_issued(workload, pipeline, decode_appe
     assert graphs.graphs, "the decode graphs were never captured"
     if not captured_up_front and decode_append != "off":  # "off" stores only on eviction
         assert stored_before_capture and stored_before_capture[0] > 0, stored_before_capture
-    counts, broken = _judge(ref, prompts, got, reference)
+    counts, broken = _judge(ref, prompts, params, got, reference)
     assert counts["broken"] == 0, f"{dict(counts)}; broken: {broken[:2]}"
     assert_nothing_held(engine)
     # reconfigure() drops the graphs; they are captured again, lazily, while this call's
@@ -189,7 +193,7 @@ def test_graphs_captured_while_stores_are_issued(workload, pipeline, decode_appe
     assert graphs.graphs
     if decode_append == "batched":  # "off" keeps on host only pages wanted or shared
         assert engine.metrics()["host_prefix_hit_pages"] > 0
-    counts, broken = _judge(ref, prompts, got, reference)
+    counts, broken = _judge(ref, prompts, params, got, reference)
     assert counts["broken"] == 0, f"after reconfigure(): {dict(counts)}; broken: {broken[:2]}"
     assert_nothing_held(engine)
 

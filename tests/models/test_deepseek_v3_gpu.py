@@ -8,10 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from parity import collapsed, completions
 from test_deepseek_v3 import CONFIGS, save_tiny_deepseek
 
 from batchgen import LLM, SamplingParams
-from batchgen.eval.closeness import close_under_top5, top5_from_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -28,17 +28,12 @@ def _prompts(n, seed=0):
 
 
 def _rows(llm, prompts, params):
-    return [
-        (o.outputs[0].token_ids, o.outputs[0].logprobs)
-        for o in llm.generate(prompts, params, use_tqdm=False)
-    ]
+    return completions(llm, prompts, params)
 
 
 def _collapsed(rows, ref) -> int:
-    return sum(
-        not close_under_top5(a, b, top5_from_logprobs(alp), top5_from_logprobs(blp))
-        for (a, alp), (b, blp) in zip(rows, ref)
-    )
+    """Rows not close to ref's, endings included (ignore_eos: each ends by length)."""
+    return collapsed(rows, ref)
 
 
 @pytest.fixture(scope="module", params=["q_lora", "moe_kimi_like"])

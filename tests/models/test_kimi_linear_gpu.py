@@ -12,13 +12,12 @@ import random
 
 import pytest
 import torch
-from parity import top5_after
+from parity import collapsed, completions, top5_after
 from test_deepseek_v3 import _count_queued
-from test_deepseek_v3_gpu import _collapsed, _rows
 from test_kimi_linear import save_tiny_kimi
 
 from batchgen import LLM, SamplingParams
-from batchgen.eval.closeness import close_under_top5, top5_from_logprobs
+from batchgen.eval.closeness import close_under_top5, ending_mismatch, top5_from_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -39,6 +38,12 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
+def _collapsed(rows, ref, llm) -> int:
+    """Rows not close to ref's under the logprob-closeness rule, endings included: the
+    requests end at the model's EOS (no ignore_eos) or by length."""
+    return collapsed(rows, ref, llm.engine.eos_token_ids)
+
+
 def _prompts(n: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randint(3, 500) for _ in range(rng.randint(5, 150))] for _ in range(n)]
@@ -50,13 +55,13 @@ def test_graphs_match_eager_decode(model_dir, n):
     params = SamplingParams(temperature=0, max_tokens=48, logprobs=5)
     eager = LLM(model=model_dir, num_kv_pages=1024, enforce_eager=True, **KW)
     assert eager.engine.runner.graphs is None
-    ref = _rows(eager, prompts, params)
+    ref = completions(eager, prompts, params)
     llm = LLM(model=model_dir, num_kv_pages=1024, **KW)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.linear_states is not None
-    rows = _rows(llm, prompts, params)
+    rows = completions(llm, prompts, params)
     assert graphs.graphs, "decode steps should have replayed graphs"
-    assert _collapsed(rows, ref) == 0
+    assert _collapsed(rows, ref, llm) == 0
 
 
 def test_default_configuration_stays_close_to_the_logprobs_run(dense_model_dir):
@@ -83,18 +88,21 @@ def test_default_configuration_stays_close_to_the_logprobs_run(dense_model_dir):
         stop=stop,
         logprobs=5,  # off-defaults: the reference run
     )
-    ref = _rows(llm, prompts, params)
-    collapsed = []
-    for p, (o, (ref_tokens, ref_lps)) in enumerate(zip(outs, ref)):
-        ours = list(o.token_ids)
+    ref = completions(llm, prompts, params)
+    broken, eos = [], llm.engine.eos_token_ids
+    for p, (o, r) in enumerate(zip(outs, ref, strict=True)):
+        ours, ends = list(o.token_ids), (o.finish_reason, r.finish_reason)
         if not close_under_top5(
             ours,
-            ref_tokens,
+            r.token_ids,
             lambda i, p=p, ours=ours: top5_after(llm, prompts[p], ours, i),
-            top5_from_logprobs(ref_lps),
+            top5_from_logprobs(r.logprobs),
+            a_finish=ends[0],
+            b_finish=ends[1],
+            eos_ids=eos,
         ):
-            collapsed.append(p)
-    assert not collapsed, f"rows {collapsed} collapsed"
+            broken.append((p, ending_mismatch(ours, r.token_ids, *ends, eos)))
+    assert not broken, f"rows collapsed (row, ending mismatch): {broken}"
 
 
 TIGHT = dict(num_kv_pages=60, host_kv_size_gib=0.25, batchgen_debug=True)
@@ -117,12 +125,12 @@ def test_swaps_between_graph_replays(model_dir):
     prompts = _prompts(32)
     params = SamplingParams(temperature=0, max_tokens=48, logprobs=5)
     eager = LLM(model=model_dir, enforce_eager=True, **TIGHT, **KW)
-    ref = _rows(eager, prompts, params)
+    ref = completions(eager, prompts, params)
     tight = LLM(model=model_dir, **TIGHT, **KW)
-    rows = _rows(tight, prompts, params)
+    rows = completions(tight, prompts, params)
     assert tight.engine.runner.graphs is not None and tight.engine.runner.graphs.graphs
     assert _swapped(tight) == _swapped(eager)
-    assert _collapsed(rows, ref) == 0
+    assert _collapsed(rows, ref, tight) == 0
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +148,12 @@ def test_swaps_keep_a_dense_model_on_the_ample_run(dense_model_dir, scatter):
     stream."""
     prompts = _prompts(32)
     params = SamplingParams(temperature=0, max_tokens=48, logprobs=5)
-    ref = _rows(LLM(model=dense_model_dir, num_kv_pages=1024, **KW), prompts, params)
+    ref = completions(LLM(model=dense_model_dir, num_kv_pages=1024, **KW), prompts, params)
     tight = LLM(model=dense_model_dir, tier_load_scatter=scatter, **TIGHT, **KW)
-    rows = _rows(tight, prompts, params)
+    rows = completions(tight, prompts, params)
     assert tight.engine.runner.graphs is not None and tight.engine.runner.graphs.graphs
     _swapped(tight)
-    assert _collapsed(rows, ref) == 0
+    assert _collapsed(rows, ref, tight) == 0
 
 
 def _shared_prefix_prompts(seed: int, longest_suffix: int) -> list[list[int]]:
@@ -170,7 +178,7 @@ def test_prefix_hits_from_state_checkpoints(dense_model_dir):
     prompts = _shared_prefix_prompts(seed=3, longest_suffix=40)
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
     plain = LLM(model=dense_model_dir, num_kv_pages=1024, **KW)
-    ref = _rows(plain, prompts, params)
+    ref = completions(plain, prompts, params)
     assert plain.engine.kv.prefix_hit_tokens == 0
     llm = LLM(
         model=dense_model_dir,
@@ -180,11 +188,11 @@ def test_prefix_hits_from_state_checkpoints(dense_model_dir):
         state_checkpoint_interval=32,
         **KW,
     )
-    rows = _rows(llm, prompts, params)
+    rows = completions(llm, prompts, params)
     m = llm.engine.metrics()
     assert m["state_checkpoint_hit_tokens"] >= 4 * 3 * 96, m
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
-    assert _collapsed(rows, ref) == 0
+    assert _collapsed(rows, ref, llm) == 0
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,9 @@ import random
 
 import pytest
 from conftest import save_tiny_model
+from parity import collapsed, completions
 
 from batchgen import LLM, SamplingParams
-from batchgen.eval.closeness import close_under_top5, top5_from_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -50,36 +50,23 @@ def test_graph_replay_matches_eager(model_dir, n):
     assert a == b
 
 
-def _rows(llm, prompts, params):
-    return [
-        (o.outputs[0].token_ids, o.outputs[0].logprobs)
-        for o in llm.generate(prompts, params, use_tqdm=False)
-    ]
-
-
-def _collapsed(rows, ref) -> int:
-    """Rows departing from the reference beyond the logprob-closeness rule. In bf16 the
-    batch composition (and so GEMM shapes and prefix reuse) differs between the runs, so
-    near-ties may flip; nothing else may differ."""
-    return sum(
-        not close_under_top5(a, b, top5_from_logprobs(alp), top5_from_logprobs(blp))
-        for (a, alp), (b, blp) in zip(rows, ref)
-    )
-
-
 def test_graphs_with_swaps_and_reconfigure(model_dir):
+    """No row may depart from the ample pool's beyond the logprob-closeness rule, endings
+    included (ignore_eos: every row ends by length). In bf16 the batch composition (and
+    so GEMM shapes and prefix reuse) differs between the runs, so near-ties may flip;
+    nothing else may differ."""
     prompts = _prompts(40, seed=2)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
-    ref = _rows(LLM(model=model_dir, num_kv_pages=4096, **KW), prompts, params)
+    ref = completions(LLM(model=model_dir, num_kv_pages=4096, **KW), prompts, params)
     tight = LLM(model=model_dir, num_kv_pages=80, host_kv_size_gib=0.5, batchgen_debug=True, **KW)
-    rows = _rows(tight, prompts, params)
+    rows = completions(tight, prompts, params)
     m = tight.engine.metrics()
     assert m["swaps_out"] > 0 and m["recomputes"] == 0
-    assert _collapsed(rows, ref) == 0
+    assert collapsed(rows, ref) == 0
     graphs = tight.engine.runner.graphs
     stream = graphs.capture_stream
     assert stream is not None
     tight.engine.reconfigure(120)
-    assert _collapsed(_rows(tight, prompts, params), ref) == 0
+    assert collapsed(completions(tight, prompts, params), ref) == 0
     assert graphs.graphs, "the decode graphs should have been captured again"
     assert graphs.capture_stream is stream  # no further stream: it would slow every replay
