@@ -616,7 +616,13 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self._in_flight is not None
+        """Whether step() has more to do or to hand out (requests a drained or failed
+        step finished wait for the next step())."""
+        return (
+            self.scheduler.has_unfinished
+            or self._in_flight is not None
+            or bool(self._finished_early)
+        )
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it (and any finished by
