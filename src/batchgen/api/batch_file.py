@@ -7,18 +7,25 @@ Input line (OpenAI batch form, or the plain form for quick use):
     {"id": "a", "prompt": "..."}            {"id": "a", "messages": [...], "temperature": 0}
 
 Output line: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}.
-Error line:  {"id", "custom_id", "response": null, "error": {"code", "message", "line"}}.
+Error line:  {"id", "custom_id", "response": null, "error": {"code", "message", "line",
+             "line_digest"}}; code "invalid_request" (the line), "engine_error" (a step).
 """
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.api.chat_messages import checked_conversation
+from batchgen.api.chat_messages import json_type as _json_type
+from batchgen.api.parallel_sampling import select
 from batchgen.engine.request import Request
+from batchgen.outputs import CompletionOutput
 from batchgen.sampling_params import SamplingParams, StructuredOutputsParams
 
 CHAT = "/v1/chat/completions"
@@ -30,24 +37,56 @@ _PASSTHROUGH = (
     "temperature top_p top_k min_p seed stop stop_token_ids presence_penalty frequency_penalty "
     "repetition_penalty min_tokens ignore_eos skip_special_tokens include_stop_str_in_output n"
 ).split()
+_GUIDED_KEYS = "guided_json guided_regex guided_choice guided_grammar structured_outputs".split()
+# the body keys a line may have, by url: what batchgen reads, and `model` (one model
+# runs the job; the line's name for it is not checked)
+_COMMON = {
+    *_PASSTHROUGH,
+    *_GUIDED_KEYS,
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "logprobs",
+    "response_format",
+}
+KNOWN_KEYS = {
+    CHAT: frozenset({*_COMMON, "messages", "top_logprobs"}),
+    COMPLETIONS: frozenset({*_COMMON, "prompt", "best_of"}),
+}
+# keys OpenAI's API accepts that change nothing batchgen computes: the job warns once
+# per key and runs the line
+IGNORED_KEYS = frozenset(
+    "user store metadata service_tier stream stream_options parallel_tool_calls "
+    "prompt_cache_key safety_identifier reasoning_effort verbosity tool_choice "
+    "function_call priority request_id".split()
+)
+# keys OpenAI's API accepts that would change the answer, which batchgen cannot honour:
+# a line that sets one (to anything but an empty or false value) is an error
+UNSUPPORTED_KEYS = frozenset(
+    "logit_bias tools functions audio prediction web_search_options suffix echo".split()
+)
+BOM = b"\xef\xbb\xbf"
 
-# chat roles a batch line may use; "developer" (OpenAI's newer name for the system
-# message) reaches the chat template as "system", the role templates know. "tool" and
-# "function" are refused: a tool result needs the assistant's tool call and the tools
-# list, which batch lines cannot pass to the template.
-ROLES = ("system", "user", "assistant", "developer")
-_TEMPLATE_ROLE = {"developer": "system"}
+_NO_ID = object()
 
 
 class LineError(Exception):
-    """A reason why one input line cannot run; custom_id when it could be read."""
+    """A reason why one input line cannot run; custom_id when it could be read.
+    `record_id`: what the line's custom_id field held, for the error record, when it is
+    not a usable custom_id (a number, an empty string)."""
 
     def __init__(
-        self, message: str, custom_id: str | None = None, duplicate_of: int | None = None
+        self,
+        message: str,
+        custom_id: str | None = None,
+        duplicate_of: int | None = None,
+        record_id: Any = _NO_ID,
     ) -> None:
         super().__init__(message)
         self.custom_id = custom_id
         self.duplicate_of = duplicate_of  # the earlier line that has this custom_id
+        self.record_id = custom_id if record_id is _NO_ID else record_id
+        self.digest: str | None = None  # line_digest of the line, set by its reader
 
 
 @dataclass
@@ -58,20 +97,39 @@ class BatchItem:
     custom_id: str
     url: str
     body: dict[str, Any]
+    ignored: tuple[str, ...] = ()  # body keys OpenAI accepts that batchgen ignores
+    digest: str | None = None  # line_digest of the line's bytes, for its error records
 
 
 @dataclass
 class Pending:
-    """What the output line needs once the engine has finished a request."""
+    """One input line in the engine: what its output line needs, and its samples (one
+    engine request each) as they finish."""
 
     line: int
     custom_id: str
     url: str
     logprobs: int | None  # top-k asked, None when no logprobs
+    params: SamplingParams | None = None  # the line's own (n, best_of); None: n = 1
+    samples: list[Request | None] = field(default_factory=lambda: [None])
+    digest: str | None = None  # line_digest of the input line
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.samples)
+
+
+def line_digest(raw: bytes) -> str:
+    """A short digest of an input line's bytes: error records carry it, so a rerun
+    retries a line whose text changed since its record was written."""
+    return hashlib.blake2b(raw, digest_size=12).hexdigest()
 
 
 def parse_line(raw: bytes, line: int) -> BatchItem:
-    """Decode, parse and check the shape of one input line; raise LineError."""
+    """Decode, parse and check the shape of one input line; raise LineError. A UTF-8
+    byte-order mark at the start of line 1 (as some editors write) is skipped."""
+    if line == 1 and raw.startswith(BOM):
+        raw = raw[len(BOM) :]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -96,7 +154,9 @@ def _parse_batch_form(obj: dict, line: int) -> BatchItem:
     if cid is None:
         raise LineError("missing custom_id")
     if not isinstance(cid, str) or not cid:
-        raise LineError(f"custom_id must be a non-empty string, got {_json_type(cid)}")
+        raise LineError(
+            f"custom_id must be a non-empty string, got {_json_type(cid)}", record_id=cid
+        )
     if obj.get("method", "POST") != "POST":
         raise LineError(f'method must be "POST", got {obj.get("method")!r}', cid)
     url = obj.get("url")
@@ -106,7 +166,7 @@ def _parse_batch_form(obj: dict, line: int) -> BatchItem:
     if not isinstance(body, dict):
         raise LineError(f"body must be a JSON object, got {_json_type(body)}", cid)
     _check_input(body, url, cid)
-    return BatchItem(line, cid, url, body)
+    return BatchItem(line, cid, url, body, _check_keys(body, url, cid))
 
 
 def _parse_plain_form(obj: dict, line: int) -> BatchItem:
@@ -116,7 +176,7 @@ def _parse_plain_form(obj: dict, line: int) -> BatchItem:
     if isinstance(cid, int) and not isinstance(cid, bool):
         cid = str(cid)
     if not isinstance(cid, str) or not cid:
-        raise LineError(f"id must be a non-empty string, got {_json_type(cid)}")
+        raise LineError(f"id must be a non-empty string, got {_json_type(cid)}", record_id=cid)
     if "messages" in obj:
         url = CHAT
     elif "prompt" in obj:
@@ -125,41 +185,34 @@ def _parse_plain_form(obj: dict, line: int) -> BatchItem:
         raise LineError('the line has neither "messages" nor "prompt"', cid)
     body = {k: v for k, v in obj.items() if k != "id"}
     _check_input(body, url, cid)
-    return BatchItem(line, cid, url, body)
+    return BatchItem(line, cid, url, body, _check_keys(body, url, cid))
+
+
+def _check_keys(body: dict, url: str, cid: str) -> tuple[str, ...]:
+    """Refuse a body key batchgen does not know (naming the nearest known one) or cannot
+    honour; return the keys it ignores (OpenAI accepts them, they change nothing here)."""
+    known, ignored = KNOWN_KEYS[url], []
+    for key in body:
+        if key in known:
+            continue
+        if key in IGNORED_KEYS:
+            ignored.append(key)
+        elif key in UNSUPPORTED_KEYS:
+            if body[key] not in (None, False, "", [], {}):
+                raise LineError(f"body.{key} is not supported by batchgen", cid)
+        else:
+            near = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise LineError(f"unknown body field {key!r}{hint}", cid)
+    return tuple(ignored)
 
 
 def _check_input(body: dict, url: str, cid: str) -> None:
     if url == CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            raise LineError(f"body.messages must be a list, got {_json_type(messages)}", cid)
-        if not messages:
-            raise LineError("body.messages is empty", cid)
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise LineError(f"body.messages[{i}] must be an object with a string role", cid)
-            if m["role"] not in ROLES:
-                raise LineError(
-                    f"body.messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}",
-                    cid,
-                )
-            content = m.get("content")
-            if isinstance(content, list):
-                if not all(
-                    isinstance(p, dict)
-                    and p.get("type") == "text"
-                    and isinstance(p.get("text"), str)
-                    for p in content
-                ):
-                    raise LineError(
-                        f"body.messages[{i}].content: only text parts are supported", cid
-                    )
-            elif not isinstance(content, str) and not (content is None and m["role"] != "user"):
-                raise LineError(
-                    f"body.messages[{i}].content must be a string or a list of "
-                    f"text parts, got {_json_type(content)}",
-                    cid,
-                )
+        try:
+            checked_conversation(body.get("messages"), "body.")
+        except ValueError as e:
+            raise LineError(str(e), cid) from None
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -184,6 +237,8 @@ def sampling_params(body: dict, url: str, defaults: dict[str, Any]) -> SamplingP
     for key in ("max_tokens", "max_completion_tokens"):  # the newer name wins
         if body.get(key) is not None:
             kw["max_tokens"] = body[key]
+    if url == COMPLETIONS and body.get("best_of") is not None:
+        kw["best_of"] = body["best_of"]
     kw["logprobs"] = requested_logprobs(body, url)
     kw["structured_outputs"] = requested_structure(body)
     try:
@@ -262,42 +317,45 @@ def requested_logprobs(body: dict, url: str) -> int | None:
 def encode(llm, item: BatchItem) -> list[int]:
     """Prompt token ids, through the chat template for chat requests."""
     if item.url == CHAT:
-        messages = [_flatten(m) for m in item.body["messages"]]
-        text = llm.apply_chat_template(messages)
+        text = llm.apply_chat_template(checked_conversation(item.body["messages"]))
         return llm.tokenizer.encode(text, add_special_tokens=False)
     prompt = item.body["prompt"]
     return llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
 
-def _flatten(message: dict) -> dict:
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(p["text"] for p in content)
-    role = _TEMPLATE_ROLE.get(message["role"], message["role"])
-    return {**message, "role": role, "content": content if content is not None else ""}
-
-
-def output_line(p: Pending, req: Request, model: str, tokenizer) -> dict:
-    """A success line in OpenAI's batch output shape."""
-    lp = _logprobs(p, req, tokenizer) if p.logprobs is not None else None
-    if p.url == CHAT:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": req.text},
-            "logprobs": lp,
-            "finish_reason": req.finish_reason,
-        }
-        kind, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": req.text, "logprobs": lp, "finish_reason": req.finish_reason}
-        kind, prefix = "text_completion", "cmpl-"
-    n_in, n_out = len(req.prompt_token_ids), len(req.output_token_ids)
+def output_line(p: Pending, model: str, tokenizer) -> dict:
+    """A success line in OpenAI's batch output shape: the line's n choices (the n best
+    of best_of samples by cumulative logprob when best_of > n), indexed 0..n-1; usage
+    counts the prompt once and every sample's completion tokens."""
+    reqs = [r for r in p.samples if r is not None]
+    choices = []
+    for index, req in enumerate(_chosen(p, reqs)):
+        lp = _logprobs(p, req, tokenizer) if p.logprobs is not None else None
+        if p.url == CHAT:
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": req.text},
+                "logprobs": lp,
+                "finish_reason": req.finish_reason,
+            }
+        else:
+            choice = {
+                "index": index,
+                "text": req.text,
+                "logprobs": lp,
+                "finish_reason": req.finish_reason,
+            }
+        choices.append(choice)
+    kind, prefix = (
+        ("chat.completion", "chatcmpl-") if p.url == CHAT else ("text_completion", "cmpl-")
+    )
+    n_in, n_out = len(reqs[0].prompt_token_ids), sum(len(r.output_token_ids) for r in reqs)
     body = {
         "id": prefix + uuid.uuid4().hex,
         "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
     }
     return {
@@ -308,14 +366,41 @@ def output_line(p: Pending, req: Request, model: str, tokenizer) -> dict:
     }
 
 
+def _chosen(p: Pending, reqs: list[Request]) -> list[Request]:
+    """The samples the line returns, in order (parallel_sampling.select's choice)."""
+    if p.params is None or len(reqs) == 1:
+        return reqs
+    by_tokens = {id(r.output_token_ids): r for r in reqs}
+    samples = [
+        CompletionOutput(
+            index=i,
+            text=r.text,
+            token_ids=r.output_token_ids,  # select keeps this object: it names the sample
+            finish_reason=r.finish_reason,
+            cumulative_logprob=sum(lp.sampled_logprob for lp in r.logprobs),
+        )
+        for i, r in enumerate(reqs)
+    ]
+    return [by_tokens[id(c.token_ids)] for c in select(p.params, samples)]
+
+
 def error_line(
-    line: int, custom_id: str | None, message: str, duplicate_of: int | None = None
+    line: int,
+    custom_id: Any,
+    message: str,
+    duplicate_of: int | None = None,
+    digest: str | None = None,
+    code: str = "invalid_request",
 ) -> dict:
-    """An error line: OpenAI's shape, plus the input line number and, for a duplicate
-    custom_id, the earlier line that has it (whose answer stands)."""
-    error = {"code": "invalid_request", "message": f"line {line}: {message}", "line": line}
+    """An error line: OpenAI's shape, plus the input line number, the digest of the
+    line's bytes (`line_digest`: a rerun retries the line once its text changes) and,
+    for a duplicate custom_id, the earlier line that has it (whose answer stands).
+    `custom_id` is what the line had, whatever its JSON type (null when none)."""
+    error = {"code": code, "message": f"line {line}: {message}", "line": line}
     if duplicate_of is not None:
         error["duplicate_of_line"] = duplicate_of
+    if digest is not None:
+        error["line_digest"] = digest
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": custom_id,
@@ -338,9 +423,9 @@ def _logprobs(p: Pending, req: Request, tokenizer) -> dict:
     def piece(tid: int) -> str:
         return tokenizer.decode([tid])
 
-    if p.url == CHAT:
+    if p.url == CHAT:  # OpenAI's content logprobs: the returned content's tokens only
         content = []
-        for tok, lp in zip(req.output_token_ids, req.logprobs):
+        for tok, lp in zip(_content_tokens(req), req.logprobs):
             s = piece(tok)
             content.append(
                 {
@@ -374,20 +459,16 @@ def _logprobs(p: Pending, req: Request, tokenizer) -> dict:
     }
 
 
+def _content_tokens(req: Request) -> list[int]:
+    """The output tokens whose text is in the content: without the token that ended the
+    request (EOS, or one of its stop_token_ids), which the text leaves out."""
+    ids = req.output_token_ids
+    ended_by_token = req.finish_reason == "stop" and not isinstance(req.stop_reason, str)
+    if ended_by_token and ids and not req.params.include_stop_str_in_output:
+        return ids[:-1]
+    return ids
+
+
 def dumps(obj: dict) -> bytes:
     """One JSONL line; lone surrogates (from undecodable tokens) stay valid JSON escapes."""
     return json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace") + b"\n"
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return f"a number ({v!r})"
-    if isinstance(v, str):
-        return "an empty string" if not v else "a string"
-    if isinstance(v, list):
-        return "an array"
-    return "an object" if isinstance(v, dict) else type(v).__name__

@@ -4,20 +4,30 @@
       │                                     │ bad line              │ finished requests
       │                                     v                       v
       └── lines already answered ──>  OUTPUT.errors.jsonl        OUTPUT (append-only)
-          are skipped
+          are skipped                       ^
+                                            └── a request a step failed for (poison line)
 
 Invariants:
 - Every output line is written whole with one write() on an O_APPEND descriptor right
-  after its request finishes, and both files are fsync'ed at least every `sync_every_s`.
-- A rerun scans OUTPUT (custom_ids done) and the errors file (line numbers answered),
-  cuts a torn last line, and skips those input lines: each custom_id is written once.
+  after its request finishes, and both files are fsync'ed at least every `sync_every_s`
+  (the Appender's timer).
+- A rerun scans OUTPUT (custom_ids done) and the errors file (line numbers answered,
+  with the digest of the line each record answers), cuts a torn last line, and skips
+  those input lines: each custom_id is written once; a line edited since its error
+  record runs again.
 - Memory holds the custom_ids seen with their first line (for duplicate detection), the
   answered line numbers and at most max_in_flight requests, never the input's contents.
+- A step that fails for some requests (engine_core.RequestsFailed) fails their lines
+  alone. A step that fails naming no request stops the job after noting the lines in
+  flight (OUTPUT.suspects.json); the rerun runs each of them alone first, so the one
+  that fails alone gets an error record and the others their answers.
+- The first SIGINT/SIGTERM admits nothing more: requests not running yet are dropped at
+  once, running ones get grace_s seconds, then are dropped; dropped lines run on the
+  rerun. A second signal stops at once.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import signal
 import sys
@@ -31,14 +41,25 @@ from batchgen.api import batch_file as bf
 from batchgen.api.batch_journal import (
     MAX_LINE_BYTES,
     Appender,
+    check_input,
+    clear_suspects,
     count_lines,
     errors_path,
     read_lines,
+    read_suspects,
+    record_input,
     scan_answered,
+    scan_errors,
+    write_suspects,
 )
+from batchgen.api.batch_requests import InFlight, prepare_line
+from batchgen.engine.engine_core import RequestsFailed
 from batchgen.engine.memory import fewer_full_collections
 
 logger = logging.getLogger(__name__)
+
+# bad lines answered_earlier holds, at most, to write itself when no line is runnable
+MAX_BAD_LINES_HELD = 4096
 
 
 @dataclass
@@ -47,10 +68,11 @@ class JobOptions:
     output: Path
     model_name: str
     defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword defaults
-    seed: int | None = None  # base of the per-request seed of requests without one
-    max_in_flight: int = 64
+    seed: int = 0  # with each line's custom_id and sample index, the seed of unseeded lines
+    max_in_flight: int = 64  # engine requests (a line of n samples counts n)
     progress: bool = True
     sync_every_s: float = 2.0
+    grace_s: float = 10.0  # after a first SIGINT/SIGTERM, for the running requests
 
 
 @dataclass
@@ -66,6 +88,9 @@ class JobSummary:
     # the engine's preemptions over the job: swapped (host tier) or recomputed, and the
     # prompt tokens the host tier served; empty when nothing was preempted or loaded
     kv: dict[str, int] = field(default_factory=dict)
+    # answered_earlier: what it found when no line was left to run, said plainly ("the
+    # input is empty", "3 lines, none runnable: ..."); "" when every line had its answer
+    note: str = ""
 
     def describe(self, errors_path: Path) -> str:
         rate = self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
@@ -100,10 +125,13 @@ class _LineCounter(threading.Thread):
 
 
 class Signals:
-    """First SIGINT/SIGTERM: stop admitting, finish what is in flight. Second: stop now."""
+    """First SIGINT/SIGTERM: stop admitting (`stop`, at `stopped_at`). Second: stop now
+    (`abandon`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float | None = None) -> None:
         self.stop = self.abandon = False
+        self.stopped_at = 0.0
+        self.grace_s = grace_s
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> Signals:
@@ -116,11 +144,16 @@ class Signals:
         if self.stop:
             self.abandon = True
             return
-        self.stop = True
+        self.stop, self.stopped_at = True, time.monotonic()
+        running = (
+            "finishing those in flight"
+            if self.grace_s is None
+            else f"those running get {self.grace_s:g} s to finish, the rest run on the rerun"
+        )
         logger.warning(
-            "%s: no new requests; finishing those in flight (send it again to stop "
-            "now; a rerun resumes either way)",
+            "%s: no new requests; %s (send it again to stop now; a rerun resumes either way)",
             signal.Signals(signum).name,
+            running,
         )
 
     def __exit__(self, *exc) -> None:
@@ -129,18 +162,25 @@ class Signals:
 
 
 class Answers:
-    """What earlier runs answered (custom_ids in OUTPUT, line numbers in the errors file,
-    after the resume scan's repair) and the custom_ids read so far with their first line;
-    decides, line by line, which input lines an earlier run already answered."""
+    """What earlier runs answered (custom_ids in OUTPUT, line numbers in the errors file
+    with the digest of the line each record answers, after the resume scan's repair) and
+    the custom_ids read so far with their first line; decides, line by line, which
+    input lines an earlier run already answered."""
 
-    def __init__(self, output: Path) -> None:
+    def __init__(self, output: Path, warn: bool = True) -> None:
         self.done_ids: set[str] = scan_answered(output, "custom_id")
-        self.lines: set[int] = scan_answered(errors_path(output), "line")
+        self.lines: dict[int, str | None] = scan_errors(errors_path(output))
         self.seen: dict[str, int] = {}  # custom_id -> the first line that has it
+        self.this_run: set[int] = set()  # lines this run answered before reading them
+        self._warned: set[str] = set()
+        self._warn = warn
 
     def read(self, line: int, raw: bytes | None):
-        """(item, error, custom_id) of one input line; a repeated custom_id is an error."""
+        """(item, error, custom_id) of one input line; a repeated custom_id is an error.
+        Both item and error carry the line's digest. A body key OpenAI accepts that
+        batchgen ignores is logged the first time a line has it."""
         item, error = None, None
+        digest = bf.line_digest(raw) if raw is not None else None
         try:
             if raw is None:
                 raise bf.LineError(f"the line is longer than {MAX_LINE_BYTES} bytes")
@@ -148,126 +188,344 @@ class Answers:
         except bf.LineError as e:
             error = e
         cid = item.custom_id if item is not None else error.custom_id
-        if cid is not None:
+        if cid is not None and line not in self.this_run:
             if cid in self.seen:
                 item, error = None, bf.duplicate_error(cid, self.seen[cid])
             else:
                 self.seen[cid] = line
+        if item is not None:
+            item.digest = digest
+            for key in item.ignored if self._warn else ():
+                if key not in self._warned:
+                    self._warned.add(key)
+                    logger.warning(
+                        "body.%s (first on line %d) is ignored: batchgen accepts it as "
+                        "OpenAI does but it changes nothing here",
+                        key,
+                        line,
+                    )
+        else:
+            error.digest = digest
         return item, error, cid
 
     def earlier(self, line: int, item, cid: str | None) -> str | None:
-        """How an earlier run answered this line: "failed", "done", or None (not yet)."""
+        """How an earlier run answered this line: "failed", "done", "this run" (the
+        run answered it before its turn: a suspect run alone), or None (not yet). An
+        error record answers the line only while the line's text is what it answered."""
+        if line in self.this_run:
+            return "this run"
         if line in self.lines:
-            return "failed"
+            recorded = self.lines[line]
+            digest = item.digest if item is not None else None
+            if recorded is None or digest is None or recorded == digest:
+                return "failed"
         if item is not None and cid in self.done_ids:
             self.done_ids.discard(cid)
             return "done"
         return None
 
+    def answered(self, line: int, item: bf.BatchItem) -> bool:
+        """Whether an earlier run answered this line (earlier() without counting it)."""
+        recorded = self.lines.get(line, "")
+        failed = line in self.lines and recorded in (None, item.digest)
+        return failed or item.custom_id in self.done_ids
 
-def answered_earlier(opts: JobOptions) -> JobSummary | None:
-    """Without a model: the summary of a job whose every input line earlier runs
-    answered (nothing is left to run), or None when some line is still to run."""
-    start = time.monotonic()
-    answers = Answers(opts.output)
-    if count_lines(opts.input) > len(answers.done_ids) + len(answers.lines):
-        return None  # each answer covers one line at most: some line is unanswered
-    summary = JobSummary()
-    for line, raw in read_lines(opts.input):
-        item, _, cid = answers.read(line, raw)
-        verdict = answers.earlier(line, item, cid)
-        if verdict is None:
-            return None
+    def count(self, verdict: str, summary: JobSummary) -> None:
         summary.skipped += verdict == "done"
         summary.failed_earlier += verdict == "failed"
-    summary.wall_s = time.monotonic() - start
-    return summary
 
 
-def run_batch_job(llm, opts: JobOptions) -> JobSummary:
-    """Run every unanswered line of opts.input through llm; see the module docstring."""
+def answered_earlier(opts: JobOptions) -> JobSummary | None:
+    """Without a model: the summary of a job with no line left to run, or None when
+    some line is still to run. Nothing is left when every line is answered (by earlier
+    runs), bad (its error record is written here), or the input is empty; `note` then
+    says what was found. Raises batch_journal.InputMismatch when OUTPUT answers another
+    input. Reads the input up to its first runnable line."""
     start = time.monotonic()
+    check_input(opts.input, opts.output)
+    answers = Answers(opts.output, warn=False)  # the job warns, once per key
     summary = JobSummary()
-    err_path = errors_path(opts.output)
-    answers = Answers(opts.output)
-    if answers.done_ids or answers.lines:
-        logger.info(
-            "resuming: %d requests and %d error records already written",
-            len(answers.done_ids),
-            len(answers.lines),
-        )
-    out, errs = Appender(opts.output, opts.sync_every_s), Appender(err_path, opts.sync_every_s)
-    pending: dict[str, bf.Pending] = {}
-    engine = llm.engine
-    kv_before = _kv_counters(engine)
-    bar, counter = progress_bar(opts)
-
-    def fail(line: int, cid: str | None, error: Exception) -> None:
-        summary.failed += 1
-        message = str(error) or type(error).__name__
-        duplicate_of = getattr(error, "duplicate_of", None)
-        errs.write([bf.dumps(bf.error_line(line, cid, message, duplicate_of))])
-        if bar is not None:
-            bar.update(1)
-
-    def admit(line: int, raw: bytes | None) -> None:
+    bad: list[bytes] = []
+    total = 0
+    for line, raw in read_lines(opts.input):
+        total += 1
         item, error, cid = answers.read(line, raw)
         verdict = answers.earlier(line, item, cid)
         if verdict is not None:
-            summary.skipped += verdict == "done"
-            summary.failed_earlier += verdict == "failed"
-            if bar is not None:
-                bar.update(1)
-            return
-        if item is None:
-            return fail(line, cid, error)
+            answers.count(verdict, summary)
+        elif item is not None or len(bad) == MAX_BAD_LINES_HELD:
+            return None  # a line to run (or too many bad ones to hold: the job writes them)
+        else:
+            bad.append(error_record(line, error))
+    err_path = errors_path(opts.output)
+    if total == 0:
+        summary.note = "the input is empty"
+    elif bad:
+        errs = Appender(err_path, opts.sync_every_s)
         try:
-            ids, params = prepare_request(llm, item, opts)
-            engine.add_request(str(line), ids, params, validated=True)  # prepare_request ran it
-        except Exception as e:  # a bad line must never stop the job
-            return fail(line, cid, e)
-        pending[str(line)] = bf.Pending(line, cid, item.url, params.logprobs)
-
-    lines = read_lines(opts.input)
-    exhausted = False
-    try:
-        with Signals() as sig, fewer_full_collections():
-            while not sig.abandon:
-                while not (sig.stop or exhausted) and len(pending) < opts.max_in_flight:
-                    nxt = next(lines, None)
-                    exhausted = nxt is None
-                    if nxt is not None:
-                        admit(*nxt)
-                if not engine.has_unfinished:
-                    if exhausted or sig.stop:
-                        break
-                    continue
-                finished = engine.step()
-                errs.tick()
-                out.write(
-                    [_finish(pending.pop(r.request_id), r, opts, llm, summary) for r in finished]
-                )
-                if bar is not None:
-                    bar.update(len(finished))
-                    if bar.total is None and counter.total is not None:
-                        bar.total = counter.total
-                    elapsed = time.monotonic() - start
-                    bar.set_postfix_str(
-                        f"{summary.completion_tokens / elapsed:.0f} out tok/s", refresh=False
-                    )
-            summary.interrupted = sig.stop and not (exhausted and not pending)
-    finally:
-        lines.close()
-        if bar is not None:
-            bar.close()
-        try:  # both files are synced and closed, even when one fails (a full disk)
-            out.close()
+            errs.write(bad)
         finally:
             errs.close()
+        record_input(opts.input, opts.output)
+        summary.failed = len(bad)
+        earlier = total - len(bad)
+        summary.note = (
+            f"{total} lines, none runnable: {len(bad)} bad lines (error records in "
+            f"{err_path})" + (f", {earlier} answered by earlier runs" if earlier else "")
+        )
     summary.wall_s = time.monotonic() - start
-    kv = {k: v - kv_before[k] for k, v in _kv_counters(engine).items()}
-    summary.kv = kv if any(kv.values()) else {}
     return summary
+
+
+def error_record(line: int, error: bf.LineError, code: str = "invalid_request") -> bytes:
+    """The JSONL error record of an input line, with what the line had as custom_id and
+    the line's digest (both carried by `error`)."""
+    message = str(error) or type(error).__name__
+    duplicate_of = getattr(error, "duplicate_of", None)
+    record_id = getattr(error, "record_id", None)
+    digest = getattr(error, "digest", None)
+    return bf.dumps(bf.error_line(line, record_id, message, duplicate_of, digest, code))
+
+
+def run_batch_job(llm, opts: JobOptions) -> JobSummary:
+    """Run every unanswered line of opts.input through llm; see the module docstring.
+    Raises batch_journal.InputMismatch when OUTPUT answers another input."""
+    check_input(opts.input, opts.output)
+    return _Job(llm, opts).run()
+
+
+class _Job:
+    def __init__(self, llm, opts: JobOptions) -> None:
+        self.llm, self.opts, self.engine = llm, opts, llm.engine
+        self.summary = JobSummary()
+        self.answers = Answers(opts.output)
+        self.flight = InFlight(self.engine)
+        self.failed_alone = False  # a suspect failed alone in this process
+        self.dropped = 0  # lines taken out unfinished after a signal
+
+    def run(self) -> JobSummary:
+        opts, answers = self.opts, self.answers
+        start = time.monotonic()
+        if answers.done_ids or answers.lines:
+            logger.info(
+                "resuming: %d requests and %d error records already written",
+                len(answers.done_ids),
+                len(answers.lines),
+            )
+        record_input(opts.input, opts.output)
+        self.out = Appender(opts.output, opts.sync_every_s)
+        self.errs = Appender(errors_path(opts.output), opts.sync_every_s)
+        kv_before = _kv_counters(self.engine)
+        self.bar, self.counter = progress_bar(opts)
+        self.start = start
+        lines = read_lines(opts.input)
+        try:
+            with Signals(opts.grace_s) as sig, fewer_full_collections():
+                self._run_suspects(sig)
+                exhausted = self._main_loop(sig, lines)
+            s = self.summary
+            s.interrupted = sig.stop and not (
+                exhausted and not len(self.flight) and not self.dropped
+            )
+        finally:
+            lines.close()
+            if self.bar is not None:
+                self.bar.close()
+            try:  # both files are synced and closed, even when one fails (a full disk)
+                self.out.close()
+            finally:
+                self.errs.close()
+        self.summary.wall_s = time.monotonic() - start
+        kv = {k: v - kv_before[k] for k, v in _kv_counters(self.engine).items()}
+        self.summary.kv = kv if any(kv.values()) else {}
+        return self.summary
+
+    def _main_loop(self, sig: Signals, lines) -> bool:
+        """Admit, step and write until the input is done or a signal stops the job;
+        returns whether the input was read to its end."""
+        flight, exhausted, stopping = self.flight, False, False
+        while not sig.abandon:
+            if sig.stop:
+                if not stopping:
+                    stopping = True
+                    self._drop(flight.not_started(), "not started")
+                if time.monotonic() - sig.stopped_at >= self.opts.grace_s and len(flight):
+                    self._drop(flight.lines(), "still running after the grace period")
+                if not len(flight):
+                    break
+            while not (sig.stop or exhausted) and len(flight) < self.opts.max_in_flight:
+                nxt = next(lines, None)
+                exhausted = nxt is None
+                if nxt is not None:
+                    self._admit(*nxt)
+            if not self.engine.has_unfinished:
+                if exhausted or sig.stop:
+                    break
+                continue
+            self._step()
+        return exhausted
+
+    def _drop(self, pending: list[bf.Pending], why: str) -> None:
+        for p in pending:
+            self.flight.drop(p)
+        self.dropped += len(pending)
+        if pending:
+            logger.info("%d lines %s: dropped, they run on the rerun", len(pending), why)
+
+    def _step(self) -> None:
+        """One engine step: write the lines it finished, and fail the lines it failed for."""
+        try:
+            finished = self.engine.step()
+        except RequestsFailed as e:
+            for rid, error in e.errors.items():
+                pending = self.flight.pending_of(rid)
+                if pending is not None:
+                    self.flight.drop(pending)
+                    self._fail_pending(pending, f"the request failed inside the engine: {error}")
+            return
+        except Exception as e:  # names no request: note the lines in flight, stop
+            self._note_suspects(e)
+            raise
+        records = []
+        for req in finished:
+            pending = self.flight.finished(req)
+            if pending is not None:
+                records.append(self._finish(pending))
+        self.errs.tick()
+        self.out.write(records)
+        self._progress(len(records))
+
+    def _note_suspects(self, error: Exception) -> None:
+        suspects = {p.line: p.digest for p in self.flight.lines()}
+        if suspects:
+            write_suspects(self.opts.output, suspects, f"{type(error).__name__}: {error}")
+            logger.error(
+                "an engine step failed naming no request; the %d lines in flight are noted "
+                "in %s: the rerun runs each of them alone first",
+                len(suspects),
+                self.opts.output.name + ".suspects.json",
+            )
+
+    def _run_suspects(self, sig: Signals) -> None:
+        """Run each line an earlier run noted as in flight when a step failed naming no
+        request, alone: a line that fails alone gets an error record (the first in this
+        process; a second failure stops the job and leaves the rest noted)."""
+        left = read_suspects(self.opts.output)
+        if not left:
+            return
+        logger.warning(
+            "%d lines were in flight when an earlier run stopped on an engine error that "
+            "named no request: running each of them alone first",
+            len(left),
+        )
+        for line, raw in read_lines(self.opts.input):
+            if sig.stop or not left:
+                break
+            if line not in left:
+                continue
+            del left[line]
+            try:
+                item = bf.parse_line(raw, line) if raw is not None else None
+            except bf.LineError:
+                item = None  # its turn in the main pass writes its record
+            if item is None:
+                continue
+            item.digest = bf.line_digest(raw)
+            if self.answers.answered(line, item):
+                continue  # its turn in the main pass counts it
+            try:
+                self._run_alone(item)
+            except Exception:
+                left[line] = item.digest
+                write_suspects(self.opts.output, left, "stopped while running them alone")
+                raise
+            self.answers.this_run.add(line)
+        self.out.sync()
+        self.errs.sync()
+        if left and sig.stop:
+            write_suspects(self.opts.output, left, "interrupted while running them alone")
+        else:
+            clear_suspects(self.opts.output)
+
+    def _run_alone(self, item: bf.BatchItem) -> None:
+        if not self._add(item):
+            return
+        pending = self.flight.lines()[0]
+        try:
+            while len(self.flight):
+                self._step_alone()
+        except RequestsFailed as e:
+            self.flight.drop(pending)
+            self._fail_pending(pending, f"the request failed inside the engine: {e}")
+        except Exception as e:
+            if self.failed_alone:
+                raise  # the engine may be what is broken: a fresh process decides
+            self.failed_alone = True
+            self.flight.drop(pending)
+            self._fail_pending(
+                pending,
+                "the request failed inside the engine when run alone (it was in flight "
+                f"when an earlier run stopped on an error): {type(e).__name__}: {e}",
+            )
+
+    def _step_alone(self) -> None:
+        finished = self.engine.step()  # RequestsFailed too is this line's failure here
+        records = [r for r in map(self.flight.finished, finished) if r is not None]
+        self.out.write([self._finish(p) for p in records])
+        self._progress(len(records))
+
+    def _admit(self, line: int, raw: bytes | None) -> None:
+        item, error, cid = self.answers.read(line, raw)
+        verdict = self.answers.earlier(line, item, cid)
+        if verdict is not None:
+            self.answers.count(verdict, self.summary)
+            if verdict != "this run":
+                self._progress(1)
+            return
+        if item is None:
+            return self._fail(line, error)
+        self._add(item)
+
+    def _add(self, item: bf.BatchItem) -> bool:
+        """Put a line's requests in the engine; a line it refuses gets its record."""
+        try:
+            ids, params, children = prepare_line(self.llm, item, self.opts.defaults, self.opts.seed)
+            self.flight.add(item, ids, params, children)
+        except Exception as e:  # a bad line must never stop the job
+            error = e if isinstance(e, bf.LineError) else bf.LineError(str(e), item.custom_id)
+            error.digest = item.digest
+            self._fail(item.line, error)
+            return False
+        return True
+
+    def _fail(self, line: int, error: bf.LineError, code: str = "invalid_request") -> None:
+        self.summary.failed += 1
+        self.errs.write([error_record(line, error, code)])
+        self._progress(1)
+
+    def _fail_pending(self, p: bf.Pending, message: str) -> None:
+        error = bf.LineError(message, p.custom_id)
+        error.digest = p.digest
+        self._fail(p.line, error, "engine_error")
+
+    def _finish(self, p: bf.Pending) -> bytes:
+        s, reqs = self.summary, p.samples
+        s.succeeded += 1
+        s.prompt_tokens += len(reqs[0].prompt_token_ids)
+        s.completion_tokens += sum(len(r.output_token_ids) for r in reqs)
+        return bf.dumps(bf.output_line(p, self.opts.model_name, self.llm.tokenizer))
+
+    def _progress(self, done: int) -> None:
+        bar = self.bar
+        if bar is None or not done:
+            return
+        bar.update(done)
+        if bar.total is None and self.counter.total is not None:
+            bar.total = self.counter.total
+        elapsed = time.monotonic() - self.start
+        bar.set_postfix_str(
+            f"{self.summary.completion_tokens / elapsed:.0f} out tok/s", refresh=False
+        )
 
 
 def _kv_counters(engine) -> dict[str, int]:
@@ -275,26 +533,6 @@ def _kv_counters(engine) -> dict[str, int]:
     m = engine.metrics()
     keys = ("preemptions", "swaps_out", "recomputes", "host_prefix_hit_tokens")
     return {k: int(m.get(k, 0)) for k in keys}
-
-
-def prepare_request(llm, item: bf.BatchItem, opts: JobOptions):
-    """(prompt token ids, SamplingParams) of one item, checked by the engine; raises on
-    a line the engine refuses (the caller writes its error record)."""
-    defaults = opts.defaults
-    if opts.seed is not None:  # a seed from the custom_id: reruns sample the same tokens
-        digest = hashlib.blake2b(f"{opts.seed}:{item.custom_id}".encode(), digest_size=8)
-        defaults = {**defaults, "seed": int.from_bytes(digest.digest(), "little") >> 1}
-    params = bf.sampling_params(item.body, item.url, defaults)
-    ids = bf.encode(llm, item)
-    llm.engine.validate(ids, params, f"request {item.custom_id!r}")
-    return ids, params
-
-
-def _finish(p: bf.Pending, req, opts: JobOptions, llm, summary: JobSummary) -> bytes:
-    summary.succeeded += 1
-    summary.prompt_tokens += len(req.prompt_token_ids)
-    summary.completion_tokens += len(req.output_token_ids)
-    return bf.dumps(bf.output_line(p, req, opts.model_name, llm.tokenizer))
 
 
 def progress_bar(opts: JobOptions):

@@ -34,9 +34,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen.api import batch_file as bf
-from batchgen.api.batch_job import Answers, JobOptions, JobSummary, Signals, progress_bar
-from batchgen.api.batch_journal import Appender, errors_path, read_lines
+from batchgen.api.batch_job import (
+    Answers,
+    JobOptions,
+    JobSummary,
+    Signals,
+    error_record,
+    progress_bar,
+)
+from batchgen.api.batch_journal import (
+    Appender,
+    check_input,
+    errors_path,
+    read_lines,
+    record_input,
+)
 from batchgen.api.engine_pool import DataParallelUsageError, Engine, EnginePool, first_line
 from batchgen.api.shard_worker import Shard, ShardResult
 
@@ -117,6 +129,7 @@ class _Job:
     def run(self) -> JobSummary:
         start = time.monotonic()
         opts = self.opts
+        check_input(opts.input, opts.output)
         self.answers = Answers(opts.output)
         if self.answers.done_ids or self.answers.lines:
             logger.info(
@@ -124,6 +137,7 @@ class _Job:
                 len(self.answers.done_ids),
                 len(self.answers.lines),
             )
+        record_input(opts.input, opts.output)
         self.out = Appender(opts.output, opts.sync_every_s)
         self.errs = Appender(errors_path(opts.output), opts.sync_every_s)
         self.bar, _ = progress_bar(opts)
@@ -186,9 +200,7 @@ class _Job:
                     if self.bar is not None:
                         self.bar.update(1)
                 elif item is None:
-                    message = str(error) or type(error).__name__
-                    record = bf.error_line(line, cid, message, error.duplicate_of)
-                    errors.append((line, bf.dumps(record)))
+                    errors.append((line, error_record(line, error)))
                 else:
                     shard.items.append(item)
             if not shard.items and not errors:

@@ -13,7 +13,9 @@ Invariants:
 - Only the engine thread touches the engine; calls meet it through the inbox.
 - A ShardResult holds one record per item of its shard: an output line, or an error
   record for an item the engine refused; each list is sorted by input line.
-- After an error in the engine thread (a step, or writing a result) every shard in
+- A step that fails for some requests only (engine_core.RequestsFailed) gives their
+  lines error records and the rest go on.
+- After any other error in the engine thread (a step, or writing a result) every shard in
   flight, and every later one, fails with it; the driver replaces the worker and runs
   the shards elsewhere. The worker never returns a partial shard, and its calls never
   wait on a dead thread.
@@ -30,7 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.api import batch_file as bf
-from batchgen.api.batch_job import JobOptions, prepare_request
+from batchgen.api.batch_job import JobOptions, error_record
+from batchgen.api.batch_requests import InFlight, prepare_line
+from batchgen.engine.engine_core import RequestsFailed
 
 
 @dataclass
@@ -77,7 +81,8 @@ class ShardWorker:
         self.llm = LLM(model=model, **engine_kwargs)
         self.opts = opts
         self._inbox: queue.SimpleQueue[_ShardRun] = queue.SimpleQueue()
-        self._pending: dict[str, tuple[_ShardRun, bf.Pending]] = {}
+        self._flight = InFlight(self.llm.engine)
+        self._runs: dict[int, _ShardRun] = {}  # input line in flight -> its shard's run
         self._broken: BaseException | None = None
         threading.Thread(target=self._loop, name="batchgen-engine", daemon=True).start()
 
@@ -100,8 +105,8 @@ class ShardWorker:
                 self._step()
             except Exception as e:  # the engine's state is unknown: fail all, run no more
                 self._broken = e
-                runs = {id(r): r for r, _ in self._pending.values()}
-                self._pending.clear()
+                runs = {id(r): r for r in self._runs.values()}
+                self._runs.clear()
                 for r in runs.values():
                     r.finish(e)
 
@@ -118,8 +123,16 @@ class ShardWorker:
             except queue.Empty:
                 break
         if self._broken is None and engine.has_unfinished:
-            for req in engine.step():
-                self._record(req)
+            try:
+                finished = engine.step()
+            except RequestsFailed as e:
+                for rid, error in e.errors.items():
+                    self._fail(rid, error)
+                return
+            for req in finished:
+                pending = self._flight.finished(req)
+                if pending is not None:
+                    self._record(pending)
 
     def _admit(self, run: _ShardRun) -> None:
         if self._broken is not None:
@@ -131,30 +144,45 @@ class ShardWorker:
             raise
 
     def _add(self, run: _ShardRun) -> None:
+        opts = self.opts
         for item in run.shard.items:
             try:
-                ids, params = prepare_request(self.llm, item, self.opts)
-                self.llm.engine.add_request(str(item.line), ids, params)
+                ids, params, children = prepare_line(self.llm, item, opts.defaults, opts.seed)
+                self._flight.add(item, ids, params, children)
             except Exception as e:  # a bad line must never stop the job
-                message = str(e) or type(e).__name__
-                record = bf.error_line(item.line, item.custom_id, message)
-                run.result.errors.append((item.line, bf.dumps(record)))
+                self._error(run, item.line, item.custom_id, item.digest, str(e))
                 continue
-            pending = bf.Pending(item.line, item.custom_id, item.url, params.logprobs)
-            self._pending[str(item.line)] = (run, pending)
+            self._runs[item.line] = run
             run.left += 1
         if run.left == 0:
             run.finish()
 
-    def _record(self, req) -> None:
-        run, pending = self._pending[req.request_id]  # popped once its line is made
-        line = bf.output_line(pending, req, self.opts.model_name, self.llm.tokenizer)
-        record = bf.dumps(line)
-        del self._pending[req.request_id]
+    def _fail(self, rid: str, error: BaseException) -> None:
+        """A line whose request a step failed for: its record, the rest of it dropped."""
+        pending = self._flight.pending_of(rid)
+        if pending is None:
+            return
+        self._flight.drop(pending)
+        run = self._runs.pop(pending.line)
+        message = f"the request failed inside the engine: {error}"
+        self._error(run, pending.line, pending.custom_id, pending.digest, message, "engine_error")
+        run.left -= 1
+        if run.left == 0:
+            run.finish()
+
+    @staticmethod
+    def _error(run: _ShardRun, line: int, cid, digest, message: str, code="invalid_request"):
+        error = bf.LineError(message or "error", cid)
+        error.digest = digest
+        run.result.errors.append((line, error_record(line, error, code)))
+
+    def _record(self, pending: bf.Pending) -> None:
+        record = bf.dumps(bf.output_line(pending, self.opts.model_name, self.llm.tokenizer))
+        run = self._runs.pop(pending.line)  # popped once its line is made
         result = run.result
         result.outputs.append((pending.line, record))
-        result.prompt_tokens += len(req.prompt_token_ids)
-        result.completion_tokens += len(req.output_token_ids)
+        result.prompt_tokens += len(pending.samples[0].prompt_token_ids)
+        result.completion_tokens += sum(len(r.output_token_ids) for r in pending.samples)
         run.left -= 1
         if run.left == 0:
             run.finish()
