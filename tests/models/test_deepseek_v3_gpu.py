@@ -54,7 +54,9 @@ def test_graphs_match_eager_and_torch_backend_bf16(model_dir, n):
     (measured on an H200: the torch backend in bf16 against itself in float32 collapses
     7 of 48 rows of moe_kimi_like, 0 of q_lora). So both bf16 backends are judged
     against the float32 torch run, and the Triton one may collapse at most 2 rows more
-    than the torch one."""
+    than the torch one. That margin is judged at 48 rows alone: of 1 row it could never
+    fail, and of 7 hardly (3 rows more than torch's); the 1- and 7-row buckets are held
+    to the eager run, row for row."""
     prompts = _prompts(n)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
     kw = dict(model=model_dir, num_kv_pages=1024, max_num_batched_tokens=256, **KW)
@@ -63,14 +65,16 @@ def test_graphs_match_eager_and_torch_backend_bf16(model_dir, n):
         llm = LLM(**kw, **engine_kw)
         return _rows(llm, prompts, params), llm.engine.runner
 
-    ref32, _ = rows(dtype="float32", attention_backend="torch")
-    torch16, _ = rows(dtype="bfloat16", attention_backend="torch")
     eager, runner = rows(dtype="bfloat16", attention_backend="triton", enforce_eager=True)
     assert runner.graphs is None
     graphs, runner = rows(dtype="bfloat16", attention_backend="auto")
     assert runner.attention_backend == "triton" and runner.graphs is not None
     assert runner.graphs.graphs, "decode steps should have replayed graphs"
     assert _collapsed(graphs, eager) == 0
+    if n < 48:
+        return
+    ref32, _ = rows(dtype="float32", attention_backend="torch")
+    torch16, _ = rows(dtype="bfloat16", attention_backend="torch")
     assert _collapsed(graphs, ref32) <= _collapsed(torch16, ref32) + 2
 
 
