@@ -8,8 +8,10 @@ emits, so some requests stop on it)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +28,7 @@ from batchgen.layers.routed_experts import fused_experts
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models import registry
 from batchgen.models.deepseek_v3 import DeepseekV3ForCausalLM
-from batchgen.models.loader import build_model
+from batchgen.models.loader import ModelSource, build_model
 from batchgen.models.registry import check_tensor_parallel
 
 KW = dict(
@@ -174,15 +176,58 @@ def test_tp2_loads_fp8_weights_and_fused_experts_as_tp1_does(tmp_path):
     assert sum(len(t) for t, _, _ in got) >= 60
 
 
-def test_tp2_dummy_weights_generate(tmp_path):
-    save_tiny_deepseek(tmp_path, **CONFIGS["moe_dense_first"])
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, load_format="dummy", num_kv_pages=64, **KW)
-    try:
-        outs = llm.generate(_prompts(2), params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
-    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+def _checkpoint_of_dummy_shares(path: Path, size: int) -> dict[str, torch.Tensor]:
+    """The full checkpoint whose TP=1 load holds the weights that a TP=`size` engine draws
+    with load_format "dummy". Each rank's share is built as the engine builds it (the same
+    seed, dtype and parameter shapes); where each checkpoint element lands in that share
+    is found by loading a probe into a second share, each element's flat index as its
+    value. A replicated weight must come out the same on every rank."""
+    source = ModelSource.resolve(path)
+    config = source.load_config()
+    shapes = {n: t.shape for n, t in load_file(str(path / "model.safetensors")).items()}
+    full = {n: torch.full(s, float("nan")) for n, s in shapes.items()}
+    cpu, positions = torch.device("cpu"), KW["max_model_len"]
+    for rank in range(size):
+        tp = TPGroup(rank, size)
+        share = build_model(source, config, torch.float32, cpu, positions, "dummy", 0, tp=tp)
+        probe = build_model(source, config, torch.float32, cpu, positions, "dummy", 0, tp=tp)
+        drawn = dict(share.named_parameters())
+        names = {id(p): n for n, p in probe.named_parameters()}
+        for name, shape in shapes.items():
+            target = probe.checkpoint_target(name)
+            if target is None:
+                continue
+            module, param, shard = target
+            p = getattr(module, param)
+            index = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+            with torch.no_grad():
+                p.fill_(-1.0)
+                if hasattr(module, "load"):
+                    module.load(param, index, shard)
+                else:
+                    p.copy_(index)
+            held = p.detach() >= 0
+            at, values = p.detach()[held].long(), drawn[names[id(p)]].detach()[held]
+            flat = full[name].view(-1)
+            earlier = ~flat[at].isnan()
+            assert torch.equal(flat[at][earlier], values[earlier]), f"{name}: ranks differ"
+            flat[at] = values
+    assert not [n for n, t in full.items() if t.isnan().any()], "elements no rank holds"
+    return full
+
+
+def test_tp2_dummy_weights_generate_as_tp1_on_the_checkpoint_they_make(tmp_path):
+    """load_format "dummy" at TP=2: the ranks draw their shares apart (see build_model),
+    so TP=1 is run on the full checkpoint those shares make up: the same greedy tokens,
+    finish reasons and logprobs."""
+    model, full = tmp_path / "model", tmp_path / "full"
+    save_tiny_deepseek(model, **CONFIGS["moe_dense_first"])
+    shutil.copytree(model, full)
+    save_file(_checkpoint_of_dummy_shares(model, 2), str(full / "model.safetensors"))
+    want, _ = _generate(str(full), num_kv_pages=64)
+    got, _ = _generate(str(model), num_kv_pages=64, tensor_parallel_size=2, load_format="dummy")
+    _assert_same(got, want)
+    assert sum(len(t) for t, _, _ in got) >= 60  # tens of decode steps
 
 
 def _random_moe(config) -> DeepseekV3MoE:
