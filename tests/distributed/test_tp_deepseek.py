@@ -1,9 +1,10 @@
 """DeepSeek-V3 at tensor_parallel_size=2 (this process rank 0, one spawned gloo worker)
 against tensor_parallel_size=1 on tiny random checkpoints: MLA heads split over a
 replicated latent cache, routed experts in one block per rank. The same greedy tokens and
-finish reasons, logprobs within 1e-4, through chunked prefills of a few pages and tens of
-decode steps, the engine's defaults otherwise (the checkpoint's EOS is a token the model
-emits, so some requests stop on it)."""
+finish reasons, logprobs within 1e-4 (every request asks for one, so decode is not
+pipelined), through chunked prefills of a few pages and tens of decode steps, the engine's
+defaults otherwise (the checkpoint's EOS is a token the model emits, so some requests stop
+on it)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Kimi Linear (KDA + NoPE MLA + MoE) at tensor_parallel_size=2 (this process rank 0, one
 spawned gloo worker) against tensor_parallel_size=1 on a tiny random checkpoint: KDA and
 MLA heads split, experts in one block per rank, each rank's state slots holding its KDA
-heads. The same greedy tokens, logprobs within 1e-4, in the engine's defaults (EOS may
-end a request, chunked prefills across the KDA chunk size); then with the host tier
-forcing swaps of pages and state slots and state checkpoints serving prefix hits, the
-worker replaying every copy on its own shard."""
+heads. The same greedy tokens and logprobs within 1e-4 (every request asks for one, so
+decode is not pipelined), the engine's defaults otherwise (EOS may end a request,
+chunked prefills across the KDA chunk size); then with the host tier forcing swaps of
+pages and state slots and state checkpoints serving prefix hits (batchgen_debug reading
+each copy back), the worker replaying every copy on its own shard."""
 
 from __future__ import annotations
 
