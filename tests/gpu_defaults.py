@@ -69,8 +69,3 @@ def collapsed_rows(llm, prompts, outs, ref, eos_ids) -> list[int]:
         ):
             bad.append(p)
     return bad
-
-
-def completions(llm, prompts, params) -> list:
-    """Each prompt's first CompletionOutput."""
-    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -15,8 +15,9 @@ import random
 import pytest
 import torch
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
-from gpu_defaults import GPU, PathSeen, collapsed_rows, completions
+from gpu_defaults import GPU, PathSeen, collapsed_rows
 from kimi_checkpoints import save_tiny_kimi
+from parity import completions
 from penalty_reference import emitted_eos, set_eos
 
 from batchgen import LLM, SamplingParams

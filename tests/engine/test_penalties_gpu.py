@@ -19,7 +19,8 @@ import random
 import pytest
 import torch
 from conftest import save_tiny_model
-from gpu_defaults import GPU, PathSeen, completions
+from gpu_defaults import GPU, PathSeen
+from parity import completions
 from penalty_reference import cut_at, emitted_eos, penalized_greedy, penalized_top5, set_eos
 
 from batchgen import LLM, SamplingParams

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_defaults import GPU, PathSeen, collapsed_rows, completions
+from gpu_defaults import GPU, PathSeen, collapsed_rows
+from parity import completions
 from prompts import QUESTIONS
 
 from batchgen import LLM, SamplingParams

@@ -17,7 +17,8 @@ import random
 
 import pytest
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
-from gpu_defaults import GPU, PathSeen, collapsed_rows, completions
+from gpu_defaults import GPU, PathSeen, collapsed_rows
+from parity import completions
 from penalty_reference import emitted_eos, set_eos
 
 from batchgen import LLM, SamplingParams

@@ -14,8 +14,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from gpu_defaults import GPU, PathSeen, collapsed_rows, completions
+from gpu_defaults import GPU, PathSeen, collapsed_rows
 from kimi_checkpoints import save_tiny_kimi
+from parity import completions
 from penalty_reference import emitted_eos, set_eos
 
 from batchgen import LLM, SamplingParams
