@@ -33,13 +33,11 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from batchgen.api import batch_file as bf
 from batchgen.api.batch_journal import (
-    MAX_LINE_BYTES,
     Appender,
     check_input,
     clear_suspects,
@@ -48,69 +46,28 @@ from batchgen.api.batch_journal import (
     read_lines,
     read_suspects,
     record_input,
-    scan_answered,
-    scan_errors,
     write_suspects,
 )
 from batchgen.api.batch_requests import InFlight, prepare_line
+from batchgen.api.batch_resume import Answers, answered_earlier, error_record
+from batchgen.api.batch_summary import JobOptions, JobSummary
 from batchgen.engine.engine_core import RequestsFailed
 from batchgen.engine.memory import fewer_full_collections
 
+# what a job's callers and drivers import from here (the CLI, data_parallel, shard_worker)
+__all__ = [
+    "Answers",
+    "JobOptions",
+    "JobSummary",
+    "Signals",
+    "answered_earlier",
+    "error_record",
+    "errors_path",
+    "progress_bar",
+    "run_batch_job",
+]
+
 logger = logging.getLogger(__name__)
-
-# bad lines answered_earlier holds, at most, to write itself when no line is runnable
-MAX_BAD_LINES_HELD = 4096
-
-
-@dataclass
-class JobOptions:
-    input: Path
-    output: Path
-    model_name: str
-    defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword defaults
-    seed: int = 0  # with each line's custom_id and sample index, the seed of unseeded lines
-    max_in_flight: int = 64  # engine requests (a line of n samples counts n)
-    progress: bool = True
-    sync_every_s: float = 2.0
-    grace_s: float = 10.0  # after a first SIGINT/SIGTERM, for the running requests
-
-
-@dataclass
-class JobSummary:
-    succeeded: int = 0
-    failed: int = 0
-    skipped: int = 0  # answered by an earlier run (success)
-    failed_earlier: int = 0  # answered by an earlier run (error record)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    wall_s: float = 0.0
-    interrupted: bool = False
-    # the engine's preemptions over the job: swapped (host tier) or recomputed, and the
-    # prompt tokens the host tier served; empty when nothing was preempted or loaded
-    kv: dict[str, int] = field(default_factory=dict)
-    # answered_earlier: what it found when no line was left to run, said plainly ("the
-    # input is empty", "3 lines, none runnable: ..."); "" when every line had its answer
-    note: str = ""
-
-    def describe(self, errors_path: Path) -> str:
-        rate = self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
-        failed = f"{self.failed} failed"
-        if self.failed_earlier:
-            failed += f" (+{self.failed_earlier} in earlier runs)"
-        text = (
-            f"{self.succeeded} succeeded, {failed}, {self.skipped} skipped as already done;"
-            f" tokens in {self.prompt_tokens}, out {self.completion_tokens};"
-            f" {self.wall_s:.1f} s, {rate:.1f} output tok/s"
-        )
-        if self.kv:
-            text += (
-                f"; KV: {self.kv['preemptions']} preemptions ({self.kv['swaps_out']} swapped "
-                f"to host, {self.kv['recomputes']} recomputed), "
-                f"{self.kv['host_prefix_hit_tokens']} prompt tokens loaded from host"
-            )
-        if self.failed or self.failed_earlier:
-            text += f"; error records in {errors_path}"
-        return text
 
 
 class _LineCounter(threading.Thread):
@@ -159,132 +116,6 @@ class Signals:
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-class Answers:
-    """What earlier runs answered (custom_ids in OUTPUT, line numbers in the errors file
-    with the digest of the line each record answers, after the resume scan's repair) and
-    the custom_ids read so far with their first line; decides, line by line, which
-    input lines an earlier run already answered."""
-
-    def __init__(self, output: Path, warn: bool = True) -> None:
-        self.done_ids: set[str] = scan_answered(output, "custom_id")
-        self.lines: dict[int, str | None] = scan_errors(errors_path(output))
-        self.seen: dict[str, int] = {}  # custom_id -> the first line that has it
-        self.this_run: set[int] = set()  # lines this run answered before reading them
-        self._warned: set[str] = set()
-        self._warn = warn
-
-    def read(self, line: int, raw: bytes | None):
-        """(item, error, custom_id) of one input line; a repeated custom_id is an error.
-        Both item and error carry the line's digest. A body key OpenAI accepts that
-        batchgen ignores is logged the first time a line has it."""
-        item, error = None, None
-        digest = bf.line_digest(raw) if raw is not None else None
-        try:
-            if raw is None:
-                raise bf.LineError(f"the line is longer than {MAX_LINE_BYTES} bytes")
-            item = bf.parse_line(raw, line)
-        except bf.LineError as e:
-            error = e
-        cid = item.custom_id if item is not None else error.custom_id
-        if cid is not None and line not in self.this_run:
-            if cid in self.seen:
-                item, error = None, bf.duplicate_error(cid, self.seen[cid])
-            else:
-                self.seen[cid] = line
-        if item is not None:
-            item.digest = digest
-            for key in item.ignored if self._warn else ():
-                if key not in self._warned:
-                    self._warned.add(key)
-                    logger.warning(
-                        "body.%s (first on line %d) is ignored: batchgen accepts it as "
-                        "OpenAI does but it changes nothing here",
-                        key,
-                        line,
-                    )
-        else:
-            error.digest = digest
-        return item, error, cid
-
-    def earlier(self, line: int, item, cid: str | None) -> str | None:
-        """How an earlier run answered this line: "failed", "done", "this run" (the
-        run answered it before its turn: a suspect run alone), or None (not yet). An
-        error record answers the line only while the line's text is what it answered."""
-        if line in self.this_run:
-            return "this run"
-        if line in self.lines:
-            recorded = self.lines[line]
-            digest = item.digest if item is not None else None
-            if recorded is None or digest is None or recorded == digest:
-                return "failed"
-        if item is not None and cid in self.done_ids:
-            self.done_ids.discard(cid)
-            return "done"
-        return None
-
-    def answered(self, line: int, item: bf.BatchItem) -> bool:
-        """Whether an earlier run answered this line (earlier() without counting it)."""
-        recorded = self.lines.get(line, "")
-        failed = line in self.lines and recorded in (None, item.digest)
-        return failed or item.custom_id in self.done_ids
-
-    def count(self, verdict: str, summary: JobSummary) -> None:
-        summary.skipped += verdict == "done"
-        summary.failed_earlier += verdict == "failed"
-
-
-def answered_earlier(opts: JobOptions) -> JobSummary | None:
-    """Without a model: the summary of a job with no line left to run, or None when
-    some line is still to run. Nothing is left when every line is answered (by earlier
-    runs), bad (its error record is written here), or the input is empty; `note` then
-    says what was found. Raises batch_journal.InputMismatch when OUTPUT answers another
-    input. Reads the input up to its first runnable line."""
-    start = time.monotonic()
-    check_input(opts.input, opts.output)
-    answers = Answers(opts.output, warn=False)  # the job warns, once per key
-    summary = JobSummary()
-    bad: list[bytes] = []
-    total = 0
-    for line, raw in read_lines(opts.input):
-        total += 1
-        item, error, cid = answers.read(line, raw)
-        verdict = answers.earlier(line, item, cid)
-        if verdict is not None:
-            answers.count(verdict, summary)
-        elif item is not None or len(bad) == MAX_BAD_LINES_HELD:
-            return None  # a line to run (or too many bad ones to hold: the job writes them)
-        else:
-            bad.append(error_record(line, error))
-    err_path = errors_path(opts.output)
-    if total == 0:
-        summary.note = "the input is empty"
-    elif bad:
-        errs = Appender(err_path, opts.sync_every_s)
-        try:
-            errs.write(bad)
-        finally:
-            errs.close()
-        record_input(opts.input, opts.output)
-        summary.failed = len(bad)
-        earlier = total - len(bad)
-        summary.note = (
-            f"{total} lines, none runnable: {len(bad)} bad lines (error records in "
-            f"{err_path})" + (f", {earlier} answered by earlier runs" if earlier else "")
-        )
-    summary.wall_s = time.monotonic() - start
-    return summary
-
-
-def error_record(line: int, error: bf.LineError, code: str = "invalid_request") -> bytes:
-    """The JSONL error record of an input line, with what the line had as custom_id and
-    the line's digest (both carried by `error`)."""
-    message = str(error) or type(error).__name__
-    duplicate_of = getattr(error, "duplicate_of", None)
-    record_id = getattr(error, "record_id", None)
-    digest = getattr(error, "digest", None)
-    return bf.dumps(bf.error_line(line, record_id, message, duplicate_of, digest, code))
 
 
 def run_batch_job(llm, opts: JobOptions) -> JobSummary:
