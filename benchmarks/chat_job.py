@@ -1,0 +1,199 @@
+"""W7 `chat-job`: a user's job end to end, `batchgen run` beside `LLM.chat` (BENCHMARKS.md).
+
+    PYTHONPATH=src python3 benchmarks/chat_job.py --out DIR                 # 8,192 requests
+    PYTHONPATH=src python3 benchmarks/chat_job.py --requests 48 --device cpu --out DIR
+
+The default model (its real weights), N chat requests {"role": "user", "content": "Write
+about {topic} in the style of entry {i}."} (12 topics), max_tokens 64 + (i % 8) * 24, no
+temperature (OpenAI's default, 1.0) and no seed, written as an OpenAI batch file. Runs, in
+one process, each on an engine of its own built with the same settings:
+
+1. `batchgen run FILE -o OUT` (the command's main() in process): wall time from the call
+   to its return, model load included (run 2's build_s is about what the load costs).
+2. `LLM.chat` on the same conversations, each with the SamplingParams the job gives its
+   line (batch_requests.prepare_line: the seed derived from the run's seed 0, the
+   custom_id and the sample index): how many of the N answers equal the job's line for that custom_id, text
+   and finish reason.
+3. The same requests greedy (temperature 0) through `LLM.chat`: the sampled job beside
+   greedy on the same engine settings.
+
+The job admits a bounded window of lines (4 x max_num_seqs) while LLM.chat adds every
+request at once, so with the default prefix-first admission the two may batch rows
+differently; a row whose batch differs can round differently and, once sampled or at a
+near-tie, take another token. `--admission arrival` makes both admit in input order.
+Prints a JSON summary and writes chat_job.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+TOPICS = (
+    "the sea",
+    "a mountain village",
+    "trains",
+    "the history of bread",
+    "honeybees",
+    "a rainy city",
+    "chess",
+    "the moon",
+    "old maps",
+    "a lighthouse keeper",
+    "desert plants",
+    "jazz",
+)
+
+
+def batch_lines(n: int) -> list[dict]:
+    """W7's requests as OpenAI batch lines."""
+    return [
+        {
+            "custom_id": f"entry-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": f"Write about {TOPICS[i % len(TOPICS)]} in the style of "
+                        f"entry {i}.",
+                    }
+                ],
+                "max_tokens": 64 + (i % 8) * 24,
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def engine_kwargs(args) -> dict:
+    kw = dict(device=args.device, admission=args.admission)
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
+    return kw
+
+
+def run_job(args, path: Path, out: Path) -> dict:
+    """`batchgen run` in process; its summary read back from the output file."""
+    from batchgen.api import cli
+
+    argv = ["run", str(path), "-o", str(out), "--device", args.device, "--quiet"]
+    if args.max_num_seqs:
+        argv += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.admission != "prefix":
+        return {"skipped": "batchgen run has no --admission flag"}
+    start = time.perf_counter()
+    code = cli.main(argv)
+    wall = time.perf_counter() - start
+    answers = read_answers(out)
+    tokens = sum(a["completion_tokens"] for a in answers.values())
+    return {"exit_code": code, "wall_s": round(wall, 2), "lines": len(answers), "tokens": tokens}
+
+
+def read_answers(out: Path) -> dict[str, dict]:
+    answers = {}
+    for raw in out.read_text(encoding="utf-8").splitlines():
+        line = json.loads(raw)
+        body = line["response"]["body"]
+        choice = body["choices"][0]
+        answers[line["custom_id"]] = {
+            "text": choice["message"]["content"],
+            "finish_reason": choice["finish_reason"],
+            "completion_tokens": body["usage"]["completion_tokens"],
+        }
+    return answers
+
+
+def job_params(llm, lines: list[dict]):
+    """(conversations, SamplingParams) as `batchgen run` makes them for each line with its
+    defaults (--temperature 1.0, --top-p 1.0, --seed 0)."""
+    from batchgen.api import batch_file as bf
+    from batchgen.api.batch_requests import prepare_line
+
+    defaults = {"max_tokens": None, "temperature": 1.0, "top_p": 1.0}
+    conversations, params = [], []
+    for number, line in enumerate(lines, start=1):
+        item = bf.parse_line(json.dumps(line).encode(), number)
+        _, _, (child,) = prepare_line(llm, item, defaults, 0)
+        conversations.append(item.body["messages"])
+        params.append(child)
+    return conversations, params
+
+
+def run_chat(args, lines: list[dict], greedy: bool) -> tuple[dict, dict[str, dict]]:
+    from dataclasses import replace
+
+    from batchgen import LLM
+
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    build_s = time.perf_counter() - start
+    try:
+        conversations, params = job_params(llm, lines)
+        if greedy:
+            params = [replace(p, temperature=0.0) for p in params]
+        start = time.perf_counter()
+        outs = llm.chat(conversations, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    finally:
+        llm.engine.shutdown()
+    answers = {
+        line["custom_id"]: {
+            "text": o.outputs[0].text,
+            "finish_reason": o.outputs[0].finish_reason,
+            "completion_tokens": len(o.outputs[0].token_ids),
+        }
+        for line, o in zip(lines, outs, strict=True)
+    }
+    tokens = sum(a["completion_tokens"] for a in answers.values())
+    run = {"build_s": round(build_s, 2), "wall_s": round(wall, 2), "tokens": tokens}
+    return {**run, "tok_s": round(tokens / wall, 1)}, answers
+
+
+def compare(job: dict[str, dict], chat: dict[str, dict]) -> dict:
+    same_text = sum(job.get(k, {}).get("text") == v["text"] for k, v in chat.items())
+    same = sum(job.get(k) == v for k, v in chat.items())
+    return {"requests": len(chat), "same_text": same_text, "same_text_and_finish": same}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=8192)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--admission", default="prefix", choices=["prefix", "arrival"])
+    ap.add_argument("--skip-greedy", action="store_true")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = batch_lines(args.requests)
+    path = args.out / "chat_job.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    out = args.out / "chat_job.out.jsonl"
+    for stale in (out, Path(f"{out}.errors.jsonl")):
+        stale.unlink(missing_ok=True)
+    result: dict = {"requests": args.requests, "admission": args.admission}
+    result["batchgen_run"] = run_job(args, path, out)
+    result["chat_sampled"], chat = run_chat(args, lines, greedy=False)
+    if "skipped" not in result["batchgen_run"]:
+        result["batchgen_run"]["tok_s"] = round(
+            result["batchgen_run"]["tokens"] / result["batchgen_run"]["wall_s"], 1
+        )
+        result["run_vs_chat"] = compare(read_answers(out), chat)
+    if not args.skip_greedy:
+        result["chat_greedy"], _ = run_chat(args, lines, greedy=True)
+        result["sampled_vs_greedy"] = round(
+            result["chat_sampled"]["tok_s"] / result["chat_greedy"]["tok_s"], 3
+        )
+    (args.out / "chat_job.json").write_text(json.dumps(result, indent=2) + "\n")
+    json.dump(result, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
