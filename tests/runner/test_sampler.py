@@ -10,7 +10,6 @@ from batchgen.runner.sampler import (
     SamplingMetadata,
     apply_penalties,
     request_seed,
-    step_seed,
 )
 from batchgen.sampling_params import SamplingParams
 
@@ -18,16 +17,18 @@ CPU = torch.device("cpu")
 EOS = 2
 
 
-def build(params, logits_or_vocab, outputs=None, prompts=None, eos=(EOS,)):
+def build(params, logits_or_vocab, outputs=None, prompts=None, eos=(EOS,), generator=None):
     vocab = logits_or_vocab if isinstance(logits_or_vocab, int) else logits_or_vocab.shape[1]
     n = len(params)
     outputs = outputs if outputs is not None else [[] for _ in range(n)]
     prompts = prompts if prompts is not None else [[] for _ in range(n)]
-    return SamplingMetadata.build(params, prompts, outputs, vocab, CPU, list(eos))
+    return SamplingMetadata.build(
+        params, prompts, outputs, vocab, CPU, list(eos), generator=generator
+    )
 
 
 def sample(params, logits, **kw):
-    return Sampler(kw.pop("generator", None))(logits, build(params, logits, **kw))
+    return Sampler()(logits, build(params, logits, **kw))
 
 
 def test_greedy_equals_argmax_and_skips_rng():
@@ -239,24 +240,29 @@ def test_different_seeds_and_steps_differ():
     assert len(set(draws[1])) > 40  # the step changes the noise
     again = sample([SamplingParams(seed=1)], logits, outputs=[[0] * 7]).sampled_token_ids
     assert int(again) == draws[1][7]
-    assert step_seed(1, 0) != step_seed(2, 0) and step_seed(1, 0) != step_seed(1, 1)
-    assert 0 <= step_seed(-5, 3) < 2**63
 
 
 def test_seeds_override_params_seed():
     """The engine's per-request seeds: an unseeded row given a seed samples as a row
-    seeded with it, and a row given None draws from the shared generator."""
+    seeded with it, and a row given None gets a seed from the build's generator."""
     vocab = 1000
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
     outputs = [[0] * 4, [0] * 9, []]
     params = [SamplingParams(), SamplingParams(seed=5, top_k=50), SamplingParams()]
     seeded = [SamplingParams(seed=77), SamplingParams(seed=78, top_k=50), SamplingParams()]
     given = SamplingMetadata.build(
-        params, [[]] * 3, outputs, vocab, CPU, [EOS], seeds=[77, 78, None]
+        params,
+        [[]] * 3,
+        outputs,
+        vocab,
+        CPU,
+        [EOS],
+        seeds=[77, 78, None],
+        generator=torch.Generator().manual_seed(3),
     )
-    assert given.generators[2] is None
-    a = Sampler(torch.Generator().manual_seed(3))(logits, given).sampled_token_ids
-    b = Sampler(torch.Generator().manual_seed(3))(logits, build(seeded, logits, outputs=outputs))
+    assert given.seeds[:2].tolist() == [77, 78]
+    a = Sampler()(logits, given).sampled_token_ids
+    b = sample(seeded, logits, outputs=outputs, generator=torch.Generator().manual_seed(3))
     assert a.tolist() == b.sampled_token_ids.tolist()
     assert len({request_seed(0, i) for i in range(100)} | {request_seed(1, 0)}) == 101
     assert all(0 <= request_seed(s, 3) < 2**63 for s in (-1, 0, 2**70))
@@ -286,7 +292,7 @@ def test_tiny_temperature_is_greedy_and_build_shapes():
     assert meta.temperature.tolist() == [0.0, 1.0]
     assert meta.top_k.tolist() == [0, 0]  # greedy row and k >= vocab disable top_k
     assert meta.top_k.dtype == torch.int64 and meta.temperature.dtype == torch.float32
-    assert meta.generators == [None, None] and not meta.use_top_k
+    assert not meta.use_top_k and meta.max_top_k == 0
     assert math.isclose(float(meta.top_p[1]), 1.0)
 
 

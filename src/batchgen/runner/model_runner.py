@@ -69,8 +69,9 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.graphs = graphs
         self.split_plan = split_plan
-        # rows without a seed draw from this generator (the engine seeds every request)
-        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        # rows without a seed get one drawn from this generator (the engine seeds every
+        # request); the noise itself is a hash of (seed, step, token) on the device
+        self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.page_rows = PageRows(max_num_seqs, max_pages)
         self.stage = HostStaging(device)
         # structured outputs: the engine's StructuredOutputs once a request uses one
@@ -432,6 +433,7 @@ class ModelRunner:
             self.eos_token_ids,
             steps=steps,
             seeds=[r.seed for r in reqs],
+            generator=self.sampler.generator,
         )
 
     def _sample(self, logits: torch.Tensor, sampled) -> ModelRunnerOutput:

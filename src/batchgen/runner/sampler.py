@@ -6,14 +6,20 @@ Per step the runner calls ``SamplingMetadata.build`` (host lists -> device tenso
     raw logits --log_softmax--> logprobs, ranks, top-k logprobs (what is reported)
         |
         +-> min_tokens block -> penalties (repetition, frequency, presence)
-              +-> argmax                                      (greedy rows)
-              +-> / temperature -> min_p -> top_k -> top_p
-                    -> softmax -> argmax(probs / Exponential(1))   (sampled rows)
+              +-> argmax                                        (greedy rows)
+              +-> cut: min_p -> top_k -> top_p, each a threshold on the row's logits
+                    -> argmax(x / T + Gumbel) over x >= cut         (sampled rows)
 
-Invariant: the noise of a seeded row depends only on (seed, tokens generated so far) and
-the vocabulary size, never on the other rows of the batch. The engine gives every request
-a seed (its own, or `request_seed(engine seed, arrival index)`), so no row's draws depend
-on what else is in the batch or on a row a pipelined step discards.
+The last line is one launch for the whole batch (`kernels.sampling.sample_tokens`; on
+the CPU its torch reference, the same noise): greedy rows take the argmax there too, and
+the sample is an exact draw from softmax(x / T) renormalised over the kept tokens.
+
+Invariant: the noise of a row is a counter-based hash of (its seed, its position = the
+tokens it has generated so far, the token id), computed on the device from tensors:
+never from the other rows of the batch, the row's place in it, a generator's state, or a
+step a pipelined decode discards. The engine gives every request a seed (its own, or
+`request_seed(engine seed, arrival index)`); a row built without one gets a seed drawn
+on the host (``SamplingMetadata.build(..., generator=)``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.forward_context import to_device
+from batchgen.kernels.sampling import sample_tokens, sample_tokens_reference
+from batchgen.kernels.sampling_cut import top_p_cut, top_p_cut_reference
 from batchgen.sampling_params import SamplingParams
 
 # Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
@@ -38,16 +46,16 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def step_seed(seed: int, step: int) -> int:
-    """Seed of a seeded row's generator at ``step`` (tokens already generated): a 63-bit
-    mix of both, so neighbouring seeds or steps give unrelated noise streams."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) >> 1
+def _as_int64(seed: int) -> int:
+    """A seed as the int64 whose bits are seed mod 2^64 (what the noise hash reads)."""
+    seed &= _MASK64
+    return seed - (1 << 64) if seed >> 63 else seed
 
 
 def request_seed(engine_seed: int, index: int) -> int:
     """Seed of the ``index``-th request an engine seeded with ``engine_seed`` takes that has
     no seed of its own: a 63-bit mix of both, apart from the seeds users give (it is
-    derived once per request; ``step_seed`` then mixes in the step)."""
+    derived once per request; the noise hash then mixes in the step)."""
     return _splitmix64(_splitmix64((engine_seed & _MASK64) ^ 0x5EED5EED5EED5EED) ^ index) >> 1
 
 
@@ -63,7 +71,8 @@ class SamplingMetadata:
     top_k: torch.Tensor  # [B] int64, 0 = disabled
     min_p: torch.Tensor  # [B] float32
     all_greedy: bool
-    generators: list[torch.Generator | None]  # per row; None = the shared generator
+    seeds: torch.Tensor  # [B] int64: each row's noise seed (two's complement of seed mod 2^64)
+    positions: torch.Tensor  # [B] int64: each row's tokens generated so far (the noise step)
     max_logprobs: int  # max over rows of params.logprobs (0 if none asked)
     presence_penalty: torch.Tensor | None  # [B]; the penalty fields are None when no row
     frequency_penalty: torch.Tensor | None  # [B]  of the batch uses any penalty
@@ -71,6 +80,7 @@ class SamplingMetadata:
     output_token_counts: torch.Tensor | None  # [B, V] int32 counts of the row's output tokens
     prompt_token_mask: torch.Tensor | None  # [B, V] bool: token appears in the row's prompt
     min_tokens_block: list[tuple[int, list[int]]]  # (row, ids to forbid) under min_tokens
+    max_top_k: int = 0  # the largest top_k of the batch (the topk taken for all rows)
     use_top_k: bool = True
     use_top_p: bool = True
     use_min_p: bool = True
@@ -87,6 +97,7 @@ class SamplingMetadata:
         eos_token_ids: list[int],
         steps: list[int] | None = None,
         seeds: list[int | None] | None = None,
+        generator: torch.Generator | None = None,
     ) -> SamplingMetadata:
         """Gather the batch's parameters into tensors on ``device``.
 
@@ -94,8 +105,9 @@ class SamplingMetadata:
         index used for seeded noise and for ``min_tokens``, unless ``steps`` gives it
         (a pipelined step: tokens sampled but not yet on the host count). ``seeds``, when
         given, replaces each row's ``params.seed`` (the engine's per-request seeds); a
-        sampled row with no seed draws from the Sampler's shared generator. Prompt and
-        output token ids are only read for rows that use a penalty.
+        sampled row with no seed gets one drawn from ``generator`` (a CPU generator;
+        None: torch's default one). Prompt and output token ids are only read for rows
+        that use a penalty.
         """
         device = torch.device(device)
         n = len(params)
@@ -123,26 +135,33 @@ class SamplingMetadata:
             outs = [(i, output_token_ids[i]) for i in penalised]
             rep = [(i, prompt_token_ids[i]) for i in penalised if params[i].repetition_penalty != 1]
             counts, prompt_mask = _token_stats(n, vocab_size, device, outs, rep)
-        generators: list[torch.Generator | None] = [None] * n
+        positions: list[int] = []
+        row_seeds: list[int | None] = []
         min_tokens_block: list[tuple[int, list[int]]] = []
         for i, p in enumerate(params):
             step = len(output_token_ids[i]) if steps is None else steps[i]
-            seed = p.seed if seeds is None else seeds[i]
-            if seed is not None and not greedy[i]:
-                generators[i] = torch.Generator(device=device)
-                generators[i].manual_seed(step_seed(seed, step))
+            positions.append(step)
+            row_seeds.append(p.seed if seeds is None else seeds[i])
             if step < p.min_tokens:
                 ids = ([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)
                 ids = sorted({t for t in ids if 0 <= t < vocab_size})
                 if ids:
                     min_tokens_block.append((i, ids))
+        unseeded = [i for i, s in enumerate(row_seeds) if s is None and not greedy[i]]
+        if unseeded:
+            drawn = torch.randint(0, 2**62, (len(unseeded),), generator=generator).tolist()
+            for i, s in zip(unseeded, drawn):
+                row_seeds[i] = s
+        ints = [[_as_int64(s or 0) for s in row_seeds], positions]
+        ints = to_device(torch.tensor(ints, dtype=torch.int64).view(2, n), device)
         return cls(
             temperature=packed[0],
             top_p=packed[1],
             top_k=packed[3].to(torch.int64),
             min_p=packed[2],
             all_greedy=all(greedy),
-            generators=generators,
+            seeds=ints[0],
+            positions=ints[1],
             max_logprobs=max((p.logprobs or 0 for p in params), default=0),
             presence_penalty=presence,
             frequency_penalty=frequency,
@@ -150,6 +169,7 @@ class SamplingMetadata:
             output_token_counts=counts,
             prompt_token_mask=prompt_mask,
             min_tokens_block=min_tokens_block,
+            max_top_k=max((int(r[3]) for r in rows), default=0),
             use_top_k=any(r[3] > 0 for r in rows),
             use_top_p=any(r[1] < 1.0 for r in rows),
             use_min_p=any(r[2] > 0.0 for r in rows),
@@ -238,79 +258,68 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return logits
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (in place) tokens whose probability is below min_p * the row's top probability.
+def filter_cut(x: torch.Tensor, meta: SamplingMetadata, kernels: bool) -> torch.Tensor | None:
+    """Each row's cut [B] float32 on the logits ``x``: a sampled row keeps the tokens with
+    x >= cut, which is min_p, then top_k, then top_p applied to softmax(x / T) and
+    renormalised (None: no row filters). Every filter is a threshold on the row's
+    logits, so no vocabulary is sorted:
 
-    Done in log space: logit < max_logit + log(min_p); min_p 0 masks nothing.
+    - min_p: p(token) < min_p * p(top) is x < max(x) + T * log(min_p);
+    - top_k: the k-th largest logit (torch.topk of the batch's largest k), ties kept;
+    - top_p: the nucleus of what the two above keep (`kernels.sampling_cut`, a
+      bisection; on the CPU its sort-based reference), ties at its edge kept.
     """
-    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
-    return logits.masked_fill_(logits < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Keep each row's top_k logits (0 = all), then the smallest set of the most likely
-    tokens whose renormalised probability reaches top_p (at least one token is kept).
-    Returns a new tensor."""
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1.0 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    cut = None
+    neg_inf = float("-inf")
+    if meta.use_min_p:
+        top = x.amax(dim=1).float()
+        floor = top + meta.temperature * torch.log(meta.min_p)  # NaN where min_p is 0
+        cut = torch.where(meta.min_p > 0, floor, neg_inf)
+    if meta.use_top_k:
+        k = meta.top_k
+        largest = x.topk(meta.max_top_k, dim=1).values
+        kth = largest.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1).float()
+        kth = torch.where(k > 0, kth, neg_inf)
+        cut = kth if cut is None else torch.maximum(cut, kth)
+    if meta.use_top_p:
+        if cut is None:
+            cut = torch.full_like(meta.temperature, neg_inf)
+        nucleus = top_p_cut if kernels else top_p_cut_reference
+        cut = nucleus(x, meta.temperature, meta.top_p, cut)
+    return cut
 
 
 class Sampler:
     """Samples one token per row; issues no host synchronisation.
 
-    ``generator`` is the shared generator of unseeded rows (None: torch's default one).
-    """
+    ``generator`` (a CPU generator) draws the seeds of sampled rows that come without
+    one (the engine seeds every request; callers pass it to ``SamplingMetadata.build``).
+    ``kernels``: sample with the Triton kernels (None: on CUDA devices; elsewhere their
+    torch references, which draw the same noise)."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, generator: torch.Generator | None = None, kernels: bool | None = None
+    ) -> None:
         self.generator = generator
+        self.kernels = kernels
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` [B, V] (not modified) under ``meta``."""
-        x = apply_min_tokens(logits.float(), meta.min_tokens_block)
-        x = apply_penalties(x, meta)
-        greedy_ids = x.argmax(dim=-1)
+        x = logits
+        if meta.min_tokens_block or meta.repetition_penalty is not None:
+            x = apply_penalties(apply_min_tokens(x.float(), meta.min_tokens_block), meta)
         if meta.all_greedy:
-            token_ids = greedy_ids
+            token_ids = x.argmax(dim=-1)
         else:
-            token_ids = torch.where(meta.temperature == 0, greedy_ids, self._sample(x, meta))
+            kernels = x.is_cuda if self.kernels is None else self.kernels
+            x = x.contiguous()
+            cut = filter_cut(x, meta, kernels)
+            draw = sample_tokens if kernels else sample_tokens_reference
+            token_ids = draw(x, meta.temperature, meta.seeds, meta.positions, cut)
         if not meta.need_logprobs:  # the full-vocabulary log_softmax is skipped
             return SamplerOutput(token_ids, None, None, None, None)
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         return _gather_logprobs(raw_logprobs, token_ids, meta.max_logprobs)
-
-    def _sample(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
-        x = x / temperature.unsqueeze(1)
-        if meta.use_min_p:
-            x = apply_min_p(x, meta.min_p)
-        if meta.use_top_k or meta.use_top_p:
-            top_k = meta.top_k if meta.use_top_k else None
-            x = apply_top_k_top_p(x, top_k, meta.top_p if meta.use_top_p else None)
-        probs = x.softmax(dim=-1)
-        return probs.div_(self._noise(probs, meta.generators)).argmax(dim=-1)
-
-    def _noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Exponential(1) noise shaped like ``probs``; seeded rows from their own generator."""
-        q = torch.empty_like(probs)
-        if any(g is None for g in generators):
-            q.exponential_(generator=self.generator)
-        for i, g in enumerate(generators):
-            if g is not None:
-                q[i].exponential_(generator=g)
-        # Guard against a zero draw: probs / 0 would be inf or NaN.
-        return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
 def _gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
