@@ -628,7 +628,7 @@ class EngineCore:
         """Run one step; returns the requests that finished in it (and any finished by
         a step drained early, e.g. by reconfigure()).
 
-        Pipelined decode: when a step is a decode step with no penalty or logprobs and
+        Pipelined decode: when a step is a decode step and
         no request could be admitted, the next decode step is queued on the GPU (its
         input tokens read there) before this one's tokens reach the host, so the host's
         bookkeeping overlaps the GPU.
@@ -691,8 +691,8 @@ class EngineCore:
         launched; then the first one's tokens are applied. Steps are committed when
         launched (Scheduler.commit). A request that stops on a token it could not foresee
         (EOS, a stop string) has the next step's token discarded, as in pipelined decode.
-        While a request needs each step's tokens on the host first (structured output,
-        penalties, logprobs), steps run synchronously."""
+        While a request needs each step's tokens on the host first (structured output)
+        or prompt logprobs, steps run synchronously."""
         if self._in_flight is None:
             with record_function("batchgen.schedule"):
                 sched = self.scheduler.schedule()
@@ -810,10 +810,7 @@ def profiled(name: str):
 
 def _needs_sync(params: SamplingParams) -> bool:
     """A request whose every step needs the previous step's tokens on the host (or
-    reports more than its token): async scheduling runs steps synchronously for it."""
-    return (
-        params.structured_outputs is not None
-        or params.logprobs is not None
-        or params.prompt_logprobs is not None
-        or params.has_penalties
-    )
+    reports what only a plain step computes): async scheduling runs steps synchronously
+    for it. Penalties and logprobs do not: the runner keeps penalty counts on the device
+    and copies logprobs to the host with the tokens."""
+    return params.structured_outputs is not None or params.prompt_logprobs is not None

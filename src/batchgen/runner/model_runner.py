@@ -22,6 +22,7 @@ from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.linear_state import linear_metadata
 from batchgen.runner.mask_staging import MaskStaging
 from batchgen.runner.page_rows import PageRows
+from batchgen.runner.penalty_counts import PenaltyCounts
 from batchgen.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from batchgen.runner.sampler import (
     SAMPLING_EPS,
@@ -72,12 +73,18 @@ class ModelRunner:
         # rows without a seed get one drawn from this generator (the engine seeds every
         # request); the noise itself is a hash of (seed, step, token) on the device
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
+        # penalised requests' token counts, kept on the device from step to step
+        self.penalties = PenaltyCounts(vocab_size, device)
         self.page_rows = PageRows(max_num_seqs, max_pages)
         self.stage = HostStaging(device)
         # structured outputs: the engine's StructuredOutputs once a request uses one
         self.grammar = None
         self._masks: MaskStaging | None = None  # their bitmask rows, built with it
         self._max_num_seqs = max_num_seqs
+
+    def _release(self, request_ids) -> None:
+        self.page_rows.release(request_ids)
+        self.penalties.release(request_ids)
 
     def _width(self, pages: int) -> int:
         """Page-table width for a step: a multiple of 16 (so the kernels' row stride keeps
@@ -212,14 +219,15 @@ class ModelRunner:
 
     def can_launch_decode(self, sched: SchedulerOutput) -> bool:
         """Whether `launch_decode` takes this step: a decode step (graph-replayed when
-        graphs are on) whose every request samples with no penalty and reports nothing
-        but the token (greedy or not, seeded or not, min_tokens allowed)."""
+        graphs are on) whose every request samples (greedy or not, seeded or not,
+        min_tokens, penalties and logprobs allowed: penalty counts are kept on the
+        device, logprobs copied to the host with the tokens)."""
         reqs = sched.requests
         return (
             not self.debug
             and sched.on_kv_written is None
             and (self.graphs is None or len(reqs) <= self.graphs.max_bs)
-            and all(len(r.new_token_ids) == 1 and r.sample and _pipelinable(r.params) for r in reqs)
+            and all(len(r.new_token_ids) == 1 and r.sample for r in reqs)
         )
 
     @torch.inference_mode()
@@ -236,7 +244,7 @@ class ModelRunner:
         masks need `prev`'s tokens in the matchers, so its sampling is queued by
         `InFlightDecode.launch_sample()` once the engine has handed them over (the GPU
         runs the forward meanwhile)."""
-        self.page_rows.release(sched.released_ids)
+        self._release(sched.released_ids)
         device_ids = None if prev is None else self._pipelined_ids(sched, prev)
         hidden, _ = self._forward(sched, device_ids)  # every row samples (can_launch_decode)
         logits = self.model.compute_logits(hidden)
@@ -255,14 +263,14 @@ class ModelRunner:
     ) -> InFlightDecode:
         """Queue any step (async scheduling): its forward, the sampling of its rows that
         sample, and their tokens' copy to the host, without waiting. The engine sends
-        only steps with no debug check, per-layer append, penalty, logprobs or prompt
+        only steps with no debug check, per-layer append, structured output or prompt
         logprobs (EngineCore._needs_sync and its configuration checks). A row whose last
         input token is -1 reads it from what `prev` samples for its request, on the
         device. A decode step that graphs can take goes through `launch_decode`."""
         reqs = sched.requests
         if self._graph_ok(sched) and all(r.sample for r in reqs):
             return self.launch_decode(sched, prev)
-        self.page_rows.release(sched.released_ids)
+        self._release(sched.released_ids)
         device_ids = None if prev is None else self._pipelined_ids(sched, prev)
         hidden, sample_rows = self._forward(sched, device_ids)
         sampled = [r for r in reqs if r.sample]
@@ -303,21 +311,36 @@ class ModelRunner:
     def _launch_sample(self, flight: InFlightDecode, logits: torch.Tensor, steps) -> None:
         reqs = flight.sampled
         logits = self._constrain(logits, reqs)
+        reported = None
         if all(_plain_greedy(r.params) for r in reqs):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self.sampler(logits, self._sampling(reqs, steps)).sampled_token_ids
+            meta = self._sampling(reqs, steps)
+            out = self.sampler(logits, meta)
+            tokens = out.sampled_token_ids
+            meta.record(tokens)
+            if meta.need_logprobs:
+                top = () if out.topk_token_ids is None else (out.topk_token_ids, out.topk_logprobs)
+                reported = (out.sampled_logprobs, out.sampled_ranks, *top)
         flight.tokens = tokens
-        self._copy_tokens(flight, tokens)
+        self._copy_tokens(flight, tokens, reported)
 
-    def _copy_tokens(self, flight: InFlightDecode, tokens: torch.Tensor) -> None:
-        """The sampled tokens' copy to the host, queued; `flight.result()` waits for it."""
+    def _copy_tokens(
+        self, flight: InFlightDecode, tokens: torch.Tensor, reported: tuple = ()
+    ) -> None:
+        """The sampled tokens' copy to the host, and the logprobs' where a row reports
+        them (sampled logprobs, ranks, top ids and logprobs), queued; `flight.result()`
+        waits for them."""
+        reported = reported or ()
         if self.device.type != "cuda":
-            flight._host = tokens
+            flight._host, flight._reported = tokens, reported
             return
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        flight._host, flight._done = host, torch.cuda.Event()
+        host = []
+        for t in (tokens, *reported):
+            host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+            host[-1].copy_(t, non_blocking=True)
+        flight._host, flight._reported = host[0], tuple(host[1:])
+        flight._done = torch.cuda.Event()
         flight._done.record()
 
     def _constrained(self, reqs) -> bool:
@@ -381,7 +404,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.page_rows.release(sched.released_ids)
+        self._release(sched.released_ids)
         hidden, sample_rows = self._forward(sched)
         prompt = {}
         if wants_prompt_logprobs(sched.requests):
@@ -413,7 +436,7 @@ class ModelRunner:
         ready for rank 0's next step while this one runs. device_ids: a pipelined step's
         input tokens (rank 0's, broadcast); graph: whether rank 0 replays a decode graph
         for this step (None: decide here)."""
-        self.page_rows.release(sched.released_ids)
+        self._release(sched.released_ids)
         hidden, sample_rows = self._forward(sched, device_ids, graph)
         if wants_prompt_logprobs(sched.requests):
             prompt_logprobs(self.model, hidden, sched.requests)
@@ -434,6 +457,8 @@ class ModelRunner:
             steps=steps,
             seeds=[r.seed for r in reqs],
             generator=self.sampler.generator,
+            penalty_counts=self.penalties,
+            request_ids=[r.request_id for r in reqs],
         )
 
     def _sample(self, logits: torch.Tensor, sampled) -> ModelRunnerOutput:
@@ -442,20 +467,14 @@ class ModelRunner:
             return ModelRunnerOutput(
                 [r.request_id for r in sampled], token_ids, [None] * len(sampled)
             )
-        out = self.sampler(logits, self._sampling(sampled))
+        meta = self._sampling(sampled)
+        out = self.sampler(logits, meta)
+        meta.record(out.sampled_token_ids)
         token_ids = out.sampled_token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(sampled)
-        if any(r.params.logprobs is not None for r in sampled):
-            lp = out.sampled_logprobs.tolist()
-            ranks = out.sampled_ranks.tolist()
-            top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
-            top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
-            for i, r in enumerate(sampled):
-                k = r.params.logprobs
-                if k is None:
-                    continue
-                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids else []
-                logprobs[i] = TokenLogprobs(lp[i], ranks[i], top)
+        if meta.need_logprobs:
+            top = () if out.topk_token_ids is None else (out.topk_token_ids, out.topk_logprobs)
+            logprobs = _token_logprobs(sampled, (out.sampled_logprobs, out.sampled_ranks, *top))
         return ModelRunnerOutput([r.request_id for r in sampled], token_ids, logprobs)
 
     @staticmethod
@@ -479,6 +498,7 @@ class InFlightDecode:
         # the rows that sample, in the order of `tokens` (a decode step: all of them)
         self.sampled = sched.requests if sampled is None else sampled
         self.tokens = self._host = self._done = None
+        self._reported: tuple = ()  # the logprobs' host copies, where a row reports them
         self.pending = None
         self.deferred = False
         # run once the tokens are on the host, before they are used (tensor parallel:
@@ -499,21 +519,33 @@ class InFlightDecode:
         if self.check is not None:
             self.check()
         reqs = self.sampled
-        return ModelRunnerOutput(
-            [r.request_id for r in reqs], self._host.tolist(), [None] * len(reqs)
-        )
+        logprobs = [None] * len(reqs)
+        if self._reported:
+            logprobs = _token_logprobs(reqs, self._reported)
+        return ModelRunnerOutput([r.request_id for r in reqs], self._host.tolist(), logprobs)
+
+
+def _token_logprobs(reqs, reported: tuple) -> list[TokenLogprobs | None]:
+    """Each row's TokenLogprobs (None where it asks for none) from the sampler's
+    (sampled logprobs [B], ranks [B], and top ids, top logprobs [B, k] if any asks)."""
+    lp, ranks = reported[0].tolist(), reported[1].tolist()
+    top_ids = top_lps = None
+    if len(reported) > 2:
+        top_ids, top_lps = reported[2].tolist(), reported[3].tolist()
+    out: list[TokenLogprobs | None] = [None] * len(reqs)
+    for i, r in enumerate(reqs):
+        k = r.params.logprobs
+        if k is None:
+            continue
+        top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids else []
+        out[i] = TokenLogprobs(lp[i], ranks[i], top)
+    return out
 
 
 def _sample_steps(reqs) -> list[int]:
     """Each sampling row's output index: its output tokens so far, plus the one in
     flight when its input is a placeholder (seeded noise and min_tokens count it)."""
     return [len(r.output_token_ids) + (r.new_token_ids[-1] == -1) for r in reqs]
-
-
-def _pipelinable(params) -> bool:
-    """Nothing of the row's sampling depends on output tokens the host has not seen yet
-    (penalties count them) or reports more than the token (logprobs)."""
-    return params.logprobs is None and not params.has_penalties
 
 
 def _plain_greedy(params) -> bool:

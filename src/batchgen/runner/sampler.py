@@ -24,7 +24,6 @@ on the host (``SamplingMetadata.build(..., generator=)``).
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +31,7 @@ import torch
 from batchgen.forward_context import to_device
 from batchgen.kernels.sampling import sample_tokens, sample_tokens_reference
 from batchgen.kernels.sampling_cut import top_p_cut, top_p_cut_reference
+from batchgen.runner.penalty_counts import PenaltyCounts, token_stats
 from batchgen.sampling_params import SamplingParams
 
 # Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
@@ -85,6 +85,8 @@ class SamplingMetadata:
     use_top_p: bool = True
     use_min_p: bool = True
     need_logprobs: bool = True  # False: no row reports logprobs (the output's are None)
+    # kept penalty counts: (penalised rows [P], their slots [P], the PenaltyCounts, ids)
+    penalty_rows: tuple[torch.Tensor, torch.Tensor, PenaltyCounts, list[str]] | None = None
 
     @classmethod
     def build(
@@ -98,6 +100,8 @@ class SamplingMetadata:
         steps: list[int] | None = None,
         seeds: list[int | None] | None = None,
         generator: torch.Generator | None = None,
+        penalty_counts: PenaltyCounts | None = None,
+        request_ids: list[str] | None = None,
     ) -> SamplingMetadata:
         """Gather the batch's parameters into tensors on ``device``.
 
@@ -107,7 +111,9 @@ class SamplingMetadata:
         given, replaces each row's ``params.seed`` (the engine's per-request seeds); a
         sampled row with no seed gets one drawn from ``generator`` (a CPU generator;
         None: torch's default one). Prompt and output token ids are only read for rows
-        that use a penalty.
+        that use a penalty: with ``penalty_counts`` (and ``request_ids``), only for a
+        request it does not hold yet; the counts are then its rows on the device, and
+        ``record`` adds the step's tokens to them.
         """
         device = torch.device(device)
         n = len(params)
@@ -129,12 +135,6 @@ class SamplingMetadata:
             ]
         packed = torch.tensor(rows, dtype=torch.float32).view(n, width).t().contiguous()
         packed = to_device(packed, device)
-        presence = frequency = repetition = counts = prompt_mask = None
-        if penalised:
-            presence, frequency, repetition = packed[4], packed[5], packed[6]
-            outs = [(i, output_token_ids[i]) for i in penalised]
-            rep = [(i, prompt_token_ids[i]) for i in penalised if params[i].repetition_penalty != 1]
-            counts, prompt_mask = _token_stats(n, vocab_size, device, outs, rep)
         positions: list[int] = []
         row_seeds: list[int | None] = []
         min_tokens_block: list[tuple[int, list[int]]] = []
@@ -152,16 +152,47 @@ class SamplingMetadata:
             drawn = torch.randint(0, 2**62, (len(unseeded),), generator=generator).tolist()
             for i, s in zip(unseeded, drawn):
                 row_seeds[i] = s
-        ints = [[_as_int64(s or 0) for s in row_seeds], positions]
-        ints = to_device(torch.tensor(ints, dtype=torch.int64).view(2, n), device)
+        # One int64 tensor crosses too: seeds, positions, then (penalties kept on the
+        # device) each row's slot, the penalised rows and their slots.
+        ints = [_as_int64(s or 0) for s in row_seeds] + positions
+        slots = None
+        if penalised and penalty_counts is not None:
+            slots = penalty_counts.slots(
+                [request_ids[i] for i in penalised],
+                [prompt_token_ids[i] for i in penalised],
+                [output_token_ids[i] for i in penalised],
+                [positions[i] for i in penalised],
+            )
+            of_row = dict(zip(penalised, slots))
+            ints += [of_row.get(i, slots[0]) for i in range(n)] + penalised + slots
+        ints = to_device(torch.tensor(ints, dtype=torch.int64), device)
+        presence = frequency = repetition = counts = prompt_mask = None
+        penalty_rows = None
+        if penalised:
+            presence, frequency, repetition = packed[4], packed[5], packed[6]
+        if slots is not None:
+            m = len(penalised)
+            row_slots = ints[2 * n : 3 * n]
+            counts = penalty_counts.counts.index_select(0, row_slots)
+            prompt_mask = penalty_counts.prompt.index_select(0, row_slots)
+            penalty_rows = (
+                ints[3 * n : 3 * n + m],
+                ints[3 * n + m :],
+                penalty_counts,
+                [request_ids[i] for i in penalised],
+            )
+        elif penalised:
+            outs = [(i, output_token_ids[i]) for i in penalised]
+            rep = [(i, prompt_token_ids[i]) for i in penalised if params[i].repetition_penalty != 1]
+            counts, prompt_mask = token_stats(n, vocab_size, device, outs, rep)
         return cls(
             temperature=packed[0],
             top_p=packed[1],
             top_k=packed[3].to(torch.int64),
             min_p=packed[2],
             all_greedy=all(greedy),
-            seeds=ints[0],
-            positions=ints[1],
+            seeds=ints[:n],
+            positions=ints[n : 2 * n],
             max_logprobs=max((p.logprobs or 0 for p in params), default=0),
             presence_penalty=presence,
             frequency_penalty=frequency,
@@ -174,34 +205,15 @@ class SamplingMetadata:
             use_top_p=any(r[1] < 1.0 for r in rows),
             use_min_p=any(r[2] > 0.0 for r in rows),
             need_logprobs=any(p.logprobs is not None for p in params),
+            penalty_rows=penalty_rows,
         )
 
-
-def _token_stats(
-    n: int,
-    vocab_size: int,
-    device: torch.device,
-    outputs: list[tuple[int, list[int]]],
-    prompts: list[tuple[int, list[int]]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output-token counts [n, V] int32 and prompt-token mask [n, V] bool of the given
-    (row, token ids) pairs. Only flat (row * V + token) indices cross to the device; the
-    [n, V] tensors are filled there."""
-    out_idx, prompt_idx = _flat_index(outputs, vocab_size), _flat_index(prompts, vocab_size)
-    flat = to_device(torch.cat([out_idx, prompt_idx]), device)
-    out_flat, prompt_flat = flat[: out_idx.numel()], flat[out_idx.numel() :]
-    counts = torch.zeros(n * vocab_size, dtype=torch.int32, device=device)
-    counts.index_add_(0, out_flat, torch.ones_like(out_flat, dtype=torch.int32))
-    mask = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
-    mask.index_fill_(0, prompt_flat, True)
-    return counts.view(n, vocab_size), mask.view(n, vocab_size)
-
-
-def _flat_index(pairs: list[tuple[int, list[int]]], vocab_size: int) -> torch.Tensor:
-    tokens = torch.tensor(list(itertools.chain.from_iterable(t for _, t in pairs)))
-    lengths = torch.tensor([len(t) for _, t in pairs], dtype=torch.int64)
-    rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64)
-    return torch.repeat_interleave(rows, lengths) * vocab_size + tokens.to(torch.int64)
+    def record(self, token_ids: torch.Tensor) -> None:
+        """Count this step's sampled tokens [B] (on the device) in the penalised rows'
+        kept counts, if they are kept (``build(..., penalty_counts=)``)."""
+        if self.penalty_rows is not None:
+            rows, slots, kept, request_ids = self.penalty_rows
+            kept.record(request_ids, slots, token_ids.index_select(0, rows))
 
 
 @dataclass
