@@ -4,6 +4,14 @@
     python benchmarks/throughput.py --skip-peer     # while iterating (not a result)
     python benchmarks/throughput.py --small         # CPU, seconds, for CI
     python benchmarks/throughput.py --profile       # + where a decode step's time goes
+    python benchmarks/throughput.py --sampling all  # sampled decoding beside greedy
+
+--sampling greedy|sampled|top_k|penalty|all: batchgen alone (no peer), one engine, the
+workload run greedy first and then as asked: `sampled` temperature 0.8 + top_p 0.95 with
+a seed per request, `top_k` that + top_k 50, `penalty` that + repetition_penalty 1.1
+(`all`: the three); prints each run's output tok/s and its ratio to greedy, writes
+sampling.json. Each run's prompts start with their own first token, so no run takes
+pages from the prefix cache an earlier one left.
 
 Prints output tok/s for both, their ratio and batchgen's fraction of the roofline
 (roofline.py); writes throughput.json and throughput.png into --out.
@@ -79,6 +87,49 @@ def run_batchgen(ckpt, prompts, out_lens, args):
     if args.profile:
         result["profile"] = profile_decode(llm, prompts, args)
     return result, timeline
+
+
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "sampled": {"temperature": 0.8, "top_p": 0.95},
+    "top_k": {"temperature": 0.8, "top_p": 0.95, "top_k": 50},
+    "penalty": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.1},
+}
+
+
+def run_sampling(ckpt, prompts, out_lens, args) -> dict:
+    """The workload greedy, then under each asked SAMPLING configuration, in one engine
+    (a seed per request): {name: {wall_s, output_tokens, tok_s, ratio_to_greedy}}."""
+    from batchgen import LLM, SamplingParams
+    from batchgen.engine.memory import fewer_full_collections
+
+    llm = LLM(
+        model=str(ckpt),
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=2048,
+        **engine_kwargs(args),
+    )
+    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    eng = llm.engine
+    names = ["greedy"] + (list(SAMPLING)[1:] if args.sampling == "all" else [args.sampling])
+    results: dict[str, dict] = {}
+    for k, name in enumerate(dict.fromkeys(names)):
+        _sync(args.device)
+        out0 = eng.stats.output_tokens
+        with fewer_full_collections():
+            start = time.perf_counter()
+            for i, (p, n) in enumerate(zip(prompts, out_lens)):
+                params = SamplingParams(max_tokens=n, ignore_eos=True, seed=i, **SAMPLING[name])
+                eng.add_request(f"{name}{i}", [k + 1, *p[1:]], params)
+            while eng.has_unfinished:
+                eng.step()
+        _sync(args.device)
+        wall = time.perf_counter() - start
+        out = eng.stats.output_tokens - out0
+        results[name] = {"wall_s": wall, "output_tokens": out, "tok_s": out / wall}
+        results[name]["ratio_to_greedy"] = results[name]["tok_s"] / results["greedy"]["tok_s"]
+    return results
 
 
 def profile_decode(llm, prompts, args, max_tokens: int = 300):
@@ -562,6 +613,12 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--sampling",
+        choices=sorted(SAMPLING) + ["all"],
+        default=None,
+        help="batchgen greedy, then sampled as named (all: every one), ratios to greedy",
+    )
     add_engine_args(ap)
     args = ap.parse_args(argv)
     if args.small:
@@ -572,6 +629,18 @@ def main(argv=None) -> int:
         cfg, (prompts, out_lens) = QWEN3_0_6B, w1_requests()
         args.device, args.dtype = "cuda", "bfloat16"
     ckpt = random_checkpoint(args.ckpt, cfg)
+    if args.sampling:
+        runs = run_sampling(ckpt, prompts, out_lens, args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        workload = "small" if args.small else "W1"
+        result = {"workload": workload, "sampling": runs}
+        (args.out / "sampling.json").write_text(json.dumps(result, indent=2))
+        for name, run in runs.items():
+            sys.stdout.write(
+                f"{name:<8} {run['tok_s']:10.1f} output tok/s  ({run['wall_s']:.2f} s)  "
+                f"{run['ratio_to_greedy']:.2f}x greedy\n"
+            )
+        return 0
     ours, timeline = run_batchgen(ckpt, prompts, out_lens, args)
     peer = None if args.skip_peer else run_peer(ckpt, prompts, out_lens, args)
     roof = roofline_seconds(cfg, [len(p) for p in prompts], out_lens)
