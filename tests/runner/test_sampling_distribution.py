@@ -97,7 +97,8 @@ CASES = [
 def test_frequencies_match_the_warped_distribution(device, kernels, case):
     p = CASES[case]
     probs = expected_probs(LOGITS, p)
-    tokens = draw(LOGITS, p, 3000, device, kernels)
+    interpreted = kernels and device.type == "cpu"  # ~6 ms a draw: a third of them
+    tokens = draw(LOGITS, p, 1000 if interpreted else 3000, device, kernels)
     stat, dof, outside = chi_square(tokens, probs)
     assert outside == 0
     assert stat < CHI2_P001[dof], (stat, dof)

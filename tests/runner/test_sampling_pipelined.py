@@ -141,3 +141,33 @@ def test_kept_counts_equal_the_host_lists():
     assert kept.counts[slots[0]].sum() == len(outputs[1])
     with pytest.raises(RuntimeError, match="penalty counts"):
         kept.slots(["e"], [prompts[0]], [outputs[0]], [len(outputs[0]) + 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kept_counts_have_no_host_sync():
+    """Filling new slots, reading them and recording a step's tokens on the GPU: the
+    host never waits (a pipelined step's sampling must not)."""
+    vocab, dev = 5000, torch.device("cuda")
+    kept = PenaltyCounts(vocab, dev)
+    params = [SamplingParams(temperature=0.8, repetition_penalty=1.2, seed=i) for i in range(3)]
+    prompts, outputs = [[1, 2, 3], [4], [5, 6]], [[7], [], [8, 8]]
+
+    def step(ids):
+        meta = SamplingMetadata.build(
+            params, prompts, outputs, vocab, dev, [2], penalty_counts=kept, request_ids=ids
+        )
+        meta.record(torch.tensor([9, 10, 11], device=dev))
+        return meta
+
+    step(["a", "b", "c"])  # warm-up: lazy CUDA initialisation may synchronise
+    torch.cuda.synchronize()
+    for out, t in zip(outputs, (9, 10, 11)):
+        out.append(t)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        meta = step(["a", "b", "d"])  # d: a new slot, filled
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    counts, _ = token_stats(3, vocab, torch.device("cpu"), list(enumerate(outputs)), [])
+    assert torch.equal(meta.output_token_counts.cpu(), counts)
