@@ -25,15 +25,17 @@ from batchgen.sampling_params import SamplingParams
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # (device, use the Triton kernels): the kernels under the interpreter, the references
+# (conftest turns the interpreter on only where there is no CUDA device)
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is off")
 PATHS = [
-    pytest.param(CPU, True, id="kernels"),
+    pytest.param(CPU, True, id="kernels", marks=interpreted),
     pytest.param(CPU, False, id="reference"),
     pytest.param(torch.device("cuda"), True, id="cuda", marks=[pytest.mark.gpu, needs_cuda]),
 ]
 # the same for thousands of draws: the interpreter runs ~6 ms a row (kernels == their
 # references token for token is tests/kernels/test_sampling_interpret.py's, not slow)
 MANY_DRAWS = [
-    pytest.param(CPU, True, id="kernels", marks=pytest.mark.slow),
+    pytest.param(CPU, True, id="kernels", marks=[pytest.mark.slow, interpreted]),
     *PATHS[1:],
 ]
 # chi-square quantiles at p = 0.001 by degrees of freedom (a correct sampler fails one
