@@ -96,7 +96,7 @@ def run_job(args, path: Path, out: Path) -> dict:
 
 def read_answers(out: Path) -> dict[str, dict]:
     answers = {}
-    for raw in out.read_text(encoding="utf-8").splitlines():
+    for raw in out.read_bytes().split(b"\n")[:-1]:  # not splitlines(): U+2028 is text
         line = json.loads(raw)
         body = line["response"]["body"]
         choice = body["choices"][0]
