@@ -46,6 +46,10 @@ class EngineConfig:
     (one a row, on the device) would take more than an eighth of the device memory: 512
     for W6's model (19.5 MB a row), 256 for one of Kimi-Linear-48B's size.
 
+    max_queued_requests bounds the requests a call keeps in the engine unfinished
+    (`read_ahead`; None: 4 x max_num_seqs): LLM.generate/chat add their prompts as earlier
+    ones finish, as a batch job reads its lines.
+
     kv_cache_size_gib, when set, fixes the device KV pool size; otherwise the pool
     takes gpu_memory_utilization of the device memory left after a warm-up forward
     (on the CPU: cpu_kv_cache_gib).
@@ -118,6 +122,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    max_queued_requests: int | None = None
     page_size: int = 16
     kv_cache_size_gib: float | None = None
     num_kv_pages: int | None = None
@@ -151,7 +156,13 @@ class EngineConfig:
 
         for name in ("page_size", "tensor_parallel_size"):
             positive_int(name)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "num_kv_pages",
+            "max_queued_requests",
+        ):
             if getattr(self, name) is not None:
                 positive_int(name)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -252,6 +263,16 @@ class EngineConfig:
         """The most rows one step can sample: a row a request, and a row takes at least
         a token of the step's budget (the limits set, see with_batch_limits)."""
         return min(self.max_num_seqs, self.max_num_batched_tokens)
+
+    @property
+    def read_ahead(self) -> int:
+        """Engine requests a caller keeps added but unfinished: max_queued_requests, by
+        default four steps' rows. LLM.generate and LLM.chat feed their prompts through
+        this window as a batch job feeds its lines, so the two admit, batch and therefore
+        compute a request alike, and the waiting queue stays bounded however many prompts
+        a call has. Admission (prefix-first) and the host tier (a prefix queued requests
+        want) see the requests in the window, not those beyond it."""
+        return self.max_queued_requests or 4 * self.max_num_seqs
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -38,7 +38,8 @@ def test_a_prefix_queued_requests_want_outlives_its_running_ones_on_the_host(mod
     # arrival order, two seats: the fillers evict the header's pages while the last
     # request, queued behind them, still wants them
     prompts = [header + [7, 8, 9]] + _random(8, 40, 60, seed=5) + [header + [12, 13, 14]]
-    kw = dict(BASE, num_kv_pages=30, max_num_seqs=2, admission="arrival")
+    # every prompt queued from the start: the host tier sees the last one wanting the header
+    kw = dict(BASE, num_kv_pages=30, max_num_seqs=2, admission="arrival", max_queued_requests=16)
     rows, metrics = [], []
     for host in (0.01, 0.0):
         llm = LLM(model=model_dir, host_kv_size_gib=host, **kw)

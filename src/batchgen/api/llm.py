@@ -152,13 +152,13 @@ class LLM:
     ) -> list[RequestOutput]:
         batch = next(self._ids)
         groups: list[list[str]] = []  # per prompt: its engine requests, one per sample
+        work = []  # per prompt: (its requests, prompt ids, one SamplingParams per sample)
         for i, ((tokens, _), p) in enumerate(zip(encoded, params)):
             children = child_params(p)
             rid = f"{batch}-{i}"
             group = [rid] if len(children) == 1 else [f"{rid}#{k}" for k in range(len(children))]
-            for child_id, child in zip(group, children):  # consecutive: one prompt prefill
-                self.engine.add_request(child_id, tokens, child, validated=True)
             groups.append(group)
+            work.append((group, tokens, children))
         ids = [rid for group in groups for rid in group]
         done: dict[str, Request] = {}
         tokens_before = self.engine.stats.output_tokens  # the bar counts this call's tokens
@@ -167,10 +167,22 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)
+        # prompts are added as the batch job adds its lines: before each step, up to
+        # config.read_ahead unfinished requests (a prompt's samples together, consecutive
+        # so that one prefill serves them all), so `batchgen run` and this call batch alike
+        window, queued, in_flight = self.engine.config.read_ahead, iter(work), 0
         try:
-            while self.engine.has_unfinished:
+            while True:
+                while in_flight < window and (nxt := next(queued, None)) is not None:
+                    group, tokens, children = nxt
+                    for child_id, child in zip(group, children):
+                        self.engine.add_request(child_id, tokens, child, validated=True)
+                    in_flight += len(group)
+                if not self.engine.has_unfinished:
+                    break
                 for req in self.engine.step():
                     done[req.request_id] = req
+                    in_flight -= 1
                     if bar is not None:
                         bar.update(1)
                         out_tok = self.engine.stats.output_tokens - tokens_before

@@ -354,7 +354,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         llm = LLM(model=args.model, **kwargs)
     except Exception as e:  # an unknown or broken model is a usage error
         return _usage_error(f"could not load model {args.model or DEFAULT_MODEL_NAME}: {e}")
-    opts = replace(opts, max_in_flight=4 * llm.engine.config.max_num_seqs)
+    opts = replace(opts, max_in_flight=llm.engine.config.read_ahead)
     try:
         summary = run_batch_job(llm, opts)
     except USAGE_ERRORS as e:
