@@ -54,13 +54,14 @@ class EngineConfig:
     takes gpu_memory_utilization of the device memory left after a warm-up forward
     (on the CPU: cpu_kv_cache_gib).
 
-    pipeline_decode queues each decode step whose rows use no penalty and report no
-    logprobs before the previous one's tokens reach the host (the host's bookkeeping
-    then overlaps the GPU); outputs are the same either way. async_scheduling (off by
-    default until measured on the GPU) extends that to every step, prefill chunks
-    included: the next step is scheduled and launched while the current one runs (a
-    request's token in flight read on the device), for requests with no structured
-    output, penalty, logprobs or prompt logprobs; it needs pipeline_decode, and is not
+    pipeline_decode queues each decode step (penalised rows and rows reporting logprobs
+    included: penalty counts live on the device, logprobs come back with the tokens)
+    before the previous one's tokens reach the host (the host's bookkeeping then overlaps
+    the GPU); outputs are the same either way. async_scheduling (off by default until
+    measured on the GPU) extends that to every step, prefill chunks included: the next
+    step is scheduled and launched while the current one runs (a request's token in
+    flight read on the device), for requests with no structured output or prompt
+    logprobs; it needs pipeline_decode, and is not
     used under tensor parallel or with batchgen_debug. On models with linear-attention
     layers the state slots are read and written in stream order, and the host tier's
     state swaps and checkpoints are submitted between two launches, so they copy the

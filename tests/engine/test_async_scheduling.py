@@ -116,12 +116,14 @@ def test_sampling_seeded_and_unseeded(model_dir):
     _same(model_dir, prompts, unseeded, max_num_seqs=5, seed=5)
 
 
-def test_a_request_with_logprobs_makes_steps_synchronous(model_dir):
-    """While a request reports logprobs its steps run as before (its outputs and the
-    others' unchanged); once it is done, steps are launched ahead again."""
+def test_a_request_with_prompt_logprobs_makes_steps_synchronous(model_dir):
+    """While a request asks for prompt logprobs (which only a plain step computes) its
+    steps run as before (its outputs and the others' unchanged); once it is done, steps
+    are launched ahead again. Logprobs of sampled tokens no longer do this: they come
+    back with the tokens."""
     prompts = _prompts(10)
     params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i) for i in range(10)]
-    params[0] = SamplingParams(temperature=0, max_tokens=3, logprobs=2)
+    params[0] = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
     plain, _, _ = _run(model_dir, prompts, params, False, max_num_seqs=4)
     rows, ahead, _ = _run(model_dir, prompts, params, True, max_num_seqs=4)
     assert rows == plain
