@@ -174,6 +174,14 @@ def count_launches_ahead(runner) -> dict:
     return ahead
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """The path of a tiny random Llama checkpoint (save_tiny_model), one per module."""
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny_model(path, "LlamaForCausalLM")
+    return str(path)
+
+
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine_device(request) -> str:
     """The device a module's engines run on: the CPU, and the GPU (marked gpu) with

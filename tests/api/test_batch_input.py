@@ -6,19 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import save_tiny_model
 from test_batch_run import _answers, _chat, _cli, _read, _write_jsonl
 
 from batchgen.api.batch_job import JobOptions, answered_earlier
 from batchgen.api.batch_journal import InputMismatch, input_record_path
 from batchgen.api.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return str(path)
 
 
 def _opts(inp, out) -> JobOptions:
@@ -46,7 +38,7 @@ def test_answered_earlier_says_what_it_found_when_nothing_can_run(tmp_path):
     assert not (tmp_path / "other.errors.jsonl").exists()
 
 
-def test_unknown_keys_and_overlong_max_tokens_are_error_records(tmp_path, tiny, caplog):
+def test_unknown_keys_and_overlong_max_tokens_are_error_records(tmp_path, tiny_llama, caplog):
     rows = [
         _chat("typo", "w5", max_token=5),
         _chat("long", "w5 w6", max_tokens=1023),  # the prompt's tokens + 1023 > 1024
@@ -55,7 +47,7 @@ def test_unknown_keys_and_overlong_max_tokens_are_error_records(tmp_path, tiny, 
     ]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    assert main(_cli(tiny, inp, out)) == 1
+    assert main(_cli(tiny_llama, inp, out)) == 1
     assert sorted(_answers(out)) == ["fits", "fits2"]
     errors = {e["custom_id"]: e["error"]["message"] for e in _read(tmp_path / "out.errors.jsonl")}
     assert "unknown body field 'max_token'; did you mean 'max_tokens'?" in errors["typo"]
@@ -65,7 +57,7 @@ def test_unknown_keys_and_overlong_max_tokens_are_error_records(tmp_path, tiny, 
     assert any("body.user (first on line 3)" in w for w in warnings)
 
 
-def test_a_failed_line_fixed_in_place_runs_again(tmp_path, tiny):
+def test_a_failed_line_fixed_in_place_runs_again(tmp_path, tiny_llama):
     rows = [
         _chat("a", "w5", max_tokens=2),
         _chat("b", "w6", max_token=2),
@@ -73,19 +65,19 @@ def test_a_failed_line_fixed_in_place_runs_again(tmp_path, tiny):
     ]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    assert main(_cli(tiny, inp, out)) == 1
+    assert main(_cli(tiny_llama, inp, out)) == 1
     assert sorted(_answers(out)) == ["a", "c"]
     rows[1] = _chat("b", "w6", max_tokens=2)  # the typo fixed
     _write_jsonl(inp, rows)
-    assert main(_cli(tiny, inp, out)) == 0
+    assert main(_cli(tiny_llama, inp, out)) == 0
     assert sorted(_answers(out)) == ["a", "b", "c"]
-    assert main(_cli(tiny, inp, out)) == 0  # the stale record no longer counts
+    assert main(_cli(tiny_llama, inp, out)) == 0  # the stale record no longer counts
 
 
-def test_another_inputs_journal_is_refused_and_digests_keep_skips_true(tmp_path, tiny):
+def test_another_inputs_journal_is_refused_and_digests_keep_skips_true(tmp_path, tiny_llama):
     first = _write_jsonl(tmp_path / "a.jsonl", ["{bad", "{bad again", "[1]"])
     out = tmp_path / "out.jsonl"
-    assert main(_cli(tiny, first, out)) == 1  # three error records, by line number
+    assert main(_cli(tiny_llama, first, out)) == 1  # three error records, by line number
     other = _write_jsonl(
         tmp_path / "b.jsonl", [_chat(f"o{i}", f"w{9 + i}", max_tokens=2) for i in range(3)]
     )
@@ -94,6 +86,6 @@ def test_another_inputs_journal_is_refused_and_digests_keep_skips_true(tmp_path,
 
     input_record_path(out).unlink()  # a journal written before inputs were recorded
     assert answered_earlier(_opts(other, out)) is None  # its error records answer other lines
-    assert main(_cli(tiny, other, out)) == 0
+    assert main(_cli(tiny_llama, other, out)) == 0
     assert sorted(_answers(out)) == ["o0", "o1", "o2"]
     assert json.loads(input_record_path(out).read_text())["input"] == str(other.resolve())

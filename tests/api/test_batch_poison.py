@@ -16,13 +16,6 @@ from batchgen.engine.structured import StructuredOutputs
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def spelling(tmp_path_factory) -> str:
     """A tiny model whose tokenizer can spell JSON (structured outputs need it)."""
     path = tmp_path_factory.mktemp("bytes")
@@ -123,7 +116,7 @@ def test_requests_the_failing_step_finished_come_out_of_the_next_step(spelling, 
 
 
 def test_an_error_naming_no_request_runs_the_lines_in_flight_alone_on_the_rerun(
-    tmp_path, tiny, monkeypatch
+    tmp_path, tiny_llama, monkeypatch
 ):
     """A step that fails naming no request (a kernel error) stops the job (exit 4) with
     the lines in flight noted; the rerun runs each alone, so the poison line fails
@@ -139,7 +132,7 @@ def test_an_error_naming_no_request_runs_the_lines_in_flight_alone_on_the_rerun(
         return real(self, sched, result)
 
     monkeypatch.setattr(EngineCore, "_finish_step", finish_step)
-    argv = _cli(tiny, inp, out, "--max-num-seqs", "4")
+    argv = _cli(tiny_llama, inp, out, "--max-num-seqs", "4")
     assert main(argv) == 4
     noted = json.loads(suspects_path(out).read_text())
     assert "5" in noted["lines"] and "planted kernel error" in noted["error"]

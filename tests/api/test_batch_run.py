@@ -21,13 +21,6 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 N_KILL = 300
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return str(path)
-
-
 def _chat(cid: str, words: str, **body) -> dict:
     body = {"messages": [{"role": "user", "content": words}], **body}
     return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
@@ -99,12 +92,12 @@ def _spawn(argv: list[str]) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def kill_input(tmp_path_factory, tiny):
+def kill_input(tmp_path_factory, tiny_llama):
     """N_KILL greedy chat requests and their answers from one uninterrupted run."""
     d = tmp_path_factory.mktemp("kill")
     inp = _write_jsonl(d / "in.jsonl", _greedy_chats(N_KILL, seed=0, words=(1, 12), max_tokens=64))
     ref = d / "ref.jsonl"
-    proc = _spawn(_cli(tiny, inp, ref, "--max-num-seqs", "8"))
+    proc = _spawn(_cli(tiny_llama, inp, ref, "--max-num-seqs", "8"))
     assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()[-2000:]
     answers = _answers(ref)
     assert len(answers) == N_KILL
@@ -126,10 +119,10 @@ def _kill_part_way(proc: subprocess.Popen, out: Path, sig: int) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
-def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, tiny, kill_input, sig):
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_llama, kill_input, sig):
     inp, expected = kill_input
     out = tmp_path / "out.jsonl"
-    argv = _cli(tiny, inp, out, "--max-num-seqs", "8")
+    argv = _cli(tiny_llama, inp, out, "--max-num-seqs", "8")
     proc = _spawn(argv)
     _kill_part_way(proc, out, sig)
     rc = proc.wait(timeout=120)
@@ -153,7 +146,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, tiny, kill_inp
     assert not (tmp_path / "out.errors.jsonl").exists()
 
 
-def test_bad_lines_get_error_records_and_good_lines_complete(tmp_path, tiny):
+def test_bad_lines_get_error_records_and_good_lines_complete(tmp_path, tiny_llama):
     good = {f"g{i}": _chat(f"g{i}", f"w{10 + i} w20", max_tokens=4) for i in range(6)}
     bad = [  # (line, expected reason)
         ('{"custom_id": "x1", "method": "POST", "url": ', "malformed JSON"),
@@ -195,7 +188,7 @@ def test_bad_lines_get_error_records_and_good_lines_complete(tmp_path, tiny):
             )
             f.write(b"\n")
     out = tmp_path / "out.jsonl"
-    assert main(_cli(tiny, inp, out)) == 1
+    assert main(_cli(tiny_llama, inp, out)) == 1
 
     done = _answers(out)
     good_ids = {r["custom_id"] for r in rows[::2]}
@@ -208,11 +201,11 @@ def test_bad_lines_get_error_records_and_good_lines_complete(tmp_path, tiny):
         assert reason in rec["error"]["message"], rec["error"]["message"]
 
     before = out.read_bytes(), (tmp_path / "out.errors.jsonl").read_bytes()
-    assert main(_cli(tiny, inp, out)) == 1  # a rerun writes nothing new
+    assert main(_cli(tiny_llama, inp, out)) == 1  # a rerun writes nothing new
     assert (out.read_bytes(), (tmp_path / "out.errors.jsonl").read_bytes()) == before
 
 
-def test_duplicate_custom_id_names_the_line_that_answered_it(tmp_path, tiny):
+def test_duplicate_custom_id_names_the_line_that_answered_it(tmp_path, tiny_llama):
     rows = [
         _chat("a", "w5", max_tokens=2),  # line 1
         _chat("b", "w6", max_tokens=2),
@@ -223,7 +216,7 @@ def test_duplicate_custom_id_names_the_line_that_answered_it(tmp_path, tiny):
     ]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
-    assert main(_cli(tiny, inp, out)) == 1
+    assert main(_cli(tiny_llama, inp, out)) == 1
     assert sorted(_answers(out)) == ["a", "b"]
     errors = {e["error"]["line"]: e for e in _read(err)}
     assert sorted(errors) == [3, 4, 5, 6]
@@ -236,18 +229,18 @@ def test_duplicate_custom_id_names_the_line_that_answered_it(tmp_path, tiny):
         assert "this line was not run" in rec["message"]
 
     before = out.read_bytes(), err.read_bytes()
-    assert main(_cli(tiny, inp, out)) == 1  # a rerun keeps the first answers, adds nothing
+    assert main(_cli(tiny_llama, inp, out)) == 1  # a rerun keeps the first answers, adds nothing
     assert (out.read_bytes(), err.read_bytes()) == before
 
 
-def test_rerun_of_a_finished_job_does_not_load_the_model(tmp_path, tiny, monkeypatch, caplog):
+def test_rerun_of_a_finished_job_does_not_load_the_model(tmp_path, tiny_llama, monkeypatch, caplog):
     import batchgen.api.llm as llm_module
 
     rows = [_chat(f"f{i}", f"w{20 + i}", max_tokens=2) for i in range(4)]
     rows.append(_chat("f0", "w30", max_tokens=2))  # a duplicate: answered by an error record
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
-    assert main(_cli(tiny, inp, out)) == 1
+    assert main(_cli(tiny_llama, inp, out)) == 1
     before = out.read_bytes(), err.read_bytes()
 
     loads = []
@@ -259,26 +252,26 @@ def test_rerun_of_a_finished_job_does_not_load_the_model(tmp_path, tiny, monkeyp
 
     monkeypatch.setattr(llm_module, "LLM", counting_llm)
     caplog.clear()
-    assert main(_cli(tiny, inp, out)) == 1  # the earlier failure still counts
+    assert main(_cli(tiny_llama, inp, out)) == 1  # the earlier failure still counts
     assert loads == []
     assert "nothing to run (the model was not loaded)" in caplog.text
     assert "0 succeeded, 0 failed (+1 in earlier runs), 4 skipped as already done" in caplog.text
     assert (out.read_bytes(), err.read_bytes()) == before
 
     _write_jsonl(inp, [*rows, _chat("f5", "w31", max_tokens=2)])  # one line left to run
-    assert main(_cli(tiny, inp, out)) == 1
+    assert main(_cli(tiny_llama, inp, out)) == 1
     assert len(loads) == 1
     assert sorted(_answers(out)) == ["f0", "f1", "f2", "f3", "f5"]
 
     _write_jsonl(inp, [r for r in rows if r is not rows[-1]] + [_chat("f5", "w31")])
     err.unlink()  # the duplicate line is gone: every line now has its answer in OUTPUT
     caplog.clear()
-    assert main(_cli(tiny, inp, out)) == 0
+    assert main(_cli(tiny_llama, inp, out)) == 0
     assert len(loads) == 1
     assert "0 succeeded, 0 failed, 5 skipped as already done" in caplog.text
 
 
-def test_a_second_run_on_a_locked_output_is_refused(tmp_path, tiny, monkeypatch, caplog):
+def test_a_second_run_on_a_locked_output_is_refused(tmp_path, tiny_llama, monkeypatch, caplog):
     import fcntl
 
     import batchgen.api.llm as llm_module
@@ -290,21 +283,21 @@ def test_a_second_run_on_a_locked_output_is_refused(tmp_path, tiny, monkeypatch,
     monkeypatch.setattr(llm_module, "LLM", lambda *a, **k: loads.append(1) or real_llm(*a, **k))
     with open(tmp_path / "out.jsonl.lock", "a+") as held:  # another run's lock, own descriptor
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert main(_cli(tiny, inp, out)) == 2
+        assert main(_cli(tiny_llama, inp, out)) == 2
         assert f"another batchgen run is writing to {out}" in caplog.text
         assert loads == [] and not out.exists()
         linked = tmp_path / "link"
         linked.symlink_to(tmp_path)  # the same output under another path
-        assert main(_cli(tiny, inp, linked / "out.jsonl")) == 2
+        assert main(_cli(tiny_llama, inp, linked / "out.jsonl")) == 2
         assert loads == [] and not out.exists()
-    assert main(_cli(tiny, inp, out)) == 0  # the lock is free again
+    assert main(_cli(tiny_llama, inp, out)) == 0  # the lock is free again
     assert list(_answers(out)) == ["a"]
 
 
-def test_two_concurrent_runs_write_each_answer_once(tmp_path, tiny, kill_input, caplog):
+def test_two_concurrent_runs_write_each_answer_once(tmp_path, tiny_llama, kill_input, caplog):
     inp, expected = kill_input
     out = tmp_path / "out.jsonl"
-    argv = _cli(tiny, inp, out, "--max-num-seqs", "8")
+    argv = _cli(tiny_llama, inp, out, "--max-num-seqs", "8")
     first = _spawn(argv)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= 20):
@@ -317,7 +310,9 @@ def test_two_concurrent_runs_write_each_answer_once(tmp_path, tiny, kill_input, 
     assert _answers(out) == expected  # every custom_id once
 
 
-def test_full_disk_stops_with_a_message_and_a_rerun_completes(tmp_path, tiny, monkeypatch, caplog):
+def test_full_disk_stops_with_a_message_and_a_rerun_completes(
+    tmp_path, tiny_llama, monkeypatch, caplog
+):
     import errno
 
     from batchgen.api.batch_journal import Appender
@@ -326,7 +321,7 @@ def test_full_disk_stops_with_a_message_and_a_rerun_completes(tmp_path, tiny, mo
     rows.insert(3, _chat("d0", "w5"))  # a duplicate, for an error record
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    assert main(_cli(tiny, inp, ref, "--max-num-seqs", "4")) == 1
+    assert main(_cli(tiny_llama, inp, ref, "--max-num-seqs", "4")) == 1
     expected = _answers(ref)
 
     real_write = Appender._write
@@ -340,7 +335,7 @@ def test_full_disk_stops_with_a_message_and_a_rerun_completes(tmp_path, tiny, mo
 
     monkeypatch.setattr(Appender, "_write", full_disk)
     caplog.clear()
-    assert main(_cli(tiny, inp, out, "--max-num-seqs", "4")) == 4
+    assert main(_cli(tiny_llama, inp, out, "--max-num-seqs", "4")) == 4
     written = len(_read_whole(out))
     assert 8 <= written < 24 and not out.read_bytes().endswith(b"\n")  # a torn last line
     text = caplog.text
@@ -351,7 +346,7 @@ def test_full_disk_stops_with_a_message_and_a_rerun_completes(tmp_path, tiny, mo
 
     monkeypatch.undo()
     caplog.clear()
-    assert main(_cli(tiny, inp, out, "--max-num-seqs", "4")) == 1
+    assert main(_cli(tiny_llama, inp, out, "--max-num-seqs", "4")) == 1
     assert f"{written} skipped as already done" in caplog.text
     assert _answers(out) == expected  # every custom_id once, the uninterrupted answers
     assert len(_read(tmp_path / "out.errors.jsonl")) == 1
@@ -362,15 +357,15 @@ def _read_whole(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_bytes().split(b"\n")[:-1]]
 
 
-def test_torn_last_line_is_repaired(tmp_path, tiny):
+def test_torn_last_line_is_repaired(tmp_path, tiny_llama):
     rows = [_chat(f"t{i}", f"w{40 + i}", max_tokens=3, temperature=0) for i in range(5)]
     rows.append({"id": "p", "prompt": "w7 w8", "max_tokens": 3, "temperature": 0, "logprobs": 2})
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    assert main(_cli(tiny, inp, ref)) == 0
+    assert main(_cli(tiny_llama, inp, ref)) == 0
     lines = ref.read_bytes().splitlines(keepends=True)
     out.write_bytes(b"".join(lines[:2]) + lines[2][: len(lines[2]) // 2])  # a torn write
-    assert main(_cli(tiny, inp, out)) == 0
+    assert main(_cli(tiny_llama, inp, out)) == 0
     recs = _read(out)
     assert sorted(r["custom_id"] for r in recs) == sorted(r.get("custom_id", "p") for r in rows)
     by_id = {r["custom_id"]: r["response"]["body"] for r in recs}
@@ -402,7 +397,7 @@ def _same_run(body: dict, approx: bool = False) -> dict:
     return {**{k: v for k, v in body.items() if k not in ("id", "created")}, "choices": choices}
 
 
-def test_usage_errors_fail_at_once(tmp_path, tiny, caplog):
+def test_usage_errors_fail_at_once(tmp_path, tiny_llama, caplog):
     inp = _write_jsonl(tmp_path / "in.jsonl", [_chat("a", "w5")])
     assert main(["run", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")]) == 2
     assert "does not exist" in caplog.text
@@ -421,13 +416,13 @@ def test_usage_errors_fail_at_once(tmp_path, tiny, caplog):
     )
     assert "not found" in caplog.text
     assert main(["run", str(inp)]) == 2  # no -o
-    assert main(_cli(tiny, inp, tmp_path / "o.jsonl", "--max-tokens", "0")) == 2
-    assert main(_cli(tiny, inp, tmp_path / "o.jsonl", "--host-kv-gib", "-1")) == 2
+    assert main(_cli(tiny_llama, inp, tmp_path / "o.jsonl", "--max-tokens", "0")) == 2
+    assert main(_cli(tiny_llama, inp, tmp_path / "o.jsonl", "--host-kv-gib", "-1")) == 2
     assert "--host-kv-gib must be >= 0" in caplog.text
     assert not (tmp_path / "o.jsonl").exists()
 
 
-def test_seed_makes_sampled_outputs_reproducible(tmp_path, tiny):
+def test_seed_makes_sampled_outputs_reproducible(tmp_path, tiny_llama):
     """With --seed, a sampled request's output depends on its custom_id only, not on the
     batch around it, so a resumed job samples what an uninterrupted one would."""
     rows = [_chat(f"s{i}", f"w{50 + i} w60", max_tokens=8, ignore_eos=True) for i in range(12)]
@@ -441,9 +436,9 @@ def test_seed_makes_sampled_outputs_reproducible(tmp_path, tiny):
     )
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     a, b, c = (tmp_path / f"{x}.jsonl" for x in "abc")
-    assert main(_cli(tiny, inp, a, "--seed", "7", "--max-num-seqs", "2")) == 0
-    assert main(_cli(tiny, inp, b, "--seed", "7", "--max-num-seqs", "16")) == 0
-    assert main(_cli(tiny, inp, c, "--seed", "8", "--max-num-seqs", "16")) == 0
+    assert main(_cli(tiny_llama, inp, a, "--seed", "7", "--max-num-seqs", "2")) == 0
+    assert main(_cli(tiny_llama, inp, b, "--seed", "7", "--max-num-seqs", "16")) == 0
+    assert main(_cli(tiny_llama, inp, c, "--seed", "8", "--max-num-seqs", "16")) == 0
     assert _answers(a) == _answers(b)
     differs = [k for k, v in _answers(c).items() if v != _answers(a)[k]]
     assert set(differs) == {f"s{i}" for i in range(12)}, differs  # "plain" has its own seed
@@ -458,7 +453,7 @@ def _peak_rss_mib(argv: list[str]) -> float:
 
 
 @pytest.mark.slow
-def test_memory_stays_bounded_on_a_large_input(tmp_path, tiny):
+def test_memory_stays_bounded_on_a_large_input(tmp_path, tiny_llama):
     """Peak RSS with 100k requests stays within a few MiB of the peak with 10k.
 
     Both peaks include the model and the KV pool; what may grow is the set of custom_ids
@@ -479,8 +474,8 @@ def test_memory_stays_bounded_on_a_large_input(tmp_path, tiny):
                 f.write(json.dumps(row) + "\n")
         return path
 
-    small = _peak_rss_mib(_cli(tiny, make(10_000), tmp_path / "o10k.jsonl"))
-    large = _peak_rss_mib(_cli(tiny, make(100_000), tmp_path / "o100k.jsonl"))
+    small = _peak_rss_mib(_cli(tiny_llama, make(10_000), tmp_path / "o10k.jsonl"))
+    large = _peak_rss_mib(_cli(tiny_llama, make(100_000), tmp_path / "o100k.jsonl"))
     assert sum(1 for _ in open(tmp_path / "o100k.jsonl")) == 100_000
     assert large < small + 50, f"peak RSS {small:.0f} MiB (10k lines) -> {large:.0f} MiB (100k)"
 
@@ -526,7 +521,7 @@ def test_response_format_answers_validate_and_bad_schemas_are_line_errors(tmp_pa
     assert "does not compile" in json.dumps(errors[0])
 
 
-def test_host_tier_from_the_command_line_swaps_and_changes_no_answer(tmp_path, tiny):
+def test_host_tier_from_the_command_line_swaps_and_changes_no_answer(tmp_path, tiny_llama):
     """--host-kv-gib turns the host tier on: with a device pool too small for the batch,
     preempted requests are swapped to host and back (the summary says so; one with less
     than a page computed is recomputed) and every
@@ -536,8 +531,8 @@ def test_host_tier_from_the_command_line_swaps_and_changes_no_answer(tmp_path, t
     )
     ample, tight = tmp_path / "ample.jsonl", tmp_path / "tight.jsonl"
     common = ["--max-num-seqs", "8", "--max-model-len", "96"]
-    assert main(_cli(tiny, inp, ample, *common)) == 0
-    argv = _cli(tiny, inp, tight, *common)
+    assert main(_cli(tiny_llama, inp, ample, *common)) == 0
+    argv = _cli(tiny_llama, inp, tight, *common)
     argv[argv.index("--kv-cache-gib") + 1] = "0.00006"  # 15 pages of 16 tokens
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(

@@ -7,20 +7,11 @@ from __future__ import annotations
 import json
 import signal
 
-import pytest
-from conftest import save_tiny_model
 from test_batch_run import _answers, _chat, _cli, _kill_part_way, _read, _spawn, _write_jsonl
 
 from batchgen.api.cli import main
 
 N_ROWS = 120
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return str(path)
 
 
 def _sampled(n: int) -> list[dict]:
@@ -30,23 +21,23 @@ def _sampled(n: int) -> list[dict]:
     ]
 
 
-def test_a_resumed_sampled_job_gives_the_uninterrupted_texts(tmp_path, tiny):
+def test_a_resumed_sampled_job_gives_the_uninterrupted_texts(tmp_path, tiny_llama):
     """kill -9 part-way, then rerun, no --seed: every line, the resumed ones included,
     has the text of an uninterrupted run with the same --max-num-seqs (before, a
     request's seed came from its arrival index, and 20 of 120 texts matched)."""
     inp = _write_jsonl(tmp_path / "in.jsonl", _sampled(N_ROWS))
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
     common = ("--max-num-seqs", "8")
-    proc = _spawn(_cli(tiny, inp, ref, *common))
+    proc = _spawn(_cli(tiny_llama, inp, ref, *common))
     assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()[-2000:]
     expected = _answers(ref)
 
-    proc = _spawn(_cli(tiny, inp, out, *common))
+    proc = _spawn(_cli(tiny_llama, inp, out, *common))
     _kill_part_way(proc, out, signal.SIGKILL)
     proc.wait(timeout=60)
     first = _answers(out, torn_ok=True)
     assert 20 <= len(first) < N_ROWS
-    proc = _spawn(_cli(tiny, inp, out, *common))
+    proc = _spawn(_cli(tiny_llama, inp, out, *common))
     assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()[-2000:]
     assert _answers(out) == expected
     texts = {text for text, _, _ in expected.values()}
@@ -57,7 +48,7 @@ def _choices(path) -> dict[str, dict]:
     return {r["custom_id"]: r["response"]["body"] for r in _read(path)}
 
 
-def test_n_and_best_of_give_one_line_with_n_choices(tmp_path, tiny):
+def test_n_and_best_of_give_one_line_with_n_choices(tmp_path, tiny_llama):
     rows = [
         _chat("one", "w7 w8", max_tokens=8, ignore_eos=True),
         _chat("three", "w7 w8", max_tokens=8, ignore_eos=True, n=3),
@@ -71,7 +62,7 @@ def test_n_and_best_of_give_one_line_with_n_choices(tmp_path, tiny):
     ]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    assert main(_cli(tiny, inp, out)) == 1
+    assert main(_cli(tiny_llama, inp, out)) == 1
     bodies = _choices(out)
     three = bodies["three"]
     assert [c["index"] for c in three["choices"]] == [0, 1, 2]
@@ -94,7 +85,7 @@ def test_n_and_best_of_give_one_line_with_n_choices(tmp_path, tiny):
     single = _write_jsonl(
         tmp_path / "single.jsonl", [_chat("three", "w7 w8", max_tokens=8, ignore_eos=True)]
     )
-    assert main(_cli(tiny, single, tmp_path / "single_out.jsonl")) == 0
+    assert main(_cli(tiny_llama, single, tmp_path / "single_out.jsonl")) == 0
     alone = _choices(tmp_path / "single_out.jsonl")["three"]["choices"][0]
     assert alone["message"]["content"] == texts[0]
     assert json.dumps(alone["message"]) != json.dumps(three["choices"][1]["message"])

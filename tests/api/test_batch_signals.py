@@ -9,21 +9,12 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-from conftest import save_tiny_model
 from test_batch_run import _answers, _chat, _cli, _read, _spawn, _write_jsonl
 
 from batchgen.api.batch_job import JobOptions, run_batch_job
 
 N_QUEUED = 600
 MAX_NUM_SEQS = 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return str(path)
 
 
 def _rows(n: int, max_tokens: int) -> list[dict]:
@@ -37,13 +28,13 @@ def _lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
-def test_sigterm_stops_admission_and_the_rerun_completes(tmp_path, tiny):
+def test_sigterm_stops_admission_and_the_rerun_completes(tmp_path, tiny_llama):
     """600 queued requests, 16 a step: after SIGTERM at most the running requests
     finish (the old behaviour finished its whole read-ahead, 4 x 16 = 64), the run exits
     3 within the grace period + 10 s, and the rerun writes every custom_id once."""
     inp = _write_jsonl(tmp_path / "in.jsonl", _rows(N_QUEUED, max_tokens=24))
     out = tmp_path / "out.jsonl"
-    argv = _cli(tiny, inp, out, "--max-num-seqs", str(MAX_NUM_SEQS))
+    argv = _cli(tiny_llama, inp, out, "--max-num-seqs", str(MAX_NUM_SEQS))
     proc = _spawn(argv)
     deadline = time.monotonic() + 180
     while _lines(out) < 5:
@@ -70,7 +61,7 @@ def test_sigterm_stops_admission_and_the_rerun_completes(tmp_path, tiny):
     assert not (tmp_path / "out.errors.jsonl").exists()
 
 
-def test_running_requests_are_dropped_when_the_grace_period_ends(tmp_path, tiny):
+def test_running_requests_are_dropped_when_the_grace_period_ends(tmp_path, tiny_llama):
     """Long requests (ignore_eos) cannot finish within a 0.5 s grace period: the job
     returns soon after it, interrupted, with the short lines written and the long ones
     not; the rerun writes the long ones."""
@@ -80,7 +71,7 @@ def test_running_requests_are_dropped_when_the_grace_period_ends(tmp_path, tiny)
     long = [_chat(f"l{i}", f"w{40 + i}", max_tokens=400, ignore_eos=True) for i in range(6)]
     inp = _write_jsonl(tmp_path / "in.jsonl", short + long)
     out = tmp_path / "out.jsonl"
-    llm = LLM(model=tiny, device="cpu", kv_cache_size_gib=0.02, max_num_seqs=4)
+    llm = LLM(model=tiny_llama, device="cpu", kv_cache_size_gib=0.02, max_num_seqs=4)
     opts = JobOptions(inp, out, "tiny", progress=False, grace_s=0.5)
 
     sent: list[float] = []

@@ -34,13 +34,6 @@ def _batchgen(*argv: str) -> subprocess.CompletedProcess:
     return _python(code)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return path
-
-
 def _lines(path: Path, n: int = 2) -> Path:
     rows = [
         {
@@ -114,9 +107,9 @@ def test_options_are_checked_when_nothing_is_left_to_run(tmp_path):
     assert "nothing to run (the model was not loaded)" in done.stderr
 
 
-def test_input_as_option_answers_as_the_positional_does(tmp_path, tiny):
+def test_input_as_option_answers_as_the_positional_does(tmp_path, tiny_llama):
     inp = _lines(tmp_path / "in.jsonl")
-    common = ["--model", str(tiny), "--device", "cpu", "--kv-cache-gib", "0.02"]
+    common = ["--model", tiny_llama, "--device", "cpu", "--kv-cache-gib", "0.02"]
     common += ["--temperature", "0"]
     assert main(["run", str(inp), "-o", str(tmp_path / "a.jsonl"), *common]) == EXIT_OK
     assert main(["run", "-i", str(inp), "-o", str(tmp_path / "b.jsonl"), *common]) == EXIT_OK
@@ -153,10 +146,10 @@ def test_outputs_own_files_are_refused_as_input(tmp_path, caplog, own):
     assert given.read_bytes() == before and not (tmp_path / "out.jsonl").exists()
 
 
-def test_an_output_that_answers_another_input_is_a_usage_error(tmp_path, tiny, caplog):
+def test_an_output_that_answers_another_input_is_a_usage_error(tmp_path, tiny_llama, caplog):
     """Resuming OUTPUT with an input other than the one its journal answers would skip
     lines by number that never ran: the command refuses it plainly and writes nothing."""
-    common = ["--model", str(tiny), "--device", "cpu", "--kv-cache-gib", "0.02"]
+    common = ["--model", tiny_llama, "--device", "cpu", "--kv-cache-gib", "0.02"]
     out = tmp_path / "out.jsonl"
     assert main(["run", str(_lines(tmp_path / "a.jsonl")), "-o", str(out), *common]) == EXIT_OK
     before = out.read_bytes()
@@ -169,24 +162,24 @@ def test_an_output_that_answers_another_input_is_a_usage_error(tmp_path, tiny, c
 
 
 @pytest.fixture
-def hub_cache(tmp_path, monkeypatch, tiny):
+def hub_cache(tmp_path, monkeypatch, tiny_llama):
     """HF_HUB_CACHE holding "acme/tiny-llama" in the hub's layout; offline."""
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--acme--tiny-llama"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
-    shutil.copytree(tiny, repo / "snapshots" / commit)
+    shutil.copytree(tiny_llama, repo / "snapshots" / commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
-def test_a_hugging_face_id_runs_from_the_local_cache(tmp_path, tiny, hub_cache, caplog):
+def test_a_hugging_face_id_runs_from_the_local_cache(tmp_path, tiny_llama, hub_cache, caplog):
     inp = _lines(tmp_path / "in.jsonl")
     common = ["--device", "cpu", "--kv-cache-gib", "0.02", "--temperature", "0"]
     by_id, by_path = tmp_path / "id.jsonl", tmp_path / "path.jsonl"
     assert main(["run", str(inp), "-o", str(by_id), "--model", "acme/tiny-llama", *common]) == 0
-    assert main(["run", str(inp), "-o", str(by_path), "--model", str(tiny), *common]) == 0
+    assert main(["run", str(inp), "-o", str(by_path), "--model", tiny_llama, *common]) == 0
     got, want = _records(by_id), _records(by_path)
     assert {r["response"]["body"]["model"] for r in got} == {"acme/tiny-llama"}
 
@@ -200,7 +193,7 @@ def test_a_hugging_face_id_runs_from_the_local_cache(tmp_path, tiny, hub_cache, 
     assert "'acme/missing' is not a local path, not in the Hugging Face cache" in caplog.text
 
 
-def test_the_model_loading_is_said_before_any_result(tmp_path, tiny, caplog, monkeypatch):
+def test_the_model_loading_is_said_before_any_result(tmp_path, tiny_llama, caplog, monkeypatch):
     inp = _lines(tmp_path / "in.jsonl")
     seen = []
     real = batch_job.run_batch_job
@@ -210,11 +203,11 @@ def test_the_model_loading_is_said_before_any_result(tmp_path, tiny, caplog, mon
         return real(llm, opts)
 
     monkeypatch.setattr(batch_job, "run_batch_job", job)
-    argv = ["run", str(inp), "-o", str(tmp_path / "out.jsonl"), "--model", str(tiny)]
+    argv = ["run", str(inp), "-o", str(tmp_path / "out.jsonl"), "--model", tiny_llama]
     assert main([*argv, "--device", "cpu", "--kv-cache-gib", "0.02", "--grace-seconds", "2.5"]) == 0
     loading = [r for r in caplog.records if r.getMessage().startswith("loading ")]
     assert len(loading) == 1
-    assert loading[0].getMessage().startswith(f"loading {tiny.name} on cpu;")
+    assert loading[0].getMessage().startswith(f"loading {Path(tiny_llama).name} on cpu;")
     assert caplog.records.index(loading[0]) < caplog.records.index(
         next(r for r in caplog.records if r.getMessage().startswith("done: "))
     )

@@ -12,20 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import save_tiny_model
 from test_batch_run import _answers, _chat, _read
 
 from batchgen.api.batch_job import JobOptions
 from batchgen.api.cli import main
 
 N_ROWS = 96
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +39,7 @@ def local_ray():
 
 
 @pytest.fixture(scope="module")
-def batch(tmp_path_factory, tiny):
+def batch(tmp_path_factory, tiny_llama):
     """N_ROWS greedy requests with a bad line, a duplicate and an overlong prompt among
     them, and the single engine's answers to them."""
     d = tmp_path_factory.mktemp("dp")
@@ -61,7 +53,7 @@ def batch(tmp_path_factory, tiny):
     inp = d / "in.jsonl"
     inp.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     ref = d / "ref.jsonl"
-    assert main(_cli(tiny, inp, ref)) == 1
+    assert main(_cli(tiny_llama, inp, ref)) == 1
     return inp, _answers(ref), _error_lines(ref)
 
 
@@ -87,18 +79,18 @@ def _input_order(inp: Path) -> list[str]:
 
 
 def test_two_engines_give_the_single_engine_answers_in_input_order(
-    tmp_path, tiny, batch, local_ray
+    tmp_path, tiny_llama, batch, local_ray
 ):
     inp, expected, expected_errors = batch
     out = tmp_path / "out.jsonl"
-    assert main(_cli(tiny, inp, out, "--data-parallel", "2", "--shard-size", "8")) == 1
+    assert main(_cli(tiny_llama, inp, out, "--data-parallel", "2", "--shard-size", "8")) == 1
     assert _answers(out) == expected  # every custom_id once, the same greedy outputs
     written = [r["custom_id"] for r in _read(out)]
     assert written == [c for c in dict.fromkeys(_input_order(inp)) if c in expected]
     assert _error_lines(out) == expected_errors == [11, 41, 71]  # in input order too
 
     before = out.read_bytes()
-    assert main(_cli(tiny, inp, out, "--data-parallel", "2")) == 1  # finished: runs nothing
+    assert main(_cli(tiny_llama, inp, out, "--data-parallel", "2")) == 1  # finished: runs nothing
     assert out.read_bytes() == before
 
 
@@ -116,7 +108,7 @@ def _engine_pids() -> list[int]:
     return pids
 
 
-def _run_killing(out: Path, inp: Path, tiny: str, kill: int, **dp_options):
+def _run_killing(out: Path, inp: Path, tiny_llama: str, kill: int, **dp_options):
     """run_data_parallel with 2 engines; SIGKILL `kill` of them once `out` has 4 lines.
     Returns its summary, or the exception it raised."""
     from batchgen.api.data_parallel import DataParallelOptions, run_data_parallel
@@ -140,7 +132,7 @@ def _run_killing(out: Path, inp: Path, tiny: str, kill: int, **dp_options):
     opts = JobOptions(input=inp, output=out, model_name="tiny", max_in_flight=16, progress=False)
     engine = {"device": "cpu", "kv_cache_size_gib": 0.02, "max_num_seqs": 8}
     dp = DataParallelOptions(
-        num_engines=2, model=tiny, engine_kwargs=engine, shard_size=4, **dp_options
+        num_engines=2, model=tiny_llama, engine_kwargs=engine, shard_size=4, **dp_options
     )
     try:
         result = run_data_parallel(opts, dp)
@@ -151,12 +143,12 @@ def _run_killing(out: Path, inp: Path, tiny: str, kill: int, **dp_options):
     return result
 
 
-def test_a_killed_engine_has_its_shards_rerun(tmp_path, tiny, batch, local_ray, caplog):
+def test_a_killed_engine_has_its_shards_rerun(tmp_path, tiny_llama, batch, local_ray, caplog):
     """SIGKILL one engine's process part-way: a new engine takes its place, its shards
     run again, and the job ends with every custom_id once and the same answers."""
     inp, expected, expected_errors = batch
     out = tmp_path / "out.jsonl"
-    summary = _run_killing(out, inp, tiny, kill=1)
+    summary = _run_killing(out, inp, tiny_llama, kill=1)
     assert not isinstance(summary, Exception), summary
     assert "its shards go back to the queue and a new engine takes its place" in caplog.text
     assert not summary.interrupted
@@ -166,7 +158,7 @@ def test_a_killed_engine_has_its_shards_rerun(tmp_path, tiny, batch, local_ray, 
 
 
 def test_when_every_engine_dies_the_job_stops_and_a_rerun_completes(
-    tmp_path, tiny, batch, local_ray
+    tmp_path, tiny_llama, batch, local_ray
 ):
     """No restarts allowed and both engines killed: the job stops with a clear error
     (never a hang), keeps what it wrote, and a rerun completes it: every custom_id
@@ -175,13 +167,13 @@ def test_when_every_engine_dies_the_job_stops_and_a_rerun_completes(
 
     inp, expected, expected_errors = batch
     out = tmp_path / "out.jsonl"
-    error = _run_killing(out, inp, tiny, kill=2, max_restarts=0)
+    error = _run_killing(out, inp, tiny_llama, kill=2, max_restarts=0)
     assert isinstance(error, DataParallelError), error
     assert "every engine died and none may be restarted" in str(error)
     partial = _answers(out)
     assert 4 <= len(partial) < len(expected)
 
-    assert main(_cli(tiny, inp, out, "--data-parallel", "2", "--shard-size", "8")) == 1
+    assert main(_cli(tiny_llama, inp, out, "--data-parallel", "2", "--shard-size", "8")) == 1
     assert _answers(out) == expected
     written = [r["custom_id"] for r in _read(out)]
     assert written == [c for c in dict.fromkeys(_input_order(inp)) if c in expected]
@@ -189,27 +181,27 @@ def test_when_every_engine_dies_the_job_stops_and_a_rerun_completes(
 
 
 def test_engines_of_two_tensor_parallel_ranks_give_the_single_engine_answers(
-    tmp_path, tiny, batch, local_ray, caplog
+    tmp_path, tiny_llama, batch, local_ray, caplog
 ):
     """--data-parallel 2 --tp 2: each engine is a Ray actor holding two CPUs, its worker
     rank spawned inside it; the answers are the single engine's. More engines than the
     cluster's CPUs hold at two each are refused by name."""
     inp, expected, expected_errors = batch
     out = tmp_path / "out.jsonl"
-    assert main(_cli(tiny, inp, out, "--data-parallel", "3", "--tp", "2")) == 2
+    assert main(_cli(tiny_llama, inp, out, "--data-parallel", "3", "--tp", "2")) == 2
     assert "3 engines need 6 CPUs (2 each, tensor_parallel_size=2)" in caplog.text
     assert not out.exists()
     extra = ("--data-parallel", "2", "--tp", "2", "--shard-size", "8")
-    assert main(_cli(tiny, inp, out, *extra)) == 1
+    assert main(_cli(tiny_llama, inp, out, *extra)) == 1
     assert _answers(out) == expected
     assert _error_lines(out) == expected_errors
 
 
-def test_without_ray_the_flag_says_how_to_install_it(tmp_path, tiny, monkeypatch, caplog):
+def test_without_ray_the_flag_says_how_to_install_it(tmp_path, tiny_llama, monkeypatch, caplog):
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps(_chat("a", "w5")) + "\n")
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     out = tmp_path / "out.jsonl"
-    assert main(_cli(tiny, inp, out, "--data-parallel", "2")) == 2
+    assert main(_cli(tiny_llama, inp, out, "--data-parallel", "2")) == 2
     assert "pip install 'batchgen[ray]'" in caplog.text
     assert not out.exists()

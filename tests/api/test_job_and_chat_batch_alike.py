@@ -11,7 +11,6 @@ import json
 import random
 
 import pytest
-from conftest import save_tiny_model
 from test_batch_run import _chat, _write_jsonl
 
 from batchgen import LLM, SamplingParams
@@ -21,13 +20,6 @@ from batchgen.api.batch_requests import prepare_line
 
 DEFAULTS = {"max_tokens": None, "temperature": 1.0, "top_p": 1.0}
 ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_size_gib=0.02)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return str(path)
 
 
 def _lines(n: int) -> list[dict]:
@@ -60,10 +52,10 @@ def _recording(llm) -> list[list[tuple]]:
     return steps
 
 
-def test_a_job_and_llm_chat_run_the_same_steps(tmp_path, tiny):
+def test_a_job_and_llm_chat_run_the_same_steps(tmp_path, tiny_llama):
     lines = _lines(40)  # 2.5 windows of 16
     inp = _write_jsonl(tmp_path / "in.jsonl", lines)
-    job_llm = LLM(model=tiny, **ENGINE)
+    job_llm = LLM(model=tiny_llama, **ENGINE)
     job_steps = _recording(job_llm)
     opts = JobOptions(
         input=inp,
@@ -80,7 +72,7 @@ def test_a_job_and_llm_chat_run_the_same_steps(tmp_path, tiny):
         choice = rec["response"]["body"]["choices"][0]
         answers[rec["custom_id"]] = (choice["message"]["content"], choice["finish_reason"])
 
-    chat_llm = LLM(model=tiny, **ENGINE)
+    chat_llm = LLM(model=tiny_llama, **ENGINE)
     params = []
     for number, line in enumerate(lines, start=1):
         item = bf.parse_line(json.dumps(line).encode(), number)
@@ -103,8 +95,8 @@ def test_a_job_and_llm_chat_run_the_same_steps(tmp_path, tiny):
 
 
 @pytest.mark.parametrize("queued", [None, 5])
-def test_llm_generate_keeps_at_most_the_window_unfinished(tiny, queued):
-    llm = LLM(model=tiny, **ENGINE, max_queued_requests=queued)
+def test_llm_generate_keeps_at_most_the_window_unfinished(tiny_llama, queued):
+    llm = LLM(model=tiny_llama, **ENGINE, max_queued_requests=queued)
     window = llm.engine.config.read_ahead
     assert window == (queued or 4 * ENGINE["max_num_seqs"])
     held = []

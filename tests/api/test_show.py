@@ -6,19 +6,9 @@ from __future__ import annotations
 import io
 import json
 
-import pytest
-from conftest import save_tiny_model
-
 from batchgen.api.cli import EXIT_USAGE, main
 from batchgen.api.run_command import EXIT_FAILED_LINES
 from batchgen.api.show import show
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return str(path)
 
 
 def _chat(cid: str, words: str, **body) -> dict:
@@ -26,7 +16,7 @@ def _chat(cid: str, words: str, **body) -> dict:
     return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
-def test_a_jobs_answers_in_custom_id_order_then_its_errors(tmp_path, tiny, capsys):
+def test_a_jobs_answers_in_custom_id_order_then_its_errors(tmp_path, tiny_llama, capsys):
     ids = ["r10", "r2", "b", "r1"]  # input order; by custom_id: b, r1, r2, r10
     rows = [json.dumps(_chat(cid, f"w{5 + i} w7", max_tokens=3)) for i, cid in enumerate(ids)]
     rows.insert(2, '{"custom_id": "bad", "method": "POST"')  # line 3: not JSON
@@ -34,7 +24,7 @@ def test_a_jobs_answers_in_custom_id_order_then_its_errors(tmp_path, tiny, capsy
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(rows) + "\n")
     out = tmp_path / "out.jsonl"
-    argv = ["run", str(inp), "-o", str(out), "--model", tiny, "--device", "cpu"]
+    argv = ["run", str(inp), "-o", str(out), "--model", tiny_llama, "--device", "cpu"]
     assert main([*argv, "--kv-cache-gib", "0.02", "--quiet"]) == EXIT_FAILED_LINES
     capsys.readouterr()
 
