@@ -4,28 +4,12 @@ fails a line its engine fails alone (RequestsFailed) while the rest of its shard
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import pytest
-from conftest import save_tiny_model
+from test_shard_worker import _worker
 
 from batchgen.api import batch_file as bf
-from batchgen.api.batch_job import JobOptions
-from batchgen.api.shard_worker import Shard, ShardWorker
+from batchgen.api.shard_worker import Shard
 from batchgen.engine.engine_core import EngineCore, RequestsFailed
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return str(path)
-
-
-def _worker(model: str) -> ShardWorker:
-    opts = JobOptions(input=Path("in.jsonl"), output=Path("out.jsonl"), model_name="tiny")
-    engine = {"device": "cpu", "kv_cache_size_gib": 0.02, "max_num_seqs": 4}
-    return ShardWorker(model, engine, opts)
 
 
 def _item(line: int, max_tokens: int, **body) -> bf.BatchItem:
@@ -33,7 +17,7 @@ def _item(line: int, max_tokens: int, **body) -> bf.BatchItem:
     return bf.BatchItem(line, f"c{line}", bf.COMPLETIONS, body, digest=f"d{line}")
 
 
-def test_a_shard_of_n_sample_lines_and_a_failed_request(model, monkeypatch):
+def test_a_shard_of_n_sample_lines_and_a_failed_request(tiny_llama, monkeypatch):
     real_step = EngineCore.step
     steps = []
 
@@ -46,7 +30,7 @@ def test_a_shard_of_n_sample_lines_and_a_failed_request(model, monkeypatch):
         return real_step(self)
 
     monkeypatch.setattr(EngineCore, "step", step)
-    worker = _worker(model)
+    worker = _worker(tiny_llama)
     shard = Shard(0, [_item(1, 5, n=3), _item(2, 20), _item(3, 4)])
     result = worker.run_shard(shard)
     assert [line for line, _ in result.outputs] == [1, 3]

@@ -8,19 +8,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import save_tiny_model
 
 from batchgen import LLM, SamplingParams
 from batchgen.api import batch_file as bf
 from batchgen.api.batch_job import JobOptions
 from batchgen.api.shard_worker import Shard, ShardWorker
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return str(path)
 
 
 def _worker(model: str) -> ShardWorker:
@@ -52,8 +44,8 @@ def _run_all(worker: ShardWorker, shards: list[Shard]) -> list:
     return results
 
 
-def test_shards_share_the_engine_and_come_back_in_input_order(model):
-    worker = _worker(model)
+def test_shards_share_the_engine_and_come_back_in_input_order(tiny_llama):
+    worker = _worker(tiny_llama)
     shards = [
         Shard(0, [_item(1, "w5 w6", 12), _item(2, "w7", 2), _item(3, "w9 " * 1100, 2)]),
         Shard(1, [_item(4, "w8", 3), _item(5, "w10 w11", 1)]),
@@ -67,7 +59,7 @@ def test_shards_share_the_engine_and_come_back_in_input_order(model):
     # each shard's token totals are its own requests' only, counted here by a plain
     # engine generating the same prompts (the refused line counts nothing)
     prompts = {1: ("w5 w6", 12), 2: ("w7", 2), 4: ("w8", 3), 5: ("w10 w11", 1)}
-    plain = LLM(model, device="cpu", kv_cache_size_gib=0.02, max_num_seqs=4)
+    plain = LLM(tiny_llama, device="cpu", kv_cache_size_gib=0.02, max_num_seqs=4)
     counted = {}
     for line, (words, max_tokens) in prompts.items():
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -79,10 +71,10 @@ def test_shards_share_the_engine_and_come_back_in_input_order(model):
 
 
 @pytest.mark.parametrize("where", ["step", "output_line"])
-def test_after_an_engine_error_every_shard_fails(model, monkeypatch, where):
+def test_after_an_engine_error_every_shard_fails(tiny_llama, monkeypatch, where):
     """An error in the engine thread, in a step or while making a result line, fails
     the shards in flight and every later one; no call waits forever."""
-    worker = _worker(model)
+    worker = _worker(tiny_llama)
 
     def broken(*args):
         raise RuntimeError("the device fell over")
