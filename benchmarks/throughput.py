@@ -38,9 +38,10 @@ from workloads import (  # noqa: E402
 )
 
 
-def run_batchgen(ckpt, prompts, out_lens, args):
+def _warm_llm(ckpt, prompts, args):
+    """batchgen's LLM on `ckpt` as args configure it, warmed up on the first prompts
+    (kernels compiled, CUDA graphs captured) so that timing starts after them."""
     from batchgen import LLM, SamplingParams
-    from batchgen.engine.memory import fewer_full_collections
 
     llm = LLM(
         model=str(ckpt),
@@ -50,6 +51,14 @@ def run_batchgen(ckpt, prompts, out_lens, args):
         **engine_kwargs(args),
     )
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def run_batchgen(ckpt, prompts, out_lens, args):
+    from batchgen import SamplingParams
+    from batchgen.engine.memory import fewer_full_collections
+
+    llm = _warm_llm(ckpt, prompts, args)
     eng = llm.engine
     _sync(args.device)
     with fewer_full_collections():  # as LLM.generate runs
@@ -100,17 +109,10 @@ SAMPLING = {
 def run_sampling(ckpt, prompts, out_lens, args) -> dict:
     """The workload greedy, then under each asked SAMPLING configuration, in one engine
     (a seed per request): {name: {wall_s, output_tokens, tok_s, ratio_to_greedy}}."""
-    from batchgen import LLM, SamplingParams
+    from batchgen import SamplingParams
     from batchgen.engine.memory import fewer_full_collections
 
-    llm = LLM(
-        model=str(ckpt),
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=2048,
-        **engine_kwargs(args),
-    )
-    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm = _warm_llm(ckpt, prompts, args)
     eng = llm.engine
     names = ["greedy"] + (list(SAMPLING)[1:] if args.sampling == "all" else [args.sampling])
     results: dict[str, dict] = {}
