@@ -5,6 +5,8 @@ between such a run and a reference run that reported five logprobs a step."""
 
 from __future__ import annotations
 
+import random
+
 from conftest import record_launches
 from parity import top5_after
 
@@ -13,6 +15,19 @@ from batchgen.eval.closeness import close_under_top5, top5_from_logprobs
 # what a GPU engine of these tests is given besides its model: the device and dtype
 # users run on a GPU
 GPU = dict(device="cuda", dtype="bfloat16")
+
+
+def grouped_prompts(seed: int) -> list[list[int]]:
+    """Four groups of four prompts sharing 100 tokens, each with 3 to 60 of its own
+    (prefix hits), then sixteen prompts of 5 to 150 tokens."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(4):
+        prefix = [rng.randint(3, 500) for _ in range(100)]
+        prompts += [
+            prefix + [rng.randint(3, 500) for _ in range(rng.randint(3, 60))] for _ in range(4)
+        ]
+    return prompts + [[rng.randint(3, 500) for _ in range(rng.randint(5, 150))] for _ in range(16)]
 
 
 class PathSeen:

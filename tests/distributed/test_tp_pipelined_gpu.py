@@ -10,12 +10,10 @@ is test_tp_pipelined.py. Written for a machine with two GPUs; not yet run there.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
-from gpu_defaults import GPU, PathSeen, collapsed_rows
+from gpu_defaults import GPU, PathSeen, collapsed_rows, grouped_prompts
 from kimi_checkpoints import save_tiny_kimi
 from parity import completions
 from penalty_reference import emitted_eos, set_eos
@@ -44,25 +42,13 @@ MODELS = {
 }
 
 
-def _prompts() -> list[list[int]]:
-    """Four groups of four prompts sharing 100 tokens, then sixteen of their own."""
-    rng = random.Random(9)
-    prompts = []
-    for _ in range(4):
-        prefix = [rng.randint(3, 500) for _ in range(100)]
-        prompts += [
-            prefix + [rng.randint(3, 500) for _ in range(rng.randint(3, 60))] for _ in range(4)
-        ]
-    return prompts + [[rng.randint(3, 500) for _ in range(rng.randint(5, 150))] for _ in range(16)]
-
-
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model(request, tmp_path_factory):
     """The checkpoint (its EOS a token the TP=1 run emits mid-way in the most rows), the
     prompts and the TP=1 ample, tier-off run with logprobs under that EOS."""
     path = tmp_path_factory.mktemp(f"tp-gpu-{request.param}")
     MODELS[request.param](path)
-    prompts = _prompts()
+    prompts = grouped_prompts(seed=9)
     free = completions(LLM(str(path), num_kv_pages=1024, **GPU, **KW), prompts, JUDGE)
     set_eos(path, emitted_eos([list(c.token_ids) for c in free]))
     ref = completions(LLM(str(path), num_kv_pages=1024, **GPU, **KW), prompts, JUDGE)

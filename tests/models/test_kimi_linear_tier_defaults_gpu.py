@@ -11,10 +11,8 @@ float32, is test_kimi_linear_tier_defaults.py."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from gpu_defaults import GPU, PathSeen, collapsed_rows
+from gpu_defaults import GPU, PathSeen, collapsed_rows, grouped_prompts
 from kimi_checkpoints import save_tiny_kimi
 from parity import completions
 from penalty_reference import emitted_eos, set_eos
@@ -32,26 +30,13 @@ DEFAULT = SamplingParams(temperature=0, max_tokens=48, stop=STOP)
 JUDGE = SamplingParams(temperature=0, max_tokens=48, stop=STOP, logprobs=5)  # off-defaults: judge
 
 
-def _prompts() -> list[list[int]]:
-    """Four groups of four prompts sharing 100 tokens, each with 3 to 60 of its own,
-    then sixteen prompts of 5 to 150 tokens."""
-    rng = random.Random(7)
-    prompts = []
-    for _ in range(4):
-        prefix = [rng.randint(3, 500) for _ in range(100)]
-        prompts += [
-            prefix + [rng.randint(3, 500) for _ in range(rng.randint(3, 60))] for _ in range(4)
-        ]
-    return prompts + [[rng.randint(3, 500) for _ in range(rng.randint(5, 150))] for _ in range(16)]
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """The dense checkpoint, its EOS set to a token the ample run emits mid-way in the
     most rows, the prompts and the ample, tier-off run with logprobs under that EOS."""
     path = tmp_path_factory.mktemp("kimi-tier-defaults-gpu")
     save_tiny_kimi(path, layer_types=[L, L, L, F], first_k_dense_replace=4, **LINEAR)
-    prompts = _prompts()
+    prompts = grouped_prompts(seed=7)
     free = completions(LLM(str(path), num_kv_pages=1024, **GPU, **KW), prompts, JUDGE)
     set_eos(path, emitted_eos([list(c.token_ids) for c in free]))
     ample = LLM(str(path), num_kv_pages=1024, **GPU, **KW)
