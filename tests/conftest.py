@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,6 +115,24 @@ def save_tiny_tokenizer(path, vocab_size: int) -> None:
         "{% if add_generation_prompt %}w12 {% endif %}"
     )
     fast.save_pretrained(path)
+
+
+def save_hub_snapshot(cache, repo_id: str, checkpoint, commit: str, ref: str = "main") -> Path:
+    """Lay `checkpoint` out in the Hugging Face cache folder `cache` the way the hub does:
+    models--org--name/snapshots/`commit`, with refs/`ref` naming it; returns the snapshot."""
+    repo = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return shutil.copytree(checkpoint, repo / "snapshots" / commit)
+
+
+def hub_offline(monkeypatch, hub_cache) -> None:
+    """For the test: HF_HUB_CACHE is the folder `hub_cache` and the hub is offline."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 def byte_chars() -> list[str]:

@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
-from conftest import save_tiny_model
+from conftest import hub_offline, save_hub_snapshot, save_tiny_model
 
 import batchgen.api.batch_job as batch_job
 from batchgen.api.cli import EXIT_OK, EXIT_USAGE, build_parser, main
@@ -165,13 +163,8 @@ def test_an_output_that_answers_another_input_is_a_usage_error(tmp_path, tiny_ll
 def hub_cache(tmp_path, monkeypatch, tiny_llama):
     """HF_HUB_CACHE holding "acme/tiny-llama" in the hub's layout; offline."""
     commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--acme--tiny-llama"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    shutil.copytree(tiny_llama, repo / "snapshots" / commit)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    save_hub_snapshot(tmp_path / "hub", "acme/tiny-llama", tiny_llama, commit)
+    hub_offline(monkeypatch, tmp_path / "hub")
 
 
 def test_a_hugging_face_id_runs_from_the_local_cache(tmp_path, tiny_llama, hub_cache, caplog):

@@ -4,11 +4,8 @@ cache given as vLLM's revision= and download_dir=; never the network."""
 
 from __future__ import annotations
 
-import shutil
-
-import huggingface_hub.constants
 import pytest
-from conftest import save_tiny_model
+from conftest import hub_offline, save_hub_snapshot, save_tiny_model
 
 from batchgen import LLM, SamplingParams
 from batchgen.models.hub import looks_like_repo_id
@@ -29,14 +26,9 @@ def checkpoint(tmp_path_factory):
 def hub_cache(tmp_path, monkeypatch, checkpoint):
     """HF_HUB_CACHE holding "acme/tiny-qwen3" at COMMIT, the way the hub lays it out:
     models--acme--tiny-qwen3/{refs/main, snapshots/COMMIT/...}; offline mode on."""
-    repo = tmp_path / "hub" / "models--acme--tiny-qwen3"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    shutil.copytree(checkpoint, repo / "snapshots" / COMMIT)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    return repo / "snapshots" / COMMIT
+    snapshot = save_hub_snapshot(tmp_path / "hub", "acme/tiny-qwen3", checkpoint, COMMIT)
+    hub_offline(monkeypatch, tmp_path / "hub")
+    return snapshot
 
 
 def test_model_id_loads_from_the_local_cache(hub_cache, checkpoint, monkeypatch):
@@ -63,15 +55,10 @@ def download_dir(tmp_path, monkeypatch, checkpoint, llama_checkpoint):
     "acme/tiny": main at COMMIT (the Qwen3 checkpoint) and branch "v2" at V2_COMMIT (the
     Llama one); offline mode on."""
     cache = tmp_path / "downloads"
-    repo = cache / "models--acme--tiny"
-    (repo / "refs").mkdir(parents=True)
     for ref, commit, ckpt in (("main", COMMIT, checkpoint), ("v2", V2_COMMIT, llama_checkpoint)):
-        (repo / "refs" / ref).write_text(commit)
-        shutil.copytree(ckpt, repo / "snapshots" / commit)
+        save_hub_snapshot(cache, "acme/tiny", ckpt, commit, ref)
     (tmp_path / "empty").mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    hub_offline(monkeypatch, tmp_path / "empty")
     return cache
 
 
