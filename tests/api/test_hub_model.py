@@ -42,33 +42,26 @@ def test_model_id_loads_from_the_local_cache(hub_cache, checkpoint, monkeypatch)
     assert got == want
 
 
-@pytest.fixture(scope="module")
-def llama_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save_tiny_model(path, "LlamaForCausalLM")
-    return path
-
-
 @pytest.fixture
-def download_dir(tmp_path, monkeypatch, checkpoint, llama_checkpoint):
+def download_dir(tmp_path, monkeypatch, checkpoint, tiny_llama):
     """A Hugging Face cache outside HF_HUB_CACHE (which is empty) holding two revisions of
     "acme/tiny": main at COMMIT (the Qwen3 checkpoint) and branch "v2" at V2_COMMIT (the
     Llama one); offline mode on."""
     cache = tmp_path / "downloads"
-    for ref, commit, ckpt in (("main", COMMIT, checkpoint), ("v2", V2_COMMIT, llama_checkpoint)):
+    for ref, commit, ckpt in (("main", COMMIT, checkpoint), ("v2", V2_COMMIT, tiny_llama)):
         save_hub_snapshot(cache, "acme/tiny", ckpt, commit, ref)
     (tmp_path / "empty").mkdir()
     hub_offline(monkeypatch, tmp_path / "empty")
     return cache
 
 
-def test_revision_and_download_dir_pick_the_snapshot(download_dir, llama_checkpoint):
+def test_revision_and_download_dir_pick_the_snapshot(download_dir, tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=6)
     v2 = LLM("acme/tiny", revision="v2", download_dir=str(download_dir), **KW)
     assert v2.engine.hf_config.architectures == ["LlamaForCausalLM"]
     prompts = [[5, 6, 7, 8], "w9 w10 w11"]
     got = [o.outputs[0].token_ids for o in v2.generate(prompts, params, use_tqdm=False)]
-    by_path = LLM(str(llama_checkpoint), **KW)
+    by_path = LLM(tiny_llama, **KW)
     want = [o.outputs[0].token_ids for o in by_path.generate(prompts, params, use_tqdm=False)]
     assert got == want
     # a commit hash, and no revision (main), give the other snapshot
