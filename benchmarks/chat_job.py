@@ -9,7 +9,8 @@ temperature (OpenAI's default, 1.0) and no seed, written as an OpenAI batch file
 one process, each on an engine of its own built with the same settings:
 
 1. `batchgen run FILE -o OUT` (the command's main() in process): wall time from the call
-   to its return, model load included (run 2's build_s is about what the load costs).
+   to its return, the process's first engine build included, and the job's own clock
+   (job_s, from its summary line), which compares with run 2's wall_s.
 2. `LLM.chat` on the same conversations, each with the SamplingParams the job gives its
    line (batch_requests.prepare_line: the seed derived from the run's seed 0, the
    custom_id and the sample index): how many of the N answers equal the job's line for that custom_id, text
@@ -78,20 +79,38 @@ def engine_kwargs(args) -> dict:
 
 
 def run_job(args, path: Path, out: Path) -> dict:
-    """`batchgen run` in process; its summary read back from the output file."""
+    """`batchgen run` in process: the call's wall (the engine's build included: the
+    process's first, so any Triton compile lands here) and the job's own clock from its
+    summary line (the run alone, as LLM.chat's wall_s); answers read back from OUTPUT."""
+    import logging
+    import re
+
     from batchgen.api import cli
 
-    argv = ["run", str(path), "-o", str(out), "--device", args.device, "--quiet"]
+    argv = ["run", str(path), "-o", str(out), "--device", args.device]
     if args.max_num_seqs:
         argv += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.admission != "prefix":
         return {"skipped": "batchgen run has no --admission flag"}
-    start = time.perf_counter()
-    code = cli.main(argv)
-    wall = time.perf_counter() - start
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("batchgen.api.run_command").addHandler(handler)
+    try:
+        start = time.perf_counter()
+        code = cli.main(argv)
+        wall = time.perf_counter() - start
+    finally:
+        logging.getLogger("batchgen.api.run_command").removeHandler(handler)
+    done = next((m for m in said if m.startswith("done:")), "")
+    clock = re.search(r"; ([\d.]+) s, [\d.]+ output tok/s", done)
     answers = read_answers(out)
     tokens = sum(a["completion_tokens"] for a in answers.values())
-    return {"exit_code": code, "wall_s": round(wall, 2), "lines": len(answers), "tokens": tokens}
+    result = {"exit_code": code, "wall_s": round(wall, 2), "lines": len(answers), "tokens": tokens}
+    if clock:
+        result["job_s"] = float(clock.group(1))
+        result["job_tok_s"] = round(tokens / result["job_s"], 1)
+    return result
 
 
 def read_answers(out: Path) -> dict[str, dict]:
