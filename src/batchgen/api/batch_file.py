@@ -118,6 +118,13 @@ class Pending:
     def done(self) -> bool:
         return all(r is not None for r in self.samples)
 
+    @property
+    def usage(self) -> tuple[int, int]:
+        """(prompt tokens, completion tokens) of a done line: the prompt counted once,
+        every sample's completion (best_of's unreturned ones too)."""
+        reqs = self.samples
+        return len(reqs[0].prompt_token_ids), sum(len(r.output_token_ids) for r in reqs)
+
 
 def line_digest(raw: bytes) -> str:
     """A short digest of an input line's bytes: error records carry it, so a rerun
@@ -349,7 +356,7 @@ def output_line(p: Pending, model: str, tokenizer) -> dict:
     kind, prefix = (
         ("chat.completion", "chatcmpl-") if p.url == CHAT else ("text_completion", "cmpl-")
     )
-    n_in, n_out = len(reqs[0].prompt_token_ids), sum(len(r.output_token_ids) for r in reqs)
+    n_in, n_out = p.usage
     body = {
         "id": prefix + uuid.uuid4().hex,
         "object": kind,

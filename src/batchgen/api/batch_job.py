@@ -340,10 +340,11 @@ class _Job:
         self._fail(p.line, error, "engine_error")
 
     def _finish(self, p: bf.Pending) -> bytes:
-        s, reqs = self.summary, p.samples
+        s = self.summary
+        n_in, n_out = p.usage
         s.succeeded += 1
-        s.prompt_tokens += len(reqs[0].prompt_token_ids)
-        s.completion_tokens += sum(len(r.output_token_ids) for r in reqs)
+        s.prompt_tokens += n_in
+        s.completion_tokens += n_out
         return bf.dumps(bf.output_line(p, self.opts.model_name, self.llm.tokenizer))
 
     def _progress(self, done: int) -> None:

@@ -181,8 +181,9 @@ class ShardWorker:
         run = self._runs.pop(pending.line)  # popped once its line is made
         result = run.result
         result.outputs.append((pending.line, record))
-        result.prompt_tokens += len(pending.samples[0].prompt_token_ids)
-        result.completion_tokens += sum(len(r.output_token_ids) for r in pending.samples)
+        n_in, n_out = pending.usage
+        result.prompt_tokens += n_in
+        result.completion_tokens += n_out
         run.left -= 1
         if run.left == 0:
             run.finish()
