@@ -17,19 +17,40 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any
 
 from batchgen.api.batch_job import JobOptions
 from batchgen.api.shard_worker import ShardWorker
-
-if TYPE_CHECKING:
-    from batchgen.api.data_parallel import DataParallelOptions
 
 logger = logging.getLogger(__name__)
 
 
 class DataParallelUsageError(ValueError):
     """The job cannot start: bad options, too few GPUs/CPUs, or no engine could load."""
+
+
+@dataclass
+class DataParallelOptions:
+    num_engines: int
+    model: str | None = None  # as LLM(model=...): a path every Ray node can read
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    shard_size: int = 64
+    max_shard_attempts: int = 3  # runs of one shard that may fail before the job stops
+    max_restarts: int | None = None  # engines replaced after a death, in all (None: N)
+    start_timeout_s: float = 900.0  # to load the models; the job stops if none has
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1 or self.shard_size < 1 or self.max_shard_attempts < 1:
+            raise DataParallelUsageError(
+                "num_engines, shard_size and max_shard_attempts must be >= 1"
+            )
+        device = str(self.engine_kwargs.get("device", "auto"))
+        if device not in ("auto", "cpu", "cuda"):
+            raise DataParallelUsageError(
+                f"device must be auto, cpu or cuda under data parallel (Ray gives each "
+                f"engine its own GPU), got {device!r}"
+            )
 
 
 class Engine:
