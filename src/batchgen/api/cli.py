@@ -20,13 +20,8 @@ import logging
 import sys
 from importlib import metadata
 
-from batchgen.api.run_command import (
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_USAGE,
-    add_run_parser,
-    run_command,
-)
+from batchgen.api.run_command import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run_command
+from batchgen.api.run_options import add_run_parser
 from batchgen.api.show import add_show_parser, show
 from batchgen.console import command_logging, usage_error
 
