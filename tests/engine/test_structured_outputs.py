@@ -242,13 +242,13 @@ def test_json_strings_forbid_control_characters_and_surrogates(model_dir, bounde
     assert not ok & set(range(0xA0, 0xC0))  # U+D800-U+DFFF: surrogates
 
 
-def test_compiled_constraints_are_bounded_and_reused(model_dir, monkeypatch):
+def test_compiled_constraints_are_bounded_and_reused(model_dir):
     from transformers import AutoTokenizer
 
     from batchgen.engine import structured
 
-    monkeypatch.setattr(structured, "COMPILED_CACHE", 4)
-    grammar = structured.StructuredOutputs(AutoTokenizer.from_pretrained(str(model_dir)), 512, [2])
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    grammar = structured.StructuredOutputs(tokenizer, 512, [2], compiled_cache=4)
     first = grammar.compile(StructuredOutputsParams(regex="a{1}"))
     assert grammar.compile(StructuredOutputsParams(regex="a{1}")) is first  # by key
     for k in range(2, 8):

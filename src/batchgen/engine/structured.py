@@ -40,16 +40,24 @@ _STRING_CHARS = {
 }
 
 
-COMPILED_CACHE = 256  # distinct constraints kept compiled (least recently used dropped)
+COMPILED_CACHE = 256  # distinct constraints kept compiled, by default
 
 # "[03:12:12] /project/cpp/regex_converter.cc:94: " before xgrammar's error messages
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ", re.MULTILINE)
 
 
 class StructuredOutputs:
-    """The engine's grammar state: a compiler for its tokenizer and the live matchers."""
+    """The engine's grammar state: a compiler for its tokenizer and the live matchers;
+    the last `compiled_cache` distinct constraints stay compiled (least recently used
+    dropped)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        compiled_cache: int = COMPILED_CACHE,
+    ) -> None:
         import xgrammar as xgr  # here: an engine without constrained requests never loads it
 
         self._xgr = xgr
@@ -61,6 +69,7 @@ class StructuredOutputs:
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
+        self._compiled_cache = compiled_cache
         self._matchers: dict[str, object] = {}  # every followed request
         self._live: dict[str, object] = {}  # those whose matcher has not terminated
         self._stop_ids = frozenset(info.stop_token_ids)  # those that end a matcher
@@ -68,7 +77,7 @@ class StructuredOutputs:
         self.words = -(-vocab_size // 32)  # int32 words per row
 
     def compile(self, spec: StructuredOutputsParams):
-        """The compiled grammar of `spec` (the last COMPILED_CACHE kept); ValueError
+        """The compiled grammar of `spec` (the last `compiled_cache` kept); ValueError
         saying what is wrong."""
         key = spec.key
         compiled = self._compiled.get(key)
@@ -82,7 +91,7 @@ class StructuredOutputs:
                 why = _XGRAMMAR_LOG_PREFIX.sub("", str(e)).strip()
                 raise ValueError(f"the structured-output {kind} does not compile: {why}") from e
             self._compiled[key] = compiled
-            if len(self._compiled) > COMPILED_CACHE:  # matchers keep theirs alive
+            if len(self._compiled) > self._compiled_cache:  # matchers keep theirs alive
                 self._compiled.popitem(last=False)
         return compiled
 
