@@ -18,16 +18,16 @@ from batchgen.kv.state_pool import StateLayout
 from batchgen.layers import attention, attention_torch
 
 
-def small_engine(path, max_num_seqs: int):
+def small_engine(path, max_num_seqs: int, max_num_batched_tokens: int = 100):
     """The engine of an LLM on the CPU over the model saved at path: fp32, a 64-token
-    context, 100 tokens a step."""
+    context, 100 tokens a step unless told."""
     llm = LLM(
         model=str(path),
         device="cpu",
         dtype="float32",
         max_model_len=64,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=100,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
     return llm.engine
 
@@ -123,20 +123,20 @@ def test_a_hybrid_engine_warms_each_norm_bucket_on_a_gpu(tmp_path, monkeypatch):
     from kimi_checkpoints import save_tiny_kimi
 
     save_tiny_kimi(tmp_path, layer_types=["full_attention", "linear_attention"] * 2)
-    eng = small_engine(tmp_path, max_num_seqs=4)
+    # 2 heads: a bucket per 32,768 tokens, so a budget of 100,000 spans four buckets
+    eng = small_engine(tmp_path, max_num_seqs=4, max_num_batched_tokens=100_000)
     sizes = []
     monkeypatch.setattr(eng, "_profile_forward", sizes.append)
-    monkeypatch.setattr(memory, "NORM_BUCKET_ROWS", 64)  # 2 heads: a bucket per 32 tokens
     eng._warm_linear_norms()
     assert sizes == []
     monkeypatch.setattr(eng, "device", SimpleNamespace(type="cuda"))
-    eng._profiled = {100}  # as after a GPU memory plan: the budget's step ran
+    eng._profiled = {100_000}  # as after a GPU memory plan: the budget's step ran
     eng._warm_linear_norms()
-    assert sizes == [32, 64, 96]
+    assert sizes == [32768, 65536, 98304]
     sizes.clear()
     eng._profiled = set()  # num_kv_pages or kv_cache_size_gib given: no plan ran
     eng._warm_linear_norms()
-    assert sizes == [32, 64, 96, 100]
+    assert sizes == [32768, 65536, 98304, 100_000]
     monkeypatch.undo()
 
     torch.manual_seed(0)
