@@ -428,21 +428,10 @@ def main(argv=None) -> int:
         help="another process's pressure.json of the same workload: its run of the engine "
         "this process did not build joins the step-by-step comparison (step_split)",
     )
-    ap.add_argument(
-        "--scatter-kernel",
-        default=None,
-        choices=("index", "triton"),
-        help="the kernel a load scatters staged pages with (page_copies.LOAD_SCATTER; "
-        "default: the engine's): torch's index_copy_ or kernels/page_scatter.py",
-    )
     add_engine_args(ap)
     add_model_args(ap)
     add_policy_args(ap)
     args = ap.parse_args(argv)
-    if args.scatter_kernel is not None:
-        from batchgen.kv import page_copies
-
-        page_copies.LOAD_SCATTER = args.scatter_kernel
     ballast = pinned_ballast(args.pin_gib)  # noqa: F841  (held until main returns)
     if args.small:
         prompts, out_lens = small_workload()

@@ -92,7 +92,7 @@ def test_a_store_is_one_call_and_a_load_one_call_a_group_of_layers(monkeypatch):
     assert back[:, :, :3].abs().sum() == 0  # nothing else written
 
 
-def test_layer_groups_double_and_keep_under_the_staging_bound(monkeypatch):
+def test_layer_groups_double_and_keep_under_the_staging_bound():
     from batchgen.kv import page_copies
 
     def sizes(n, cap=None):
@@ -110,9 +110,9 @@ def test_layer_groups_double_and_keep_under_the_staging_bound(monkeypatch):
     host = torch.zeros(layers, PH, 2, S, H, D)
     device_to_host_pages(dev, host, list(range(P)), list(range(P)))
     one_layer = P * host[0, 0].nbytes
-    monkeypatch.setattr(page_copies, "LOAD_STAGING_BYTES", 2 * one_layer)
-    reached, back = [], torch.zeros_like(dev)
-    keep = host_to_device_pages(host, back, list(range(P)), list(range(P)), reached.append)
+    reached, back, pages = [], torch.zeros_like(dev), list(range(P))
+    buffers = page_copies.load_buffers(host, back, pages, pages, staging_bytes=2 * one_layer)
+    keep = host_to_device_pages(host, back, pages, pages, reached.append, buffers)
     assert reached == [0, 1, 3, 5, 7]  # groups 1, 1, 2, 2, 2
     assert keep[0].shape[0] == 2  # staging of two layers, shared by the groups
     assert torch.equal(back, dev)

@@ -138,11 +138,6 @@ def layer_groups(num_layers: int, max_size: int | None = None) -> list[range]:
     return groups
 
 
-# how a load's staged pages reach the pool: "index" (torch's index_copy_) or "triton"
-# (kernels/page_scatter.py); benchmarks/graph_replay.py measures both on the copy stream
-LOAD_SCATTER = "index"
-
-
 @dataclass
 class LoadBuffers:
     """A load's device staging [G, n, C, S, H, D] and the destination pages' index,
@@ -160,15 +155,17 @@ def load_buffers(
     host_pages: list[int],
     dev_pages: list[int],
     whole: bool = False,
+    staging_bytes: int = LOAD_STAGING_BYTES,
 ) -> LoadBuffers:
     """The buffers host_to_device_pages needs for these pages, on the current stream.
     `whole`: staging for every layer, so no group's blocks land where another group's
-    scatter has still to read (a deferred scatter: host_to_device_pages' `defer`)."""
+    scatter has still to read (a deferred scatter: host_to_device_pages' `defer`).
+    A group of layers holds at most `staging_bytes` of the pages (one layer at least)."""
     n = len(host_pages)
     _, dev_pages = _by_host_page(host_pages, dev_pages)
     layer_bytes = n * host_kv[0, 0].nbytes
     num_layers = dev_kv.shape[0]
-    groups = layer_groups(num_layers, max(1, LOAD_STAGING_BYTES // max(1, layer_bytes)))
+    groups = layer_groups(num_layers, max(1, staging_bytes // max(1, layer_bytes)))
     rows = num_layers if whole else max(len(g) for g in groups)
     staging = torch.empty((rows, n, *host_kv.shape[2:]), dtype=host_kv.dtype, device=dev_kv.device)
     index = to_device(torch.tensor(dev_pages, dtype=torch.int64), dev_kv.device)
@@ -182,7 +179,7 @@ def host_to_device_pages(
     dev_pages: list[int],
     on_layer: Callable[[int], None] | None = None,
     buffers: LoadBuffers | None = None,
-    scatter: str | None = None,
+    scatter: str = "index",
     defer: Callable[[int, Callable[[], None]], None] | None = None,
     consumer: torch.cuda.Stream | None = None,
 ) -> tuple:
@@ -192,7 +189,9 @@ def host_to_device_pages(
     layers can start while later ones load. The groups share one staging tensor, in
     stream order (a group's blocks land after the scatter before them has read it).
     `buffers` (load_buffers, made on the submitting stream) or made here; `scatter`
-    "index" or "triton" (a CUDA pool), LOAD_SCATTER if None.
+    how the staged pages reach the pool: "index" (torch's index_copy_, what the tier
+    uses) or "triton" (a CUDA pool: kernels/page_scatter.py, which
+    benchmarks/graph_replay.py measures against it on the copy stream).
     `defer` (CopyHandle.defer, with buffers made `whole`): each group's scatter and
     on_layer are handed over instead, to run later on `consumer` (CUDA: the submitting
     stream, after this stream's blocks of the group have landed; without one, as a copy
@@ -200,7 +199,6 @@ def host_to_device_pages(
     group has staging of its own."""
     if buffers is None:
         buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages, whole=defer is not None)
-    scatter = LOAD_SCATTER if scatter is None else scatter
     if scatter not in ("index", "triton"):
         raise ValueError(f"scatter must be 'index' or 'triton', got {scatter!r}")
     staging, idx = buffers.staging, buffers.index
