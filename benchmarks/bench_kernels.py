@@ -336,11 +336,7 @@ def bench_route(gen) -> list[tuple]:
     bias = (0.05 * torch.randn(experts, generator=gen)).cuda()
 
     def torch_ops(logits):
-        saved, moe_routing.FUSED_SELECT = moe_routing.FUSED_SELECT, False
-        try:
-            return moe_routing.select_experts(logits, bias, cfg)
-        finally:
-            moe_routing.FUSED_SELECT = saved
+        return moe_routing.select_experts_torch(logits, bias, cfg)
 
     rows = []
     for t in (512, 32768):

@@ -15,8 +15,8 @@ E/G consecutive experts:
 
 G = 1 (or topk_group = G) is no group limit. Everything runs on tensors of fixed shape:
 no host synchronisation, so decode steps can be captured in CUDA graphs. On CUDA, with no
-group limit, the whole choice is one kernel (kernels/expert_select.py, while
-FUSED_SELECT is true) instead of the seven torch ops below.
+group limit, the whole choice is one kernel (kernels/expert_select.py) instead of the
+seven torch ops of select_experts_torch.
 """
 
 from __future__ import annotations
@@ -77,21 +77,17 @@ class RoutingConfig:
         )
 
 
-# CUDA routing without a group limit as kernels/expert_select.py's one kernel; False: the
-# torch ops everywhere (the same ids, weights within the last bit of a float32 sum).
-FUSED_SELECT = True
-
-
 def select_experts(
     logits: torch.Tensor, correction_bias: torch.Tensor | None, cfg: RoutingConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64).
 
     The order of the top_k columns is unspecified; the weights follow the module
-    docstring's equations (computed in float32 whatever the logits' dtype)."""
+    docstring's equations (computed in float32 whatever the logits' dtype). On CUDA
+    without a group limit, kernels/expert_select.py's one kernel (the same ids as
+    select_experts_torch, weights within the last bit of a float32 sum)."""
     logits = logits.float()
-    group_limit = 1 < cfg.n_group and cfg.topk_group < cfg.n_group
-    if FUSED_SELECT and logits.is_cuda and not group_limit and logits.stride(1) == 1:
+    if logits.is_cuda and not _group_limit(cfg) and logits.stride(1) == 1:
         from batchgen.kernels.expert_select import expert_select
 
         bias = None if correction_bias is None else correction_bias.float()
@@ -103,6 +99,20 @@ def select_experts(
             renormalize=cfg.norm_topk_prob,
             scale=cfg.routed_scaling_factor,
         )
+    return select_experts_torch(logits, correction_bias, cfg)
+
+
+def _group_limit(cfg: RoutingConfig) -> bool:
+    return 1 < cfg.n_group and cfg.topk_group < cfg.n_group
+
+
+def select_experts_torch(
+    logits: torch.Tensor, correction_bias: torch.Tensor | None, cfg: RoutingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts as torch ops on any device (the CPU's path, a group limit's, and
+    the reference the one-kernel choice is tested against)."""
+    logits = logits.float()
+    group_limit = _group_limit(cfg)
     t, e = logits.shape
     scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
     choice = scores if correction_bias is None else scores + correction_bias.float()
