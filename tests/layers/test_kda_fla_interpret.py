@@ -111,11 +111,10 @@ def test_gated_output_norm_matches_the_torch_norm(fla_norm):
 
 
 @pytest.mark.parametrize("kernel", ["batchgen", "fla"])
-def test_decode_step_with_raw_gates_computes_them_in_the_kernel(monkeypatch, kernel):
+def test_decode_step_with_raw_gates_computes_them_in_the_kernel(kernel):
     """The decode call with g and beta handed over raw (the gate and the sigmoid inside
     the kernel: kernels/kda_decode.py, the default, or fla's) against the torch step
     given kda_gate(f) and sigmoid(b)."""
-    monkeypatch.setattr(kda_ops, "DECODE_KERNEL", kernel)
     q, k, v, _, _ = inputs(3, seed=6)
     gen = torch.Generator().manual_seed(7)
     f, b = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, generator=gen)
@@ -126,7 +125,7 @@ def test_decode_step_with_raw_gates_computes_them_in_the_kernel(monkeypatch, ker
     want_states = states.clone()
     g = kda_torch.kda_gate(f, raw.a_log, raw.dt_bias)
     want = kda_ops.kda_attention_torch(q, k, v, g, torch.sigmoid(b), want_states, meta)
-    got = kda_ops._kda_fla(q, k, v, f, b, states, meta, raw)
+    got = kda_ops._kda_fla(q, k, v, f, b, states, meta, raw, decode_kernel=kernel)
     assert (got - want).abs().max().item() < TOL
     assert (states - want_states).abs().max().item() < TOL
 
@@ -154,11 +153,10 @@ def test_the_torch_path_applies_raw_gates_itself():
 def test_mixed_step_splits_one_token_rows_from_prefill_chunks(monkeypatch, raw, kernel):
     """A mixed step (prefill chunks between one-token rows, a new one-token prompt among
     them): the one-token rows go to the recurrent step in place on their slots (fla's,
-    or with raw gates kernels/kda_decode.py where DECODE_KERNEL says so), the chunks to
+    or with raw gates kernels/kda_decode.py where decode_kernel says so), the chunks to
     the chunked kernel. The chunked kernel cannot run in the interpreter: its stand-in is
     fla's varlen recurrent KDA, the same math (compared with kda_chunk above). Outputs
     and every slot against the torch step."""
-    monkeypatch.setattr(kda_ops, "DECODE_KERNEL", kernel)
     calls = []
 
     def chunked(q, *args, cu_seqlens=None, **kwargs):
@@ -201,7 +199,7 @@ def test_mixed_step_splits_one_token_rows_from_prefill_chunks(monkeypatch, raw, 
         want_states,
         meta,
     )
-    got = kda_ops._kda_fla(q, k, v, g, beta, states, meta, gates)
+    got = kda_ops._kda_fla(q, k, v, g, beta, states, meta, gates, decode_kernel=kernel)
     recurrent_calls = [("recurrent", 4, [6, 0, 3, 2])] if kernel == "fla" else []
     assert calls == recurrent_calls + [("chunked", 12, [0, 5, 12])]
     assert (got - want).abs().max().item() < TOL

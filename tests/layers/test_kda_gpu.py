@@ -48,12 +48,12 @@ def meta_for(parts: list[tuple[int, int, bool]]) -> LinearAttentionMetadata:
     return LinearAttentionMetadata.build(seqs, "cuda")
 
 
-def both(args, meta, states_fla, states_ref, raw=None):
+def both(args, meta, states_fla, states_ref, raw=None, decode_kernel="batchgen"):
     """fla's step and the torch step on the same inputs; with `raw`, g and beta are the
     raw projections (the gates computed in fla's kernels, by kda_torch for the reference)."""
     for states in (states_fla, states_ref):
         states.index_fill_(0, meta.fresh_slots, 0.0)
-    got = kda_ops.kda_attention(*args, states_fla, meta, raw=raw)
+    got = kda_ops.kda_attention(*args, states_fla, meta, raw=raw, decode_kernel=decode_kernel)
     q, k, v, g, beta = args
     if raw is not None:
         g, beta = kda_torch.kda_gate(g, raw.a_log, raw.dt_bias), torch.sigmoid(beta)
@@ -67,14 +67,8 @@ def raw_gates(seed: int) -> kda_ops.RawGates:
     return kda_ops.RawGates(a_log, torch.randn(H * DK, device="cuda", generator=gen))
 
 
-@pytest.fixture
-def decode_kernel(request, monkeypatch):
-    """The one-token rows' kernel for raw gates: fla-core's or kernels/kda_decode.py."""
-    monkeypatch.setattr(kda_ops, "DECODE_KERNEL", request.param)
-    return request.param
-
-
-# raw gates: the layer's default call; kernels/kda_decode.py takes raw gates only
+# (gates, the one-token rows' kernel): raw gates are the layer's default call;
+# kernels/kda_decode.py ("batchgen") takes raw gates only, fla-core's kernel either
 KERNELS = [("raw", "fla"), ("given", "fla"), ("raw", "batchgen")]
 
 
@@ -83,26 +77,28 @@ KERNELS = [("raw", "fla"), ("given", "fla"), ("raw", "batchgen")]
 @pytest.mark.parametrize(
     "dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16]
 )
-@pytest.mark.parametrize("gates,decode_kernel", KERNELS, indirect=["decode_kernel"])
+@pytest.mark.parametrize("gates,decode_kernel", KERNELS)
 def test_fla_matches_reference_over_steps(dtype, gates, decode_kernel):
     raw = raw_gates(9) if gates == "raw" else None
     states_fla = torch.randn(SLOTS, H, DK, DV, device="cuda") * 0.1
     states_ref = states_fla.clone()
     # step 1: three prompts (one crossing 64-token chunks), slots out of order
     prefill = meta_for([(150, 5, False), (7, 1, False), (64, 3, False)])
-    got, want = both(step_inputs(221, dtype, 0), prefill, states_fla, states_ref, raw)
+    got, want = both(
+        step_inputs(221, dtype, 0), prefill, states_fla, states_ref, raw, decode_kernel
+    )
     assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
     # step 2: a continued prefill chunk between two decodes (their rows gathered)
     mixed = meta_for([(1, 5, True), (33, 1, True), (1, 3, True)])
-    got, want = both(step_inputs(35, dtype, 1), mixed, states_fla, states_ref, raw)
+    got, want = both(step_inputs(35, dtype, 1), mixed, states_fla, states_ref, raw, decode_kernel)
     assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
     # step 2b: the usual layout, decodes ahead of the chunk (the kernels take views)
     mixed = meta_for([(1, 5, True), (1, 3, True), (20, 1, True)])
-    got, want = both(step_inputs(22, dtype, 4), mixed, states_fla, states_ref, raw)
+    got, want = both(step_inputs(22, dtype, 4), mixed, states_fla, states_ref, raw, decode_kernel)
     assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
     # step 3: decode only (the in-place recurrent kernel)
     decode = meta_for([(1, 3, True), (1, 5, True), (1, 1, True)])
-    got, want = both(step_inputs(3, dtype, 2), decode, states_fla, states_ref, raw)
+    got, want = both(step_inputs(3, dtype, 2), decode, states_fla, states_ref, raw, decode_kernel)
     assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
     assert (states_fla - states_ref).abs().max().item() < TOL[dtype]
     untouched = [0, 2, 4, 6, 7]
@@ -144,20 +140,27 @@ def test_a_prepared_step_queues_its_kda_without_a_host_sync(parts, prepared):
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("gates,decode_kernel", KERNELS, indirect=["decode_kernel"])
+@pytest.mark.parametrize("gates,decode_kernel", KERNELS)
 def test_decode_step_replays_from_a_cuda_graph(gates, decode_kernel):
     raw = raw_gates(2) if gates == "raw" else None
     states = torch.randn(SLOTS, H, DK, DV, device="cuda") * 0.1
     meta = meta_for([(1, 6, True), (1, 2, True)])
     q, k, v, g, beta = step_inputs(2, torch.bfloat16, 3)
     eager_states = states.clone()
-    want = kda_ops.kda_attention(q, k, v, g, beta, eager_states, meta, raw=raw)
+    want = kda_ops.kda_attention(
+        q, k, v, g, beta, eager_states, meta, raw=raw, decode_kernel=decode_kernel
+    )
     graph_states = states.clone()
-    kda_ops.kda_attention(q, k, v, g, beta, graph_states.clone(), meta, raw=raw)  # compile
+    compile_states = graph_states.clone()  # a first call compiles, outside the capture
+    kda_ops.kda_attention(
+        q, k, v, g, beta, compile_states, meta, raw=raw, decode_kernel=decode_kernel
+    )
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kda_ops.kda_attention(q, k, v, g, beta, graph_states, meta, raw=raw)
+        out = kda_ops.kda_attention(
+            q, k, v, g, beta, graph_states, meta, raw=raw, decode_kernel=decode_kernel
+        )
     graph_states.copy_(states)
     graph.replay()
     torch.cuda.synchronize()

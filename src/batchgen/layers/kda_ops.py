@@ -112,14 +112,19 @@ def kda_attention(
     meta: LinearAttentionMetadata,
     chunk_size: int = 64,
     raw: RawGates | None = None,
+    decode_kernel: str = "batchgen",
 ) -> torch.Tensor:
     """KDA over a packed step: q, k, g [T, H, Dk] (q, k not yet normalised, g the log
     decay), v [T, H, Dv], beta [T, H] -> o [T, H, Dv] in v's dtype; each request continues
     from states[slot] and leaves its final state there. With `raw`, g is the f projection
-    and beta the b projection, the gate and the sigmoid still to apply (inside fla's
-    kernels on CUDA)."""
+    and beta the b projection, the gate and the sigmoid still to apply (inside the
+    kernels on CUDA). `decode_kernel` is the one-token rows' kernel where the gates come
+    raw: "batchgen" (kernels/kda_decode.py, the layer's: 292 us against fla's 343 at W6's
+    512 rows on an H200, bench_kernels.py --kda) or "fla" (fla-core's
+    fused_recurrent_kda_fwd, which given gates always take, and which the tests hold
+    ours against); the same numbers."""
     if q.is_cuda and fla_kda() is not None:
-        return _kda_fla(q, k, v, g, beta, states, meta, raw)
+        return _kda_fla(q, k, v, g, beta, states, meta, raw, decode_kernel)
     if raw is not None:
         g = kda_torch.kda_gate(g, raw.a_log, raw.dt_bias)
         beta = torch.sigmoid(beta)
@@ -168,7 +173,7 @@ def fla_norm():
     return rms_norm_gated
 
 
-def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
+def _kda_fla(q, k, v, g, beta, states, meta, raw=None, decode_kernel="batchgen"):
     scale = q.shape[-1] ** -0.5
     gates = {}
     if raw is None:
@@ -182,7 +187,9 @@ def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
         )
     step = (q, k, v, g, beta)
     if meta.max_q_len == 1:
-        return _recurrent(step, states, meta.cu_seqlens, meta.state_slots, scale, gates)
+        return _recurrent(
+            step, states, meta.cu_seqlens, meta.state_slots, scale, gates, decode_kernel
+        )
     split = _step_split(meta)
     if split is None:
         slots, cu, cu_host = meta.state_slots, meta.cu_seqlens, meta.cu_seqlens_host
@@ -191,7 +198,7 @@ def _kda_fla(q, k, v, g, beta, states, meta, raw=None):
     # its prefill chunks the chunked kernel (which would spend a whole chunk on each row)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     rows = [_take(x, split.decode_rows) for x in step]
-    o = _recurrent(rows, states, split.decode_cu, split.decode_slots, scale, gates)
+    o = _recurrent(rows, states, split.decode_cu, split.decode_slots, scale, gates, decode_kernel)
     _put(out, split.decode_rows, o)
     rows = [_take(x, split.prefill_rows) for x in step]
     cu, cu_host = split.prefill_cu, split.prefill_cu_host
@@ -275,16 +282,12 @@ def _identity_cache(fn):
     return None
 
 
-# The one-token rows' kernel where the gates come raw: "batchgen" (kernels/kda_decode.py,
-# 292 us against fla's 343 at W6's 512 rows on an H200, bench_kernels.py --kda) or "fla"
-# (fla-core's fused_recurrent_kda_fwd, which given gates always take); the same numbers.
-DECODE_KERNEL = "batchgen"
-
-
-def _recurrent(step, states, cu_seqlens, slots, scale, gates):
+def _recurrent(step, states, cu_seqlens, slots, scale, gates, decode_kernel):
     """One token per request: the recurrent step, in place on the slots (ours where the
-    gates come raw and DECODE_KERNEL says so, else fla's)."""
-    if DECODE_KERNEL == "batchgen" and gates:
+    gates come raw and decode_kernel says so, else fla's)."""
+    if decode_kernel not in ("batchgen", "fla"):
+        raise ValueError(f"decode_kernel must be 'batchgen' or 'fla', got {decode_kernel!r}")
+    if decode_kernel == "batchgen" and gates:
         from batchgen.kernels.kda_decode import kda_decode
 
         q, k, v, f, b = step
