@@ -348,35 +348,9 @@ def main(argv=None) -> int:
         help="+ where a prefill step's time goes (throughput.profile_prefill)",
     )
     add_allocator_steps_arg(ap)
-    ap.add_argument(
-        "--mla-tuning",
-        default=None,
-        help="h,n,w,s: the MLA decode kernel's launch on the GPU (BLOCK_H, BLOCK_N, warps, "
-        "stages) in place of kernels/mla_decode.py's GPU_TUNING (mla_decode.py --best)",
-    )
-    ap.add_argument(
-        "--moe-triton",
-        default=None,
-        help="t,m,n,k,w,s: steps of at most t tokens run the routed experts on "
-        "kernels/fused_moe.py's Triton GEMMs at that launch (BLOCK_M, BLOCK_N, BLOCK_K, warps, "
-        "stages) in place of grouped_mm (layers.routed_experts.TRITON_MOE_MAX_TOKENS; "
-        "bench_kernels.py --moe for launches)",
-    )
     add_engine_args(ap)
     ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)
-    if args.mla_tuning:
-        from batchgen.kernels import mla_decode
-
-        h, n, w, s = (int(v) for v in args.mla_tuning.split(","))
-        mla_decode.GPU_TUNING = mla_decode.MLADecodeTuning(h, n, w, s)
-    if args.moe_triton:
-        from batchgen.kernels.fused_moe import MoETuning
-        from batchgen.layers import routed_experts
-
-        t, *launch = (int(v) for v in args.moe_triton.split(","))
-        routed_experts.TRITON_MOE_MAX_TOKENS = t
-        routed_experts.TRITON_MOE_TUNING = MoETuning(*launch)
     if args.small:
         cfg = SMALL_MOONLIGHT
         prompts, out_lens = w4_requests(n=6, prompt_len=24, out_len=6, max_token=500)
@@ -395,10 +369,6 @@ def main(argv=None) -> int:
         batches = None if args.small or not args.peer_batches else args.peer_batches
         peer = run_peer(ckpt, prompts, out_lens, args, batches)
     result = {"workload": "small" if args.small else "W4", "batchgen": ours, "peer": peer}
-    if args.mla_tuning:
-        result["mla_tuning"] = args.mla_tuning
-    if args.moe_triton:
-        result["moe_triton"] = args.moe_triton
     if not args.small:
         result["fraction_of_roofline"] = ours["tok_s"] / ROOFLINE_TOK_S
     if peer:

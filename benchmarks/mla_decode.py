@@ -12,8 +12,8 @@ ceiling measured in bench_kernels.py is 4.23 TB/s).
     python benchmarks/mla_decode.py --sweep          # plus other tunings and split counts
     python benchmarks/mla_decode.py --heads 128 --batch 1 256 --ctx 8192
     python benchmarks/mla_decode.py --sweep --heads 16 --batch 256 --ctx 1024 --best
-        # W4's decode shape; the last line is the fastest launch as h,n,w,s (mla.py
-        # --mla-tuning takes it)
+        # W4's decode shape; the last line is the fastest launch as h,n,w,s (the
+        # engine's is kernels/mla_decode.py's GPU_TUNING)
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ loop, no host synchronisation, and a CUDA-graph replay equal to the eager step."
 from __future__ import annotations
 
 import types
+from functools import partial
 
 import pytest
 import torch
@@ -91,30 +92,36 @@ def test_forward_does_not_sync_and_replays_in_a_cuda_graph():
     assert not torch.equal(out, eager)
 
 
-def test_triton_experts_below_the_switch_match_grouped_mm_and_replay(monkeypatch):
-    """routed_experts.TRITON_MOE_MAX_TOKENS (mla.py --moe-triton): a step of at most that
-    many tokens runs the routed experts on kernels/fused_moe.py's GEMMs, with the same
-    outputs as grouped_mm to bf16 rounding, captured and replayed in a CUDA graph; a
-    larger step keeps grouped_mm."""
+def test_triton_experts_match_grouped_mm_and_replay(monkeypatch):
+    """fused_experts(triton_moe=) (bench_kernels.py --moe): the routed experts on
+    kernels/fused_moe.py's GEMMs give grouped_mm's outputs to bf16 rounding, captured
+    and replayed in a CUDA graph; the layer's own forward stays on grouped_mm."""
     from batchgen.kernels.fused_moe import MoETuning
     from batchgen.layers import routed_experts
 
     module = layer()
+    experts = module.experts
+
+    def routed(x, triton_moe=None):
+        weights, ids = module.gate(x)
+        return fused_experts(
+            x, experts.gate_up_proj, experts.down_proj, weights, ids, triton_moe=triton_moe
+        )
+
     x = torch.randn(48, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    grouped = module(x)
+    grouped = routed(x)
     calls = []
     gemm = routed_experts.moe_gemm
     monkeypatch.setattr(
         routed_experts, "moe_gemm", lambda *a, **k: calls.append(1) or gemm(*a, **k)
     )
-    monkeypatch.setattr(routed_experts, "TRITON_MOE_MAX_TOKENS", 48)
-    monkeypatch.setattr(routed_experts, "TRITON_MOE_TUNING", MoETuning(16, 64, 128, 4, 4))
-    eager = module(x)
+    triton = partial(routed, triton_moe=MoETuning(16, 64, 128, 4, 4))
+    eager = triton(x)
     assert len(calls) == 2  # gate_up and down
     torch.testing.assert_close(eager.float(), grouped.float(), atol=2e-2, rtol=2e-2)
-    module(torch.randn(49, HIDDEN, device="cuda", dtype=torch.bfloat16))
-    assert len(calls) == 2  # past the switch: grouped_mm
-    _replay_after_capture(module, x)
+    module(x)
+    assert len(calls) == 2  # the layer: grouped_mm
+    _replay_after_capture(triton, x)
 
 
 def _replay_after_capture(module, x: torch.Tensor) -> torch.Tensor:

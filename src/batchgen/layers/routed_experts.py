@@ -33,14 +33,6 @@ from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.tp_group import TPGroup
 
-# Steps of at most TRITON_MOE_MAX_TOKENS tokens (decode steps) multiply their routed
-# experts with kernels/fused_moe.py's Triton GEMMs at TRITON_MOE_TUNING on a GPU; 0 (the
-# default) leaves every step on grouped_mm, which bench_kernels.py --moe measured faster
-# at every size its sweep tried. mla.py --moe-triton sets both for a run, to measure a
-# launch in the whole model before it becomes the default.
-TRITON_MOE_MAX_TOKENS = 0
-TRITON_MOE_TUNING: MoETuning | None = None
-
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` serves x without a host sync: bfloat16 on a CUDA device
@@ -217,10 +209,9 @@ class RoutedExperts(nn.Module):
         ids: torch.Tensor,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The routed experts' sum for x, plus residual where given (fused_experts)."""
-        triton_moe = None
-        if x.is_cuda and x.shape[0] <= TRITON_MOE_MAX_TOKENS:
-            triton_moe = TRITON_MOE_TUNING
+        """The routed experts' sum for x, plus residual where given (fused_experts; on
+        grouped_mm, which bench_kernels.py --moe measured faster than the Triton GEMMs
+        of `triton_moe` at every size its sweep tried)."""
         return fused_experts(
             x,
             self.gate_up_proj,
@@ -228,6 +219,5 @@ class RoutedExperts(nn.Module):
             weights,
             ids,
             first_expert=None if self.holds_all else self.local_experts.start,
-            triton_moe=triton_moe,
             residual=residual,
         )
