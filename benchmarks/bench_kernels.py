@@ -6,14 +6,14 @@ medians. Decode is judged on achieved bandwidth (K/V bytes read + q/out bytes ov
 time) against the H200 device-copy ceiling of 4.23 TB/s; prefill on attention TFLOP/s
 (4 * visible query-key pairs * heads * head_dim) against ~790 TFLOP/s bf16.
 
-    python benchmarks/bench_kernels.py            # defaults plus a small tuning sweep
-    python benchmarks/bench_kernels.py --quick    # defaults only
-    python benchmarks/bench_kernels.py --moe      # W6's routed experts (see bench_moe)
-    python benchmarks/bench_kernels.py --mla      # W4's MLA prefill attention only
-    python benchmarks/bench_kernels.py --silu     # silu_and_mul launches at W4/W6 shapes
-    python benchmarks/bench_kernels.py --kda      # W6's KDA decode and prefill, two layouts
-    python benchmarks/bench_kernels.py --conv     # W6's prefill convolution launches
-    python benchmarks/bench_kernels.py --route    # W6's router and routed sum, fused or not
+    python3 -m benchmarks.bench_kernels            # defaults plus a small tuning sweep
+    python3 -m benchmarks.bench_kernels --quick    # defaults only
+    python3 -m benchmarks.bench_kernels --moe      # W6's routed experts (see bench_moe)
+    python3 -m benchmarks.bench_kernels --mla      # W4's MLA prefill attention only
+    python3 -m benchmarks.bench_kernels --silu     # silu_and_mul launches at W4/W6 shapes
+    python3 -m benchmarks.bench_kernels --kda      # W6's KDA decode and prefill, two layouts
+    python3 -m benchmarks.bench_kernels --conv     # W6's prefill convolution launches
+    python3 -m benchmarks.bench_kernels --route    # W6's router and routed sum, fused or not
 
 --kda: W6's KDA layer (16 heads of 128, float32 state slots) through fla-core, in the
 engine's state layout, fla's `state_v_first` [H, V, K], and in [H, K, V]: the decode step

@@ -8,8 +8,8 @@ torch.Generator and exponential_ launch a row. Times are triton.testing.do_bench
 medians in microseconds (on the CPU, for a check that the script runs: the median of
 five calls, kernels under TRITON_INTERPRET=1).
 
-    python benchmarks/bench_sampling.py
-    TRITON_INTERPRET=1 python benchmarks/bench_sampling.py --device cpu --vocab 500 --rows 1 4
+    python3 -m benchmarks.bench_sampling
+    TRITON_INTERPRET=1 python3 -m benchmarks.bench_sampling --device cpu --vocab 500 --rows 1 4
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """W7 `chat-job`: a user's job end to end, `batchgen run` beside `LLM.chat` (BENCHMARKS.md).
 
-    PYTHONPATH=src python3 benchmarks/chat_job.py --out DIR                 # 8,192 requests
-    PYTHONPATH=src python3 benchmarks/chat_job.py --requests 48 --device cpu --out DIR
+    PYTHONPATH=src python3 -m benchmarks.chat_job --out DIR                 # 8,192 requests
+    PYTHONPATH=src python3 -m benchmarks.chat_job --requests 48 --device cpu --out DIR
 
 The default model (its real weights), N chat requests {"role": "user", "content": "Write
 about {topic} in the style of entry {i}."} (12 topics), max_tokens 64 + (i % 8) * 24, no

@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from workloads import MODELS, config_dir
+from benchmarks.workloads import MODELS, config_dir
 
 # counters that are rates: recomputed from the timed part's deltas, not subtracted
 RATES = ("copy_gb_per_s", "host_prefix_hit_rate")

@@ -1,8 +1,8 @@
 """The engine's host time: what a step costs the CPU besides the model's forward.
 
-    PYTHONPATH=src python3 benchmarks/host_overhead.py --requests 8000     # many prompts
-    PYTHONPATH=src python3 benchmarks/host_overhead.py --w6-steps 4        # W6's step shape
-    PYTHONPATH=src python3 benchmarks/host_overhead.py --device cuda ...   # the GPU's host
+    PYTHONPATH=src python3 -m benchmarks.host_overhead --requests 8000     # many prompts
+    PYTHONPATH=src python3 -m benchmarks.host_overhead --w6-steps 4        # W6's step shape
+    PYTHONPATH=src python3 -m benchmarks.host_overhead --device cuda ...   # the GPU's host
 
 Two measurements, each on a model small enough that the forward is not the point:
 - `--requests N`: N prompts of 20-60 random tokens, sharing nothing, through
@@ -28,10 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine_runs import built_engine, timed_into  # noqa: E402
-from workloads import SMALL_KIMI, SMALL_MODEL, config_dir, w4_requests  # noqa: E402
+from benchmarks.engine_runs import built_engine, timed_into
+from benchmarks.workloads import SMALL_KIMI, SMALL_MODEL, config_dir, w4_requests
 
 # calls timed in --w6-steps: (name, object path from the engine, method); "forward" is
 # the model's (on the CPU it computes; on a GPU it queues the kernels), the rest is host

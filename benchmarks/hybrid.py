@@ -1,10 +1,10 @@
 """W6 `hybrid`: a Kimi-Linear-architecture model (KDA + MLA + MoE) against transformers.
 
-    PYTHONPATH=src python3 benchmarks/hybrid.py --out $OUT               # W6 on the GPU, peer beside it
-    PYTHONPATH=src python3 benchmarks/hybrid.py --skip-peer --out $OUT   # while iterating
-    PYTHONPATH=src python3 benchmarks/hybrid.py --skip-peer --profile --profile-prefill --out $OUT
-    PYTHONPATH=src python3 benchmarks/hybrid.py --skip-peer --step-phases --out $OUT  # host ms a step
-    PYTHONPATH=src python3 benchmarks/hybrid.py --small --out /tmp/w6    # CPU, seconds, for CI
+    PYTHONPATH=src python3 -m benchmarks.hybrid --out $OUT               # W6 on the GPU, peer beside it
+    PYTHONPATH=src python3 -m benchmarks.hybrid --skip-peer --out $OUT   # while iterating
+    PYTHONPATH=src python3 -m benchmarks.hybrid --skip-peer --profile --profile-prefill --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.hybrid --skip-peer --step-phases --out $OUT  # host ms a step
+    PYTHONPATH=src python3 -m benchmarks.hybrid --small --out /tmp/w6    # CPU, seconds, for CI
 
 Model: workloads.KIMI_W6, a scaled Kimi-Linear-48B-A3B-like config (24 layers, every 4th
 an MLA layer with kv_lora_rank 512, the rest KDA with 16 heads of 128 and a 4-tap short
@@ -41,17 +41,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine_runs import add_engine_args  # noqa: E402
-from mla import (  # noqa: E402
+from benchmarks.engine_runs import add_engine_args
+from benchmarks.mla import (
     _release_device_memory,
     add_allocator_steps_arg,
     run_batchgen,
     run_lines,
     run_peer,
 )
-from workloads import KIMI_W6, SMALL_KIMI, config_dir, w4_requests  # noqa: E402
+from benchmarks.workloads import KIMI_W6, SMALL_KIMI, config_dir, w4_requests
 
 KDA_FUNCTIONS = (
     "chunk_kimi_delta_attention",

@@ -1,13 +1,13 @@
 """W4 `mla`: a DeepSeek-V3-architecture model (MLA + MoE) against transformers, host tier on.
 
-    PYTHONPATH=src python3 benchmarks/mla.py --out $OUT               # W4 on the GPU, peer beside it
-    PYTHONPATH=src python3 benchmarks/mla.py --peer-batches 1 --out $OUT  # peer on 1 batch
-    PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --out $OUT   # while iterating
-    PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --profile --out $OUT  # + decode step
-    PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --profile-prefill --out $OUT  # + prefill
-    PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --mla-tuning 16,64,8,2 --out $OUT
-    PYTHONPATH=src python3 benchmarks/mla.py --skip-peer --moe-triton 1024,16,64,128,4,4 --out $OUT
-    PYTHONPATH=src python3 benchmarks/mla.py --small --out /tmp/w4    # CPU, seconds, for CI
+    PYTHONPATH=src python3 -m benchmarks.mla --out $OUT               # W4 on the GPU, peer beside it
+    PYTHONPATH=src python3 -m benchmarks.mla --peer-batches 1 --out $OUT  # peer on 1 batch
+    PYTHONPATH=src python3 -m benchmarks.mla --skip-peer --out $OUT   # while iterating
+    PYTHONPATH=src python3 -m benchmarks.mla --skip-peer --profile --out $OUT  # + decode step
+    PYTHONPATH=src python3 -m benchmarks.mla --skip-peer --profile-prefill --out $OUT  # + prefill
+    PYTHONPATH=src python3 -m benchmarks.mla --skip-peer --mla-tuning 16,64,8,2 --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.mla --skip-peer --moe-triton 1024,16,64,128,4,4 --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.mla --small --out /tmp/w4    # CPU, seconds, for CI
 
 Model: workloads.MOONLIGHT_W4, a scaled Moonlight-16B-A3B-like config (27 layers, hidden
 2048, MLA with kv_lora_rank 512 and a 64-wide rope part, 16 heads, 64 routed experts top-6
@@ -34,9 +34,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine_runs import (  # noqa: E402
+from benchmarks.engine_runs import (
     add_engine_args,
     allocator_stats,
     compile_log,
@@ -45,7 +43,7 @@ from engine_runs import (  # noqa: E402
     phase_table,
     step_phases,
 )
-from workloads import MOONLIGHT_W4, SMALL_MOONLIGHT, config_dir, w4_requests  # noqa: E402
+from benchmarks.workloads import MOONLIGHT_W4, SMALL_MOONLIGHT, config_dir, w4_requests
 
 ROOFLINE_TOK_S = 13_350  # BENCHMARKS.md W4, H200
 PEER_BATCH = 64
@@ -186,11 +184,11 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         "step_phases": None if phase_rows is None else phase_table(phase_rows),
     }
     if args.profile:
-        from throughput import profile_decode
+        from benchmarks.throughput import profile_decode
 
         result["profile"] = profile_decode(llm, prompts, args, max_tokens=max(out_lens) + 16)
     if args.profile_prefill:
-        from throughput import profile_prefill
+        from benchmarks.throughput import profile_prefill
 
         result["profile_prefill"] = profile_prefill(llm, prompts)
     if eng.tier is not None:

@@ -8,10 +8,10 @@ each cached token's latent row once (576 * 2 bytes) plus q and out, over the
 triton.testing.do_bench median, against the H200's 4.8 TB/s HBM peak (the device-copy
 ceiling measured in bench_kernels.py is 4.23 TB/s).
 
-    python benchmarks/mla_decode.py                  # default launch, every case
-    python benchmarks/mla_decode.py --sweep          # plus other tunings and split counts
-    python benchmarks/mla_decode.py --heads 128 --batch 1 256 --ctx 8192
-    python benchmarks/mla_decode.py --sweep --heads 16 --batch 256 --ctx 1024 --best
+    python3 -m benchmarks.mla_decode                  # default launch, every case
+    python3 -m benchmarks.mla_decode --sweep          # plus other tunings and split counts
+    python3 -m benchmarks.mla_decode --heads 128 --batch 1 256 --ctx 8192
+    python3 -m benchmarks.mla_decode --sweep --heads 16 --batch 256 --ctx 1024 --best
         # W4's decode shape; the last line is the fastest launch as h,n,w,s (the
         # engine's is kernels/mla_decode.py's GPU_TUNING)
 """

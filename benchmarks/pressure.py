@@ -2,9 +2,9 @@
 
 On the GPU (from the repository root; device time includes building both engines):
 
-    PYTHONPATH=src python3 benchmarks/pressure.py --out $OUT                       # W2, ~2 min
-    PYTHONPATH=src python3 benchmarks/pressure.py --model llama-3.1-8b --out $OUT  # W2-8B, ~5 min
-    PYTHONPATH=src python3 benchmarks/pressure.py --small --out /tmp/w2   # CPU, seconds, for CI
+    PYTHONPATH=src python3 -m benchmarks.pressure --out $OUT                       # W2, ~2 min
+    PYTHONPATH=src python3 -m benchmarks.pressure --model llama-3.1-8b --out $OUT  # W2-8B, ~5 min
+    PYTHONPATH=src python3 -m benchmarks.pressure --small --out /tmp/w2   # CPU, seconds, for CI
 
 --model picks the architecture: qwen3-0.6b (W1's model, the default) or llama-3.1-8b
 (W2-8B: 32 layers, hidden 4096, 8 KV heads, llama3 rope scaling, untied embeddings), both
@@ -58,9 +58,7 @@ from argparse import Namespace
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine_runs import (  # noqa: E402
+from benchmarks.engine_runs import (
     add_engine_args,
     add_model_args,
     add_policy_args,
@@ -72,8 +70,8 @@ from engine_runs import (  # noqa: E402
     size,
     timed_run,
 )
-from engine_runs import engine_kwargs as common_engine_kwargs  # noqa: E402
-from workloads import w2_requests  # noqa: E402
+from benchmarks.engine_runs import engine_kwargs as common_engine_kwargs
+from benchmarks.workloads import w2_requests
 
 CEILING_GB_S = 55.0  # host<->device, each way, pinned (BENCHMARKS.md)
 
@@ -110,7 +108,7 @@ def decode_profile(prompts: list[list[int]], args, llm) -> dict:
     workload's first prompts, decoding past their prefill), so the tier-on and tier-off
     engines are compared on the same decode step: the step's wall time, its phases with
     a device sync around each, one graph replay's GPU time and the heaviest kernels."""
-    from throughput import profile_decode
+    from benchmarks.throughput import profile_decode
 
     ns = Namespace(max_num_seqs=args.profile, device=llm.engine.device.type)
     prof = profile_decode(llm, prompts, ns)

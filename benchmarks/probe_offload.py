@@ -11,15 +11,15 @@ row that stops where the other goes on, or runs past an EOS, is broken.
 On the GPU (from the repository root):
 
     # the default configuration, W1's model: ~1.5 min
-    PYTHONPATH=src python3 benchmarks/probe_offload.py --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.probe_offload --out $OUT
     # the same, the tier made to swap whatever it costs (auto may choose to recompute)
-    PYTHONPATH=src python3 benchmarks/probe_offload.py --tier-policy always --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.probe_offload --tier-policy always --out $OUT
     # Llama-3.1-8B's architecture, random weights: ~2 min
-    PYTHONPATH=src python3 benchmarks/probe_offload.py --model llama-3.1-8b --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.probe_offload --model llama-3.1-8b --out $OUT
     # the debug probe (batchgen_debug read-back of every offloaded page): ~3 min
-    PYTHONPATH=src python3 benchmarks/probe_offload.py --debug --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.probe_offload --debug --out $OUT
     # CPU, seconds, for CI
-    PYTHONPATH=src python3 benchmarks/probe_offload.py --small --out /tmp/probe
+    PYTHONPATH=src python3 -m benchmarks.probe_offload --small --out /tmp/probe
 
 Default mode: the engine's default configuration (debug off, pipelined decode, CUDA
 graphs, tier_policy and decode_append as given, default "auto" and "off"), requests that
@@ -40,9 +40,9 @@ device source; a mismatch raises and ends the probe), everything else as users r
 This is the forced-offload probe of the W4 and W6 models:
 
     # W4's model (MLA latent pages), 4 GiB device pool: every default on, readback
-    PYTHONPATH=src python3 benchmarks/probe_offload.py --model moonlight-w4 --readback --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.probe_offload --model moonlight-w4 --readback --out $OUT
     # W6's model (KDA state slots + MLA pages): a 1 GiB pool forces swaps
-    PYTHONPATH=src python3 benchmarks/probe_offload.py --model kimi-w6 --kv-gib 1 --readback --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.probe_offload --model kimi-w6 --kv-gib 1 --readback --out $OUT
 
 --tp N: both runs split over N tensor-parallel ranks (gloo on the CPU, NCCL on GPUs, decode
 CUDA graphs on every rank as in the defaults; random weights are drawn per rank, so the
@@ -50,12 +50,12 @@ ample run splits the same way to hold the same ones); each worker's own swaps, l
 readbacks are reported beside rank 0's (`worker_tiers`). The issue-15
 probe at two ranks on the CPU, a tiny Kimi-Linear-shaped model, W6's request mix:
 
-    python3 benchmarks/probe_offload.py --small --model kimi-w6 --tp 2 --readback \
+    python3 -m benchmarks.probe_offload --small --model kimi-w6 --tp 2 --readback \
         --requests 512 --prompt-len 1000 --output-len 128 --kv-pages 36000 --host-gib 0.5
 
 The 8-GPU contract itself, on 8 GPUs (every request preempted every 16 steps, swapped):
 
-    PYTHONPATH=src python3 benchmarks/probe_offload.py --model kimi-w6-x8 --tp 8 --readback \
+    PYTHONPATH=src python3 -m benchmarks.probe_offload --model kimi-w6-x8 --tp 8 --readback \
         --tier-policy always --swap-every 16 --out $OUT
 
 --swap-every STEPS (default modes): the tier run is driven step by step and every STEPS
@@ -80,8 +80,8 @@ KV lived between steps differs ("replay" in the output, judged by the same rule;
 decides the exit status). A correct tier gives identical rows however batching rounds:
 the W4 and W6 models' probes on the GPU:
 
-    PYTHONPATH=src python3 benchmarks/probe_offload.py --model moonlight-w4 --replay --out $OUT
-    PYTHONPATH=src python3 benchmarks/probe_offload.py --model kimi-w6 --kv-gib 1 --replay --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.probe_offload --model moonlight-w4 --replay --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.probe_offload --model kimi-w6 --kv-gib 1 --replay --out $OUT
 
 --dtype float32 (GPU): the same probe with batching's rounding far below any routing
 margin, so that rows broken in bf16 by routing flips alone come out identical; the MoE
@@ -109,18 +109,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine_runs import dummy_model, engine_default, threads_for  # noqa: E402
-from schedule_replay import ReplayScheduler, StepRecorder, replay_params  # noqa: E402
-from workloads import MODELS  # noqa: E402
-
-from batchgen.eval.closeness import (  # noqa: E402
+from batchgen.eval.closeness import (
     close_under_top5,
     ending_mismatch,
     first_difference,
     top5_from_logprobs,
 )
+from benchmarks.engine_runs import dummy_model, engine_default, threads_for
+from benchmarks.schedule_replay import ReplayScheduler, StepRecorder, replay_params
+from benchmarks.workloads import MODELS
 
 # the tier run's counters worth a line (engine metrics() names)
 TIER_KEYS = (

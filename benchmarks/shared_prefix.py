@@ -7,15 +7,15 @@ for the baseline (6.35M prompt tokens recomputed), ~1-1.5 min for tier-on-arriva
 min each for defaults and tier-off-prefix.
 
     # W3, W1's model, all four runs: ~4 min
-    PYTHONPATH=src python3 benchmarks/shared_prefix.py --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.shared_prefix --out $OUT
     # W3-8B, all four runs: ~8-9 min, close to a 10-minute limit per command
-    PYTHONPATH=src python3 benchmarks/shared_prefix.py --model llama-3.1-8b --out $OUT
+    PYTHONPATH=src python3 -m benchmarks.shared_prefix --model llama-3.1-8b --out $OUT
     # W3-8B in two calls instead: the headline (~4.5 min), then the other two runs
     # (~3 min; --profile adds ~30 s: the trace of tier-on-arrival, the first tier-on run)
-    PYTHONPATH=src python3 benchmarks/shared_prefix.py --model llama-3.1-8b --runs defaults,baseline --out $OUT/a
-    PYTHONPATH=src python3 benchmarks/shared_prefix.py --model llama-3.1-8b --runs tier-off-prefix,tier-on-arrival --profile --out $OUT/b
+    PYTHONPATH=src python3 -m benchmarks.shared_prefix --model llama-3.1-8b --runs defaults,baseline --out $OUT/a
+    PYTHONPATH=src python3 -m benchmarks.shared_prefix --model llama-3.1-8b --runs tier-off-prefix,tier-on-arrival --profile --out $OUT/b
     # CPU, seconds, for CI
-    PYTHONPATH=src python3 benchmarks/shared_prefix.py --small --out /tmp/w3
+    PYTHONPATH=src python3 -m benchmarks.shared_prefix --small --out /tmp/w3
 
 --model: qwen3-0.6b (W1's model, the default) or llama-3.1-8b (W3-8B), random bf16
 weights drawn on the GPU (load_format="dummy": the model directory, --ckpt or
@@ -53,7 +53,7 @@ prompt computed whole). Per run it prints the checkpoints stored, their bytes an
 copy-stream time, the bytes loaded back and the prompt tokens they let hits skip; one
 process per interval (each its own engine):
 
-    for i in 0 256 512 1024; do PYTHONPATH=src python3 benchmarks/shared_prefix.py \
+    for i in 0 256 512 1024; do PYTHONPATH=src python3 -m benchmarks.shared_prefix \
         --model kimi-w6 --runs defaults --checkpoint-interval $i --out $OUT/ck$i; done
 
 --checkpoint-policy shared|all sets state_checkpoint_policy (default: the engine's,
@@ -87,9 +87,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine_runs import (  # noqa: E402
+from benchmarks.engine_runs import (
     add_engine_args,
     add_model_args,
     add_policy_args,
@@ -100,9 +98,9 @@ from engine_runs import (  # noqa: E402
     size,
     timed_run,
 )
-from engine_runs import engine_kwargs as common_engine_kwargs  # noqa: E402
-from throughput import kernel_families  # noqa: E402
-from workloads import w3_requests  # noqa: E402
+from benchmarks.engine_runs import engine_kwargs as common_engine_kwargs
+from benchmarks.throughput import kernel_families
+from benchmarks.workloads import w3_requests
 
 CEILING_GB_S = 55.0  # host<->device, each way, pinned (BENCHMARKS.md)
 

@@ -1,8 +1,8 @@
 """How long an engine takes to build, phase by phase.
 
-    python3 benchmarks/startup.py                        # the embedded default model, CPU
-    python3 benchmarks/startup.py --model DIR --device cuda
-    python3 benchmarks/startup.py --parse-each-read      # GGUF read as before gguf_read_once
+    python3 -m benchmarks.startup                        # the embedded default model, CPU
+    python3 -m benchmarks.startup --model DIR --device cuda
+    python3 -m benchmarks.startup --parse-each-read      # GGUF read as before gguf_read_once
 
 A batch job waits for the engine before its first step. This builds `LLM(...)` once in
 this process and reports the seconds of each phase of EngineCore.from_config: the
@@ -25,13 +25,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine_runs import timed_into  # noqa: E402
-
-from batchgen import LLM  # noqa: E402
-from batchgen.engine import engine_core  # noqa: E402
-from batchgen.models import loader  # noqa: E402
+from batchgen import LLM
+from batchgen.engine import engine_core
+from batchgen.models import loader
+from benchmarks.engine_runs import timed_into
 
 PHASES = ("config", "tokenizer", "weights")
 

@@ -1,7 +1,7 @@
 """Structured outputs: the throughput cost of JSON-schema constraints on the GPU.
 
-    PYTHONPATH=src python3 benchmarks/structured_outputs.py --out $OUT            # GPU, ~1 min
-    PYTHONPATH=src python3 benchmarks/structured_outputs.py --small --out /tmp/so  # CPU, 4 requests
+    PYTHONPATH=src python3 -m benchmarks.structured_outputs --out $OUT            # GPU, ~1 min
+    PYTHONPATH=src python3 -m benchmarks.structured_outputs --small --out /tmp/so  # CPU, 4 requests
 
 The embedded default model (SmolLM2-135M-Instruct, its own tokenizer; --model for another)
 in the default configuration (bf16 on a GPU, CUDA graphs, pipelined decode). --n chat

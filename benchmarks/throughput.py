@@ -1,10 +1,10 @@
 """W1 `nano`: batchgen vs transformers' continuous batching (paged|sdpa) in one run.
 
-    python benchmarks/throughput.py                 # W1 on the GPU, peer beside it
-    python benchmarks/throughput.py --skip-peer     # while iterating (not a result)
-    python benchmarks/throughput.py --small         # CPU, seconds, for CI
-    python benchmarks/throughput.py --profile       # + where a decode step's time goes
-    python benchmarks/throughput.py --sampling all  # sampled decoding beside greedy
+    python3 -m benchmarks.throughput                 # W1 on the GPU, peer beside it
+    python3 -m benchmarks.throughput --skip-peer     # while iterating (not a result)
+    python3 -m benchmarks.throughput --small         # CPU, seconds, for CI
+    python3 -m benchmarks.throughput --profile       # + where a decode step's time goes
+    python3 -m benchmarks.throughput --sampling all  # sampled decoding beside greedy
 
 --sampling greedy|sampled|top_k|penalty|all: batchgen alone (no peer), one engine, the
 workload run greedy first and then as asked: `sampled` temperature 0.8 + top_p 0.95 with
@@ -25,11 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine_runs import add_engine_args, engine_kwargs, gc_pauses  # noqa: E402
-from roofline import roofline_seconds  # noqa: E402
-from workloads import (  # noqa: E402
+from benchmarks.engine_runs import add_engine_args, engine_kwargs, gc_pauses
+from benchmarks.roofline import roofline_seconds
+from benchmarks.workloads import (
     QWEN3_0_6B,
     SMALL_MODEL,
     random_checkpoint,

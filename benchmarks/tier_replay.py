@@ -1,10 +1,10 @@
 """Replay a workload's schedule and KV traffic on the CPU, without a model.
 
-    python3 benchmarks/tier_replay.py --workload w2                # W2, ~10 s
-    python3 benchmarks/tier_replay.py --workload w3 --admission arrival
-    python3 benchmarks/tier_replay.py --workload w3 --model llama-3.1-8b
-    python3 benchmarks/tier_replay.py --workload w4 --model moonlight-w4 --kv-gib 94 --host-gib 32
-    python3 benchmarks/tier_replay.py --small                      # seconds, for CI
+    python3 -m benchmarks.tier_replay --workload w2                # W2, ~10 s
+    python3 -m benchmarks.tier_replay --workload w3 --admission arrival
+    python3 -m benchmarks.tier_replay --workload w3 --model llama-3.1-8b
+    python3 -m benchmarks.tier_replay --workload w4 --model moonlight-w4 --kv-gib 94 --host-gib 32
+    python3 -m benchmarks.tier_replay --small                      # seconds, for CI
 
 The real Scheduler, KVCacheManager, PageAllocator and TieredKVManager run the workload
 step by step with page pools sized as the GPU runs size them (--kv-gib and --host-gib
@@ -47,23 +47,21 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+import torch
 
-import torch  # noqa: E402
-from workloads import MODELS, w2_requests, w3_requests, w4_requests  # noqa: E402
-
-from batchgen.engine.pipeline import next_decode  # noqa: E402
-from batchgen.engine.request import Request  # noqa: E402
-from batchgen.engine.scheduler import Scheduler  # noqa: E402
-from batchgen.kv import page_copies  # noqa: E402
-from batchgen.kv.copy_engine import CopyEngine  # noqa: E402
-from batchgen.kv.host_pool import HostPool  # noqa: E402
-from batchgen.kv.kv_manager import KVCacheManager  # noqa: E402
-from batchgen.kv.layout import KVLayout  # noqa: E402
-from batchgen.kv.page_pool import PagePool  # noqa: E402
-from batchgen.kv.tiered import TieredKVManager  # noqa: E402
-from batchgen.runner.batch import ModelRunnerOutput  # noqa: E402
-from batchgen.sampling_params import SamplingParams  # noqa: E402
+from batchgen.engine.pipeline import next_decode
+from batchgen.engine.request import Request
+from batchgen.engine.scheduler import Scheduler
+from batchgen.kv import page_copies
+from batchgen.kv.copy_engine import CopyEngine
+from batchgen.kv.host_pool import HostPool
+from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.kv.layout import KVLayout
+from batchgen.kv.page_pool import PagePool
+from batchgen.kv.tiered import TieredKVManager
+from batchgen.runner.batch import ModelRunnerOutput
+from batchgen.sampling_params import SamplingParams
+from benchmarks.workloads import MODELS, w2_requests, w3_requests, w4_requests
 
 PAGE_SIZE = 16
 

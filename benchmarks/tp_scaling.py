@@ -1,8 +1,8 @@
 """W5 `tp2`: tensor-parallel scaling, TP=1 on one GPU against TP=N on N GPUs, in one run.
 
-    python benchmarks/tp_scaling.py              # W5: Llama-3.1-8B's shape, W1's mix, TP=2
-    python benchmarks/tp_scaling.py --tp 4       # TP=1 against TP=4
-    python benchmarks/tp_scaling.py --small      # CPU (gloo ranks), seconds, for CI
+    python3 -m benchmarks.tp_scaling              # W5: Llama-3.1-8B's shape, W1's mix, TP=2
+    python3 -m benchmarks.tp_scaling --tp 4       # TP=1 against TP=4
+    python3 -m benchmarks.tp_scaling --small      # CPU (gloo ranks), seconds, for CI
 
 The model is --model's architecture (default llama-3.1-8b) with random bf16 weights drawn
 on the device (load_format="dummy"; under tensor parallel each rank draws its own share,
@@ -24,16 +24,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine_runs import (  # noqa: E402
+from benchmarks.engine_runs import (
     add_engine_args,
     add_model_args,
     dummy_model,
     engine_kwargs,
     timed_run,
 )
-from workloads import small_requests, w1_requests  # noqa: E402
+from benchmarks.workloads import small_requests, w1_requests
 
 RUN_TIMEOUT_S = 3600
 

@@ -1,25 +1,18 @@
-"""Importing the scripts of benchmarks/ (not a package) in their --small tests, and
-checking their rates against what a test knows apart from the script."""
+"""Importing the modules of the benchmarks package in their --small tests, and checking
+their rates against what a test knows apart from the script."""
 
 from __future__ import annotations
 
-import sys
+import importlib
 import time
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 def load(name: str):
-    """The benchmarks/ module `name`, imported with benchmarks/ on sys.path only while
-    importing (its own imports of workloads, engine_runs, ... resolve there)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(BENCH))
+    """The module benchmarks.`name` (the package at the repository root, which
+    `python -m pytest` run there puts on sys.path)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def run_timed(script, argv: list[str]) -> float:
