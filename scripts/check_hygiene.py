@@ -13,6 +13,7 @@ Checks the files git tracks plus untracked files that are not ignored:
   copy-R1..R8      the KV copy-ordering contract (see hygiene/copy_contract.py)
   importorskip     tests skip only for an optional extra (see hygiene/evidence.py)
   claims-defaults  a test claiming the defaults sets no option that leaves them
+  module-global    no test or benchmark sets a module global of the package (see hygiene/knobs.py)
 
 With `--base REF --type TYPE` it also reviews the change since REF: commit messages
 (blocking), files outside the type's folders and public API changes without a MODULE.md
@@ -27,7 +28,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hygiene import comments, copy_contract, evidence, layering, paths, review, source  # noqa: E402
+from hygiene import (  # noqa: E402
+    comments,
+    copy_contract,
+    evidence,
+    knobs,
+    layering,
+    paths,
+    review,
+    source,
+)
 from hygiene.git import GitError, listed_files, repo_root  # noqa: E402
 from hygiene.report import Finding, summarise  # noqa: E402
 
@@ -72,6 +82,7 @@ def check_tests(root: Path, listed: list[str]) -> list[Finding]:
     for path, text, tree in evidence.load_test_sources(root, listed):
         findings += evidence.check_importorskip(path, tree, optional)
         findings += evidence.check_default_claims(path, text, tree)
+    findings += knobs.check_module_globals(root, listed)
     return findings
 
 

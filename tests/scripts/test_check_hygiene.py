@@ -660,3 +660,53 @@ def test_a_reference_run_off_the_defaults_says_so_on_its_line(repo):
     write(repo, {"tests/engine/test_defaults.py": test.replace("# off-defaults: ", "# ")})
     code, out = check(repo)
     assert code == 1 and "tests/engine/test_defaults.py:6: [claims-defaults]" in out
+
+
+# --- module globals -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "source", "line"),
+    [
+        ("tests/kv/test_p.py", "from batchgen.kv import pool\n\npool.SIZE = 8\n", 3),
+        ("benchmarks/b.py", "import batchgen.kv.pool as p\n\np.SIZE += 1\n", 3),
+        ("tests/kv/test_p.py", "from batchgen import config as c\n\nold, c.PAGE_SIZE = 1, 2\n", 3),
+        (
+            "tests/kv/test_p.py",
+            "def test_x(monkeypatch, pool):\n    monkeypatch.setattr(pool, 'SIZE', 2)\n",
+            2,
+        ),
+        ("tests/kv/test_p.py", "def test_x(mp):\n    mp.setattr('batchgen.kv.pool.SIZE', 2)\n", 2),
+        ("benchmarks/b.py", "from batchgen.kv import pool\n\nsetattr(pool, 'SIZE', 3)\n", 3),
+        (
+            "tests/kv/test_p.py",
+            "def test_x(monkeypatch, c):\n    monkeypatch.delattr(c, 'PAGE_SIZE')\n",
+            2,
+        ),
+    ],
+)
+def test_a_test_or_benchmark_setting_a_package_global_fails(repo, path, source, line):
+    write(repo, {path: source})
+    code, out = check(repo)
+    assert code == 1
+    flagged = [row for row in out.splitlines() if "[module-global]" in row]
+    assert len(flagged) == 1 and flagged[0].startswith(f"{path}:{line}: ")
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from batchgen.kv import pool\n\nsize = pool.SIZE * 2\n",  # read, not set
+        "def test_x(monkeypatch, pool):\n    monkeypatch.setattr(pool, 'make', len)\n",  # a spy
+        "def test_x(monkeypatch, hub):\n    monkeypatch.setattr(hub, 'HF_HUB_OFFLINE', True)\n",
+        "class Args:\n    pass\n\n\nArgs.SIZE_HINT = 1\n",  # not a package constant
+    ],
+)
+def test_reading_globals_spying_and_other_libraries_globals_pass(repo, source):
+    write(repo, {"tests/kv/test_p.py": source, "benchmarks/b.py": source})
+    assert check(repo) == (0, "blocking: 0, advisory: 0\n")
+
+
+def test_the_package_itself_may_set_its_globals(repo):
+    write(repo, {"src/batchgen/kv/other.py": "from batchgen.kv import pool\n\npool.SIZE = 5\n"})
+    assert "[module-global]" not in check(repo)[1]
