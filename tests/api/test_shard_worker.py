@@ -11,6 +11,7 @@ import pytest
 
 from batchgen import LLM, SamplingParams
 from batchgen.api import batch_file as bf
+from batchgen.api import batch_output as bo
 from batchgen.api.batch_job import JobOptions
 from batchgen.api.shard_worker import Shard, ShardWorker
 
@@ -82,7 +83,7 @@ def test_after_an_engine_error_every_shard_fails(tiny_llama, monkeypatch, where)
     if where == "step":
         monkeypatch.setattr(worker.llm.engine, "step", broken)
     else:
-        monkeypatch.setattr(bf, "output_line", broken)
+        monkeypatch.setattr(bo, "output_line", broken)
     results = _run_all(worker, [Shard(0, [_item(1, "w5", 2)]), Shard(1, [_item(2, "w6", 2)])])
     assert all(isinstance(r, RuntimeError) for r in results), results
     (later,) = _run_all(worker, [Shard(2, [_item(3, "w7", 2)])])

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.api import batch_file as bf
+from batchgen.api import batch_output as bo
 from batchgen.api.batch_journal import (
     Appender,
     check_input,
@@ -196,7 +197,7 @@ class _Job:
             self._step()
         return exhausted
 
-    def _drop(self, pending: list[bf.Pending], why: str) -> None:
+    def _drop(self, pending: list[bo.Pending], why: str) -> None:
         for p in pending:
             self.flight.drop(p)
         self.dropped += len(pending)
@@ -334,18 +335,18 @@ class _Job:
         self.errs.write([error_record(line, error, code)])
         self._progress(1)
 
-    def _fail_pending(self, p: bf.Pending, message: str) -> None:
+    def _fail_pending(self, p: bo.Pending, message: str) -> None:
         error = bf.LineError(message, p.custom_id)
         error.digest = p.digest
         self._fail(p.line, error, "engine_error")
 
-    def _finish(self, p: bf.Pending) -> bytes:
+    def _finish(self, p: bo.Pending) -> bytes:
         s = self.summary
         n_in, n_out = p.usage
         s.succeeded += 1
         s.prompt_tokens += n_in
         s.completion_tokens += n_out
-        return bf.dumps(bf.output_line(p, self.opts.model_name, self.llm.tokenizer))
+        return bo.dumps(bo.output_line(p, self.opts.model_name, self.llm.tokenizer))
 
     def _progress(self, done: int) -> None:
         bar = self.bar

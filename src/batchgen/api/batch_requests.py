@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 
 from batchgen.api import batch_file as bf
+from batchgen.api import batch_output as bo
 from batchgen.api.parallel_sampling import child_params
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.sampling_params import SamplingParams
@@ -64,7 +65,7 @@ class InFlight:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self._by_id: dict[str, tuple[bf.Pending, int]] = {}
+        self._by_id: dict[str, tuple[bo.Pending, int]] = {}
 
     def __len__(self) -> int:
         """Engine requests in flight (a line of n samples counts n)."""
@@ -76,11 +77,11 @@ class InFlight:
         ids: list[int],
         params: SamplingParams,
         children: list[SamplingParams],
-    ) -> bf.Pending:
+    ) -> bo.Pending:
         """Add one request per sample (consecutively: the first computes the prompt, the
         others hit its pages); all or none are added."""
         count = len(children)
-        pending = bf.Pending(
+        pending = bo.Pending(
             item.line,
             item.custom_id,
             item.url,
@@ -99,29 +100,29 @@ class InFlight:
             raise
         return pending
 
-    def finished(self, req: Request) -> bf.Pending | None:
+    def finished(self, req: Request) -> bo.Pending | None:
         """Record a finished sample; the line once all of its samples are done."""
         pending, index = self._by_id.pop(req.request_id)
         pending.samples[index] = req
         return pending if pending.done else None
 
-    def pending_of(self, rid: str) -> bf.Pending | None:
+    def pending_of(self, rid: str) -> bo.Pending | None:
         entry = self._by_id.get(rid)
         return None if entry is None else entry[0]
 
-    def drop(self, pending: bf.Pending) -> None:
+    def drop(self, pending: bo.Pending) -> None:
         """Take a line out: abort its samples still in the engine."""
         count = len(pending.samples)
         rids = [request_id(pending.line, i, count) for i in range(count)]
         rids = [rid for rid in rids if self._by_id.pop(rid, None) is not None]
         self.engine.abort(rids)
 
-    def lines(self) -> list[bf.Pending]:
+    def lines(self) -> list[bo.Pending]:
         """The lines in flight, in input order."""
         unique = {id(p): p for p, _ in self._by_id.values()}
         return sorted(unique.values(), key=lambda p: p.line)
 
-    def not_started(self) -> list[bf.Pending]:
+    def not_started(self) -> list[bo.Pending]:
         """Lines with a sample the engine has not admitted to its running set (waiting,
         or preempted): they cannot finish without admitting it."""
         requests = self.engine.requests

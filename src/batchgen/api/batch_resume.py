@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from batchgen.api import batch_file as bf
+from batchgen.api import batch_output as bo
 from batchgen.api.batch_journal import (
     MAX_LINE_BYTES,
     Appender,
@@ -150,4 +151,4 @@ def error_record(line: int, error: bf.LineError, code: str = "invalid_request") 
     duplicate_of = getattr(error, "duplicate_of", None)
     record_id = getattr(error, "record_id", None)
     digest = getattr(error, "digest", None)
-    return bf.dumps(bf.error_line(line, record_id, message, duplicate_of, digest, code))
+    return bo.dumps(bo.error_line(line, record_id, message, duplicate_of, digest, code))

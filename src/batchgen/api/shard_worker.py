@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.api import batch_file as bf
+from batchgen.api import batch_output as bo
 from batchgen.api.batch_job import JobOptions, error_record
 from batchgen.api.batch_requests import InFlight, prepare_line
 from batchgen.engine.engine_core import RequestsFailed
@@ -176,8 +177,8 @@ class ShardWorker:
         error.digest = digest
         run.result.errors.append((line, error_record(line, error, code)))
 
-    def _record(self, pending: bf.Pending) -> None:
-        record = bf.dumps(bf.output_line(pending, self.opts.model_name, self.llm.tokenizer))
+    def _record(self, pending: bo.Pending) -> None:
+        record = bo.dumps(bo.output_line(pending, self.opts.model_name, self.llm.tokenizer))
         run = self._runs.pop(pending.line)  # popped once its line is made
         result = run.result
         result.outputs.append((pending.line, record))
