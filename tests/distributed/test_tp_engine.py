@@ -18,7 +18,10 @@ from eager_graphs import install_eager_graphs
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
-from batchgen.engine.tensor_parallel import TPModelRunner, TPStep, _Worker, check_supported
+from batchgen.distributed.messages import Setup
+from batchgen.engine.tensor_parallel import TPModelRunner, TPStep
+from batchgen.engine.tp_peers import check_supported
+from batchgen.engine.tp_worker import _Worker
 from batchgen.layers.tp_group import SINGLE
 from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
 from batchgen.runner.cuda_graphs import DecodeGraphs
@@ -202,18 +205,18 @@ def test_a_worker_builds_graphs_only_when_rank_0_replays_them(tmp_path):
         num_pages=16,
         host_pages=8,
         host_state_slots=0,
-        eos_token_ids=engine.eos_token_ids,
+        eos_token_ids=tuple(engine.eos_token_ids),
         attention_backend="triton",
     )
     on = _Worker(config, engine.model, engine.hf_config, engine.device, engine.dtype, SINGLE)
-    on.handle({**setup, "graphs": True})
+    on.handle(Setup(**setup, graphs=True))
     assert isinstance(on.runner.graphs, DecodeGraphs)
     assert on.runner.graphs.capture_guard == on.mirror.copies.paused
     ptrs = [[t.data_ptr() for t in layer] for layer in on.pool.layer_caches()]
     assert [[t.data_ptr() for t in layer] for layer in on.runner.graphs.kv_caches] == ptrs
     assert on.runner.graphs.max_bs == GRAPH_RUN["max_num_seqs"]
     off = _Worker(config, engine.model, engine.hf_config, engine.device, engine.dtype, SINGLE)
-    off.handle({**setup, "graphs": False})
+    off.handle(Setup(**setup, graphs=False))
     assert off.runner.graphs is None
     decode = SchedulerOutput(
         [ScheduledRequest("r", [5], 3, [0], True, SamplingParams(), [1, 2, 3], [])]

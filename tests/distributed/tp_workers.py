@@ -231,22 +231,22 @@ def fail_on_rank_one(tp: TPGroup) -> None:
 
 
 def worker_main_skipping_tier_copies(*args) -> None:
-    """engine.tensor_parallel.worker_main with a TierMirror that issues none of the copies
-    it is sent (the forward then reads whatever its pages held)."""
-    from batchgen.engine import tensor_parallel
+    """engine.tp_worker.worker_main with a TierMirror that issues none of the copies it
+    is sent (the forward then reads whatever its pages held)."""
+    from batchgen.engine import tp_worker
     from batchgen.kv.tier_mirror import TierMirror
 
     TierMirror.issue = lambda self, copies, forward=True: []
-    tensor_parallel.worker_main(*args)
+    tp_worker.worker_main(*args)
 
 
 FAILING_POOL_PAGES = 29  # a page count whose pool a worker cannot allocate
 
 
 def worker_main_failing_a_pool(*args) -> None:
-    """engine.tensor_parallel.worker_main whose device pool of FAILING_POOL_PAGES pages
-    fails to allocate, as an out-of-memory would."""
-    from batchgen.engine import memory, tensor_parallel
+    """engine.tp_worker.worker_main whose device pool of FAILING_POOL_PAGES pages fails
+    to allocate, as an out-of-memory would."""
+    from batchgen.engine import memory, tp_worker
 
     make = memory.PagePool
 
@@ -256,7 +256,7 @@ def worker_main_failing_a_pool(*args) -> None:
         return make(layout, num_pages, device)
 
     memory.PagePool = pool  # the pools reconfigure() makes
-    tensor_parallel.worker_main(*args)
+    tp_worker.worker_main(*args)
 
 
 def kda_layer_runs(tp: TPGroup, path: str) -> dict:
@@ -283,3 +283,19 @@ def kda_layer_runs(tp: TPGroup, path: str) -> dict:
         outs = [torch.cat(run_kda_step(layer, pool, step)) for step in data["steps"]]
         runs[name] = {"outputs": outs, "states": pool.states.clone(), "windows": pool.windows}
     return runs
+
+
+def _refuse_to_unpickle():
+    raise RuntimeError("this worker cannot start")
+
+
+class DiesWhileStarting:
+    """An argument whose unpickling raises: a worker handed it ends in spawn's bootstrap,
+    before it runs anything of ours (as one re-running an unguarded script does)."""
+
+    def __reduce__(self):
+        return (_refuse_to_unpickle, ())
+
+
+def never_called(tp: TPGroup, *args) -> None:
+    raise AssertionError("a worker that died while starting ran its target")

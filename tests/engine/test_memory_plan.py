@@ -285,17 +285,18 @@ def test_tensor_parallel_ranks_plan_the_fewest_pages_any_gpu_holds(monkeypatch, 
 def test_a_tensor_parallel_worker_counts_and_answers_its_own_gpu(monkeypatch):
     """The worker's side of the plan: "begin" resets its own peak, the warm-up steps
     raise it, the query answers the pages of its own layout (its heads) left on its GPU."""
-    from batchgen.engine.tensor_parallel import _Worker
+    from batchgen.distributed.messages import PlanBegin, PlanQuery
+    from batchgen.engine.tp_worker import _Worker
 
     gpu = FakeGPU(monkeypatch, 80 * GIB)
     worker = _Worker.__new__(_Worker)  # the plan reads only these three
     worker.config = EngineConfig(gpu_memory_utilization=0.5)
     worker.layout = LAYOUT
     worker.device = torch.device("cuda", 1)
-    assert worker.handle({"plan": "begin"}) is None
+    assert worker.handle(PlanBegin()) is None
     assert gpu.events == [("reset", "cuda:1")]
     gpu.step("forward", 16 * GIB)
-    assert worker.handle({"query": "plan"}) == (40 - 16) * GIB // LAYOUT.bytes_per_page
+    assert worker.handle(PlanQuery()) == (40 - 16) * GIB // LAYOUT.bytes_per_page
 
 
 def test_a_host_tier_larger_than_the_memory_left_is_refused(tmp_path):

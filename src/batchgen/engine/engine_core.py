@@ -11,6 +11,7 @@ import torch
 from torch.profiler import record_function
 
 from batchgen.config import EngineConfig
+from batchgen.distributed.messages import Profile, Setup
 from batchgen.engine.decode_graphs import build_decode_graphs, decode_split_plan, graphs_wanted
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
@@ -29,7 +30,8 @@ from batchgen.engine.memory import (
 from batchgen.engine.pipeline import next_decode
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.tensor_parallel import TPModelRunner, TPStep, TPWorkers, check_supported
+from batchgen.engine.tensor_parallel import TPModelRunner
+from batchgen.engine.tp_peers import TPWorkers, check_supported
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.host_pool import HostPool
@@ -154,15 +156,15 @@ class EngineCore:
         graphs_on = graphs_wanted(config, model, dtype, device, backend)
         if tp_workers is not None:  # each rank builds pools of the same pages and slots
             tp_workers.send(
-                {
-                    "num_pages": num_pages,
-                    "host_pages": HostPool.pages_in(self.layout, page_gib),
-                    "host_state_slots": host_slots,
-                    "eos_token_ids": self.eos_token_ids,
+                Setup(
+                    num_pages=num_pages,
+                    host_pages=HostPool.pages_in(self.layout, page_gib),
+                    host_state_slots=host_slots,
+                    eos_token_ids=tuple(self.eos_token_ids),
                     # decode takes the same path on every rank (decode_graphs.py)
-                    "attention_backend": backend,
-                    "graphs": graphs_on,
-                }
+                    attention_backend=backend,
+                    graphs=graphs_on,
+                )
             )
         self.pool = PagePool(self.layout, num_pages, device)
         # hybrid models: a prefix hit needs the recurrent state at the hit's last token,
@@ -275,9 +277,7 @@ class EngineCore:
         if self.tp_workers is None:
             return []
         copies = self.tier.take_mirrored() if self.tier is not None else []
-        self.tp_workers.send(TPStep(None, copies))
-        self.tp_workers.send({"query": "tier"})
-        return self.tp_workers.gather()
+        return self.tp_workers.tier_metrics(copies)
 
     def _attention_backend(self) -> str:
         """The configured backend, where the model's attention has it: a model that
@@ -487,12 +487,7 @@ class EngineCore:
         (warmup_forward), on every rank."""
         longest = self.max_model_len - 1 if max_len is None else max_len
         if self.tp_workers is not None:  # the workers run it too: collectives pair up
-            message = {
-                "profile": num_tokens,
-                "max_len": longest,
-                "eos_token_ids": self.eos_token_ids,
-            }
-            self.tp_workers.send(message)
+            self.tp_workers.send(Profile(num_tokens, longest, tuple(self.eos_token_ids)))
         backend = self._attention_backend()
         states = None if self.state_pool is None else self.state_pool.layer_states()
         warmup_forward(

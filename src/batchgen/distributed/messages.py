@@ -1,0 +1,99 @@
+"""What rank 0 tells its tensor-parallel workers: one frozen dataclass per kind of
+message, broadcast pickled over the group's gloo side (workers.Workers.send).
+
+A worker acts on each through one table of handlers keyed by type (a message of a type
+it has no handler for raises); a message whose `replies` is true is answered by every
+worker (Workers.ask gathers the answers, rank 1 first). The step message, `TPStep`,
+lives beside the runner that sends it (engine/tensor_parallel.py): it carries the host
+tier's copy records, which sit above this package.
+
+    rank 0                                  each worker
+    Setup                           -->     its page pool, host tier mirror, runner
+    PlanBegin, Profile..., PlanQuery <->    counts its GPU's peak; the pages it has left
+    Profile                         -->     the same warm-up forward as rank 0's
+    Reconfigure                     <->     its pool re-made; what failed, or None
+    TierMetricsQuery                <->     its host tier mirror's counters
+    Shutdown                        -->     leaves the group, exits
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+class Message:
+    """A message from rank 0 to every worker. `replies`: each worker answers it."""
+
+    replies: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class Setup(Message):
+    """Build the pools and the runner rank 0 built: `num_pages` device pages, a host
+    tier of `host_pages` pages and `host_state_slots` state slots (0: none), and a
+    runner that decodes as rank 0's does (the same attention backend; decode CUDA
+    graphs where `graphs`)."""
+
+    num_pages: int
+    host_pages: int
+    host_state_slots: int
+    eos_token_ids: tuple[int, ...]
+    attention_backend: str
+    graphs: bool
+
+
+@dataclass(frozen=True)
+class Profile(Message):
+    """Run the warm-up forward rank 0 runs beside it: `num_tokens` prompt tokens in
+    prompts of at most `max_len` tokens (memory.warmup_forward), so the ranks'
+    collectives pair up."""
+
+    num_tokens: int
+    max_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PlanBegin(Message):
+    """The memory plan starts: count this GPU's peak from now on."""
+
+
+@dataclass(frozen=True)
+class PlanQuery(Message):
+    """The memory plan ends: answer the pages this GPU has left (an int)."""
+
+    replies: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Reconfigure(Message):
+    """Re-make the device pool with `num_pages` pages; answer None, or what failed (a
+    pool of the old size is made again then)."""
+
+    replies: ClassVar[bool] = True
+    num_pages: int
+
+
+@dataclass(frozen=True)
+class TierMetricsQuery(Message):
+    """Answer the host tier mirror's counters (a dict; None without the tier), once
+    every copy it was sent is done."""
+
+    replies: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    """Leave the group and exit (workers.serve returns)."""
+
+
+def message_types() -> set[type[Message]]:
+    """Every concrete message type defined so far (the subclasses of Message, at any
+    depth, the step message among them once its module is imported)."""
+    found, todo = set(), list(Message.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        found.add(cls)
+        todo.extend(cls.__subclasses__())
+    return found

@@ -1,0 +1,282 @@
+"""The life of a tensor-parallel group's processes: rank 0 (the caller) spawns ranks
+1..N-1, they meet, rank 0 talks to them in typed messages (messages.py), and every
+worker that ends before rank 0 stops them is seen at once.
+
+    rank 0: Workers.spawn(target, args)         rank r: _worker_main
+      spawn ranks 1..N-1 (spawn start method)     "started" on its pipe
+      wait: every "started", or a death   <--     (a death first: rank 0 raises, naming it)
+      init_tensor_parallel(0)             <-->    init_tensor_parallel(r)
+      watcher thread on the processes             target(tp, *args): serve(tp, handle)
+      send(message), ask(message)         -->     handle each until Shutdown
+      shutdown(): Shutdown, join          -->     leave the group, exit
+
+Why the "started" pipe: a worker that dies before it joins (for example a user script
+that builds its LLM outside `if __name__ == "__main__":` re-runs under spawn in the
+worker, which then may not start processes of its own) would otherwise leave rank 0
+waiting in the rendezvous until its timeout. Rank 0 waits for each worker's pipe or its
+exit, whichever comes first, and raises within seconds saying what to do.
+
+Under NCCL a worker that ends makes the watcher abort the tensors' group: a collective
+captured in a decode graph is not one NCCL's watchdog times out, so rank 0 would
+otherwise wait forever in the step it was replaying. `check()` raises after each of
+rank 0's waits and before each message, so a step the abort cut short is never read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from multiprocessing import connection as mp_connection
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from batchgen.distributed.messages import Message, Shutdown
+from batchgen.distributed.tensor_parallel import (
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    local_init_method,
+)
+from batchgen.layers.tp_group import TPGroup
+
+logger = logging.getLogger(__name__)
+
+RENDEZVOUS_TIMEOUT_S = 120.0  # torch.distributed's group timeout (init_tensor_parallel)
+
+SPAWN_HINT = (
+    "Workers start with the spawn method, which runs the main script again in each of "
+    "them: a script that builds its LLM at top level must put that code under "
+    '`if __name__ == "__main__":` (the worker\'s traceback above then says "An attempt '
+    "has been made to start a new process before the current process has finished its "
+    'bootstrapping phase"); otherwise its traceback says why.'
+)
+
+
+class WorkerStartError(RuntimeError):
+    """A worker rank ended before it joined the group."""
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..N-1: started with `spawn`, fed with `send` / `ask`,
+    stopped with `shutdown`. `exited` (rank: exit code) records each worker that ended
+    before shutdown, as the watcher thread sees it."""
+
+    def __init__(self, processes: list, tp: TPGroup, nccl: bool = False) -> None:
+        self.processes = processes
+        self.tp = tp
+        self.nccl = nccl
+        self.exited: dict[int, int | None] = {}
+        self._stopping = False
+        self._watcher = threading.Thread(target=self._watch, name="batchgen-tp-watch", daemon=True)
+        self._watcher.start()
+
+    @classmethod
+    def spawn(
+        cls,
+        target: Callable[..., None],
+        args: tuple,
+        size: int,
+        backend: str,
+        timeout_s: float = RENDEZVOUS_TIMEOUT_S,
+    ) -> Workers:
+        """Spawn ranks 1..size-1, each running target(tp, *args) once it joined the
+        group, and join it as rank 0. WorkerStartError, within seconds, where a worker
+        ends before it reached the rendezvous (SPAWN_HINT says the usual cause)."""
+        init = local_init_method()
+        ctx = mp.get_context("spawn")
+        processes, pipes = [], []
+        try:
+            for rank in range(1, size):
+                started, tell = ctx.Pipe(duplex=False)
+                process = ctx.Process(
+                    target=_worker_main,
+                    args=(rank, size, init, backend, tell, target, args),
+                    name=f"batchgen-tp-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                tell.close()  # the worker holds the only writer: its end is our EOF
+                processes.append(process)
+                pipes.append(started)
+            _wait_started(processes, pipes, timeout_s)
+            tp = init_tensor_parallel(0, size, backend, init, timeout_s=timeout_s)
+        except BaseException:
+            _kill(processes)
+            raise
+        finally:
+            for pipe in pipes:
+                pipe.close()
+        return cls(processes, tp, nccl=backend == "nccl")
+
+    def _watch(self) -> None:
+        waiting = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, 1)}
+        while waiting:
+            for sentinel in mp_connection.wait(list(waiting)):
+                rank, process = waiting.pop(sentinel)
+                if self._stopping:
+                    continue
+                self.exited[rank] = _exit_code(process)  # before the abort wakes rank 0
+                logger.error(
+                    "tensor-parallel worker rank %d exited with code %s", rank, self.exited[rank]
+                )
+                if self.nccl:  # the error to report is the exit, raised by check()
+                    abort_collectives(self.tp)
+
+    @contextmanager
+    def failures_named(self, grace_s: float = 2.0) -> Iterator[None]:
+        """An error from a collective in the block (gloo: the peer's connection reset)
+        becomes check()'s, naming the rank, where a worker has ended (waiting up to
+        grace_s for the watcher to see it: a worker that raised may still be exiting);
+        any other error passes unchanged, grace_s later."""
+        try:
+            yield
+        except RuntimeError as e:
+            deadline = time.monotonic() + grace_s
+            while not self.exited and time.monotonic() < deadline:
+                time.sleep(0.01)
+            try:
+                self.check()
+            except RuntimeError as named:
+                raise named from e
+            raise
+
+    def check(self) -> None:
+        """RuntimeError naming the workers that ended before shutdown, if any."""
+        if self.exited:
+            codes = ", ".join(f"{r}: {c}" for r, c in sorted(self.exited.items()))
+            raise RuntimeError(
+                f"tensor-parallel worker rank(s) {sorted(self.exited)} stopped responding: "
+                f"exited (rank: exit code) {codes}; its log says why"
+            )
+
+    def send(self, message: Message) -> None:
+        """Broadcast a message from rank 0; RuntimeError naming dead workers when one
+        has ended or the broadcast fails."""
+        if not isinstance(message, Shutdown):
+            self.check()
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.tp.host_group)
+        except RuntimeError as e:
+            dead = [r for r, p in enumerate(self.processes, 1) if not p.is_alive()]
+            raise RuntimeError(
+                f"tensor-parallel worker rank(s) {dead or '?'} stopped responding: {e}"
+            ) from e
+
+    def gather(self) -> list:
+        """What each worker answered the last message with, rank 1 first."""
+        replies = [None] * self.tp.size
+        dist.gather_object(None, replies, dst=0, group=self.tp.host_group)
+        return replies[1:]
+
+    def ask(self, message: Message) -> list:
+        """Send a message that `replies`; each worker's answer, rank 1 first."""
+        if not message.replies:
+            raise ValueError(f"{type(message).__name__} has no reply to wait for")
+        self.send(message)
+        return self.gather()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the workers (they leave the group) and leave it too."""
+        self._stopping = True
+        try:
+            if not self.exited and all(p.is_alive() for p in self.processes):
+                try:
+                    self.send(Shutdown())
+                except RuntimeError as e:  # whatever stopped them is the error to report
+                    logger.warning("tensor-parallel shutdown: %s", e)
+            for p in self.processes:
+                p.join(timeout_s)
+        finally:
+            _kill(self.processes)
+            destroy_tensor_parallel()
+
+
+def serve(tp: TPGroup, handle: Callable[[Message], object]) -> None:
+    """A worker's loop: each message rank 0 sends goes to `handle`, whose answer is
+    gathered to rank 0 where the message `replies`, until Shutdown."""
+    while not isinstance(message := receive(tp), Shutdown):
+        reply = handle(message)
+        if message.replies:
+            dist.gather_object(reply, None, dst=0, group=tp.host_group)
+
+
+def receive(tp: TPGroup) -> Message:
+    """The next message rank 0 broadcasts."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=tp.host_group)
+    return box[0]
+
+
+def _worker_main(rank, size, init, backend, tell, target, args) -> None:
+    """A spawned rank: say it started, join the group, run target(tp, *args), leave."""
+    tell.send(rank)
+    tell.close()
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the host's cores shared
+    tp = init_tensor_parallel(rank, size, backend, init)
+    try:
+        target(tp, *args)
+    except BaseException:
+        # rank 0 gone (its messages' connection reset) or this rank failed: a collective
+        # it queued (a replayed graph's) may wait forever on rank 0, and leaving the
+        # group would wait for it, holding this GPU; an abort ends it
+        if backend == "nccl":
+            abort_collectives(tp)
+        raise
+    finally:
+        destroy_tensor_parallel()
+
+
+def _wait_started(processes: list, pipes: list, timeout_s: float) -> None:
+    """Return once every worker said it started; WorkerStartError naming those that
+    ended first (their pipe closed unread), TimeoutError after timeout_s."""
+    waiting = dict(zip(pipes, enumerate(processes, 1), strict=True))
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        ready = mp_connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise TimeoutError(
+                f"tensor-parallel worker rank(s) {sorted(r for r, _ in waiting.values())} "
+                f"did not start within {timeout_s:.0f} s"
+            )
+        dead = []
+        for pipe in ready:
+            rank, process = waiting.pop(pipe)
+            try:
+                pipe.recv()
+            except EOFError:  # it ended before it could say so
+                dead.append((rank, process))
+        if dead:
+            codes = ", ".join(f"{r}: {_exit_code(p)}" for r, p in dead)
+            raise WorkerStartError(
+                f"tensor-parallel worker rank(s) {[r for r, _ in dead]} exited while "
+                f"starting, before joining the group (rank: exit code {codes}). " + SPAWN_HINT
+            )
+
+
+def abort_collectives(tp: TPGroup) -> None:
+    """End every NCCL collective in flight on this rank's tensors' group (a replayed
+    graph's too: NCCL's watchdog does not time those out). Logged if it fails."""
+    try:
+        tp.group.abort()
+    except Exception:
+        logger.exception("aborting the tensor-parallel NCCL group failed")
+
+
+def _exit_code(process, timeout_s: float = 5.0) -> int | None:
+    """The exit code of a process that has ended (its sentinel is ready). Another thread
+    may be reaping it at the same moment (join), so it can read None for a while."""
+    deadline = time.monotonic() + timeout_s
+    while (code := process.exitcode) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return code
+
+
+def _kill(processes: list) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(10)

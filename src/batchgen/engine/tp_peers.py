@@ -1,0 +1,81 @@
+"""Rank 0's handle on its tensor-parallel workers, with the engine's requests of them
+(distributed.workers.Workers does the processes: spawn, rendezvous, watcher, messages).
+The workers' side is tp_worker.py; the steps they are sent, tensor_parallel.py."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.config import EngineConfig
+from batchgen.distributed.messages import PlanBegin, PlanQuery, Reconfigure, TierMetricsQuery
+from batchgen.distributed.workers import Workers
+from batchgen.engine.limits import max_model_len
+from batchgen.engine.tensor_parallel import TPStep
+from batchgen.engine.tp_worker import worker_main
+from batchgen.kv.tier_mirror import TierCopy
+from batchgen.layers.tp_group import TPGroup
+from batchgen.models.loader import ModelSource
+from batchgen.models.registry import model_class
+
+
+def check_supported(config: EngineConfig, device: torch.device) -> None:
+    """ValueError when GPUs are short: each rank needs its own (NCCL refuses two ranks on
+    one device)."""
+    size = config.tensor_parallel_size
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} GPUs, one a rank; "
+            f"{torch.cuda.device_count()} visible"
+        )
+
+
+def _check_shares(hf_config, size: int, max_positions: int) -> None:
+    """The model's own ValueError (naming the number that does not divide: KV heads,
+    heads, ...) when it cannot be split over `size` ranks. Rank 0's share is built on the
+    meta device (no memory, no weights read, no collective), before any worker is
+    spawned: otherwise each worker fails with its traceback before rank 0 says why."""
+    with torch.device("meta"):
+        model_class(hf_config)(hf_config, max_positions, tp=TPGroup(rank=0, size=size))
+
+
+class TPWorkers(Workers):
+    """Rank 0's handle on the other ranks (distributed.workers.Workers: spawn, watcher,
+    messages), with the engine's requests of them."""
+
+    @classmethod
+    def start(cls, config: EngineConfig, source: ModelSource) -> TPWorkers:
+        """Spawn ranks 1..N-1 (tp_worker.worker_main: each builds its share of the
+        model, then serves rank 0's messages) and join the group as rank 0
+        (_check_shares first)."""
+        size = config.tensor_parallel_size
+        hf_config = source.load_config()
+        _check_shares(hf_config, size, max_model_len(config, hf_config))
+        return cls.spawn(worker_main, (config, source), size, backend(config))
+
+    def reconfigure(self, num_pages: int, copies: list[TierCopy]) -> list[str]:
+        """Every worker's pool re-created with num_pages pages, after the tier copies
+        rank 0 submitted since its last message; what failed, by rank (a worker whose
+        allocation failed re-made a pool of its old size)."""
+        self.send(TPStep(None, copies))
+        return [error for error in self.ask(Reconfigure(num_pages)) if error]
+
+    def tier_metrics(self, copies: list[TierCopy]) -> list[dict | None]:
+        """Each worker's host tier mirror counters (rank 1 first; None without the
+        tier), once `copies` and every copy before them reached and left it."""
+        self.send(TPStep(None, copies))
+        return self.ask(TierMetricsQuery())
+
+    def plan_begin(self) -> None:
+        """The memory plan (memory.PlanPeers): each worker starts counting its peak; the
+        warm-up steps rank 0's profile sends follow."""
+        self.send(PlanBegin())
+
+    def plan_pages(self) -> list[int]:
+        """The memory plan: the pages each worker's GPU has left after those steps, rank
+        1 first."""
+        return self.ask(PlanQuery())
+
+
+def backend(config: EngineConfig) -> str:
+    """The tensors' backend: NCCL on GPUs, gloo on the CPU."""
+    return "nccl" if config.torch_device().type == "cuda" else "gloo"
