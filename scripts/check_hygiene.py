@@ -14,6 +14,8 @@ Checks the files git tracks plus untracked files that are not ignored:
   importorskip     tests skip only for an optional extra (see hygiene/evidence.py)
   claims-defaults  a test claiming the defaults sets no option that leaves them
   module-global    no test or benchmark sets a module global of the package (see hygiene/knobs.py)
+  file-size        no package file over 400 lines (see hygiene/structure.py)
+  import-cycle     no two package modules import each other, directly or through others
 
 With `--base REF --type TYPE` it also reviews the change since REF: commit messages
 (blocking), files outside the type's folders and public API changes without a MODULE.md
@@ -37,6 +39,7 @@ from hygiene import (  # noqa: E402
     paths,
     review,
     source,
+    structure,
 )
 from hygiene.git import GitError, listed_files, repo_root  # noqa: E402
 from hygiene.report import Finding, summarise  # noqa: E402
@@ -70,6 +73,8 @@ def check_sources(root: Path, listed: list[str]) -> list[Finding]:
         findings += source.check_pageable_uploads(src)
         findings += comments.check_commented_code(src.path, src.text)
     findings += layering.check_layering(sources, listed)
+    findings += structure.check_file_sizes(sources)
+    findings += structure.check_import_cycles(sources)
     files = [root / src.path for src in sources]  # those that parse; the others are reported
     if files:
         findings += copy_contract.check_copy_contract(root / paths.PACKAGE, files)

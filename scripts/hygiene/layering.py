@@ -64,7 +64,7 @@ def imported_modules(tree: ast.Module, package: list[str]) -> Iterator[tuple[int
             for alias in node.names:
                 yield node.lineno, alias.name.split("."), False
             continue
-        base = _resolve(node, package)
+        base = resolve_from(node, package)
         if base is not None:
             for alias in node.names:
                 yield node.lineno, [*base, alias.name], base == [ROOT_PACKAGE]
@@ -81,7 +81,7 @@ def _check_layer(path: str, line: int, layer: str, target: list[str]) -> Iterato
 def _runtime_imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         yield node
-    elif isinstance(node, ast.If) and _is_type_checking(node.test):
+    elif isinstance(node, ast.If) and is_type_checking(node.test):
         for stmt in node.orelse:
             yield from _runtime_imports(stmt)
     else:
@@ -89,13 +89,13 @@ def _runtime_imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
             yield from _runtime_imports(child)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
+def is_type_checking(test: ast.expr) -> bool:
     if isinstance(test, ast.Name):
         return test.id == "TYPE_CHECKING"
     return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
 
 
-def _resolve(node: ast.ImportFrom, package: list[str]) -> list[str] | None:
+def resolve_from(node: ast.ImportFrom, package: list[str]) -> list[str] | None:
     """The absolute dotted parts of the module a `from` import reads from."""
     module = node.module.split(".") if node.module else []
     if node.level == 0:
