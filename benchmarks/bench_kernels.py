@@ -51,8 +51,8 @@ from functools import partial
 
 import torch
 
-COPY_BW = 4.23e12  # bytes/s, H200 device copy (BENCHMARKS.md)
-MATMUL_FLOPS = 790e12  # bf16 dense matmul
+from benchmarks.card import COPY_BW, kernel_seconds
+
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 DTYPE = torch.bfloat16
 ELEM = 2  # bytes per bf16
@@ -66,12 +66,6 @@ def _tables(seq_lens: list[int], num_pages: int, gen: torch.Generator) -> torch.
         rows.append(perm[at : at + n] + [0] * (width - n))
         at += n
     return torch.tensor(rows, dtype=torch.int64, device="cuda")
-
-
-def _bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
 
 
 def bench_decode(caches, batch: int, ctx: int, sweep: bool, gen) -> list[tuple]:
@@ -112,7 +106,7 @@ def bench_decode(caches, batch: int, ctx: int, sweep: bool, gen) -> list[tuple]:
                 tuning=tuning,
             )
 
-        seconds = _bench(run)
+        seconds = kernel_seconds(run)
         bw = nbytes / seconds
         label = f"n={tuning.block_n} w={tuning.num_warps} s={tuning.num_stages}"
         split_label = f"{splits if splits else auto}{'' if splits else ' (auto)'}"
@@ -161,7 +155,7 @@ def bench_prefill(caches, specs: list[tuple[int, int]], sweep: bool, gen) -> lis
                 q, k_cache, v_cache, *args, table, max(q_len), 0.088, out=out, tuning=tuning
             )
 
-        seconds = _bench(run)
+        seconds = kernel_seconds(run)
         label = f"m={tuning.block_m} n={tuning.block_n} w={tuning.num_warps} s={tuning.num_stages}"
         rows.append(
             (
@@ -215,7 +209,7 @@ def bench_mla_prefill(num_seqs: int, seq_len: int, sweep: bool, gen) -> list[tup
                 q_rope=q_pe, k_rope=kr,
             )  # fmt: skip
 
-        seconds = _bench(run)
+        seconds = kernel_seconds(run)
         label = f"m={tuning.block_m} n={tuning.block_n} w={tuning.num_warps} s={tuning.num_stages}"
         rows.append(
             (
@@ -238,7 +232,7 @@ def bench_store_kv(caches, gen) -> list[tuple]:
     k = torch.randn(t, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     v = torch.randn_like(k)
     slots = torch.randperm(k_cache.shape[0] * PAGE, generator=gen)[:t].cuda()
-    seconds = _bench(lambda: store_kv(k_cache, v_cache, k, v, slots))
+    seconds = kernel_seconds(lambda: store_kv(k_cache, v_cache, k, v, slots))
     nbytes = 4 * k.numel() * ELEM  # read k, v; write both
     bw = nbytes / seconds
     return [
@@ -294,7 +288,7 @@ def bench_moe(gen, label: str, inter: int, sizes: tuple[int, ...]) -> list[tuple
             err = (run().float() - ref.float()).abs().max().item()
             cases.append((f"{launch} (max diff {err:.1e})", run))
         for launch, fn in cases:
-            seconds = _bench(fn)
+            seconds = kernel_seconds(fn)
             bw = weight_bytes * touched / num_experts / seconds
             rows.append(
                 (
@@ -361,7 +355,7 @@ def bench_route(gen) -> list[tuple]:
         ]  # fmt: skip
         for name, fn, moved in cases:
             for how, run in (("eager", fn), ("graph", _graphed(fn))):
-                seconds = _bench(run)
+                seconds = kernel_seconds(run)
                 rate = "-" if moved is None else f"{moved / seconds / 1e12:.2f} TB/s"
                 rows.append((f"W6 T={t} {name}", how, "-", f"{seconds * 1e6:.1f} us", rate, "-"))
     return rows
@@ -394,7 +388,7 @@ def bench_silu(gen) -> list[tuple]:
         for tn in [default] + [o for o in others if o != default]:
             sm.silu_and_mul(x, out=out, tuning=tn)
             same = "same bits" if torch.equal(out, ref) else "DIFFERS"
-            seconds = _bench(partial(sm.silu_and_mul, x, out=out, tuning=tn))
+            seconds = kernel_seconds(partial(sm.silu_and_mul, x, out=out, tuning=tn))
             bw = moved / seconds
             rows.append(
                 (
@@ -452,7 +446,7 @@ def bench_kda(gen) -> list[tuple]:
             outs.append(step()[0])
             if v_first:  # fla's one step from the start, which ours are held to
                 fla_state = step.keywords["initial_state"].clone()
-            seconds = _bench(step)
+            seconds = kernel_seconds(step)
             bw = 2 * batch * heads * dim * dim * 4 / seconds  # float32 state read and written
             rows.append(
                 (f"kda decode, {batch} rows", f"state {name}", "-", f"{seconds * 1e6:.1f} us",
@@ -479,7 +473,7 @@ def bench_kda(gen) -> list[tuple]:
             )
 
         outs.append(chunk()[0])
-        seconds = _bench(chunk)
+        seconds = kernel_seconds(chunk)
         rows.append(
             (f"kda prefill, {tokens} tokens", f"state {name}", "-", f"{seconds * 1e6:.1f} us",
              f"{tokens / seconds / 1e6:.1f} Mtok/s", "-")
@@ -496,7 +490,7 @@ def bench_kda(gen) -> list[tuple]:
             ("kernels/conv_decode.py", partial(conv_decode, x, weight, windows, idx, 3)),
             ("torch step", partial(kda_torch.short_conv_decode, x, weight, windows, idx)),
         ):
-            seconds = _bench(fn)
+            seconds = kernel_seconds(fn)
             # the windows read and written, x read, the output written
             bw = batch * channels * (2 * (taps - 1) + 2) * ELEM / seconds
             rows.append(
@@ -533,7 +527,7 @@ def bench_kda_decode(q, k, v, f, beta, gates, states, step_kw, fla_o, fla_state)
         o = step()
         d_o = (o.float() - fla_o[0].float()).abs().max().item()
         d_s = (ours - fla_state).abs().max().item()
-        seconds = _bench(step)
+        seconds = kernel_seconds(step)
         bw = 2 * batch * states[0].numel() * 4 / seconds  # float32 state read and written
         bv, warps, pairs, stages = launch
         rows.append(
@@ -589,7 +583,7 @@ def bench_conv_prefill(weight, windows, prompts: int, length: int, gen) -> list[
     )
     for name, fn in cases:
         outs.append(torch.cat(fn(), dim=-1))  # both from the windows as they start
-        seconds = _bench(fn)
+        seconds = kernel_seconds(fn)
         windows.copy_(start)
         bw = 2 * tokens * channels * ELEM / seconds  # x read, the output written
         rows.append(

@@ -71,7 +71,7 @@ def batch_lines(n: int) -> list[dict]:
     ]
 
 
-def engine_kwargs(args) -> dict:
+def chat_engine_kwargs(args) -> dict:
     kw = dict(device=args.device, admission=args.admission)
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
@@ -149,7 +149,7 @@ def run_chat(args, lines: list[dict], greedy: bool) -> tuple[dict, dict[str, dic
     from batchgen import LLM
 
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**chat_engine_kwargs(args))
     build_s = time.perf_counter() - start
     try:
         conversations, params = job_params(llm, lines)

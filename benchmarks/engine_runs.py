@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from benchmarks.card import sync
 from benchmarks.workloads import MODELS, config_dir
 
 # counters that are rates: recomputed from the timed part's deltas, not subtracted
@@ -111,6 +112,20 @@ def add_policy_args(ap: argparse.ArgumentParser, admission: bool = True) -> None
         choices=("copy", "compute"),
         help="which stream scatters a load's staged pages into the pool (tier-on runs)",
     )
+
+
+def policy_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the options of add_policy_args, for an engine whose
+    weights are drawn from its config (load_format="dummy")."""
+    kw = dict(
+        tier_policy=args.tier_policy,
+        tier_copy_issue=args.copy_issue,
+        tier_load_scatter=args.load_scatter,
+        load_format="dummy",
+    )
+    if hasattr(args, "admission"):
+        kw["admission"] = args.admission
+    return kw
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -288,7 +303,7 @@ def _timed(
     llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     eng = llm.engine
     before = counters(eng)
-    _sync(eng.device)
+    sync(eng.device)
     alloc_before = allocator_stats(eng.device)
     with fewer_full_collections():  # as LLM.generate runs
         start = time.perf_counter()
@@ -331,7 +346,7 @@ def _timed(
                 )
                 if take_phases is not None:
                     phase_rows.append(take_phases())
-    _sync(eng.device)
+    sync(eng.device)
     wall = time.perf_counter() - start
     alloc = allocator_stats(eng.device, alloc_before)
     out = sum(lengths.values())
@@ -423,13 +438,6 @@ def checks_line(checks: dict[str, bool]) -> str:
 def size(nbytes: int) -> str:
     """A byte count for a summary line, in GiB or MiB."""
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
 
 
 @contextmanager

@@ -22,8 +22,8 @@ Workload: workloads.w4_requests() (the same shape as W4: 512 prompts of 1024 ran
 tokens, 128 output tokens each), greedy, ignore_eos; batchgen in its defaults with the
 host tier on (--host-gib, 32). Prints output tok/s of both and their ratio, batchgen's
 prefill and decode phases, and its counters (the tier's, state copies included where
-they ran). Writes hybrid.json into --out. The run is the one mla.py makes (its
-run_batchgen and run_peer), on this model.
+they ran). Writes hybrid.json into --out. The run is the one mla.py makes
+(moe_runs.run_batchgen and peers.padded_generate), on this model.
 
 A machine's first process compiles and autotunes fla-core's kernels during the build
 (untimed; about 4 minutes on a fresh H200). With TRITON_CACHE_AUTOTUNING=1 in the
@@ -42,52 +42,14 @@ import sys
 from pathlib import Path
 
 from benchmarks.engine_runs import add_engine_args
-from benchmarks.mla import (
-    _release_device_memory,
+from benchmarks.moe_runs import (
     add_allocator_steps_arg,
+    release_device_memory,
     run_batchgen,
     run_lines,
-    run_peer,
 )
+from benchmarks.peers import padded_generate, peer_kda_path, torch_kda_for_the_peer
 from benchmarks.workloads import KIMI_W6, SMALL_KIMI, config_dir, w4_requests
-
-KDA_FUNCTIONS = (
-    "chunk_kimi_delta_attention",
-    "recurrent_kimi_delta_attention",
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-)
-
-
-def torch_kda_for_the_peer() -> None:
-    """--small (CPU): transformers binds fla-core's Triton KDA kernels where fla-core is
-    installed, which need a GPU; unwrap them to its own torch code."""
-    import inspect
-
-    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
-
-    for name in KDA_FUNCTIONS:
-        setattr(kimi, name, inspect.unwrap(getattr(kimi, name)))
-
-
-def peer_kda_path() -> str | None:
-    """Which KDA transformers' Kimi Linear runs here: "fla-core" or "torch" (None: no
-    Kimi Linear in this transformers). transformers binds fla-core's kernel at import
-    where fla-core is importable (its hub-kernel wrapper keeps it as `implementation`)."""
-    import importlib.util
-    import inspect
-
-    try:
-        from transformers.models.kimi_linear import modeling_kimi_linear as kimi
-    except ImportError:
-        return None
-    fn = kimi.chunk_kimi_delta_attention
-    if not hasattr(fn, "__wrapped__"):
-        return "torch"
-    impl = inspect.getclosurevars(fn).nonlocals.get("implementation")
-    if impl is None:  # another transformers: fla-core is taken where importable
-        return "fla-core" if importlib.util.find_spec("fla") else "torch"
-    return "fla-core" if (getattr(impl, "__module__", "") or "").startswith("fla") else "torch"
 
 
 def main(argv=None) -> int:
@@ -103,12 +65,12 @@ def main(argv=None) -> int:
         "timed from the first). The full peer run takes longer than a device call allows.",
     )
     ap.add_argument(
-        "--profile", action="store_true", help="+ where a decode step's time goes (throughput.py)"
+        "--profile", action="store_true", help="+ where a decode step's time goes (profiles.py)"
     )
     ap.add_argument(
         "--profile-prefill",
         action="store_true",
-        help="+ where a prefill step's time goes (throughput.profile_prefill)",
+        help="+ where a prefill step's time goes (profiles.profile_prefill)",
     )
     add_allocator_steps_arg(ap)
     add_engine_args(ap)
@@ -123,7 +85,7 @@ def main(argv=None) -> int:
         args.device, args.dtype = "cuda", "bfloat16"
         ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w6-config"), KIMI_W6)
     ours = run_batchgen(ckpt, prompts, out_lens, args)
-    _release_device_memory()
+    release_device_memory()
     print(json.dumps({"batchgen": ours}), flush=True)
     kda = peer_kda_path()
     peer = None
@@ -135,7 +97,9 @@ def main(argv=None) -> int:
         if args.small:
             torch_kda_for_the_peer()
         batches = None if args.small or not args.peer_batches else args.peer_batches
-        peer = dict(run_peer(ckpt, prompts, out_lens, args, batches), peer_kda=peer_kda_path())
+        peer = dict(
+            padded_generate(ckpt, prompts, out_lens, args, batches), peer_kda=peer_kda_path()
+        )
     result = {"workload": "small" if args.small else "W6", "batchgen": ours, "peer": peer}
     if peer and "tok_s" in peer:
         result["ratio"] = ours["tok_s"] / peer["tok_s"]

@@ -24,6 +24,8 @@ import sys
 
 import torch
 
+from benchmarks.card import kernel_seconds
+
 HBM_PEAK = 4.8e12  # bytes/s, H200 HBM3e
 LORA, ROPE = 512, 64
 DTYPE = torch.bfloat16
@@ -35,12 +37,6 @@ def _table(batch: int, ctx: int, latent: torch.Tensor, gen: torch.Generator) -> 
     need = math.ceil(ctx / page)
     perm = torch.randperm(num_pages, generator=gen)[: batch * need]
     return perm.view(batch, need).to("cuda")
-
-
-def _bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
 
 
 def _sweep_tunings(md):
@@ -84,7 +80,7 @@ def bench_case(latent, heads: int, batch: int, ctx: int, sweep: bool, gen) -> li
                 q_nope, q_pe, latent, table, lens, 0.072, out=out, num_splits=splits, tuning=tuning
             )
 
-        seconds = _bench(run)
+        seconds = kernel_seconds(run)
         rate = nbytes / seconds
         launch = f"h={tuning.block_h} n={tuning.block_n} w={tuning.num_warps} s={tuning.num_stages}"
         rows.append(

@@ -22,9 +22,9 @@ both (default: the engine's defaults; under tier_policy="auto" the tier may judg
 dearer than a recompute and not swap; "always" swaps whatever it costs).
 
 --profile [ROWS]: after each timed run, one decode step of ROWS (32) of the workload's
-requests on that engine, as run and phase by phase (throughput.profile_decode: a
+requests on that engine, as run and phase by phase (profiles.profile_decode: a
 graph replay's GPU time, host phases, heaviest kernels, and the GPU's idle time per step
-as run, put down to what the host was doing while it waited: throughput.gpu_idle), to tell
+as run, put down to what the host was doing while it waited: profiles.gpu_idle), to tell
 where a tier-on run's extra time per step goes: the timed runs' per-step timelines (pressure.json) show
 whether it is in decode steps or in mixed ones: with both runs (one process, or --against
 the other process's pressure.json) the summary splits the two runs' step times by kind,
@@ -58,6 +58,7 @@ from argparse import Namespace
 from functools import partial
 from pathlib import Path
 
+from benchmarks.card import HOST_COPY_GB_S
 from benchmarks.engine_runs import (
     add_engine_args,
     add_model_args,
@@ -67,13 +68,12 @@ from benchmarks.engine_runs import (
     comma_list,
     cost_rule,
     dummy_model,
+    engine_kwargs,
+    policy_kwargs,
     size,
     timed_run,
 )
-from benchmarks.engine_runs import engine_kwargs as common_engine_kwargs
 from benchmarks.workloads import w2_requests
-
-CEILING_GB_S = 55.0  # host<->device, each way, pinned (BENCHMARKS.md)
 
 
 def small_workload() -> tuple[list[list[int]], list[int]]:
@@ -87,15 +87,8 @@ def parse_runs(text: str) -> list[str]:
     return comma_list(text, ("on", "off"), "--runs takes on, off, on,off or off,on")
 
 
-def engine_kwargs(args) -> dict:
-    kw = common_engine_kwargs(args) | dict(
-        decode_append=args.decode_append,
-        admission=args.admission,
-        tier_policy=args.tier_policy,
-        tier_copy_issue=args.copy_issue,
-        tier_load_scatter=args.load_scatter,
-        load_format="dummy",
-    )
+def w2_engine_kwargs(args) -> dict:
+    kw = engine_kwargs(args) | policy_kwargs(args) | dict(decode_append=args.decode_append)
     if args.small:
         return dict(kw, device="cpu", dtype="float32", max_model_len=96 + 48, num_kv_pages=20)
     return dict(
@@ -104,11 +97,11 @@ def engine_kwargs(args) -> dict:
 
 
 def decode_profile(prompts: list[list[int]], args, llm) -> dict:
-    """--profile: throughput.profile_decode on the run's engine at args.profile rows (the
+    """--profile: profiles.profile_decode on the run's engine at args.profile rows (the
     workload's first prompts, decoding past their prefill), so the tier-on and tier-off
     engines are compared on the same decode step: the step's wall time, its phases with
     a device sync around each, one graph replay's GPU time and the heaviest kernels."""
-    from benchmarks.throughput import profile_decode
+    from benchmarks.profiles import profile_decode
 
     ns = Namespace(max_num_seqs=args.profile, device=llm.engine.device.type)
     prof = profile_decode(llm, prompts, ns)
@@ -149,7 +142,7 @@ def profile_only(args, prompts: list[list[int]]) -> int:
     step profiled three times; writes pressure_profile.json."""
     args.profile = args.profile or 32
     _, ckpt = dummy_model(args)
-    kw = engine_kwargs(args)
+    kw = w2_engine_kwargs(args)
     out = {}
     for name in args.runs:
         host_gib = args.host_gib if name == "on" else 0.0
@@ -169,7 +162,7 @@ def profile_only(args, prompts: list[list[int]]) -> int:
 
 
 def idle_lines(label: str, idle: dict | None) -> list[str]:
-    """throughput.gpu_idle's split of a profiled step, as summary lines."""
+    """profiles.gpu_idle's split of a profiled step, as summary lines."""
     if not idle:
         return []
     causes = ", ".join(f"{k} {v:.3f}" for k, v in list(idle["idle_by_cause"].items())[:6])
@@ -353,11 +346,11 @@ def summary(result: dict) -> str:
     lines += [
         f"tier copies: {size(m['bytes_offloaded'])} to host, {size(m['bytes_loaded'])} back, "
         f"{m['copy_seconds']:.2f} s of copy-stream time -> {m['copy_gb_per_s']:.1f} GB/s = {100 * result['fraction_of_ceiling']:.1f}% of "
-        f"{CEILING_GB_S:.0f} GB/s ({result['wall_gb_per_s']:.1f} GB/s over the run's wall time)",
+        f"{HOST_COPY_GB_S:.0f} GB/s ({result['wall_gb_per_s']:.1f} GB/s over the run's wall time)",
         *runs_line(m),
         f"swap traffic: {size(result['swap_bytes'])} over {result['swap_copy_seconds']:.2f} s of "
         f"copy-stream time -> {result['swap_gb_per_s']:.1f} GB/s = "
-        f"{100 * result['swap_gb_per_s'] / CEILING_GB_S:.1f}% of {CEILING_GB_S:.0f} GB/s",
+        f"{100 * result['swap_gb_per_s'] / HOST_COPY_GB_S:.1f}% of {HOST_COPY_GB_S:.0f} GB/s",
         checks_line(result["checks"]),
     ]
     return "\n".join(lines) + "\n"
@@ -383,7 +376,7 @@ def main(argv=None) -> int:
         default=None,
         metavar="ROWS",
         help="after each timed run, where a decode step of ROWS requests (default 32, about "
-        "as many as W2's pool holds) spends its time: throughput.profile_decode",
+        "as many as W2's pool holds) spends its time: profiles.profile_decode",
     )
     ap.add_argument(
         "--profile-only",
@@ -440,7 +433,7 @@ def main(argv=None) -> int:
     if args.profile_only:
         return profile_only(args, prompts)
     _, ckpt = dummy_model(args)
-    kw = engine_kwargs(args)
+    kw = w2_engine_kwargs(args)
     runs = {}
     for name in args.runs:
         host_gib = args.host_gib if name == "on" else 0.0
@@ -474,7 +467,7 @@ def main(argv=None) -> int:
         "expected_output_tokens": sum(out_lens),
         "engine": dict(kw, host_kv_size_gib=args.host_gib),
         "order": args.runs,
-        "ceiling_gb_per_s": CEILING_GB_S,
+        "ceiling_gb_per_s": HOST_COPY_GB_S,
         "checks": checks,
     }
     if off is not None:
@@ -493,7 +486,7 @@ def main(argv=None) -> int:
         swap_seconds = m.get("copy_seconds_swap_out", 0.0) + m.get("copy_seconds_swap_in", 0.0)
         result.update(
             tier_on=on,
-            fraction_of_ceiling=m["copy_gb_per_s"] / CEILING_GB_S,
+            fraction_of_ceiling=m["copy_gb_per_s"] / HOST_COPY_GB_S,
             wall_gb_per_s=moved / on["wall_s"] / 1e9,
             swap_bytes=swap_bytes,
             swap_copy_seconds=swap_seconds,

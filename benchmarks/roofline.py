@@ -3,8 +3,7 @@ runs at the matmul ceiling (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
-COPY_BW = 4.23e12  # bytes/s, H200 device copy (measured)
-MATMUL_FLOPS = 790e12  # bf16 dense matmul (measured)
+from benchmarks.card import COPY_BW, MATMUL_FLOPS
 
 
 def model_sizes(cfg: dict) -> tuple[float, float, float]:

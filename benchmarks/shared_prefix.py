@@ -66,7 +66,7 @@ then mostly on the host only) and a torch.profiler trace of CPU and CUDA activit
 taken over up to --profile-steps steps; from its events: the time host->device copies
 were active on the copy streams, the fraction of it during which a kernel ran on the
 compute stream (the stream with the most kernel time), that stream's busy time and its
-kernels by family (throughput.kernel_families), and the host milliseconds per step in
+kernels by family (profiles.kernel_families), and the host milliseconds per step in
 each of batchgen's step phases (schedule, prepare, forward, sample, update, replay; copy:
 the copy workers issuing copies). Comparing a tier-on and a tier-off run this way says
 where a host-bound run's time goes. The trace is kept as shared_prefix_trace.json (one
@@ -87,6 +87,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from benchmarks.card import HOST_COPY_GB_S
 from benchmarks.engine_runs import (
     add_engine_args,
     add_model_args,
@@ -95,14 +96,13 @@ from benchmarks.engine_runs import (
     comma_list,
     cost_rule,
     dummy_model,
+    engine_kwargs,
+    policy_kwargs,
     size,
     timed_run,
 )
-from benchmarks.engine_runs import engine_kwargs as common_engine_kwargs
-from benchmarks.throughput import kernel_families
+from benchmarks.profiles import kernel_families
 from benchmarks.workloads import w3_requests
-
-CEILING_GB_S = 55.0  # host<->device, each way, pinned (BENCHMARKS.md)
 
 # name: (admission, host tier on)
 RUNS = {
@@ -131,13 +131,8 @@ def small_workload() -> tuple[list[list[int]], list[int]]:
     )
 
 
-def engine_kwargs(args) -> dict:
-    kw = common_engine_kwargs(args) | dict(
-        tier_policy=args.tier_policy,
-        tier_copy_issue=args.copy_issue,
-        tier_load_scatter=args.load_scatter,
-        load_format="dummy",
-    )
+def w3_engine_kwargs(args) -> dict:
+    kw = engine_kwargs(args) | policy_kwargs(args)
     if args.checkpoint_interval is not None:
         kw["state_checkpoint_interval"] = args.checkpoint_interval
     if args.checkpoint_policy is not None:
@@ -165,7 +160,7 @@ def prefix_load_rate(metrics: dict) -> dict:
         "bytes": nbytes,
         "copy_seconds": secs,
         "gb_per_s": rate,
-        "fraction_of_ceiling": rate / CEILING_GB_S,
+        "fraction_of_ceiling": rate / HOST_COPY_GB_S,
     }
 
 
@@ -372,7 +367,7 @@ def summary(result: dict) -> str:
             lines.append(
                 f"{name}: prefix loads {size(load['bytes'])} over {load['copy_seconds']:.2f} s "
                 f"of copy-stream time -> {load['gb_per_s']:.1f} GB/s = "
-                f"{100 * load['fraction_of_ceiling']:.1f}% of {CEILING_GB_S:.0f} GB/s; all tier "
+                f"{100 * load['fraction_of_ceiling']:.1f}% of {HOST_COPY_GB_S:.0f} GB/s; all tier "
                 f"copies {size(m['bytes_loaded'])} host->device, {size(m['bytes_offloaded'])} "
                 f"device->host; {cost_rule(m)}"
             )
@@ -515,7 +510,7 @@ def main(argv=None) -> int:
         prompts, out_lens = w3_requests()
         warmup_len, prefixes, questions = 512, 64, 32
     _, ckpt = dummy_model(args)
-    kw = engine_kwargs(args)
+    kw = w3_engine_kwargs(args)
     profile_runs, skipped = profile_target(args, kw["device"])
     profile = {"skipped": skipped} if skipped else None
     profiles = {}
@@ -564,7 +559,7 @@ def main(argv=None) -> int:
         "prompt_tokens": sum(len(p) for p in prompts),
         "expected_output_tokens": sum(out_lens),
         "engine": dict(kw, host_kv_size_gib=args.host_gib),
-        "ceiling_gb_per_s": CEILING_GB_S,
+        "ceiling_gb_per_s": HOST_COPY_GB_S,
         "runs": runs,
         "ratios": ratios(runs),
         "checks": checks(runs, sum(out_lens), args.tier_policy),

@@ -28,23 +28,23 @@ def test_peer_warms_up_on_two_tokens_then_times_whole_batches(tmp_path, monkeypa
     batches are the next ones, whole, and only they are counted."""
     import argparse
 
-    mla = load("mla")
+    peers = load("peers")
     workloads = load("workloads")
     ckpt = workloads.config_dir(tmp_path / "config", workloads.SMALL_MOONLIGHT, "float32")
     calls = []
 
     def fake_batch(model, prompts, out_lens, b, args, new_tokens=None):
-        n = new_tokens or max(out_lens[b : b + mla.PEER_BATCH])
+        n = new_tokens or max(out_lens[b : b + peers.PEER_BATCH])
         calls.append((b, n))
-        return n * len(prompts[b : b + mla.PEER_BATCH])
+        return n * len(prompts[b : b + peers.PEER_BATCH])
 
-    monkeypatch.setattr(mla, "_peer_batch", fake_batch)
-    prompts = [[1, 2, 3]] * (3 * mla.PEER_BATCH)
+    monkeypatch.setattr(peers, "_peer_batch", fake_batch)
+    prompts = [[1, 2, 3]] * (3 * peers.PEER_BATCH)
     out_lens = [5] * len(prompts)
     args = argparse.Namespace(device="cpu", dtype="float32")
-    result = mla.run_peer(ckpt, prompts, out_lens, args, batches=1)
-    assert calls == [(0, 2), (mla.PEER_BATCH, 5)]
-    assert result["output_tokens"] == 5 * mla.PEER_BATCH and result["timed_batches"] == 1
+    result = peers.padded_generate(ckpt, prompts, out_lens, args, batches=1)
+    assert calls == [(0, 2), (peers.PEER_BATCH, 5)]
+    assert result["output_tokens"] == 5 * peers.PEER_BATCH and result["timed_batches"] == 1
 
 
 def test_profile_prefill_times_whole_prefill_chunks(tmp_path):
@@ -102,8 +102,8 @@ def test_gc_pauses_counts_the_collections_run_in_the_block():
 
 
 def test_allocator_line_names_each_counter_and_is_absent_on_the_cpu():
-    mla = load("mla")
-    assert mla.allocator_lines(None) == []
+    moe_runs = load("moe_runs")
+    assert moe_runs.allocator_lines(None) == []
     alloc = {
         "device_mallocs": 3,
         "device_frees": 1,
@@ -111,11 +111,11 @@ def test_allocator_line_names_each_counter_and_is_absent_on_the_cpu():
         "segments": 159,
         "reserved_peak_bytes": 3 << 30,
     }
-    (line,) = mla.allocator_lines(alloc)
+    (line,) = moe_runs.allocator_lines(alloc)
     assert "3 cudaMalloc, 1 cudaFree, 2 retries" in line
     assert "159 segments" in line and "3.00 GiB" in line
     # --allocator-steps: counts so far after each step; the steps where they grew are named
-    _, by_step = mla.allocator_lines(alloc, [[0, 0], [2, 0], [2, 0], [3, 2]])
+    _, by_step = moe_runs.allocator_lines(alloc, [[0, 0], [2, 0], [2, 0], [3, 2]])
     assert by_step.split(None, 2)[2] == "#1 2 cudaMalloc; #3 1 cudaMalloc 2 retries"
-    _, quiet = mla.allocator_lines(alloc, [[0, 0], [0, 0]])
+    _, quiet = moe_runs.allocator_lines(alloc, [[0, 0], [0, 0]])
     assert quiet.endswith("none")

@@ -1,0 +1,93 @@
+"""The card a run is on: its ceilings, and how the benchmarks wait for it and time work.
+
+COPY_BW, MATMUL_FLOPS and HOST_COPY_GB_S are the H200's, measured (BENCHMARKS.md; an H100
+gave 3.045 TB/s, 795 TFLOP/s and 55.5 GB/s). The roofline figures the scripts print are
+against these constants; `python3 -m benchmarks.card` measures the three on the card it
+runs on (device copy counting bytes read and written, an 8192^3 bf16 matmul, one pinned
+1 GiB copy each way), for a fraction against that card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+COPY_BW = 4.23e12  # bytes/s, device copy (read + written)
+MATMUL_FLOPS = 790e12  # bf16 dense matmul
+HOST_COPY_GB_S = 55.0  # host<->device, each way, pinned
+
+
+def sync(device) -> None:
+    """Wait for the work queued on `device` (a torch.device or its name; nothing to wait
+    for on the CPU)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kernel_seconds(fn) -> float:
+    """`fn`'s median time on the GPU (triton.testing.do_bench: 25 ms warm-up, 100 ms of
+    repeats), in seconds."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+
+
+def _median_seconds(fn, device, repeats: int) -> float:
+    fn()  # first call: allocations, kernel selection
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(device: str = "cuda", copy_gib: float = 1.0, matmul: int = 8192, repeats: int = 5):
+    """The card's ceilings, measured: {copy_bytes_per_s, matmul_flops, h2d_gb_s, d2h_gb_s}
+    (the host copies None off a GPU). The device copy counts the bytes it reads and writes;
+    the matmul is matmul^3 in bf16 (float32 on the CPU); each timing the median of
+    `repeats` after one untimed call."""
+    import torch
+
+    n = int(copy_gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _median_seconds(lambda: dst.copy_(src), device, repeats)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    a = torch.randn(matmul, matmul, device=device, dtype=dtype)
+    b = torch.randn(matmul, matmul, device=device, dtype=dtype)
+    mm_s = _median_seconds(lambda: a @ b, device, repeats)
+    result = {
+        "copy_bytes_per_s": 2 * n / copy_s,
+        "matmul_flops": 2 * matmul**3 / mm_s,
+        "h2d_gb_s": None,
+        "d2h_gb_s": None,
+    }
+    if torch.device(device).type == "cuda":
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        h2d = _median_seconds(lambda: src.copy_(host, non_blocking=True), device, repeats)
+        d2h = _median_seconds(lambda: host.copy_(src, non_blocking=True), device, repeats)
+        result["h2d_gb_s"], result["d2h_gb_s"] = n / h2d / 1e9, n / d2h / 1e9
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="measure the card's ceilings")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--copy-gib", type=float, default=1.0)
+    ap.add_argument("--matmul", type=int, default=8192)
+    args = ap.parse_args(argv)
+    got = measure(args.device, args.copy_gib, args.matmul)
+    sys.stdout.write(json.dumps(got, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
