@@ -153,11 +153,15 @@ def test_cuda_kept_counts_have_no_host_sync():
     params = [SamplingParams(temperature=0.8, repetition_penalty=1.2, seed=i) for i in range(3)]
     prompts, outputs = [[1, 2, 3], [4], [5, 6]], [[7], [], [8, 8]]
 
+    # the step's tokens are on the device before the window opens: a tensor made from a
+    # Python list on the GPU is a synchronising copy of the test's own, not the code's
+    tokens = torch.tensor([9, 10, 11], device=dev)
+
     def step(ids):
         meta = SamplingMetadata.build(
             params, prompts, outputs, vocab, dev, [2], penalty_counts=kept, request_ids=ids
         )
-        meta.record(torch.tensor([9, 10, 11], device=dev))
+        meta.record(tokens)
         return meta
 
     step(["a", "b", "c"])  # warm-up: lazy CUDA initialisation may synchronise
