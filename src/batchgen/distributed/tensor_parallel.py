@@ -24,12 +24,14 @@ def init_tensor_parallel(
     backend: str | None = None,
     init_method: str = "env://",
     timeout_s: float = 120.0,
+    store: dist.Store | None = None,
 ) -> TPGroup:
     """Join the group as `rank` of `world_size` and make it the process's group.
 
     backend: "gloo" (CPU) or "nccl" (CUDA; this process's GPU is `rank` modulo the GPUs
     it sees); None picks nccl where CUDA is available, else gloo. init_method: a
-    torch.distributed init method ("tcp://host:port", "file:///path", "env://"). A
+    torch.distributed init method ("tcp://host:port", "file:///path", "env://"), unused
+    where `store` (a torch.distributed store every rank reaches) is given. A
     collective waiting on a dead peer raises after `timeout_s` instead of hanging. At
     world_size 1 no process group is created and every collective is a no-op."""
     global _group
@@ -45,9 +47,10 @@ def init_tensor_parallel(
         raise ValueError(f"unknown backend {backend!r} (gloo, nccl)")
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    where = {"store": store} if store is not None else {"init_method": init_method}
     dist.init_process_group(
         backend,
-        init_method=init_method,
+        **where,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),

@@ -3,18 +3,21 @@
 worker that ends before rank 0 stops them is seen at once.
 
     rank 0: Workers.spawn(target, args)         rank r: _worker_main
-      spawn ranks 1..N-1 (spawn start method)     "started" on its pipe
-      wait: every "started", or a death   <--     (a death first: rank 0 raises, naming it)
-      init_tensor_parallel(0)             <-->    init_tensor_parallel(r)
+      a TCPStore on a free port; spawn ranks      connect to the store, set "joined/r"
+      1..N-1 (spawn start method)
+      wait: every "joined/r", or a death  <--     (a death first: rank 0 raises, naming it)
+      init_tensor_parallel(0)             <-->    init_tensor_parallel(r), same store
       watcher thread on the processes             target(tp, *args): serve(tp, handle)
       send(message), ask(message)         -->     handle each until Shutdown
       shutdown(): Shutdown, join          -->     leave the group, exit
 
-Why the "started" pipe: a worker that dies before it joins (for example a user script
-that builds its LLM outside `if __name__ == "__main__":` re-runs under spawn in the
-worker, which then may not start processes of its own) would otherwise leave rank 0
-waiting in the rendezvous until its timeout. Rank 0 waits for each worker's pipe or its
-exit, whichever comes first, and raises within seconds saying what to do.
+Why rank 0 waits for the keys before it enters the rendezvous: a worker that dies
+before it joins (for example a user script that builds its LLM outside
+`if __name__ == "__main__":` re-runs under spawn in the worker, which then may not start
+processes of its own) would otherwise leave rank 0 in torch's rendezvous until its
+timeout (120 s, then a DistStoreError that names no cause). Rank 0 polls the store's
+keys and the processes' exits, and raises within a fraction of a second of the death,
+saying what to do.
 
 Under NCCL a worker that ends makes the watcher abort the tensors' group: a collective
 captured in a decode graph is not one NCCL's watchdog times out, so rank 0 would
@@ -29,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from multiprocessing import connection as mp_connection
 
 import torch
@@ -36,15 +40,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from batchgen.distributed.messages import Message, Shutdown
-from batchgen.distributed.tensor_parallel import (
-    destroy_tensor_parallel,
-    init_tensor_parallel,
-    local_init_method,
-)
+from batchgen.distributed.tensor_parallel import destroy_tensor_parallel, init_tensor_parallel
 from batchgen.layers.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
+_HOST = "127.0.0.1"  # every rank of a group runs on this host
 RENDEZVOUS_TIMEOUT_S = 120.0  # torch.distributed's group timeout (init_tensor_parallel)
 
 SPAWN_HINT = (
@@ -86,30 +87,28 @@ class Workers:
         """Spawn ranks 1..size-1, each running target(tp, *args) once it joined the
         group, and join it as rank 0. WorkerStartError, within seconds, where a worker
         ends before it reached the rendezvous (SPAWN_HINT says the usual cause)."""
-        init = local_init_method()
+        timeout = timedelta(seconds=timeout_s)
+        # port 0: the store binds a free port itself (no race with another process)
+        store = dist.TCPStore(
+            _HOST, 0, size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
         ctx = mp.get_context("spawn")
-        processes, pipes = [], []
+        processes = []
         try:
             for rank in range(1, size):
-                started, tell = ctx.Pipe(duplex=False)
                 process = ctx.Process(
                     target=_worker_main,
-                    args=(rank, size, init, backend, tell, target, args),
+                    args=(rank, size, store.port, backend, timeout_s, target, args),
                     name=f"batchgen-tp-rank{rank}",
                     daemon=True,
                 )
                 process.start()
-                tell.close()  # the worker holds the only writer: its end is our EOF
                 processes.append(process)
-                pipes.append(started)
-            _wait_started(processes, pipes, timeout_s)
-            tp = init_tensor_parallel(0, size, backend, init, timeout_s=timeout_s)
+            _wait_joined(store, processes, timeout_s)
+            tp = init_tensor_parallel(0, size, backend, timeout_s=timeout_s, store=store)
         except BaseException:
             _kill(processes)
             raise
-        finally:
-            for pipe in pipes:
-                pipe.close()
         return cls(processes, tp, nccl=backend == "nccl")
 
     def _watch(self) -> None:
@@ -211,12 +210,13 @@ def receive(tp: TPGroup) -> Message:
     return box[0]
 
 
-def _worker_main(rank, size, init, backend, tell, target, args) -> None:
-    """A spawned rank: say it started, join the group, run target(tp, *args), leave."""
-    tell.send(rank)
-    tell.close()
+def _worker_main(rank, size, port, backend, timeout_s, target, args) -> None:
+    """A spawned rank: connect to rank 0's store and say so, join the group, run
+    target(tp, *args), leave."""
     torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the host's cores shared
-    tp = init_tensor_parallel(rank, size, backend, init)
+    store = dist.TCPStore(_HOST, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    store.set(_joined(rank), "1")
+    tp = init_tensor_parallel(rank, size, backend, timeout_s=timeout_s, store=store)
     try:
         target(tp, *args)
     except BaseException:
@@ -230,30 +230,28 @@ def _worker_main(rank, size, init, backend, tell, target, args) -> None:
         destroy_tensor_parallel()
 
 
-def _wait_started(processes: list, pipes: list, timeout_s: float) -> None:
-    """Return once every worker said it started; WorkerStartError naming those that
-    ended first (their pipe closed unread), TimeoutError after timeout_s."""
-    waiting = dict(zip(pipes, enumerate(processes, 1), strict=True))
+def _joined(rank: int) -> str:
+    return f"batchgen/joined/{rank}"
+
+
+def _wait_joined(store: dist.TCPStore, processes: list, timeout_s: float) -> None:
+    """Return once every worker set its key in the store; WorkerStartError naming those
+    that ended first, TimeoutError after timeout_s."""
+    keys = [_joined(rank) for rank in range(1, len(processes) + 1)]
     deadline = time.monotonic() + timeout_s
-    while waiting:
-        ready = mp_connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise TimeoutError(
-                f"tensor-parallel worker rank(s) {sorted(r for r, _ in waiting.values())} "
-                f"did not start within {timeout_s:.0f} s"
-            )
-        dead = []
-        for pipe in ready:
-            rank, process = waiting.pop(pipe)
-            try:
-                pipe.recv()
-            except EOFError:  # it ended before it could say so
-                dead.append((rank, process))
+    while not store.check(keys):
+        # wakes as soon as a worker ends, else every 50 ms to look at the keys again
+        mp_connection.wait([p.sentinel for p in processes], timeout=0.05)
+        dead = [(r, p) for r, p in enumerate(processes, 1) if p.exitcode is not None]
         if dead:
-            codes = ", ".join(f"{r}: {_exit_code(p)}" for r, p in dead)
+            codes = ", ".join(f"{p.exitcode} (rank {r})" for r, p in dead)
             raise WorkerStartError(
                 f"tensor-parallel worker rank(s) {[r for r, _ in dead]} exited while "
-                f"starting, before joining the group (rank: exit code {codes}). " + SPAWN_HINT
+                f"starting, before joining the group, with exit code {codes}. " + SPAWN_HINT
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"tensor-parallel workers did not join the group within {timeout_s:.0f} s"
             )
 
 
