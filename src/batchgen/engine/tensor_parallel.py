@@ -51,19 +51,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from batchgen.distributed.messages import Message
+from batchgen.distributed.workers import Workers
 from batchgen.kv.tier_mirror import LayerStores, TierCopy, TierMirror
 from batchgen.layers.tp_group import TPGroup
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
 from batchgen.runner.model_runner import ModelRunner
-
-if TYPE_CHECKING:
-    from batchgen.engine.tp_peers import TPWorkers
 
 
 @dataclass(frozen=True)
@@ -95,7 +92,7 @@ class TPModelRunner(ModelRunner):
     def __init__(
         self,
         *args,
-        workers: TPWorkers,
+        workers: Workers,
         take_copies: Callable[[], list[TierCopy]] | None = None,
         **kwargs,
     ) -> None:
