@@ -13,15 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
+from kernel_references import qk_norm_rope_reference, rms_norm_reference, silu_and_mul_reference
 
-from batchgen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
-from batchgen.kernels.rms_norm import rms_norm, rms_norm_reference
-from batchgen.kernels.silu_and_mul import (
-    SiluTuning,
-    launch_for,
-    silu_and_mul,
-    silu_and_mul_reference,
-)
+from batchgen.kernels.qk_norm_rope import qk_norm_rope
+from batchgen.kernels.rms_norm import rms_norm
+from batchgen.kernels.silu_and_mul import SiluTuning, launch_for, silu_and_mul
 from batchgen.layers.activation import silu_and_mul_torch
 from batchgen.layers.norm import RMSNorm, rms_norm_torch
 from batchgen.layers.rotary import RotaryEmbedding

@@ -11,18 +11,16 @@ import math
 
 import pytest
 import torch
+from kernel_references import (
+    decode_attention_reference,
+    prefill_attention_reference,
+    store_kv_reference,
+)
 
 from batchgen.forward_context import AttentionMetadata, PrefillSeq
-from batchgen.kernels.decode_attention import (
-    choose_num_splits,
-    decode_attention,
-    decode_attention_reference,
-)
-from batchgen.kernels.prefill_attention import (
-    prefill_attention,
-    prefill_attention_reference,
-)
-from batchgen.kernels.store_kv import store_kv, store_kv_reference
+from batchgen.kernels.decode_attention import choose_num_splits, decode_attention
+from batchgen.kernels.prefill_attention import prefill_attention
+from batchgen.kernels.store_kv import store_kv
 from batchgen.layers import attention_torch, attention_triton
 
 pytestmark = pytest.mark.gpu

@@ -10,22 +10,17 @@ import math
 
 import pytest
 import torch
-
-from batchgen.forward_context import AttentionMetadata, PrefillSeq
-from batchgen.kernels.decode_attention import (
-    decode_attention,
+from kernel_references import (
     decode_attention_reference,
-)
-from batchgen.kernels.prefill_attention import (
-    prefill_attention,
     prefill_attention_reference,
-)
-from batchgen.kernels.store_kv import (
-    store_kv,
     store_kv_reference,
-    store_latent,
     store_latent_reference,
 )
+
+from batchgen.forward_context import AttentionMetadata, PrefillSeq
+from batchgen.kernels.decode_attention import decode_attention
+from batchgen.kernels.prefill_attention import prefill_attention
+from batchgen.kernels.store_kv import store_kv, store_latent
 from batchgen.layers import attention_torch, attention_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

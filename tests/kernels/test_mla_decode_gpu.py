@@ -13,13 +13,9 @@ import math
 
 import pytest
 import torch
+from kernel_references import mla_decode_reference
 
-from batchgen.kernels.mla_decode import (
-    choose_mla_num_splits,
-    default_tuning,
-    mla_decode,
-    mla_decode_reference,
-)
+from batchgen.kernels.mla_decode import choose_mla_num_splits, default_tuning, mla_decode
 
 pytestmark = pytest.mark.gpu
 

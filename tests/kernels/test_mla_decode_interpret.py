@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
+from kernel_references import mla_decode_reference
 
 from batchgen.kernels.mla_decode import (
     choose_mla_num_splits,
     default_tuning,
     head_blocks,
     mla_decode,
-    mla_decode_reference,
 )
 from batchgen.runner.cuda_graphs import DecodeSplitPlan, bucket_for
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_references import mla_rope_latent_reference
 
-from batchgen.kernels.mla_rope import mla_rope_latent, mla_rope_latent_reference
+from batchgen.kernels.mla_rope import mla_rope_latent
 from batchgen.layers.mla import deinterleave
 from batchgen.layers.norm import rms_norm_torch
 from batchgen.layers.rotary import RotaryEmbedding

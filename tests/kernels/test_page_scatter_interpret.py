@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_references import page_scatter_reference
 
-from batchgen.kernels.page_scatter import page_scatter, page_scatter_reference
+from batchgen.kernels.page_scatter import page_scatter
 from batchgen.kv.page_copies import host_to_device_pages, load_buffers
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -159,7 +159,8 @@ def test_softmax_scale_takes_yarn_mscale_squared():
 def test_paged_decode_has_the_decode_kernels_semantics():
     """mla_torch.paged_decode against kernels.mla_decode's reference, which the Triton
     kernel that is to replace it is tested against."""
-    from batchgen.kernels.mla_decode import mla_decode_reference
+    from kernel_references import mla_decode_reference
+
     from batchgen.layers import mla_torch
 
     gen = torch.Generator().manual_seed(3)

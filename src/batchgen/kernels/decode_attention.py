@@ -17,7 +17,6 @@ Math in float32; q, caches and out share one dtype (bf16, fp16 or fp32).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -273,27 +272,3 @@ def _check(q, k_cache, v_cache, page_table, seq_lens, rows, out) -> None:
     ]
     if any(t.device != q.device for t in tensors):
         raise ValueError("all tensors must be on one device")
-
-
-def decode_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """q [B, H, D] -> float32 [B, H, D], one request at a time in plain torch."""
-    batch, num_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32, device=q.device)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        pages = page_table[b, : math.ceil(seq_len / page_size)]
-        start = max(0, seq_len - sliding_window) if sliding_window is not None else 0
-        k = k_cache[pages].flatten(0, 1)[start:seq_len].float().repeat_interleave(group, 1)
-        v = v_cache[pages].flatten(0, 1)[start:seq_len].float().repeat_interleave(group, 1)
-        probs = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * scale, dim=-1)
-        out[b] = torch.einsum("hn,nhd->hd", probs, v)
-    return out

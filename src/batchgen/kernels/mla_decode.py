@@ -25,7 +25,6 @@ Math in float32; q_nope, q_pe, latent and out share one dtype (bf16, fp16 or fp3
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -305,26 +304,3 @@ def _check(q_nope, q_pe, latent, page_table, seq_lens, rows, out, num_splits) ->
     if any(t is not None and t.device != q_nope.device for t in tensors):
         raise ValueError("all tensors must be on one device")
     return latent
-
-
-def mla_decode_reference(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    latent: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
-    """q_nope [B, H, C], q_pe [B, H, R] -> float32 [B, H, C], one request at a time:
-    gather the request's pages, a plain softmax over its tokens (zeros for seq_len 0)."""
-    latent = _as_rows(latent)
-    batch, num_heads, lora_rank = q_nope.shape
-    page_size = latent.shape[1]
-    out = torch.zeros(batch, num_heads, lora_rank, dtype=torch.float32, device=q_nope.device)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        pages = page_table[b, : math.ceil(seq_len / page_size)].long()
-        tokens = latent[pages].flatten(0, 1)[:seq_len].float()
-        c_kv, k_pe = tokens[:, :lora_rank], tokens[:, lora_rank:]
-        scores = q_nope[b].float() @ c_kv.T + q_pe[b].float() @ k_pe.T
-        out[b] = torch.softmax(scores * softmax_scale, dim=-1) @ c_kv
-    return out

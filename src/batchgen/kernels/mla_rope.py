@@ -124,35 +124,3 @@ def mla_rope_latent(
             BLOCK_C=triton.next_power_of_2(rank), RNE_BY_HAND=rne_by_hand(q), num_warps=4,
         )  # fmt: skip
     return latent
-
-
-def mla_rope_latent_reference(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    nope_dim: int,
-    interleaved: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's math in torch, rounded where it rounds: (q rotated, as a new tensor;
-    latent)."""
-    rank, dtype = norm_weight.shape[0], q.dtype
-    p = positions.long()
-    cos, sin = cos[p].float(), sin[p].float()
-
-    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x = x.float()
-        x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
-        c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
-        return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), -1).to(dtype)
-
-    q = q.clone()
-    q[..., nope_dim:] = rope(q[..., nope_dim:], cos[:, None], sin[:, None])
-    h = kv[:, :rank].float()
-    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    normed = (norm_weight.float() * h.float()).to(dtype)
-    return q, torch.cat((normed, rope(kv[:, rank:], cos, sin)), -1)

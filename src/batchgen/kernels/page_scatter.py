@@ -6,7 +6,7 @@
     pool[first + g, c, index[i]] = staging[g, i, c]
 
 The same as `pool.transpose(1, 2)[first:first + G].index_copy_(1, index, staging)`
-(`page_scatter_reference`), by a kernel of our own: the host tier's loads run it on
+(its reference in tests/kernel_references.py), by a kernel of our own: the host tier's loads run it on
 their copy stream, and the engine's graphs replayed slower for the rest of a run after
 torch's indexing kernels ran there (see benchmarks/RESULTS.md), which this kernel is
 measured against.
@@ -67,11 +67,3 @@ def page_scatter(
         staging, pool, index, first_layer, n, c, x, pool.stride(0), pool.stride(1), pool.stride(2),
         BLOCK=BLOCK,
     )  # fmt: skip
-
-
-def page_scatter_reference(
-    pool: torch.Tensor, staging: torch.Tensor, index: torch.Tensor, first_layer: int = 0
-) -> None:
-    """page_scatter by torch's index_copy_."""
-    g = staging.shape[0]
-    pool.transpose(1, 2)[first_layer : first_layer + g].index_copy_(1, index, staging)

@@ -22,7 +22,6 @@ of two (128 + 64, not 192 -> 256).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -272,42 +271,3 @@ def _check(q, k_cache, v_cache, q_start, q_len, seq_lens, page_table, out) -> No
     tensors = [q, k_cache, v_cache, q_start, q_len, seq_lens, page_table]
     if any(t.device != q.device for t in tensors + ([out] if out is not None else [])):
         raise ValueError("all tensors must be on one device")
-
-
-def prefill_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    q_start: torch.Tensor,
-    q_len: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_table: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    q_rope: torch.Tensor | None = None,
-    k_rope: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """q [T, H, D] -> float32 [T, H, Dv] (rows of no request are zero), in plain torch;
-    with q_rope and k_rope, the two parts joined first."""
-    if q_rope is not None:
-        q = torch.cat((q, q_rope), dim=-1)
-        shape = (*k_cache.shape[:3], k_rope.shape[3])
-        k_cache = torch.cat((k_cache, k_rope.expand(shape)), dim=-1)
-    num_heads = q.shape[1]
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    out = q.new_zeros(*q.shape[:2], v_cache.shape[3], dtype=torch.float32)
-    specs = zip(q_start.tolist(), q_len.tolist(), seq_lens.tolist())
-    for r, (start, n, seq_len) in enumerate(specs):
-        pages = page_table[r, : math.ceil(seq_len / page_size)]
-        k = k_cache[pages].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
-        v = v_cache[pages].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
-        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        allowed = k_pos <= q_pos
-        if sliding_window is not None:
-            allowed &= k_pos > q_pos - sliding_window
-        scores = torch.einsum("qhd,khd->hqk", q[start : start + n].float(), k) * scale
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        out[start : start + n] = torch.einsum("hqk,khd->qhd", probs, v)
-    return out

@@ -172,32 +172,3 @@ def qk_norm_rope(
             num_warps=4,
         )  # fmt: skip
     return q, k
-
-
-def qk_norm_rope_reference(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    q_weight: torch.Tensor | None = None,
-    k_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in plain torch: the norm op by op as layers/norm.py, the rope in float32."""
-    t, d = qkv.shape[0], cos.shape[1]
-    q = qkv[:, : num_heads * d].reshape(t, num_heads, d)
-    k = qkv[:, num_heads * d : (num_heads + num_kv_heads) * d].reshape(t, num_kv_heads, d)
-    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-
-    def one(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        if weight is not None:
-            h = x.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-            x = weight * h.to(x.dtype)
-        h = x.float()
-        rotated = torch.cat((-h[..., d // 2 :], h[..., : d // 2]), dim=-1)
-        return (h * c + rotated * s).to(qkv.dtype)
-
-    return one(q, q_weight), one(k, k_weight)

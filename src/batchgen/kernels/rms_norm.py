@@ -99,14 +99,3 @@ def rms_norm(
             RNE_BY_HAND=rne_by_hand(x), num_warps=min(max(block // 256, 1), 16),
         )  # fmt: skip
     return out if residual is None else (out, residual_out)
-
-
-def rms_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The same in plain torch, op by op as layers/norm.py."""
-    s = x if residual is None else x + residual
-    h = s.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    y = weight * h.to(x.dtype)
-    return y if residual is None else (y, s)

@@ -92,9 +92,3 @@ def silu_and_mul(
             num_warps=tuning.num_warps,
         )  # fmt: skip
     return out
-
-
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """The same in plain torch, as layers/activation.py."""
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up

@@ -102,28 +102,3 @@ def store_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.
         *cache_strides, NUM_KV_HEADS=1, HEAD_DIM=width, PAGE_SIZE=page_size, HAS_V=False,
         BLOCK_H=1, BLOCK_D=triton.next_power_of_2(width),
     )  # fmt: skip
-
-
-def store_kv_reference(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """The same write in plain torch (negative slots skipped)."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    page_size = k_cache.shape[1]
-    pages, offs = slots // page_size, slots % page_size
-    k_cache[pages, offs] = k[keep].to(k_cache.dtype)
-    v_cache[pages, offs] = v[keep].to(v_cache.dtype)
-
-
-def store_latent_reference(
-    cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """The latent write in plain torch (negative slots skipped)."""
-    keep = slot_mapping >= 0
-    rows = cache.view(-1, cache.shape[-1])
-    rows[slot_mapping[keep]] = latent[keep].to(cache.dtype)
