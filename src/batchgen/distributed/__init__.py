@@ -1,11 +1,11 @@
-"""Tensor parallel: the process group and collectives over it (tensor_parallel.py)."""
+"""Tensor parallel: the process group and collectives over it (tensor_parallel.py), the
+workers' processes (workers.py) and rank 0's messages to them (messages.py)."""
 
 from batchgen.distributed.tensor_parallel import (
     all_gather,
     all_reduce,
     destroy_tensor_parallel,
     init_tensor_parallel,
-    local_init_method,
     tp_group,
     tp_rank,
     tp_size,
@@ -16,7 +16,6 @@ __all__ = [
     "all_reduce",
     "destroy_tensor_parallel",
     "init_tensor_parallel",
-    "local_init_method",
     "tp_group",
     "tp_rank",
     "tp_size",

@@ -7,7 +7,6 @@ engine per Ray actor), so a process belongs to one tensor-parallel group.
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
@@ -90,11 +89,3 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Every rank's x concatenated along dim, rank 0 first; x itself at size 1."""
     return _group.all_gather(x, dim)
-
-
-def local_init_method() -> str:
-    """A tcp:// init method on a port free on this host right now (for ranks that all
-    run here)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
