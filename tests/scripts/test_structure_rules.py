@@ -26,13 +26,26 @@ BASE = {
 }
 
 
-def findings(tmp_path: Path, files: dict[str, str], rule: str) -> list:
-    """What check_hygiene's source checks report under `rule` for BASE plus `files`."""
+def write(tmp_path: Path, files: dict[str, str]) -> list[str]:
+    """Write BASE plus `files` under tmp_path; their paths, sorted."""
     tree = {**BASE, **files}
     for path, text in tree.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(dedent(text))
-    return [f for f in check_hygiene.check_sources(tmp_path, sorted(tree)) if f.rule == rule]
+    return sorted(tree)
+
+
+def findings(tmp_path: Path, files: dict[str, str], rule: str) -> list:
+    """What check_hygiene's source checks report under `rule` for BASE plus `files`."""
+    listed = write(tmp_path, files)
+    return [f for f in check_hygiene.check_sources(tmp_path, listed) if f.rule == rule]
+
+
+def sources(tmp_path: Path, files: dict[str, str]) -> list:
+    """The parsed package sources of BASE plus `files`."""
+    loaded, unparsed = load_package_sources(tmp_path, write(tmp_path, files))
+    assert unparsed == []
+    return loaded
 
 
 def lines(n: int) -> str:
@@ -50,9 +63,10 @@ def test_a_package_file_over_the_limit_fails_and_one_at_it_passes(tmp_path):
 
 
 def test_the_allow_list_holds_only_files_still_over_the_limit(tmp_path):
-    (listed,) = sorted(structure.OVER_LIMIT_FOR_NOW)[:1]
-    assert findings(tmp_path, {listed: lines(401)}, "file-size") == []
-    shrunk = findings(tmp_path, {listed: lines(10)}, "file-size")
+    listed = "src/batchgen/kv/big.py"
+    allowed = frozenset({listed})
+    assert list(structure.check_file_sizes(sources(tmp_path, {listed: lines(401)}), allowed)) == []
+    shrunk = list(structure.check_file_sizes(sources(tmp_path, {listed: lines(10)}), allowed))
     assert [(f.where, f.blocking) for f in shrunk] == [(listed, False)]
     assert "OVER_LIMIT_FOR_NOW" in shrunk[0].message
 
@@ -92,12 +106,12 @@ def test_a_cycle_through_three_modules_names_them_all(tmp_path):
 
 
 def test_the_cycle_allow_list_holds_only_cycles_still_there(tmp_path):
-    (allowed,) = sorted(structure.CYCLES_FOR_NOW)[:1]
-    a, b = (f"src/{name.replace('.', '/')}.py" for name in allowed[:2])
-    for_a, for_b = (name.split(".")[-1] for name in allowed[:2])
-    cyclic = {a: f"from . import {for_b}\n", b: f"from . import {for_a}\n"}
-    assert findings(tmp_path, cyclic, "import-cycle") == []
-    gone = findings(tmp_path, {a: f"from . import {for_b}\n", b: "X = 1\n"}, "import-cycle")
+    allowed = frozenset({("batchgen.kv.a", "batchgen.kv.b")})
+    a, b = "src/batchgen/kv/a.py", "src/batchgen/kv/b.py"
+    cyclic = sources(tmp_path, {a: "from . import b\n", b: "from . import a\n"})
+    assert list(structure.check_import_cycles(cyclic, allowed)) == []
+    broken = sources(tmp_path, {a: "from . import b\n", b: "X = 1\n"})
+    gone = list(structure.check_import_cycles(broken, allowed))
     assert [(f.where, f.blocking) for f in gone] == [(a, False)]
     assert "CYCLES_FOR_NOW" in gone[0].message
 
