@@ -30,7 +30,7 @@ logprobs=5, on the ample engine; both sides' tokens at the divergence must be in
 top-5 (both sides continue the same tokens there, so one top-5 stands for both). Ten are
 scored, so each broken row's "broken_detail" gives both tokens' ranks and logprobs: a
 near-tie among more than five tokens reads apart from a collapse.
---debug: the probe as first run (RESULTS.md, 2026-11-30): batchgen_debug=True on the tier
+--debug: the probe as first run (HISTORY.md, 2026-11-30): batchgen_debug=True on the tier
 run (every offloaded page read back and compared), ignore_eos, logprobs=5 on every token
 of both runs, each side's own top-5 at the divergence.
 

@@ -12,7 +12,7 @@ import pytest
 from bench_scripts import load, rate_of, run_timed
 
 # host<->device, each way, pinned: the ceiling the scripts report copy rates against
-# (benchmarks/RESULTS.md)
+# (benchmarks/HISTORY.md)
 CEILING_GB_S = 55.0
 
 

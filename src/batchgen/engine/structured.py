@@ -1,7 +1,7 @@
 """Structured outputs: grammars compiled once, one matcher per request, next-token masks.
 
 xgrammar does the grammar work (chosen over llguidance by measured mask cost at batch
-256, see benchmarks/RESULTS.md, 2026-12-01). A request's `StructuredOutputsParams` are
+256, see benchmarks/HISTORY.md, 2026-12-01). A request's `StructuredOutputsParams` are
 compiled when it arrives (equal constraints share one compilation, so a bad schema
 fails the request at once, naming it), and it gets a `GrammarMatcher` that follows its
 tokens: the engine feeds it every token the scheduler appends (`advance`).

@@ -167,7 +167,7 @@ class MLADecodeTuning:
 
 
 # Measured on an H200 (benchmarks/mla_decode.py --sweep --heads 16 --batch 256 --ctx 1024,
-# pages of 16, triton 3.6; RESULTS.md 2026-12-01): 137 us (47% of HBM peak) against
+# pages of 16, triton 3.6; benchmarks/HISTORY.md, 2026-12-01): 137 us (47% of HBM peak) against
 # 227 us (29%) for the 8-warp, 2-stage launch chosen earlier from ptxas alone; W4 went
 # from 4,287 to 4,869 output tok/s with it.
 GPU_TUNING = MLADecodeTuning(block_h=16, block_n=32, num_warps=4, num_stages=3)

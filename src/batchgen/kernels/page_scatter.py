@@ -8,7 +8,7 @@
 The same as `pool.transpose(1, 2)[first:first + G].index_copy_(1, index, staging)`
 (its reference in tests/kernel_references.py), by a kernel of our own: the host tier's loads run it on
 their copy stream, and the engine's graphs replayed slower for the rest of a run after
-torch's indexing kernels ran there (see benchmarks/RESULTS.md), which this kernel is
+torch's indexing kernels ran there (see benchmarks/HISTORY.md), which this kernel is
 measured against.
 """
 

@@ -191,7 +191,7 @@ def host_to_device_pages(
     `buffers` (load_buffers, made on the submitting stream) or made here; `scatter`
     how the staged pages reach the pool: "index" (torch's index_copy_, what the tier
     uses) or "triton" (a CUDA pool: kernels/page_scatter.py, measured against it on
-    the copy stream in benchmarks/RESULTS.md).
+    the copy stream in benchmarks/HISTORY.md).
     `defer` (CopyHandle.defer, with buffers made `whole`): each group's scatter and
     on_layer are handed over instead, to run later on `consumer` (CUDA: the submitting
     stream, after this stream's blocks of the group have landed; without one, as a copy
