@@ -1,0 +1,285 @@
+"""A step's sampling parameters as device tensors (`SamplingMetadata`), built from the
+running requests' parameters kept by request id (`SamplingState`), and the seeds of
+requests that come without one (`request_seed`).
+
+A row's noise seed and position (its tokens generated so far) key the counter-based
+noise of `kernels.sampling`; `SamplingState` reads a request's parameters and seed once,
+so a step's metadata is a gather by slot and two copies to the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.forward_context import to_device
+from batchgen.runner.penalty_counts import PenaltyCounts, token_stats
+from batchgen.sampling_params import SamplingParams
+
+# Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
+SAMPLING_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _as_int64(seed: int) -> int:
+    """A seed as the int64 whose bits are seed mod 2^64 (what the noise hash reads)."""
+    seed &= _MASK64
+    return seed - (1 << 64) if seed >> 63 else seed
+
+
+def request_seed(engine_seed: int, index: int) -> int:
+    """Seed of the ``index``-th request an engine seeded with ``engine_seed`` takes that has
+    no seed of its own: a 63-bit mix of both, apart from the seeds users give (it is
+    derived once per request; the noise hash then mixes in the step)."""
+    return _splitmix64(_splitmix64((engine_seed & _MASK64) ^ 0x5EED5EED5EED5EED) ^ index) >> 1
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling state of a batch of B rows (those of the logits), on their device.
+
+    The ``use_*`` flags are host-side hints set by ``build`` so that unused filters cost
+    nothing; leaving them True is always correct."""
+
+    temperature: torch.Tensor  # [B] float32, 0.0 = greedy row
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = disabled
+    min_p: torch.Tensor  # [B] float32
+    all_greedy: bool
+    seeds: torch.Tensor  # [B] int64: each row's noise seed (two's complement of seed mod 2^64)
+    positions: torch.Tensor  # [B] int64: each row's tokens generated so far (the noise step)
+    max_logprobs: int  # max over rows of params.logprobs (0 if none asked)
+    presence_penalty: torch.Tensor | None  # [B]; the penalty fields are None when no row
+    frequency_penalty: torch.Tensor | None  # [B]  of the batch uses any penalty
+    repetition_penalty: torch.Tensor | None  # [B]
+    output_token_counts: torch.Tensor | None  # [B, V] int32 counts of the row's output tokens
+    prompt_token_mask: torch.Tensor | None  # [B, V] bool: token appears in the row's prompt
+    min_tokens_block: list[tuple[int, list[int]]]  # (row, ids to forbid) under min_tokens
+    max_top_k: int = 0  # the largest top_k of the batch (the topk taken for all rows)
+    use_top_k: bool = True
+    use_top_p: bool = True
+    use_min_p: bool = True
+    need_logprobs: bool = True  # False: no row reports logprobs (the output's are None)
+    # kept penalty counts: (penalised rows [P], their slots [P], the PenaltyCounts, ids)
+    penalty_rows: tuple[torch.Tensor, torch.Tensor, PenaltyCounts, list[str]] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+        eos_token_ids: list[int],
+        steps: list[int] | None = None,
+        seeds: list[int | None] | None = None,
+        generator: torch.Generator | None = None,
+        penalty_counts: PenaltyCounts | None = None,
+        request_ids: list[str] | None = None,
+    ) -> SamplingMetadata:
+        """Gather the batch's parameters into tensors on ``device``: a `SamplingState`
+        made for this one step (the runner keeps one from step to step instead).
+
+        ``output_token_ids[i]`` is what row i has generated so far: its length is the step
+        index used for seeded noise and for ``min_tokens``, unless ``steps`` gives it
+        (a pipelined step: tokens sampled but not yet on the host count). ``seeds``, when
+        given, replaces each row's ``params.seed`` (the engine's per-request seeds); a
+        sampled row with no seed gets one drawn from ``generator`` (a CPU generator;
+        None: torch's default one). Prompt and output token ids are only read for rows
+        that use a penalty: with ``penalty_counts`` (and ``request_ids``), only for a
+        request it does not hold yet; the counts are then its rows on the device, and
+        ``record`` adds the step's tokens to them.
+        """
+        state = SamplingState(vocab_size, device, eos_token_ids, generator, penalty_counts)
+        ids = request_ids if request_ids is not None else [str(i) for i in range(len(params))]
+        return state.build(ids, params, prompt_token_ids, output_token_ids, steps, seeds)
+
+    def record(self, token_ids: torch.Tensor) -> None:
+        """Count this step's sampled tokens [B] (on the device) in the penalised rows'
+        kept counts, if they are kept (``build(..., penalty_counts=)``)."""
+        if self.penalty_rows is not None:
+            rows, slots, kept, request_ids = self.penalty_rows
+            kept.record(request_ids, slots, token_ids.index_select(0, rows))
+
+
+class SamplingState:
+    """The running requests' sampling parameters, kept by request id from step to step
+    (a slot a request, in host arrays), so that a step's `SamplingMetadata` is a gather
+    by slot and two copies to the device: no per-row attribute reads, tuples or seeds
+    made every step (at ~1,000 rows those took milliseconds of a host-bound step).
+
+    A request is read once, at the first step that names it (or when its params object
+    is another one: an id reused after its request ended); its seed then is ``seeds[i]``
+    if given, else ``params.seed``, else one drawn from ``generator`` (CPU; None: torch's
+    default), and stays its seed. `release(ids)` frees the slots of requests that ended.
+    ``penalty_counts``: penalised rows read their kept counts there (`PenaltyCounts`)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        eos_token_ids: list[int],
+        generator: torch.Generator | None = None,
+        penalty_counts: PenaltyCounts | None = None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = generator
+        self.penalty_counts = penalty_counts
+        self._slot: dict[str, int] = {}
+        self._params: list[SamplingParams | None] = []
+        self._free: list[int] = []
+        # per slot: temperature (0: greedy), top_p, min_p, top_k (0: off), presence,
+        # frequency and repetition penalties
+        self._floats = np.zeros((7, 0), dtype=np.float32)
+        # per slot: noise seed (int64 bits), min_tokens, logprobs (-1: None), penalised
+        self._ints = np.zeros((4, 0), dtype=np.int64)
+        self._blocked: list[list[int] | None] = []  # min_tokens' forbidden ids, when asked
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            slot = self._slot.pop(rid, None)
+            if slot is not None:
+                self._params[slot] = self._blocked[slot] = None
+                self._free.append(slot)
+
+    def _take(self) -> int:
+        if not self._free:
+            have = len(self._params)
+            grow = max(have, 64)
+            self._floats = np.concatenate([self._floats, np.zeros((7, grow), np.float32)], 1)
+            self._ints = np.concatenate([self._ints, np.zeros((4, grow), np.int64)], 1)
+            self._params += [None] * grow
+            self._blocked += [None] * grow
+            self._free = list(range(have + grow - 1, have - 1, -1))
+        return self._free.pop()
+
+    def _register(self, rows, request_ids, params, seeds) -> None:
+        slots, floats, ints, unseeded = [], [], [], []
+        for i in rows:
+            rid, p = request_ids[i], params[i]
+            slot = self._slot.get(rid)
+            if slot is None:
+                slot = self._slot[rid] = self._take()
+            self._params[slot], self._blocked[slot] = p, None
+            greedy = p.temperature < SAMPLING_EPS
+            top_k = p.top_k if 0 < p.top_k < self.vocab_size else 0
+            floats.append(
+                ((0.0, 1.0, 0.0, 0) if greedy else (p.temperature, p.top_p, p.min_p, top_k))
+                + (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            )
+            seed = p.seed if seeds is None else seeds[i]
+            if seed is None and not greedy:
+                unseeded.append(len(slots))
+            logprobs = -1 if p.logprobs is None else p.logprobs
+            ints.append((_as_int64(seed or 0), p.min_tokens, logprobs, p.has_penalties))
+            slots.append(slot)
+        ints = np.array(ints, dtype=np.int64).reshape(-1, 4)
+        if unseeded:
+            drawn = torch.randint(0, 2**62, (len(unseeded),), generator=self.generator)
+            ints[unseeded, 0] = drawn.numpy()
+        self._floats[:, slots] = np.array(floats, dtype=np.float32).reshape(-1, 7).T
+        self._ints[:, slots] = ints.T
+
+    def _min_tokens_ids(self, slot: int) -> list[int]:
+        ids = self._blocked[slot]
+        if ids is None:
+            p = self._params[slot]
+            ids = ([] if p.ignore_eos else list(self.eos_token_ids)) + list(p.stop_token_ids)
+            ids = self._blocked[slot] = sorted({t for t in ids if 0 <= t < self.vocab_size})
+        return ids
+
+    def build(
+        self,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        steps: list[int] | None = None,
+        seeds: list[int | None] | None = None,
+    ) -> SamplingMetadata:
+        """The step's metadata for these rows (as `SamplingMetadata.build` describes;
+        ``seeds`` and ``params`` are read only for a request not held yet)."""
+        n = len(params)
+        get, held = self._slot.get, self._params
+        slots = [get(rid, -1) for rid in request_ids]
+        new = [i for i, (s, p) in enumerate(zip(slots, params)) if s < 0 or held[s] is not p]
+        if new:
+            self._register(new, request_ids, params, seeds)
+            slots = [self._slot[rid] for rid in request_ids]
+        at = np.asarray(slots, dtype=np.int64)
+        floats, ints = self._floats[:, at], self._ints[:, at]
+        if steps is None:
+            steps = [len(o) for o in output_token_ids]
+        positions = np.asarray(steps, dtype=np.int64).reshape(n)
+        min_tokens_block = []
+        for i in np.flatnonzero(positions < ints[1]).tolist():
+            ids = self._min_tokens_ids(slots[i])
+            if ids:
+                min_tokens_block.append((i, ids))
+        penalised = np.flatnonzero(ints[3]).tolist()
+        width = 7 if penalised else 4
+        packed = to_device(torch.from_numpy(np.ascontiguousarray(floats[:width])), self.device)
+        # one int64 tensor crosses too: seeds, positions, then (penalties kept on the
+        # device) each row's slot, the penalised rows and their slots
+        parts = [ints[0], positions]
+        kept, pen_slots = self.penalty_counts, None
+        if penalised and kept is not None:
+            pen_ids = [request_ids[i] for i in penalised]
+            pen_slots = kept.slots(
+                pen_ids,
+                [prompt_token_ids[i] for i in penalised],
+                [output_token_ids[i] for i in penalised],
+                positions[penalised].tolist(),
+            )
+            row_slots = np.full(n, pen_slots[0], dtype=np.int64)
+            row_slots[penalised] = pen_slots
+            parts += [row_slots, np.asarray(penalised + pen_slots, dtype=np.int64)]
+        dev = to_device(torch.from_numpy(np.concatenate(parts)), self.device)
+        meta = SamplingMetadata(
+            temperature=packed[0],
+            top_p=packed[1],
+            top_k=packed[3].to(torch.int64),
+            min_p=packed[2],
+            all_greedy=bool((floats[0] == 0.0).all()),
+            seeds=dev[:n],
+            positions=dev[n : 2 * n],
+            max_logprobs=int(ints[2].max(initial=0)),
+            presence_penalty=packed[4] if penalised else None,
+            frequency_penalty=packed[5] if penalised else None,
+            repetition_penalty=packed[6] if penalised else None,
+            output_token_counts=None,
+            prompt_token_mask=None,
+            min_tokens_block=min_tokens_block,
+            max_top_k=int(floats[3].max(initial=0)),
+            use_top_k=bool((floats[3] > 0).any()),
+            use_top_p=bool((floats[1] < 1.0).any()),
+            use_min_p=bool((floats[2] > 0.0).any()),
+            need_logprobs=bool((ints[2] >= 0).any()),
+        )
+        if pen_slots is not None:
+            row_slots = dev[2 * n : 3 * n]
+            meta.output_token_counts = kept.counts.index_select(0, row_slots)
+            meta.prompt_token_mask = kept.prompt.index_select(0, row_slots)
+            m = len(penalised)
+            meta.penalty_rows = (dev[3 * n : 3 * n + m], dev[3 * n + m :], kept, pen_ids)
+        elif penalised:
+            outs = [(i, output_token_ids[i]) for i in penalised]
+            rep = [(i, prompt_token_ids[i]) for i in penalised if floats[6, i] != 1]
+            counts, mask = token_stats(n, self.vocab_size, self.device, outs, rep)
+            meta.output_token_counts, meta.prompt_token_mask = counts, mask
+        return meta
