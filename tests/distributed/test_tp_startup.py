@@ -12,8 +12,9 @@ import time
 import pytest
 import torch.distributed as dist
 from conftest import save_tiny_model
-from tp_workers import DiesWhileStarting, never_called
+from tp_workers import DiesWhileStarting, fails_once_joined, never_called
 
+from batchgen.distributed.messages import PlanBegin
 from batchgen.distributed.workers import RENDEZVOUS_TIMEOUT_S, Workers, WorkerStartError
 
 # a user script that builds its LLM at top level: spawn runs it again in the worker,
@@ -33,6 +34,22 @@ def test_a_worker_that_dies_before_joining_fails_the_spawn_at_once(tmp_path):
     assert time.monotonic() - started < RENDEZVOUS_TIMEOUT_S / 2
     assert 'if __name__ == "__main__":' in str(e.value)
     assert not dist.is_initialized()  # rank 0 never entered the rendezvous
+
+
+def test_a_worker_that_fails_once_joined_is_named_at_the_next_message():
+    """Past the rendezvous the watcher sees the exit: rank 0's next message raises
+    naming the rank and its exit code, not a collective's timeout."""
+    workers = Workers.spawn(fails_once_joined, (), 2, "gloo")
+    try:
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S / 2
+        while not workers.exited and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert workers.exited == {1: 1}
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] stopped responding.* 1: 1"):
+            workers.send(PlanBegin())
+    finally:
+        workers.shutdown()
+    assert not dist.is_initialized()
 
 
 @pytest.mark.slow

@@ -299,3 +299,8 @@ class DiesWhileStarting:
 
 def never_called(tp: TPGroup, *args) -> None:
     raise AssertionError("a worker that died while starting ran its target")
+
+
+def fails_once_joined(tp: TPGroup) -> None:
+    """A worker whose build fails after it joined the group (a bad checkpoint, no memory)."""
+    raise RuntimeError(f"rank {tp.rank} could not build its share")
