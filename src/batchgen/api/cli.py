@@ -9,8 +9,9 @@ Exit codes: run_command.py's docstring (and docs/batch-jobs.md); 2 is a usage er
 for every subcommand.
 
 --help, --version and `show` import neither torch nor transformers (seconds of imports):
-`eval`'s options are built only when `eval` is the command (its package brings torch),
-and a job's modules are imported once its options are checked.
+`eval`'s options are built only when `eval` is the command (and its options import no
+torch either: the eval package loads its other modules on first use), and a job's
+modules are imported once its options are checked.
 """
 
 from __future__ import annotations
