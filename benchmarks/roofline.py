@@ -19,12 +19,19 @@ def model_sizes(cfg: dict) -> tuple[float, float, float]:
     return params * 2, kv_per_token, layers * per_layer
 
 
-def roofline_seconds(cfg: dict, prompt_lens: list[int], out_lens: list[int]) -> float:
-    """Lower bound on wall time with all requests batched at once."""
+def roofline_seconds(
+    cfg: dict,
+    prompt_lens: list[int],
+    out_lens: list[int],
+    copy_bw: float = COPY_BW,
+    matmul_flops: float = MATMUL_FLOPS,
+) -> float:
+    """Lower bound on wall time with all requests batched at once, on a card of the given
+    ceilings (default: the H200's, card.py)."""
     weight_bytes, kv_tok, matmul_params = model_sizes(cfg)
-    prefill = sum(2 * matmul_params * n for n in prompt_lens) / MATMUL_FLOPS
+    prefill = sum(2 * matmul_params * n for n in prompt_lens) / matmul_flops
     decode = 0.0
     for t in range(max(out_lens)):
         live = [p + t for p, o in zip(prompt_lens, out_lens) if o > t]
-        decode += (weight_bytes + kv_tok * sum(live)) / COPY_BW
+        decode += (weight_bytes + kv_tok * sum(live)) / copy_bw
     return prefill + decode

@@ -14,7 +14,9 @@ sampling.json. Each run's prompts start with their own first token, so no run ta
 pages from the prefix cache an earlier one left.
 
 Prints output tok/s for both, their ratio and batchgen's fraction of the roofline
-(roofline.py); writes throughput.json and throughput.png into --out.
+(roofline.py, at the H200's ceilings; --ceilings: also at the ceilings card.measure takes
+on this card before the engine builds); writes throughput.json and throughput.png into
+--out.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import json
 import sys
 import time
 
-from benchmarks.card import sync
+from benchmarks.card import measure, sync
 from benchmarks.engine_runs import add_engine_args, engine_kwargs
 from benchmarks.peers import continuous_batching
 from benchmarks.profiles import profile_decode
@@ -167,6 +169,12 @@ def main(argv=None) -> int:
         default=None,
         help="batchgen greedy, then sampled as named (all: every one), ratios to greedy",
     )
+    ap.add_argument(
+        "--ceilings",
+        action="store_true",
+        help="measure the card's ceilings before the engine builds (card.measure) and give "
+        "the roofline fraction against them too",
+    )
     add_engine_args(ap)
     args = ap.parse_args(argv)
     if args.small:
@@ -189,6 +197,10 @@ def main(argv=None) -> int:
                 f"{run['ratio_to_greedy']:.2f}x greedy\n"
             )
         return 0
+    ceilings = None
+    if args.ceilings:  # small: sizes the CPU times in well under a second
+        sizes = dict(copy_gib=1 / 64, matmul=256) if args.small else {}
+        ceilings = measure(args.device, **sizes)
     ours, timeline = run_batchgen(ckpt, prompts, out_lens, args)
     peer = None if args.skip_peer else continuous_batching(ckpt, prompts, out_lens, args)
     roof = roofline_seconds(cfg, [len(p) for p in prompts], out_lens)
@@ -202,6 +214,16 @@ def main(argv=None) -> int:
     }
     if peer:
         result["ratio"] = ours["tok_s"] / peer["tok_s"]
+    if ceilings:
+        card_roof = roofline_seconds(
+            cfg,
+            [len(p) for p in prompts],
+            out_lens,
+            copy_bw=ceilings["copy_bytes_per_s"],
+            matmul_flops=ceilings["matmul_flops"],
+        )
+        result["ceilings"] = ceilings
+        result["fraction_of_card_roofline"] = card_roof / ours["wall_s"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "throughput.json").write_text(json.dumps(result, indent=2))
     plot(timeline, args.out / "throughput.png")
@@ -211,6 +233,12 @@ def main(argv=None) -> int:
         f"roofline    {result['roofline_tok_s']:10.1f} output tok/s  -> batchgen at "
         f"{100 * result['fraction_of_roofline']:.1f}%",
     ]
+    if ceilings:
+        lines.append(
+            f"this card   {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s copy, "
+            f"{ceilings['matmul_flops'] / 1e12:.0f} TFLOP/s -> batchgen at "
+            f"{100 * result['fraction_of_card_roofline']:.1f}% of its roofline"
+        )
     if peer:
         lines.append(
             f"transformers {peer['tok_s']:9.1f} output tok/s  ({peer['wall_s']:.2f} s)"

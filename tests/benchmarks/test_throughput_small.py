@@ -29,3 +29,40 @@ def test_small_run_writes_its_result(tmp_path):
     assert result["roofline_tok_s"] == pytest.approx(sum(out_lens) / roof)
     assert result["fraction_of_roofline"] == pytest.approx(roof / ours["wall_s"])
     assert 0 < result["fraction_of_roofline"] < 1
+
+
+def test_ceilings_give_the_roofline_of_the_card_measured(tmp_path):
+    throughput = load("throughput")
+    roofline = load("roofline")
+    workloads = load("workloads")
+    out = tmp_path / "out"
+    argv = ["--small", "--skip-peer", "--ceilings", "--out", str(out)]
+    assert throughput.main([*argv, "--ckpt", str(tmp_path / "ckpt")]) == 0
+    result = json.loads((out / "throughput.json").read_text())
+    card = result["ceilings"]
+    assert card["h2d_gb_s"] is None  # the CPU has no pinned copies to time
+    prompts, out_lens = workloads.small_requests()
+    want = roofline.roofline_seconds(
+        workloads.SMALL_MODEL,
+        [len(p) for p in prompts],
+        out_lens,
+        copy_bw=card["copy_bytes_per_s"],
+        matmul_flops=card["matmul_flops"],
+    )
+    assert result["fraction_of_card_roofline"] == pytest.approx(want / result["batchgen"]["wall_s"])
+    # the CPU's ceilings are far below the H200's, so its roofline is far longer
+    assert want > 10 * result["roofline_s"]
+
+
+def test_the_roofline_scales_with_the_ceilings():
+    roofline = load("roofline")
+    cfg = load("workloads").SMALL_MODEL
+    base = roofline.roofline_seconds(cfg, [30, 50], [4, 8])
+    twice = roofline.roofline_seconds(
+        cfg,
+        [30, 50],
+        [4, 8],
+        copy_bw=2 * roofline.COPY_BW,
+        matmul_flops=2 * roofline.MATMUL_FLOPS,
+    )
+    assert twice == pytest.approx(base / 2)
