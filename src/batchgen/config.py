@@ -1,22 +1,27 @@
-"""Engine configuration: one dataclass, validated on creation."""
+"""Engine configuration: one frozen dataclass of flat options, checked on creation by
+the five groups it is made of (config_groups.py), and resolved once for the device the
+engine runs on (`EngineConfig.resolve`)."""
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+from batchgen.config_groups import (
+    DTYPES,
+    GROUPS,
+    CacheConfig,
+    DebugConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    group_fields,
+)
+
+logger = logging.getLogger(__name__)
 
 # batch limits left unset (None), by device, as vLLM's offline LLM class sets them: a GPU
 # of at least LARGE_GPU_GIB that is not an A100 takes the large ones
@@ -32,9 +37,12 @@ DEFAULT_LIMITS = (256, 8192)
 STATE_POOL_SHARE = 1 / 8
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs besides the model itself.
+    """Everything the engine needs besides the model itself. Frozen: a changed option is
+    a new config (`dataclasses.replace`). The options are also reachable by concern, as
+    frozen groups built from them (config_groups.py): `model_config`, `cache_config`,
+    `scheduler_config`, `parallel_config`, `debug_config`.
 
     max_num_seqs and max_num_batched_tokens, left None, are set for the device when the
     engine is built (`with_batch_limits`): 1024 rows and 16,384 tokens a step on a GPU of
@@ -61,8 +69,9 @@ class EngineConfig:
     measured on the GPU) extends that to every step, prefill chunks included: the next
     step is scheduled and launched while the current one runs (a request's token in
     flight read on the device), for requests with no structured output or prompt
-    logprobs; it needs pipeline_decode, and is not
-    used under tensor parallel or with batchgen_debug. On models with linear-attention
+    logprobs. Where it cannot run (pipeline_decode=False, batchgen_debug,
+    decode_append="layer", tensor_parallel_size > 1) `resolve` turns it off with a
+    warning naming the option. On models with linear-attention
     layers the state slots are read and written in stream order, and the host tier's
     state swaps and checkpoints are submitted between two launches, so they copy the
     state of the tokens committed so far.
@@ -149,73 +158,60 @@ class EngineConfig:
     batchgen_debug: bool = False
     tensor_parallel_size: int = 1
 
-    def __post_init__(self) -> None:
-        def positive_int(name: str) -> None:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    model_config: ModelConfig = field(init=False, repr=False, compare=False)
+    cache_config: CacheConfig = field(init=False, repr=False, compare=False)
+    scheduler_config: SchedulerConfig = field(init=False, repr=False, compare=False)
+    parallel_config: ParallelConfig = field(init=False, repr=False, compare=False)
+    debug_config: DebugConfig = field(init=False, repr=False, compare=False)
 
-        for name in ("page_size", "tensor_parallel_size"):
-            positive_int(name)
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_model_len",
-            "num_kv_pages",
-            "max_queued_requests",
-        ):
-            if getattr(self, name) is not None:
-                positive_int(name)
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(
-                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+    def __post_init__(self) -> None:
+        # each group checks its own options (ValueError naming the option)
+        for name, group in GROUPS:
+            options = {f: getattr(self, f) for f in group_fields(group)}
+            object.__setattr__(self, name, group(**options))
+
+    def resolve(
+        self, device: torch.device, state_bytes_per_seq: int = 0, moe: bool = False
+    ) -> EngineConfig:
+        """This config as the engine runs it on `device`: the batch limits left None set
+        for the device and the model (`with_batch_limits`), and async_scheduling kept
+        only where it can run; where it cannot, a warning names the option that rules it
+        out and it is off (as vLLM turns off async scheduling it cannot use). Resolving
+        a resolved config returns it unchanged."""
+        config = self.with_batch_limits(device, state_bytes_per_seq, moe)
+        blockers = self.async_blockers()
+        if self.async_scheduling and blockers:
+            logger.warning(
+                "async_scheduling=True is not used with %s; steps run %s",
+                " or ".join(blockers),
+                "pipelined as before" if self.pipeline_decode else "one after another",
             )
-        if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
-        if self.kv_cache_size_gib is not None and self.kv_cache_size_gib <= 0:
-            raise ValueError(f"kv_cache_size_gib must be > 0, got {self.kv_cache_size_gib!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(
-                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
-            )
-        if self.host_kv_size_gib < 0:
-            raise ValueError(f"host_kv_size_gib must be >= 0, got {self.host_kv_size_gib!r}")
-        if self.host_kv_size_gib > 0 and not self.enable_prefix_caching:
-            raise ValueError(
-                "host_kv_size_gib needs enable_prefix_caching=True: host pages are found by "
-                "the prefix cache's page hashes"
-            )
-        interval = self.state_checkpoint_interval
-        if not isinstance(interval, int) or interval < 0 or interval % self.page_size:
-            raise ValueError(
-                f"state_checkpoint_interval must be 0 or a positive multiple of page_size "
-                f"({self.page_size}), got {interval!r}"
-            )
-        if self.decode_append not in ("off", "batched", "layer"):
-            raise ValueError(
-                f"decode_append must be 'off', 'batched' or 'layer', got {self.decode_append!r}"
-            )
-        for name, allowed in (
-            ("admission", ("prefix", "arrival")),
-            ("tier_policy", ("auto", "always")),
-            ("tier_copy_issue", ("worker", "inline")),
-            ("tier_load_scatter", ("copy", "compute")),
-            ("state_checkpoint_policy", ("shared", "all")),
-            ("load_format", ("auto", "dummy")),
-        ):
-            if getattr(self, name) not in allowed:
-                choices = " or ".join(repr(a) for a in allowed)
-                raise ValueError(f"{name} must be {choices}, got {getattr(self, name)!r}")
-        if self.revision is not None and not (isinstance(self.revision, str) and self.revision):
-            raise ValueError(
-                f"revision must be None or a branch, tag or commit, got {self.revision!r}"
-            )
-        if self.cpu_kv_cache_gib <= 0:
-            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
+            config = replace(config, async_scheduling=False)
+        return config
+
+    def async_blockers(self) -> list[str]:
+        """The options set here that async scheduling cannot run with: it needs
+        pipelined decode, known tokens at every layer (decode_append="layer"'s per-layer
+        hook), host-side checks (batchgen_debug) and one rank (tensor-parallel workers
+        take steps as rank 0 executes them)."""
+        blockers = []
+        if not self.pipeline_decode:
+            blockers.append("pipeline_decode=False")
+        if self.batchgen_debug:
+            blockers.append("batchgen_debug=True")
+        if self.decode_append == "layer":
+            blockers.append('decode_append="layer"')
+        if self.tensor_parallel_size > 1:
+            blockers.append(f"tensor_parallel_size={self.tensor_parallel_size}")
+        return blockers
+
+    def describe(self) -> str:
+        """Every option by group, for the one log line of the config an engine runs."""
+        groups = []
+        for name, group in GROUPS:
+            options = ", ".join(f"{f}={getattr(self, f)!r}" for f in group_fields(group))
+            groups.append(f"{name.removesuffix('_config')}: {options}")
+        return "; ".join(groups)
 
     def with_batch_limits(
         self, device: torch.device, state_bytes_per_seq: int = 0, moe: bool = False
@@ -277,7 +273,8 @@ class EngineConfig:
 
     @classmethod
     def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
+        """The options: the keyword arguments EngineConfig(...) takes (not its groups)."""
+        return {f.name for f in fields(cls) if f.init}
 
     def torch_device(self) -> torch.device:
         """The device the engine runs on; ValueError where this torch cannot use it."""
@@ -303,7 +300,7 @@ class EngineConfig:
     def torch_dtype(self, model_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
         """The compute dtype: explicit, else the checkpoint's on a GPU, float32 on the CPU."""
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return DTYPES[self.dtype]
         if device.type == "cpu":
             return torch.float32
         if model_dtype in (torch.float16, torch.bfloat16):

@@ -47,7 +47,7 @@ def test_warmup_forward_runs_a_full_budget_step(tmp_path, monkeypatch):
     # the torch reference under two more names: the forward context says which one ran
     monkeypatch.setitem(attention._BACKENDS, "asked", attention_torch)
     monkeypatch.setitem(attention._BACKENDS, "engine's", attention_torch)
-    monkeypatch.setattr(eng.config, "attention_backend", "engine's")
+    monkeypatch.setattr(eng, "_attention_backend", lambda: "engine's")  # config is frozen
 
     def seen(_, args):
         forwards.append((args[0].shape, get_forward_context().attention_backend))

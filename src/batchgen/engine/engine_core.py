@@ -73,11 +73,10 @@ def state_bytes_per_seq(hf_config, conv_dtype: torch.dtype = torch.bfloat16) -> 
 
 
 def with_limits_for(config: EngineConfig, device: torch.device, hf_config) -> EngineConfig:
-    """config with its unset batch limits set for `device` and this model: a hybrid
-    model's compressed state a row, and whether it routes to experts."""
-    return config.with_batch_limits(
-        device, state_bytes_per_seq(hf_config), has_moe_layers(hf_config)
-    )
+    """config resolved for `device` and this model (EngineConfig.resolve): its unset
+    batch limits set for a hybrid model's compressed state a row and whether it routes
+    to experts, async scheduling kept only where it can run."""
+    return config.resolve(device, state_bytes_per_seq(hf_config), has_moe_layers(hf_config))
 
 
 def has_moe_layers(hf_config) -> bool:
@@ -233,18 +232,8 @@ class EngineCore:
         self._failed: dict[str, BaseException] = {}  # in this step: RequestsFailed
         self._pipeline = config.pipeline_decode
         # async scheduling: the next step scheduled and launched while this one runs;
-        # not for tensor parallel (workers take steps as rank 0 executes them)
-        self._async = (
-            config.async_scheduling
-            and config.pipeline_decode
-            and not config.batchgen_debug
-            and config.decode_append != "layer"  # its per-layer hook needs known tokens
-            and tp_workers is None
-        )
-        if config.async_scheduling and not self._async:
-            logger.info(
-                "async scheduling is not used here (see EngineConfig); steps pipeline as before"
-            )
+        # resolve() turned it off, with a warning, where it cannot run
+        self._async = config.async_scheduling
         # pipelined decode on one rank: a step's stores ahead (swap-outs' pages) are
         # submitted once its forward is launched, off the step's critical path
         # (TieredKVManager.flush); tensor parallel keeps them in the step's copy log
@@ -253,6 +242,7 @@ class EngineCore:
         )
         self._num_sync = 0  # requests whose sampling needs the host's tokens each step
         self.grammar = None  # StructuredOutputs, built for the first constrained request
+        logger.info("engine config: %s", config.describe())
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB) on %s",
             num_pages,

@@ -1,0 +1,186 @@
+"""EngineConfig's options in five frozen groups, each checking its own options.
+
+EngineConfig (config.py) takes every option flat, as LLM(...) and vLLM users pass them,
+and builds these groups from its fields: `config.model_config`, `config.cache_config`,
+`config.scheduler_config`, `config.parallel_config`, `config.debug_config`. A component
+that needs the options of one concern can be handed its group alone. Each group raises
+ValueError naming the option a value is wrong for; checks that span groups (async
+scheduling against debug, decode_append and tensor parallel) are EngineConfig.resolve's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def _positive_int(group: object, *names: str, optional: bool = False) -> None:
+    for name in names:
+        v = getattr(group, name)
+        if optional and v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _one_of(group: object, name: str, allowed: tuple[str, ...]) -> None:
+    if getattr(group, name) not in allowed:
+        choices = " or ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name} must be {choices}, got {getattr(group, name)!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how to run it: model, revision and cache_dir (where it comes
+    from), load_format ("dummy": random weights from the config alone, for benchmarks),
+    dtype and device ("auto": see EngineConfig.torch_dtype / torch_device),
+    max_model_len, attention_backend ("auto": see EngineConfig.resolved_attention_backend),
+    enforce_eager (no CUDA graphs) and seed (the dummy weights' and each request's
+    default sampling seed)."""
+
+    model: str | None = None
+    revision: str | None = None
+    cache_dir: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "max_model_len", optional=True)
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+        _one_of(self, "load_format", ("auto", "dummy"))
+        if self.revision is not None and not (isinstance(self.revision, str) and self.revision):
+            raise ValueError(
+                f"revision must be None or a branch, tag or commit, got {self.revision!r}"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache on the device and the host tier behind it: pages (page_size,
+    num_kv_pages or kv_cache_size_gib, else gpu_memory_utilization of what the warm-up
+    leaves; cpu_kv_cache_gib on the CPU), enable_prefix_caching, and the host tier
+    (host_kv_size_gib, decode_append, tier_policy, tier_copy_issue, tier_load_scatter,
+    state_checkpoint_interval and state_checkpoint_policy: EngineConfig says each)."""
+
+    page_size: int = 16
+    kv_cache_size_gib: float | None = None
+    num_kv_pages: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    host_kv_size_gib: float = 0.0
+    decode_append: str = "off"
+    tier_policy: str = "auto"
+    tier_copy_issue: str = "inline"
+    tier_load_scatter: str = "copy"
+    state_checkpoint_interval: int = 1024
+    state_checkpoint_policy: str = "shared"
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "page_size")
+        _positive_int(self, "num_kv_pages", optional=True)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.kv_cache_size_gib is not None and self.kv_cache_size_gib <= 0:
+            raise ValueError(f"kv_cache_size_gib must be > 0, got {self.kv_cache_size_gib!r}")
+        if self.host_kv_size_gib < 0:
+            raise ValueError(f"host_kv_size_gib must be >= 0, got {self.host_kv_size_gib!r}")
+        if self.host_kv_size_gib > 0 and not self.enable_prefix_caching:
+            raise ValueError(
+                "host_kv_size_gib needs enable_prefix_caching=True: host pages are found by "
+                "the prefix cache's page hashes"
+            )
+        interval = self.state_checkpoint_interval
+        if not isinstance(interval, int) or interval < 0 or interval % self.page_size:
+            raise ValueError(
+                f"state_checkpoint_interval must be 0 or a positive multiple of page_size "
+                f"({self.page_size}), got {interval!r}"
+            )
+        if self.decode_append not in ("off", "batched", "layer"):
+            raise ValueError(
+                f"decode_append must be 'off', 'batched' or 'layer', got {self.decode_append!r}"
+            )
+        _one_of(self, "tier_policy", ("auto", "always"))
+        _one_of(self, "tier_copy_issue", ("worker", "inline"))
+        _one_of(self, "tier_load_scatter", ("copy", "compute"))
+        _one_of(self, "state_checkpoint_policy", ("shared", "all"))
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What a step holds and how steps follow one another: max_num_seqs and
+    max_num_batched_tokens (None: set for the device by EngineConfig.resolve),
+    max_queued_requests, admission, pipeline_decode and async_scheduling."""
+
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_queued_requests: int | None = None
+    admission: str = "prefix"
+    pipeline_decode: bool = True
+    async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        _positive_int(
+            self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests", optional=True
+        )
+        _one_of(self, "admission", ("prefix", "arrival"))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """tensor_parallel_size: the processes (one a GPU) the model is split over."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "tensor_parallel_size")
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """batchgen_debug: offloaded pages read back and compared, KV pages and logits
+    checked for NaN/Inf, errors naming the request, layer and page."""
+
+    batchgen_debug: bool = False
+
+
+# in the order EngineConfig checks them: its first error is the first group's
+GROUPS = (
+    ("parallel_config", ParallelConfig),
+    ("scheduler_config", SchedulerConfig),
+    ("model_config", ModelConfig),
+    ("cache_config", CacheConfig),
+    ("debug_config", DebugConfig),
+)
+
+
+def group_fields(group: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(group))
