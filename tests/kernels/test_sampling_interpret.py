@@ -139,3 +139,26 @@ def test_top_p_cut_on_bfloat16_logits():
     logits = logits.to(torch.bfloat16)
     got = top_p_cut(logits, temperature, top_p, cut)
     assert torch.equal(got, top_p_cut_reference(logits, temperature, top_p, cut))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_top_p_cut_matches_the_reference_across_scales(seed):
+    """Rows far from zero and across it, spreads from flat to peaked, many p, integer
+    ties, bfloat16: the few-pass search lands on the sorted reference's cut."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    rows, vocab = 8, (1000, 3000, 5003, 700)[seed]
+    spread = float(torch.rand(1, generator=gen) * 20 + 0.1)
+    logits = torch.randn(rows, vocab, generator=gen) * spread
+    logits += (torch.rand(rows, 1, generator=gen) - 0.5) * 40
+    if seed == 1:
+        logits = logits.round()
+    if seed == 3:
+        logits = logits.to(torch.bfloat16)
+    temperature = torch.rand(rows, generator=gen) * 2 + 0.05
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.99, 0.999, 0.3, 0.8, 0.97])
+    cut = torch.full((rows,), -INF)
+    cut[2] = float(logits[2].float().quantile(0.7))  # a row min_p / top_k cut before
+    args = [t.to(DEVICE) for t in (logits, temperature, top_p, cut)]
+    got = top_p_cut(*args)
+    assert torch.equal(got, top_p_cut_reference(*args))
+    assert (got > args[3]).all()

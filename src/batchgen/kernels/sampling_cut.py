@@ -6,10 +6,15 @@ whose mass reaches p; tokens tied with its least likely one are kept too. It is
 {x >= v} for v the largest logit with mass({x >= v}) >= p, so the kernel returns v as
 the row's new cut and `sampling.sample_tokens` keeps x >= v.
 
-v is found by bisection over the logits' order-preserving int32 keys (a float's bits,
-the magnitude bits flipped for negatives): mass({key >= t}) does not grow with t, so
-about 32 passes over the row pin the largest admissible key exactly. One program per
-row; a greedy row, or one with p >= 1, keeps its cut.
+v is found over the logits' order-preserving int32 keys (a float's bits, the magnitude
+bits flipped for negatives): mass({key >= t}) does not grow with t, so a search pins
+the largest admissible key exactly. Each pass over the row tests 16 keys spread over
+the interval still open ([BLOCK, 16] comparisons, one exp a token) and keeps the gap
+where the mass crosses p: 17-fold narrower a pass, so at most 8 such passes after the
+one that finds the top (the bisection this replaces made ~33). The interval starts at [top + T log((1 - p) / 2V),
+top] (tokens below that floor weigh too little together to hold the cut), checked on
+the first pass. One program per row (32 warps: at W1's ~100-250 rows, one per SM, the
+passes are latency-bound); a greedy row, or one with p >= 1, keeps its cut.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import triton
 import triton.language as tl
 
 _BLOCK = 2048
+_THRESHOLDS = 16  # keys tested a pass: each pass narrows the search 17-fold
 
 
 @triton.jit
@@ -28,23 +34,33 @@ def _key(x):
 
 
 @triton.jit
-def _mass_from(logits_ptr, row, stride_row, VOCAB, cut, top, inv_t, from_key,
-               BLOCK: tl.constexpr):  # fmt: skip
-    """Sum over kept tokens with key >= from_key of exp((x - top) / T)."""
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+def _masses(logits_ptr, row, stride_row, VOCAB, cut, top, inv_t, lo, hi,
+            BLOCK: tl.constexpr, K: tl.constexpr):  # fmt: skip
+    """One pass over the row: with w = exp((x - top) / T) over the kept tokens (x >= cut),
+    the sum of all w, of those with key >= lo, and of those with key >= t_j for the K
+    keys t_j spread evenly over [lo, hi) (returned too, ascending)."""
+    j = tl.arange(0, K).to(tl.int64)
+    th = (lo + ((j + 1) * (hi - lo)) // (K + 1)).to(tl.int32)
+    lo32 = lo.to(tl.int32)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    from_lo = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK, K], dtype=tl.float32)
     for start in range(0, VOCAB, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < VOCAB, other=float("-inf"))
         x = x.to(tl.float32)
-        keep = (x >= cut) & (_key(x).to(tl.int64) >= from_key)
-        acc += tl.where(keep, tl.exp((x - top) * inv_t), 0.0)
-    return tl.sum(acc, axis=0)
+        w = tl.where(x >= cut, tl.exp((x - top) * inv_t), 0.0)
+        key = _key(x)
+        total += w
+        from_lo += tl.where(key >= lo32, w, 0.0)
+        acc += tl.where(key[:, None] >= th[None, :], w[:, None], 0.0)
+    return tl.sum(total, axis=0), tl.sum(from_lo, axis=0), tl.sum(acc, axis=0), th.to(tl.int64)
 
 
 @triton.jit
 def _top_p_cut_kernel(
     logits_ptr, temperature_ptr, top_p_ptr, cut_ptr, out_ptr, stride_row, VOCAB,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, K: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(temperature_ptr + row)
@@ -63,17 +79,33 @@ def _top_p_cut_kernel(
             top = tl.maximum(top, tl.where(keep, x, float("-inf")))
             low = tl.minimum(low, tl.where(keep, _key(x), 2147483647))
         top_x = tl.max(top, axis=0)
-        lo = tl.min(low, axis=0).to(tl.int64)  # mass from here: all of it
+        lowest = tl.min(low, axis=0).to(tl.int64)  # mass from here: all of it
         hi = _key(top_x).to(tl.int64) + 1  # mass from here: none
-        target = p * _mass_from(logits_ptr, row, stride_row, VOCAB, cut, top_x, inv_t, lo,
-                                BLOCK)  # fmt: skip
+        # A token below top + T log((1 - p) / V) weighs under (1 - p) / V of the top one,
+        # so all of them together weigh under (1 - p) of the row (the top weighs 1 of
+        # its mass Z >= 1): the cut is at or above that floor (half of it, for rounding;
+        # the first pass checks its mass and falls back to the lowest kept key).
+        floor = top_x + t * tl.log(0.5 * (1.0 - p) / VOCAB)
+        floor = tl.where(floor == floor, floor, float("-inf"))
+        lo = tl.maximum(lowest, _key(floor).to(tl.int64))
+        total, from_lo, mass, th = _masses(logits_ptr, row, stride_row, VOCAB, cut, top_x,
+                                           inv_t, lo, hi, BLOCK, K)  # fmt: skip
+        target = p * total
+        reach = mass >= target
+        ok = from_lo >= target
+        new_lo = tl.max(tl.where(reach, th, lo), axis=0)
+        new_hi = tl.min(tl.where(reach, hi, th), axis=0)
+        hi = tl.where(ok, new_hi, lo)
+        lo = tl.where(ok, new_lo, lowest)
+        # invariant: mass(key >= lo) >= target > mass(key >= hi); the largest such lo
+        # is the cut's key
         while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            mass = _mass_from(logits_ptr, row, stride_row, VOCAB, cut, top_x, inv_t, mid, BLOCK)
-            if mass >= target:
-                lo = mid
-            else:
-                hi = mid
+            _, _, mass, th = _masses(logits_ptr, row, stride_row, VOCAB, cut, top_x, inv_t,
+                                     lo, hi, BLOCK, K)  # fmt: skip
+            reach = mass >= target
+            new_lo = tl.max(tl.where(reach, th, lo), axis=0)
+            hi = tl.min(tl.where(reach, hi, th), axis=0)
+            lo = new_lo
         bits = lo.to(tl.int32)
         bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         result = bits.to(tl.float32, bitcast=True)
@@ -105,7 +137,7 @@ def top_p_cut(
         block = min(_BLOCK, triton.next_power_of_2(vocab))
         _top_p_cut_kernel[(rows,)](
             logits, temperature, top_p, cut, out, logits.stride(0), vocab, BLOCK=block,
-            num_warps=8,
+            K=_THRESHOLDS, num_warps=32,
         )  # fmt: skip
     return out
 

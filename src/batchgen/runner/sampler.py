@@ -117,7 +117,7 @@ def filter_cut(x: torch.Tensor, meta: SamplingMetadata, kernels: bool) -> torch.
     - min_p: p(token) < min_p * p(top) is x < max(x) + T * log(min_p);
     - top_k: the k-th largest logit (torch.topk of the batch's largest k), ties kept;
     - top_p: the nucleus of what the two above keep (`kernels.sampling_cut`, a
-      bisection; on the CPU its sort-based reference), ties at its edge kept.
+      few-pass search; on the CPU its sort-based reference), ties at its edge kept.
     """
     cut = None
     neg_inf = float("-inf")
