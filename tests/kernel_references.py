@@ -128,15 +128,6 @@ def store_latent_reference(
     rows[slot_mapping[keep]] = latent[keep].to(cache.dtype)
 
 
-# batchgen.kernels.page_scatter
-def page_scatter_reference(
-    pool: torch.Tensor, staging: torch.Tensor, index: torch.Tensor, first_layer: int = 0
-) -> None:
-    """page_scatter by torch's index_copy_."""
-    g = staging.shape[0]
-    pool.transpose(1, 2)[first_layer : first_layer + g].index_copy_(1, index, staging)
-
-
 # batchgen.kernels.rms_norm
 def rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

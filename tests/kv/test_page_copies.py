@@ -129,3 +129,30 @@ def test_a_gate_marked_for_a_group_reaches_the_layers_before_it():
     assert handle.gates[1] is handle.gates[3] and handle.gates[0] is not handle.gates[3]
     handle.mark(5)
     assert all(g.event.is_set() for g in handle.gates)
+
+
+def test_load_with_buffers_made_before():
+    """host_to_device_pages with its buffers made first (as the tier makes them on the
+    compute stream) loads the same pages as one that makes its own."""
+    from batchgen.kv.page_copies import load_buffers
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layers, comps, tail = 4, 2, (4, 2, 8)
+    host = torch.randn(layers, 9, comps, *tail).to(torch.bfloat16)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    host_pages, dev_pages = [8, 2, 3, 4], [6, 0, 1, 5]
+    gen = torch.Generator().manual_seed(3)
+    got = torch.randn(layers, comps, 7, *tail, generator=gen).to(device, torch.bfloat16)
+    want = got.clone()
+    host_to_device_pages(host, want, host_pages, dev_pages)  # buffers made inside
+    buffers = load_buffers(host, got, host_pages, dev_pages)
+    reached = []
+    kept = host_to_device_pages(host, got, host_pages, dev_pages, reached.append, buffers=buffers)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    assert kept[0] is buffers.staging
+    assert reached == [g.stop - 1 for g in buffers.groups]
+    assert torch.equal(got, want)
+    for h, d in zip(host_pages, dev_pages):
+        assert torch.equal(got[:, :, d].cpu(), host[:, h])

@@ -179,7 +179,6 @@ def host_to_device_pages(
     dev_pages: list[int],
     on_layer: Callable[[int], None] | None = None,
     buffers: LoadBuffers | None = None,
-    scatter: str = "index",
     defer: Callable[[int, Callable[[], None]], None] | None = None,
     consumer: torch.cuda.Stream | None = None,
 ) -> tuple:
@@ -188,10 +187,9 @@ def host_to_device_pages(
     `on_layer(last)` (every layer up to `last` is written), so compute on the first
     layers can start while later ones load. The groups share one staging tensor, in
     stream order (a group's blocks land after the scatter before them has read it).
-    `buffers` (load_buffers, made on the submitting stream) or made here; `scatter`
-    how the staged pages reach the pool: "index" (torch's index_copy_, what the tier
-    uses) or "triton" (a CUDA pool: kernels/page_scatter.py, measured against it on
-    the copy stream in benchmarks/HISTORY.md).
+    `buffers` (load_buffers, made on the submitting stream) or made here. The scatter
+    is torch's index_copy_ (a Triton scatter of our own measured no better on the copy
+    stream: benchmarks/HISTORY.md, twenty-first session).
     `defer` (CopyHandle.defer, with buffers made `whole`): each group's scatter and
     on_layer are handed over instead, to run later on `consumer` (CUDA: the submitting
     stream, after this stream's blocks of the group have landed; without one, as a copy
@@ -199,8 +197,6 @@ def host_to_device_pages(
     group has staging of its own."""
     if buffers is None:
         buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages, whole=defer is not None)
-    if scatter not in ("index", "triton"):
-        raise ValueError(f"scatter must be 'index' or 'triton', got {scatter!r}")
     staging, idx = buffers.staging, buffers.index
     if defer is not None and consumer is None and dev_kv.is_cuda:
         defer = None  # issued by a copy worker: no submitting stream to defer to
@@ -218,7 +214,7 @@ def host_to_device_pages(
             src += blocks[group.start : group.stop]
         if dst:  # FOREACH_COPY
             torch._foreach_copy_(dst, src, non_blocking=True)
-        finish = partial(_host_to_device_scatter, dev_kv, part, idx, group, scatter, on_layer)
+        finish = partial(_host_to_device_scatter, dev_kv, part, idx, group, on_layer)
         if defer is None:
             finish()
         elif consumer is None:  # CPU: the blocks have landed
@@ -228,14 +224,9 @@ def host_to_device_pages(
     return (staging, idx)
 
 
-def _host_to_device_scatter(dev_kv, part, idx, group: range, scatter: str, on_layer) -> None:
+def _host_to_device_scatter(dev_kv, part, idx, group: range, on_layer) -> None:
     """A group's staged pages into the pool on the current stream, then on_layer(last)."""
-    if scatter == "triton" and dev_kv.is_cuda:
-        from batchgen.kernels.page_scatter import page_scatter
-
-        page_scatter(dev_kv, part, idx, group.start)
-    else:
-        dev_kv.transpose(1, 2)[group.start : group.stop].index_copy_(1, idx, part)
+    dev_kv.transpose(1, 2)[group.start : group.stop].index_copy_(1, idx, part)
     if on_layer is not None:
         on_layer(group.stop - 1)
 
