@@ -63,10 +63,12 @@ def run_one(args: argparse.Namespace, size: int) -> dict:
 
 
 def run_in_process(argv: list[str], size: int) -> dict:
-    """run_one at `size` in a fresh Python process (this script with --one)."""
+    """run_one at `size` in a fresh Python process (this module with --one)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, *argv, "--one", str(size), "--result", str(path)]
+        # the package from the working directory, as `python3 -m benchmarks.tp_scaling` ran
+        cmd = [sys.executable, "-m", "benchmarks.tp_scaling", *argv, "--one", str(size)]
+        cmd += ["--result", str(path)]
         done = subprocess.run(cmd, timeout=RUN_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"the TP={size} run failed (exit code {done.returncode})")
