@@ -184,6 +184,31 @@ def test_penalties_leave_other_rows_alone_and_steer_greedy():
     assert build([SamplingParams()], LOGITS).output_token_counts is None
 
 
+def test_penalty_kernel_path_draws_what_the_torch_path_draws():
+    """Sampler(kernels=True) (the one-pass penalty kernel, interpreted here) and the torch
+    path on penalised, min_tokens and plain rows: the same tokens, step after step."""
+    gen = torch.Generator().manual_seed(4)
+    vocab = 300
+    params = [
+        SamplingParams(temperature=0.9, repetition_penalty=1.4, frequency_penalty=0.5, seed=1),
+        SamplingParams(temperature=0.0, presence_penalty=2.0, min_tokens=2),
+        SamplingParams(temperature=1.1, top_p=0.8, seed=3),
+        SamplingParams(temperature=0.7, frequency_penalty=-0.4, min_tokens=4, seed=4),
+    ]
+    prompts = [[5, 6, 7], [8], [9, 9], [10]]
+    outputs = [[], [], [], []]
+    for _ in range(4):
+        logits = torch.randn(4, vocab, generator=gen) * 2
+        logits[:, EOS] = 8.0  # min_tokens rows must not take it yet
+        meta = build(params, logits, outputs=outputs, prompts=prompts)
+        got = Sampler(kernels=True)(logits, meta).sampled_token_ids
+        want = Sampler(kernels=False)(logits, meta).sampled_token_ids
+        assert torch.equal(got, want)
+        for out, t in zip(outputs, got.tolist()):
+            out.append(t)
+    assert EOS not in outputs[1][:2] and outputs[1][2] == EOS  # min_tokens held, then not
+
+
 def test_min_tokens_blocks_eos_and_stop_ids():
     logits = torch.zeros(4, 10)
     logits[:, EOS] = 10.0

@@ -6,7 +6,7 @@ requests' parameters, kept by request id, gathered into device tensors) and then
 
     raw logits --log_softmax--> logprobs, ranks, top-k logprobs (what is reported)
         |
-        +-> min_tokens block -> penalties (repetition, frequency, presence)
+        +-> penalties (repetition, frequency, presence; one kernel) -> min_tokens block
               +-> argmax                                        (greedy rows)
               +-> cut: min_p -> top_k -> top_p, each a threshold on the row's logits
                     -> argmax(x / T + Gumbel) over x >= cut         (sampled rows)
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.forward_context import to_device
+from batchgen.kernels.penalties import penalized_logits, penalized_logits_reference
 from batchgen.kernels.sampling import sample_tokens, sample_tokens_reference
 from batchgen.kernels.sampling_cut import top_p_cut, top_p_cut_reference
 from batchgen.runner.sampling_metadata import (
@@ -87,8 +88,11 @@ def apply_min_tokens(logits: torch.Tensor, block: list[tuple[int, list[int]]]) -
     return logits.index_put((index[0], index[1]), neg_inf)
 
 
-def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Return ``logits`` (not modified) with the repetition, frequency and presence penalties.
+def apply_penalties(
+    logits: torch.Tensor, meta: SamplingMetadata, kernels: bool = False
+) -> torch.Tensor:
+    """Return ``logits`` (not modified) with the repetition, frequency and presence penalties
+    (float32; ``kernels``: in one pass, `kernels.penalties`, else op by op in torch).
 
     Repetition (prompt and output tokens): positive logits are divided by it, the others
     multiplied. Frequency subtracts penalty * count; presence subtracts penalty once.
@@ -96,16 +100,11 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     counts = meta.output_token_counts
     if counts is None or meta.repetition_penalty is None:
         return logits
-    seen = counts > 0
-    if meta.prompt_token_mask is not None:
-        seen = seen | meta.prompt_token_mask
-    rep = torch.where(seen, meta.repetition_penalty.unsqueeze(1), 1.0)
-    logits = torch.where(logits > 0, logits / rep, logits * rep)
-    if meta.frequency_penalty is not None:
-        logits = logits - meta.frequency_penalty.unsqueeze(1) * counts
-    if meta.presence_penalty is not None:
-        logits = logits - meta.presence_penalty.unsqueeze(1) * (counts > 0)
-    return logits
+    args = (counts, meta.prompt_token_mask, meta.repetition_penalty)
+    penalties = (meta.frequency_penalty, meta.presence_penalty)
+    if kernels and None not in penalties:
+        return penalized_logits(logits.contiguous(), *args, *penalties)
+    return penalized_logits_reference(logits, *args, *penalties)
 
 
 def filter_cut(x: torch.Tensor, meta: SamplingMetadata, kernels: bool) -> torch.Tensor | None:
@@ -156,12 +155,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` [B, V] (not modified) under ``meta``."""
         x = logits
-        if meta.min_tokens_block or meta.repetition_penalty is not None:
-            x = apply_penalties(apply_min_tokens(x.float(), meta.min_tokens_block), meta)
+        kernels = x.is_cuda if self.kernels is None else self.kernels
+        if meta.repetition_penalty is not None:  # then min_tokens: a -inf stays -inf
+            x = apply_penalties(x, meta, kernels)
+        if meta.min_tokens_block:
+            x = apply_min_tokens(x.float(), meta.min_tokens_block)
         if meta.all_greedy:
             token_ids = x.argmax(dim=-1)
         else:
-            kernels = x.is_cuda if self.kernels is None else self.kernels
             x = x.contiguous()
             cut = filter_cut(x, meta, kernels)
             draw = sample_tokens if kernels else sample_tokens_reference
