@@ -1,20 +1,26 @@
-"""The sampler on the GPU at W1's vocabulary (Qwen3, 151,936 tokens), bf16 logits.
+"""The sampler on the GPU at W1's shape: Qwen3's 151,936-token vocabulary, bf16 logits.
 
-For 1, 64 and 256 rows: the batch kernels alone (kernels/sampling.py's draw,
-kernels/sampling_cut.py's nucleus), the whole Sampler call per configuration (greedy;
-temperature 0.8 + top_p 0.95 with a seed a row; + top_k 50), and beside them the
-former path in the same process: a full-vocabulary sort for top_k/top_p and one seeded
-torch.Generator and exponential_ launch a row. Times are triton.testing.do_bench
-medians in microseconds (on the CPU, for a check that the script runs: the median of
-five calls, kernels under TRITON_INTERPRET=1).
+For each row count (default 128, 256 and 1,024: W1 decodes 256 rows tapering to a few,
+W7 ~1,000), the kernels alone (kernels/sampling.py's draw, kernels/sampling_cut.py's
+nucleus cut, kernels/penalties.py) and the whole Sampler call for W1's configurations
+beside greedy (the runner's plain greedy argmax): temperature 0.8 + top_p 0.95 with a
+seed a row, + top_k 50, + repetition_penalty 1.1 (counts kept on the device, 64 output
+tokens a row). GPU times are triton.testing.do_bench medians in microseconds; each
+Sampler line also says how far it is over greedy. Host lines: milliseconds of CPU to
+build a step's metadata, afresh (SamplingMetadata.build) and from a kept SamplingState.
+On the CPU (a check that it runs) times are medians of five calls, kernels interpreted.
 
     python3 -m benchmarks.bench_sampling
-    TRITON_INTERPRET=1 python3 -m benchmarks.bench_sampling --device cpu --vocab 500 --rows 1 4
+    TRITON_INTERPRET=1 python3 -m benchmarks.bench_sampling --device cpu --vocab 500 --rows 4
+
+Names a tree lacks (SamplingState, kernels.penalties: before issue 49's work) are
+skipped, so the same file times an older checkout for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 
@@ -23,27 +29,17 @@ from triton.testing import do_bench
 
 from batchgen.kernels.sampling import sample_tokens
 from batchgen.kernels.sampling_cut import top_p_cut
+from batchgen.runner import sampler as sampler_module
+from batchgen.runner.penalty_counts import PenaltyCounts
 from batchgen.runner.sampler import Sampler, SamplingMetadata, request_seed
 from batchgen.sampling_params import SamplingParams
 
 VOCAB = 151_936
-
-
-def former_path(logits: torch.Tensor, temperature, top_k: int, top_p: float, seeds) -> None:
-    """What the sampler did before: sort, mask, softmax, a generator and a launch a row."""
-    x = logits.float() / temperature
-    s, order = x.sort(dim=-1)
-    if top_k:
-        kth = s[:, -top_k].unsqueeze(1)
-        s.masked_fill_(s < kth, float("-inf"))
-    cum = s.softmax(dim=-1).cumsum(dim=-1)
-    s.masked_fill_(cum <= 1 - top_p, float("-inf"))
-    probs = torch.empty_like(x).scatter_(1, order, s).softmax(dim=-1)
-    q = torch.empty_like(probs)
-    for i, seed in enumerate(seeds):
-        g = torch.Generator(device=logits.device).manual_seed(seed)
-        q[i].exponential_(generator=g)
-    probs.div_(q).argmax(dim=-1)
+CONFIGS = {
+    "sampled": dict(temperature=0.8, top_p=0.95),
+    "top_k": dict(temperature=0.8, top_p=0.95, top_k=50),
+    "penalty": dict(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1),
+}
 
 
 def timed_us(fn, device: torch.device) -> float:
@@ -57,46 +53,87 @@ def timed_us(fn, device: torch.device) -> float:
     return statistics.median(times) * 1e6
 
 
+def host_ms(fn, repeat: int = 20) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat * 1e3
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--vocab", type=int, default=VOCAB)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--rows", type=int, nargs="+", default=[128, 256, 1024])
     args = ap.parse_args(argv)
-    dev, vocab = torch.device(args.device), args.vocab
-    sampler = Sampler(kernels=True)
-    print(f"{'rows':>5} {'what':<34} {'us':>9}")
+    dev = torch.device(args.device)
+    print(f"{'rows':>5} {'what':<40} {'value':>10}")
     for rows in args.rows:
-        bench_rows(rows, vocab, dev, sampler)
+        bench_rows(rows, args.vocab, dev)
 
 
-def bench_rows(rows: int, vocab: int, dev: torch.device, sampler: Sampler) -> None:
+def show(rows: int, what: str, value: float, unit: str) -> None:
+    print(f"{rows:>5} {what:<40} {value:>10.1f} {unit}", flush=True)
+
+
+def bench_rows(rows: int, vocab: int, dev: torch.device) -> None:
     """Every timing of one batch size, printed as it comes."""
-    logits = torch.randn(rows, vocab, device=dev).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(torch.bfloat16).to(dev)
     seeds = [request_seed(0, i) for i in range(rows)]
     temp = torch.full((rows,), 0.8, device=dev)
     seed_t = torch.tensor(seeds, device=dev)
     pos = torch.zeros(rows, dtype=torch.int64, device=dev)
     cut = torch.full((rows,), float("-inf"), device=dev)
     top_p = torch.full((rows,), 0.95, device=dev)
-    timings = {
-        "kernel: draw": lambda: sample_tokens(logits, temp, seed_t, pos),
-        "kernel: nucleus cut": lambda: top_p_cut(logits, temp, top_p, cut),
-    }
-    configs = {
-        "greedy": SamplingParams(temperature=0.0),
-        "T 0.8, top_p 0.95, seeded": SamplingParams(temperature=0.8, top_p=0.95),
-        "+ top_k 50": SamplingParams(temperature=0.8, top_p=0.95, top_k=50),
-    }
-    for name, p in configs.items():
-        meta = SamplingMetadata.build(
-            [p] * rows, [[]] * rows, [[]] * rows, vocab, dev, [0], seeds=seeds
+    show(
+        rows, "kernel: draw", timed_us(lambda: sample_tokens(logits, temp, seed_t, pos), dev), "us"
+    )
+    show(
+        rows,
+        "kernel: nucleus cut",
+        timed_us(lambda: top_p_cut(logits, temp, top_p, cut), dev),
+        "us",
+    )
+    try:
+        penalties = importlib.import_module("batchgen.kernels.penalties")
+    except ImportError:
+        penalties = None
+    counts = torch.randint(0, 2, (rows, vocab), dtype=torch.int32, generator=gen).to(dev)
+    if penalties is not None:
+        rep = torch.full((rows,), 1.1, device=dev)
+        zero = torch.zeros(rows, device=dev)
+        show(rows, "kernel: penalties", timed_us(
+            lambda: penalties.penalized_logits(logits, counts, None, rep, zero, zero), dev
+        ), "us")  # fmt: skip
+    sampler = Sampler(kernels=dev.type == "cuda" or None)
+    greedy = timed_us(lambda: logits.argmax(dim=-1), dev)
+    show(rows, "greedy: argmax (the runner's plain greedy)", greedy, "us")
+    ids = [f"r{i}" for i in range(rows)]
+    prompts = [[i % vocab] * 32 for i in range(rows)]
+    outputs = [[(i * 7 + k) % vocab for k in range(64)] for i in range(rows)]
+    steps = [len(o) for o in outputs]
+    for name, kw in CONFIGS.items():
+        params = [SamplingParams(seed=i, **kw) for i in range(rows)]
+        kept = PenaltyCounts(vocab, dev)
+        build = dict(seeds=seeds, penalty_counts=kept, request_ids=ids)
+        meta = SamplingMetadata.build(params, prompts, outputs, vocab, dev, [0], **build)
+        t = timed_us(lambda meta=meta: sampler(logits, meta), dev)
+        show(rows, f"Sampler: {name}", t, f"us ({t - greedy:+.1f} over greedy)")
+        fresh = host_ms(
+            lambda p=params, b=build: SamplingMetadata.build(
+                p, prompts, outputs, vocab, dev, [0], **b
+            )
         )
-        timings[f"Sampler: {name}"] = lambda meta=meta: sampler(logits, meta)
-    timings["former: T 0.8, top_p 0.95, seeded"] = lambda: former_path(logits, 0.8, 0, 0.95, seeds)
-    timings["former: + top_k 50"] = lambda: former_path(logits, 0.8, 50, 0.95, seeds)
-    for name, fn in timings.items():
-        print(f"{rows:>5} {name:<34} {timed_us(fn, dev):>9.1f}", flush=True)
+        show(rows, f"host: {name} metadata, afresh", fresh * 1e3, "us")
+        state_cls = getattr(sampler_module, "SamplingState", None)
+        if state_cls is not None:
+            state = state_cls(vocab, dev, [0], penalty_counts=kept)
+            kept_ms = host_ms(
+                lambda p=params, s=state: s.build(ids, p, prompts, outputs, steps, seeds)
+            )
+            show(rows, f"host: {name} metadata, kept state", kept_ms * 1e3, "us")
 
 
 if __name__ == "__main__":
