@@ -1,9 +1,11 @@
-"""Timed batchgen runs for the host-tier benchmarks (pressure.py, shared_prefix.py).
+"""Timed batchgen runs, and the engine options every workload takes (add_engine_args,
+engine_kwargs; the host tier's: add_policy_args, policy_kwargs).
 
-One engine per run: built, warmed up on prompts that share no page with the workload,
-timed over the workload, its counters taken for the timed part only, then freed (copy
-worker closed, del + gc + torch.cuda.empty_cache()) so the next run in the same process
-starts from the same device memory.
+For the host-tier workloads (pressure.py, shared_prefix.py), one engine per run: built,
+warmed up on prompts that share no page with the workload, timed over the workload, its
+counters taken for the timed part only, then freed (copy worker closed, del + gc +
+torch.cuda.empty_cache()) so the next run in the same process starts from the same
+device memory.
 """
 
 from __future__ import annotations
