@@ -10,7 +10,7 @@ Checks the files git tracks plus untracked files that are not ignored:
   layering         no import of a higher layer (see hygiene/layering.py)
   init-import      subpackages do not import names from batchgen/__init__.py
   module-md        every package folder has a MODULE.md
-  copy-R1..R8      the KV copy-ordering contract (see hygiene/copy_contract.py)
+  copy-1a..6a      the KV copy-ordering rules (src/batchgen/kv/copy_rules.py)
   importorskip     tests skip only for an optional extra (see hygiene/evidence.py)
   claims-defaults  a test claiming the defaults sets no option that leaves them
   module-global    no test or benchmark sets a module global of the package (see hygiene/knobs.py)

@@ -1,13 +1,14 @@
-"""The copy-ordering contract of the tiered KV cache (docs: src/batchgen/kv/copy_engine.py and
-the design's "copy-ordering contract"), checked on the AST of the package.
+"""The copy-ordering rules of the tiered KV cache, checked on the AST of the package. The rules
+are numbered once, in src/batchgen/kv/copy_rules.py; a finding is named `copy-<line>` after the
+line of that table it breaks (copy-3a), and each paragraph below says how that line is checked.
 
 Host<->device copies run on side streams from a worker thread; each rule closes one way for a
-copy to race the compute stream. The rules follow the code's structure (what is handed to what,
+copy to race the compute stream. The checks follow the code's structure (what is handed to what,
 which statement precedes which), not function names, so they keep holding while the tier is
 refactored; the few names they start from (CopyEngine, kv/page_copies.py, the runner's
 `wait_for`, the forward context's `before_layer`) must exist while the tier does.
 
-R1  A copy body (a function of kv/page_copies.py that issues a copy; its name says its direction:
+1a  A copy body (a function of kv/page_copies.py that issues a copy; its name says its direction:
     device_to_host* or host_to_device*), reached by its name, an alias or its module, is only
     called inside a closure (lambda or nested def) that its enclosing function hands to
     CopyEngine.submit and uses nowhere else, and submit never runs the closure itself. Anything
@@ -17,44 +18,43 @@ R1  A copy body (a function of kv/page_copies.py that issues a copy; its name sa
     non-blocking transfer or subscript assignment, no copy body called; its index goes up
     through forward_context.to_device), so its staging reaches the host only through a
     submitted copy body.
-R2  Nothing outside page_copies.py writes into a KV pool tensor (the tensors the kv package's
+1b  Nothing outside page_copies.py writes into a KV pool tensor (the tensors the kv package's
     pool classes own, their views, names bound to them): no subscript assignment, no
     copy_/index_copy_/index_put_ or out= into one, and no .to/.cuda/.pin_memory/non_blocking
     transfer of one; a blocking .cpu()/.to() read of a pool only after a .synchronize() earlier
     in the function. In the tier's own modules (kv/, page_copies.py and copy_engine.py aside)
     no copy call at all. Such a copy skips the ordering and the keep-alive of its tensors.
-R3  CopyEngine is always ordered: the default of `ordered` is literally True, no construction
-    passes another value, nothing assigns one, and CopyEngine is used only by direct calls
-    (and in annotations), so every construction can be checked. ordered=False skips the
-    producer wait; it is for the GPU regression tests only.
-R4  Work under `with torch.cuda.stream(S):` is preceded, in the same function and on every path,
-    by S.wait_event(...) or S.wait_stream(...); only CopyEngine may guard that wait with
-    `if self.ordered:` (R3 keeps it true). torch.cuda.set_stream is refused.
-R5  A host page (or state slot) is not read before its store completes: every store records
+1c  CopyEngine.submit records the producer event on torch.cuda.current_stream(...) on every
+    path, then queues it.
+2a  The worker runs a task's callables only on a copy stream that waited, unconditionally, on
+    that producer (or on the CPU path, under the else of an `if ...cuda...`). No class derives
+    from CopyEngine and nothing assigns one of its methods, on the class or an instance (the
+    unordered engine of the GPU regression tests lives under tests/).
+2b  Work under `with torch.cuda.stream(S):` is preceded, in the same function and on every path,
+    by an unconditional S.wait_event(...) or S.wait_stream(...). torch.cuda.set_stream is
+    refused.
+3a  A host page (or state slot) is not read before its store completes: every store records
     its handle under each of its host pages in a map, and every closure running a host_to_device* body first
     waits for the whole of each store that map holds for the body's host pages
     (wait_on_current_stream/synchronize; a gate is not enough).
-R6  CopyEngine.submit records the producer event on torch.cuda.current_stream(...) on every path,
-    then queues it; the worker runs a task's callables only on a copy stream that waited on
-    that producer (or on the CPU path, under the else of an `if ...cuda...`).
-R7  Compute waits for the step's copies: a function reading a step's copy handles (`.wait_for`)
+3b  Compute waits for the step's copies: a function reading a step's copy handles (`.wait_for`)
     waits on each of them before every forward it runs (a graph replay, or a call that
     reaches one or binds a forward context), or binds a ForwardContext whose before_layer
     waits on them; a layer reads its KV caches from the forward context only after calling
     the context's before_layer.
-R8  No copy overlaps a CUDA-graph capture: a capture (`with torch.cuda.graph(...)`) runs only
+3c  A tensor-parallel worker's forward waits for the copies it replays: wherever a TierMirror's
+    `issue(...)` (kv/tier_mirror.py) runs, the handles it returns are bound to a name that the
+    same function, after the issue, hands as `wait_for=` to the step it passes on (an argument
+    of a call); and while TierMirror exists something issues its copies. Otherwise a worker's
+    forward could read pages its own loads have not written, or write pages its stores have not
+    read.
+6a  No copy overlaps a CUDA-graph capture: a capture (`with torch.cuda.graph(...)`) runs only
     inside `with self.<guard>():` (itself, or every call of its function); the guard comes from
     the constructor; every construction passes a CopyEngine pause (a contextmanager of
     CopyEngine that raises a flag) as the guard; and the worker waits while that flag is up
     before it runs a task. A builder function may pass the pause of a CopyEngine parameter
     instead: then every call of the builder passes a CopyEngine there (or one if something
     holds, else None).
-R9  A tensor-parallel worker's forward waits for the copies it replays: wherever a TierMirror's
-    `issue(...)` (kv/tier_mirror.py) runs, the handles it returns are bound to a name that the
-    same function, after the issue, hands as `wait_for=` to the step it passes on (an argument
-    of a call); and while TierMirror exists something issues its copies. Otherwise a worker's
-    forward could read pages its own loads have not written, or write pages its stores have not
-    read.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from pathlib import Path
 from hygiene.report import Finding
 
 COPY_PREFIXES = ("device_to_host", "host_to_device")
-GATHER_PREFIX = "gather_"  # page_copies.py: a device-side read into staging (R1)
+GATHER_PREFIX = "gather_"  # page_copies.py: a device-side read into staging (1a)
 COPY_METHODS = {"copy_", "index_copy_", "index_put_", "index_add_", "scatter_", "masked_scatter_"}
 TRANSFERS = {"to", "cuda", "cpu", "pin_memory"}
 READS = {"to", "cpu"}
@@ -257,7 +257,7 @@ class _Types:
 
 
 def check_copy_contract(src_root: Path, files: Iterable[Path] | None = None) -> list[Finding]:
-    """Violations of R1-R9 in the package at src_root (the src/batchgen folder); `files`, when
+    """Violations of the copy-ordering rules in the package at src_root (the src/batchgen folder); `files`, when
     given, are the package's .py files to read (else every one under src_root)."""
     root, modules, problems = Path(src_root).resolve(), [], []
     try:
@@ -280,7 +280,7 @@ def _check_package(pkg: _Package) -> Iterator[tuple[_Module, tuple]]:
         yield from ((m, p) for m in pkg.modules for p in _check_streams(m))
     elif not engines:
         where = engine_mod or pkg.by_rel["kv/page_copies.py"]
-        yield where, (where.tree, "R1", "kv/copy_engine.py defines no CopyEngine")
+        yield where, (where.tree, "1a", "kv/copy_engine.py defines no CopyEngine")
     else:
         yield from _Contract(pkg, engine_mod, engines[0]).check()
 
@@ -295,7 +295,7 @@ class _Contract:
         self.methods = {f.name: f for f in engine.body if isinstance(f, DEFS)}
         self._forwards: set[str] | None = None
         self.engines = _Types(pkg, "kv/copy_engine.py", {"CopyEngine"})
-        # submit: the engine's methods that record a producer event and queue it (R6)
+        # submit: the engine's methods that record a producer event and queue it (1c)
         self.submits = {n for n, f in self.methods.items() if _records(f) and _queues(f)}
         records = [_record_of(self.methods[n]) for n in sorted(self.submits)]
         self.producer = ast.unparse(records[0].func.value).split(".")[-1] if records else ""
@@ -328,25 +328,25 @@ class _Contract:
 
     def check(self) -> Iterator[tuple[_Module, tuple]]:
         em = self.em
-        found = [*self._check_default(), *self._check_submit(), *self._check_pause()]
+        found = [*self._check_submit(), *self._check_pause()]
         if not self.submits:
-            found.append((self.engine, "R6", "CopyEngine has no submit that records and queues"))
+            found.append((self.engine, "1c", "CopyEngine has no submit that records and queues"))
         yield from ((em, p) for p in found)
         if self.copies is not None and not self.bodies:
-            yield self.copies, (self.copies.tree, "R1", "page_copies.py issues no copy")
+            yield self.copies, (self.copies.tree, "1a", "page_copies.py issues no copy")
         for name, fn in self.bodies.items():
             if not name.lstrip("_").startswith(COPY_PREFIXES):
                 why = f"copy body {name} must say its direction: device_to_host* or host_to_device*"
-                yield self.copies, (fn, "R1", why)
+                yield self.copies, (fn, "1a", why)
         for name, fn in self.gathers.items():
             for node in _walk(fn):
                 if _copies(node, self.bodies):
                     why = f"gather {name} copies ({ast.unparse(node)[:60]}): only a copy body may"
-                    yield self.copies, (node, "R1", why)
+                    yield self.copies, (node, "1a", why)
         reads = 0
         for m in self.pkg.modules:
             yield from self._check_capture(m)
-            found = [*_check_streams(m), *self._check_unordered(m)]
+            found = [*_check_streams(m), *self._check_engine_kept(m)]
             if m is not self.copies:
                 found += [*self._check_bodies(m), *self._check_pool_writes(m)]
             found += [*self._check_loads(m), *self._check_layers(m)]
@@ -356,10 +356,10 @@ class _Contract:
             yield from ((m, p) for p in found)
         if not reads:
             why = f"nothing reads the step's copy handles (.{CARRIER}): compute waits on nothing"
-            yield em, (self.engine, "R7", why)
+            yield em, (self.engine, "3b", why)
         yield from self._check_mirror()
 
-    # ---- R1 --------------------------------------------------------------------------------
+    # ---- 1a --------------------------------------------------------------------------------
     def is_submit(self, m: _Module, node: ast.AST) -> bool:
         """A call of CopyEngine's submit on something bound to a CopyEngine."""
         if not (isinstance(node, ast.Call) and _attr(node.func) in self.submits):
@@ -371,17 +371,17 @@ class _Contract:
         for node, name in self.pkg.refs(m, "kv/page_copies.py", set(self.bodies)):
             call = m.parent.get(node)
             if name == "*":
-                yield node, "R1", "star import from page_copies hides copy-body calls"
+                yield node, "1a", "star import from page_copies hides copy-body calls"
             elif not (getattr(call, "func", None) is node and m.in_submitted(call, submitted)):
-                yield node, "R1", f"copy body {name} runs outside a closure handed only to submit()"
+                yield node, "1a", f"copy body {name} runs outside a closure handed only to submit()"
         for name in self.submits if m is self.em else ():
             fn = self.methods[name]
             params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
             for c in _calls(fn):
                 if getattr(c.func, "id", None) in params:
-                    yield c, "R1", f"{name}() runs the copy it was given instead of queueing it"
+                    yield c, "1a", f"{name}() runs the copy it was given instead of queueing it"
 
-    # ---- R2 --------------------------------------------------------------------------------
+    # ---- 1b --------------------------------------------------------------------------------
     def _pool_names(self, m: _Module, node: ast.AST) -> set[str]:
         return set().union(*(t.local_names(m, node) for t in self.pools))
 
@@ -421,54 +421,37 @@ class _Contract:
                 tests[id(scope)] = partial(self._pool_tensor, m, pools, tensors=tensors)
             what = _pool_copy(m, node, tests[id(scope)], tier)
             if what:
-                yield node, "R2", f"{what}: copies between pools go through page_copies"
+                yield node, "1b", f"{what}: copies between pools go through page_copies"
 
-    # ---- R3 --------------------------------------------------------------------------------
-    def _ordered_at(self) -> int | None:
-        init = self.methods.get("__init__")
-        positional = [p.arg for p in init.args.posonlyargs + init.args.args] if init else []
-        return positional.index("ordered") - 1 if "ordered" in positional else None
-
-    def _check_default(self) -> list[tuple]:
-        init = self.methods.get("__init__")
-        if init is None:
-            return [(self.engine, "R3", "CopyEngine has no __init__ taking `ordered`")]
-        a = init.args
-        positional = [p.arg for p in a.posonlyargs + a.args]
-        defaults = dict(zip(positional[::-1], a.defaults[::-1]))
-        defaults |= {p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults)}
-        if not _is_true(defaults.get("ordered")):
-            return [(init, "R3", "the default of CopyEngine's `ordered` is not True")]
-        return []
-
-    def _check_unordered(self, m: _Module) -> Iterator[tuple]:
-        at = self._ordered_at()
-        for node, _ in self.pkg.refs(m, "kv/copy_engine.py", {"CopyEngine"}):
-            call = m.parent.get(node)
-            if isinstance(call, ast.Call) and call.func is node:
-                given = [k.value for k in call.keywords if k.arg in ("ordered", None)]
-                given += [
-                    a for i, a in enumerate(call.args) if i == at or isinstance(a, ast.Starred)
-                ]
-                if any(not _is_true(v) for v in given):
-                    yield call, "R3", "CopyEngine built with `ordered` other than True"
-            elif not (isinstance(node, ast.ImportFrom) or id(node) in m.annotations):
-                yield (
-                    node,
-                    "R3",
-                    "CopyEngine used other than by a direct call: its `ordered` is unseen",
-                )
+    # ---- 2a: nothing replaces the engine's producer wait --------------------------------------
+    def _check_engine_kept(self, m: _Module) -> Iterator[tuple]:
+        """2a: no class of the package derives from CopyEngine and nothing assigns one of
+        its methods (on the class or an instance): either could drop the producer wait."""
+        refs = self.pkg.refs(m, "kv/copy_engine.py", {"CopyEngine"})
+        classes = {id(n) for n, _ in refs}
         for node in _walk(m.tree):
-            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value:
-                own = m.class_of(node) is self.engine and ast.unparse(node.value) == "ordered"
-                if any(_attr(t) == "ordered" for t in _targets(node)) and not own:
-                    if not _is_true(node.value) or isinstance(node, ast.AugAssign):
-                        yield node, "R3", "`ordered` set to something other than True"
-            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
-                if any(isinstance(a, ast.Constant) and a.value == "ordered" for a in node.args):
-                    yield node, "R3", "`ordered` set through setattr"
+            if isinstance(node, ast.ClassDef):
+                if any(id(x) in classes for b in node.bases for x in _walk(b)):
+                    yield node, "2a", f"{node.name} derives from CopyEngine: its wait is unseen"
+                continue
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+                named = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)]
+                if node.args and named and named[0] in self.methods:
+                    if self._is_engine(m, node.args[0], classes):
+                        yield node, "2a", f"CopyEngine.{named[0]} replaced through setattr"
+                continue
+            if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                continue
+            for t in _targets(node):
+                if isinstance(t, ast.Attribute) and t.attr in self.methods:
+                    if self._is_engine(m, t.value, classes):
+                        yield node, "2a", f"CopyEngine.{t.attr} replaced by an assignment"
 
-    # ---- R5 --------------------------------------------------------------------------------
+    def _is_engine(self, m: _Module, expr: ast.AST, classes: set[int]) -> bool:
+        """expr is the CopyEngine class or something bound to an instance of it."""
+        return id(expr) in classes or self.engines.typed(m, expr)
+
+    # ---- 3a --------------------------------------------------------------------------------
     def _submitted_bodies(self, m: _Module) -> Iterator[tuple[ast.Call, ast.Call, str]]:
         """(submit call, body call, body name) for each copy body run in a submitted closure."""
         for node, name in self.pkg.refs(m, "kv/page_copies.py", set(self.bodies)):
@@ -499,11 +482,11 @@ class _Contract:
             maps |= recorded
             if not recorded:
                 why = f"the {name} store's handle is not recorded under each of its host pages"
-                yield submit, "R5", why + ": a load of those pages cannot wait for it"
+                yield submit, "3a", why + ": a load of those pages cannot wait for it"
         for body, name in loads:
             pages = self._host_pages(body, name)
             if not (maps and pages is not None and self._waits_for_stores(m, body, pages, maps)):
-                yield body, "R5", f"{name} runs before waiting for the stores of its host pages"
+                yield body, "3a", f"{name} runs before waiting for the stores of its host pages"
 
     def _host_pages(self, call: ast.Call, name: str) -> ast.AST | None:
         """The argument a call of copy body `name` passes as its `host_pages` (its
@@ -562,7 +545,7 @@ class _Contract:
 
         return _preceded(m, body, waits, closure)
 
-    # ---- R6 --------------------------------------------------------------------------------
+    # ---- 1c, 2a --------------------------------------------------------------------------------
     def _check_submit(self) -> list[tuple]:
         found = []
         m = self.em
@@ -571,19 +554,19 @@ class _Contract:
             calls = [c for c in _calls(submit) if m.func_of(c) is submit]
             record = _record_of(submit)
             if not ast.unparse(record.args[0]).startswith(CURRENT_STREAM):
-                found.append((record, "R6", "submit() records the producer off the current stream"))
+                found.append((record, "1c", "submit() records the producer off the current stream"))
             producer = ast.unparse(record.func.value)
             chain = list(m.ancestors(record))
             guards = chain[: chain.index(submit)]
             if any(isinstance(a, (ast.For, ast.While)) or _if(a) is False for a in guards):
                 found.append(
-                    (record, "R6", "submit() records the producer event only on some paths")
+                    (record, "1c", "submit() records the producer event only on some paths")
                 )
             queued = [c for c in calls if producer in map(ast.unparse, _walk_args(c))]
             queued = [c for c in queued if c is not record]
             if not queued or any(_pos(q) < _pos(record) for q in queued):
                 found.append(
-                    (record, "R6", "submit() must record the producer event, then queue it")
+                    (record, "1c", "submit() must record the producer event, then queue it")
                 )
             found += self._check_worker(producer.split(".")[-1])
         return found
@@ -606,19 +589,19 @@ class _Contract:
         waited = {w for w, s in blocks if _stream_waited(m, w, s, ("wait_event",), producer)}
         if not waited:
             found.append(
-                (self.engine, "R6", "the worker does not wait on the producer before copying")
+                (self.engine, "2a", "the worker does not wait on the producer before copying")
             )
         tasks = self._worker_tasks(producer)
         if not tasks:
-            found.append((self.engine, "R6", "the worker runs no task unpacked with its producer"))
+            found.append((self.engine, "2a", "the worker runs no task unpacked with its producer"))
         for _, c in tasks:
             chain = [c, *m.ancestors(c)]
             cpu = any(_if(a) and chain[i] in a.orelse for i, a in enumerate(chain[1:]))
             if not (cpu or waited & set(chain)):
-                found.append((c, "R6", "the worker runs a task outside a stream that waited on it"))
+                found.append((c, "2a", "the worker runs a task outside a stream that waited on it"))
         return found
 
-    # ---- R9 --------------------------------------------------------------------------------
+    # ---- 3c --------------------------------------------------------------------------------
     def _check_mirror(self) -> Iterator[tuple[_Module, tuple]]:
         home, name, method = MIRROR
         classes = self.pkg.classes(home, lambda c: c.name == name)
@@ -633,10 +616,10 @@ class _Contract:
                 issues += 1
                 if not self._issued_reach_the_step(m, c):
                     why = f"the handles {name}.{method}() returns are not the step's {CARRIER}"
-                    yield m, (c, "R9", why + ": the worker's forward would not wait for them")
+                    yield m, (c, "3c", why + ": the worker's forward would not wait for them")
         if not issues:
             why = f"nothing runs {name}.{method}(): a worker replays none of rank 0's copies"
-            yield self.pkg.by_rel[home], (classes[0], "R9", why)
+            yield self.pkg.by_rel[home], (classes[0], "3c", why)
 
     @staticmethod
     def _issued_reach_the_step(m: _Module, issue: ast.Call) -> bool:
@@ -655,7 +638,7 @@ class _Contract:
                 return True
         return False
 
-    # ---- R7 --------------------------------------------------------------------------------
+    # ---- 3b --------------------------------------------------------------------------------
     def _forward_names(self) -> set[str]:
         """Functions that run a forward: a graph replay, a bound forward context, or a call of
         such a function (by name, anywhere in the package)."""
@@ -687,7 +670,7 @@ class _Contract:
         return list({id(f): f for f in map(m.func_of, reads) if f is not None}.values())
 
     def _check_consumer(self, m: _Module, fn: ast.AST) -> Iterator[tuple]:
-        """R7: every forward fn runs waits on the copy handles it reads."""
+        """3b: every forward fn runs waits on the copy handles it reads."""
         forwards, fields = self._forward_names(), self._context_fields()
         reads = [n for n in _walk(fn) if isinstance(n, ast.Attribute) and n.attr == CARRIER]
         carriers = {ast.unparse(r) for r in reads}
@@ -707,7 +690,7 @@ class _Contract:
             if _preceded(m, c, waits, fn) or self._bound_waiting(m, c, fn, carriers, fields):
                 continue
             call = ast.unparse(c.func)
-            yield c, "R7", f"{call}() runs before waiting on the step's copies (.{CARRIER})"
+            yield c, "3b", f"{call}() runs before waiting on the step's copies (.{CARRIER})"
 
     def _context_fields(self) -> list[str]:
         ctx = self.pkg.classes("forward_context.py", lambda c: c.name == "ForwardContext")
@@ -761,9 +744,9 @@ class _Contract:
                 return isinstance(call, ast.Call) and ast.unparse(call.func) == hook
 
             if not _preceded(m, node, hooked, fn):
-                yield node, "R7", f"KV caches read before {ctx}.{HOOK}(): loads may be in flight"
+                yield node, "3b", f"KV caches read before {ctx}.{HOOK}(): loads may be in flight"
 
-    # ---- R8 --------------------------------------------------------------------------------
+    # ---- 6a --------------------------------------------------------------------------------
     def _pauses(self) -> dict[str, str]:
         """CopyEngine contextmanagers that raise a flag: method name -> flag attribute."""
         out = {}
@@ -779,7 +762,7 @@ class _Contract:
     def _check_pause(self) -> list[tuple]:
         pauses, found = self._pauses(), []
         if not pauses:
-            return [(self.engine, "R8", "CopyEngine has no pause for graph captures")]
+            return [(self.engine, "6a", "CopyEngine has no pause for graph captures")]
         for _, flag in pauses.items():
             for f, c in self._worker_tasks(self.producer):
                 loops = [
@@ -789,11 +772,11 @@ class _Contract:
                 ]
                 if not any(_pos(w) < _pos(c) for w in loops):
                     why = f"the worker runs a task without waiting while self.{flag} is up"
-                    found.append((c, "R8", why))
+                    found.append((c, "6a", why))
         return found
 
     def _check_capture(self, m: _Module) -> Iterator[tuple[_Module, tuple]]:
-        """R8 for each CUDA-graph capture in m."""
+        """6a for each CUDA-graph capture in m."""
         guards: dict[ast.ClassDef, set[str]] = {}
         for site in (n for n in _walk(m.tree) if _captures(n)):
             cls, fn = m.class_of(site), m.func_of(site)
@@ -807,7 +790,7 @@ class _Contract:
                 callers = {_guarded_by(m, u) for u in uses}
                 guard = callers.pop() if len(callers) == 1 else None
             if guard is None or cls is None:
-                yield m, (site, "R8", "a CUDA graph is captured outside the capture guard")
+                yield m, (site, "6a", "a CUDA graph is captured outside the capture guard")
             else:
                 guards.setdefault(cls, set()).add(guard)
         for cls, names in guards.items():
@@ -829,7 +812,7 @@ class _Contract:
             given = [p for p in params if p in names]
             if not given:
                 why = f"the capture guard self.{guard} is not taken from the constructor"
-                yield m, (cls, "R8", why)
+                yield m, (cls, "6a", why)
                 continue
             at = params.index(given[0]) - 1
             for mod in self.pkg.modules:
@@ -838,7 +821,7 @@ class _Contract:
                     if isinstance(call, ast.Call) and call.func is node:
                         if not self._is_pause(mod, _arg(call, at, given[0]), pauses):
                             why = f"{cls.name} built without a CopyEngine pause as capture guard"
-                            yield mod, (call, "R8", why)
+                            yield mod, (call, "6a", why)
 
     def _is_pause(self, m: _Module, value: ast.AST | None, pauses: dict[str, str]) -> bool:
         """value is `<a CopyEngine>.<pause>`, or that if something holds and else None. A
@@ -940,13 +923,13 @@ def _guarded_by(m: _Module, node: ast.AST) -> str | None:
 
 
 def _check_streams(m: _Module) -> Iterator[tuple]:
-    """R4: every side-stream block that issues work waits on something first."""
+    """2b: every side-stream block that issues work waits on something first."""
     for node in _walk(m.tree):
         if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("cuda.set_stream"):
-            yield node, "R4", "torch.cuda.set_stream: use `with torch.cuda.stream(s)`"
+            yield node, "2b", "torch.cuda.set_stream: use `with torch.cuda.stream(s)`"
         for stream in _stream_blocks(node):
             if not _stream_waited(m, node, stream, ("wait_event", "wait_stream")):
-                yield node, "R4", f"work on stream {stream} before {stream}.wait_event/wait_stream"
+                yield node, "2b", f"work on stream {stream} before {stream}.wait_event/wait_stream"
 
 
 def _stream_blocks(node: ast.AST) -> Iterator[str]:
@@ -958,15 +941,10 @@ def _stream_blocks(node: ast.AST) -> Iterator[str]:
 
 
 def _stream_waited(m: _Module, target: ast.AST, stream: str, waits: tuple, arg=None) -> bool:
-    """A `stream.<wait>(arg)` statement runs before target on every path of its function;
-    CopyEngine alone may guard it with `if self.ordered:` (R3 keeps that true)."""
-    engine = any(
-        isinstance(a, ast.ClassDef) and a.name == "CopyEngine" for a in m.ancestors(target)
-    )
+    """A `stream.<wait>(arg)` statement runs before target on every path of its function,
+    unconditionally."""
 
     def is_wait(stmt: ast.AST) -> bool:
-        if isinstance(stmt, ast.If) and engine and ast.unparse(stmt.test) == "self.ordered":
-            return not stmt.orelse and any(map(is_wait, stmt.body))
         call = stmt.value if isinstance(stmt, ast.Expr) else None
         if not (isinstance(call, ast.Call) and _attr(call.func) in waits):
             return False

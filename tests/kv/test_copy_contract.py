@@ -184,7 +184,7 @@ def stream_waits(src: Source, scope: ast.AST) -> list[ast.stmt]:
     return [guards.get(id(w), w) for w in waits]
 
 
-# --- R1: copy bodies run only in closures handed to CopyEngine.submit -------------------
+# --- 1a: copy bodies run only in closures handed to CopyEngine.submit -------------------
 
 
 def sync_store_with_noop_closure(root):
@@ -326,7 +326,7 @@ def gather_through_a_copy_body(root):
     _in_gather(root, "_device_to_host_runs(dev_kv, dev_kv, host_pages, range(1))\n")
 
 
-# --- R2: nothing else copies between pools ----------------------------------------------
+# --- 1b: nothing else copies between pools ----------------------------------------------
 
 
 def slice_assignment_between_pools(root):
@@ -395,64 +395,66 @@ def readback_before_the_store_completes(root):
     src.delete(src.statement(fn, sync))
 
 
-# --- R3: the engine's CopyEngine is ordered ---------------------------------------------
+# --- 2a: nothing replaces the engine's producer wait ------------------------------------
 
 
-def engine_construction(src: Source) -> ast.Call:
-    return src.only(src.tree, "CopyEngine(...)", calling("CopyEngine"))
-
-
-def unordered_engine_in_engine_core(root):
-    src = Source(root, "engine/engine_core.py")
-    src.replace(src.segment(engine_construction(src)), "CopyEngine(self.device, ordered=False)")
-
-
-def unordered_engine_by_position(root):
-    src = Source(root, "engine/engine_core.py")
-    src.replace(src.segment(engine_construction(src)), "CopyEngine(self.device, 2, False)")
-
-
-def unordered_engine_by_keyword_dict(root):
-    src = Source(root, "engine/engine_core.py")
-    src.replace(
-        src.segment(engine_construction(src)), 'CopyEngine(self.device, **{"ordered": False})'
+def engine_subclass_that_skips_the_wait(root):
+    Source(root, "kv/copy_engine.py").append(
+        """\
+        class FastCopyEngine(CopyEngine):
+            def _issue(self, task, inline=False):
+                handle, producer, copy, stream = task
+                with torch.cuda.stream(stream):
+                    handle.keep = (copy(handle),)
+        """
     )
 
 
-def unordered_engine_under_another_name(root):
-    src = Source(root, "engine/engine_core.py")
-    src.replace(
-        "from batchgen.kv.copy_engine import CopyEngine\n",
-        "from batchgen.kv.copy_engine import CopyEngine as Copies\n",
-    )
-    src.replace(src.segment(engine_construction(src)), "Copies(self.device, ordered=False)")
+def engine_subclass_under_another_name(root):
+    Source(root, "runner/staging.py").append(
+        """\
+        from batchgen.kv.copy_engine import CopyEngine as Copies
 
 
-def unordered_engine_through_partial(root):
-    src = Source(root, "engine/engine_core.py")
-    src.replace(
-        src.segment(engine_construction(src)),
-        "functools.partial(CopyEngine, ordered=False)(self.device)",
+        class _Unordered(Copies):
+            pass
+        """
     )
 
 
-def engine_made_unordered_after_construction(root):
-    src = Source(root, "engine/engine_core.py")
-    fn = src.func("_build_tier")
-    made = src.only(fn, "TieredKVManager(...)", calling("TieredKVManager"))
-    src.insert_after(src.statement(fn, made), "tier.copies.ordered = False\n")
+def engine_method_replaced_on_an_instance(root):
+    Source(root, "runner/staging.py").append(
+        """\
+        from batchgen.kv.copy_engine import CopyEngine
 
 
-def unordered_default(root):
+        def _unordered(copies: CopyEngine) -> None:
+            copies._issue = lambda task, inline=False: None
+        """
+    )
+
+
+def engine_method_replaced_through_setattr(root):
+    Source(root, "runner/staging.py").append(
+        """\
+        from batchgen.kv import copy_engine
+
+
+        def _unordered() -> None:
+            setattr(copy_engine.CopyEngine, "submit", None)
+        """
+    )
+
+
+def worker_wait_made_conditional(root):
     src = Source(root, "kv/copy_engine.py")
-    init = src.func("__init__", src.cls("CopyEngine"))
-    args = init.args
-    default = args.defaults[[a.arg for a in args.args][-len(args.defaults) :].index("ordered")]
-    line = src.text.splitlines(True)[default.lineno - 1]
-    src.replace(line, line[: default.col_offset] + "False" + line[default.end_col_offset :])
+    (wait,) = stream_waits(src, src.cls("CopyEngine"))
+    old = src.lines(wait)
+    pad = old[: len(old) - len(old.lstrip())]
+    src.replace(old, f"{pad}if self.background:\n    {old}")
 
 
-# --- R4: a side stream waits before it works --------------------------------------------
+# --- 2b: a side stream waits before it works --------------------------------------------
 
 
 def side_stream_copy_without_wait(root):
@@ -480,7 +482,7 @@ def graph_capture_wait_deleted(root):
     src.delete(waits[0])
 
 
-# --- R5: a load waits for the stores of its host pages ----------------------------------
+# --- 3a: a load waits for the stores of its host pages ----------------------------------
 
 
 def store_before_load_wait_deleted(root):
@@ -534,7 +536,7 @@ def state_store_not_recorded_for_loads(root):
     src.delete(record, within=fn)
 
 
-# --- R6: submit records the producer, the worker waits on it ----------------------------
+# --- 1c, 2a: submit records the producer, the worker waits on it ------------------------
 
 
 def producer_recorded_on_a_side_stream(root):
@@ -591,7 +593,7 @@ def worker_copies_before_its_stream_waits(root):
     src.replace(old, pad + moved.lstrip() + old.replace(moved, ""))
 
 
-# --- R7: compute waits for the step's copies --------------------------------------------
+# --- 3b: compute waits for the step's copies --------------------------------------------
 
 
 def _replay_branch(src, fn) -> ast.If:
@@ -640,7 +642,7 @@ def layer_reads_kv_before_its_hook(root):
     src.delete(src.statement(fn, hook))
 
 
-# --- R8: no copy overlaps a graph capture -----------------------------------------------
+# --- 6a: no copy overlaps a graph capture -----------------------------------------------
 
 
 def capture_guard_removed(root):
@@ -751,71 +753,70 @@ def worker_replays_no_copies(root):
 
 
 MUTATIONS = [
-    (sync_store_with_noop_closure, "R1"),
-    (sync_staged_store_with_noop_closure, "R1"),
-    (sync_load_with_noop_closure, "R1"),
-    (sync_layer_store_with_noop_closure, "R1"),
-    (closure_reference_instead_of_call, "R1"),
-    (submitted_closure_also_called, "R1"),
-    (closure_handed_to_another_executor, "R1"),
-    (submit_runs_the_copy_it_is_given, "R1"),
-    (copy_body_through_its_module, "R1"),
-    (copy_body_through_a_module_alias, "R1"),
-    (copy_body_through_a_relative_name_alias, "R1"),
-    (copy_body_by_dotted_path_outside_kv, "R1"),
-    (copy_body_without_a_direction, "R1"),
-    (gather_that_copies_to_the_host, "R1"),
-    (gather_that_moves_its_pages_to_the_host, "R1"),
-    (gather_with_a_pageable_index, "R1"),
-    (gather_through_a_copy_body, "R1"),
-    (slice_assignment_between_pools, "R2"),
-    (slice_assignment_through_a_local, "R2"),
-    (slice_assignment_into_a_host_page_view, "R2"),
-    (blocking_to_cpu, "R2"),
-    (blocking_copy_between_pools, "R2"),
-    (copy_into_host_pool_from_the_engine, "R2"),
-    (write_into_device_pool_from_another_kv_module, "R2"),
-    (readback_before_the_store_completes, "R2"),
-    (unordered_engine_in_engine_core, "R3"),
-    (unordered_engine_by_position, "R3"),
-    (unordered_engine_by_keyword_dict, "R3"),
-    (unordered_engine_under_another_name, "R3"),
-    (unordered_engine_through_partial, "R3"),
-    (engine_made_unordered_after_construction, "R3"),
-    (unordered_default, "R3"),
-    (side_stream_copy_without_wait, "R4"),
-    (worker_wait_deleted, "R4"),
-    (graph_capture_wait_deleted, "R4"),
-    (store_before_load_wait_deleted, "R5"),
-    (store_before_load_waits_only_for_a_gate, "R5"),
-    (load_waits_for_the_stores_of_other_pages, "R5"),
-    (layer_store_not_recorded_for_loads, "R5"),
-    (state_load_without_store_wait, "R5"),
-    (state_store_not_recorded_for_loads, "R5"),
-    (worker_wait_deleted, "R6"),
-    (producer_recorded_on_a_side_stream, "R6"),
-    (producer_skipped_on_the_default_stream, "R6"),
-    (task_queued_before_the_producer_is_recorded, "R6"),
-    (worker_waits_on_another_event, "R6"),
-    (worker_copies_before_its_stream_waits, "R6"),
-    (replay_wait_deleted, "R7"),
-    (replay_before_its_wait, "R7"),
-    (eager_forward_without_layer_waits, "R7"),
-    (eager_hook_that_waits_on_nothing, "R7"),
-    (layer_reads_kv_before_its_hook, "R7"),
-    (capture_guard_removed, "R8"),
-    (engine_passes_no_capture_guard, "R8"),
-    (engine_passes_a_guard_that_pauses_nothing, "R8"),
-    (engine_builds_graphs_without_the_tiers_copies, "R8"),
-    (tp_worker_builds_graphs_without_its_mirrors_copies, "R8"),
-    (capture_guard_not_taken_from_the_constructor, "R8"),
-    (worker_ignores_the_pause, "R8"),
-    (new_capture_outside_the_guard, "R8"),
-    (mirror_load_skips_its_store_wait, "R5"),
-    (mirror_store_not_recorded_for_loads, "R5"),
-    (mirror_readback_before_its_store_completes, "R2"),
-    (worker_forward_ignores_its_copies, "R9"),
-    (worker_replays_no_copies, "R9"),
+    (sync_store_with_noop_closure, "1a"),
+    (sync_staged_store_with_noop_closure, "1a"),
+    (sync_load_with_noop_closure, "1a"),
+    (sync_layer_store_with_noop_closure, "1a"),
+    (closure_reference_instead_of_call, "1a"),
+    (submitted_closure_also_called, "1a"),
+    (closure_handed_to_another_executor, "1a"),
+    (submit_runs_the_copy_it_is_given, "1a"),
+    (copy_body_through_its_module, "1a"),
+    (copy_body_through_a_module_alias, "1a"),
+    (copy_body_through_a_relative_name_alias, "1a"),
+    (copy_body_by_dotted_path_outside_kv, "1a"),
+    (copy_body_without_a_direction, "1a"),
+    (gather_that_copies_to_the_host, "1a"),
+    (gather_that_moves_its_pages_to_the_host, "1a"),
+    (gather_with_a_pageable_index, "1a"),
+    (gather_through_a_copy_body, "1a"),
+    (slice_assignment_between_pools, "1b"),
+    (slice_assignment_through_a_local, "1b"),
+    (slice_assignment_into_a_host_page_view, "1b"),
+    (blocking_to_cpu, "1b"),
+    (blocking_copy_between_pools, "1b"),
+    (copy_into_host_pool_from_the_engine, "1b"),
+    (write_into_device_pool_from_another_kv_module, "1b"),
+    (readback_before_the_store_completes, "1b"),
+    (engine_subclass_that_skips_the_wait, "2a"),
+    (engine_subclass_under_another_name, "2a"),
+    (engine_method_replaced_on_an_instance, "2a"),
+    (engine_method_replaced_through_setattr, "2a"),
+    (worker_wait_made_conditional, "2a"),
+    (worker_wait_made_conditional, "2b"),
+    (side_stream_copy_without_wait, "2b"),
+    (worker_wait_deleted, "2b"),
+    (graph_capture_wait_deleted, "2b"),
+    (store_before_load_wait_deleted, "3a"),
+    (store_before_load_waits_only_for_a_gate, "3a"),
+    (load_waits_for_the_stores_of_other_pages, "3a"),
+    (layer_store_not_recorded_for_loads, "3a"),
+    (state_load_without_store_wait, "3a"),
+    (state_store_not_recorded_for_loads, "3a"),
+    (worker_wait_deleted, "2a"),
+    (producer_recorded_on_a_side_stream, "1c"),
+    (producer_skipped_on_the_default_stream, "1c"),
+    (task_queued_before_the_producer_is_recorded, "1c"),
+    (worker_waits_on_another_event, "2a"),
+    (worker_copies_before_its_stream_waits, "2a"),
+    (replay_wait_deleted, "3b"),
+    (replay_before_its_wait, "3b"),
+    (eager_forward_without_layer_waits, "3b"),
+    (eager_hook_that_waits_on_nothing, "3b"),
+    (layer_reads_kv_before_its_hook, "3b"),
+    (capture_guard_removed, "6a"),
+    (engine_passes_no_capture_guard, "6a"),
+    (engine_passes_a_guard_that_pauses_nothing, "6a"),
+    (engine_builds_graphs_without_the_tiers_copies, "6a"),
+    (tp_worker_builds_graphs_without_its_mirrors_copies, "6a"),
+    (capture_guard_not_taken_from_the_constructor, "6a"),
+    (worker_ignores_the_pause, "6a"),
+    (new_capture_outside_the_guard, "6a"),
+    (mirror_load_skips_its_store_wait, "3a"),
+    (mirror_store_not_recorded_for_loads, "3a"),
+    (mirror_readback_before_its_store_completes, "1b"),
+    (worker_forward_ignores_its_copies, "3c"),
+    (worker_replays_no_copies, "3c"),
 ]
 
 

@@ -3,8 +3,8 @@
 Each scenario delays one side with a spin kernel, issues the write the copy depends on,
 then the copy (or the compute that depends on the copy). With the ordering in place the
 right value is read. In the unordered variant one piece of the ordering is removed (the
-producer wait: CopyEngine(ordered=False), a test-only argument; a consumer wait: patched
-out) and the test must fail on its assertion that the stale value was read — a strict
+producer wait, rule 2 of kv/copy_rules.py: UnorderedCopyEngine below; a consumer wait,
+rule 3: patched out) and the test must fail on its assertion that the stale value was read — a strict
 xfail limited to AssertionError, so any other error still fails the test.
 """
 
@@ -43,6 +43,19 @@ FRESH = itertools.count(100)
 ISSUE = "worker"
 
 
+class UnorderedCopyEngine(CopyEngine):
+    """A CopyEngine without rule 2: its copy stream waits on an event nobody recorded (a
+    wait that returns at once) instead of the task's producer."""
+
+    def _issue(self, task: tuple, inline: bool = False) -> None:
+        handle, _, copy, stream = task
+        super()._issue((handle, torch.cuda.Event(), copy, stream), inline)
+
+
+def copy_engine(ordered: bool, **kwargs) -> CopyEngine:
+    return (CopyEngine if ordered else UnorderedCopyEngine)(torch.device("cuda"), **kwargs)
+
+
 @pytest.fixture(autouse=True, params=["worker", "inline"])
 def issue(request):
     """Every test with the copies issued by the copy worker and by the asking thread."""
@@ -59,7 +72,7 @@ def make(ordered: bool = True, load_scatter: str = "copy"):
     alloc = PageAllocator(64)
     host = HostPool(LAYOUT, 16, pin=True)
     host.kv.fill_(-1)
-    copies = CopyEngine(device, ordered=ordered, issue=ISSUE)
+    copies = copy_engine(ordered, issue=ISSUE)
     tier = TieredKVManager(pool, host, alloc, copies, load_scatter=load_scatter)
     return tier, alloc
 
@@ -129,7 +142,7 @@ def swapped(ordered: bool = True, value: float = 7.0) -> tuple[KVCacheManager, l
     pool = PagePool(LAYOUT, 8, device)
     host = HostPool(LAYOUT, 16, pin=True)
     host.kv.fill_(-1)
-    copies = CopyEngine(device, ordered=ordered, issue=ISSUE, background=True)
+    copies = copy_engine(ordered, issue=ISSUE, background=True)
     kv.tier = TieredKVManager(pool, host, kv.allocator, copies)
     tokens = list(range(2 * LAYOUT.page_size + 1))
     kv.want("a", tokens)
@@ -350,7 +363,7 @@ def state_tier(ordered: bool = True) -> tuple[StateTier, StateSlots]:
     host.states.fill_(-1.0)
     host.windows.fill_(-1.0)
     slots = StateSlots(4)
-    copies = CopyEngine(device, ordered=ordered, issue=ISSUE)
+    copies = copy_engine(ordered, issue=ISSUE)
     return StateTier(pool, host, slots, copies, TierMetrics()), slots
 
 

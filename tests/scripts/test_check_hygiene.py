@@ -409,7 +409,7 @@ def test_copy_contract_is_a_blocking_check_over_the_package(repo):
     write(repo, {"src/batchgen/runner/MODULE.md": "runner\n"})
     code, out = check(repo)
     assert code == 1
-    assert "src/batchgen/runner/streams.py:12: [copy-R4]" in out
+    assert "src/batchgen/runner/streams.py:12: [copy-2b]" in out
     assert out.count("[copy-") == 1
 
 
@@ -418,7 +418,7 @@ def test_a_host_tier_without_its_copy_engine_is_reported(repo):
     code, out = check(repo)
     assert code == 1
     assert (
-        "src/batchgen/kv/copy_engine.py:1: [copy-R1] kv/copy_engine.py defines no CopyEngine" in out
+        "src/batchgen/kv/copy_engine.py:1: [copy-1a] kv/copy_engine.py defines no CopyEngine" in out
     )
 
 

@@ -1,4 +1,5 @@
-"""Copies between device and host pages, ordered by the copy-ordering contract.
+"""Copies between device and host pages, ordered by the copy-ordering rules
+(kv/copy_rules.py: the numbers below are that table's).
 
     issuing thread                        worker thread (copy stream S)
                                           (issue="inline", CUDA: the issuing thread)
@@ -15,9 +16,9 @@ read) or `handle.wait_on_current_stream()` (all of it); host-side readers call
 stream (`handle.defer`: a load's scatter of staged pages into the pool, so that no kernel
 runs on a copy stream): the first wait that needs that part queues it there, on the
 submitting stream after the copy stream's transfer (`run_finishers`), and the tier's
-poll queues any a failed step left; the copy is done once they have run. Tensors touched by the copy stay referenced by the handle until
-it completes (rule 5). No task issues CUDA work inside `paused()` (rule 6: a CUDA-graph
-capture in global mode fails when another thread issues CUDA work).
+poll queues any a failed step left; the copy is done once they have run. Tensors touched
+by the copy stay referenced by the handle until it completes (rule 5). No task issues
+CUDA work inside `paused()` (rule 6).
 
 On the CPU the same code runs with one worker thread per copy stream, so copies on
 different streams run concurrently as they would on a GPU and a missing wait between
@@ -182,17 +183,13 @@ class CopyHandle:
 
 
 class CopyEngine:
-    """Runs copy tasks on a pool of non-blocking copy streams.
-
-    `ordered=False` exists only for the regression tests that prove the ordering is
-    needed: it skips the producer-event wait. Nothing else may pass it.
-    """
+    """Runs copy tasks on a pool of non-blocking copy streams, each ordered after its
+    producer (rules 1-2 of kv/copy_rules.py)."""
 
     def __init__(
         self,
         device: torch.device,
         num_streams: int = 2,
-        ordered: bool = True,
         issue: str = "worker",
         background: bool = False,
     ):
@@ -200,7 +197,6 @@ class CopyEngine:
             raise ValueError(f"issue must be 'worker' or 'inline', got {issue!r}")
         self.device = device
         self.cuda = device.type == "cuda"
-        self.ordered = ordered
         # "inline" (CUDA only): the submitting thread issues the copy itself, at once. A
         # CUDA copy is asynchronous either way; inline spares the worker's GIL hand-offs
         # (the main thread waits for the GIL after each GPU sync while the worker runs),
@@ -296,8 +292,7 @@ class CopyEngine:
             self._issuing += 1
         try:
             if self.cuda:
-                if self.ordered:
-                    stream.wait_event(producer)
+                stream.wait_event(producer)  # rule 2
                 with (
                     torch.cuda.device(self.device),
                     torch.cuda.stream(stream),
