@@ -34,9 +34,11 @@ refactored; the few names they start from (CopyEngine, kv/page_copies.py, the ru
     by an unconditional S.wait_event(...) or S.wait_stream(...). torch.cuda.set_stream is
     refused.
 3a  A host page (or state slot) is not read before its store completes: every store records
-    its handle under each of its host pages in a map, and every closure running a host_to_device* body first
-    waits for the whole of each store that map holds for the body's host pages
-    (wait_on_current_stream/synchronize; a gate is not enough).
+    its handle under each of its host pages in a map (in a loop of the submitting function, or
+    of a helper it hands the handle and the pages: CopyLedger.record_store), and every closure
+    running a host_to_device* body first waits for the whole of each store that map holds for
+    the body's host pages (wait_on_current_stream/synchronize; a gate is not enough), looked
+    up there or by a helper whose every return looks them up (CopyLedger.stores_of).
 3b  Compute waits for the step's copies: a function reading a step's copy handles (`.wait_for`)
     waits on each of them before every forward it runs (a graph replay, or a call that
     reaches one or binds a forward context), or binds a ForwardContext whose before_layer
@@ -498,26 +500,40 @@ class _Contract:
         return _arg(call, at, key)
 
     def _store_maps(self, m: _Module, submit: ast.Call, pages: ast.AST | None) -> set[str]:
-        """Maps `self.<M>` that get the submit's handle stored under each of `pages`."""
+        """Maps `self.<M>` that get the submit's handle stored under each of `pages`: in
+        the submit's function, or by a helper it hands both (a ledger's record_store)."""
         assign = m.parent.get(submit)
         if pages is None or not isinstance(assign, ast.Assign):
             return set()
-        handle = ast.unparse(assign.targets[0])
-        found = set()
-        for loop in _walk(m.func_of(submit)):
-            if isinstance(loop, ast.For) and ast.unparse(loop.iter) == ast.unparse(pages):
-                key = ast.unparse(loop.target)
-                for a in (s for s in _walk(loop) if isinstance(s, ast.Assign)):
-                    t = a.targets[0]
-                    if isinstance(t, ast.Subscript) and ast.unparse(a.value) == handle:
-                        if ast.unparse(t.slice) == key and isinstance(t.value, ast.Attribute):
-                            found.add(t.value.attr)
+        handle, fn = ast.unparse(assign.targets[0]), m.func_of(submit)
+        found = _recording_maps(fn, handle, ast.unparse(pages))
+        for call in _calls(fn):
+            for helper, given in self._helpers(call):
+                if handle in given and ast.unparse(pages) in given:
+                    found |= _recording_maps(helper, given[handle], given[ast.unparse(pages)])
         return found
+
+    def _helpers(self, call: ast.Call) -> Iterator[tuple[ast.AST, dict[str, str]]]:
+        """(def, {argument source: parameter}) for each package function a call may reach
+        by its name."""
+        for _, f in self.pkg.funcs_named.get(_callee(call) or "", []):
+            params = [a.arg for a in f.args.posonlyargs + f.args.args]
+            params = params[1:] if params[:1] == ["self"] else params
+            given = {ast.unparse(a): p for a, p in zip(call.args, params)}
+            given |= {ast.unparse(k.value): k.arg for k in call.keywords if k.arg}
+            yield f, given
 
     def _waits_for_stores(self, m: _Module, body: ast.Call, pages: ast.AST, maps: set[str]):
         closure = m.func_of(body)
         scope = m.scope_of(body)
         page_name = ast.unparse(pages)
+
+        def looks_up(expr: ast.AST, pages: str) -> bool:  # `self.<M>` of a map, and pages
+            looked = any(
+                isinstance(x, ast.Attribute) and x.attr in maps and _is_self(x.value)
+                for x in _walk(expr)
+            )
+            return looked and any(ast.unparse(x) == pages for x in _walk(expr))
 
         def from_maps(expr: ast.AST) -> bool:  # looks the pages up in a store map
             if isinstance(expr, ast.Name):
@@ -527,11 +543,13 @@ class _Contract:
                     if isinstance(a, ast.Assign) and ast.unparse(a.targets[0]) == expr.id
                 ]
                 return bool(values) and all(map(from_maps, values))
-            looked = any(
-                isinstance(x, ast.Attribute) and x.attr in maps and _is_self(x.value)
-                for x in _walk(expr)
-            )
-            return looked and any(ast.unparse(x) == page_name for x in _walk(expr))
+            if isinstance(expr, ast.Call):  # a helper returning the lookup (stores_of)
+                for helper, given in self._helpers(expr):
+                    returns = [r.value for r in _walk(helper) if isinstance(r, ast.Return)]
+                    if page_name in given and returns and returns[0] is not None:
+                        if all(r is not None and looks_up(r, given[page_name]) for r in returns):
+                            return True
+            return looks_up(expr, page_name)
 
         def waits(stmt: ast.AST) -> bool:
             if not isinstance(stmt, ast.For) or m.func_of(stmt) is not closure:
@@ -1033,6 +1051,21 @@ def _bound(target: ast.AST, value: ast.AST, names: set[str], is_value) -> Iterat
             yield from _bound(t, value.elts[i] if paired else value, names, is_value)
     elif isinstance(target, ast.Name) and is_value(value, names):
         yield target.id
+
+
+def _recording_maps(fn: ast.AST, handle: str, pages: str) -> set[str]:
+    """Maps `self.<M>` that fn stores `handle` in under each of `pages`, in a loop over
+    them (`for p in pages: self.M[p] = handle`)."""
+    found = set()
+    for loop in _walk(fn):
+        if isinstance(loop, ast.For) and ast.unparse(loop.iter) == pages:
+            key = ast.unparse(loop.target)
+            for a in (s for s in _walk(loop) if isinstance(s, ast.Assign)):
+                t = a.targets[0]
+                if isinstance(t, ast.Subscript) and ast.unparse(a.value) == handle:
+                    if ast.unparse(t.slice) == key and isinstance(t.value, ast.Attribute):
+                        found.add(t.value.attr)
+    return found
 
 
 def _copying_functions(m: _Module) -> dict[str, ast.AST]:

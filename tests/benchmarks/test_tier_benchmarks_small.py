@@ -51,10 +51,10 @@ def observed(monkeypatch):
         orig = getattr(tiered.TieredKVManager, method)
 
         def wrapped(self, q, *a, **kw):
-            before = len(self._pending)
+            before = self.ledger.num_in_flight
             out = orig(self, q, *a, **kw)
-            if len(self._pending) > before:
-                host_pages = self._pending[-1].host_pages
+            if self.ledger.num_in_flight > before:
+                host_pages = self.ledger._pending[-1].host_ids
                 reasons[id(host_pages)] = list(q.reasons[: len(host_pages)])
                 keep.append(host_pages)
             return out

@@ -389,10 +389,17 @@ def write_into_device_pool_from_another_kv_module(root):
 
 
 def readback_before_the_store_completes(root):
-    src = Source(root, "kv/tiered.py")
-    fn = src.func("_readback")
+    src = Source(root, "kv/copy_ledger.py")
+    fn = src.func("readback_pages")
     sync = src.only(fn, "synchronize()", calling("synchronize"))
-    src.delete(src.statement(fn, sync))
+    src.delete(src.statement(fn, sync), within=fn)
+
+
+def state_readback_before_its_store_completes(root):
+    src = Source(root, "kv/copy_ledger.py")
+    fn = src.func("readback_slot")
+    sync = src.only(fn, "synchronize()", calling("synchronize"))
+    src.delete(src.statement(fn, sync), within=fn)
 
 
 # --- 2a: nothing replaces the engine's producer wait ------------------------------------
@@ -500,9 +507,7 @@ def store_before_load_waits_only_for_a_gate(root):
 def load_waits_for_the_stores_of_other_pages(root):
     src = Source(root, "kv/tiered.py")
     fn = src.func("_submit_load")
-    lookup = src.only(
-        fn, "store lookup", lambda n: isinstance(n, ast.SetComp) and "_writing" in ast.unparse(n)
-    )
+    lookup = src.only(fn, "store lookup", calling("stores_of"))
     old = src.segment(lookup)
     src.replace(old, old.replace("host_pages", "dev_pages"))
 
@@ -510,12 +515,8 @@ def load_waits_for_the_stores_of_other_pages(root):
 def layer_store_not_recorded_for_loads(root):
     src = Source(root, "kv/tiered.py")
     fn = src.func("store_layer")
-    record = src.only(
-        fn,
-        "loop recording the store",
-        lambda n: isinstance(n, ast.For) and "_writing" in ast.unparse(n),
-    )
-    src.delete(record, within=fn)
+    record = src.only(fn, "record_store(...)", calling("record_store"))
+    src.delete(src.statement(fn, record), within=fn)
 
 
 def state_load_without_store_wait(root):
@@ -528,12 +529,29 @@ def state_load_without_store_wait(root):
 def state_store_not_recorded_for_loads(root):
     src = Source(root, "kv/state_tier.py")
     fn = src.func("store")
-    record = src.only(
-        fn,
-        "loop recording the store",
-        lambda n: isinstance(n, ast.For) and "_writing" in ast.unparse(n),
-    )
-    src.delete(record, within=fn)
+    record = src.only(fn, "record_store(...)", calling("record_store"))
+    src.delete(src.statement(fn, record), within=fn)
+
+
+def ledger_records_no_store(root):
+    src = Source(root, "kv/copy_ledger.py")
+    fn = src.func("record_store")
+    loop = src.only(fn, "loop recording the store", lambda n: isinstance(n, ast.For))
+    src.delete(loop, within=fn)
+
+
+def ledger_finds_no_store(root):
+    src = Source(root, "kv/copy_ledger.py")
+    fn = src.func("stores_of")
+    ret = src.only(fn, "return", lambda n: isinstance(n, ast.Return))
+    src.replace_in(fn, src.segment(ret), "return set()")
+
+
+def store_recorded_under_its_device_pages(root):
+    src = Source(root, "kv/tiered.py")
+    fn = src.func("_submit_store")
+    record = src.only(fn, "record_store(...)", calling("record_store"))
+    src.replace_in(fn, src.segment(record), src.segment(record).replace("host_", "dev_"))
 
 
 # --- 1c, 2a: submit records the producer, the worker waits on it ------------------------
@@ -679,7 +697,7 @@ def engine_builds_graphs_without_the_tiers_copies(root):
 
 
 def tp_worker_builds_graphs_without_its_mirrors_copies(root):
-    _graphs_built_without_copies(root, "engine/tensor_parallel.py")
+    _graphs_built_without_copies(root, "engine/tp_worker.py")
 
 
 def capture_guard_not_taken_from_the_constructor(root):
@@ -733,14 +751,7 @@ def mirror_load_skips_its_store_wait(root):
 
 def mirror_store_not_recorded_for_loads(root):
     src = Source(root, "kv/tier_mirror.py")
-    src.replace_in(src.func("_store"), "self._writing[p] = handle", "pass")
-
-
-def mirror_readback_before_its_store_completes(root):
-    src = Source(root, "kv/tier_mirror.py")
-    fn = src.func("_readback")
-    sync = src.only(fn, "synchronize()", calling("synchronize"))
-    src.delete(src.statement(fn, sync), within=fn)
+    src.replace_in(src.func("_store"), "self.ledger.record_store(handle, host_pages)", "pass")
 
 
 def worker_forward_ignores_its_copies(root):
@@ -749,7 +760,7 @@ def worker_forward_ignores_its_copies(root):
 
 def worker_replays_no_copies(root):
     src = Source(root, "engine/tensor_parallel.py")
-    src.replace("self.mirror.issue(message.copies, forward)", "list(message.copies)")
+    src.replace("mirror.issue(message.copies, forward) if mirror is not None else []", "[]")
 
 
 MUTATIONS = [
@@ -778,6 +789,7 @@ MUTATIONS = [
     (copy_into_host_pool_from_the_engine, "1b"),
     (write_into_device_pool_from_another_kv_module, "1b"),
     (readback_before_the_store_completes, "1b"),
+    (state_readback_before_its_store_completes, "1b"),
     (engine_subclass_that_skips_the_wait, "2a"),
     (engine_subclass_under_another_name, "2a"),
     (engine_method_replaced_on_an_instance, "2a"),
@@ -793,6 +805,9 @@ MUTATIONS = [
     (layer_store_not_recorded_for_loads, "3a"),
     (state_load_without_store_wait, "3a"),
     (state_store_not_recorded_for_loads, "3a"),
+    (ledger_records_no_store, "3a"),
+    (ledger_finds_no_store, "3a"),
+    (store_recorded_under_its_device_pages, "3a"),
     (worker_wait_deleted, "2a"),
     (producer_recorded_on_a_side_stream, "1c"),
     (producer_skipped_on_the_default_stream, "1c"),
@@ -814,7 +829,6 @@ MUTATIONS = [
     (new_capture_outside_the_guard, "6a"),
     (mirror_load_skips_its_store_wait, "3a"),
     (mirror_store_not_recorded_for_loads, "3a"),
-    (mirror_readback_before_its_store_completes, "1b"),
     (worker_forward_ignores_its_copies, "3c"),
     (worker_replays_no_copies, "3c"),
 ]

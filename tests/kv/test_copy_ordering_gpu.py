@@ -237,7 +237,7 @@ def test_load_of_a_host_page_waits_for_the_store_writing_it(wait, monkeypatch):
         torch.cuda._sleep(SPIN)
     tier.queue_store(src, [b"sl"], "write_through", "r")
     tier.flush()
-    (host,) = list(tier._writing)  # in flight: not in the host cache yet
+    (host,) = list(tier.ledger.writing)  # in flight: not in the host cache yet
     if not wait:
         no_wait(monkeypatch, "wait_on_current_stream")  # the store-before-load wait
     dst = alloc.allocate(1)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import batchgen.kv.state_tier as state_tier
-from batchgen.kv import page_copies
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool, StateSlots
 from batchgen.kv.state_tier import StateTier
@@ -81,44 +80,6 @@ def test_a_stored_then_loaded_slot_equals_the_original():
         "state_swap_out": LAYOUT.bytes_per_slot,
         "state_swap_in": LAYOUT.bytes_per_slot,
     }
-
-
-def test_the_device_slot_is_not_reused_before_its_store_completes():
-    tier, slots = make(dev_slots=2)
-    slot = slots.take("r")
-    want = source(tier, slot)
-    release = block_streams(tier)
-    tier.store("r", "request r")
-    assert not slots.holds("r") and slots.num_free == 1  # detached, not free
-    other = slots.take("s")
-    assert other != slot
-    with pytest.raises(RuntimeError):
-        slots.take("t")  # the only other slot is still being read
-    tier.poll()
-    assert tier.num_in_flight == 1 and slots.num_free == 0  # blocked: nothing completes
-    release.set()
-    tier.drain()
-    assert slots.num_free == 1 and slots.take("t") == slot
-    host = tier._owned["r"]
-    assert torch.equal(tier.host_pool.states[:, host], want[0])
-    assert torch.equal(tier.host_pool.windows[:, host], want[1])
-
-
-def test_a_load_waits_for_the_store_writing_its_host_slot():
-    tier, slots = make()
-    slot = slots.take("r")
-    want = source(tier, slot)
-    release = threading.Event()
-    tier.copies.submit("gate", 0, lambda h: release.wait(10))  # blocks the store's stream
-    tier.copies.submit("spacer", 0, lambda h: None)  # the load goes to the free stream
-    tier.store("r", "request r")
-    load = tier.load("r")  # on the other, free stream
-    assert not load.completed.wait(PAUSE), "the load ran before the store wrote its slot"
-    release.set()
-    tier.drain()
-    back = slots.slot("r")
-    assert torch.equal(tier.device_pool.states[:, back], want[0])
-    assert torch.equal(tier.device_pool.windows[:, back], want[1])
 
 
 def test_a_full_host_pool_has_no_room_and_a_forgotten_slot_comes_back():
@@ -213,110 +174,6 @@ def test_a_worker_mirror_replays_the_logged_state_copies_on_its_own_pools():
     m = mirror.metrics
     assert (m.state_stores, m.state_loads) == (2, 2)
     assert m.readback_checks == 2  # debug: each store's slot (state and window) compared
-
-
-def test_a_checkpoint_frees_its_slot_for_writing_once_read_into_staging():
-    """The step after a checkpoint waits only on the handle's one gate (wait_layer and
-    wait_gates take gate 0), which the copy marks once the slot is gathered into staging:
-    a write to the slot from then on (done here at the gate itself) leaves the host slot
-    with the state as it was. A gate marked before the gather would let it through.
-    (On the CPU a copy is issued whole before any gate can be awaited; the GPU's events
-    let the forward start while the transfer to host runs.)"""
-    tier, slots = make()
-    slot = slots.take("r")
-    want = source(tier, slot)
-    dev, host = tier._tensors()
-    host_slot = tier.take_host_slot()
-
-    def overwrite():  # the next step's forward, at the gate
-        dev[0][:, slot] = 7.0
-        dev[1][:, slot] = 7.0
-
-    page_copies.device_to_host_state(dev, host, [slot], [host_slot], on_read=overwrite)
-    assert torch.equal(tier.device_pool.states[:, slot], torch.full_like(want[0], 7.0))
-    assert torch.equal(tier.host_pool.states[:, host_slot], want[0])
-    assert torch.equal(tier.host_pool.windows[:, host_slot], want[1])
-    # checkpoint_out hands the gate over: one gate, marked by the time the copy is done
-    handle = tier.checkpoint_out(slots.take("s"), tier.take_host_slot(), "request s")
-    tier.drain()
-    assert len(handle.gates) == 1 and handle.gates[0].event.is_set()
-
-
-@pytest.mark.parametrize("scatter", ["copy", "compute"])
-def test_where_a_state_store_and_a_checkpoint_read_their_slots(scatter, monkeypatch):
-    """A swap-out store and a checkpoint read their device slots in their copy, on the
-    copy stream ("copy"), or at submission in the submitting stream's order ("compute":
-    the tier runs no kernel on a copy stream). Each slot is written again between the
-    submission and the copy, which a blocked stream holds back: the host slots show
-    which read happened. Either way the checkpoint's gate is marked and its handle done."""
-    tier, slots = make(load_scatter=scatter)
-    copy_stream_reads = []
-    real = state_tier.device_to_host_state
-    monkeypatch.setattr(
-        state_tier,
-        "device_to_host_state",
-        lambda *a, **k: copy_stream_reads.append(a[2]) or real(*a, **k),
-    )
-    stored, kept = slots.take("r"), slots.take("s")
-    at_submit = {s: source(tier, s) for s in (stored, kept)}
-    release = block_streams(tier)
-    tier.store("r", "request r")
-    kept_host = tier.take_host_slot()
-    checkpoint = tier.checkpoint_out(kept, kept_host, "request s")
-    for s in (stored, kept):  # later writes, ahead of the blocked copies
-        tier.device_pool.states[:, s] += 1.0
-        tier.device_pool.windows[:, s] += 1.0
-    later = {s: source(tier, s) for s in (stored, kept)}
-    release.set()
-    tier.drain()
-    want = at_submit if scatter == "compute" else later
-    for s, host in ((stored, tier._owned["r"]), (kept, kept_host)):
-        assert torch.equal(tier.host_pool.states[:, host], want[s][0]), s
-        assert torch.equal(tier.host_pool.windows[:, host], want[s][1]), s
-    assert sorted(copy_stream_reads) == ([] if scatter == "compute" else sorted([[stored], [kept]]))
-    assert checkpoint.gates[0].event.is_set() and checkpoint.is_done()
-
-
-def _swapped(tier, slots):
-    """A request's slot stored to host and the device slots zeroed since: its values."""
-    slots.take("other")
-    want = source(tier, slots.take("r"))
-    tier.store("r", "request r")
-    tier.drain()
-    tier.device_pool.states.zero_()
-    tier.device_pool.windows.zero_()
-    return want
-
-
-def test_a_deferred_state_load_scatters_at_its_first_wait():
-    """load_scatter="compute": the slot's staged values reach the pool only when the
-    step resuming the request waits on the load, and the load is not done before."""
-    tier, slots = make(load_scatter="compute")
-    want = _swapped(tier, slots)
-    load = tier.load("r")
-    load.issued.wait(10)
-    back = slots.slot("r")
-    assert load.has_deferred and not load.is_done()
-    assert tier.device_pool.states[:, back].abs().sum() == 0  # staged, not scattered
-    load.wait_layer(0)  # the forward's first layer: a load without gates waits whole
-    assert not load.has_deferred
-    assert torch.equal(tier.device_pool.states[:, back], want[0])
-    assert torch.equal(tier.device_pool.windows[:, back], want[1])
-    tier.drain()
-    assert tier.host_room == 2
-
-
-def test_poll_scatters_a_state_load_a_failed_step_left():
-    tier, slots = make(load_scatter="compute")
-    want = _swapped(tier, slots)
-    load = tier.load("r")
-    load.issued.wait(10)
-    assert load.has_deferred
-    tier.poll()  # the next step's poll: nobody waited on the load
-    assert not load.has_deferred
-    back = slots.slot("r")
-    assert torch.equal(tier.device_pool.states[:, back], want[0])
-    tier.drain()
 
 
 def test_a_bad_state_load_scatter_is_named():

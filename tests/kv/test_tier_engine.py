@@ -67,7 +67,7 @@ class Traffic:
         def _submit_store(tier, q, *args, **kwargs):
             handle = submit_store(tier, q, *args, **kwargs)
             if handle is not None:  # the host pages it allocated and handed the body
-                host_pages = tier._pending[-1].host_pages
+                host_pages = tier.ledger._pending[-1].host_ids
                 self._note(host_pages, list(q.reasons[: len(host_pages)]))
             return handle
 

@@ -90,6 +90,10 @@ class CopyHandle:
         self._finish_lock = threading.Lock()
         self.finished_event = torch.cuda.Event() if cuda else None
 
+    def release(self) -> None:
+        """Drop the tensors the copy kept alive (rule 5): its completion was awaited."""
+        self.keep = ()
+
     def _wait_issued(self) -> None:
         self.issued.wait()
         if self.error is not None:

@@ -14,7 +14,10 @@ Who may reuse a slot:
   host slot whose store is still in flight waits for that store on the copy stream; the
   host slot is free again only once the load completes. A swapped request that ends
   before its swap-in frees its host slot, after its store completes if it is in flight.
-Handles complete in `poll()` / `drain()`, which TieredKVManager's poll and drain call.
+Copies in flight are kept in a `CopyLedger` of host slots (kv/copy_ledger.py: the
+writing map a load waits on, rule 3a of kv/copy_rules.py, and the queue whose completions
+release the slots, rule 5); they complete in `poll()` / `drain()`, which
+TieredKVManager's poll and drain call.
 
 Checkpoints (state_checkpoints.py) use the same host slots through `checkpoint_out` (a
 copy of a slot its request keeps using: the step after it waits on the handle's gate,
@@ -30,11 +33,10 @@ submission (its gate marked as its copy starts), the copy only carrying staging 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
+from batchgen.kv.copy_ledger import CopyLedger, TierCopy, readback_slot
 from batchgen.kv.page_copies import (
     device_to_host_state,
     device_to_host_state_staged,
@@ -43,16 +45,6 @@ from batchgen.kv.page_copies import (
 )
 from batchgen.kv.state_pool import HostStatePool, StatePool, StateSlots
 from batchgen.kv.tier_metrics import TierMetrics
-from batchgen.kv.tier_mirror import TierCopy, check_offloaded_state
-
-
-@dataclass
-class _Pending:
-    handle: CopyHandle
-    kind: str  # "store" | "load"
-    host_slot: int
-    dev_slot: int | None  # a store's detached device slot, given back at completion
-    reason: str
 
 
 class StateTier:
@@ -79,9 +71,8 @@ class StateTier:
         self.debug = debug
         self._free = list(range(host_pool.num_slots - 1, -1, -1))
         self._owned: dict[str, int] = {}  # swapped request -> its host slot
-        self._writing: dict[int, CopyHandle] = {}  # host slot -> store in flight
-        self._dropped: set[int] = set()  # host slots freed once their store completes
-        self._pending: deque[_Pending] = deque()
+        # host slots: stores in flight writing them, copies to complete in order
+        self.ledger = CopyLedger(metrics, self._free.extend, defers=True)
         self._read: dict[int, CopyHandle] = {}  # device slot -> checkpoint copy reading it
         self._loading: dict[int, int] = {}  # host slot -> checkpoint loads reading it
         # tensor parallel: called with each copy submitted, as plain data for the
@@ -129,13 +120,12 @@ class StateTier:
 
         handle = self.copies.submit("store", self.slot_bytes, copy)
         self._log("state_store", dev_slots[0], host_slots[0], tag)
-        for s in host_slots:
-            self._writing[s] = handle
+        self.ledger.record_store(handle, host_slots)
         self._owned[request_id] = host_slots[0]
         self.metrics.state_swaps_out += 1
         self.metrics.count("state_swap_out", self.slot_bytes)
-        self._pending.append(
-            _Pending(handle, "store", host_slots[0], dev_slots[0], "state_swap_out")
+        self.ledger.add_store(
+            handle, host_slots, ["state_swap_out"], lambda: self.slots.give_back(dev_slots[0])
         )
         if self.debug:
             self._readback(dev_slots[0], host_slots[0], handle, tag)
@@ -146,11 +136,11 @@ class StateTier:
         the handle. The host slot is held until the load completes."""
         host_slots = [self._owned.pop(request_id)]
         dev_slots = [self.slots.take(request_id)]
-        after = {self._writing[s] for s in host_slots if s in self._writing}
+        after = self.ledger.stores_of(host_slots)
         dev, host = self._tensors()
 
         def copy(handle: CopyHandle):
-            for store in after:  # a host slot is not read before its write completes
+            for store in after:  # a host slot is not read before its write completes (3a)
                 store.wait_on_current_stream()
             return host_to_device_state(host, dev, host_slots, dev_slots, *self._deferral(handle))
 
@@ -158,7 +148,9 @@ class StateTier:
         self._log("state_load", dev_slots[0], host_slots[0], f"request {request_id}")
         self.metrics.state_swaps_in += 1
         self.metrics.count("state_swap_in", self.slot_bytes)
-        self._pending.append(_Pending(handle, "load", host_slots[0], None, "state_swap_in"))
+        self.ledger.add_load(
+            handle, host_slots, ["state_swap_in"], lambda: self._free.extend(host_slots)
+        )
         return handle
 
     # ---- checkpoints (state_checkpoints.py) ---------------------------------------------
@@ -170,10 +162,7 @@ class StateTier:
         """Give a checkpoint's host slot back; False (kept) while a load reads it."""
         if self._loading.get(host_slot):
             return False
-        if host_slot in self._writing:
-            self._dropped.add(host_slot)
-        else:
-            self._free.append(host_slot)
+        self.ledger.release(host_slot)
         return True
 
     def checkpoint_out(self, dev_slot: int, host_slot: int, tag: str) -> CopyHandle:
@@ -195,12 +184,11 @@ class StateTier:
 
         handle = self.copies.submit("store", self.slot_bytes, copy, num_gates=1)
         self._log("state_store", dev_slot, host_slot, tag)
-        for s in host_slots:
-            self._writing[s] = handle
+        self.ledger.record_store(handle, host_slots)
         self._read[dev_slot] = handle
         self.metrics.count("state_checkpoint", self.slot_bytes)
-        self._pending.append(
-            _Pending(handle, "checkpoint", host_slot, dev_slot, "state_checkpoint")
+        self.ledger.add_store(
+            handle, host_slots, ["state_checkpoint"], lambda: self._read_done(handle, dev_slot)
         )
         if self.debug:
             self._readback(dev_slot, host_slot, handle, tag)
@@ -210,11 +198,11 @@ class StateTier:
         """Load a checkpoint into a request's new device slot; the step that resumes the
         request from it waits on the handle."""
         dev_slots, host_slots = [dev_slot], [host_slot]
-        after = {self._writing[s] for s in host_slots if s in self._writing}
+        after = self.ledger.stores_of(host_slots)
         dev, host = self._tensors()
 
         def copy(handle: CopyHandle):
-            for store in after:  # a checkpoint is not read before its write completes
+            for store in after:  # a checkpoint is not read before its write completes (3a)
                 store.wait_on_current_stream()
             return host_to_device_state(host, dev, host_slots, dev_slots, *self._deferral(handle))
 
@@ -222,8 +210,8 @@ class StateTier:
         self._log("state_load", dev_slot, host_slot, f"checkpoint {host_slot}")
         self._loading[host_slot] = self._loading.get(host_slot, 0) + 1
         self.metrics.count("state_checkpoint_load", self.slot_bytes)
-        self._pending.append(
-            _Pending(handle, "checkpoint_load", host_slot, None, "state_checkpoint_load")
+        self.ledger.add_load(
+            handle, host_slots, ["state_checkpoint_load"], lambda: self._checkpoint_read(host_slot)
         )
         return handle
 
@@ -231,12 +219,8 @@ class StateTier:
         """A swapped request ended before its swap-in: its host slot is free (once its
         store completes)."""
         slot = self._owned.pop(request_id, None)
-        if slot is None:
-            return
-        if slot in self._writing:
-            self._dropped.add(slot)
-        else:
-            self._free.append(slot)
+        if slot is not None:
+            self.ledger.release(slot)
 
     def _gather_now(self, dev: tuple, dev_slots: list[int], host_slots: list[int]):
         """load_scatter="compute" (no tier kernel on a copy stream): a store's slots
@@ -253,52 +237,33 @@ class StateTier:
             return None, None
         return handle.defer, handle.consumer
 
-    # ---- completion --------------------------------------------------------------------
+    # ---- completion (CopyLedger.poll / drain) -------------------------------------------
     def poll(self) -> None:
         """Complete every copy that has finished, in submission order; a deferred load
         scatter a failed step left is queued first."""
-        for p in self._pending:
-            if p.kind != "store" and p.handle.issued.is_set() and p.handle.has_deferred:
-                p.handle.run_finishers()
-        while self._pending and self._pending[0].handle.is_done():
-            self._complete(self._pending.popleft())
+        self.ledger.poll()
 
     def drain(self) -> None:
-        while self._pending:
-            self._complete(self._pending.popleft())
+        self.ledger.drain()
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._pending)
+        return self.ledger.num_in_flight
 
-    def _complete(self, p: _Pending) -> None:
-        p.handle.synchronize()
-        seconds = p.handle.copy_seconds()
-        self.metrics.copy_seconds += seconds
-        by_reason = self.metrics.seconds_by_reason
-        by_reason[p.reason] = by_reason.get(p.reason, 0.0) + seconds
-        if p.kind in ("store", "checkpoint"):
-            if self._writing.get(p.host_slot) is p.handle:
-                del self._writing[p.host_slot]
-            if p.kind == "store":
-                self.slots.give_back(p.dev_slot)
-            elif self._read.get(p.dev_slot) is p.handle:
-                del self._read[p.dev_slot]
-            if p.host_slot in self._dropped:
-                self._dropped.discard(p.host_slot)
-                self._free.append(p.host_slot)
-        elif p.kind == "checkpoint_load":
-            self._loading[p.host_slot] -= 1
-            if not self._loading[p.host_slot]:
-                del self._loading[p.host_slot]
-        else:
-            self._free.append(p.host_slot)
-        p.handle.keep = ()
+    def _read_done(self, handle: CopyHandle, dev_slot: int) -> None:
+        """A checkpoint's copy completed: a swap-out store of its slot need not wait."""
+        if self._read.get(dev_slot) is handle:
+            del self._read[dev_slot]
+
+    def _checkpoint_read(self, host_slot: int) -> None:
+        """A checkpoint load completed: its host slot may be given back."""
+        self._loading[host_slot] -= 1
+        if not self._loading[host_slot]:
+            del self._loading[host_slot]
 
     def _readback(self, dev_slot: int, host_slot: int, handle: CopyHandle, tag: str) -> None:
         """batchgen_debug: wait for the store and compare the host slot with its device
         source (detached, or a checkpoint's: nothing writes it before the next step)."""
-        handle.synchronize()
-        self.metrics.readback_checks += 1
-        dev, host = self._tensors()
-        check_offloaded_state(dev, host, dev_slot, host_slot, tag)
+        readback_slot(
+            handle, self.device_pool, self.host_pool, dev_slot, host_slot, tag, self.metrics
+        )

@@ -12,8 +12,9 @@ A step's copies are queued while the scheduler plans it and submitted together b
 Who may free or reuse a page:
 - A load holds its host pages and its destination device pages (extra references,
   taken at queue time) until it completes: neither can be evicted or reallocated while
-  the copy is in flight, whatever fails in between. A load of host pages whose store
-  is in flight waits for that store on the copy stream.
+  the copy is in flight, whatever fails in between (rule 5 of kv/copy_rules.py). A
+  load of host pages whose store is in flight waits for that store on the copy stream
+  (rule 3a).
 - A store's host pages join the host cache under their hashes when it is submitted
   (a layer-wise decode append's when it completes): a lookup finds them at once, and a
   load of them waits for the store on the copy stream. The store holds them until it
@@ -21,25 +22,28 @@ Who may free or reuse a page:
 - A write-back store copies a device page the allocator has just evicted and handed to
   a new owner. flush() gathers the page into staging on the compute stream, so the read
   comes after the page's last write and before anything queued later (the new owner's
-  forward, a load into the page) writes it; the copy stream carries the staging, kept
+  forward, a load into the page) writes it (rule 3d); the copy stream carries the staging, kept
   alive by the handle, to the host. Nothing waits on the store but a load of its host
   pages.
 - A swap-out store (`queue_swap_out`, requests with a compressed state) is a write-back
   whose host pages the swapped request owns until its swap-in: they are allocated at
   queue time, kept at completion, and freed by `release_host`. A store ahead
   (`queue_store_ahead`) is a write-back of pages nobody has been handed yet.
-Handles complete in `poll()`, which the engine calls once per step, or `drain()`; both
-complete the state tier's copies too (`states`, kv/state_tier.py).
+Copies in flight are kept in a `CopyLedger` (kv/copy_ledger.py: the writing map a load
+waits on, rule 3a of kv/copy_rules.py, and the pending queue whose completions release
+the pages, rule 5). They complete in `poll()`, which the engine calls once per step, or
+`drain()`; both complete the state tier's copies too (`states`, kv/state_tier.py).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
+from batchgen.kv.copy_ledger import CopyLedger, LayerStores, TierCopy, readback_pages
+from batchgen.kv.copy_ledger import KVReadbackError as KVReadbackError  # its old home
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_copies import (
@@ -53,29 +57,12 @@ from batchgen.kv.page_copies import (
 )
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tier_metrics import TierMetrics
-from batchgen.kv.tier_mirror import KVReadbackError as KVReadbackError  # its old home
-from batchgen.kv.tier_mirror import LayerStores, TierCopy, check_offloaded
+from batchgen.kv.tier_queue import Queued, TierQueue
 
 if TYPE_CHECKING:
     from batchgen.kv.state_tier import StateTier
 
 logger = logging.getLogger(__name__)
-
-MAX_PAGES_PER_COPY = 256  # bounds a store's device staging (all layers of n pages)
-
-
-@dataclass
-class _Pending:
-    handle: CopyHandle
-    kind: str  # "load" | "store"
-    host_pages: list[int]
-    dev_pages: list[int]
-    hashes: list[bytes | None] = field(default_factory=list)
-    hold_dev: bool = True  # device pages carry an extra reference until completion
-    reasons: list[str] = field(default_factory=list)  # per page; copy time split by them
-    keep_host: bool = False  # a swap-out's host pages: its request owns them after completion
-    register: bool = False  # hashes join the host cache at completion (a layer-wise
-    # store's; the other stores' joined it at submission)
 
 
 class LayerStoreHook:
@@ -91,23 +78,10 @@ class LayerStoreHook:
         self.tier.store_layer(plan.dev_pages, plan.host_pages, layer, self.hashes, plan.tags)
 
 
-@dataclass
-class _Queued:
-    dev_pages: list[int] = field(default_factory=list)
-    host_pages: list[int] = field(default_factory=list)
-    hashes: list[bytes | None] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-    tags: list[str] = field(default_factory=list)  # whose page it is, for error messages
+class TieredKVManager(TierQueue):
+    """The host tier of pages: submits the queued copies (flush) and completes them over
+    its ledger; the queueing and lookups are TierQueue's (kv/tier_queue.py)."""
 
-    def add(self, dev_page: int, page_hash: bytes, reason: str, tag: str) -> None:
-        """One device page to copy to a host page allocated at submission."""
-        self.dev_pages.append(dev_page)
-        self.hashes.append(page_hash)
-        self.reasons.append(reason)
-        self.tags.append(tag)
-
-
-class TieredKVManager:
     def __init__(
         self,
         device_pool: PagePool,
@@ -120,6 +94,7 @@ class TieredKVManager:
     ) -> None:
         if load_scatter not in ("copy", "compute"):
             raise ValueError(f"load_scatter must be 'copy' or 'compute', got {load_scatter!r}")
+        super().__init__()  # the step's queues
         # where a load's staged pages are scattered into the pool: on its copy stream, or
         # deferred to the compute stream (CopyHandle.defer), each group at the first wait
         # for its layers, so that no kernel runs on a copy stream
@@ -132,16 +107,9 @@ class TieredKVManager:
         self.debug = debug
         self.loads_pay = loads_pay  # the cost rule's verdict: load rather than recompute
         self.metrics = TierMetrics()
-        self._pending: deque[_Pending] = deque()
-        self._writing: dict[int, CopyHandle] = {}  # host page -> store in flight
+        # host pages: stores in flight writing them, copies to complete in order
+        self.ledger = CopyLedger(self.metrics, self.host_alloc.free, load_scatter == "compute")
         self._loading: dict[int, CopyHandle] = {}  # device page -> load in flight
-        self._ahead: dict[int, tuple[bytes, str]] = {}  # stores ahead: page -> (hash, tag)
-        self._storing: dict[bytes, int] = {}  # hashes queued or in flight to host
-        self._loads = _Queued()
-        self._stores = _Queued()  # write-through: sources held
-        self._write_backs = _Queued()  # evicted sources: read by flush() on the compute stream
-        self._swap_outs = _Queued()  # freed sources, host pages owned: like write-backs
-        self._dropped: set[int] = set()  # owned host pages freed once their store completes
         self.states: StateTier | None = None  # the compressed-state slots' tier, if any
         # tensor parallel: each copy submitted, as plain data for the workers' mirrors
         # (None on one rank; take_mirrored() hands them over)
@@ -154,7 +122,7 @@ class TieredKVManager:
     def attach_device(self, pool: PagePool | None, alloc: PageAllocator | None) -> None:
         """Point at a re-created device pool (None while it is being replaced)."""
         if (
-            self._pending
+            self.ledger.num_in_flight
             or self._loads.dev_pages
             or self._stores.dev_pages
             or self._swap_outs.dev_pages
@@ -163,118 +131,12 @@ class TieredKVManager:
             raise RuntimeError("the device pool changed with tier copies in flight")
         self.device_pool, self.device_alloc = pool, alloc
 
-    # ---- lookups ---------------------------------------------------------------------
-    def lookup(self, hashes: list[bytes]) -> list[int]:
-        """Host pages of the longest cached prefix of `hashes` (no reference taken)."""
-        self.metrics.host_prefix_query_pages += len(hashes)
-        return self.host_alloc.lookup(hashes)
-
-    def holds(self, page_hash: bytes) -> bool:
-        """The host cache has (or is writing) the page `page_hash` names."""
-        return page_hash in self._storing or self.host_alloc.is_cached(page_hash)
-
     def loads_of(self, dev_pages: list[int]) -> list[CopyHandle]:
         """Loads in flight that write any of `dev_pages` (a prefix hit on a page still
         being loaded must wait for it like the step that asked for the load)."""
         if not self._loading:  # most admissions: no load in flight to look through
             return []
         return list({id(h): h for p in dev_pages if (h := self._loading.get(p))}.values())
-
-    def host_room(self) -> int:
-        """Host pages a store could take now (free, or cached and evictable)."""
-        return self.host_alloc.num_free
-
-    # ---- queueing (copies of the step being planned) -------------------------------------
-    def queue_load(
-        self, host_pages: list[int], dev_pages: list[int], reason: str, tag: str
-    ) -> None:
-        """Copy host pages into device pages with the step's load. Both are held until
-        the load completes; the forward waits on it layer by layer."""
-        self.host_alloc.touch(host_pages)
-        self.device_alloc.touch(dev_pages)
-        q = self._loads
-        q.host_pages += host_pages
-        q.dev_pages += dev_pages
-        q.reasons += [reason] * len(host_pages)
-        q.tags += [tag] * len(host_pages)
-
-    def queue_store(self, dev_pages: list[int], hashes: list[bytes], reason: str, tag: str) -> int:
-        """Write full device pages through to new host pages, registered under `hashes`
-        when submitted (a load of them waits for the store). The device pages are held
-        until it completes. Returns pages queued (fewer when the host pool is out of
-        room)."""
-        room = min(len(dev_pages), self.host_room())
-        self.device_alloc.touch(dev_pages[:room])
-        q = self._stores
-        q.dev_pages += dev_pages[:room]
-        q.hashes += hashes[:room]
-        self._note_storing(hashes[:room], 1)
-        q.reasons += [reason] * room
-        q.tags += [tag] * room
-        return room
-
-    def queue_store_ahead(self, dev_pages: list[int], hashes: list[bytes], tag: str) -> None:
-        """Copy a swapped request's full pages to host while they wait free but cached on
-        the device for its resume: an eviction later finds them on host and copies
-        nothing. The device pages are not held (the preemption freed them for others).
-        flush() gathers them on the compute stream, then their transfer runs on the
-        background stream, where nothing a step waits on queues behind it; a page
-        reallocated before the flush becomes a write-back of that step (`expedite`).
-        The caller checks host_room()."""
-        self._note_storing(hashes, 1)
-        for page, h in zip(dev_pages, hashes):
-            self._ahead[page] = (h, tag)
-
-    def expedite(self, dev_page: int) -> bool:
-        """A page queued for a store ahead is reallocated before flush(): it becomes a
-        write-back of this step (read before the step's forward). False if not queued."""
-        entry = self._ahead.pop(dev_page, None)
-        if entry is None:
-            return False
-        page_hash, tag = entry
-        self._write_backs.add(dev_page, page_hash, "swap_out", tag)  # already noted storing
-        return True
-
-    def queue_swap_out(self, dev_pages: list[int], tag: str) -> list[int]:
-        """Copy a request's pages, its last partial one too, to host pages it owns until
-        its swap-in (`queue_load`, then `release_host`); the caller checks host_room().
-        For a request whose compressed state resumes at its exact position: it cannot
-        recompute a partial page (its linear-attention layers would see those tokens
-        twice). The caller frees the device pages at once: as with a write-back, flush()
-        reads them on the compute stream before anything queued later writes them."""
-        host_pages = self.host_alloc.allocate(len(dev_pages))
-        q = self._swap_outs
-        q.dev_pages += dev_pages
-        q.host_pages += host_pages
-        q.hashes += [None] * len(dev_pages)
-        q.reasons += ["swap_out"] * len(dev_pages)
-        q.tags += [tag] * len(dev_pages)
-        return host_pages
-
-    def release_host(self, host_pages: list[int]) -> None:
-        """A swapped request lets go of its host pages (its swap-in's load holds them, or
-        it ended): each is freed now, or once the store writing it completes."""
-        for p in host_pages:
-            if p in self._writing:
-                self._dropped.add(p)
-            else:
-                self.host_alloc.free([p])
-
-    def queue_write_back(self, dev_page: int, page_hash: bytes, reason: str, tag: str) -> None:
-        """Copy an evicted (already reallocated) device page to host before its new owner
-        writes it: flush() reads it on the compute stream, ahead of the step's forward."""
-        self._write_backs.add(dev_page, page_hash, reason, tag)
-        self._note_storing([page_hash], 1)
-
-    def _note_storing(self, hashes: list, delta: int) -> None:
-        for h in hashes:
-            if h is None:
-                continue
-            left = self._storing.get(h, 0) + delta
-            if left > 0:
-                self._storing[h] = left
-            else:
-                self._storing.pop(h, None)
 
     # ---- submission --------------------------------------------------------------------
     def flush(self, stores_only: bool = False, defer_ahead: bool = False) -> list[CopyHandle]:
@@ -290,20 +152,20 @@ class TieredKVManager:
         waits = []
         if not self._has_queued(stores_only, defer_ahead):  # most steps: nothing to submit
             return waits
-        q, self._stores = self._stores, _Queued()
+        q, self._stores = self._stores, Queued()
         for chunk in self._chunks(q):
             self._submit_store(chunk, hold_dev=True)
         if stores_only:
             return waits
-        q, self._write_backs = self._write_backs, _Queued()
+        q, self._write_backs = self._write_backs, Queued()
         for chunk in self._chunks(q):
             self._submit_store(chunk, hold_dev=False)
-        q, self._swap_outs = self._swap_outs, _Queued()
+        q, self._swap_outs = self._swap_outs, Queued()
         for chunk in self._chunks(q):
             self._submit_store(chunk, hold_dev=False)
         if not defer_ahead:
             self.flush_ahead()
-        q, self._loads = self._loads, _Queued()
+        q, self._loads = self._loads, Queued()
         if q.dev_pages:
             if self.load_scatter == "compute":  # staging of every layer: at most so many pages
                 pages = max(1, LOAD_STAGING_BYTES // self.page_bytes)
@@ -317,31 +179,14 @@ class TieredKVManager:
         the background stream); nothing waits on them."""
         if not self._ahead:
             return
-        ahead, self._ahead, q = self._ahead, {}, _Queued()
+        ahead, self._ahead, q = self._ahead, {}, Queued()
         for page, (page_hash, tag) in ahead.items():
             q.add(page, page_hash, "swap_out", tag)
         for chunk in self._chunks(q):
             self._submit_store(chunk, hold_dev=False, background=True)
 
-    def _has_queued(self, stores_only: bool, defer_ahead: bool = False) -> bool:
-        if self._stores.dev_pages:
-            return True
-        if stores_only:
-            return False
-        return bool(
-            self._write_backs.dev_pages
-            or self._swap_outs.dev_pages
-            or self._loads.dev_pages
-            or (self._ahead and not defer_ahead)
-        )
-
-    def _chunks(self, q: _Queued, pages: int = MAX_PAGES_PER_COPY):
-        for i in range(0, len(q.dev_pages), pages):
-            s = slice(i, i + pages)
-            yield _Queued(q.dev_pages[s], q.host_pages[s], q.hashes[s], q.reasons[s], q.tags[s])
-
     def _submit_store(
-        self, q: _Queued, hold_dev: bool, background: bool = False
+        self, q: Queued, hold_dev: bool, background: bool = False
     ) -> CopyHandle | None:
         owned = bool(q.host_pages)  # a swap-out: host pages allocated at queue time, kept
         n = len(q.dev_pages) if owned else min(len(q.dev_pages), self.host_room())
@@ -369,8 +214,7 @@ class TieredKVManager:
             return device_to_host_staged(staged, host_kv, host_pages)
 
         handle = self.copies.submit("store", n * self.page_bytes, copy, background=background)
-        for p in host_pages:
-            self._writing[p] = handle
+        self.ledger.record_store(handle, host_pages)
         for page, h in zip(host_pages, hashes):
             if h is not None:  # a lookup finds it at once; a load of it waits for this store
                 self.host_alloc.register(page, h)
@@ -379,8 +223,11 @@ class TieredKVManager:
         self.metrics.pages_offloaded += n
         self.metrics.transfers += 1
         self.metrics.host_runs += num_runs(host_pages)
-        self._pending.append(
-            _Pending(handle, "store", host_pages, dev_pages, hashes, hold_dev, q.reasons[:n], owned)
+        self.ledger.add_store(
+            handle,
+            host_pages,
+            q.reasons[:n],
+            lambda: self._stored(host_pages, dev_pages, hashes, hold_dev, owned),
         )
         if self.mirrored is not None:
             self.mirrored.append(TierCopy("store", dev_pages, host_pages, q.tags[:n]))
@@ -388,9 +235,9 @@ class TieredKVManager:
             self._readback(dev_pages, host_pages, handle, range(dev_kv.shape[0]), q.tags)
         return handle
 
-    def _submit_load(self, q: _Queued) -> CopyHandle:
+    def _submit_load(self, q: Queued) -> CopyHandle:
         host_pages, dev_pages = q.host_pages, q.dev_pages
-        after = {self._writing[p] for p in host_pages if p in self._writing}
+        after = self.ledger.stores_of(host_pages)
         host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
         # staging and index made here, on the compute stream: the copy stream allocates
         # nothing (the copy keeps them alive until it completes)
@@ -398,7 +245,7 @@ class TieredKVManager:
         buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages, whole=deferred)
 
         def copy(handle: CopyHandle):
-            for store in after:  # a host page is not read before its write completes
+            for store in after:  # a host page is not read before its write completes (3a)
                 store.wait_on_current_stream()
             # a destination page a store read before its load: the read was queued on
             # the producer's stream before this copy was submitted (flush)
@@ -423,7 +270,9 @@ class TieredKVManager:
         self.metrics.host_runs += num_runs(host_pages)
         for p in dev_pages:
             self._loading[p] = handle
-        self._pending.append(_Pending(handle, "load", host_pages, dev_pages, reasons=q.reasons))
+        self.ledger.add_load(
+            handle, host_pages, q.reasons, lambda: self._loaded(handle, host_pages, dev_pages)
+        )
         if self.mirrored is not None:
             self.mirrored.append(TierCopy("load", dev_pages, host_pages, q.tags))
         return handle
@@ -455,90 +304,74 @@ class TieredKVManager:
             lambda h: device_to_host_pages(dev_kv, host_kv, dev_pages, host_pages, layers),
         )
         self.device_alloc.touch(dev_pages)
-        for p in host_pages:
-            self._writing[p] = handle
+        self.ledger.record_store(handle, host_pages)
         if layer == 0:
             self._note_storing(hashes, 1)
         self.metrics.count("decode_append", handle.nbytes)
         self.metrics.appends += 1
         if last:
             self.metrics.pages_offloaded += len(dev_pages)
-        self._pending.append(
-            _Pending(
-                handle,
-                "store",
-                host_pages if last else [],
-                dev_pages,
-                hashes if last else [],
-                reasons=["decode_append"],
-                register=True,
-            )
+        written, named = (host_pages, hashes) if last else ([], [])
+        self.ledger.add_store(
+            handle,
+            written,
+            ["decode_append"],
+            lambda: self._stored(written, dev_pages, named, True, False, register=True),
         )
         if self.debug:
             self._readback(dev_pages, host_pages, handle, layers, tags)
 
-    # ---- completion --------------------------------------------------------------------
+    # ---- completion (CopyLedger.poll / drain) -------------------------------------------
     def poll(self) -> None:
         """Complete every copy that has finished, in submission order. A load's scatter
         deferred to the compute stream runs at its step's forward; one a failed step
         left is queued here, before anything else can reuse its pages."""
-        if self.load_scatter == "compute":
-            for p in self._pending:
-                if p.kind == "load" and p.handle.issued.is_set() and p.handle.has_deferred:
-                    p.handle.run_finishers()
-        while self._pending and self._pending[0].handle.is_done():
-            self._complete(self._pending.popleft())
+        self.ledger.poll()
         if self.states is not None:
             self.states.poll()
 
     def drain(self) -> None:
-        while self._pending:
-            p = self._pending.popleft()
-            p.handle.synchronize()
-            self._complete(p)
+        self.ledger.drain()
         if self.states is not None:
             self.states.drain()
 
-    def _complete(self, p: _Pending) -> None:
-        p.handle.synchronize()
-        seconds = p.handle.copy_seconds()
-        self.metrics.copy_seconds += seconds
-        by_reason = self.metrics.seconds_by_reason
-        for reason in p.reasons:  # a task moves pages of equal size: split its time by them
-            by_reason[reason] = by_reason.get(reason, 0.0) + seconds / len(p.reasons)
-        if p.kind == "store":
-            for page, h in zip(p.host_pages, p.hashes):
-                if self._writing.get(page) is p.handle:
-                    del self._writing[page]
-                if p.register and h is not None:
+    def _stored(self, host_pages, dev_pages, hashes, hold_dev, keep_host, register=False):
+        """A store completed (its writing-map entries cleared, the owned host pages let go
+        of meanwhile freed): a layer-wise store's hashes join the host cache; its host
+        pages (unless its swapped request owns them) and held device pages are released."""
+        if register:
+            for page, h in zip(host_pages, hashes):
+                if h is not None:
                     self.host_alloc.register(page, h)
-            self._note_storing(p.hashes, -1)
-        else:
-            for page in p.dev_pages:
-                if self._loading.get(page) is p.handle:
-                    del self._loading[page]
-        if p.keep_host:
-            dropped = [page for page in p.host_pages if page in self._dropped]
-            self._dropped.difference_update(dropped)
-            self.host_alloc.free(dropped)
-        else:
-            self.host_alloc.free(p.host_pages)
-        if p.hold_dev:
-            self.device_alloc.free(p.dev_pages)
-        p.handle.keep = ()
+        self._note_storing(hashes, -1)
+        if not keep_host:
+            self.host_alloc.free(host_pages)
+        if hold_dev:
+            self.device_alloc.free(dev_pages)
+
+    def _loaded(self, handle: CopyHandle, host_pages: list[int], dev_pages: list[int]) -> None:
+        """A load completed: its host pages and destination device pages are released."""
+        for page in dev_pages:
+            if self._loading.get(page) is handle:
+                del self._loading[page]
+        self.host_alloc.free(host_pages)
+        self.device_alloc.free(dev_pages)
 
     @property
     def num_in_flight(self) -> int:
         states = 0 if self.states is None else self.states.num_in_flight
-        return len(self._pending) + states
+        return self.ledger.num_in_flight + states
 
     def _readback(self, dev_pages, host_pages, handle: CopyHandle, layers: range, tags) -> None:
         """batchgen_debug: wait for the store and compare each host page with its device
         source (nothing has written the source yet: debug runs no step ahead)."""
-        handle.synchronize()
-        dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
-        for dev, host, tag in zip(dev_pages, host_pages, tags):
-            src = dev_kv[layers.start : layers.stop, :, dev].cpu()
-            dst = host_kv[layers.start : layers.stop, host]
-            self.metrics.readback_checks += 1
-            check_offloaded(src, dst, tag, dev, host, layers.start)
+        readback_pages(
+            handle,
+            self.device_pool,
+            self.host_pool,
+            dev_pages,
+            host_pages,
+            tags,
+            layers,
+            self.metrics,
+        )
