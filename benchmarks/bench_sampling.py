@@ -2,7 +2,7 @@
 
 For each row count (default 128, 256 and 1,024: W1 decodes 256 rows tapering to a few,
 W7 ~1,000), the kernels alone (kernels/sampling.py's draw, kernels/sampling_cut.py's
-nucleus cut, kernels/penalties.py) and the whole Sampler call for W1's configurations
+nucleus cut, kernels/sampling_nucleus.py's top-p draw, kernels/penalties.py) and the whole Sampler call for W1's configurations
 beside greedy (the runner's plain greedy argmax): temperature 0.8 + top_p 0.95 with a
 seed a row, + top_k 50, + repetition_penalty 1.1 (counts kept on the device, 64 output
 tokens a row). GPU times are triton.testing.do_bench medians in microseconds; each
@@ -13,7 +13,7 @@ On the CPU (a check that it runs) times are medians of five calls, kernels inter
     python3 -m benchmarks.bench_sampling
     TRITON_INTERPRET=1 python3 -m benchmarks.bench_sampling --device cpu --vocab 500 --rows 4
 
-Names a tree lacks (SamplingState, kernels.penalties: before issue 49's work) are
+Names a tree lacks (SamplingState, kernels.penalties, kernels.sampling_nucleus) are
 skipped, so the same file times an older checkout for comparison.
 """
 
@@ -96,6 +96,13 @@ def bench_rows(rows: int, vocab: int, dev: torch.device) -> None:
         timed_us(lambda: top_p_cut(logits, temp, top_p, cut), dev),
         "us",
     )
+    try:
+        nucleus = importlib.import_module("batchgen.kernels.sampling_nucleus")
+        show(rows, "kernel: nucleus draw (draw and check)", timed_us(
+            lambda: nucleus.sample_nucleus(logits, temp, seed_t, pos, top_p), dev
+        ), "us")  # fmt: skip
+    except ImportError:
+        pass
     try:
         penalties = importlib.import_module("batchgen.kernels.penalties")
     except ImportError:

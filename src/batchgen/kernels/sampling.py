@@ -70,9 +70,11 @@ def _gumbel(cols, key1, key2):
 @triton.jit
 def _sample_kernel(
     logits_ptr, temperature_ptr, seed_ptr, position_ptr, cut_ptr, best_ptr, index_ptr,
-    stride_row, VOCAB, NUM_CHUNKS,
-    HAS_CUT: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BLOCKS: tl.constexpr,
+    max_ptr, stride_row, VOCAB, NUM_CHUNKS,
+    HAS_CUT: tl.constexpr, WITH_MAX: tl.constexpr, BLOCK: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr,
 ):  # fmt: skip
+    """Each chunk's best (score, index); WITH_MAX: also its largest kept logit."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     t = tl.load(temperature_ptr + row)
@@ -84,6 +86,7 @@ def _sample_kernel(
     key1, key2 = _row_keys(seed_ptr, position_ptr, row)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_at = tl.zeros([BLOCK], dtype=tl.int32)
+    top_kept = tl.full([BLOCK], float("-inf"), tl.float32)
     start = chunk * BLOCK * CHUNK_BLOCKS
     for b in range(CHUNK_BLOCKS):
         cols = start + b * BLOCK + tl.arange(0, BLOCK)
@@ -95,11 +98,15 @@ def _sample_kernel(
         better = score > best  # strictly: the first block's token wins a tie
         best = tl.where(better, score, best)
         best_at = tl.where(better, cols, best_at)
+        if WITH_MAX:
+            top_kept = tl.maximum(top_kept, tl.where(x >= cut, x, float("-inf")))
     top = tl.max(best, axis=0)
     # the smallest index among the lanes holding the best score (-inf rows: VOCAB)
     at = tl.min(tl.where(best == top, best_at, 2147483647), axis=0)
     tl.store(best_ptr + row * NUM_CHUNKS + chunk, top)
     tl.store(index_ptr + row * NUM_CHUNKS + chunk, at.to(tl.int64))
+    if WITH_MAX:
+        tl.store(max_ptr + row * NUM_CHUNKS + chunk, tl.max(top_kept, axis=0))
 
 
 def _check(logits, temperature, seeds, positions, cut) -> None:
@@ -146,8 +153,8 @@ def sample_tokens(
         return index.new_empty(0)
     _sample_kernel[(rows, num_chunks)](
         logits, temperature, seeds, positions, temperature if cut is None else cut, best,
-        index, logits.stride(0), vocab, num_chunks, HAS_CUT=cut is not None, BLOCK=block,
-        CHUNK_BLOCKS=chunk_blocks, num_warps=4,
+        index, best, logits.stride(0), vocab, num_chunks, HAS_CUT=cut is not None,
+        WITH_MAX=False, BLOCK=block, CHUNK_BLOCKS=chunk_blocks, num_warps=4,
     )  # fmt: skip
     if num_chunks == 1:
         return index.view(rows)

@@ -13,7 +13,9 @@ requests' parameters, kept by request id, gathered into device tensors) and then
 
 The last line is one launch for the whole batch (`kernels.sampling.sample_tokens`; on
 the CPU its torch reference, the same noise): greedy rows take the argmax there too, and
-the sample is an exact draw from softmax(x / T) renormalised over the kept tokens.
+the sample is an exact draw from softmax(x / T) renormalised over the kept tokens. With
+top_p, on the GPU, the cut stops at top_k/min_p and `kernels.sampling_nucleus` draws
+first and checks the draw against the nucleus (the same token, the cut never computed).
 
 Invariant: the noise of a row is a counter-based hash of (its seed, its position = the
 tokens it has generated so far, the token id), computed on the device from tensors:
@@ -33,6 +35,7 @@ from batchgen.forward_context import to_device
 from batchgen.kernels.penalties import penalized_logits, penalized_logits_reference
 from batchgen.kernels.sampling import sample_tokens, sample_tokens_reference
 from batchgen.kernels.sampling_cut import top_p_cut, top_p_cut_reference
+from batchgen.kernels.sampling_nucleus import sample_nucleus
 from batchgen.runner.sampling_metadata import (
     SAMPLING_EPS,
     SamplingMetadata,
@@ -107,10 +110,12 @@ def apply_penalties(
     return penalized_logits_reference(logits, *args, *penalties)
 
 
-def filter_cut(x: torch.Tensor, meta: SamplingMetadata, kernels: bool) -> torch.Tensor | None:
+def filter_cut(
+    x: torch.Tensor, meta: SamplingMetadata, kernels: bool, top_p: bool = True
+) -> torch.Tensor | None:
     """Each row's cut [B] float32 on the logits ``x``: a sampled row keeps the tokens with
-    x >= cut, which is min_p, then top_k, then top_p applied to softmax(x / T) and
-    renormalised (None: no row filters). Every filter is a threshold on the row's
+    x >= cut, which is min_p, then top_k, then (``top_p``) top_p applied to softmax(x / T)
+    and renormalised (None: no row filters). Every filter is a threshold on the row's
     logits, so no vocabulary is sorted:
 
     - min_p: p(token) < min_p * p(top) is x < max(x) + T * log(min_p);
@@ -130,7 +135,7 @@ def filter_cut(x: torch.Tensor, meta: SamplingMetadata, kernels: bool) -> torch.
         kth = largest.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1).float()
         kth = torch.where(k > 0, kth, neg_inf)
         cut = kth if cut is None else torch.maximum(cut, kth)
-    if meta.use_top_p:
+    if meta.use_top_p and top_p:
         if cut is None:
             cut = torch.full_like(meta.temperature, neg_inf)
         nucleus = top_p_cut if kernels else top_p_cut_reference
@@ -164,9 +169,12 @@ class Sampler:
             token_ids = x.argmax(dim=-1)
         else:
             x = x.contiguous()
-            cut = filter_cut(x, meta, kernels)
-            draw = sample_tokens if kernels else sample_tokens_reference
-            token_ids = draw(x, meta.temperature, meta.seeds, meta.positions, cut)
+            args = (x, meta.temperature, meta.seeds, meta.positions)
+            if kernels and meta.use_top_p:  # draw, then check the draw against top_p
+                token_ids = sample_nucleus(*args, meta.top_p, filter_cut(x, meta, True, False))
+            else:
+                draw = sample_tokens if kernels else sample_tokens_reference
+                token_ids = draw(*args, filter_cut(x, meta, kernels))
         if not meta.need_logprobs:  # the full-vocabulary log_softmax is skipped
             return SamplerOutput(token_ids, None, None, None, None)
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
