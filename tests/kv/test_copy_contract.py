@@ -11,6 +11,7 @@ moves a target makes the test fail loudly instead of mutating nothing.
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -839,6 +840,21 @@ def package(tmp_path) -> Path:
     root = tmp_path / "src" / "batchgen"
     shutil.copytree(REPO / "src" / "batchgen", root, ignore=shutil.ignore_patterns("__pycache__"))
     return root
+
+
+def test_the_check_and_its_mutations_cite_the_one_rule_table():
+    """The rules are numbered once, in kv/copy_rules.py: every finding the check can name
+    and every rule a mutation here breaks is a line of that table, the check says how it
+    checks each, and every line not kept by tests alone is checked and broken here."""
+    table = (REPO / "src" / "batchgen" / "kv" / "copy_rules.py").read_text()
+    lines = dict(re.findall(r"^   (\d[a-z]) (.*)$", table, re.M))
+    by_tests = {line for line, text in lines.items() if text.startswith("(tests)")}
+    check = (REPO / "scripts" / "hygiene" / "copy_contract.py").read_text()
+    named = set(re.findall(r'"(\d[a-z])"', check))
+    described = set(re.findall(r"^(\d[a-z])  ", check, re.M))
+    broken = {rule for _, rule in MUTATIONS}
+    assert named <= set(lines), named - set(lines)
+    assert named == described == broken == set(lines) - by_tests
 
 
 def test_the_real_tree_keeps_the_contract(package):
