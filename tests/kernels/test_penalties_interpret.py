@@ -45,12 +45,30 @@ def test_penalties_match_the_reference_bit_for_bit(rows, vocab, dtype, prompt):
     assert (got[0, :5] == float("-inf")).all()
 
 
+def test_kept_counts_are_read_at_their_slots():
+    """counts and mask as a PenaltyCounts keeps them ([slots, V]), rows naming each row's
+    slot: what the gathered [B, V] tensors give, without gathering them."""
+    logits, counts, mask, rep, freq, pres = case(3, 900, 5)
+    rows = torch.tensor([2, 0, 2], device=DEVICE)  # two rows on one slot
+    slots_counts = torch.roll(counts, 1, 0)
+    slots_mask = torch.roll(mask, 1, 0)
+    got = penalized_logits(logits, slots_counts, slots_mask, rep, freq, pres, rows)
+    gathered = (slots_counts[rows], slots_mask[rows])
+    assert torch.equal(got, penalized_logits_reference(logits, *gathered, rep, freq, pres))
+    assert torch.equal(
+        got, penalized_logits_reference(logits, slots_counts, slots_mask, rep, freq, pres, rows)
+    )
+    assert not torch.equal(got, penalized_logits(logits, counts, mask, rep, freq, pres))
+
+
 def test_wrapper_checks_inputs():
     logits, counts, mask, rep, freq, pres = case(2, 300, 0)
     with pytest.raises(ValueError, match="counts"):
         penalized_logits(logits, counts.long(), mask, rep, freq, pres)
     with pytest.raises(ValueError, match="prompt_mask"):
         penalized_logits(logits, counts, mask[:, :10], rep, freq, pres)
+    with pytest.raises(ValueError, match="rows"):
+        penalized_logits(logits, counts, mask, rep, freq, pres, rep.long()[:1])
     with pytest.raises(ValueError, match="frequency"):
         penalized_logits(logits, counts, mask, rep, freq.double(), pres)
     assert penalized_logits(

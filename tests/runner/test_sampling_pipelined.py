@@ -161,8 +161,9 @@ def test_cuda_kept_counts_have_no_host_sync():
         meta = SamplingMetadata.build(
             params, prompts, outputs, vocab, dev, [2], penalty_counts=kept, request_ids=ids
         )
+        counts = meta.output_token_counts  # gathered on the device, before the step's tokens
         meta.record(tokens)
-        return meta
+        return counts
 
     step(["a", "b", "c"])  # warm-up: lazy CUDA initialisation may synchronise
     torch.cuda.synchronize()
@@ -170,8 +171,8 @@ def test_cuda_kept_counts_have_no_host_sync():
         out.append(t)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        meta = step(["a", "b", "d"])  # d: a new slot, filled
+        got = step(["a", "b", "d"])  # d: a new slot, filled
     finally:
         torch.cuda.set_sync_debug_mode("default")
     counts, _ = token_stats(3, vocab, torch.device("cpu"), list(enumerate(outputs)), [])
-    assert torch.equal(meta.output_token_counts.cpu(), counts)
+    assert torch.equal(got.cpu(), counts)

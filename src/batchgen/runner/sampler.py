@@ -100,14 +100,13 @@ def apply_penalties(
     Repetition (prompt and output tokens): positive logits are divided by it, the others
     multiplied. Frequency subtracts penalty * count; presence subtracts penalty once.
     """
-    counts = meta.output_token_counts
-    if counts is None or meta.repetition_penalty is None:
+    if meta.penalty_source is None or meta.repetition_penalty is None:
         return logits
-    args = (counts, meta.prompt_token_mask, meta.repetition_penalty)
-    penalties = (meta.frequency_penalty, meta.presence_penalty)
+    counts, prompt_mask, rows = meta.penalty_source  # kept counts: read at their slots
+    penalties = (meta.repetition_penalty, meta.frequency_penalty, meta.presence_penalty)
     if kernels and None not in penalties:
-        return penalized_logits(logits.contiguous(), *args, *penalties)
-    return penalized_logits_reference(logits, *args, *penalties)
+        return penalized_logits(logits.contiguous(), counts, prompt_mask, *penalties, rows)
+    return penalized_logits_reference(logits, counts, prompt_mask, *penalties, rows)
 
 
 def filter_cut(

@@ -61,8 +61,6 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor | None  # [B]; the penalty fields are None when no row
     frequency_penalty: torch.Tensor | None  # [B]  of the batch uses any penalty
     repetition_penalty: torch.Tensor | None  # [B]
-    output_token_counts: torch.Tensor | None  # [B, V] int32 counts of the row's output tokens
-    prompt_token_mask: torch.Tensor | None  # [B, V] bool: token appears in the row's prompt
     min_tokens_block: list[tuple[int, list[int]]]  # (row, ids to forbid) under min_tokens
     max_top_k: int = 0  # the largest top_k of the batch (the topk taken for all rows)
     use_top_k: bool = True
@@ -71,6 +69,27 @@ class SamplingMetadata:
     need_logprobs: bool = True  # False: no row reports logprobs (the output's are None)
     # kept penalty counts: (penalised rows [P], their slots [P], the PenaltyCounts, ids)
     penalty_rows: tuple[torch.Tensor, torch.Tensor, PenaltyCounts, list[str]] | None = None
+    # where penalised rows read their counts: (output-token counts int32, prompt-token
+    # mask bool or None, rows): [B, V] each with rows None, else a PenaltyCounts' [slots,
+    # V] tensors read at rows [B] (row b at slot rows[b]; nothing gathered until asked)
+    penalty_source: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+
+    @property
+    def output_token_counts(self) -> torch.Tensor | None:
+        """[B, V] int32 counts of each row's output tokens (None: no row is penalised);
+        kept counts are gathered when asked: read it before `record` adds the step's."""
+        return self._penalty_view(0)
+
+    @property
+    def prompt_token_mask(self) -> torch.Tensor | None:
+        """[B, V] bool: the token appears in the row's prompt (as output_token_counts)."""
+        return self._penalty_view(1)
+
+    def _penalty_view(self, which: int) -> torch.Tensor | None:
+        if self.penalty_source is None:
+            return None
+        t, rows = self.penalty_source[which], self.penalty_source[2]
+        return t if t is None or rows is None else t.index_select(0, rows)
 
     @classmethod
     def build(
@@ -262,8 +281,6 @@ class SamplingState:
             presence_penalty=packed[4] if penalised else None,
             frequency_penalty=packed[5] if penalised else None,
             repetition_penalty=packed[6] if penalised else None,
-            output_token_counts=None,
-            prompt_token_mask=None,
             min_tokens_block=min_tokens_block,
             max_top_k=int(floats[3].max(initial=0)),
             use_top_k=bool((floats[3] > 0).any()),
@@ -273,13 +290,12 @@ class SamplingState:
         )
         if pen_slots is not None:
             row_slots = dev[2 * n : 3 * n]
-            meta.output_token_counts = kept.counts.index_select(0, row_slots)
-            meta.prompt_token_mask = kept.prompt.index_select(0, row_slots)
+            meta.penalty_source = (kept.counts, kept.prompt, row_slots)
             m = len(penalised)
             meta.penalty_rows = (dev[3 * n : 3 * n + m], dev[3 * n + m :], kept, pen_ids)
         elif penalised:
             outs = [(i, output_token_ids[i]) for i in penalised]
             rep = [(i, prompt_token_ids[i]) for i in penalised if floats[6, i] != 1]
             counts, mask = token_stats(n, self.vocab_size, self.device, outs, rep)
-            meta.output_token_counts, meta.prompt_token_mask = counts, mask
+            meta.penalty_source = (counts, mask, None)
         return meta
