@@ -57,6 +57,7 @@ from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
+from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.runner.batch import ModelRunnerOutput
@@ -116,17 +117,19 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
     page_bytes = bytes_per_token(args.model) * PAGE_SIZE
     dev_pages = args.num_pages or int(args.kv_gib * 2**30 // page_bytes)
     layout = KVLayout(1, 1, 4, PAGE_SIZE, torch.float32)
-    kv = KVCacheManager(dev_pages, PAGE_SIZE, True, None, "off")
+    allocator = PageAllocator(dev_pages, True)
+    tier = None
     if tier_on:
         host_pages = int(args.host_gib * 2**30 // page_bytes)
-        kv.tier = TieredKVManager(
+        tier = TieredKVManager(
             PagePool(layout, dev_pages, torch.device("cpu")),
             HostPool(layout, host_pages, False),
-            kv.allocator,
+            allocator,
             CopyEngine(torch.device("cpu"), background=True),
             debug=False,
             loads_pay=True,
         )
+    kv = KVCacheManager(allocator, PAGE_SIZE, tier, "off")
     sched = Scheduler(kv, args.max_num_seqs, args.max_batched_tokens, 4096, [-1], args.admission)
     requests = {}
     start = time.perf_counter()

@@ -14,6 +14,7 @@ import pytest
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.kv.page_allocator import PageAllocator
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ class Driver:
         max_model_len: int = 1000,
         caching: bool = True,
     ) -> None:
-        self.kv = KVCacheManager(num_pages, PS, caching)
+        self.kv = KVCacheManager(PageAllocator(num_pages, caching), PS)
         self.sched = Scheduler(
             self.kv, max_num_seqs, budget, max_model_len, [EOS], admission=self.admission
         )

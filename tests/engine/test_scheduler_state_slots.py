@@ -15,9 +15,11 @@ from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
+from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool, StateSlots
 from batchgen.kv.state_tier import StateTier
+from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.runner.batch import ModelRunnerOutput
 from batchgen.sampling_params import SamplingParams
@@ -26,7 +28,7 @@ PS = 4
 
 
 def make(num_pages=64, num_slots=2, max_num_seqs=8, admission="prefix"):
-    kv = KVCacheManager(num_pages, PS, True)
+    kv = KVCacheManager(PageAllocator(num_pages, True), PS)
     slots = StateSlots(num_slots)
     sched = Scheduler(kv, max_num_seqs, 64, 1000, [2], admission=admission, state_slots=slots)
     return sched, slots
@@ -113,23 +115,25 @@ def test_prefix_hits_are_not_used():
 
 def make_swapping(num_pages=6, num_slots=2, host_pages=16, host_slots=2):
     """A hybrid scheduler with the host tier: pages and slots hold random values."""
-    kv = KVCacheManager(num_pages, PS, False)  # hybrid models cache no prefixes
+    allocator = PageAllocator(num_pages, False)  # hybrid models cache no prefixes
     pool = PagePool(KVLayout(2, 1, 4, PS, torch.float32), num_pages, "cpu")
     pool.kv.normal_()
-    tier = TieredKVManager(
-        pool,
-        HostPool(pool.layout, host_pages, False),
-        kv.allocator,
-        CopyEngine(torch.device("cpu")),
-    )
-    kv.tier = tier
     layout = StateLayout(2, 2, 4, 4, 6, 4, torch.float32)
     states = StatePool(layout, num_slots, "cpu")
     states.states.normal_()
     states.windows.normal_()
     slots = StateSlots(num_slots)
     host = HostStatePool(layout, host_slots, False)
-    tier.states = StateTier(states, host, slots, tier.copies, tier.metrics)
+    copies, metrics = CopyEngine(torch.device("cpu")), TierMetrics()
+    tier = TieredKVManager(
+        pool,
+        HostPool(pool.layout, host_pages, False),
+        allocator,
+        copies,
+        metrics=metrics,
+        states=StateTier(states, host, slots, copies, metrics),
+    )
+    kv = KVCacheManager(allocator, PS, tier)
     swap = ExactSwap(kv, tier.states)
     sched = Scheduler(kv, 2, 64, 1000, [2], state_slots=slots, exact_swap=swap)
     return sched, slots, tier

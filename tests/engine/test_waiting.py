@@ -11,6 +11,7 @@ from batchgen.engine.pipeline import could_admit
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.kv.page_allocator import PageAllocator
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -23,7 +24,7 @@ class Engine:
     unless told otherwise."""
 
     def __init__(self, num_pages=64, seqs=16, budget=200, admission="prefix", caching=True):
-        self.kv = KVCacheManager(num_pages, PS, caching)
+        self.kv = KVCacheManager(PageAllocator(num_pages, caching), PS)
         self.sched = Scheduler(self.kv, seqs, budget, 1000, [EOS], admission=admission)
         self.requests: dict[str, Request] = {}
         self.computed = 0
@@ -261,7 +262,7 @@ def test_a_step_costs_the_groups_not_the_waiting_pages():
     """W3's shape, scaled down: 64 prefixes x 32 questions, round robin. A schedule()
     looks up a few pages per group and per admitted request, not every waiting page."""
     ps, prefix_len, question_len = 16, 3000, 100
-    kv = KVCacheManager(40 * 200, ps, True)
+    kv = KVCacheManager(PageAllocator(40 * 200, True), ps)
     sched = Scheduler(kv, 256, 8192, 4096, [EOS])
     prefixes = [tokens(100_000 * (p + 1), prefix_len) for p in range(64)]
     reqs = {}

@@ -3,13 +3,14 @@
 import pytest
 
 from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.prefix_hash import hash_full_pages
 
 PS = 4
 
 
 def make(num_pages: int = 16, caching: bool = True) -> KVCacheManager:
-    return KVCacheManager(num_pages, PS, caching)
+    return KVCacheManager(PageAllocator(num_pages, caching), PS)
 
 
 def run_prompt(kv: KVCacheManager, rid: str, tokens: list[int]) -> list[int]:
@@ -232,19 +233,17 @@ def test_free_then_realloc_after_preemption_reuses_cached_pages():
 def test_is_cached_sees_device_then_host_pages_and_counts_nothing():
     from types import SimpleNamespace
 
-    from batchgen.kv.page_allocator import PageAllocator
-
-    kv = make()
+    other = hash_full_pages(list(range(100, 104)), PS)[0]
+    host = PageAllocator(2)
+    host.register(host.allocate(1)[0], other)
+    tier = SimpleNamespace(host_alloc=host, loads_pay=False)
+    kv = KVCacheManager(PageAllocator(16, True), PS, tier)
     prompt = list(range(9))
     run_prompt(kv, "a", prompt)
     h0, h1 = kv.page_hashes("a", prompt)
-    other = hash_full_pages(list(range(100, 104)), PS)[0]
-    assert kv.is_cached(h0) and kv.is_cached(h1) and not kv.is_cached(other)
-    host = PageAllocator(2)
-    host.register(host.allocate(1)[0], other)
-    kv.tier = SimpleNamespace(host_alloc=host, loads_pay=False)
+    assert kv.is_cached(h0) and kv.is_cached(h1)
     assert not kv.is_cached(other)  # the cost rule idles the tier: host pages are not hits
-    kv.tier.loads_pay = True
+    tier.loads_pay = True
     assert kv.is_cached(other)
     assert kv.prefix_hit_tokens == 0 and kv.prefix_query_tokens == 9
     assert not make(caching=False).is_cached(h0)

@@ -224,8 +224,9 @@ def test_reset_forgets_hashes_and_refuses_when_held():
 
 
 def test_wanted_pages_are_evicted_after_every_unwanted_one():
-    wanted = {h(0), h(1)}
-    alloc = PageAllocator(4, wanted=lambda x: x in wanted)
+    alloc = PageAllocator(4)
+    alloc.want(h(0))  # not cached yet: only noted
+    alloc.want(h(1))
     pages = alloc.allocate(4)
     for i, p in enumerate(pages):
         alloc.register(p, h(i))
@@ -255,3 +256,33 @@ def test_is_cached_answers_lookup_of_one_hash_held_or_free():
     alloc.allocate(2)  # evicted
     assert not alloc.is_cached(h(0))
     assert not PageAllocator(2, enable_caching=False).is_cached(h(0))
+
+
+def test_allocate_tells_its_caller_of_each_cached_page_as_it_is_taken():
+    alloc = PageAllocator(3)
+    pages = alloc.allocate(3)
+    alloc.register(pages[1], h(1))
+    alloc.register(pages[2], h(2))
+    alloc.free(pages)  # the tail first: 2, 1 cached at the back, 0 (no hash) in front
+    seen = []
+    got = alloc.allocate(2, lambda page, page_hash: seen.append((page, page_hash)))
+    assert got == [pages[0], pages[2]]
+    assert seen == [(pages[2], h(2))]  # an unhashed page is no eviction
+    alloc.allocate(1)  # no one to tell: evicted all the same
+    assert alloc.lookup([h(1)]) == [] and alloc.evictions == 2
+
+
+def test_resize_empties_the_pool_and_keeps_what_is_wanted():
+    alloc = PageAllocator(2)
+    alloc.want(h(0))
+    pages = alloc.allocate(2)
+    alloc.register(pages[0], h(0))
+    alloc.resize(4)
+    assert alloc.num_pages == 4 and alloc.num_free == 4 and alloc.ref_count == [0] * 4
+    assert alloc.lookup([h(0)]) == [] and alloc.evictions == 0
+    wanted, other = alloc.allocate(2)
+    alloc.register(wanted, h(0))
+    alloc.register(other, h(9))
+    alloc.free([wanted])  # still wanted after the resize: taken after `other`
+    alloc.free([other])
+    assert free_order(alloc)[-2:] == [other, wanted]

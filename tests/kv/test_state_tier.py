@@ -31,7 +31,7 @@ LAYOUT = StateLayout(
 PAUSE = 0.3  # seconds a copy that must wait is given to (wrongly) run
 
 
-def make(dev_slots=3, host_slots=2, debug=False, load_scatter="copy"):
+def make(dev_slots=3, host_slots=2, debug=False, load_scatter="copy", mirror=None):
     pool = StatePool(LAYOUT, dev_slots, "cpu")
     pool.states.normal_()
     pool.windows.normal_()
@@ -40,7 +40,9 @@ def make(dev_slots=3, host_slots=2, debug=False, load_scatter="copy"):
     host.windows.fill_(-1.0)
     slots = StateSlots(dev_slots)
     copies = CopyEngine(torch.device("cpu"))
-    tier = StateTier(pool, host, slots, copies, TierMetrics(), debug, load_scatter=load_scatter)
+    tier = StateTier(
+        pool, host, slots, copies, TierMetrics(), debug, load_scatter=load_scatter, mirror=mirror
+    )
     return tier, slots
 
 
@@ -133,9 +135,8 @@ def test_a_worker_mirror_replays_the_logged_state_copies_on_its_own_pools():
     from batchgen.kv.page_pool import PagePool
     from batchgen.kv.tier_mirror import TierMirror
 
-    tier, slots = make(dev_slots=4, host_slots=3)
     logged = []
-    tier.mirror = logged.append
+    tier, slots = make(dev_slots=4, host_slots=3, mirror=logged.append)
     worker_dev = StatePool(LAYOUT, 4, "cpu")
     worker_dev.states.normal_()
     worker_dev.windows.normal_()

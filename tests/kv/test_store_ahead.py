@@ -18,6 +18,7 @@ from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
+from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tiered import TieredKVManager
 
@@ -28,14 +29,13 @@ TOKENS = list(range(100, 110))  # two full pages and a partial one
 
 
 def make(dev_pages: int = 4, host_pages: int = 8) -> KVCacheManager:
-    kv = KVCacheManager(dev_pages, PS, True)
+    allocator = PageAllocator(dev_pages, True)
     pool = PagePool(LAYOUT, dev_pages, torch.device("cpu"))
     pool.kv.normal_()
     host = HostPool(LAYOUT, host_pages, pin=False)
     host.kv.fill_(-1.0)  # a page nothing wrote reads -1
     copies = CopyEngine(torch.device("cpu"), background=True)
-    kv.tier = TieredKVManager(pool, host, kv.allocator, copies)
-    return kv
+    return KVCacheManager(allocator, PS, TieredKVManager(pool, host, allocator, copies))
 
 
 def running(kv: KVCacheManager, rid: str = "a") -> tuple[list[int], list[torch.Tensor]]:

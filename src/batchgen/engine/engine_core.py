@@ -37,10 +37,12 @@ from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.layout import KVLayout
+from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.state_checkpoints import StateCheckpoints
 from batchgen.kv.state_pool import HostStatePool, StateLayout, StateSlots
 from batchgen.kv.state_tier import StateTier
+from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model, gguf_read_once
 from batchgen.models.registry import check_tensor_parallel
@@ -170,11 +172,22 @@ class EngineCore:
         # which only the host tier's state checkpoints keep; without them nothing is cached
         checkpoints = config.host_kv_size_gib > 0 and config.state_checkpoint_interval > 0
         caching = config.enable_prefix_caching and (self.state_pool is None or checkpoints)
-        self.kv = KVCacheManager(num_pages, config.page_size, caching, None, config.decode_append)
+        allocator = PageAllocator(num_pages, caching)  # the KV manager's and the tier's
         self.state_slots = None if self.state_pool is None else StateSlots(config.max_num_seqs)
-        self.exact_swap = None  # hybrid models' swap, built with the tier
         self.checkpoints = None  # hybrid models' prefix hits, built with the tier
-        self.tier = self._build_tier(page_gib, host_slots) if config.host_kv_size_gib > 0 else None
+        self.tier = (
+            self._build_tier(page_gib, host_slots, allocator)
+            if config.host_kv_size_gib > 0
+            else None
+        )
+        self.kv = KVCacheManager(allocator, config.page_size, self.tier, config.decode_append)
+        self.exact_swap = None  # hybrid models' swap, over the state tier
+        if self.tier is not None and self.tier.states is not None:
+            self.exact_swap = ExactSwap(self.kv, self.tier.states, self.checkpoints)
+        self._pipeline = config.pipeline_decode
+        # async scheduling: the next step scheduled and launched while this one runs;
+        # resolve() turned it off, with a warning, where it cannot run
+        self._async = config.async_scheduling
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -185,6 +198,12 @@ class EngineCore:
             state_slots=self.state_slots,
             exact_swap=self.exact_swap,
             checkpoints=self.checkpoints,
+            # pipelined decode on one rank: a step's stores ahead (swap-outs' pages) are
+            # submitted once its forward is launched, off the step's critical path
+            # (TieredKVManager.flush); tensor parallel keeps them in the step's copy log
+            defer_stores_ahead=(
+                self.tier is not None and self._pipeline and not self._async and tp_workers is None
+            ),
         )
         plan = decode_split_plan(
             config, model, self.layout, dtype, device, backend, self.max_model_len
@@ -230,16 +249,6 @@ class EngineCore:
         self._in_flight = None  # a queued decode step (pipelined decode)
         self._finished_early: list[Request] = []
         self._failed: dict[str, BaseException] = {}  # in this step: RequestsFailed
-        self._pipeline = config.pipeline_decode
-        # async scheduling: the next step scheduled and launched while this one runs;
-        # resolve() turned it off, with a warning, where it cannot run
-        self._async = config.async_scheduling
-        # pipelined decode on one rank: a step's stores ahead (swap-outs' pages) are
-        # submitted once its forward is launched, off the step's critical path
-        # (TieredKVManager.flush); tensor parallel keeps them in the step's copy log
-        self.scheduler.defer_stores_ahead = (
-            self.tier is not None and self._pipeline and not self._async and tp_workers is None
-        )
         self._num_sync = 0  # requests whose sampling needs the host's tokens each step
         self.grammar = None  # StructuredOutputs, built for the first constrained request
         logger.info("engine config: %s", config.describe())
@@ -253,12 +262,9 @@ class EngineCore:
 
     def _tp_runner_args(self) -> dict:
         """TPModelRunner's extra arguments: the workers, and with the host tier the
-        copies its steps hand them (the tier logs each copy it submits from now on)."""
+        copies its steps hand them (the tier logs each copy it submits)."""
         if self.tier is None:
             return {"workers": self.tp_workers}
-        self.tier.mirrored = []
-        if self.tier.states is not None:  # the state tier's copies join the same log
-            self.tier.states.mirror = self.tier.log_mirrored
         return {"workers": self.tp_workers, "take_copies": self.tier.take_mirrored}
 
     def tier_worker_metrics(self) -> list[dict | None]:
@@ -284,45 +290,56 @@ class EngineCore:
             f"(it runs on {', '.join(supported)})"
         )
 
-    def _build_tier(self, page_gib: float, host_slots: int) -> TieredKVManager:
+    def _build_tier(
+        self, page_gib: float, host_slots: int, allocator: PageAllocator
+    ) -> TieredKVManager:
         """The host tier over `page_gib` of KV pages and `host_slots` state slots (the
-        split of host_kv_size_gib, split_host_budget)."""
+        split of host_kv_size_gib, split_host_budget), holding the device pool's
+        `allocator` beside the KV manager."""
         pin = self.device.type == "cuda"
         host = HostPool.sized(self.layout, page_gib, pin=pin)
         self.tier_cost = self._tier_cost()
-        tier = TieredKVManager(
-            self.pool,
-            host,
-            self.kv.allocator,
-            CopyEngine(self.device, issue=self.config.tier_copy_issue, background=True),
-            debug=self.config.batchgen_debug,
-            loads_pay=self.tier_cost["loads_pay"],
-            load_scatter=self.config.tier_load_scatter,
-        )
-        self.kv.tier = tier
+        copies = CopyEngine(self.device, issue=self.config.tier_copy_issue, background=True)
+        metrics = TierMetrics()
+        # tensor parallel: each copy submitted, logged for the workers' mirrors
+        mirrored = None if self.tp_workers is None else []
+        states = None
         if host_slots:  # hybrid models: requests swap with their compressed state
-            tier.states = StateTier(
+            states = StateTier(
                 self.state_pool,
                 HostStatePool(self.state_pool.layout, host_slots, pin=pin),
                 self.state_slots,
-                tier.copies,
-                tier.metrics,
+                copies,
+                metrics,
                 debug=self.config.batchgen_debug,
                 load_scatter=self.config.tier_load_scatter,
+                mirror=None if mirrored is None else mirrored.append,
             )
+        tier = TieredKVManager(
+            self.pool,
+            host,
+            allocator,
+            copies,
+            debug=self.config.batchgen_debug,
+            loads_pay=self.tier_cost["loads_pay"],
+            load_scatter=self.config.tier_load_scatter,
+            metrics=metrics,
+            states=states,
+            mirrored=mirrored,
+        )
+        if states is not None:
             if self.config.state_checkpoint_interval:  # what a seat per running request leaves
                 self.checkpoints = StateCheckpoints(
-                    tier.states,
+                    states,
                     self.config.state_checkpoint_interval,
                     self.config.page_size,
                     max(host_slots - self.config.max_num_seqs, host_slots // 2, 1),
                     shared_only=self.config.state_checkpoint_policy == "shared",
                 )
-            self.exact_swap = ExactSwap(self.kv, tier.states, self.checkpoints)
             logger.info(
                 "host state tier: %d slots (%.2f GiB)",
                 host_slots,
-                tier.states.host_pool.nbytes / 2**30,
+                states.host_pool.nbytes / 2**30,
             )
         elif self.state_pool is not None:
             logger.info("host state tier: no slot fits; preempted requests are recomputed")

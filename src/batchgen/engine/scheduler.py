@@ -50,6 +50,7 @@ class Scheduler:
         state_slots: StateSlots | None = None,
         exact_swap: ExactSwap | None = None,
         checkpoints: StateCheckpoints | None = None,
+        defer_stores_ahead: bool = False,
     ) -> None:
         if admission not in ("prefix", "arrival"):
             raise ValueError(f'admission must be "prefix" or "arrival", got {admission!r}')
@@ -64,7 +65,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         # the engine launches the forward before the step's stores ahead are submitted
         # (KVCacheManager.take_step_copies); it calls kv.flush_ahead() then
-        self.defer_stores_ahead = False
+        self.defer_stores_ahead = defer_stores_ahead
         self.waiting: deque[Request] | PrefixWaiting = (
             deque() if admission == "arrival" else PrefixWaiting()
         )

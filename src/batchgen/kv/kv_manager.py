@@ -41,19 +41,21 @@ class KVCacheManager:
 
     def __init__(
         self,
-        num_pages: int,
+        allocator: PageAllocator,
         page_size: int,
-        enable_prefix_caching: bool,
         tier: TieredKVManager | None = None,
         decode_append: str = "off",
     ) -> None:
+        """`allocator`: the device pool's bookkeeping (its `enable_caching` is whether
+        prefixes are cached), the one `tier` holds too; `allocate` tells this manager of
+        each cached page it evicts."""
         if decode_append not in ("off", "batched", "layer"):
             raise ValueError(f"decode_append must be off, batched or layer, got {decode_append!r}")
         self.page_size = page_size
         self.tier = tier
         self.decode_append = decode_append
         self._demand: dict[bytes, int] = {}  # unfinished requests whose pages these are
-        self.allocator = self._new_allocator(num_pages, enable_prefix_caching)
+        self.allocator = allocator
         self.pages: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_registered: dict[str, int] = {}
@@ -76,13 +78,8 @@ class KVCacheManager:
         carry over. Only valid when no request holds pages."""
         if self.pages or self._waits:
             raise RuntimeError("resize() with requests holding device pages")
-        self.allocator = self._new_allocator(num_pages, self.allocator.enable_caching)
+        self.allocator.resize(num_pages)
         self._num_registered.clear()
-
-    def _new_allocator(self, num_pages: int, caching: bool) -> PageAllocator:
-        """The device pool's bookkeeping: evictions come to `_evicted`, and it asks
-        `hash in _demand` for each page freed (the dict's own method, bound once)."""
-        return PageAllocator(num_pages, caching, self._evicted, self._demand.__contains__)
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -160,7 +157,7 @@ class KVCacheManager:
                 self._waits += self.tier.loads_of(hit_pages)
         first = len(held) + len(hit_pages)
         # grown in place: the runner's page rows then write only the pages added
-        held += list(hit_pages) + self.allocator.allocate(max(need, 0))
+        held += list(hit_pages) + self.allocator.allocate(max(need, 0), self._evicted)
         self.pages[request_id] = held
         swapped = self._swapped.pop(request_id, None)
         if swapped is not None:

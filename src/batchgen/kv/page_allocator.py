@@ -7,10 +7,14 @@ Invariants:
   prefix hit until allocation evicts it. The free queue is an LRU: allocation takes from
   the front; freed pages without a hash go to the front (worthless), freed cached pages
   to the back.
-- Free cached pages that an unfinished request wants (`wanted(hash)`, kept current by
-  `want` / `unwant`) wait in a second LRU queue, taken only once the first is empty: a
-  page nobody waits for is evicted before one a waiting or preempted request will hit.
-- Only the allocator changes ref counts; only `allocate` evicts a cached hash.
+- Free cached pages that an unfinished request wants (the hashes named by `want` and
+  not since by `unwant`) wait in a second LRU queue, taken only once the first is empty:
+  a page nobody waits for is evicted before one a waiting or preempted request will hit.
+- Only the allocator changes ref counts; only `allocate` evicts a cached hash (and tells
+  its caller: `allocate(n, on_evict)`).
+
+The allocator calls nothing it was built with, so that the KV manager and the host tier,
+which both hold it, can each be handed it when they are built.
 """
 
 from __future__ import annotations
@@ -20,17 +24,10 @@ from collections.abc import Callable
 
 
 class PageAllocator:
-    def __init__(
-        self,
-        num_pages: int,
-        enable_caching: bool = True,
-        on_evict: Callable[[int, bytes], None] | None = None,
-        wanted: Callable[[bytes], bool] | None = None,
-    ) -> None:
+    def __init__(self, num_pages: int, enable_caching: bool = True) -> None:
         self.num_pages = num_pages
         self.enable_caching = enable_caching
-        self.on_evict = on_evict  # (page, hash) of a cached page allocate() reuses
-        self.wanted = wanted  # hash -> an unfinished request will look it up
+        self._wanted: set[bytes] = set()  # hashes an unfinished request will look up
         self.ref_count = [0] * num_pages
         self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
         self._kept: OrderedDict[int, None] = OrderedDict()  # free, cached and wanted
@@ -46,7 +43,9 @@ class PageAllocator:
         """Free pages left once `pages` (prefix hits) are taken out of the free queue."""
         return self.num_free - sum(1 for p in pages if self.ref_count[p] == 0)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, on_evict: Callable[[int, bytes], None] | None = None) -> list[int]:
+        """n free pages, each held once; `on_evict(page, hash)` for each cached page
+        reused, as it is taken."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} pages, {self.num_free} free")
         pages = []
@@ -56,8 +55,8 @@ class PageAllocator:
             if h is not None:
                 del self._cached[h]
                 self.evictions += 1
-                if self.on_evict is not None:
-                    self.on_evict(page, h)
+                if on_evict is not None:
+                    on_evict(page, h)
             self.ref_count[page] = 1
             pages.append(page)
         return pages
@@ -74,7 +73,7 @@ class PageAllocator:
         finished request frees every page it held in one call: the loop's names are
         bound once, as it runs for each page of each request.)"""
         ref_count, page_hash = self.ref_count, self._page_hash
-        free, kept, wanted = self._free, self._kept, self.wanted
+        free, kept, wanted = self._free, self._kept, self._wanted
         for page in reversed(pages):
             left = ref_count[page] - 1
             assert left >= 0, f"page {page} freed twice"
@@ -85,13 +84,14 @@ class PageAllocator:
             if h is None:
                 free[page] = None
                 free.move_to_end(page, last=False)
-            elif wanted is not None and wanted(h):
+            elif h in wanted:
                 kept[page] = None
             else:
                 free[page] = None
 
     def want(self, page_hash: bytes) -> None:
         """An unfinished request now wants `page_hash`: a free page holding it is kept."""
+        self._wanted.add(page_hash)
         page = self._cached.get(page_hash)
         if page in self._free:
             del self._free[page]
@@ -99,6 +99,7 @@ class PageAllocator:
 
     def unwant(self, page_hash: bytes) -> None:
         """No unfinished request wants `page_hash` any more: back to the LRU queue."""
+        self._wanted.discard(page_hash)
         page = self._cached.get(page_hash)
         if page in self._kept:
             del self._kept[page]
@@ -140,3 +141,12 @@ class PageAllocator:
         self._cached.clear()
         self._free = OrderedDict((p, None) for p in range(self.num_pages))
         self._kept.clear()
+
+    def resize(self, num_pages: int) -> None:
+        """Bookkeeping for a new, empty pool of num_pages (the engine's reconfigure): no
+        page held or cached, no eviction counted; the wanted hashes carry over."""
+        self.num_pages = num_pages
+        self.ref_count = [0] * num_pages
+        self.evictions = 0
+        self._kept.clear()
+        self.reset()

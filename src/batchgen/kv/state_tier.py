@@ -57,7 +57,11 @@ class StateTier:
         metrics: TierMetrics,
         debug: bool = False,
         load_scatter: str = "copy",
+        mirror: Callable[[TierCopy], None] | None = None,
     ) -> None:
+        """`mirror` (tensor parallel): called with each copy submitted, as plain data for
+        the workers' mirrors (the append of the page tier's `mirrored` log); None on one
+        rank."""
         if load_scatter not in ("copy", "compute"):
             raise ValueError(f"load_scatter must be 'copy' or 'compute', got {load_scatter!r}")
         # TieredKVManager.load_scatter: "compute" defers a load's scatter into the slots
@@ -75,9 +79,7 @@ class StateTier:
         self.ledger = CopyLedger(metrics, self._free.extend, defers=True)
         self._read: dict[int, CopyHandle] = {}  # device slot -> checkpoint copy reading it
         self._loading: dict[int, int] = {}  # host slot -> checkpoint loads reading it
-        # tensor parallel: called with each copy submitted, as plain data for the
-        # workers' mirrors (TieredKVManager.log_mirrored); None on one rank
-        self.mirror: Callable[[TierCopy], None] | None = None
+        self.mirror = mirror
 
     def _log(self, kind: str, dev_slot: int, host_slot: int, tag: str) -> None:
         if self.mirror is not None:

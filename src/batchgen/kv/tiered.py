@@ -91,7 +91,14 @@ class TieredKVManager(TierQueue):
         debug: bool = False,
         loads_pay: bool = True,
         load_scatter: str = "copy",
+        metrics: TierMetrics | None = None,
+        states: StateTier | None = None,
+        mirrored: list[TierCopy] | None = None,
     ) -> None:
+        """`metrics`: the counters, shared with `states` (the compressed-state slots' tier,
+        if any; built first, on the same `copies`). `mirrored` (tensor parallel): the
+        list each copy submitted is logged to, as plain data for the workers' mirrors
+        (`states` logs its own to it too); None on one rank."""
         if load_scatter not in ("copy", "compute"):
             raise ValueError(f"load_scatter must be 'copy' or 'compute', got {load_scatter!r}")
         super().__init__()  # the step's queues
@@ -106,14 +113,12 @@ class TieredKVManager(TierQueue):
         self.copies = copies
         self.debug = debug
         self.loads_pay = loads_pay  # the cost rule's verdict: load rather than recompute
-        self.metrics = TierMetrics()
+        self.metrics = TierMetrics() if metrics is None else metrics
         # host pages: stores in flight writing them, copies to complete in order
         self.ledger = CopyLedger(self.metrics, self.host_alloc.free, load_scatter == "compute")
         self._loading: dict[int, CopyHandle] = {}  # device page -> load in flight
-        self.states: StateTier | None = None  # the compressed-state slots' tier, if any
-        # tensor parallel: each copy submitted, as plain data for the workers' mirrors
-        # (None on one rank; take_mirrored() hands them over)
-        self.mirrored: list[TierCopy] | None = None
+        self.states = states
+        self.mirrored = mirrored  # take_mirrored() hands them over
 
     @property
     def page_bytes(self) -> int:
@@ -277,16 +282,12 @@ class TieredKVManager(TierQueue):
             self.mirrored.append(TierCopy("load", dev_pages, host_pages, q.tags))
         return handle
 
-    def log_mirrored(self, copy: TierCopy) -> None:
-        """Log a copy submitted beside the tier's own (the state tier's) for the workers,
-        in submission order; nothing on one rank."""
-        if self.mirrored is not None:
-            self.mirrored.append(copy)
-
     def take_mirrored(self) -> list[TierCopy]:
         """The copies submitted since the last call, in submission order (tensor
-        parallel: sent to the workers before anything can reuse their pages)."""
-        taken, self.mirrored = self.mirrored, []
+        parallel: sent to the workers before anything can reuse their pages). The list
+        itself stays: the state tier logs to it too."""
+        taken = list(self.mirrored)
+        self.mirrored.clear()
         return taken
 
     def store_layer(
