@@ -104,3 +104,31 @@ def test_min_tokens_blocks_until_the_step_reaches_it():
     assert blocked[0].min_tokens_block == [(0, [2, 9])]  # q forbids nothing: no EOS, no stop ids
     assert blocked[1].min_tokens_block == [(0, [2, 9])]
     assert blocked[2].min_tokens_block == []
+
+
+def test_build_for_scheduled_requests_equals_build():
+    """build_for reads the runner's request objects as build reads its lists, token lists
+    only where a row is penalised (a request without them would fail otherwise)."""
+    from types import SimpleNamespace
+
+    reqs = [
+        SimpleNamespace(request_id=f"q{i}", params=p, seed=40 + i,
+                        prompt_token_ids=[1, 3], output_token_ids=[4] * i)
+        for i, p in enumerate(PARAMS)
+    ]  # fmt: skip
+    for r in reqs:
+        if not r.params.has_penalties:
+            del r.prompt_token_ids, r.output_token_ids
+    steps = [3 + i for i in range(len(reqs))]
+    penalised = [r if r.params.has_penalties else None for r in reqs]
+    got = SamplingState(VOCAB, CPU, EOS).build_for(reqs, steps)
+    want = SamplingState(VOCAB, CPU, EOS).build(
+        [r.request_id for r in reqs],
+        [r.params for r in reqs],
+        [r.prompt_token_ids if r else [] for r in penalised],
+        [r.output_token_ids if r else [] for r in penalised],
+        steps,
+        [r.seed for r in reqs],
+    )
+    assert_same(got, want)
+    assert got.seeds.tolist()[1] == 41 and got.positions.tolist() == steps

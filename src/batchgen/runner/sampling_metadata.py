@@ -222,6 +222,20 @@ class SamplingState:
             ids = self._blocked[slot] = sorted({t for t in ids if 0 <= t < self.vocab_size})
         return ids
 
+    def build_for(self, requests, steps: list[int]) -> SamplingMetadata:
+        """`build` for the runner's scheduled requests (each with request_id, params, seed,
+        prompt_token_ids and output_token_ids) at their ``steps``: every row's id and
+        params are read, a seed only for a request not held yet, token lists only for
+        penalised rows."""
+        return self.build(
+            [r.request_id for r in requests],
+            [r.params for r in requests],
+            _Column(requests, "prompt_token_ids"),
+            _Column(requests, "output_token_ids"),
+            steps,
+            _Column(requests, "seed"),
+        )
+
     def build(
         self,
         request_ids: list[str],
@@ -299,3 +313,15 @@ class SamplingState:
             counts, mask = token_stats(n, self.vocab_size, self.device, outs, rep)
             meta.penalty_source = (counts, mask, None)
         return meta
+
+
+class _Column:
+    """requests[i].<name>, read where indexed (what build reads for a few rows only)."""
+
+    __slots__ = ("name", "requests")
+
+    def __init__(self, requests, name: str) -> None:
+        self.requests, self.name = requests, name
+
+    def __getitem__(self, i: int):
+        return getattr(self.requests[i], self.name)
