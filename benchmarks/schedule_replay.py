@@ -138,9 +138,8 @@ class ReplayScheduler(Scheduler):
             if not self.kv.allocate(rid, start + n):
                 raise ReplayError("the replaying engine's pool is too small")
             scheduled.append((req, n))
-        out.released_ids = self.take_released()
-        out.requests = [self._scheduled(req, n) for req, n in scheduled]
-        return out
+        entries = [self._scheduled(req, n) for req, n in scheduled]
+        return SchedulerOutput(entries, released_ids=self.take_released())
 
     def _admit(self, req: Request, start: int) -> None:
         if start:

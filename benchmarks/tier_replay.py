@@ -146,13 +146,13 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
     seconds = {"decode": 0.0, "other": 0.0}  # host seconds of each kind of step
     counts = {"decode": 0, "other": 0}
 
-    def run_step(out) -> None:
+    def run_step(out, copies) -> None:
         nonlocal computed, steps
         kind = "decode" if _decode_only(out) else "other"
         counts[kind] += 1
-        for handle in out.wait_for:
+        for handle in copies.wait_for:
             handle.synchronize()
-        if out.wait_for:
+        if copies.wait_for:
             waiting_steps[kind] += 1
         ids = [s.request_id for s in out.requests if s.sample]
         tokens = [rng.randint(0, 10_000) for _ in ids]
@@ -167,18 +167,20 @@ def replay(prompts, out_lens, args, tier_on: bool) -> dict:
             kv.tier.poll()
         if queued is None:
             out = sched.schedule()
-            if out.is_empty:  # as in the engine: only copies in flight may hold it up
+            copies = sched.take_copies()
+            if out.is_empty:
+                sched.unsend(out)  # as in the engine: only copies in flight may hold it up
                 if kv.tier is None or not kv.tier.num_in_flight:
                     raise RuntimeError("no request could be scheduled")
                 kv.tier.drain()
                 return
             if not (args.pipeline and _decode_only(out)):
-                run_step(out)
+                run_step(out, copies)
                 return
-            queued = out
+            queued = (out, copies)
         current = queued
-        queued = next_decode(current, sched, kv, requests)
-        run_step(current)
+        queued = next_decode(current[0], sched, kv, requests)
+        run_step(*current)
 
     start, cpu_start = time.perf_counter(), time.thread_time()
     with BlockCounter() as blocks:

@@ -168,8 +168,8 @@ def record_launches(runner) -> list:
     launches = []
     launch = runner.launch_decode
 
-    def recorded(sched, prev=None):
-        flight = launch(sched, prev)
+    def recorded(sched, prev=None, *copies):
+        flight = launch(sched, prev, *copies)
         launches.append((flight, prev is not None))
         return flight
 
@@ -184,11 +184,11 @@ def count_launches_ahead(runner) -> dict:
     ahead = {"steps": 0, "with_prefill": 0}
     launch = runner.launch_step
 
-    def counted(sched, prev=None):
+    def counted(sched, prev=None, *copies):
         if prev is not None:
             ahead["steps"] += 1
             ahead["with_prefill"] += any(len(r.new_token_ids) > 1 for r in sched.requests)
-        return launch(sched, prev)
+        return launch(sched, prev, *copies)
 
     runner.launch_step = counted
     return ahead

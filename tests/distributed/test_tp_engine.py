@@ -23,7 +23,7 @@ from batchgen.engine.tensor_parallel import TPModelRunner, TPStep
 from batchgen.engine.tp_peers import check_supported
 from batchgen.engine.tp_worker import _Worker
 from batchgen.layers.tp_group import SINGLE
-from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+from batchgen.runner.batch import NewRequest, ScheduledRequest, SchedulerOutput
 from batchgen.runner.cuda_graphs import DecodeGraphs
 
 KW = dict(
@@ -52,9 +52,9 @@ def test_tp2_engine_equals_tp1_and_a_dead_worker_fails_the_next_step(tmp_path, a
         assert llm.engine.layout.num_kv_heads == 1  # 2 KV heads, one per rank
         launches = []  # rank 0's decode steps queued after the one still running
         launch = llm.engine.runner.launch_decode
-        llm.engine.runner.launch_decode = lambda s, prev=None: (
+        llm.engine.runner.launch_decode = lambda s, prev=None, *copies: (
             launches.append(prev is not None),
-            launch(s, prev),
+            launch(s, prev, *copies),
         )[1]
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         assert got == want
@@ -218,9 +218,8 @@ def test_a_worker_builds_graphs_only_when_rank_0_replays_them(tmp_path):
     off = _Worker(config, engine.model, engine.hf_config, engine.device, engine.dtype, SINGLE)
     off.handle(Setup(**setup, graphs=False))
     assert off.runner.graphs is None
-    decode = SchedulerOutput(
-        [ScheduledRequest("r", [5], 3, [0], True, SamplingParams(), [1, 2, 3], [])]
-    )
+    new = NewRequest(SamplingParams(), [1, 2, 3], [])
+    decode = SchedulerOutput([ScheduledRequest("r", [5], 3, [0], True, new=new)])
     with pytest.raises(RuntimeError, match="told to replay a decode CUDA graph"):
         off.handle(TPStep(decode, [], graph=True))
     for worker in (on, off):

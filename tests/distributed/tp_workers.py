@@ -27,7 +27,7 @@ from batchgen.layers.parallel import (
 )
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models.loader import ModelSource, build_model
-from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+from batchgen.runner.batch import NewRequest, ScheduledRequest, SchedulerOutput
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.sampling_params import SamplingParams
 
@@ -156,9 +156,14 @@ DECODE_TOKENS = [[41, 42, 43], [61, 62, 63], [81, 82, 83]]
 def scheduled_steps() -> list[SchedulerOutput]:
     params = SamplingParams(temperature=0)
 
-    def req(rid, tokens, start):
-        prompt = PROMPTS[rid]
-        return ScheduledRequest(rid, tokens, start, PAGES[rid], True, params, prompt, [])
+    seen = set()
+
+    def req(rid, tokens, start):  # its pages and fixed data with its first step only
+        if rid in seen:
+            return ScheduledRequest(rid, tokens, start, [], True)
+        seen.add(rid)
+        new = NewRequest(params, PROMPTS[rid], [])
+        return ScheduledRequest(rid, tokens, start, PAGES[rid], True, new=new)
 
     a, b, c = PROMPTS["a"], PROMPTS["b"], PROMPTS["c"]
     steps = [
@@ -186,7 +191,7 @@ def model_logits(tp: TPGroup | None, path: str) -> list[torch.Tensor]:
     )
     out = []
     for sched in scheduled_steps():
-        input_ids, positions, meta, _ = runner.prepare(sched)
+        input_ids, positions, meta, _ = runner.prepare(runner.apply(sched))
         with bind_forward_context(ForwardContext(meta, pool.layer_caches(), "torch")):
             hidden = model(input_ids, positions)
         out.append(model.compute_logits(hidden))

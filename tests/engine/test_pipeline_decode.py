@@ -34,9 +34,9 @@ def _run(model_dir, prompts, params, pipeline: bool, **kw):
     launches = []
     launch = runner.launch_decode
 
-    def counted(sched, prev=None):
+    def counted(sched, prev=None, *copies):
         launches.append(prev is not None)
-        return launch(sched, prev)
+        return launch(sched, prev, *copies)
 
     runner.launch_decode = counted
     outs = llm.generate(prompts, params, use_tqdm=False)

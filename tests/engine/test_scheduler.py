@@ -50,6 +50,7 @@ class Driver:
         self.requests: dict[str, Request] = {}
         self.outputs: list[SchedulerOutput] = []
         self.finished: list[Request] = []
+        self.held: dict[str, list[int]] = {}  # each request's pages, as the runner keeps them
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 4, **params) -> Request:
         req = Request(
@@ -64,6 +65,7 @@ class Driver:
         token = token or (lambda r: 100 + len(r.output_token_ids))
         before = {r.request_id: r.num_computed_tokens for r in self.sched.running}
         out = self.sched.schedule()
+        self.take_pages(out)
         self.check(out, before)
         sampled = [s for s in out.requests if s.sample]
         result = ModelRunnerOutput(
@@ -79,6 +81,16 @@ class Driver:
                 assert s.request_id not in self.kv.pages  # pages released on finish
         self.outputs.append(out)
         return out
+
+    def take_pages(self, out: SchedulerOutput) -> None:
+        """The runner's record of page lists, from the step's diffs (runner/input_batch.py)."""
+        for rid in out.released_ids:
+            self.held.pop(rid, None)
+        for s in out.requests:
+            if s.new is not None:
+                self.held[s.request_id] = list(s.new_pages)
+            else:
+                self.held[s.request_id] += s.new_pages
 
     def check(self, out: SchedulerOutput, before: dict[str, int]) -> None:
         sched = self.sched
@@ -96,7 +108,7 @@ class Driver:
             if s.request_id in before and s.request_id not in out.preempted_ids:
                 assert s.start == before[s.request_id]  # running: continues where it was
             assert s.new_token_ids == req.token_ids[s.start : s.start + n]
-            assert len(s.page_table) * PS >= s.start + n  # pages cover the new tokens
+            assert len(self.held[s.request_id]) * PS >= s.start + n  # pages cover the new tokens
             assert s.sample == (s.start + n == req.num_tokens)
         for rid in out.preempted_ids:
             assert rid not in ids
@@ -159,7 +171,7 @@ def test_chunked_prefill_splits_a_long_prompt():
     for _ in range(3):
         (s,) = d.step().requests
         chunks.append((s.start, len(s.new_token_ids), s.sample))
-        assert s.page_table == d.kv.pages["a"]
+        assert d.held["a"] == d.kv.pages["a"]
     assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
     assert req.output_token_ids == [100]
     assert req.num_computed_tokens == 20
@@ -440,7 +452,7 @@ class KVContentDriver(Driver):
         super().check(out, before)
         for s in out.requests:
             req = self.requests[s.request_id]
-            table = s.page_table
+            table = self.held[s.request_id]  # the runner's page row
             for pos in range(s.start):
                 slot = table[pos // PS] * PS + pos % PS
                 assert self.slots.get(slot) == req.token_ids[pos], (s.request_id, pos)

@@ -172,7 +172,7 @@ def test_preemption_with_the_tier_swaps_pages_and_state_and_resumes_exactly():
     (s,) = out.requests
     assert s.request_id == "b" and s.start == computed  # resumes where it stopped
     assert s.state_slot == other
-    assert len(out.wait_for) == 2  # the page load and the state load
+    assert len(sched.take_copies().wait_for) == 2  # the page load and the state load
     tier.drain()
     assert torch.equal(states.device_pool.states[:, other], saved)
     dev_pages = sched.kv.pages["b"][: len(host_pages)]

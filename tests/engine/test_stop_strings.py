@@ -66,9 +66,9 @@ def _generate(model_dir, prompt, params, pipeline: bool, **kw):
     queued = []
     launch = llm.engine.runner.launch_decode
 
-    def counted(sched, prev=None):
+    def counted(sched, prev=None, *copies):
         queued.append(prev is not None)
-        return launch(sched, prev)
+        return launch(sched, prev, *copies)
 
     llm.engine.runner.launch_decode = counted
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]

@@ -120,9 +120,9 @@ def spy_launches(llm) -> list[bool]:
     launches: list[bool] = []
     launch = runner.launch_decode
 
-    def counted(sched, prev=None):
+    def counted(sched, prev=None, *copies):
         launches.append(prev is not None)
-        return launch(sched, prev)
+        return launch(sched, prev, *copies)
 
     runner.launch_decode = counted
     return launches

@@ -77,9 +77,9 @@ def _count_queued(llm) -> list[bool]:
     runner, launches = llm.engine.runner, []
     launch = runner.launch_decode
 
-    def counted(sched, prev=None):
+    def counted(sched, prev=None, *copies):
         launches.append(prev is not None)
-        return launch(sched, prev)
+        return launch(sched, prev, *copies)
 
     runner.launch_decode = counted
     return launches

@@ -7,14 +7,11 @@ import torch
 
 from batchgen.runner.batch import ScheduledRequest
 from batchgen.runner.linear_state import linear_metadata
-from batchgen.sampling_params import SamplingParams
 
 
 def scheduled(rid: str, n: int, start: int, slot: int | None) -> ScheduledRequest:
     tokens = list(range(start + n))
-    return ScheduledRequest(
-        rid, tokens[start:], start, [0], True, SamplingParams(), tokens, [], state_slot=slot
-    )
+    return ScheduledRequest(rid, tokens[start:], start, [0], True, state_slot=slot)
 
 
 def test_rows_slots_and_fresh_requests():

@@ -65,13 +65,13 @@ def _generate(model_dir, prompts, params, **kw):
     # every slot still held is one the next step releases (schedule() hands them over)
     held = set(engine.runner.penalties._slot)
     assert held <= set(engine.scheduler.take_released())
-    behind = [f.sched for f, b in launches if b]
+    behind = [f.sampled for f, b in launches if b]  # a decode step: every row samples
     _generate.preemptions = engine.scheduler.num_preemptions
     return rows, behind, ahead
 
 
-def _penalised_ahead(scheds) -> int:
-    return sum(any(r.params.has_penalties for r in s.requests) for s in scheds)
+def _penalised_ahead(steps) -> int:
+    return sum(any(r.params.has_penalties for r in rows) for rows in steps)
 
 
 def test_pipelined_decode_queues_penalised_rows_ahead(model_dir):
@@ -81,7 +81,7 @@ def test_pipelined_decode_queues_penalised_rows_ahead(model_dir):
     assert not behind
     piped, behind, _ = _generate(model_dir, prompts, params, max_num_seqs=6)
     assert _penalised_ahead(behind) > 5, "no penalised decode step was queued ahead"
-    assert any(any(r.params.logprobs for r in s.requests) for s in behind)
+    assert any(any(r.params.logprobs for r in rows) for rows in behind)
     assert piped == plain
     assert any(lps for _, _, lps in piped)  # logprobs came back
 

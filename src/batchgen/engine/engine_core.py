@@ -46,7 +46,7 @@ from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tiered import TieredKVManager
 from batchgen.models.loader import ModelSource, build_model, gguf_read_once
 from batchgen.models.registry import check_tensor_parallel
-from batchgen.runner.batch import SchedulerOutput
+from batchgen.runner.batch import SchedulerOutput, StepCopies
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.runner.sampler import request_seed
 from batchgen.sampling_params import SamplingParams
@@ -659,26 +659,24 @@ class EngineCore:
         if self._in_flight is None:
             with record_function("batchgen.schedule"):
                 sched = self.scheduler.schedule()
+                copies = self.scheduler.take_copies()
             if sched.is_empty:
-                if self.tier is not None and self.tier.num_in_flight:
-                    self.tier.drain()
-                    return []
-                if self.scheduler.waiting and not self.scheduler.running:
-                    raise RuntimeError("no request could be scheduled with an empty running set")
-                return []
-            if not (self._pipeline and self.runner.can_launch_decode(sched)):
-                return self._finish_step(sched, self.runner.execute(sched))
-            self._in_flight = self.runner.launch_decode(sched)
+                return self._idle(sched)
+            if not (self._pipeline and self.runner.can_launch_decode(sched, copies)):
+                return self._finish_step(sched, self.runner.execute(sched, copies))
+            self._in_flight = self.runner.launch_decode(sched, None, copies)
             self.kv.flush_ahead()  # the stores ahead schedule() deferred, behind the forward
         current = self._in_flight
         with profiled("batchgen.next_decode"):
             following = next_decode(current.sched, self.scheduler, self.kv, self.requests)
-        if following is not None and not self.runner.can_launch_decode(following):
+        if following is not None and not self.runner.can_launch_decode(*following):
+            self.scheduler.unsend(following[0])
             following = None
         with profiled("batchgen.launch"):
-            self._in_flight = (
-                self.runner.launch_decode(following, current) if following is not None else None
-            )
+            self._in_flight = None
+            if following is not None:
+                step, copies = following
+                self._in_flight = self.runner.launch_decode(step, current, copies)
         with profiled("batchgen.wait_tokens"):
             result = current.result()
         finished = self._finish_step(current.sched, result)
@@ -698,31 +696,39 @@ class EngineCore:
         if self._in_flight is None:
             with record_function("batchgen.schedule"):
                 sched = self.scheduler.schedule()
+                copies = self.scheduler.take_copies()
             if sched.is_empty:
-                if self.tier is not None and self.tier.num_in_flight:
-                    self.tier.drain()
-                    return []
-                if self.scheduler.waiting and not self.scheduler.running:
-                    raise RuntimeError("no request could be scheduled with an empty running set")
-                return []
+                return self._idle(sched)
             if self._num_sync:
-                return self._finish_step(sched, self.runner.execute(sched))
-            self._in_flight = self._launch_committed(sched, None)
+                return self._finish_step(sched, self.runner.execute(sched, copies))
+            self._in_flight = self._launch_committed(sched, copies, None)
         current, self._in_flight = self._in_flight, None
         if not self._num_sync:
             with profiled("batchgen.schedule_ahead"):
                 following = self.scheduler.schedule()
+                copies = self.scheduler.take_copies()
             if following.is_empty:
-                self.scheduler.requeue_released(following.released_ids)
+                self.scheduler.unsend(following)
             else:
                 with profiled("batchgen.launch"):
-                    self._in_flight = self._launch_committed(following, current)
+                    self._in_flight = self._launch_committed(following, copies, current)
         with profiled("batchgen.wait_tokens"):
             result = current.result()
         return self._finish_step(current.sched, result)
 
-    def _launch_committed(self, sched: SchedulerOutput, prev):
-        flight = self.runner.launch_step(sched, prev)
+    def _idle(self, sched: SchedulerOutput) -> list[Request]:
+        """Nothing was scheduled: its released ids wait for the next step that runs;
+        the tier's copies in flight are waited for, or nothing is left to schedule."""
+        self.scheduler.unsend(sched)
+        if self.tier is not None and self.tier.num_in_flight:
+            self.tier.drain()
+            return []
+        if self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError("no request could be scheduled with an empty running set")
+        return []
+
+    def _launch_committed(self, sched: SchedulerOutput, copies: StepCopies, prev):
+        flight = self.runner.launch_step(sched, prev, copies)
         self.scheduler.commit(sched, self.requests)
         return flight
 
@@ -734,11 +740,8 @@ class EngineCore:
             self._finished_early += self._finish_step(current.sched, current.result())
 
     def _finish_step(self, sched: SchedulerOutput, result) -> list[Request]:
-        with record_function("batchgen.update"):
-            if sched.committed is not None:  # at its launch (async scheduling)
-                advanced = self.scheduler.apply(sched, result, self.requests)
-            else:
-                advanced = self.scheduler.update(sched, result, self.requests)
+        with record_function("batchgen.update"):  # committed here, or at its launch (async)
+            advanced = self.scheduler.update(sched, result, self.requests)
         self.stats.steps += 1
         self.stats.output_tokens += len(advanced)
         if self.grammar is not None:

@@ -16,7 +16,7 @@ from batchgen.config import EngineConfig
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.state_pool import StateLayout, StatePool
-from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+from batchgen.runner.batch import NewRequest, ScheduledRequest, SchedulerOutput
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.sampling_params import SamplingParams
 
@@ -278,10 +278,9 @@ def warmup_forward(
     for i, (n, pages) in enumerate(zip(lens, per)):
         prompt = [0] * n
         page_ids = list(range(first, first + pages))
+        new = NewRequest(params, prompt, [], i)
         requests.append(
-            ScheduledRequest(
-                f"profile{i}", prompt, 0, page_ids, True, params, prompt, [], i, state_slot
-            )
+            ScheduledRequest(f"profile{i}", prompt, 0, page_ids, True, 0, state_slot, new)
         )
         first += pages
     runner.execute(SchedulerOutput(requests))

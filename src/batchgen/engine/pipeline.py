@@ -20,7 +20,7 @@ from __future__ import annotations
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.kv_manager import KVCacheManager
-from batchgen.runner.batch import ScheduledRequest, SchedulerOutput
+from batchgen.runner.batch import SchedulerOutput, StepCopies
 
 
 def could_admit(scheduler: Scheduler, kv: KVCacheManager) -> bool:
@@ -39,12 +39,12 @@ def next_decode(
     scheduler: Scheduler,
     kv: KVCacheManager,
     requests: dict[str, Request],
-) -> SchedulerOutput | None:
-    """The decode step after `queued` (a decode step whose tokens are not known yet), or
-    None when it cannot be built blind: a waiting request could be admitted now or once
-    a request ends by length with `queued`, or pages run short. Its requests' input
-    tokens are placeholders (-1): the runner reads the tokens `queued` samples on the
-    device."""
+) -> tuple[SchedulerOutput, StepCopies] | None:
+    """The decode step after `queued` (a decode step whose tokens are not known yet) and
+    its copies, or None when it cannot be built blind: a waiting request could be
+    admitted now or once a request ends by length with `queued`, or pages run short.
+    Its requests' input tokens are placeholders (-1): the runner reads the tokens
+    `queued` samples on the device."""
     if could_admit(scheduler, kv):
         return None
     following = []
@@ -58,23 +58,10 @@ def next_decode(
             continue
         if not kv.allocate(req.request_id, s.start + 2):
             return None
-        following.append(
-            ScheduledRequest(
-                req.request_id,
-                [-1],
-                s.start + 1,
-                kv.pages[req.request_id],
-                True,
-                req.params,
-                req.prompt_token_ids,
-                req.output_token_ids,
-                req.seed,
-                s.state_slot,
-            )
-        )
+        following.append((req, s.start + 1))
     if not following:
         return None
+    entries = [scheduler.entry(req, [-1], start, True) for req, start in following]
     # new pages may have evicted cached ones the tier writes back first
-    return SchedulerOutput(
-        following, wait_for=kv.take_step_copies(), released_ids=scheduler.take_released()
-    )
+    step = SchedulerOutput(entries, released_ids=scheduler.take_released())
+    return step, StepCopies(kv.take_step_copies())

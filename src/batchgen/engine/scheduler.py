@@ -11,7 +11,14 @@ from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.kv_manager import KVCacheManager, PrefixHit
 from batchgen.kv.state_checkpoints import StateCheckpoints
 from batchgen.kv.state_pool import StateSlots
-from batchgen.runner.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from batchgen.runner.batch import (
+    NO_COPIES,
+    ModelRunnerOutput,
+    NewRequest,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepCopies,
+)
 
 
 class Scheduler:
@@ -75,6 +82,12 @@ class Scheduler:
         self.num_computed_tokens_total = 0
         self.num_prompt_tokens_computed = 0  # prompt positions computed, recomputes included
         self._released: list[str] = []  # left the running set since the last schedule()
+        # pages of each running request the runner has been sent (ScheduledRequest.
+        # new_pages carries the rest); a request not in it is sent whole (`new`)
+        self._runner_pages: dict[str, int] = {}
+        self._copies = NO_COPIES  # the last step's, until take_copies()
+        # steps committed and not applied yet, oldest first, with what each counted
+        self._committed: deque[tuple[SchedulerOutput, dict[str, int]]] = deque()
 
     def add(self, request: Request) -> None:
         if self.checkpoints is not None and self.checkpoints.shared_only:
@@ -118,6 +131,23 @@ class Scheduler:
         """Ids a step took with take_released() and never ran: the next step takes them."""
         self._released[:0] = ids
 
+    def unsend(self, step: SchedulerOutput) -> None:
+        """A step built and never run (empty, or not launchable): what it told the runner
+        (released ids, new requests, new pages) goes with the next step instead."""
+        self.requeue_released(step.released_ids)
+        held = self._runner_pages
+        for r in step.requests:
+            if r.new is not None:
+                held.pop(r.request_id, None)
+            elif r.request_id in held:
+                held[r.request_id] -= len(r.new_pages)
+
+    def take_copies(self) -> StepCopies:
+        """This process's copy handles and per-layer store hook for the step schedule()
+        built last (the engine hands them to the runner beside the step)."""
+        copies, self._copies = self._copies, NO_COPIES
+        return copies
+
     def take_released(self) -> list[str]:
         """Ids that left the running set since the last call; each step hands them to
         the runner (schedule() does, and so does a pipelined step built outside it)."""
@@ -125,7 +155,7 @@ class Scheduler:
         return out
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        preempted: list[str] = []
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         # before anything can preempt a request: its state at a checkpoint position is
@@ -142,7 +172,7 @@ class Scheduler:
             while not allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self.preempt(victim)
-                out.preempted_ids.append(victim.request_id)
+                preempted.append(victim.request_id)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
@@ -150,7 +180,7 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
             i += 1
-        candidates = iter(()) if out.preempted_ids else self._candidates()
+        candidates = iter(()) if preempted else self._candidates()
         while budget > 0 and len(self.running) < self.max_num_seqs:
             req = next(candidates, None)
             if req is None:
@@ -190,30 +220,44 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
-        out.released_ids = self.take_released()
-        out.on_kv_written = self.kv.layer_store_hook(
+        hook = self.kv.layer_store_hook(
             [(r.request_id, r.num_computed_tokens, r.token_ids) for r, n in scheduled if n == 1]
         )
-        out.wait_for = self.kv.take_step_copies(self.defer_stores_ahead) + waits
+        waits = self.kv.take_step_copies(self.defer_stores_ahead) + waits
         if self.exact_swap is not None:
-            out.wait_for += self.exact_swap.take_waits()
-        out.requests = [self._scheduled(req, n) for req, n in scheduled]
-        return out
+            waits += self.exact_swap.take_waits()
+        self._copies = StepCopies(waits, hook)
+        entries = [self._scheduled(req, n) for req, n in scheduled]
+        return SchedulerOutput(entries, preempted, self.take_released())
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         """The step's entry for a request that computes its next n tokens."""
         start = req.num_computed_tokens
-        return ScheduledRequest(  # fields in order: id, new tokens, start, pages, sample, ...
-            req.request_id,
-            _new_tokens(req, n),
+        sample = start + n == len(req.token_ids) + req.num_pending
+        return self.entry(req, _new_tokens(req, n), start, sample)
+
+    def entry(
+        self, req: Request, new_token_ids: list[int], start: int, sample: bool
+    ) -> ScheduledRequest:
+        """A running request's entry in a step: its new pages since the last entry made
+        for it (all of them, with its fixed data, if the runner does not hold it)."""
+        rid = req.request_id
+        pages = self.kv.pages[rid]
+        sent = self._runner_pages.get(rid)
+        new = None
+        if sent is None:  # copied: the runner keeps what it was sent, the request moves on
+            new = NewRequest(req.params, req.prompt_token_ids, list(req.output_token_ids), req.seed)
+            sent = 0
+        self._runner_pages[rid] = len(pages)
+        return ScheduledRequest(
+            rid,
+            new_token_ids,
             start,
-            self.kv.pages[req.request_id],
-            start + n == len(req.token_ids) + req.num_pending,
-            req.params,
-            req.prompt_token_ids,
-            req.output_token_ids,
-            req.seed,
-            None if self.state_slots is None else self.state_slots.slot(req.request_id),
+            pages[sent:] if len(pages) > sent else _NO_PAGES,
+            sample,
+            len(req.output_token_ids),
+            None if self.state_slots is None else self.state_slots.slot(rid),
+            new,
         )
 
     def _chunk(self, req: Request, computed: int, budget: int) -> int:
@@ -273,6 +317,7 @@ class Scheduler:
 
     def _left_running(self, req: Request) -> None:
         self._released.append(req.request_id)
+        self._runner_pages.pop(req.request_id, None)
         if self.state_slots is not None:
             self.state_slots.release(req.request_id)
         if self.admission == "prefix":
@@ -300,17 +345,21 @@ class Scheduler:
     def update(
         self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
     ) -> list[Request]:
-        """Advance counters, append sampled tokens, finish on token-level stops.
-        Returns the requests that got a new token this step."""
-        self.commit(sched, requests)
+        """Advance counters (unless `commit` did at the step's launch), append sampled
+        tokens, finish on token-level stops. Returns the requests that got a new token
+        this step."""
+        if not any(step is sched for step, _ in self._committed):
+            self.commit(sched, requests)
         return self.apply(sched, result, requests)
 
     def commit(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         """The step's effects that need none of its tokens: its requests' computed
         counters advance, and each row that samples has a token pending. Async scheduling
         commits a step when it is launched, so that the next one can be scheduled while
-        it runs; `apply` follows once its tokens are on the host."""
-        committed = sched.committed = {}
+        it runs; `apply` follows once its tokens are on the host (the scheduler keeps
+        what each committed step counted until then)."""
+        committed: dict[str, int] = {}
+        self._committed.append((sched, committed))
         for s in sched.requests:
             req = requests.get(s.request_id)
             if req is None or req.is_finished:  # stopped while a pipelined step was queued
@@ -319,8 +368,19 @@ class Scheduler:
             req.num_computed_tokens += n
             req.num_pending += s.sample
             self.num_computed_tokens_total += n
-            if s.start < len(s.prompt_token_ids):
-                self.num_prompt_tokens_computed += min(n, len(s.prompt_token_ids) - s.start)
+            prompt = len(req.prompt_token_ids)
+            if s.start < prompt:
+                self.num_prompt_tokens_computed += min(n, prompt - s.start)
+
+    def _take_committed(self, sched: SchedulerOutput) -> dict[str, int]:
+        """What commit counted for `sched`; older commits never applied (a queued step
+        dropped by abort) go with it."""
+        for i, (step, committed) in enumerate(self._committed):
+            if step is sched:
+                for _ in range(i + 1):
+                    self._committed.popleft()
+                return committed
+        raise RuntimeError("Scheduler.apply: the step was never committed")
 
     def apply(
         self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
@@ -329,17 +389,19 @@ class Scheduler:
         sampled tokens appended, token-level stops. A request that ended after the
         commit (a stop in the step before) takes back what the step computed for it.
         Returns the requests that got a new token."""
+        committed = self._take_committed(sched)
         cache_computed = self.kv.cache_computed
         for s in sched.requests:
-            n = sched.committed.get(s.request_id)
+            n = committed.get(s.request_id)
             req = requests.get(s.request_id)
             if n is None or req is None:
                 continue
             req.num_pending -= s.sample
             if req.is_finished:  # its queued extra token is discarded
                 self.num_computed_tokens_total -= n
-                if s.start < len(s.prompt_token_ids):
-                    self.num_prompt_tokens_computed -= min(n, len(s.prompt_token_ids) - s.start)
+                prompt = len(req.prompt_token_ids)
+                if s.start < prompt:
+                    self.num_prompt_tokens_computed -= min(n, prompt - s.start)
             elif req.status == RequestStatus.RUNNING:
                 cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
         self.kv.after_step()
@@ -415,6 +477,9 @@ class Scheduler:
         if self.checkpoints is not None:
             self.checkpoints.untrack(req.request_id)
         self._left_running(req)
+
+
+_NO_PAGES: tuple[int, ...] = ()  # most decode steps add no page: no list made for them
 
 
 def _new_tokens(req: Request, n: int) -> list[int]:

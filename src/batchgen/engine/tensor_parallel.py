@@ -21,9 +21,10 @@ processes themselves distributed/workers.py.
     shutdown()                             -->  Shutdown: leave the group, exit
 
 Every rank runs the same forward and compute_logits, so their collectives pair up. The
-SchedulerOutput is broadcast as a pickled object each step over the group's gloo side
+SchedulerOutput (plain data: a running request's new tokens and new pages, its fixed
+data once) is broadcast as a pickled object each step over the group's gloo side
 (`TPGroup.host_group`: no GPU staging, so no worker waits for its GPU to drain to read
-the next step), without its copy handles and hooks: the host tier's copies travel as
+the next step); rank 0's copy handles and hooks stay with it: the host tier's copies travel as
 plain data (kv.tier_mirror.TierCopy), rank 0's tier deciding every one, each worker
 replaying them on its own KV shard (same page ids, its heads) through its own CopyEngine,
 ordered by the same contract (see tier_mirror.py for why a page is never reused before a
@@ -50,7 +51,7 @@ short is never read (Workers.check, distributed/workers.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -59,15 +60,15 @@ from batchgen.distributed.messages import Message
 from batchgen.distributed.workers import Workers
 from batchgen.kv.tier_mirror import LayerStores, TierCopy, TierMirror
 from batchgen.layers.tp_group import TPGroup
-from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
+from batchgen.runner.batch import NO_COPIES, ModelRunnerOutput, SchedulerOutput, StepCopies
 from batchgen.runner.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
 class TPStep(Message):
     """One step for the workers: the host tier's copies submitted since the last message
-    (issued first, in order), then `sched` (None: only the copies), without handles or
-    hooks. `pipelined`: a decode step queued after the previous one (rank 0's
+    (issued first, in order), then `sched` (None: only the copies), plain data: the
+    worker's runner keeps its own record of the running requests, as rank 0's does. `pipelined`: a decode step queued after the previous one (rank 0's
     launch_decode), whose input tokens rank 0 broadcasts on the device (the previous
     step's samples, which no host has seen yet). `graph`: rank 0 replays a decode graph
     for it, so the worker replays its own of the same bucket (the collectives captured
@@ -100,30 +101,31 @@ class TPModelRunner(ModelRunner):
         self.workers = workers
         self.take_copies = take_copies or list
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(sched, pipelined=False)
+    def execute(self, sched: SchedulerOutput, copies: StepCopies = NO_COPIES) -> ModelRunnerOutput:
+        self._send(sched, copies, pipelined=False)
         with self.workers.failures_named():
-            out = super().execute(sched)
+            out = super().execute(sched, copies)
         self.workers.check()  # a worker that ended mid-step left its collectives short
         return out
 
-    def launch_decode(self, sched: SchedulerOutput, prev=None):
-        self._send(sched, pipelined=prev is not None)
+    def launch_decode(self, sched: SchedulerOutput, prev=None, copies: StepCopies = NO_COPIES):
+        self._send(sched, copies, pipelined=prev is not None)
         with self.workers.failures_named():
-            flight = super().launch_decode(sched, prev)
+            flight = super().launch_decode(sched, prev, copies)
         flight.check = self.workers.check  # once its tokens are read back
         return flight
 
-    def _pipelined_ids(self, sched: SchedulerOutput, prev) -> torch.Tensor:
-        ids = super()._pipelined_ids(sched, prev).to(torch.int64)
+    def _pipelined_ids(self, reqs, prev) -> torch.Tensor:
+        ids = super()._pipelined_ids(reqs, prev).to(torch.int64)
         dist.broadcast(ids, src=0, group=self.workers.tp.group)
         return ids
 
-    def _send(self, sched: SchedulerOutput, pipelined: bool) -> None:
-        bare = replace(sched, wait_for=[], on_kv_written=None)  # the workers wait on theirs
-        graph = self._graph_ok(sched)  # what _forward decides for this step, next
-        stores = getattr(sched.on_kv_written, "plan", None)  # a LayerStoreHook's
-        self.workers.send(TPStep(bare, self.take_copies(), pipelined, graph, stores))
+    def _send(self, sched: SchedulerOutput, copies: StepCopies, pipelined: bool) -> None:
+        """The step goes as it is (plain data); this rank's copy handles stay here: the
+        workers issue the tier's copies on their shards and wait on their own."""
+        graph = self._graph_ok(sched, copies)  # what _forward decides for this step, next
+        stores = getattr(copies.on_kv_written, "plan", None)  # a LayerStoreHook's
+        self.workers.send(TPStep(sched, self.take_copies(), pipelined, graph, stores))
 
 
 def apply_step(
@@ -150,7 +152,8 @@ def apply_step(
         device_ids = torch.empty(n, dtype=torch.int64, device=device)
         dist.broadcast(device_ids, src=0, group=tp.group)
     runner.execute_unsampled(
-        replace(message.sched, wait_for=waits, on_kv_written=hook),
+        message.sched,
+        StepCopies(wait_for=waits, on_kv_written=hook),
         device_ids,
         graph=message.graph,
     )

@@ -37,7 +37,7 @@ tests, not by the check.
       in its ledger's writing map under every host page or slot it writes
       (`CopyLedger.writing`), and a load's body first waits for the stores that map
       holds for its own host pages.
-   3b The forward waits for the step's copies (`SchedulerOutput.wait_for`): all of them
+   3b The forward waits for the step's copies (`StepCopies.wait_for`): all of them
       before a graph replay; in an eager forward each layer calls
       `ForwardContext.before_layer`, which waits for that layer's gate, before it reads
       its KV.

@@ -4,7 +4,7 @@ copy through the CopyEngine as TieredKVManager's pages are.
     swap-out  store(rid): device slot (detached from the request) -> a free host slot
               one submit, ordered after the compute that wrote the slot (rule 1-2)
     swap-in   load(rid):  host slot -> a device slot taken now; the step that resumes
-              the request waits on the returned handle (SchedulerOutput.wait_for)
+              the request waits on the returned handle (StepCopies.wait_for)
 
 Who may reuse a slot:
 - A store's device slot belongs to no request (StateSlots.detach) and is not free until

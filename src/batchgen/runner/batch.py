@@ -1,11 +1,39 @@
-"""The plain data the scheduler hands the runner, and what the runner hands back."""
+"""The plain data the scheduler hands the runner, and what the runner hands back.
+
+A step (`SchedulerOutput`) is ids and ints only, so it pickles to another rank as it is:
+
+    SchedulerOutput
+      requests: ScheduledRequest per request, in the order its rows are packed
+        request_id, new_token_ids, start, sample, num_output_tokens, state_slot
+        new_pages   pages appended to its page list since the runner last saw it
+                    (all of them the first time)
+        new         NewRequest (params, prompt, output so far, seed) the first time the
+                    runner sees it (admitted, or again after it was released), else None
+      released_ids  requests that left the running set: the runner drops their rows
+      preempted_ids
+
+The runner keeps what stays fixed while a request runs (runner/input_batch.py), so a
+running request costs a step its new tokens and its new pages, never its whole page
+list, prompt or output. This process's handles for a step's host-tier copies and the
+per-layer store hook (`StepCopies`) travel beside the step, never in it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from batchgen.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """What the runner keeps for a request while it runs, sent with its first step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated before this admission (a resumed request)
+    seed: int | None = None  # of its sampling noise (with the step; None: shared generator)
 
 
 @dataclass(slots=True)
@@ -15,37 +43,32 @@ class ScheduledRequest:
         all tokens:  | computed (KV in pages) | new_token_ids | not yet scheduled |
                      0                      start        start + n
     `sample` is true when the step reaches the request's last known token, so the
-    logits of its last new token choose the next token. `seed` seeds its sampling noise
-    (with the step; None: the shared generator). `state_slot`: its compressed-state slot
-    in a model with linear-attention layers (kv/state_pool.py), else None.
+    logits of its last new token choose the next token. `num_output_tokens`: tokens it
+    has generated that are on the host (a -1 input token is one more, in flight).
+    `new_pages`: the pages added to its page list since the runner's last step of it,
+    all of them when `new` is set. `state_slot`: its compressed-state slot in a model
+    with linear-attention layers (kv/state_pool.py), else None. Never changed once made
+    (a slotted record, not a frozen one: a step makes one a running request, and a
+    frozen dataclass costs three times as much to build).
     """
 
     request_id: str
     new_token_ids: list[int]
     start: int
-    page_table: list[int]
+    new_pages: Sequence[int]
     sample: bool
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    seed: int | None = None
+    num_output_tokens: int = 0
     state_slot: int | None = None
+    new: NewRequest | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerOutput:
     requests: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
-    # copy handles (host -> device page loads) the forward must wait for on its stream
-    wait_for: list = field(default_factory=list)
-    # called with a layer index right after that layer's K/V write (per-layer appends)
-    on_kv_written: Callable[[int], None] | None = None
     # requests that left the running set since the last step (finished, aborted,
     # preempted): the runner drops what it keeps per running request
     released_ids: list[str] = field(default_factory=list)
-    # Scheduler.commit: the tokens it counted per request, for apply to match (None:
-    # not committed yet)
-    committed: dict[str, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +77,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+
+@dataclass(frozen=True)
+class StepCopies:
+    """This process's side of a step's host-tier copies, handed to the runner beside the
+    step and never sent to another rank: the copy handles the forward waits for on its
+    stream, and `on_kv_written(layer)`, called right after each layer's K/V write
+    (decode_append="layer")."""
+
+    wait_for: list = field(default_factory=list)
+    on_kv_written: Callable[[int], None] | None = None
+
+
+NO_COPIES = StepCopies()
 
 
 @dataclass

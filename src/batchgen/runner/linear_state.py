@@ -6,12 +6,10 @@ import torch
 
 from batchgen.forward_context import LinearAttentionMetadata, LinearSeq
 from batchgen.layers.kda_ops import prepare_step
-from batchgen.runner.batch import ScheduledRequest
+from batchgen.runner.input_batch import StepRow
 
 
-def linear_metadata(
-    requests: list[ScheduledRequest], device: torch.device | str
-) -> LinearAttentionMetadata:
+def linear_metadata(requests: list[StepRow], device: torch.device | str) -> LinearAttentionMetadata:
     """Rows in scheduled order (as `ModelRunner.prepare` packs them); a request with
     tokens computed before this step (`start > 0`) continues from its slot, one without
     starts from a zeroed slot. Every request must carry a `state_slot`."""

@@ -2,41 +2,36 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
-
 import numpy as np
 import torch
 from torch.profiler import record_function
 
-from batchgen.forward_context import (
-    AttentionMetadata,
-    ForwardContext,
-    PrefillSeq,
-    bind_forward_context,
-    pack_aligned,
-    unpack_aligned,
+from batchgen.forward_context import AttentionMetadata, ForwardContext, bind_forward_context
+from batchgen.runner.batch import (
+    NO_COPIES,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    StepCopies,
+    TokenLogprobs,
 )
-from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
+from batchgen.runner.in_flight import InFlightDecode, plain_greedy, sample_steps, token_logprobs
+from batchgen.runner.input_batch import InputBatch, StepRow
+from batchgen.runner.inputs import pack_step, pipelined_ids, table_width
 from batchgen.runner.linear_state import linear_metadata
 from batchgen.runner.mask_staging import MaskStaging
-from batchgen.runner.page_rows import PageRows
 from batchgen.runner.penalty_counts import PenaltyCounts
 from batchgen.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
-from batchgen.runner.sampler import (
-    SAMPLING_EPS,
-    Sampler,
-    SamplingMetadata,
-    apply_token_bitmask,
-)
+from batchgen.runner.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from batchgen.runner.staging import HostStaging
 
 
 class ModelRunner:
     """Owns no policy: it computes exactly the tokens it is given and samples where told.
 
-    The KV tensors belong to the page pool; the runner binds the per-layer views into
+    It keeps its own record of the running requests (`batch`, an `InputBatch`: each
+    one's page row and fixed data), updated from each step's diffs (`ScheduledRequest.
+    new`, `new_pages`, `SchedulerOutput.released_ids`). The KV tensors belong to the page pool; the runner binds the per-layer views into
     the ForwardContext for each forward. `linear_states` (models with linear-attention
     layers: per such layer (states, windows) of the state pool) is bound the same way,
     with each step's `LinearAttentionMetadata` built from the requests' state slots.
@@ -75,117 +70,57 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         # penalised requests' token counts, kept on the device from step to step
         self.penalties = PenaltyCounts(vocab_size, device)
-        self.page_rows = PageRows(max_num_seqs, max_pages)
+        self.batch = InputBatch(max_num_seqs, max_pages)
         self.stage = HostStaging(device)
         # structured outputs: the engine's StructuredOutputs once a request uses one
         self.grammar = None
         self._masks: MaskStaging | None = None  # their bitmask rows, built with it
         self._max_num_seqs = max_num_seqs
 
-    def _release(self, request_ids) -> None:
-        self.page_rows.release(request_ids)
-        self.penalties.release(request_ids)
-
-    def _width(self, pages: int) -> int:
-        """Page-table width for a step: a multiple of 16 (so the kernels' row stride keeps
-        one Triton specialisation), at most the table's."""
-        return min(-(-max(pages, 1) // 16) * 16, self.page_rows.max_pages)
+    def apply(self, sched: SchedulerOutput) -> list[StepRow]:
+        """Take the step's diffs into the runner's own record (every entry point does,
+        once a step); its requests, resolved."""
+        self.penalties.release(sched.released_ids)
+        return self.batch.apply(sched)
 
     def prepare(
-        self, sched: SchedulerOutput
+        self, rows: list[StepRow]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Packed input ids, positions, attention metadata and the rows to sample from.
-
-        Everything is computed with numpy from the persistent page rows and crosses to
-        the device in one copy; each part starts 16-byte aligned (Triton specialises
-        pointers on it)."""
-        reqs = sched.requests
-        ps = self.page_size
-        rows = np.asarray(self.page_rows.rows(reqs), dtype=np.int64)
-        num = len(reqs)
-        lens = np.fromiter((len(r.new_token_ids) for r in reqs), np.int64, num)
-        starts = np.fromiter((r.start for r in reqs), np.int64, num)
-        ends = np.cumsum(lens)
-        q_start = ends - lens
-        total = int(ends[-1])
-        owner = np.repeat(np.arange(num), lens)
-        positions = np.arange(total, dtype=np.int64) - q_start[owner] + starts[owner]
-        table = self.page_rows.table
-        slots = table[rows[owner], positions // ps] * ps + positions % ps
-        ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
-        seq_lens = starts + lens
-        sample = np.fromiter((r.sample for r in reqs), bool, num)
-        parts = [ids, positions, slots, ends[sample] - 1]
-        decode, prefill = np.flatnonzero(lens == 1), np.flatnonzero(lens > 1)
-        dec_width = pre_width = 0
-        if decode.size:
-            dec_width = self._width(-(-int(seq_lens[decode].max()) // ps))
-            parts += [q_start[decode], seq_lens[decode], table[rows[decode], :dec_width]]
-        if prefill.size:
-            pre_width = self._width(-(-int(seq_lens[prefill].max()) // ps))
-            pre_table = table[rows[prefill], :pre_width]
-            parts += [q_start[prefill], lens[prefill], seq_lens[prefill], pre_table]
-        sizes = [p.size for p in parts]
-        dev = self.stage(pack_aligned(parts))
-        views = iter(unpack_aligned(dev, sizes))
-        input_ids, pos_dev, slots_dev, sample_rows = (next(views) for _ in range(4))
-        meta = AttentionMetadata(num_tokens=total, slot_mapping=slots_dev)
-        if decode.size:
-            meta.decode_rows = next(views)
-            meta.decode_seq_lens = next(views)
-            meta.decode_page_table = next(views).view(decode.size, dec_width)
-            meta.decode_max_seq_len = int(seq_lens[decode].max())
-            if self.split_plan is not None:
-                meta.decode_num_splits = self.split_plan(int(decode.size))
-        if prefill.size:
-            meta.prefill_q_start = next(views)
-            meta.prefill_q_len = next(views)
-            meta.prefill_seq_lens = next(views)
-            meta.prefill_page_table = next(views).view(prefill.size, pre_width)
-            meta.prefill_max_q_len = int(lens[prefill].max())
-            meta.prefills = [  # the reference backend's per-request view of the same table
-                PrefillSeq(qs, ql, sl, meta.prefill_page_table[i, : -(-sl // ps)])
-                for i, (qs, ql, sl) in enumerate(
-                    zip(
-                        q_start[prefill].tolist(),
-                        lens[prefill].tolist(),
-                        seq_lens[prefill].tolist(),
-                    )
-                )
-            ]
-        return input_ids, pos_dev, meta, sample_rows
+        """The step's packed input ids, positions, attention metadata and the rows to
+        sample from (inputs.pack_step)."""
+        table = self.batch.page_rows.table
+        return pack_step(rows, table, self.page_size, self.stage, self.split_plan)
 
     def set_kv_caches(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
         """Point at a re-created pool; captured graphs baked the old one in."""
         self.kv_caches = kv_caches
-        self.page_rows.reset()
+        self.batch.reset()
         if self.graphs is not None:
             self.graphs.kv_caches = kv_caches
             self.graphs.graphs.clear()
 
-    def _graph_ok(self, sched: SchedulerOutput) -> bool:
+    def _graph_ok(self, sched: SchedulerOutput, copies: StepCopies = NO_COPIES) -> bool:
         return (
             self.graphs is not None
-            and sched.on_kv_written is None
+            and copies.on_kv_written is None
             and len(sched.requests) <= self.graphs.max_bs
             and all(len(r.new_token_ids) == 1 for r in sched.requests)
         )
 
     def _replay(
-        self, sched: SchedulerOutput, device_ids: torch.Tensor | None = None
+        self, reqs: list[StepRow], device_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        reqs = sched.requests
         ps = self.page_size
         n = len(reqs)
-        rows = np.asarray(self.page_rows.rows(reqs), dtype=np.int64)
+        rows = np.fromiter((r.row for r in reqs), np.int64, n)
         starts = np.fromiter((r.start for r in reqs), np.int64, n)
         if device_ids is None:
             ids = np.fromiter((r.new_token_ids[0] for r in reqs), np.int64, n)
         else:
             ids = np.zeros(n, dtype=np.int64)
-        table = self.page_rows.table
+        table = self.batch.page_rows.table
         slots = table[rows, starts // ps] * ps + starts % ps
-        width = self._width(int(starts.max()) // ps + 1)
+        width = table_width(int(starts.max()) // ps + 1, table.shape[1])
         state_slots = None
         if self.linear_states is not None:
             state_slots = np.fromiter((r.state_slot for r in reqs), np.int64, n)
@@ -217,7 +152,7 @@ class ModelRunner:
         for m in range(1, rows + 1):
             self.model.local_logits(hidden[:m]).argmax(dim=-1)
 
-    def can_launch_decode(self, sched: SchedulerOutput) -> bool:
+    def can_launch_decode(self, sched: SchedulerOutput, copies: StepCopies = NO_COPIES) -> bool:
         """Whether `launch_decode` takes this step: a decode step (graph-replayed when
         graphs are on) whose every request samples (greedy or not, seeded or not,
         min_tokens, penalties and logprobs allowed: penalty counts are kept on the
@@ -225,14 +160,17 @@ class ModelRunner:
         reqs = sched.requests
         return (
             not self.debug
-            and sched.on_kv_written is None
+            and copies.on_kv_written is None
             and (self.graphs is None or len(reqs) <= self.graphs.max_bs)
             and all(len(r.new_token_ids) == 1 and r.sample for r in reqs)
         )
 
     @torch.inference_mode()
     def launch_decode(
-        self, sched: SchedulerOutput, prev: InFlightDecode | None = None
+        self,
+        sched: SchedulerOutput,
+        prev: InFlightDecode | None = None,
+        copies: StepCopies = NO_COPIES,
     ) -> InFlightDecode:
         """Queue a decode step (replay, logits, sampling, token copy to the host) and
         return without waiting. With `prev`, a request's input token is the one `prev`
@@ -244,13 +182,13 @@ class ModelRunner:
         masks need `prev`'s tokens in the matchers, so its sampling is queued by
         `InFlightDecode.launch_sample()` once the engine has handed them over (the GPU
         runs the forward meanwhile)."""
-        self._release(sched.released_ids)
-        device_ids = None if prev is None else self._pipelined_ids(sched, prev)
-        hidden, _ = self._forward(sched, device_ids)  # every row samples (can_launch_decode)
+        reqs = self.apply(sched)
+        device_ids = None if prev is None else self._pipelined_ids(reqs, prev)
+        # every row samples (can_launch_decode)
+        hidden, _ = self._forward(sched, reqs, copies, device_ids)
         logits = self.model.compute_logits(hidden)
-        reqs = sched.requests
-        flight = InFlightDecode(sched)
-        steps = _sample_steps(reqs)
+        flight = InFlightDecode(sched, reqs)
+        steps = sample_steps(reqs)
         flight.pending = lambda: self._launch_sample(flight, logits, steps)
         flight.deferred = prev is not None and self._constrained(reqs)
         if not flight.deferred:
@@ -259,7 +197,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_step(
-        self, sched: SchedulerOutput, prev: InFlightDecode | None = None
+        self,
+        sched: SchedulerOutput,
+        prev: InFlightDecode | None = None,
+        copies: StepCopies = NO_COPIES,
     ) -> InFlightDecode:
         """Queue any step (async scheduling): its forward, the sampling of its rows that
         sample, and their tokens' copy to the host, without waiting. The engine sends
@@ -267,52 +208,34 @@ class ModelRunner:
         logprobs (EngineCore._needs_sync and its configuration checks). A row whose last
         input token is -1 reads it from what `prev` samples for its request, on the
         device. A decode step that graphs can take goes through `launch_decode`."""
-        reqs = sched.requests
-        if self._graph_ok(sched) and all(r.sample for r in reqs):
-            return self.launch_decode(sched, prev)
-        self._release(sched.released_ids)
-        device_ids = None if prev is None else self._pipelined_ids(sched, prev)
-        hidden, sample_rows = self._forward(sched, device_ids)
+        if self._graph_ok(sched, copies) and all(r.sample for r in sched.requests):
+            return self.launch_decode(sched, prev, copies)
+        reqs = self.apply(sched)
+        device_ids = None if prev is None else self._pipelined_ids(reqs, prev)
+        hidden, sample_rows = self._forward(sched, reqs, copies, device_ids)
         sampled = [r for r in reqs if r.sample]
         flight = InFlightDecode(sched, sampled)
         if not sampled:
             flight.tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-            self._copy_tokens(flight, flight.tokens)
+            flight.copy_tokens(flight.tokens)
             return flight
         if sample_rows is not None and sample_rows.numel() != hidden.shape[0]:
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden)
-        steps = _sample_steps(sampled)
+        steps = sample_steps(sampled)
         flight.pending = lambda: self._launch_sample(flight, logits, steps)
         flight.launch_sample()
         return flight
 
-    def _pipelined_ids(self, sched: SchedulerOutput, prev: InFlightDecode) -> torch.Tensor:
-        """The input tokens of a step queued after `prev` (its ids packed as prepare()
-        packs them): a placeholder -1, a request's last input token, is the token `prev`
-        samples for it, read on the device; the other tokens are as given."""
-        reqs = sched.requests
-        at = {r.request_id: i for i, r in enumerate(prev.sampled)}
-        if all(len(r.new_token_ids) == 1 and r.new_token_ids[0] == -1 for r in reqs):
-            index = self.stage(np.fromiter((at[r.request_id] for r in reqs), np.int64))
-            return prev.tokens.index_select(0, index)  # a decode step after a decode step
-        ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
-        ends = np.cumsum([len(r.new_token_ids) for r in reqs])
-        holes = [i for i, r in enumerate(reqs) if r.new_token_ids[-1] == -1]
-        src = np.fromiter((at[reqs[i].request_id] for i in holes), np.int64, len(holes))
-        dev = self.stage(np.concatenate((ids, ends[holes] - 1, src)))
-        total, n = ids.size, len(holes)
-        out = dev[:total]
-        if n:
-            out[dev[total : total + n]] = prev.tokens.index_select(0, dev[total + n :])
-        return out
+    def _pipelined_ids(self, reqs: list[StepRow], prev: InFlightDecode) -> torch.Tensor:
+        return pipelined_ids(reqs, prev, self.stage)
 
     @torch.inference_mode()
     def _launch_sample(self, flight: InFlightDecode, logits: torch.Tensor, steps) -> None:
         reqs = flight.sampled
         logits = self._constrain(logits, reqs)
         reported = None
-        if all(_plain_greedy(r.params) for r in reqs):
+        if all(plain_greedy(r.params) for r in reqs):
             tokens = logits.argmax(dim=-1)
         else:
             meta = self._sampling(reqs, steps)
@@ -323,25 +246,7 @@ class ModelRunner:
                 top = () if out.topk_token_ids is None else (out.topk_token_ids, out.topk_logprobs)
                 reported = (out.sampled_logprobs, out.sampled_ranks, *top)
         flight.tokens = tokens
-        self._copy_tokens(flight, tokens, reported)
-
-    def _copy_tokens(
-        self, flight: InFlightDecode, tokens: torch.Tensor, reported: tuple = ()
-    ) -> None:
-        """The sampled tokens' copy to the host, and the logprobs' where a row reports
-        them (sampled logprobs, ranks, top ids and logprobs), queued; `flight.result()`
-        waits for them."""
-        reported = reported or ()
-        if self.device.type != "cuda":
-            flight._host, flight._reported = tokens, reported
-            return
-        host = []
-        for t in (tokens, *reported):
-            host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
-            host[-1].copy_(t, non_blocking=True)
-        flight._host, flight._reported = host[0], tuple(host[1:])
-        flight._done = torch.cuda.Event()
-        flight._done.record()
+        flight.copy_tokens(tokens, reported)
 
     def _constrained(self, reqs) -> bool:
         grammar = self.grammar
@@ -363,53 +268,56 @@ class ModelRunner:
     def _forward(
         self,
         sched: SchedulerOutput,
+        reqs: list[StepRow],
+        copies: StepCopies,
         device_ids: torch.Tensor | None = None,
         graph: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's forward: a graph replay for a pure decode step, else prepare() and
-        an eager forward. The step's copies (sched.wait_for) are awaited on the compute
-        stream (rule 3): before a graph replay, all of them; in an eager forward, layer by
-        layer, so layer i computes while layer i+1's pages load. device_ids [T] replaces
-        the input ids (a pipelined step's tokens, still on the device). `graph`: replay or
-        not as told (a tensor-parallel worker follows rank 0), None: as `_graph_ok` says.
-        Returns the hidden states and the rows to sample from (None: all of them)."""
+        """The step's forward: a graph replay for a pure decode step, else the packed
+        inputs and an eager forward. The step's copies (copies.wait_for) are awaited on
+        the compute stream (rule 3): before a graph replay, all of them; in an eager
+        forward, layer by layer, so layer i computes while layer i+1's pages load.
+        device_ids [T] replaces the input ids (a pipelined step's tokens, still on the
+        device). `graph`: replay or not as told (a tensor-parallel worker follows rank
+        0), None: as `_graph_ok` says. Returns the hidden states and the rows to sample
+        from (None: all of them)."""
         if graph is None:
-            graph = self._graph_ok(sched)
+            graph = self._graph_ok(sched, copies)
         elif graph and self.graphs is None:
             raise RuntimeError(
                 "told to replay a decode CUDA graph, but this runner has no graphs "
                 "(every tensor-parallel rank must build them alike)"
             )
+        waits = copies.wait_for
         if graph:
-            for copy in sched.wait_for:
+            for copy in waits:
                 copy.wait_gates()
             with record_function("batchgen.replay"):
-                return self._replay(sched, device_ids)
+                return self._replay(reqs, device_ids)
         with record_function("batchgen.prepare"):
-            input_ids, positions, meta, sample_rows = self.prepare(sched)
-        waits = sched.wait_for
+            input_ids, positions, meta, sample_rows = self.prepare(reqs)
         ctx = ForwardContext(
             meta,
             self.kv_caches,
             self.attention_backend,
-            sched.on_kv_written,
+            copies.on_kv_written,
             (lambda layer: [c.wait_layer(layer) for c in waits]) if waits else None,
         )
         if self.linear_states is not None:
             ctx.linear_states = self.linear_states
-            ctx.linear_metadata = linear_metadata(sched.requests, self.device)
+            ctx.linear_metadata = linear_metadata(reqs, self.device)
         with record_function("batchgen.forward"), bind_forward_context(ctx):
             hidden = self.model(input_ids if device_ids is None else device_ids, positions)
         return hidden, sample_rows
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._release(sched.released_ids)
-        hidden, sample_rows = self._forward(sched)
+    def execute(self, sched: SchedulerOutput, copies: StepCopies = NO_COPIES) -> ModelRunnerOutput:
+        reqs = self.apply(sched)
+        hidden, sample_rows = self._forward(sched, reqs, copies)
         prompt = {}
-        if wants_prompt_logprobs(sched.requests):
-            prompt = prompt_logprobs(self.model, hidden, sched.requests)
-        sampled = [r for r in sched.requests if r.sample]
+        if wants_prompt_logprobs(reqs):
+            prompt = prompt_logprobs(self.model, hidden, reqs)
+        sampled = [r for r in reqs if r.sample]
         if not sampled:
             return ModelRunnerOutput([], [], [], prompt)
         if sample_rows is not None and sample_rows.numel() != hidden.shape[0]:
@@ -427,26 +335,27 @@ class ModelRunner:
     def execute_unsampled(
         self,
         sched: SchedulerOutput,
+        copies: StepCopies = NO_COPIES,
         device_ids: torch.Tensor | None = None,
         graph: bool | None = None,
     ) -> None:
         """A tensor-parallel worker's share of `execute` or `launch_decode`: the same
         forward and lm_head calls, so their collectives pair with rank 0's, and nothing
         sampled or read back (rank 0 samples): the worker never waits for its GPU, and is
-        ready for rank 0's next step while this one runs. device_ids: a pipelined step's
-        input tokens (rank 0's, broadcast); graph: whether rank 0 replays a decode graph
-        for this step (None: decide here)."""
-        self._release(sched.released_ids)
-        hidden, sample_rows = self._forward(sched, device_ids, graph)
-        if wants_prompt_logprobs(sched.requests):
-            prompt_logprobs(self.model, hidden, sched.requests)
-        if not any(r.sample for r in sched.requests):
+        ready for rank 0's next step while this one runs. copies: this rank's copies for
+        the step; device_ids: a pipelined step's input tokens (rank 0's, broadcast);
+        graph: whether rank 0 replays a decode graph for this step (None: decide here)."""
+        reqs = self.apply(sched)
+        hidden, sample_rows = self._forward(sched, reqs, copies, device_ids, graph)
+        if wants_prompt_logprobs(reqs):
+            prompt_logprobs(self.model, hidden, reqs)
+        if not any(r.sample for r in reqs):
             return
         if sample_rows is not None and sample_rows.numel() != hidden.shape[0]:
             hidden = hidden[sample_rows]
         self.model.compute_logits(hidden)
 
-    def _sampling(self, reqs, steps: list[int] | None = None) -> SamplingMetadata:
+    def _sampling(self, reqs: list[StepRow], steps: list[int]) -> SamplingMetadata:
         return SamplingMetadata.build(
             [r.params for r in reqs],
             [r.prompt_token_ids for r in reqs],
@@ -461,20 +370,20 @@ class ModelRunner:
             request_ids=[r.request_id for r in reqs],
         )
 
-    def _sample(self, logits: torch.Tensor, sampled) -> ModelRunnerOutput:
-        if all(_plain_greedy(r.params) for r in sampled):  # argmax is all there is to do
+    def _sample(self, logits: torch.Tensor, sampled: list[StepRow]) -> ModelRunnerOutput:
+        if all(plain_greedy(r.params) for r in sampled):  # argmax is all there is to do
             token_ids = logits.argmax(dim=-1).tolist()
             return ModelRunnerOutput(
                 [r.request_id for r in sampled], token_ids, [None] * len(sampled)
             )
-        meta = self._sampling(sampled)
+        meta = self._sampling(sampled, [r.num_output_tokens for r in sampled])
         out = self.sampler(logits, meta)
         meta.record(out.sampled_token_ids)
         token_ids = out.sampled_token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(sampled)
         if meta.need_logprobs:
             top = () if out.topk_token_ids is None else (out.topk_token_ids, out.topk_logprobs)
-            logprobs = _token_logprobs(sampled, (out.sampled_logprobs, out.sampled_ranks, *top))
+            logprobs = token_logprobs(sampled, (out.sampled_logprobs, out.sampled_ranks, *top))
         return ModelRunnerOutput([r.request_id for r in sampled], token_ids, logprobs)
 
     @staticmethod
@@ -485,75 +394,3 @@ class ModelRunner:
             raise FloatingPointError(
                 "non-finite logits for request(s) " + ", ".join(sampled[i].request_id for i in rows)
             )
-
-
-class InFlightDecode:
-    """A queued decode step: its batch, sampled tokens on the device and, once `done`
-    has passed, on the host. `pending`, until `launch_sample()` runs it, queues the
-    step's sampling; `deferred`: it was not queued with the forward (structured-output
-    masks waiting for the previous step's tokens)."""
-
-    def __init__(self, sched, sampled=None) -> None:
-        self.sched = sched
-        # the rows that sample, in the order of `tokens` (a decode step: all of them)
-        self.sampled = sched.requests if sampled is None else sampled
-        self.tokens = self._host = self._done = None
-        self._reported: tuple = ()  # the logprobs' host copies, where a row reports them
-        self.pending = None
-        self.deferred = False
-        # run once the tokens are on the host, before they are used (tensor parallel:
-        # raises if a worker ended while the step ran)
-        self.check: Callable[[], None] | None = None
-
-    def launch_sample(self) -> None:
-        """Queue the step's sampling if it is not queued yet."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending()
-
-    def result(self) -> ModelRunnerOutput:
-        """Wait for the step's tokens (not for anything queued after it)."""
-        self.launch_sample()
-        if self._done is not None:
-            self._done.synchronize()
-        if self.check is not None:
-            self.check()
-        reqs = self.sampled
-        logprobs = [None] * len(reqs)
-        if self._reported:
-            logprobs = _token_logprobs(reqs, self._reported)
-        return ModelRunnerOutput([r.request_id for r in reqs], self._host.tolist(), logprobs)
-
-
-def _token_logprobs(reqs, reported: tuple) -> list[TokenLogprobs | None]:
-    """Each row's TokenLogprobs (None where it asks for none) from the sampler's
-    (sampled logprobs [B], ranks [B], and top ids, top logprobs [B, k] if any asks)."""
-    lp, ranks = reported[0].tolist(), reported[1].tolist()
-    top_ids = top_lps = None
-    if len(reported) > 2:
-        top_ids, top_lps = reported[2].tolist(), reported[3].tolist()
-    out: list[TokenLogprobs | None] = [None] * len(reqs)
-    for i, r in enumerate(reqs):
-        k = r.params.logprobs
-        if k is None:
-            continue
-        top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids else []
-        out[i] = TokenLogprobs(lp[i], ranks[i], top)
-    return out
-
-
-def _sample_steps(reqs) -> list[int]:
-    """Each sampling row's output index: its output tokens so far, plus the one in
-    flight when its input is a placeholder (seeded noise and min_tokens count it)."""
-    return [len(r.output_token_ids) + (r.new_token_ids[-1] == -1) for r in reqs]
-
-
-def _plain_greedy(params) -> bool:
-    """Greedy with nothing that changes or reports the distribution: the sample is the
-    argmax of the raw logits (exactly what the full sampler picks for such a row)."""
-    return (
-        params.temperature < SAMPLING_EPS
-        and params.logprobs is None
-        and params.min_tokens == 0
-        and not params.has_penalties
-    )

@@ -1,17 +1,17 @@
 """Host page tables that persist across steps: one row per running request.
 
-A decode step changes a request's page list by at most one page, so rebuilding every
+A decode step adds at most one page to a request's page list, so rebuilding every
 table from Python lists each step (O(batch x pages)) is waste. Each request keeps a row
-of an int64 array while it runs; a step writes only the pages added since the last
-one, and the step's tables are numpy gathers of rows (copied on to the device with the
-step's other inputs):
+of an int64 array while it runs; a step writes only the pages it adds (the step's
+`new_pages`), and the step's tables are numpy gathers of rows (copied on to the device
+with the step's other inputs):
 
     rows (max_rows x max_pages):  row 0  | 12 13 40 41 .. |   <- request "a"
                                   row 1  | 7  9  .       |   <- request "b"
-    synced[row] = (the page list mirrored, how many of its entries are written)
+    length[row]: how many of the row's entries are its pages
 
-A row is rewritten whole when its request's page list is a different object (swap-in,
-recompute, a re-created pool) or shrank; rows of released requests are reused.
+A request's row is written from its first page when it is added (admitted, swapped in,
+recomputed); rows of released requests are reused.
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ class PageRows:
         self.table = np.zeros((max_rows, max_pages), dtype=np.int64)
         self._row_of: dict[str, int] = {}
         self._free = list(range(max_rows - 1, -1, -1))
-        self._source: list[list[int] | None] = [None] * max_rows
-        self._written = [0] * max_rows
+        self._length = [0] * max_rows
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._row_of
 
     def release(self, request_ids) -> None:
         """Free the rows of requests that finished, were preempted or aborted."""
         for rid in request_ids:
             row = self._row_of.pop(rid, None)
             if row is not None:
-                self._source[row] = None
                 self._free.append(row)
 
     def reset(self) -> None:
@@ -43,28 +44,27 @@ class PageRows:
         self.release(list(self._row_of))
         self.table[:] = 0
 
-    def rows(self, requests) -> list[int]:
-        """The row of each ScheduledRequest, its page list synced into it."""
-        row_of, source, written, table = self._row_of, self._source, self._written, self.table
-        new = sum(1 for r in requests if r.request_id not in row_of)
-        if new > len(self._free):  # rows of requests never released: start over
-            self.release(list(row_of))
-        out = []
-        for r in requests:
-            row = row_of.get(r.request_id)
-            if row is None:
-                row = row_of[r.request_id] = self._free.pop()
-            pages = r.page_table
-            done = written[row]
-            if source[row] is not pages or len(pages) < done:
-                source[row], done = pages, 0
-            if len(pages) > done:
-                if len(pages) > self.max_pages:
-                    raise ValueError(
-                        f"request {r.request_id} holds {len(pages)} pages; the page table "
-                        f"has room for {self.max_pages}"
-                    )
-                table[row, done : len(pages)] = pages[done:]
-                written[row] = len(pages)
-            out.append(row)
-        return out
+    def add(self, request_id: str, pages: list[int]) -> int:
+        """A row for a request the table does not hold, holding `pages`."""
+        self.release([request_id])
+        if not self._free:
+            raise RuntimeError(
+                f"no page row is free for request {request_id}: {self.max_rows} rows are "
+                "held by requests never released"
+            )
+        row = self._row_of[request_id] = self._free.pop()
+        self._length[row] = 0
+        self.write(request_id, row, pages)
+        return row
+
+    def write(self, request_id: str, row: int, pages: list[int]) -> None:
+        """Append `pages` to `row` (every page-table entry written goes through here)."""
+        done = self._length[row]
+        end = done + len(pages)
+        if end > self.max_pages:
+            raise ValueError(
+                f"request {request_id} holds {end} pages; the page table has room for "
+                f"{self.max_pages}"
+            )
+        self.table[row, done:end] = pages
+        self._length[row] = end

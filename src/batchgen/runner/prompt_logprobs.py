@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.runner.batch import ScheduledRequest, TokenLogprobs
+from batchgen.runner.batch import TokenLogprobs
+from batchgen.runner.input_batch import StepRow
 
 _ROWS_PER_CHUNK = 512  # logits of this many positions at a time ([rows, vocab] float32)
 
 
-def wants_prompt_logprobs(reqs: list[ScheduledRequest]) -> bool:
+def wants_prompt_logprobs(reqs: list[StepRow]) -> bool:
     return any(
         r.params.prompt_logprobs is not None and r.start < len(r.prompt_token_ids) - 1 for r in reqs
     )
 
 
 def prompt_logprobs(
-    model, hidden: torch.Tensor, reqs: list[ScheduledRequest]
+    model, hidden: torch.Tensor, reqs: list[StepRow]
 ) -> dict[str, dict[int, TokenLogprobs]]:
     """Per request asking for them: {prompt position: TokenLogprobs of its token}.
     Reads results back to the host (only steps with such requests pay for it)."""

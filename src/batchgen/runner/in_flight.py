@@ -1,0 +1,99 @@
+"""A queued step whose tokens are still on their way to the host, and the per-row
+helpers its sampling shares with the runner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from batchgen.runner.sampler import SAMPLING_EPS
+
+
+class InFlightDecode:
+    """A queued decode step: its batch, sampled tokens on the device and, once `done`
+    has passed, on the host. `pending`, until `launch_sample()` runs it, queues the
+    step's sampling; `deferred`: it was not queued with the forward (structured-output
+    masks waiting for the previous step's tokens)."""
+
+    def __init__(self, sched: SchedulerOutput, sampled) -> None:
+        self.sched = sched
+        # the rows that sample (StepRow), in the order of `tokens`
+        self.sampled = sampled
+        self.tokens = self._host = self._done = None
+        self._reported: tuple = ()  # the logprobs' host copies, where a row reports them
+        self.pending = None
+        self.deferred = False
+        # run once the tokens are on the host, before they are used (tensor parallel:
+        # raises if a worker ended while the step ran)
+        self.check: Callable[[], None] | None = None
+
+    def copy_tokens(self, tokens: torch.Tensor, reported: tuple | None = ()) -> None:
+        """Queue the sampled tokens' copy to the host, and the logprobs' where a row
+        reports them (sampled logprobs, ranks, top ids and logprobs); `result()` waits
+        for them."""
+        reported = reported or ()
+        if tokens.device.type != "cuda":
+            self._host, self._reported = tokens, reported
+            return
+        host = []
+        for t in (tokens, *reported):
+            host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+            host[-1].copy_(t, non_blocking=True)
+        self._host, self._reported = host[0], tuple(host[1:])
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def launch_sample(self) -> None:
+        """Queue the step's sampling if it is not queued yet."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending()
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step's tokens (not for anything queued after it)."""
+        self.launch_sample()
+        if self._done is not None:
+            self._done.synchronize()
+        if self.check is not None:
+            self.check()
+        reqs = self.sampled
+        logprobs = [None] * len(reqs)
+        if self._reported:
+            logprobs = token_logprobs(reqs, self._reported)
+        return ModelRunnerOutput([r.request_id for r in reqs], self._host.tolist(), logprobs)
+
+
+def token_logprobs(reqs, reported: tuple) -> list[TokenLogprobs | None]:
+    """Each row's TokenLogprobs (None where it asks for none) from the sampler's
+    (sampled logprobs [B], ranks [B], and top ids, top logprobs [B, k] if any asks)."""
+    lp, ranks = reported[0].tolist(), reported[1].tolist()
+    top_ids = top_lps = None
+    if len(reported) > 2:
+        top_ids, top_lps = reported[2].tolist(), reported[3].tolist()
+    out: list[TokenLogprobs | None] = [None] * len(reqs)
+    for i, r in enumerate(reqs):
+        k = r.params.logprobs
+        if k is None:
+            continue
+        top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids else []
+        out[i] = TokenLogprobs(lp[i], ranks[i], top)
+    return out
+
+
+def sample_steps(reqs) -> list[int]:
+    """Each sampling row's output index: its output tokens on the host, plus the one in
+    flight when its input is a placeholder (seeded noise and min_tokens count it)."""
+    return [r.num_output_tokens + (r.new_token_ids[-1] == -1) for r in reqs]
+
+
+def plain_greedy(params) -> bool:
+    """Greedy with nothing that changes or reports the distribution: the sample is the
+    argmax of the raw logits (exactly what the full sampler picks for such a row)."""
+    return (
+        params.temperature < SAMPLING_EPS
+        and params.logprobs is None
+        and params.min_tokens == 0
+        and not params.has_penalties
+    )

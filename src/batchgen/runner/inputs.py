@@ -1,0 +1,106 @@
+"""A step's packed inputs, built with numpy from the persistent page rows and sent to the
+device in one copy: input ids, positions, KV slots, the rows to sample from, and the
+decode and prefill attention metadata."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from batchgen.forward_context import AttentionMetadata, PrefillSeq, pack_aligned, unpack_aligned
+from batchgen.runner.input_batch import StepRow
+from batchgen.runner.staging import HostStaging
+
+
+def table_width(pages: int, max_pages: int) -> int:
+    """Page-table width for a step: a multiple of 16 (so the kernels' row stride keeps
+    one Triton specialisation), at most the table's."""
+    return min(-(-max(pages, 1) // 16) * 16, max_pages)
+
+
+def pack_step(
+    reqs: list[StepRow],
+    table: np.ndarray,
+    page_size: int,
+    stage: HostStaging,
+    split_plan=None,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """Packed input ids, positions, attention metadata and the rows to sample from.
+    Each part crosses to the device in one copy, 16-byte aligned (Triton specialises
+    pointers on it)."""
+    ps = page_size
+    max_pages = table.shape[1]
+    num = len(reqs)
+    rows = np.fromiter((r.row for r in reqs), np.int64, num)
+    lens = np.fromiter((len(r.new_token_ids) for r in reqs), np.int64, num)
+    starts = np.fromiter((r.start for r in reqs), np.int64, num)
+    ends = np.cumsum(lens)
+    q_start = ends - lens
+    total = int(ends[-1])
+    owner = np.repeat(np.arange(num), lens)
+    positions = np.arange(total, dtype=np.int64) - q_start[owner] + starts[owner]
+    slots = table[rows[owner], positions // ps] * ps + positions % ps
+    ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
+    seq_lens = starts + lens
+    sample = np.fromiter((r.sample for r in reqs), bool, num)
+    parts = [ids, positions, slots, ends[sample] - 1]
+    decode, prefill = np.flatnonzero(lens == 1), np.flatnonzero(lens > 1)
+    dec_width = pre_width = 0
+    if decode.size:
+        dec_width = table_width(-(-int(seq_lens[decode].max()) // ps), max_pages)
+        parts += [q_start[decode], seq_lens[decode], table[rows[decode], :dec_width]]
+    if prefill.size:
+        pre_width = table_width(-(-int(seq_lens[prefill].max()) // ps), max_pages)
+        pre_table = table[rows[prefill], :pre_width]
+        parts += [q_start[prefill], lens[prefill], seq_lens[prefill], pre_table]
+    sizes = [p.size for p in parts]
+    dev = stage(pack_aligned(parts))
+    views = iter(unpack_aligned(dev, sizes))
+    input_ids, pos_dev, slots_dev, sample_rows = (next(views) for _ in range(4))
+    meta = AttentionMetadata(num_tokens=total, slot_mapping=slots_dev)
+    if decode.size:
+        meta.decode_rows = next(views)
+        meta.decode_seq_lens = next(views)
+        meta.decode_page_table = next(views).view(decode.size, dec_width)
+        meta.decode_max_seq_len = int(seq_lens[decode].max())
+        if split_plan is not None:
+            meta.decode_num_splits = split_plan(int(decode.size))
+    if prefill.size:
+        meta.prefill_q_start = next(views)
+        meta.prefill_q_len = next(views)
+        meta.prefill_seq_lens = next(views)
+        meta.prefill_page_table = next(views).view(prefill.size, pre_width)
+        meta.prefill_max_q_len = int(lens[prefill].max())
+        meta.prefills = [  # the reference backend's per-request view of the same table
+            PrefillSeq(qs, ql, sl, meta.prefill_page_table[i, : -(-sl // ps)])
+            for i, (qs, ql, sl) in enumerate(
+                zip(
+                    q_start[prefill].tolist(),
+                    lens[prefill].tolist(),
+                    seq_lens[prefill].tolist(),
+                )
+            )
+        ]
+    return input_ids, pos_dev, meta, sample_rows
+
+
+def pipelined_ids(reqs: list[StepRow], prev, stage: HostStaging) -> torch.Tensor:
+    """The input tokens of a step queued after `prev` (an InFlightDecode; the ids packed
+    as pack_step packs them): a placeholder -1, a request's last input token, is the
+    token `prev` samples for it, read on the device; the other tokens are as given."""
+    at = {r.request_id: i for i, r in enumerate(prev.sampled)}
+    if all(len(r.new_token_ids) == 1 and r.new_token_ids[0] == -1 for r in reqs):
+        index = stage(np.fromiter((at[r.request_id] for r in reqs), np.int64))
+        return prev.tokens.index_select(0, index)  # a decode step after a decode step
+    ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
+    ends = np.cumsum([len(r.new_token_ids) for r in reqs])
+    holes = [i for i, r in enumerate(reqs) if r.new_token_ids[-1] == -1]
+    src = np.fromiter((at[reqs[i].request_id] for i in holes), np.int64, len(holes))
+    dev = stage(np.concatenate((ids, ends[holes] - 1, src)))
+    total, n = ids.size, len(holes)
+    out = dev[:total]
+    if n:
+        out[dev[total : total + n]] = prev.tokens.index_select(0, dev[total + n :])
+    return out
