@@ -18,7 +18,7 @@ copies (kv/tier_mirror.py). Rule numbers are kv/copy_rules.py's.
 
 Rank 0's tiers describe each copy they submit as plain data (`TierCopy`, and a step's
 per-layer stores as `LayerStores`); the step's message carries them to the workers, whose
-mirrors run them through their own ledgers. `readback_pages` / `readback_slots` are
+mirrors run them through their own ledgers. `readback_pages` / `readback_slot` are
 batchgen_debug's check of a finished store against its source, raising `KVReadbackError`.
 """
 
