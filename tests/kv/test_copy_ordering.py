@@ -398,26 +398,6 @@ def test_a_deferred_scatter_runs_layer_by_layer_at_the_waits_once(monkeypatch):
     assert alloc.ref_count[dst] == 1 and scattered == [range(0, 1), range(1, 2)]
 
 
-def test_poll_runs_the_deferred_scatter_a_failed_step_left():
-    """A load whose step never ran its forward (it failed after the flush) still writes
-    its pages before they can go to anyone else: the next poll queues its scatter, and
-    the destination stays held until then."""
-    tier, alloc = make_pages(load_scatter="compute")
-    host, want = _stored_page(tier, alloc, b"q")
-    (dst,) = alloc.allocate(1)
-    tier.queue_load([host], [dst], "swap_in", "r")
-    (load,) = tier.flush()
-    alloc.free([dst])  # the step failed and its request was aborted
-    assert alloc.ref_count[dst] == 1  # held by the load
-    load.issued.wait(10)
-    assert load.has_deferred
-    tier.poll()
-    assert not load.has_deferred
-    assert torch.equal(device_page(tier, dst), want)
-    tier.drain()
-    assert alloc.ref_count[dst] == 0
-
-
 def _swapped(tier, slots):
     """A request's slot stored to host and the device slots zeroed since: its values."""
     slots.take("other")
@@ -447,17 +427,41 @@ def test_a_deferred_state_load_scatters_at_its_first_wait():
     assert tier.host_room == 2
 
 
-def test_poll_scatters_a_state_load_a_failed_step_left():
+def _pages_load_a_failed_step_left():
+    tier, alloc = make_pages(load_scatter="compute")
+    host, want = _stored_page(tier, alloc, b"q")
+    (dst,) = alloc.allocate(1)
+    tier.queue_load([host], [dst], "swap_in", "r")
+    (load,) = tier.flush()
+    alloc.free([dst])  # the step failed and its request was aborted
+    assert alloc.ref_count[dst] == 1  # held by the load
+    landed = lambda: torch.equal(device_page(tier, dst), want)  # noqa: E731
+    return tier, load, landed, lambda: alloc.ref_count[dst] == 0
+
+
+def _slots_load_a_failed_step_left():
     tier, slots = make_slots(load_scatter="compute")
     want = _swapped(tier, slots)
-    load = tier.load("r")
+    load = tier.load("r")  # nobody waits on it: its step failed
+    landed = lambda: torch.equal(tier.device_pool.states[:, slots.slot("r")], want[0])  # noqa: E731
+    return tier, load, landed, lambda: tier.host_room == 2  # its host slot back
+
+
+@pytest.mark.parametrize(
+    "left", [_pages_load_a_failed_step_left, _slots_load_a_failed_step_left], ids=["pages", "slots"]
+)
+def test_poll_runs_the_deferred_scatter_a_failed_step_left(left):
+    """A load whose step never ran its forward (it failed after the flush) still writes
+    its pages (or slot) before they can go to anyone else: the next poll queues its
+    scatter, and the destination stays held until the load completes."""
+    tier, load, landed, released = left()
     load.issued.wait(10)
     assert load.has_deferred
     tier.poll()  # the next step's poll: nobody waited on the load
     assert not load.has_deferred
-    back = slots.slot("r")
-    assert torch.equal(tier.device_pool.states[:, back], want[0])
+    assert landed()
     tier.drain()
+    assert released()
 
 
 # --- rule 6: no copy overlaps a graph capture ------------------------------------------
