@@ -61,7 +61,7 @@ def next_decode(
         following.append((req, s.start + 1))
     if not following:
         return None
-    entries = [scheduler.entry(req, [-1], start, True) for req, start in following]
+    entries = [scheduler.feed.entry(req, [-1], start, True) for req, start in following]
     # new pages may have evicted cached ones the tier writes back first
     step = SchedulerOutput(entries, released_ids=scheduler.take_released())
     return step, StepCopies(kv.take_step_copies())

@@ -6,15 +6,14 @@ from collections import deque
 from collections.abc import Iterator
 
 from batchgen.engine.request import Request, RequestStatus
+from batchgen.engine.runner_feed import RunnerFeed
 from batchgen.engine.waiting import PrefixWaiting
 from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.kv_manager import KVCacheManager, PrefixHit
 from batchgen.kv.state_checkpoints import StateCheckpoints
 from batchgen.kv.state_pool import StateSlots
 from batchgen.runner.batch import (
-    NO_COPIES,
     ModelRunnerOutput,
-    NewRequest,
     ScheduledRequest,
     SchedulerOutput,
     StepCopies,
@@ -81,11 +80,8 @@ class Scheduler:
         self.num_recomputes = 0
         self.num_computed_tokens_total = 0
         self.num_prompt_tokens_computed = 0  # prompt positions computed, recomputes included
-        self._released: list[str] = []  # left the running set since the last schedule()
-        # pages of each running request the runner has been sent (ScheduledRequest.
-        # new_pages carries the rest); a request not in it is sent whole (`new`)
-        self._runner_pages: dict[str, int] = {}
-        self._copies = NO_COPIES  # the last step's, until take_copies()
+        # what the runner has been told: each step carries only what changed
+        self.feed = RunnerFeed(kv, state_slots)
         # steps committed and not applied yet, oldest first, with what each counted
         self._committed: deque[tuple[SchedulerOutput, dict[str, int]]] = deque()
 
@@ -127,32 +123,19 @@ class Scheduler:
         self._left_running(request)
         self.waiting.appendleft(request)
 
-    def requeue_released(self, ids: list[str]) -> None:
-        """Ids a step took with take_released() and never ran: the next step takes them."""
-        self._released[:0] = ids
-
     def unsend(self, step: SchedulerOutput) -> None:
-        """A step built and never run (empty, or not launchable): what it told the runner
-        (released ids, new requests, new pages) goes with the next step instead."""
-        self.requeue_released(step.released_ids)
-        held = self._runner_pages
-        for r in step.requests:
-            if r.new is not None:
-                held.pop(r.request_id, None)
-            elif r.request_id in held:
-                held[r.request_id] -= len(r.new_pages)
+        """A step built and never run: RunnerFeed.unsend."""
+        self.feed.unsend(step)
 
     def take_copies(self) -> StepCopies:
         """This process's copy handles and per-layer store hook for the step schedule()
         built last (the engine hands them to the runner beside the step)."""
-        copies, self._copies = self._copies, NO_COPIES
-        return copies
+        return self.feed.take_copies()
 
     def take_released(self) -> list[str]:
         """Ids that left the running set since the last call; each step hands them to
         the runner (schedule() does, and so does a pipelined step built outside it)."""
-        out, self._released = self._released, []
-        return out
+        return self.feed.take_released()
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[str] = []
@@ -226,7 +209,7 @@ class Scheduler:
         waits = self.kv.take_step_copies(self.defer_stores_ahead) + waits
         if self.exact_swap is not None:
             waits += self.exact_swap.take_waits()
-        self._copies = StepCopies(waits, hook)
+        self.feed.set_copies(StepCopies(waits, hook))
         entries = [self._scheduled(req, n) for req, n in scheduled]
         return SchedulerOutput(entries, preempted, self.take_released())
 
@@ -234,31 +217,7 @@ class Scheduler:
         """The step's entry for a request that computes its next n tokens."""
         start = req.num_computed_tokens
         sample = start + n == len(req.token_ids) + req.num_pending
-        return self.entry(req, _new_tokens(req, n), start, sample)
-
-    def entry(
-        self, req: Request, new_token_ids: list[int], start: int, sample: bool
-    ) -> ScheduledRequest:
-        """A running request's entry in a step: its new pages since the last entry made
-        for it (all of them, with its fixed data, if the runner does not hold it)."""
-        rid = req.request_id
-        pages = self.kv.pages[rid]
-        sent = self._runner_pages.get(rid)
-        new = None
-        if sent is None:  # copied: the runner keeps what it was sent, the request moves on
-            new = NewRequest(req.params, req.prompt_token_ids, list(req.output_token_ids), req.seed)
-            sent = 0
-        self._runner_pages[rid] = len(pages)
-        return ScheduledRequest(
-            rid,
-            new_token_ids,
-            start,
-            pages[sent:] if len(pages) > sent else _NO_PAGES,
-            sample,
-            len(req.output_token_ids),
-            None if self.state_slots is None else self.state_slots.slot(rid),
-            new,
-        )
+        return self.feed.entry(req, _new_tokens(req, n), start, sample)
 
     def _chunk(self, req: Request, computed: int, budget: int) -> int:
         """Tokens the request computes this step from `computed`: what is left, within
@@ -316,8 +275,7 @@ class Scheduler:
             self.waiting.claim(req.request_id, hashes[start:])
 
     def _left_running(self, req: Request) -> None:
-        self._released.append(req.request_id)
-        self._runner_pages.pop(req.request_id, None)
+        self.feed.left(req.request_id)
         if self.state_slots is not None:
             self.state_slots.release(req.request_id)
         if self.admission == "prefix":
@@ -477,9 +435,6 @@ class Scheduler:
         if self.checkpoints is not None:
             self.checkpoints.untrack(req.request_id)
         self._left_running(req)
-
-
-_NO_PAGES: tuple[int, ...] = ()  # most decode steps add no page: no list made for them
 
 
 def _new_tokens(req: Request, n: int) -> list[int]:
