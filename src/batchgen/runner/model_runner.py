@@ -22,7 +22,12 @@ from batchgen.runner.linear_state import linear_metadata
 from batchgen.runner.mask_staging import MaskStaging
 from batchgen.runner.penalty_counts import PenaltyCounts
 from batchgen.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
-from batchgen.runner.sampler import Sampler, SamplingMetadata, apply_token_bitmask
+from batchgen.runner.sampler import (
+    Sampler,
+    SamplingMetadata,
+    SamplingState,
+    apply_token_bitmask,
+)
 from batchgen.runner.staging import HostStaging
 
 
@@ -70,6 +75,10 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         # penalised requests' token counts, kept on the device from step to step
         self.penalties = PenaltyCounts(vocab_size, device)
+        # each running request's sampling parameters and seed, read once and kept by id
+        self.sampling = SamplingState(
+            vocab_size, device, eos_token_ids, self.sampler.generator, self.penalties
+        )
         self.batch = InputBatch(max_num_seqs, max_pages)
         self.stage = HostStaging(device)
         # structured outputs: the engine's StructuredOutputs once a request uses one
@@ -81,6 +90,7 @@ class ModelRunner:
         """Take the step's diffs into the runner's own record (every entry point does,
         once a step); its requests, resolved."""
         self.penalties.release(sched.released_ids)
+        self.sampling.release(sched.released_ids)
         return self.batch.apply(sched)
 
     def prepare(
@@ -356,19 +366,7 @@ class ModelRunner:
         self.model.compute_logits(hidden)
 
     def _sampling(self, reqs: list[StepRow], steps: list[int]) -> SamplingMetadata:
-        return SamplingMetadata.build(
-            [r.params for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-            self.vocab_size,
-            self.device,
-            self.eos_token_ids,
-            steps=steps,
-            seeds=[r.seed for r in reqs],
-            generator=self.sampler.generator,
-            penalty_counts=self.penalties,
-            request_ids=[r.request_id for r in reqs],
-        )
+        return self.sampling.build_for(reqs, steps)
 
     def _sample(self, logits: torch.Tensor, sampled: list[StepRow]) -> ModelRunnerOutput:
         if all(plain_greedy(r.params) for r in sampled):  # argmax is all there is to do
