@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from batchgen import LLM
-from batchgen.engine import engine_core
+from batchgen.engine import builder_load
 from batchgen.models import loader
 from benchmarks.engine_runs import timed_into
 
@@ -36,16 +36,16 @@ PHASES = ("config", "tokenizer", "weights")
 @contextlib.contextmanager
 def phase_timer(spent: dict[str, float]):
     """Seconds in ModelSource.load_config, load_tokenizer and build_model (as
-    engine_core calls it), added to `spent` under PHASES' names."""
+    builder_load calls it), added to `spent` under PHASES' names."""
     source = loader.ModelSource
-    saved = (source.load_config, source.load_tokenizer, engine_core.build_model)
+    saved = (source.load_config, source.load_tokenizer, builder_load.build_model)
     source.load_config = timed_into(spent, "config", saved[0])
     source.load_tokenizer = timed_into(spent, "tokenizer", saved[1])
-    engine_core.build_model = timed_into(spent, "weights", saved[2])
+    builder_load.build_model = timed_into(spent, "weights", saved[2])
     try:
         yield
     finally:
-        source.load_config, source.load_tokenizer, engine_core.build_model = saved
+        source.load_config, source.load_tokenizer, builder_load.build_model = saved
 
 
 def main(argv=None) -> int:
@@ -59,16 +59,16 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("--device cuda needs a GPU")
     spent: dict[str, float] = {}
-    saved = engine_core.gguf_read_once
+    saved = builder_load.gguf_read_once
     if args.parse_each_read:
-        engine_core.gguf_read_once = contextlib.nullcontext
+        builder_load.gguf_read_once = contextlib.nullcontext
     try:
         with phase_timer(spent):
             start = time.perf_counter()
             llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
             total = time.perf_counter() - start
     finally:
-        engine_core.gguf_read_once = saved
+        builder_load.gguf_read_once = saved
     phases = {name: spent.get(name, 0.0) for name in PHASES}
     phases["engine"] = total - sum(phases.values())
     result = {

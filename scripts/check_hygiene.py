@@ -11,6 +11,8 @@ Checks the files git tracks plus untracked files that are not ignored:
   init-import      subpackages do not import names from batchgen/__init__.py
   module-md        every package folder has a MODULE.md
   copy-1a..6a      the KV copy-ordering rules (src/batchgen/kv/copy_rules.py)
+  wiring           engine/ and kv/ assign no attribute of another object: a component is
+                   handed its dependencies when built (see hygiene/wiring.py)
   importorskip     tests skip only for an optional extra (see hygiene/evidence.py)
   claims-defaults  a test claiming the defaults sets no option that leaves them
   module-global    no test or benchmark sets a module global of the package (see hygiene/knobs.py)
@@ -40,6 +42,7 @@ from hygiene import (  # noqa: E402
     review,
     source,
     structure,
+    wiring,
 )
 from hygiene.git import GitError, listed_files, repo_root  # noqa: E402
 from hygiene.report import Finding, summarise  # noqa: E402
@@ -75,6 +78,7 @@ def check_sources(root: Path, listed: list[str]) -> list[Finding]:
     findings += layering.check_layering(sources, listed)
     findings += structure.check_file_sizes(sources)
     findings += structure.check_import_cycles(sources)
+    findings += wiring.check_wiring(sources)
     files = [root / src.path for src in sources]  # those that parse; the others are reported
     if files:
         findings += copy_contract.check_copy_contract(root / paths.PACKAGE, files)

@@ -22,7 +22,6 @@ MAX_LINES = 400
 # under the limit, so the entry can go. Empty this list; never add to it.
 OVER_LIMIT_FOR_NOW: frozenset[str] = frozenset(
     {
-        "src/batchgen/engine/engine_core.py",
         "src/batchgen/engine/scheduler.py",
     }
 )

@@ -11,7 +11,7 @@ import torch
 from bench_scripts import load
 from transformers import AutoConfig
 
-from batchgen.engine.engine_core import state_bytes_per_seq
+from batchgen.engine.builder_plan import state_bytes_per_seq
 
 
 def _run(tmp_path: Path, *extra: str) -> dict:

@@ -16,7 +16,7 @@ from conftest import save_tiny_model
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
-from batchgen.engine.engine_core import has_moe_layers, state_bytes_per_seq
+from batchgen.engine.builder_plan import has_moe_layers, state_bytes_per_seq
 from batchgen.engine.limits import DEFAULT_MAX_MODEL_LEN, max_model_len
 from batchgen.runner.cuda_graphs import bucket_for
 

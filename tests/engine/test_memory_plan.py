@@ -47,7 +47,7 @@ def test_warmup_forward_runs_a_full_budget_step(tmp_path, monkeypatch):
     # the torch reference under two more names: the forward context says which one ran
     monkeypatch.setitem(attention._BACKENDS, "asked", attention_torch)
     monkeypatch.setitem(attention._BACKENDS, "engine's", attention_torch)
-    monkeypatch.setattr(eng, "_attention_backend", lambda: "engine's")  # config is frozen
+    monkeypatch.setattr(eng.warmup, "backend", "engine's")
 
     def seen(_, args):
         forwards.append((args[0].shape, get_forward_context().attention_backend))
@@ -60,7 +60,7 @@ def test_warmup_forward_runs_a_full_budget_step(tmp_path, monkeypatch):
 
     layout, hf_config, eos = eng.layout, eng.hf_config, eng.eos_token_ids
     warmup_forward(eng.model, layout, eng.device, hf_config, eos, 37, attention_backend="asked")
-    eng._profile_forward(150)  # prompts of 63, 63 and 24: max_model_len is 64
+    eng.warmup.forward(150)  # prompts of 63, 63 and 24: max_model_len is 64
     hook.remove()
 
     # one forward of the requested number of tokens each, on the backend asked for
@@ -126,16 +126,16 @@ def test_a_hybrid_engine_warms_each_norm_bucket_on_a_gpu(tmp_path, monkeypatch):
     # 2 heads: a bucket per 32,768 tokens, so a budget of 100,000 spans four buckets
     eng = small_engine(tmp_path, max_num_seqs=4, max_num_batched_tokens=100_000)
     sizes = []
-    monkeypatch.setattr(eng, "_profile_forward", sizes.append)
-    eng._warm_linear_norms()
+    monkeypatch.setattr(eng.warmup, "forward", sizes.append)
+    eng.warmup.linear_norms()
     assert sizes == []
-    monkeypatch.setattr(eng, "device", SimpleNamespace(type="cuda"))
-    eng._profiled = {100_000}  # as after a GPU memory plan: the budget's step ran
-    eng._warm_linear_norms()
+    monkeypatch.setattr(eng.warmup, "device", SimpleNamespace(type="cuda"))
+    eng.warmup.profiled = {100_000}  # as after a GPU memory plan: the budget's step ran
+    eng.warmup.linear_norms()
     assert sizes == [32768, 65536, 98304]
     sizes.clear()
-    eng._profiled = set()  # num_kv_pages or kv_cache_size_gib given: no plan ran
-    eng._warm_linear_norms()
+    eng.warmup.profiled = set()  # num_kv_pages or kv_cache_size_gib given: no plan ran
+    eng.warmup.linear_norms()
     assert sizes == [32768, 65536, 98304, 100_000]
     monkeypatch.undo()
 
@@ -144,9 +144,9 @@ def test_a_hybrid_engine_warms_each_norm_bucket_on_a_gpu(tmp_path, monkeypatch):
         states.normal_()
         windows.normal_()
     before = [(s.clone(), w.clone()) for s, w in eng.state_pool.layer_states()]
-    eng._profile_forward(100)  # prompts of 63 and 37
-    assert eng._profiled == {100}  # what _warm_linear_norms will not run again
-    eng._profile_sampler()  # four one-token prompts, all in the spare slot too
+    eng.warmup.forward(100)  # prompts of 63 and 37
+    assert eng.warmup.profiled == {100}  # what linear_norms will not run again
+    eng.warmup.sampler()  # four one-token prompts, all in the spare slot too
     spare = eng.config.max_num_seqs
     for (states, windows), (s0, w0) in zip(eng.state_pool.layer_states(), before):
         assert torch.equal(states[:spare], s0[:spare])
@@ -174,7 +174,7 @@ def test_the_sampler_step_samples_as_many_rows_as_a_step_holds_at_their_widest(
 
     monkeypatch.setattr(Sampler, "__call__", spy)
     hook = eng.model.register_forward_pre_hook(lambda _, args: forwards.append(args[0].shape))
-    eng._profile_sampler()
+    eng.warmup.sampler()
     hook.remove()
     assert forwards == [torch.Size([6])]
     ((shape, meta),) = calls
@@ -324,11 +324,11 @@ def test_a_host_tier_larger_than_the_memory_left_is_refused(tmp_path):
 
 
 def test_the_engine_refuses_an_oversized_host_tier_before_loading_weights(tmp_path, monkeypatch):
-    from batchgen.engine import engine_core
+    from batchgen.engine import builder_load
 
     save_tiny_model(tmp_path, "LlamaForCausalLM")
     built = []
-    monkeypatch.setattr(engine_core, "build_model", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(builder_load, "build_model", lambda *a, **k: built.append(a))
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemAvailable: 1048576 kB\n")  # 1 GiB
     read = memory._mem_available

@@ -278,9 +278,9 @@ def copy_body_through_a_relative_name_alias(root):
 
 
 def copy_body_by_dotted_path_outside_kv(root):
-    src = Source(root, "engine/engine_core.py")
+    src = Source(root, "engine/builder.py")
     src.insert_at_top(
-        src.func("_build_tier"),
+        src.func("build_tier"),
         """\
         import batchgen.kv.page_copies
         batchgen.kv.page_copies.device_to_host_pages(self.pool.kv, None, [0], [0])
@@ -376,8 +376,8 @@ def blocking_copy_between_pools(root):
 
 
 def copy_into_host_pool_from_the_engine(root):
-    src = Source(root, "engine/engine_core.py")
-    fn = src.func("_build_tier")
+    src = Source(root, "engine/builder.py")
+    fn = src.func("build_tier")
     made = src.only(fn, "TieredKVManager(...)", calling("TieredKVManager"))
     src.insert_after(
         src.statement(fn, made), "tier.host_pool.kv[:, 0].copy_(self.pool.kv[:, :, 0])\n"
@@ -694,7 +694,7 @@ def _graphs_built_without_copies(root, rel: str) -> None:
 
 
 def engine_builds_graphs_without_the_tiers_copies(root):
-    _graphs_built_without_copies(root, "engine/engine_core.py")
+    _graphs_built_without_copies(root, "engine/builder.py")
 
 
 def tp_worker_builds_graphs_without_its_mirrors_copies(root):

@@ -10,7 +10,7 @@ import pytest
 from conftest import save_tiny_model
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine import engine_core
+from batchgen.engine import builder_plan
 
 BASE = dict(device="cpu", page_size=4, max_model_len=96, max_num_batched_tokens=48)
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -76,7 +76,7 @@ def test_pages_no_one_wants_are_never_copied(model_dir):
 
 @pytest.mark.parametrize("policy", ["auto", "always"])
 def test_cost_rule_idles_the_tier_when_recompute_is_cheaper(model_dir, monkeypatch, policy):
-    monkeypatch.setattr(engine_core, "recompute_seconds_per_token", lambda *a: 1e-12)
+    monkeypatch.setattr(builder_plan, "recompute_seconds_per_token", lambda *a: 1e-12)
     prompts = _random(10, 20, 30, seed=3)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     kw = dict(BASE, num_kv_pages=40, host_kv_size_gib=0.02, tier_policy=policy)

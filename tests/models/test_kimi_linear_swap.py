@@ -20,7 +20,7 @@ from test_kimi_linear import (
     transformers_torch_path,  # noqa: F401 (autouse: torch KDA)
 )
 
-import batchgen.engine.engine_core as engine_core
+import batchgen.engine.builder_plan as builder_plan
 from batchgen import LLM, SamplingParams
 
 pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
@@ -152,7 +152,7 @@ def test_a_full_host_state_pool_falls_back_to_recompute(checkpoint, monkeypatch)
     and outputs stay the same (a prompt's copies give its ample-pool output)."""
     path, prompts, ample = checkpoint
     monkeypatch.setattr(
-        engine_core, "split_host_budget", lambda config, layout: (config.host_kv_size_gib, 1)
+        builder_plan, "split_host_budget", lambda config, layout: (config.host_kv_size_gib, 1)
     )
     llm = _tight_llm(path)
     assert llm.engine.tier.states.host_pool.num_slots == 1

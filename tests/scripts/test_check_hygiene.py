@@ -422,6 +422,75 @@ def test_a_host_tier_without_its_copy_engine_is_reported(repo):
     )
 
 
+# --- wiring: components get their dependencies when built -------------------------------
+
+WIRING = """\
+    import dataclasses
+    from dataclasses import dataclass
+
+
+    class Tier:
+        def __init__(self, pool):
+            self.pool = pool  # its own attribute: fine
+            self.moves = 0
+
+
+    @dataclass
+    class Step:
+        pages: list
+
+
+    @dataclasses.dataclass(frozen=True)
+    class Copy:
+        page: int
+
+
+    class Manager:
+        def __init__(self, tier):
+            self.tier = tier
+
+        def wire(self, pool, request):
+            self.tier.pool = pool
+            self.tier.moves += 1  # a counter: fine
+            request.status = "running"  # a parameter's plain data: fine
+            step = Step([])
+            step.pages = [1]  # a dataclass: plain data
+            other = Tier(pool)
+            other.pool, (self.tier.states, x) = None, (1, 2)
+            setattr(other, "pool", pool)
+            setattr(self, "tier", other)  # its own attribute: fine
+            helper = lambda t: setattr(t, "pool", pool)
+            return helper, x
+
+
+    def build(pool):
+        tier = Tier(pool)
+        tier.pool = pool
+        return Manager(tier)
+    """
+
+
+def test_wiring_after_construction_fails_in_engine_and_kv(repo):
+    write(repo, {"src/batchgen/kv/wired.py": WIRING})
+    code, out = check(repo)
+    assert code == 1
+    found = [line.split(": [wiring]")[0] for line in out.splitlines() if "[wiring]" in line]
+    assert found == [
+        "src/batchgen/kv/wired.py:26",  # self.tier.pool
+        "src/batchgen/kv/wired.py:32",  # other.pool
+        "src/batchgen/kv/wired.py:32",  # self.tier.states
+        "src/batchgen/kv/wired.py:33",  # setattr(other, ...)
+        "src/batchgen/kv/wired.py:35",  # setattr(t, ...) in a lambda
+        "src/batchgen/kv/wired.py:41",  # tier.pool on a Tier just built
+    ]
+    assert "assigns self.tier.pool after it is built; pass it to the constructor" in out
+
+
+def test_wiring_is_checked_under_engine_and_kv_only(repo):
+    write(repo, {"src/batchgen/runner/wired.py": WIRING, "src/batchgen/runner/MODULE.md": "r\n"})
+    assert check(repo) == (0, "blocking: 0, advisory: 0\n")
+
+
 # --- reviewing a change ---------------------------------------------------------------
 
 

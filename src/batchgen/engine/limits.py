@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from batchgen.config import EngineConfig
+from batchgen.sampling_params import SamplingParams
 
 # the context limit of a model whose config states none, where max_model_len is unset
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -61,3 +62,35 @@ def eos_token_ids(hf_config, tokenizer, generation=None) -> list[int]:
         elif isinstance(source, (list, tuple)):
             ids += [int(t) for t in source]
     return sorted(set(ids))
+
+
+def check_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    max_model_len: int,
+    vocab: int,
+    what: str,
+) -> None:
+    """Raise ValueError (TypeError for a wrong type) naming `what` for a prompt and
+    sampling parameters the engine cannot run (EngineCore.validate, which compiles a
+    structured-output grammar too)."""
+    if not prompt_token_ids:
+        raise ValueError(f"{what}: the prompt is empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"{what}: the prompt has {len(prompt_token_ids)} tokens; "
+            f"max_model_len is {max_model_len} (room is needed for output)"
+        )
+    # one pass over the ids for both checks: a W3-sized batch has millions of them
+    bad = next((t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab), None)
+    if bad is not None:
+        if type(bad) is not int:
+            raise TypeError(f"{what}: token ids must be ints, got {bad!r}")
+        raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {vocab})")
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"{what}: sampling params must be a SamplingParams, got {type(params)}")
+    if params.n != 1 or params.best_of not in (None, 1):
+        raise ValueError(
+            f"{what}: the engine runs one sample per request (n={params.n}, "
+            f"best_of={params.best_of}); LLM.generate and LLM.chat fan n > 1 out"
+        )

@@ -49,7 +49,9 @@ _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ", re.MULTILINE)
 class StructuredOutputs:
     """The engine's grammar state: a compiler for its tokenizer and the live matchers;
     the last `compiled_cache` distinct constraints stay compiled (least recently used
-    dropped)."""
+    dropped). Built with the engine, it loads xgrammar and reads the tokenizer's
+    vocabulary only when the first grammar is compiled: an engine without constrained
+    requests never loads it."""
 
     def __init__(
         self,
@@ -58,27 +60,33 @@ class StructuredOutputs:
         eos_token_ids: list[int],
         compiled_cache: int = COMPILED_CACHE,
     ) -> None:
-        import xgrammar as xgr  # here: an engine without constrained requests never loads it
+        self._tokenizer, self._eos_token_ids = tokenizer, list(eos_token_ids)
+        self._xgr = None  # the compiler and the batch matcher are made with it (_load)
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()
+        self._compiled_cache = compiled_cache
+        self._matchers: dict[str, object] = {}  # every followed request
+        self._live: dict[str, object] = {}  # those whose matcher has not terminated
+        self.vocab_size = vocab_size
+        self.words = -(-vocab_size // 32)  # int32 words per row
 
-        self._xgr = xgr
+    def _load(self) -> None:
+        import xgrammar as xgr
+
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
+            self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos_token_ids
         )
         threads = grammar_threads()
         # one cache, ours: bounded, where xgrammar's own would keep every schema ever seen
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        self._compiled: OrderedDict[tuple, object] = OrderedDict()
-        self._compiled_cache = compiled_cache
-        self._matchers: dict[str, object] = {}  # every followed request
-        self._live: dict[str, object] = {}  # those whose matcher has not terminated
         self._stop_ids = frozenset(info.stop_token_ids)  # those that end a matcher
-        self.vocab_size = vocab_size
-        self.words = -(-vocab_size // 32)  # int32 words per row
+        self._xgr = xgr
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of `spec` (the last `compiled_cache` kept); ValueError
         saying what is wrong."""
+        if self._xgr is None:
+            self._load()
         key = spec.key
         compiled = self._compiled.get(key)
         if compiled is not None:
@@ -124,7 +132,8 @@ class StructuredOutputs:
 
     def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
         """Follow a new request under `spec` (compiled here if not yet)."""
-        matcher = self._xgr.GrammarMatcher(self.compile(spec))
+        compiled = self.compile(spec)  # xgrammar loaded first
+        matcher = self._xgr.GrammarMatcher(compiled)
         self._matchers[request_id] = self._live[request_id] = matcher
 
     def remove(self, request_id: str) -> None:
@@ -137,10 +146,15 @@ class StructuredOutputs:
     def __len__(self) -> int:
         return len(self._matchers)
 
+    @property
+    def following(self) -> bool:
+        """Whether any request's tokens are constrained now."""
+        return bool(self._live)
+
     def constrains(self, request_ids: list[str]) -> bool:
         """Whether any of these requests' next token is constrained."""
         live = self._live
-        return any(rid in live for rid in request_ids)
+        return bool(live) and any(rid in live for rid in request_ids)
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """`advance` for one request: False if its grammar rejects the token."""

@@ -12,7 +12,7 @@ processes themselves distributed/workers.py.
       and the fewest pages of any rank     <--  PlanQuery: pages its GPU has left
     num_pages                              -->  Setup: num_pages, host_pages, eos ids
                                                 -> its own pool (and host tier mirror)
-    tier cost rule: _profile_forward       -->  Profile: the same warm-up forward
+    tier cost rule: Warmup.forward         -->  Profile: the same warm-up forward
     step: schedule; TPModelRunner.execute: ---> TPStep: issue its tier copies on its
           broadcast TPStep(SchedulerOutput,     shard (TierMirror), run the step's forward
           the tier copies submitted since       and lm_head waiting for them, sampling

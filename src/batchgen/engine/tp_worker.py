@@ -156,7 +156,7 @@ class _Worker:
         self.pool = pool
         self.runner.set_kv_caches([] if pool is None else pool.layer_caches())
         if self.mirror is not None:
-            self.mirror.device_pool = pool
+            self.mirror.attach_device(pool)
 
     def _setup(self, setup: Setup) -> None:
         """Its pool of rank 0's pages, its host tier mirror, and a runner that decodes as

@@ -42,14 +42,21 @@ _entries = itertools.count()  # ties in a node's heap (a child pushed twice with
 class Node:
     __slots__ = ("edge", "depth", "parent", "children", "members", "size", "first", "heap")
 
-    def __init__(self, edge: list[bytes], depth: int, parent: Node | None) -> None:
+    def __init__(
+        self,
+        edge: list[bytes],
+        depth: int,
+        parent: Node | None,
+        size: int = 0,
+        first: tuple[Key, Request] | None = None,
+    ) -> None:
         self.edge = edge
         self.depth = depth
         self.parent = parent
         self.children: dict[bytes, Node] = {}
         self.members: list[tuple[Key, Request]] = []
-        self.size = 0
-        self.first: tuple[Key, Request] | None = None
+        self.size = size
+        self.first = first
         self.heap: list[tuple[Key, int, Node]] = []  # the children by their `first`
 
     def note(self, child: Node) -> None:
@@ -139,8 +146,7 @@ class WaitingTree:
     def _split(self, child: Node, k: int) -> Node:
         """Cut `child`'s edge after k pages; returns the new node in between."""
         parent = child.parent
-        mid = Node(child.edge[:k], parent.depth + k, parent)
-        mid.size, mid.first = child.size, child.first
+        mid = Node(child.edge[:k], parent.depth + k, parent, child.size, child.first)
         parent.children[child.edge[0]] = mid
         child.edge = child.edge[k:]
         child.parent = mid

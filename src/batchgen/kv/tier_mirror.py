@@ -93,6 +93,10 @@ class TierMirror:
             "state_load": self._state_load,
         }
 
+    def attach_device(self, pool: PagePool | None) -> None:
+        """Point at this rank's re-created device pool (None while it is replaced)."""
+        self.device_pool = pool
+
     def issue(self, copies: list[TierCopy], forward: bool = True) -> list[CopyHandle]:
         """Submit `copies` in order; the handles the step's forward must wait on (all:
         a load layer by layer, a store until its source pages are read, a state copy

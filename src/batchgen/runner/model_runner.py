@@ -58,6 +58,7 @@ class ModelRunner:
         max_pages: int = 256,
         seed: int = 0,
         linear_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        grammar=None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -81,8 +82,8 @@ class ModelRunner:
         )
         self.batch = InputBatch(max_num_seqs, max_pages)
         self.stage = HostStaging(device)
-        # structured outputs: the engine's StructuredOutputs once a request uses one
-        self.grammar = None
+        # structured outputs: the engine's StructuredOutputs (engine/structured.py), if any
+        self.grammar = grammar
         self._masks: MaskStaging | None = None  # their bitmask rows, built with it
         self._max_num_seqs = max_num_seqs
 
@@ -266,7 +267,7 @@ class ModelRunner:
         """The logits with each structured-output row's forbidden tokens at -inf. The
         masks are filled into the reused pinned rows of `MaskStaging` and copied once."""
         grammar = self.grammar
-        if grammar is None:
+        if grammar is None or not grammar.following:  # no request constrained now
             return logits
         if self._masks is None:
             self._masks = MaskStaging(self.device, grammar.words, self._max_num_seqs)
