@@ -12,7 +12,7 @@ import pytest
 import tp_workers
 from conftest import save_tiny_model
 
-import batchgen.engine.tp_peers as tp_peers
+import batchgen.engine.builder_load as builder_load
 from batchgen import LLM, SamplingParams
 
 KW = dict(device="cpu", dtype="float32", max_model_len=64, page_size=4, max_num_batched_tokens=24)
@@ -105,7 +105,7 @@ def test_per_layer_decode_appends_at_two_ranks(reference, debug, monkeypatch):
 
 def test_a_worker_skipping_its_tier_copies_changes_the_outputs(reference, monkeypatch):
     path, want = reference
-    monkeypatch.setattr(tp_peers, "worker_main", tp_workers.worker_main_skipping_tier_copies)
+    monkeypatch.setattr(builder_load, "worker_main", tp_workers.worker_main_skipping_tier_copies)
     outs, m, (worker,) = _run_twice(path, monkeypatch)
     assert m["pages_loaded"] > 0 and worker["loads"] == 0
     wrong_tokens = any(
@@ -152,7 +152,7 @@ def test_reconfigure_mid_run_at_two_ranks_keeps_the_outputs(reference):
 
 def test_a_worker_that_cannot_allocate_sends_every_rank_back(reference, monkeypatch):
     path, _ = reference
-    monkeypatch.setattr(tp_peers, "worker_main", tp_workers.worker_main_failing_a_pool)
+    monkeypatch.setattr(builder_load, "worker_main", tp_workers.worker_main_failing_a_pool)
     params = SamplingParams(temperature=0, max_tokens=16)
     ample = LLM(path, num_kv_pages=200, **KW).generate(_prompts(), params, use_tqdm=False)
     want = [o.outputs[0].token_ids for o in ample]

@@ -10,6 +10,7 @@ from batchgen.engine.builder_plan import with_limits_for
 from batchgen.engine.limits import max_model_len
 from batchgen.engine.memory import check_host_budget
 from batchgen.engine.tp_peers import TPWorkers, check_supported
+from batchgen.engine.tp_worker import worker_main
 from batchgen.models.loader import ModelSource, build_model, gguf_read_once
 from batchgen.models.registry import check_tensor_parallel
 
@@ -42,7 +43,7 @@ def _from_source(config: EngineConfig, source: ModelSource) -> EngineParts:
         return build_engine(config, model, hf_config, tokenizer, device, dtype)
     check_supported(config, device)
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
-    workers = TPWorkers.start(config, source)
+    workers = TPWorkers.start(config, source, worker_main)
     try:
         model = build_model(
             source,

@@ -1,6 +1,8 @@
 """Rank 0's handle on its tensor-parallel workers, with the engine's requests of them
 (distributed.workers.Workers does the processes: spawn, rendezvous, watcher, messages).
-The workers' side is tp_worker.py; the steps they are sent, tensor_parallel.py."""
+The workers' side is tp_worker.py (builder_load hands its worker_main to `start`: the
+worker builds through the builder, which holds this handle); the steps they are sent,
+tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from batchgen.distributed.messages import PlanBegin, PlanQuery, Reconfigure, Tie
 from batchgen.distributed.workers import Workers
 from batchgen.engine.limits import max_model_len
 from batchgen.engine.tensor_parallel import TPStep
-from batchgen.engine.tp_worker import worker_main
 from batchgen.kv.tier_mirror import TierCopy
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models.loader import ModelSource
@@ -43,10 +44,10 @@ class TPWorkers(Workers):
     messages), with the engine's requests of them."""
 
     @classmethod
-    def start(cls, config: EngineConfig, source: ModelSource) -> TPWorkers:
-        """Spawn ranks 1..N-1 (tp_worker.worker_main: each builds its share of the
-        model, then serves rank 0's messages) and join the group as rank 0
-        (_check_shares first)."""
+    def start(cls, config: EngineConfig, source: ModelSource, worker_main) -> TPWorkers:
+        """Spawn ranks 1..N-1, each running worker_main(tp, config, source)
+        (tp_worker.worker_main: it builds its share of the model, then serves rank 0's
+        messages), and join the group as rank 0 (_check_shares first)."""
         size = config.tensor_parallel_size
         hf_config = source.load_config()
         _check_shares(hf_config, size, max_model_len(config, hf_config))

@@ -2,10 +2,11 @@
 messages acted on until Shutdown (distributed.workers.serve), each by the one handler
 its type has in `_Worker.HANDLERS` (a message of any other type raises).
 
-The worker builds what rank 0 builds, from the same config, of its own share: the
-model (its heads), the KV layout and the state pool before the warm-up profile, then,
-on Setup, the page pool of the pages rank 0 planned, the host tier mirror and a runner
-that decodes as rank 0's does.
+The worker builds what rank 0 builds, from the same config, of its own share, through
+the builder's functions rank 0 runs: the model (its heads), the KV layout and the state
+pool before the warm-up profile (builder_plan.Warmup, as rank 0's steps), then, on
+Setup (rank 0's EnginePlan.setup()), the page pool of the pages rank 0 planned, the host
+tier mirror, and its runner (builder.build_runner, as rank 0's).
 """
 
 from __future__ import annotations
@@ -23,15 +24,10 @@ from batchgen.distributed.messages import (
     TierMetricsQuery,
 )
 from batchgen.distributed.workers import serve
-from batchgen.engine.decode_graphs import build_decode_graphs, decode_split_plan
+from batchgen.engine.builder import build_runner
+from batchgen.engine.builder_plan import Warmup, attention_backend
 from batchgen.engine.limits import max_model_len
-from batchgen.engine.memory import (
-    begin_peak,
-    build_state_pool,
-    pages_left,
-    remake_pool,
-    warmup_forward,
-)
+from batchgen.engine.memory import begin_peak, build_state_pool, pages_left, remake_pool
 from batchgen.engine.tensor_parallel import TPStep, apply_step
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.host_pool import HostPool
@@ -86,16 +82,14 @@ class _Worker:
         # replicated), the same pages as rank 0
         num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
         self.layout = KVLayout.of(model.kv_state, num_kv_layers, config.page_size, dtype)
-        self.backend = config.resolved_attention_backend(device)
+        self.backend = attention_backend(config, model, device)  # the warm-ups', as rank 0's
+        self.max_len = max_model_len(config, hf_config)
         # its heads of the compressed state (models with linear-attention layers), the
         # same slots as rank 0's; built before the warm-up profile, as on rank 0
         self.state_pool = build_state_pool(model, config, dtype, device)
         self.runner: ModelRunner | None = None
         self.pool: PagePool | None = None
         self.mirror: TierMirror | None = None
-
-    def _linear_states(self):
-        return None if self.state_pool is None else self.state_pool.layer_states()
 
     def handle(self, message: Message):
         """Act on one message from rank 0; what it replies (None for most). TypeError
@@ -112,18 +106,18 @@ class _Worker:
         apply_step(message, self.runner, self.mirror, self.device, self.tp)
 
     def _profile(self, message: Profile) -> None:
-        warmup_forward(
+        """Rank 0's warm-up step, run alike here (no peers: only rank 0 sends)."""
+        Warmup(
+            self.config,
             self.model,
-            self.layout,
-            self.device,
             self.hf_config,
+            self.layout,
+            self.state_pool,
+            self.device,
             list(message.eos_token_ids),
-            message.num_tokens,
+            self.max_len,
             self.backend,
-            linear_states=self._linear_states(),
-            state_slot=self.config.max_num_seqs,  # the spare slot (build_state_pool)
-            max_len=message.max_len,
-        )
+        ).forward(message.num_tokens, message.max_len)
 
     def _plan_begin(self, message: PlanBegin) -> None:
         begin_peak(self.device)
@@ -159,12 +153,11 @@ class _Worker:
             self.mirror.attach_device(pool)
 
     def _setup(self, setup: Setup) -> None:
-        """Its pool of rank 0's pages, its host tier mirror, and a runner that decodes as
-        rank 0's does: the same attention backend, and CUDA graphs where rank 0 replays
-        them (decode_graphs.py)."""
-        config, device, model = self.config, self.device, self.model
+        """Its pool of rank 0's pages, its host tier mirror, and its runner, built as rank
+        0's is (builder.build_runner: the same attention backend, CUDA graphs where rank
+        0 captures them, paused against the mirror's copies while captured)."""
+        config, device = self.config, self.device
         pool = self.pool = PagePool(self.layout, setup.num_pages, device)
-        max_len = max_model_len(config, self.hf_config)
         copies = None
         if setup.host_pages:
             pin = device.type == "cuda"
@@ -176,39 +169,18 @@ class _Worker:
             # one copy stream: copies run in rank 0's submission order (tier_mirror.py)
             copies = CopyEngine(device, num_streams=1, issue=config.tier_copy_issue)
             self.mirror = TierMirror(pool, host, copies, config.batchgen_debug, states)
-        backend = setup.attention_backend
-        plan = decode_split_plan(config, model, self.layout, self.dtype, device, backend, max_len)
-        graphs = None
-        if setup.graphs:
-            graphs = build_decode_graphs(
-                config,
-                model,
-                pool.layer_caches(),
-                backend,
-                plan,
-                self.hf_config.hidden_size,
-                device,
-                self.dtype,
-                max_len,
-                copies=copies,  # the mirror's: paused while a graph is captured
-                state_pool=self.state_pool,
-            )
-        self.runner = ModelRunner(
-            model,
-            pool.layer_caches(),
-            config.page_size,
+        self.runner = build_runner(
+            setup,
+            config,
+            self.model,
+            self.hf_config,
+            pool,
+            self.state_pool,
             device,
-            self.hf_config.vocab_size,
-            list(setup.eos_token_ids),
-            attention_backend=backend,
-            graphs=graphs,
-            split_plan=plan,
-            max_num_seqs=config.max_num_seqs,
-            max_pages=-(-max_len // config.page_size),
-            seed=config.seed,
-            linear_states=self._linear_states(),
+            self.dtype,
+            self.max_len,
+            copies=copies,
         )
-        self.runner.warm_logits(config.max_step_rows, self.hf_config.hidden_size, self.dtype)
 
 
 def _device(config: EngineConfig, rank: int) -> torch.device:
