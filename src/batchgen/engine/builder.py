@@ -25,6 +25,7 @@ from batchgen.engine.builder_plan import (
     EnginePlan,
     Warmup,
     attention_backend,
+    kv_layout,
     resolve_plan,
     with_limits_for,
 )
@@ -96,8 +97,7 @@ def build_engine(
     config = with_limits_for(config, device, hf_config)
     max_len = max_model_len(config, hf_config)
     eos = eos_token_ids(hf_config, tokenizer, generation_eos(config.model))
-    num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
-    layout = KVLayout.of(model.kv_state, num_kv_layers, config.page_size, dtype)
+    layout = kv_layout(config, model, hf_config, dtype)
     # allocated before the warm-up profile: its bytes count in the peak, so they come
     # out of what the KV pool may use
     state_pool = build_state_pool(model, config, dtype, device)

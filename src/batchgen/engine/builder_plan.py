@@ -64,6 +64,13 @@ def has_moe_layers(hf_config) -> bool:
     return any(getattr(hf_config, name, None) for name in ("n_routed_experts", "num_local_experts"))
 
 
+def kv_layout(config: EngineConfig, model, hf_config, dtype: torch.dtype) -> KVLayout:
+    """The page geometry of this rank's share of `model` (model.kv_state: its KV heads;
+    under MLA the whole latent), the same on every rank but for the heads."""
+    num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
+    return KVLayout.of(model.kv_state, num_kv_layers, config.page_size, dtype)
+
+
 def attention_backend(config: EngineConfig, model, device: torch.device) -> str:
     """The configured backend, where the model's attention has it: a model that lists
     its own in `attention_backends` is held to them, and "auto" falls back to torch for

@@ -25,13 +25,12 @@ from batchgen.distributed.messages import (
 )
 from batchgen.distributed.workers import serve
 from batchgen.engine.builder import build_runner
-from batchgen.engine.builder_plan import Warmup, attention_backend
+from batchgen.engine.builder_plan import Warmup, attention_backend, kv_layout
 from batchgen.engine.limits import max_model_len
 from batchgen.engine.memory import begin_peak, build_state_pool, pages_left, remake_pool
 from batchgen.engine.tensor_parallel import TPStep, apply_step
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.host_pool import HostPool
-from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.state_pool import HostStatePool
 from batchgen.kv.tier_mirror import TierMirror
@@ -78,10 +77,9 @@ class _Worker:
     def __init__(self, config: EngineConfig, model, hf_config, device, dtype, tp) -> None:
         self.config, self.model, self.hf_config = config, model, hf_config
         self.device, self.dtype, self.tp = device, dtype, tp
-        # its KV share (model.kv_state: its KV heads; under MLA the whole latent,
-        # replicated), the same pages as rank 0
-        num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
-        self.layout = KVLayout.of(model.kv_state, num_kv_layers, config.page_size, dtype)
+        # its KV share (its KV heads; under MLA the whole latent, replicated), the same
+        # pages as rank 0
+        self.layout = kv_layout(config, model, hf_config, dtype)
         self.backend = attention_backend(config, model, device)  # the warm-ups', as rank 0's
         self.max_len = max_model_len(config, hf_config)
         # its heads of the compressed state (models with linear-attention layers), the
