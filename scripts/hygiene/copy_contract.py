@@ -873,13 +873,32 @@ class _Contract:
             self._passes_engine(mod, _arg(call, at, value.value.id)) for mod, call in calls
         )
 
-    def _passes_engine(self, m: _Module, value: ast.AST | None) -> bool:
-        """value is a CopyEngine, or one if something holds and else None."""
+    def _passes_engine(self, m: _Module, value: ast.AST | None, depth: int = 0) -> bool:
+        """value is a CopyEngine, or one if something holds and else None. A parameter of
+        the function it is passed from counts only if every call of that function passes
+        one there in turn (a builder that hands its copies on, as build_runner does)."""
         if isinstance(value, ast.IfExp):
             branches = [value.body, value.orelse]
             nones = [b for b in branches if isinstance(b, ast.Constant) and b.value is None]
             return len(nones) == 1 and any(self.engines.typed(m, b) for b in branches)
-        return value is not None and self.engines.typed(m, value)
+        if value is None or not self.engines.typed(m, value):
+            return False
+        fn = m.func_of(value)
+        if depth >= 4 or not isinstance(value, ast.Name) or not isinstance(fn, DEFS):
+            return True
+        params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+        if value.id not in params:
+            return True
+        at = params.index(value.id) - (1 if m.class_of(fn) is not None else 0)
+        calls = [
+            (mod, call)
+            for mod in self.pkg.modules
+            for node, _ in self.pkg.refs(mod, m.rel, {fn.name})
+            if isinstance(call := mod.parent.get(node), ast.Call) and call.func is node
+        ]
+        return all(
+            self._passes_engine(mod, _arg(call, at, value.id), depth + 1) for mod, call in calls
+        )
 
 
 def _captures(node: ast.AST) -> bool:
