@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.layers.activation import silu_and_mul
+from batchgen.layers.expert_parallel import ExpertParallel, dispatch_combine
 from batchgen.layers.linear import Linear, merged_shards
 from batchgen.layers.moe_routing import RoutingConfig, select_experts
 from batchgen.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -115,39 +116,65 @@ class DeepseekV3MoE(nn.Module):
     contributions (RoutedExperts) and its slice of the shared experts' intermediate
     features, and one all-reduce sums them: y on every rank. The expert names stay the
     checkpoint's; E must divide by the size (ValueError otherwise).
+
+    With `ep` (expert parallel, layers/expert_parallel.py) instead: the routed experts in
+    one block per rank of ep.group, every token sent to its experts' ranks and their
+    outputs back by all-to-all, the shared experts replicated; the router replicated.
+    forward takes this rank's own tokens (ep.local_tokens) or every rank's same tokens
+    (then each rank runs a slice, and the slices are gathered).
     """
 
     def __init__(
-        self, config, dtype: torch.dtype | None = None, device=None, tp: TPGroup | None = None
+        self,
+        config,
+        dtype: torch.dtype | None = None,
+        device=None,
+        tp: TPGroup | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
+        if tp is not None and ep is not None:
+            raise ValueError("DeepseekV3MoE takes tp (all-reduced experts) or ep, not both")
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported by DeepseekV3MoE (silu)")
         self.routing = RoutingConfig.from_hf(config)
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.gate = MoEGate(self.routing, hidden, device=device, act_dtype=dtype)
-        self.experts = RoutedExperts(self.routing.num_experts, hidden, inter, dtype, device, tp)
+        split = tp if ep is None else ep.group
+        self.experts = RoutedExperts(self.routing.num_experts, hidden, inter, dtype, device, split)
         n_shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = (
             GatedMLP(hidden, inter * n_shared, tp).to(device=device, dtype=dtype)
             if n_shared
             else None
         )
-        self.tp = tp
+        self.tp, self.ep = tp, ep
 
     def graph_safe(self, dtype: torch.dtype, device: torch.device | str) -> bool:
         """Whether forward runs without a host sync for `dtype` activations on `device`
-        (so a CUDA graph can capture it): fused_experts takes the grouped-GEMM path there."""
+        (so a CUDA graph can capture it): fused_experts takes the grouped-GEMM path there,
+        and no expert-parallel dispatch reads its split sizes on the host."""
+        if self.ep is not None and self.ep.size > 1:
+            return False
         hidden, inter = self.experts.gate_up_proj.shape[2], self.experts.inter
         return hidden % 8 == 0 and inter % 8 == 0 and grouped_mm_serves(dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ep is not None:
+            return self.ep.forward(x, self._dispatched)
         weights, ids = self.gate(x)
         # the shared experts' output is added where the routed sum is made (one pass)
         shared = None if self.shared_experts is None else self.shared_experts(x)
         out = self.experts(x, weights, ids, residual=shared)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _dispatched(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens through the experts of every rank (expert parallel)."""
+        weights, ids = self.gate(x)
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        num = self.routing.num_experts
+        return dispatch_combine(x, weights, ids, self.experts, num, self.ep.group, shared)
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None]:
         """(module, param, shard) for a checkpoint name relative to `mlp.`; KeyError for
