@@ -1,0 +1,140 @@
+"""INT4 weight-only GEMMs (W4A16, group 32) on the GPU against bf16 at the same shapes.
+
+Dense: kernels/int4_gemm.py's w4a16_gemm (its default launch for the row count, then a
+sweep) against torch's bf16 F.linear, at W6's projection shapes (hidden 2048) and
+Kimi-K2's expert shape (hidden 7168, intermediate 2048), from one decode row to a 4,096-row
+prefill chunk. MoE: W6's routed experts' gate_up GEMM (64 experts, hidden 2048,
+intermediate 1024, top-6) through kernels/int4_moe.py against the bf16 grouped GEMM
+(torch._grouped_mm over the same token-sorted rows). Rates: the weight bytes read once
+over the time (decode is bound by them) against the copy ceiling. Each INT4 result's
+largest difference from the bf16 product over the same dequantized weights is shown.
+
+    python3 -m benchmarks.bench_int4            # defaults plus the launch sweep
+    python3 -m benchmarks.bench_int4 --quick    # default launches only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+
+import torch
+
+from benchmarks.card import COPY_BW, kernel_seconds
+
+GROUP = 32
+DENSE = [("W6 qkv", 4096, 2048), ("W6 o", 2048, 2048), ("K2 expert up", 4096, 7168)]
+ROWS = (1, 16, 64, 512, 4096)
+LAUNCHES = [  # (block_m, block_n, block_k, split_k, warps, stages)
+    (16, 64, 128, 1, 4, 4),
+    (16, 128, 128, 1, 4, 4),
+    (16, 64, 256, 1, 4, 3),
+    (16, 32, 128, 1, 2, 4),
+    (32, 64, 128, 1, 4, 3),
+    (64, 128, 64, 1, 8, 3),
+    (128, 128, 64, 1, 8, 3),
+    (64, 64, 128, 1, 4, 4),
+]
+
+
+def _packed(n: int, k: int, gen, experts: int | None = None):
+    from batchgen.kernels.int4_gemm import dequantize_int4
+
+    shape = (n, k // 8) if experts is None else (experts, n, k // 8)
+    packed = torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int32)
+    scale = (torch.rand(*shape[:-1], k // GROUP, generator=gen) * 0.01).to(torch.bfloat16)
+    packed, scale = packed.to("cuda"), scale.to("cuda")
+    return packed, scale, dequantize_int4(packed, scale, k, GROUP, torch.bfloat16)
+
+
+def _row(case, launch, seconds, weight_bytes, err=None):
+    bw = weight_bytes / seconds
+    note = "-" if err is None else f"max diff {err:.1e}"
+    rate = f"{bw / 1e12:.2f} TB/s"
+    return (case, launch, f"{seconds * 1e6:.1f} us", rate, f"{100 * bw / COPY_BW:.0f}%", note)
+
+
+def bench_dense(gen, sweep: bool) -> list[tuple]:
+    from batchgen.kernels.int4_gemm import W4A16Tuning, w4a16_gemm
+
+    rows = []
+    for name, n, k in DENSE:
+        packed, scale, dense = _packed(n, k, gen)
+        for m in ROWS:
+            x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+            ref = torch.nn.functional.linear(x, dense)
+            case = f"{name} [{m}, {k}] x [{n}, {k}]"
+            rows.append(
+                _row(
+                    case,
+                    "bf16 F.linear",
+                    kernel_seconds(partial(torch.nn.functional.linear, x, dense)),
+                    n * k * 2,
+                )
+            )
+            tunings = [None] + ([W4A16Tuning(*t) for t in LAUNCHES] if sweep else [])
+            for tn in tunings:
+                run = partial(w4a16_gemm, x, packed, scale, GROUP, tuning=tn)
+                err = (run().float() - ref.float()).abs().max().item()
+                label = "int4 default" if tn is None else (
+                    f"int4 {tn.block_m}x{tn.block_n}x{tn.block_k} s{tn.split_k} w{tn.num_warps}"
+                )  # fmt: skip
+                rows.append(_row(case, label, kernel_seconds(run), n * k // 2, err))
+    return rows
+
+
+def bench_moe(gen, sweep: bool) -> list[tuple]:
+    from batchgen.kernels.fused_moe import MoETuning, align_pairs
+    from batchgen.kernels.int4_moe import TUNING, int4_moe_gemm
+    from batchgen.layers.routed_experts import grouped_mm
+
+    experts, hidden, inter, top_k = 64, 2048, 1024, 6
+    packed, scale, dense = _packed(2 * inter, hidden, gen, experts)
+    rows = []
+    for t in (64, 512, 4096):
+        x = torch.randn(t, hidden, generator=gen).to("cuda", torch.bfloat16)
+        ids = torch.rand(t, experts, generator=gen).topk(top_k, dim=-1).indices.to("cuda")
+        flat = ids.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        offs = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
+        sorted_rows = x.index_select(0, order // top_k)
+        touched = min(experts, t * top_k)
+        case = f"W6 moe gate_up T={t}"
+        bf16 = partial(grouped_mm, sorted_rows, dense, offs)
+        ref = torch.empty_like(bf16()).index_copy_(0, order, bf16())  # back to pair order
+        w_bytes = dense.numel() * 2 * touched // experts
+        rows.append(_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
+        launches = [TUNING] + (
+            [MoETuning(*c) for c in [(16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 8, 3)]]
+            if sweep
+            else []
+        )  # fmt: skip
+        for tn in launches:
+            aligned = align_pairs(flat, experts, tn.block_m)
+            run = partial(int4_moe_gemm, x, packed, scale, GROUP, *aligned, t * top_k, top_k, tn)
+            err = (run().float() - ref.float()).abs().max().item()
+            label = f"int4 {tn.block_m}x{tn.block_n}x{tn.block_k} w{tn.num_warps}"
+            rows.append(_row(case, label, kernel_seconds(run), w_bytes // 4, err))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="default launches only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_int4: needs a CUDA device", file=sys.stderr)
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    rows = bench_dense(gen, not args.quick) + bench_moe(gen, not args.quick)
+    header = ("case", "launch", "median", "weights read", "of copy", "check")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
