@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 
+from batchgen.engine.hybrid_state import HybridState
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.runner_feed import RunnerFeed
-from batchgen.engine.waiting import PrefixWaiting
+from batchgen.engine.waiting import ArrivalWaiting, PrefixWaiting
 from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.kv_manager import KVCacheManager, PrefixHit
 from batchgen.kv.state_checkpoints import StateCheckpoints
@@ -31,13 +31,8 @@ class Scheduler:
     ends admission for the step.
 
     With `state_slots` (a model with linear-attention layers) each running request also
-    holds a compressed-state slot: admission needs a free one, and a prefix hit is used
-    only up to a state checkpoint (`checkpoints`, with the host tier: a hit needs the
-    recurrent state at its last token), whose state is loaded into the request's slot;
-    prefill chunks end at checkpoint positions not yet stored, and the next step stores
-    them first. A preempted one is swapped whole by `exact_swap` (the host tier on, with
-    room for its pages and a state slot) and resumes at its exact position once a slot is
-    free again; else it is recomputed.
+    holds a compressed-state slot, and `exact_swap` and `checkpoints` may come with them:
+    hybrid_state.py says what they change.
 
     admission="arrival" admits in arrival order (preempted requests first);
     admission="prefix" admits preempted requests first, then by cached prefix length,
@@ -60,10 +55,15 @@ class Scheduler:
     ) -> None:
         if admission not in ("prefix", "arrival"):
             raise ValueError(f'admission must be "prefix" or "arrival", got {admission!r}')
+        if state_slots is None and (exact_swap is not None or checkpoints is not None):
+            raise ValueError("exact_swap and checkpoints need state_slots")
         self.kv = kv
         self.state_slots = state_slots
         self.exact_swap = exact_swap
         self.checkpoints = checkpoints
+        self.hybrid = None  # a model with linear-attention layers: each request's state
+        if state_slots is not None:
+            self.hybrid = HybridState(kv, state_slots, exact_swap, checkpoints)
         self.admission = admission
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -72,8 +72,8 @@ class Scheduler:
         # the engine launches the forward before the step's stores ahead are submitted
         # (KVCacheManager.take_step_copies); it calls kv.flush_ahead() then
         self.defer_stores_ahead = defer_stores_ahead
-        self.waiting: deque[Request] | PrefixWaiting = (
-            deque() if admission == "arrival" else PrefixWaiting()
+        self.waiting: ArrivalWaiting | PrefixWaiting = (
+            ArrivalWaiting() if admission == "arrival" else PrefixWaiting()
         )
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -86,18 +86,13 @@ class Scheduler:
         self._committed: deque[tuple[SchedulerOutput, dict[str, int]]] = deque()
 
     def add(self, request: Request) -> None:
-        if self.checkpoints is not None and self.checkpoints.shared_only:
-            ids = request.token_ids  # its positions may be shared with others'
+        if self.hybrid is not None:
+            self.hybrid.track(request)
+        ids, hashes = request.token_ids, []  # no hashes: nothing is cached, arrival order
+        if self.admission == "prefix" and self.kv.allocator.enable_caching:
             hashes = self.kv.page_hashes(request.request_id, ids)
-            self.checkpoints.track(request.request_id, hashes, len(ids))
-        if self.admission == "arrival":
-            self.waiting.append(request)
-        elif not self.kv.allocator.enable_caching:
-            self.waiting.add(request, [])  # nothing is ever cached: arrival order
-        else:
-            ids = request.token_ids
-            hashes = self.kv.page_hashes(request.request_id, ids)
-            self.waiting.add(request, hashes[: (len(ids) - 1) // self.kv.page_size])
+            hashes = hashes[: (len(ids) - 1) // self.kv.page_size]
+        self.waiting.add(request, hashes)
 
     @property
     def has_unfinished(self) -> bool:
@@ -106,11 +101,10 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Swap the request's KV (and state slot) to host if the tier has room, else drop
         it (recompute)."""
-        rid, computed = request.request_id, request.num_computed_tokens
-        if self.state_slots is None:
-            swapped = self.kv.swap_out(rid, computed)
-        else:  # a slot's state cannot be rebuilt from pages: all of it moves, or none
-            swapped = self.exact_swap is not None and self.exact_swap.swap_out(rid, computed)
+        if self.hybrid is None:
+            swapped = self.kv.swap_out(request.request_id, request.num_computed_tokens)
+        else:
+            swapped = self.hybrid.swap_out(request)
         if swapped:
             request.status = RequestStatus.SWAPPED
         else:
@@ -143,7 +137,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         # before anything can preempt a request: its state at a checkpoint position is
         # copied first, and this step's forward waits for the copy before writing it
-        waits = [] if self.checkpoints is None else self._take_checkpoints()
+        waits = [] if self.hybrid is None else self.hybrid.take_checkpoints(self.running)
         i = 0
         running, allocate = self.running, self.kv.allocate
         while i < len(running) and budget > 0:
@@ -163,40 +157,30 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
             i += 1
-        candidates = iter(()) if preempted else self._candidates()
+        candidates = iter(()) if preempted else self.waiting.candidates(self.kv)
         while budget > 0 and len(self.running) < self.max_num_seqs:
             req = next(candidates, None)
             if req is None:
                 break
             # a swapped request comes back like any other: its full pages from the device
             # prefix cache or the host, its last partial page recomputed
-            if self.state_slots is not None and not self.state_slots.num_free:
+            if self.hybrid is not None and not self.state_slots.num_free:
                 break
-            exact = self.exact_swap is not None and self.exact_swap.holds(req.request_id)
-            if (
-                _prompt_logprobs_due(req)  # every prompt position must be computed to report it
-                or exact
-                or (self.state_slots is not None and self.checkpoints is None)
-            ):
+            exact = self.hybrid is not None and self.hybrid.holds(req.request_id)
+            if _prompt_logprobs_due(req) or exact:  # every prompt position must be computed
                 hits = PrefixHit()
+            elif self.hybrid is not None:
+                hits = self.hybrid.prefix_hit(req)
             else:
                 hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
-                if self.state_slots is not None:
-                    hits = self._at_checkpoint(req, hits)
             cached = req.num_computed_tokens if exact else self.kv.hit_tokens(hits)
             n = self._chunk(req, cached, budget)
             if not self.kv.allocate(req.request_id, cached + n, hits):
                 break
             if req.num_preemptions == 0:
                 self.kv.note_admission(req.num_tokens)
-            if exact:
-                self.exact_swap.swap_in(req.request_id)  # takes a slot, loads pages and state
-            elif self.state_slots is not None:
-                slot = self.state_slots.take(req.request_id)
-                if cached:  # the hit's state, stored at its last token
-                    hashes = self.kv.page_hashes(req.request_id, req.token_ids)
-                    page = cached // self.kv.page_size
-                    waits.append(self.checkpoints.load(hashes[page - 1], slot, cached))
+            if self.hybrid is not None:
+                waits += self.hybrid.admit(req, cached, exact)
             req.num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
             self._admitted(req)
@@ -207,8 +191,8 @@ class Scheduler:
             [(r.request_id, r.num_computed_tokens, r.token_ids) for r, n in scheduled if n == 1]
         )
         waits = self.kv.take_step_copies(self.defer_stores_ahead) + waits
-        if self.exact_swap is not None:
-            waits += self.exact_swap.take_waits()
+        if self.hybrid is not None:
+            waits += self.hybrid.take_swap_waits()
         self.feed.set_copies(StepCopies(waits, hook))
         entries = [self._scheduled(req, n) for req, n in scheduled]
         return SchedulerOutput(entries, preempted, self.take_released())
@@ -223,82 +207,34 @@ class Scheduler:
         """Tokens the request computes this step from `computed`: what is left, within
         the budget, ending at a state checkpoint position not yet stored."""
         n = min(req.num_tokens + req.num_pending - computed, budget)
-        if self.checkpoints is None or n <= 1:
+        if self.hybrid is None or n <= 1:
             return n
-        hashes = self.kv.page_hashes(req.request_id, req.token_ids)
-        return self.checkpoints.cut(computed, n, req.num_tokens, hashes)
-
-    def _take_checkpoints(self) -> list:
-        """Store the state of running requests that stopped at a checkpoint position
-        (the copies the step waits on)."""
-        waits, cps = [], self.checkpoints
-        for req in self.running:
-            computed = req.num_computed_tokens
-            if not computed or computed % cps.interval or computed >= req.num_tokens - 1:
-                continue  # not at a position, or decoding (a step may be queued)
-            hashes = self.kv.page_hashes(req.request_id, req.token_ids)
-            slot = self.state_slots.slot(req.request_id)
-            handle = cps.take(slot, computed, hashes, f"request {req.request_id}")
-            if handle is not None:
-                waits.append(handle)
-        return waits
-
-    def _at_checkpoint(self, req: Request, hits: PrefixHit) -> PrefixHit:
-        """The hit cut back to its longest prefix with a state checkpoint at its end."""
-        total = len(hits) + len(hits.host_pages)
-        if not total:
-            return hits
-        hashes = self.kv.page_hashes(req.request_id, req.token_ids)
-        pages = self.checkpoints.longest(hashes, total)
-        return PrefixHit(hits[:pages], hits.host_pages[: max(0, pages - len(hits))])
-
-    def _candidates(self) -> Iterator[Request]:
-        """Waiting requests in the order admission tries them; each is admitted
-        (`_admitted`) before the next is asked for, or the caller stops."""
-        if self.admission == "prefix":
-            if self.kv.num_free_pages:  # an admission takes at least one page
-                yield from self.waiting.candidates(self.kv)
-            return
-        while self.waiting:
-            yield self.waiting[0]
+        return self.hybrid.cut(req, computed, n)
 
     def _admitted(self, req: Request) -> None:
         """Out of `waiting`; under prefix admission it claims the pages it computes
         (those after its prefix hit, device or host)."""
-        if self.admission == "arrival":
-            self.waiting.popleft()
-            return
         self.waiting.take(req)
-        if self.kv.allocator.enable_caching:
+        if self.admission == "prefix" and self.kv.allocator.enable_caching:
             hashes = self.kv.page_hashes(req.request_id, req.token_ids)
             start = req.num_computed_tokens // self.kv.page_size
             self.waiting.claim(req.request_id, hashes[start:])
 
     def _left_running(self, req: Request) -> None:
         self.feed.left(req.request_id)
-        if self.state_slots is not None:
-            self.state_slots.release(req.request_id)
-        if self.admission == "prefix":
-            self.waiting.release(req.request_id)
+        if self.hybrid is not None:
+            self.hybrid.release(req.request_id)
+        self.waiting.release(req.request_id)
 
     def admission_candidate(self) -> tuple[Request, int] | None:
         """The request schedule() would try to admit first and the free device pages its
         whole prompt would take (prefix admission counts the cached pages running
         requests hold as free); None when nothing waits, all waiting are deferred or no
         state slot is free."""
-        if self.state_slots is not None and not self.state_slots.num_free:
+        if self.hybrid is not None and not self.state_slots.num_free:
             return None
-        if self.admission == "arrival":
-            if not self.waiting:
-                return None
-            req = self.waiting[0]
-            return req, self.kv.pages_needed(len(req.token_ids))
-        req = next(self._candidates(), None)
-        if req is None:
-            return None
-        if req.status == RequestStatus.SWAPPED:
-            return req, self.kv.pages_needed(len(req.token_ids))
-        return req, self.kv.free_pages_to_admit(req.request_id, req.token_ids)
+        req = next(self.waiting.candidates(self.kv), None)
+        return None if req is None else (req, self.waiting.pages_to_admit(req, self.kv))
 
     def update(
         self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
@@ -408,10 +344,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = "abort"
         self.kv.forget(req.request_id)
-        if self.exact_swap is not None:
-            self.exact_swap.forget(req.request_id)
-        if self.checkpoints is not None:
-            self.checkpoints.untrack(req.request_id)
+        if self.hybrid is not None:
+            self.hybrid.ended(req.request_id, swapped=True)
         self._left_running(req)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
@@ -425,15 +359,15 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
+        swapped = False  # preempted while its last token was in flight
         if req in self.running:
             self.running.remove(req)
-        elif req in self.waiting:  # preempted while its last token was in flight
+        elif req in self.waiting:
             self.waiting.remove(req)
-            if self.exact_swap is not None:
-                self.exact_swap.forget(req.request_id)
+            swapped = True
+        if self.hybrid is not None:
+            self.hybrid.ended(req.request_id, swapped)
         self.kv.forget(req.request_id)
-        if self.checkpoints is not None:
-            self.checkpoints.untrack(req.request_id)
         self._left_running(req)
 
 

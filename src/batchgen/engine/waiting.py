@@ -1,4 +1,6 @@
-"""The waiting requests under admission="prefix": who schedule() tries to admit, in order.
+"""The waiting requests: who schedule() tries to admit, in order. `ArrivalWaiting` under
+admission="arrival" (arrival order, preempted requests first); `PrefixWaiting` under
+admission="prefix", below.
 
 Order:
 1. Preempted requests (swapped, or put back for recompute) first, in their order, the
@@ -40,11 +42,38 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from batchgen.engine.request import Request
+from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.waiting_tree import Node, WaitingTree
 from batchgen.kv.kv_manager import KVCacheManager
 
 RECHECK = 16  # cold groups looked at again per step, round robin
+
+
+class ArrivalWaiting(deque):
+    """A deque in admission order (a preempted request is put back at its front) with
+    PrefixWaiting's calls; claims are not kept."""
+
+    def add(self, req: Request, hashes: list[bytes]) -> None:
+        self.append(req)
+
+    def take(self, req: Request) -> None:
+        """`req` (the first, a candidate) was admitted."""
+        self.popleft()
+
+    def claim(self, request_id: str, hashes: list[bytes]) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def candidates(self, kv: KVCacheManager) -> Iterator[Request]:
+        """The first request while it waits (the caller admits it, `take`, or stops)."""
+        while self:
+            yield self[0]
+
+    def pages_to_admit(self, req: Request, kv: KVCacheManager) -> int:
+        """Free device pages the request's whole prompt would take."""
+        return kv.pages_needed(len(req.token_ids))
 
 
 class PrefixWaiting:
@@ -123,6 +152,8 @@ class PrefixWaiting:
         """The requests to try, best first. The caller admits each (`take`, then
         `claim`) before asking for the next, or stops: a candidate still waiting when
         the next is asked for ends the iteration."""
+        if not kv.num_free_pages:
+            return  # an admission takes at least one page
         while self.resumed:
             head = self.resumed[0]
             yield head
@@ -160,6 +191,13 @@ class PrefixWaiting:
                     return
             else:
                 return
+
+    def pages_to_admit(self, req: Request, kv: KVCacheManager) -> int:
+        """Free device pages the request's whole prompt would take, counting the cached
+        pages running requests hold as free (a swapped request's all)."""
+        if req.status == RequestStatus.SWAPPED:
+            return kv.pages_needed(len(req.token_ids))
+        return kv.free_pages_to_admit(req.request_id, req.token_ids)
 
     def _groups(self, kv: KVCacheManager) -> list[tuple[int, Node, bytes]]:
         """`WaitingTree.frontier` without the cold root children (see the module doc):
