@@ -35,10 +35,40 @@ def _positive_int(group: object, *names: str, optional: bool = False) -> None:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
-def _one_of(group: object, name: str, allowed: tuple[str, ...]) -> None:
-    if getattr(group, name) not in allowed:
-        choices = " or ".join(repr(a) for a in allowed)
-        raise ValueError(f"{name} must be {choices}, got {getattr(group, name)!r}")
+# the values of each option that names a choice: the groups check them, and so does each
+# component taking one as a constructor argument (check_choice), whoever built it
+CHOICES: dict[str, tuple[str, ...]] = {
+    "load_format": ("auto", "dummy"),
+    "attention_backend": ("auto", "torch", "triton"),
+    "decode_append": ("off", "batched", "layer"),
+    "tier_policy": ("auto", "always"),
+    "tier_copy_issue": ("worker", "inline"),
+    "tier_load_scatter": ("copy", "compute"),
+    "state_checkpoint_policy": ("shared", "all"),
+    "admission": ("prefix", "arrival"),
+}
+
+
+def check_choice(option: str, value: object) -> None:
+    """ValueError naming the option and its choices unless `value` is one of them."""
+    allowed = CHOICES[option]
+    if value not in allowed:
+        choices = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
+        raise ValueError(f"{option} must be {choices}, got {value!r}")
+
+
+def check_checkpoint_interval(interval: object, page_size: int) -> None:
+    """state_checkpoint_interval: 0 (no checkpoints) or a positive multiple of page_size."""
+    if not isinstance(interval, int) or interval < 0 or interval % page_size:
+        raise ValueError(
+            f"state_checkpoint_interval must be 0 or a positive multiple of page_size "
+            f"({page_size}), got {interval!r}"
+        )
+
+
+def _one_of(group: object, *names: str) -> None:
+    for name in names:
+        check_choice(name, getattr(group, name))
 
 
 @dataclass(frozen=True)
@@ -67,11 +97,7 @@ class ModelConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(
-                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
-            )
-        _one_of(self, "load_format", ("auto", "dummy"))
+        _one_of(self, "attention_backend", "load_format")
         if self.revision is not None and not (isinstance(self.revision, str) and self.revision):
             raise ValueError(
                 f"revision must be None or a branch, tag or commit, got {self.revision!r}"
@@ -116,20 +142,15 @@ class CacheConfig:
                 "host_kv_size_gib needs enable_prefix_caching=True: host pages are found by "
                 "the prefix cache's page hashes"
             )
-        interval = self.state_checkpoint_interval
-        if not isinstance(interval, int) or interval < 0 or interval % self.page_size:
-            raise ValueError(
-                f"state_checkpoint_interval must be 0 or a positive multiple of page_size "
-                f"({self.page_size}), got {interval!r}"
-            )
-        if self.decode_append not in ("off", "batched", "layer"):
-            raise ValueError(
-                f"decode_append must be 'off', 'batched' or 'layer', got {self.decode_append!r}"
-            )
-        _one_of(self, "tier_policy", ("auto", "always"))
-        _one_of(self, "tier_copy_issue", ("worker", "inline"))
-        _one_of(self, "tier_load_scatter", ("copy", "compute"))
-        _one_of(self, "state_checkpoint_policy", ("shared", "all"))
+        check_checkpoint_interval(self.state_checkpoint_interval, self.page_size)
+        _one_of(
+            self,
+            "decode_append",
+            "tier_policy",
+            "tier_copy_issue",
+            "tier_load_scatter",
+            "state_checkpoint_policy",
+        )
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")
 
@@ -151,7 +172,7 @@ class SchedulerConfig:
         _positive_int(
             self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests", optional=True
         )
-        _one_of(self, "admission", ("prefix", "arrival"))
+        _one_of(self, "admission")
 
 
 @dataclass(frozen=True)

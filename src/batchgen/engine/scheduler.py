@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from batchgen.config_groups import check_choice
 from batchgen.engine.hybrid_state import HybridState
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.runner_feed import RunnerFeed
@@ -53,8 +54,7 @@ class Scheduler:
         checkpoints: StateCheckpoints | None = None,
         defer_stores_ahead: bool = False,
     ) -> None:
-        if admission not in ("prefix", "arrival"):
-            raise ValueError(f'admission must be "prefix" or "arrival", got {admission!r}')
+        check_choice("admission", admission)
         if state_slots is None and (exact_swap is not None or checkpoints is not None):
             raise ValueError("exact_swap and checkpoints need state_slots")
         self.kv = kv

@@ -38,6 +38,8 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import record_function
 
+from batchgen.config_groups import check_choice
+
 logger = logging.getLogger(__name__)
 
 
@@ -197,8 +199,7 @@ class CopyEngine:
         issue: str = "worker",
         background: bool = False,
     ):
-        if issue not in ("worker", "inline"):
-            raise ValueError(f"issue must be 'worker' or 'inline', got {issue!r}")
+        check_choice("tier_copy_issue", issue)
         self.device = device
         self.cuda = device.type == "cuda"
         # "inline" (CUDA only): the submitting thread issues the copy itself, at once. A

@@ -16,6 +16,7 @@ with the step's load.
 
 from __future__ import annotations
 
+from batchgen.config_groups import check_choice
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.prefix_hash import hash_full_pages
 from batchgen.kv.tier_mirror import LayerStores
@@ -49,8 +50,7 @@ class KVCacheManager:
         """`allocator`: the device pool's bookkeeping (its `enable_caching` is whether
         prefixes are cached), the one `tier` holds too; `allocate` tells this manager of
         each cached page it evicts."""
-        if decode_append not in ("off", "batched", "layer"):
-            raise ValueError(f"decode_append must be off, batched or layer, got {decode_append!r}")
+        check_choice("decode_append", decode_append)
         self.page_size = page_size
         self.tier = tier
         self.decode_append = decode_append

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from batchgen.config_groups import check_checkpoint_interval
 from batchgen.kv.copy_engine import CopyHandle
 from batchgen.kv.state_tier import StateTier
 
@@ -44,11 +45,9 @@ class StateCheckpoints:
         max_slots: int,
         shared_only: bool = True,
     ) -> None:
-        if interval <= 0 or interval % page_size:
-            raise ValueError(
-                f"state_checkpoint_interval must be a positive multiple of the page size "
-                f"({page_size}), got {interval}"
-            )
+        check_checkpoint_interval(interval, page_size)
+        if not interval:
+            raise ValueError("state_checkpoint_interval 0 stores no checkpoints: build none")
         self.states = states
         self.interval = interval
         self.page_size = page_size

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from batchgen.config_groups import check_choice
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.copy_ledger import CopyLedger, TierCopy, readback_slot
 from batchgen.kv.page_copies import (
@@ -62,8 +63,7 @@ class StateTier:
         """`mirror` (tensor parallel): called with each copy submitted, as plain data for
         the workers' mirrors (the append of the page tier's `mirrored` log); None on one
         rank."""
-        if load_scatter not in ("copy", "compute"):
-            raise ValueError(f"load_scatter must be 'copy' or 'compute', got {load_scatter!r}")
+        check_choice("tier_load_scatter", load_scatter)
         # TieredKVManager.load_scatter: "compute" defers a load's scatter into the slots
         # to the stream that submitted it (the first wait for the load queues it)
         self.load_scatter = load_scatter

@@ -41,6 +41,7 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from batchgen.config_groups import check_choice
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
 from batchgen.kv.copy_ledger import CopyLedger, LayerStores, TierCopy, readback_pages
 from batchgen.kv.copy_ledger import KVReadbackError as KVReadbackError  # its old home
@@ -99,8 +100,7 @@ class TieredKVManager(TierQueue):
         if any; built first, on the same `copies`). `mirrored` (tensor parallel): the
         list each copy submitted is logged to, as plain data for the workers' mirrors
         (`states` logs its own to it too); None on one rank."""
-        if load_scatter not in ("copy", "compute"):
-            raise ValueError(f"load_scatter must be 'copy' or 'compute', got {load_scatter!r}")
+        check_choice("tier_load_scatter", load_scatter)
         super().__init__()  # the step's queues
         # where a load's staged pages are scattered into the pool: on its copy stream, or
         # deferred to the compute stream (CopyHandle.defer), each group at the first wait
