@@ -157,7 +157,9 @@ class DeepseekV3MoE(nn.Module):
         and no expert-parallel dispatch reads its split sizes on the host."""
         if self.ep is not None and self.ep.size > 1:
             return False
-        hidden, inter = self.experts.gate_up_proj.shape[2], self.experts.inter
+        if self.experts.group_size is not None:  # INT4: the Triton GEMMs on CUDA
+            return torch.device(device).type == "cuda"
+        hidden, inter = self.experts.hidden, self.experts.inter
         return hidden % 8 == 0 and inter % 8 == 0 and grouped_mm_serves(dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

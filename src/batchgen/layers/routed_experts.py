@@ -20,6 +20,11 @@ blocks sort into a last group no GEMM computes and add nothing:
 
     sorted pairs:  | block expert 0 | block expert 1 | ... | outside the block |
     offs:                         ^ offs[0]        ^ offs[1]   ^ offs[-1] (<= T * top_k)
+
+INT4 experts (`RoutedExperts.use_int4`, a compressed-tensors pack-quantized checkpoint):
+the weights stay packed (layers/int4_experts.py) and go where a stacked weight
+goes; on CUDA the two GEMMs are kernels/int4_moe.py's, elsewhere one expert at a time is
+dequantized and multiplied.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ from torch import nn
 from batchgen.kernels.fused_moe import MoETuning, align_pairs, moe_gemm, sort_by_group
 from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
 from batchgen.layers.activation import silu_and_mul
+from batchgen.layers.int4_experts import (
+    MOE_TUNING,
+    PackedExperts,
+    expert_gemm,
+    expert_loop,
+    packed_shapes,
+)
 from batchgen.layers.tp_group import TPGroup
 
 
@@ -49,9 +61,12 @@ def grouped_mm_serves(dtype: torch.dtype, device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
-def grouped_mm_loop(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows a[offs[g-1]:offs[g]] times w[g]^T for each group g: [M, K] x [G, N, K] -> [M, N].
-    Reference path: reads offs on the host."""
+def grouped_mm_loop(a: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
+    """Rows a[offs[g-1]:offs[g]] times w[g]^T for each group g: [M, K] x [G, N, K] -> [M, N]
+    (w a tensor, or PackedExperts: one expert dequantized at a time). Reference path:
+    reads offs on the host."""
+    if isinstance(w, PackedExperts):
+        return expert_loop(a, w, offs)
     out = a.new_empty(a.shape[0], w.shape[1])
     start = 0
     for g, end in enumerate(offs.tolist()):
@@ -67,10 +82,16 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
 
 
+def _expert_gemm(a, w, aligned, num_pairs: int, rows_per_token: int, tuning: MoETuning):
+    if isinstance(w, PackedExperts):
+        return expert_gemm(a, w, aligned, num_pairs, rows_per_token, tuning)
+    return moe_gemm(a, w, *aligned, num_pairs, rows_per_token, tuning)
+
+
 def fused_experts(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | PackedExperts,
+    down: torch.Tensor | PackedExperts,
     weights: torch.Tensor,
     ids: torch.Tensor,
     use_grouped_mm: bool | None = None,
@@ -82,6 +103,9 @@ def fused_experts(
     (gate rows, then up rows), down [E, H, I], weights [T, k], ids [T, k] -> [T, H] in
     x's dtype. use_grouped_mm None: the GPU path where grouped_mm_available(x) and the
     rows are 16-byte aligned (H and I multiples of 8), else the reference path.
+    gate_up and down may be PackedExperts (INT4): the grouped-GEMM path does not take
+    them; triton_moe runs kernels/int4_moe.py, the reference path dequantizes an
+    expert at a time.
 
     With first_expert (expert parallel: one rank's block) gate_up[e] and down[e] are
     expert first_expert + e, and a pair routed to an expert outside the block adds
@@ -106,13 +130,14 @@ def fused_experts(
         flat = local.masked_fill(outside, num_experts).reshape(-1)  # group E: nobody's
     if triton_moe is not None:
         aligned = align_pairs(flat, num_experts, triton_moe.block_m)
-        h = moe_gemm(x.contiguous(), gate_up, *aligned, t * k, k, triton_moe)
-        h = moe_gemm(silu_and_mul(h), down, *aligned, t * k, 1, triton_moe)
+        h = _expert_gemm(x.contiguous(), gate_up, aligned, t * k, k, triton_moe)
+        h = _expert_gemm(silu_and_mul(h), down, aligned, t * k, 1, triton_moe)
         position = torch.arange(t * k, device=x.device)  # h is in pair order already
     else:
         if use_grouped_mm is None:
             aligned = x.shape[1] % 8 == 0 and down.shape[2] % 8 == 0
-            use_grouped_mm = aligned and grouped_mm_available(x)
+            plain = not isinstance(gate_up, PackedExperts)
+            use_grouped_mm = aligned and plain and grouped_mm_available(x)
         order = sort_by_group(flat, num_experts + 1)[1]  # sorted row r is pair order[r]
         counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
@@ -144,7 +169,13 @@ class RoutedExperts(nn.Module):
     `local_experts` = range(rank * E / size, (rank + 1) * E / size), stacked in that
     order; `load` still takes the checkpoint's expert ids and whole fused tensors and
     keeps its block's (another block's expert is skipped), and forward adds only its
-    experts' contributions (the caller sums the ranks')."""
+    experts' contributions (the caller sums the ranks').
+
+    `use_int4(group_size, scale_dtype)` (on meta, before the model is allocated) holds
+    the experts as INT4 instead: gate_up_proj_packed / gate_up_proj_scale and
+    down_proj_packed / down_proj_scale (packed [E, N, K / 8] int32, scales [E, N, K /
+    group]), filled by the same shards from a pack-quantized checkpoint's
+    `weight_packed` / `weight_scale` tensors."""
 
     def __init__(
         self,
@@ -156,7 +187,8 @@ class RoutedExperts(nn.Module):
         tp: TPGroup | None = None,
     ):
         super().__init__()
-        self.num_experts, self.inter = num_experts, inter
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.group_size: int | None = None  # INT4 groups (use_int4); None: plain weights
         num_local = num_experts if tp is None else tp.split(num_experts, "n_routed_experts")
         first = 0 if tp is None else tp.rank * num_local
         self.local_experts = range(first, first + num_local)
@@ -169,14 +201,51 @@ class RoutedExperts(nn.Module):
             torch.empty(num_local, hidden, inter, **factory), requires_grad=False
         )
 
+    def use_int4(self, group_size: int, scale_dtype: torch.dtype) -> None:
+        """Hold the experts' weights as INT4 (class docstring); call on meta."""
+        device = self.gate_up_proj.device
+        num_local = len(self.local_experts)
+        del self.gate_up_proj, self.down_proj
+        for name, rows, k in (
+            ("gate_up_proj", 2 * self.inter, self.hidden),
+            ("down_proj", self.hidden, self.inter),
+        ):
+            packed, scale = packed_shapes(num_local, rows, k, group_size)
+            for suffix, shape, dtype in (
+                ("_packed", packed, torch.int32),
+                ("_scale", scale, scale_dtype),
+            ):
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                self.register_parameter(name + suffix, nn.Parameter(tensor, requires_grad=False))
+        self.group_size = group_size
+
+    def param_names(self) -> tuple[str, ...]:
+        """The parameters a checkpoint fills."""
+        if self.group_size is None:
+            return ("gate_up_proj", "down_proj")
+        return tuple(f"{n}_{p}" for n in ("gate_up_proj", "down_proj") for p in ("packed", "scale"))
+
+    def weights(self) -> tuple[torch.Tensor | PackedExperts, torch.Tensor | PackedExperts]:
+        """(gate_up, down) as fused_experts takes them: the stacked weights, or INT4."""
+        if self.group_size is None:
+            return self.gate_up_proj, self.down_proj
+        return tuple(
+            PackedExperts(
+                getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"),
+                self.group_size, k,
+            )
+            for name, k in (("gate_up_proj", self.hidden), ("down_proj", self.inter))
+        )  # fmt: skip
+
     def shard_names(self, param: str) -> list[str]:
         """The shards this rank's `param` is filled by (its block's experts)."""
-        parts = ("gate", "up") if param == "gate_up_proj" else ("down",)
+        parts = ("gate", "up") if param.startswith("gate_up_proj") else ("down",)
         return [f"{e}.{p}" for e in self.local_experts for p in parts]
 
     def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
-        if param not in ("gate_up_proj", "down_proj"):
-            raise ValueError(f"unexpected expert parameter {param!r} (gate_up_proj, down_proj)")
+        if param not in self.param_names():
+            expected = ", ".join(self.param_names())
+            raise ValueError(f"unexpected expert parameter {param!r} ({expected})")
         target = getattr(self, param)
         first = self.local_experts.start
         if shard is None:
@@ -187,7 +256,7 @@ class RoutedExperts(nn.Module):
             tensor = tensor[first : first + len(self.local_experts)]
         else:
             expert, _, part = shard.partition(".")
-            known = ("gate", "up") if param == "gate_up_proj" else ("down",)
+            known = ("gate", "up") if param.startswith("gate_up_proj") else ("down",)
             if not expert.isdigit() or int(expert) >= self.num_experts or part not in known:
                 raise ValueError(f"unexpected shard {shard!r} of {param}")
             if int(expert) not in self.local_experts:
@@ -211,13 +280,17 @@ class RoutedExperts(nn.Module):
     ) -> torch.Tensor:
         """The routed experts' sum for x, plus residual where given (fused_experts; on
         grouped_mm, which bench_kernels.py --moe measured faster than the Triton GEMMs
-        of `triton_moe` at every size its sweep tried)."""
+        of `triton_moe` at every size its sweep tried; INT4 experts on CUDA through
+        kernels/int4_moe.py)."""
+        gate_up, down = self.weights()
+        packed_on_gpu = self.group_size is not None and x.is_cuda
         return fused_experts(
             x,
-            self.gate_up_proj,
-            self.down_proj,
+            gate_up,
+            down,
             weights,
             ids,
             first_expert=None if self.holds_all else self.local_experts.start,
+            triton_moe=MOE_TUNING if packed_on_gpu else None,
             residual=residual,
         )
