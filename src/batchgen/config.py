@@ -157,6 +157,8 @@ class EngineConfig:
     load_format: str = "auto"
     batchgen_debug: bool = False
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     cache_config: CacheConfig = field(init=False, repr=False, compare=False)

@@ -177,12 +177,19 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """tensor_parallel_size: the processes (one a GPU) the model is split over."""
+    """tensor_parallel_size: the processes (one a GPU) the model is split over.
+    data_parallel_size with enable_expert_parallel (vLLM's names), on a mixture-of-experts
+    model: attention data parallel, that many ranks in one engine, each running its own
+    share of the requests over its own KV pages, their MoE layers run together
+    (engine/dp_attention.py). Without enable_expert_parallel, data parallel is the Ray
+    engines of `batchgen run --data-parallel` (api/data_parallel.py)."""
 
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
-        _positive_int(self, "tensor_parallel_size")
+        _positive_int(self, "tensor_parallel_size", "data_parallel_size")
 
 
 @dataclass(frozen=True)

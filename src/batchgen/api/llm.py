@@ -10,7 +10,7 @@ from batchgen.api.chat_messages import checked_conversation
 from batchgen.api.engine_args import engine_config
 from batchgen.api.parallel_sampling import child_params, select
 from batchgen.console import progress_enabled
-from batchgen.engine.engine_core import EngineCore
+from batchgen.engine.dp_attention import start_engine
 from batchgen.engine.memory import fewer_full_collections
 from batchgen.engine.request import Request
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
@@ -46,7 +46,7 @@ class LLM:
             raise TypeError(f"trust_remote_code must be a bool, got {trust_remote_code!r}")
         self.config = engine_config(model, kwargs)
         self.config.torch_device()  # a device this torch cannot use fails before loading
-        self.engine = EngineCore.from_config(self.config)
+        self.engine = start_engine(self.config)  # attention data parallel, or one EngineCore
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -13,6 +13,8 @@ tier's copy records, which sit above this package.
     Profile                         -->     the same warm-up forward as rank 0's
     Reconfigure                     <->     its pool re-made; what failed, or None
     TierMetricsQuery                <->     its host tier mirror's counters
+    DPStep                          <->     attention data parallel: a tick; finished
+    DPQuery                         <->     attention data parallel: metrics, pages held
     Shutdown                        -->     leaves the group, exits
 """
 
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
+
+from batchgen.sampling_params import SamplingParams
 
 
 class Message:
@@ -97,3 +101,46 @@ def message_types() -> set[type[Message]]:
         found.add(cls)
         todo.extend(cls.__subclasses__())
     return found
+
+
+class DPMessage:
+    """A message from rank 0 to the workers of an attention data-parallel engine
+    (engine/dp_rank.py), which act on these alone (and on Shutdown, as every worker
+    does): a family apart from `Message`, whose types are the tensor-parallel workers'.
+    `replies`: each worker answers it."""
+
+    replies: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class DPRequest:
+    """A request an attention data-parallel rank takes: sent to the ranks once, with the
+    tick after it arrived (its seed already fixed by rank 0, so its noise is the same on
+    whatever rank it runs)."""
+
+    rank: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class DPStep(DPMessage):
+    """One tick of an attention data-parallel engine: each worker adds the `new`
+    requests addressed to it (the rest are other ranks'), drops `aborts` it holds, runs
+    one step of its engine in lockstep with the other ranks (distributed.lockstep), and
+    answers what it finished. In a steady run both are empty: a step's message does not
+    grow with the requests or the tokens the ranks hold."""
+
+    replies: ClassVar[bool] = True
+    new: tuple[DPRequest, ...] = ()
+    aborts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DPQuery(DPMessage):
+    """Answer `what` of the worker's engine: "metrics" (its metrics dict) or "pages"
+    (request id -> the device pages it holds, for each request with pages)."""
+
+    replies: ClassVar[bool] = True
+    what: str

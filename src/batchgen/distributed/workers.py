@@ -28,6 +28,7 @@ rank 0's waits and before each message, so a step the abort cut short is never r
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from batchgen.distributed.messages import Message, Shutdown
+from batchgen.distributed.messages import DPMessage, Message, Shutdown
 from batchgen.distributed.tensor_parallel import destroy_tensor_parallel, init_tensor_parallel
 from batchgen.layers.tp_group import TPGroup
 
@@ -71,6 +72,8 @@ class Workers:
         self.tp = tp
         self.nccl = nccl
         self.exited: dict[int, int | None] = {}
+        # per message type: [messages sent, their pickled bytes] (message_stats)
+        self.sent: dict[str, list[int]] = {}
         self._stopping = False
         self._watcher = threading.Thread(target=self._watch, name="batchgen-tp-watch", daemon=True)
         self._watcher.start()
@@ -152,18 +155,29 @@ class Workers:
                 f"exited (rank: exit code) {codes}; its log says why"
             )
 
-    def send(self, message: Message) -> None:
+    def send(self, message: Message | DPMessage) -> None:
         """Broadcast a message from rank 0; RuntimeError naming dead workers when one
-        has ended or the broadcast fails."""
+        has ended or the broadcast fails. Pickled here, once, so its size is counted
+        (`message_stats`)."""
         if not isinstance(message, Shutdown):
             self.check()
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        counts = self.sent.setdefault(type(message).__name__, [0, 0])
+        counts[0] += 1
+        counts[1] += len(payload)
         try:
-            dist.broadcast_object_list([message], src=0, group=self.tp.host_group)
+            dist.broadcast_object_list([payload], src=0, group=self.tp.host_group)
         except RuntimeError as e:
             dead = [r for r, p in enumerate(self.processes, 1) if not p.is_alive()]
             raise RuntimeError(
                 f"tensor-parallel worker rank(s) {dead or '?'} stopped responding: {e}"
             ) from e
+
+    def message_stats(self, kind: type) -> tuple[int, int]:
+        """(messages, bytes): how many messages of type `kind` rank 0 has sent and
+        their pickled size, all workers receiving the same bytes."""
+        count, size = self.sent.get(kind.__name__, (0, 0))
+        return count, size
 
     def gather(self) -> list:
         """What each worker answered the last message with, rank 1 first."""
@@ -171,7 +185,7 @@ class Workers:
         dist.gather_object(None, replies, dst=0, group=self.tp.host_group)
         return replies[1:]
 
-    def ask(self, message: Message) -> list:
+    def ask(self, message: Message | DPMessage) -> list:
         """Send a message that `replies`; each worker's answer, rank 1 first."""
         if not message.replies:
             raise ValueError(f"{type(message).__name__} has no reply to wait for")
@@ -194,7 +208,7 @@ class Workers:
             destroy_tensor_parallel()
 
 
-def serve(tp: TPGroup, handle: Callable[[Message], object]) -> None:
+def serve(tp: TPGroup, handle: Callable[[Message | DPMessage], object]) -> None:
     """A worker's loop: each message rank 0 sends goes to `handle`, whose answer is
     gathered to rank 0 where the message `replies`, until Shutdown."""
     while not isinstance(message := receive(tp), Shutdown):
@@ -203,11 +217,11 @@ def serve(tp: TPGroup, handle: Callable[[Message], object]) -> None:
             dist.gather_object(reply, None, dst=0, group=tp.host_group)
 
 
-def receive(tp: TPGroup) -> Message:
+def receive(tp: TPGroup) -> Message | DPMessage:
     """The next message rank 0 broadcasts."""
     box = [None]
     dist.broadcast_object_list(box, src=0, group=tp.host_group)
-    return box[0]
+    return pickle.loads(box[0])
 
 
 def _worker_main(rank, size, port, backend, timeout_s, target, args) -> None:

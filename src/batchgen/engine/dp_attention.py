@@ -1,0 +1,269 @@
+"""Attention data parallel: D ranks in one engine, each running its own share of the
+requests over its own KV pages, state slots and host tier, their forwards in lockstep
+so that the MoE layers' collectives pair up (vLLM's data_parallel_size with
+enable_expert_parallel; SGLang's --enable-dp-attention).
+
+    rank 0 (the caller): DPEngine                 rank r (spawned): dp_rank.worker_main
+      add_request: the rank holding the fewest      its own EngineCore, built as rank 0's
+        tokens takes it (its seed fixed here)
+      step(): DPStep(new requests, aborts)   -->    add its own new ones, abort, one
+        rank 0's own tick (dp_rank.DPRank)          step of its engine (none if idle);
+        forwards paired by lockstep rounds  <-->    every forward paired: a dummy one
+                                                    where it has none
+        finished requests of every rank     <--     TickResult: finished, more to do?
+      metrics(): every rank's summed        <->     DPQuery("metrics")
+
+A request's data goes to the ranks once (the tick after it arrived); a tick's message is
+otherwise empty, whatever the ranks hold (metrics()["step_message_bytes"]). A request's
+seed is fixed by rank 0 from its arrival index, as one engine would (runner/sampler.py:
+noise is a hash of the seed and the position), so a sampled row draws the same tokens
+on whatever rank it runs. Dense layers and attention weights are replicated on every
+rank; the MoE layers are each model's own (expert parallel where the model splits its
+experts over the group).
+
+Not done here: GPUs are untested (the ranks' decode runs eagerly: a replayed CUDA graph
+does not call the model's pre-hook that pairs forwards), tensor parallel inside a data
+parallel rank, placement over several hosts (Ray), and reconfigure().
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from batchgen.config import EngineConfig
+from batchgen.distributed.lockstep import Lockstep
+from batchgen.distributed.messages import DPQuery, DPRequest, DPStep
+from batchgen.distributed.workers import Workers
+from batchgen.engine.builder_load import load_engine
+from batchgen.engine.builder_plan import has_moe_layers
+from batchgen.engine.dp_rank import DPRank, TickResult, worker_main
+from batchgen.engine.engine_core import EngineCore, EngineStats, RequestsFailed
+from batchgen.engine.memory import check_host_budget
+from batchgen.engine.request import Request
+from batchgen.models.default_model import default_model_path
+from batchgen.models.loader import ModelSource
+from batchgen.runner.sampler import request_seed
+from batchgen.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def wants_dp_attention(config: EngineConfig) -> bool:
+    """Whether config asks for attention data parallel (data_parallel_size > 1 with
+    enable_expert_parallel). ValueError for data_parallel_size > 1 without it: that is
+    the Ray engines of `batchgen run --data-parallel`, not one LLM."""
+    if config.data_parallel_size == 1:
+        return False
+    if not config.enable_expert_parallel:
+        raise ValueError(
+            f"data_parallel_size={config.data_parallel_size} without "
+            "enable_expert_parallel=True: independent data-parallel engines run through "
+            "`batchgen run --data-parallel N` (Ray); one LLM splits its requests over "
+            "ranks only for a mixture-of-experts model with enable_expert_parallel=True"
+        )
+    if config.tensor_parallel_size != 1:
+        raise ValueError(
+            f"data_parallel_size={config.data_parallel_size} with tensor_parallel_size="
+            f"{config.tensor_parallel_size}: attention data parallel runs one process a "
+            "rank (tensor_parallel_size=1) for now"
+        )
+    return True
+
+
+class DPEngine:
+    """Rank 0's engine over D data-parallel ranks, with EngineCore's interface as the
+    API uses it: add_request, step, has_unfinished, abort, validate, metrics, shutdown.
+    `local` is rank 0's own engine (its model is `model`); `held[r]` the tokens rank r's
+    unfinished requests hold at most (prompt plus max_tokens), which admission balances."""
+
+    def __init__(self, local: EngineCore, workers: Workers, size: int) -> None:
+        self.local = local
+        self.rank0 = DPRank(local, Lockstep(workers.tp.host_group))
+        self.workers = workers
+        self.size = size
+        # LLM keeps read_ahead requests in the engine: enough for every rank
+        read_ahead = local.config.read_ahead * size
+        self.config = replace(local.config, max_queued_requests=read_ahead)
+        self.tokenizer, self.model = local.tokenizer, local.model
+        self.eos_token_ids, self.max_model_len = local.eos_token_ids, local.max_model_len
+        self._prompt_tokens = 0
+        self._ticks = 0
+        self.held = [0] * size
+        self._where: dict[str, tuple[int, int]] = {}  # request id -> (rank, tokens)
+        self._outbox: list[DPRequest] = []
+        self._aborts: list[str] = []
+        self._busy = [False] * size  # each worker's answer to the last tick
+        self._tokens = [0] * size  # each rank's output tokens so far
+        self._arrival = 0
+        self._failed: dict[str, str] = {}
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> DPEngine:
+        """Spawn ranks 1..D-1 (each builds its engine from config), join them as rank 0
+        and build its own; a rank that fails to start fails this, naming it."""
+        size = config.data_parallel_size
+        _check_moe(config)
+        check_host_budget(config.host_kv_size_gib, size)
+        backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
+        if backend == "nccl":  # untested: see the module's docstring
+            logger.warning("attention data parallel on GPUs is untested; decode runs eagerly")
+        workers = Workers.spawn(worker_main, (config,), size, backend)
+        try:
+            with workers.failures_named():
+                return cls(EngineCore(load_engine(config)), workers, size)
+        except BaseException:
+            workers.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, what: str) -> None:
+        self.local.validate(prompt_token_ids, params, what)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        validated: bool = False,
+    ) -> None:
+        """Queue one request on the rank holding the fewest tokens (the lowest such
+        rank); it reaches a worker with the next step."""
+        if not validated:
+            self.validate(prompt_token_ids, params, f"request {request_id}")
+        if request_id in self._where:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        if params.seed is None:  # the seed one engine would give it (EngineCore.add_request)
+            params = replace(params, seed=request_seed(self.local.config.seed, self._arrival))
+        self._arrival += 1
+        rank = min(range(self.size), key=lambda r: (self.held[r], r))
+        tokens = len(prompt_token_ids) + (params.max_tokens or self.max_model_len)
+        tokens = min(tokens, self.max_model_len)
+        self.held[rank] += tokens
+        self._where[request_id] = (rank, tokens)
+        self._prompt_tokens += len(prompt_token_ids)
+        if rank == 0:
+            self.rank0.add([DPRequest(0, request_id, list(prompt_token_ids), params)])
+        else:
+            self._outbox.append(DPRequest(rank, request_id, list(prompt_token_ids), params))
+
+    def abort(self, request_ids) -> None:
+        """Drop unfinished requests: rank 0's now, the others' with the next step."""
+        for rid in request_ids:
+            where = self._where.pop(rid, None)
+            if where is None:
+                continue
+            rank, tokens = where
+            self.held[rank] -= tokens
+            if rank == 0:
+                self.local.abort([rid])
+            else:
+                self._outbox = [item for item in self._outbox if item.request_id != rid]
+                self._aborts.append(rid)
+
+    @property
+    def stats(self) -> EngineStats:
+        """Prompt tokens added, output tokens of every rank, ticks run."""
+        return EngineStats(self._prompt_tokens, sum(self._tokens), self._ticks)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return (
+            self.local.has_unfinished
+            or bool(self._outbox)
+            or any(self._busy[1:])
+            or bool(self._aborts)
+        )
+
+    def step(self) -> list[Request]:
+        """One tick on every rank: the new requests and aborts go out, every rank steps
+        (forwards paired), and every rank's finished requests come back."""
+        message = DPStep(tuple(self._outbox), tuple(self._aborts))
+        self._outbox, self._aborts = [], []
+        self.workers.send(message)
+        with self.workers.failures_named():
+            mine = self.rank0.tick()
+            replies = self.workers.gather()
+        self.workers.check()
+        finished: list[Request] = []
+        for rank, result in enumerate([mine, *replies]):
+            self._take(rank, result, finished)
+        self._ticks += 1
+        if self._failed:
+            failed, self._failed = self._failed, {}
+            raise RequestsFailed({rid: RuntimeError(why) for rid, why in failed.items()})
+        return finished
+
+    def _take(self, rank: int, result: TickResult, finished: list[Request]) -> None:
+        self._busy[rank] = result.unfinished
+        self._tokens[rank] = result.output_tokens
+        for req in result.finished:
+            finished.append(req)
+            self._forget(req.request_id)
+        for rid, why in result.failed.items():
+            self._failed[rid] = f"rank {rank}: {why}"
+            self._forget(rid)
+
+    def _forget(self, request_id: str) -> None:
+        where = self._where.pop(request_id, None)
+        if where is not None:
+            self.held[where[0]] -= where[1]
+
+    def rank_pages(self) -> list[dict[str, int]]:
+        """Per rank (rank 0 first): request id -> the device pages it holds now."""
+        return [self.rank0.pages(), *self.workers.ask(DPQuery("pages"))]
+
+    def rank_metrics(self) -> list[dict]:
+        """Every rank's engine metrics, rank 0 first."""
+        return [self.rank0.metrics(), *self.workers.ask(DPQuery("metrics"))]
+
+    def metrics(self) -> dict:
+        """Every rank's counters summed (a rate or a cost, not a count: rank 0's;
+        `dp_dummy_forwards`: forwards run only to pair another rank's), `steps` the
+        ticks every rank stepped together, and what rank 0 sent the workers in them:
+        `step_messages`, `step_message_bytes_total` and `step_message_bytes` (their
+        mean size)."""
+        ranks = self.rank_metrics()
+        out = dict(ranks[0])
+        for key, value in ranks[0].items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                out[key] = sum(m.get(key, 0) for m in ranks)
+        out["steps"] = self._ticks
+        out.update(message_metrics(self.workers, DPStep))
+        return out
+
+
+def _check_moe(config: EngineConfig) -> None:
+    """ValueError, before any rank starts, for a model without experts: its ranks would
+    be independent engines (Ray data parallel does that)."""
+    model = config.model or default_model_path(config.cache_dir)
+    hf_config = ModelSource.resolve(model, config.revision, config.cache_dir).load_config()
+    if not has_moe_layers(hf_config):
+        raise ValueError(
+            f"enable_expert_parallel=True needs a mixture-of-experts model; "
+            f"{type(hf_config).__name__} has no routed experts (for independent engines "
+            "over a batch file use `batchgen run --data-parallel N`)"
+        )
+
+
+def message_metrics(workers: Workers, kind) -> dict:
+    """What rank 0 has sent its workers in messages of type `kind` (the step messages):
+    how many, their bytes in all, and their mean size."""
+    count, size = workers.message_stats(kind)
+    return {
+        "step_messages": count,
+        "step_message_bytes_total": size,
+        "step_message_bytes": size / count if count else 0.0,
+    }
+
+
+def start_engine(config: EngineConfig) -> EngineCore | DPEngine:
+    """The engine config asks for: DPEngine for attention data parallel, else an
+    EngineCore (tensor parallel or one process)."""
+    if wants_dp_attention(config):
+        return DPEngine.start(config)
+    return EngineCore.from_config(config)

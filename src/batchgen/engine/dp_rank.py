@@ -1,0 +1,130 @@
+"""One rank of an attention data-parallel engine (dp_attention.py): a whole engine of
+its own (EngineCore: scheduler, KV manager, page pool, state slots, host tier) over the
+requests rank 0 gave it, whose forwards run in lockstep with the other ranks'
+(distributed.lockstep), because the MoE layers' collectives need every rank.
+
+Rank 0 runs one beside its coordinator; ranks 1..D-1 run `worker_main` in the
+processes distributed.workers spawns, acting on DPStep and DPQuery messages until
+Shutdown.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from batchgen.config import EngineConfig
+from batchgen.distributed.lockstep import Lockstep
+from batchgen.distributed.messages import DPMessage, DPQuery, DPRequest, DPStep
+from batchgen.distributed.workers import serve
+from batchgen.engine.builder_load import load_engine
+from batchgen.engine.engine_core import EngineCore, RequestsFailed
+from batchgen.engine.request import Request
+from batchgen.layers.tp_group import TPGroup
+
+
+@dataclass
+class TickResult:
+    """What one rank's tick did: the requests it finished (detached from the engine:
+    plain data), those that failed (request id -> what failed), whether it has more to
+    do, and its output tokens so far."""
+
+    finished: list[Request] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    unfinished: bool = False
+    output_tokens: int = 0
+
+
+class DPRank:
+    """A rank's engine and its side of the lockstep rounds. `tick` runs one step of the
+    engine (none where it holds nothing), then pairs every forward the other ranks still
+    run with a dummy one (`EngineCore.warmup.forward`: one token in a throw-away pool)."""
+
+    def __init__(self, engine: EngineCore, lockstep: Lockstep) -> None:
+        self.engine = engine
+        self.lockstep = lockstep
+        self._hook = lockstep.attach(engine.model)
+
+    def add(self, new: list[DPRequest]) -> None:
+        for item in new:
+            self.engine.add_request(
+                item.request_id, item.prompt_token_ids, item.params, validated=True
+            )
+
+    def tick(self, aborts=()) -> TickResult:
+        """Drop `aborts` this rank holds, run one step, then the lockstep's end."""
+        engine = self.engine
+        held = [rid for rid in aborts if rid in engine.requests]
+        if held:
+            engine.abort(held)
+        result = TickResult()
+        if engine.has_unfinished:
+            try:
+                result.finished = [_detached(req) for req in engine.step()]
+            except RequestsFailed as e:
+                result.failed = {rid: f"{type(x).__name__}: {x}" for rid, x in e.errors.items()}
+        self.lockstep.end_tick(self._dummy_forward)
+        result.unfinished = engine.has_unfinished
+        result.output_tokens = engine.stats.output_tokens
+        return result
+
+    def _dummy_forward(self) -> None:
+        self.engine.warmup.forward(1, max_len=1)
+
+    def metrics(self) -> dict:
+        """The engine's metrics and `dp_dummy_forwards`: the forwards this rank ran only
+        to pair another rank's."""
+        return {**self.engine.metrics(), "dp_dummy_forwards": self.lockstep.dummy_forwards}
+
+    def pages(self) -> dict[str, int]:
+        """Request id -> the device pages it holds, for each request holding any."""
+        return {rid: len(pages) for rid, pages in self.engine.kv.pages.items() if pages}
+
+
+def _detached(req: Request) -> Request:
+    """A finished request as plain data, for rank 0 (its incremental detokenizer, a
+    tokenizers object, stays here)."""
+    out = copy.copy(req)
+    out.detok_stream = None
+    return out
+
+
+def worker_main(tp: TPGroup, config: EngineConfig) -> None:
+    """Rank r's life once it joined the group: build its engine, as rank 0 does, then
+    serve rank 0's messages until Shutdown."""
+    engine = EngineCore(load_engine(config))
+    try:
+        serve(tp, _Worker(DPRank(engine, Lockstep(tp.host_group)), tp.rank).handle)
+    finally:
+        engine.shutdown()
+
+
+class _Worker:
+    """A worker rank's side: one handler a message type (tests check every DPMessage
+    type has one)."""
+
+    HANDLERS = {DPStep: "_step", DPQuery: "_query"}
+
+    def __init__(self, rank: DPRank, index: int) -> None:
+        self.rank = rank
+        self.index = index
+
+    def handle(self, message: DPMessage):
+        name = self.HANDLERS.get(type(message))
+        if name is None:
+            raise TypeError(
+                f"data-parallel rank {self.index}: no handler for a {type(message).__name__} "
+                f"message ({message!r:.200})"
+            )
+        return getattr(self, name)(message)
+
+    def _step(self, message: DPStep) -> TickResult:
+        self.rank.add([item for item in message.new if item.rank == self.index])
+        return self.rank.tick(message.aborts)
+
+    def _query(self, message: DPQuery):
+        if message.what == "metrics":
+            return self.rank.metrics()
+        if message.what == "pages":
+            return self.rank.pages()
+        raise ValueError(f"DPQuery: unknown {message.what!r} (metrics, pages)")

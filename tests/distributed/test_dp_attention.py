@@ -1,0 +1,197 @@
+"""Attention data parallel (data_parallel_size=2, enable_expert_parallel=True: this
+process rank 0, one spawned gloo worker) on a tiny random DeepSeek-V3 against one
+process: the requests split over the ranks, each rank's latent pages its own requests'
+only, the same tokens, a rank with nothing to run still stepping beside the other."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
+
+from batchgen import LLM, SamplingParams
+from batchgen.distributed.messages import DPMessage
+from batchgen.engine.dp_attention import DPEngine
+from batchgen.engine.dp_rank import _Worker
+
+KW = dict(
+    device="cpu",
+    dtype="float32",
+    page_size=4,
+    max_model_len=128,
+    max_num_batched_tokens=24,  # chunked prefills next to decodes
+    num_kv_pages=200,
+)
+DP = dict(data_parallel_size=2, enable_expert_parallel=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def _prompts(n: int = 6, length: int = 12, seed: int = 0) -> list[list[int]]:
+    """Prompts of 9 to 8 + length tokens, the first 8 (two pages) shared."""
+    rng = random.Random(seed)
+    head = [rng.randint(3, 500) for _ in range(8)]
+    return [head + [rng.randint(3, 500) for _ in range(rng.randint(1, length))] for _ in range(n)]
+
+
+def _tokens(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+def _one_process(path: str, prompts, params, **kw):
+    llm = LLM(path, **KW, **kw)
+    try:
+        return _tokens(llm, prompts, params)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A DeepSeek-V3 checkpoint (a dense layer, then 8 routed experts and a shared one)
+    whose EOS is a token one process emits mid-way, so some requests stop on it."""
+    path = tmp_path_factory.mktemp("deepseek_dp")
+    save_tiny_deepseek(path, **CONFIGS["moe_dense_first"])
+    first = _one_process(str(path), _prompts(), GREEDY)
+    counts = Counter(t for tokens, _ in first for t in tokens[2:-2])
+    eos = next(t for t, _ in counts.most_common() if t > 2)
+    for name in ("config.json", "generation_config.json"):
+        data = json.loads((Path(path) / name).read_text())
+        data["eos_token_id"] = eos
+        (Path(path) / name).write_text(json.dumps(data))
+    return str(path)
+
+
+def _mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy rows, sampled rows with a seed of their own, sampled rows without one (the
+    engine seeds them by arrival)."""
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, seed=7),
+        SamplingParams(temperature=1.0, max_tokens=24),
+    ]
+    return [kinds[i % 3] for i in range(n)]
+
+
+@pytest.mark.slow
+def test_dp2_default_configuration_equals_one_process(checkpoint):
+    """The engine's defaults (pipelined decode, EOS endings): greedy, seeded and unseeded
+    sampled rows draw the same tokens split over two ranks as in one process; both ranks
+    ran requests."""
+    prompts, params = _prompts(9), _mixed_params(9)
+    want = _one_process(checkpoint, prompts, params)
+    llm = LLM(checkpoint, **KW, **DP)
+    try:
+        assert isinstance(llm.engine, DPEngine)
+        got = _tokens(llm, prompts, params)
+        ranks = llm.engine.rank_metrics()
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    assert {r for _, r in got} == {"stop", "length"}
+    assert sum(len(t) for t, _ in got) >= 90
+    assert [m["prompt_tokens"] > 0 for m in ranks] == [True, True]
+    assert sum(m["output_tokens"] for m in ranks) == sum(len(t) for t, _ in got)
+
+
+@pytest.mark.slow
+def test_dp2_logprobs_within_1e4_of_one_process(checkpoint):
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
+    prompts = _prompts(6)
+
+    def run(**kw):
+        llm = LLM(checkpoint, **KW, **kw)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        return [
+            (
+                o.outputs[0].token_ids,
+                [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+            )
+            for o in outs
+        ]
+
+    want, got = run(), run(**DP)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    worst = max(abs(a - b) for (_, la), (_, lb) in zip(got, want) for a, b in zip(la, lb))
+    assert worst < 1e-4, f"largest logprob difference {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_each_rank_holds_only_its_own_requests_pages(checkpoint):
+    """Requests go to the rank holding the fewest tokens; once prefilled, each rank's
+    pool holds pages for its own requests alone, as many as their tokens fill."""
+    long, short = [5] * 40, [6] * 8
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(checkpoint, **KW, **DP)
+    try:
+        engine = llm.engine
+        for rid, ids in (("a", long), ("b", short), ("c", short), ("d", short)):
+            engine.add_request(rid, ids, params)
+        # a: 44 tokens on rank 0; b, c, d: 12 each, all on rank 1 (36 < 44)
+        assert engine.held == [44, 36]
+        for _ in range(3):  # prefill (24 tokens a step) and a decode
+            engine.step()
+        pages = engine.rank_pages()
+    finally:
+        llm.engine.shutdown()
+    assert set(pages[0]) == {"a"} and set(pages[1]) == {"b", "c", "d"}
+    assert pages[0]["a"] == 11  # 40 prompt tokens and a decoded one, 4 a page
+    assert all(3 >= pages[1][rid] >= 2 for rid in "bcd")
+
+
+@pytest.mark.slow
+def test_an_idle_rank_keeps_stepping_beside_a_busy_one(checkpoint):
+    """One request: rank 1 has nothing and runs a dummy forward for every forward of
+    rank 0. Then a long prompt with one token on rank 0 and a short prompt with many on
+    rank 1: rank 0 idles once its request ends, pairing rank 1's forwards. Tokens as in
+    one process either way."""
+    one, alone = [_prompts(1)[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    uneven = [[9] * 40, [11] * 8]
+    params = [
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    ]
+    want_one = _one_process(checkpoint, one, alone)
+    want_uneven = _one_process(checkpoint, uneven, params)
+    llm = LLM(checkpoint, **KW, **DP)
+    try:
+        assert _tokens(llm, one, alone) == want_one
+        first = [m["dp_dummy_forwards"] for m in llm.engine.rank_metrics()]
+        got = _tokens(llm, uneven, params)
+        then = [m["dp_dummy_forwards"] for m in llm.engine.rank_metrics()]
+    finally:
+        llm.engine.shutdown()
+    assert first[0] == 0 and first[1] >= 12  # rank 1 paired every forward of rank 0
+    assert got == want_uneven
+    assert then[0] >= 15  # rank 1's decode steps after rank 0's request ended
+
+
+def test_data_parallel_needs_expert_parallel_and_experts(tmp_path, tiny_llama):
+    with pytest.raises(ValueError, match="batchgen run --data-parallel"):
+        LLM(tiny_llama, device="cpu", data_parallel_size=2)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        LLM(tiny_llama, device="cpu", **DP)
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_the_call_naming_it(checkpoint):
+    llm = LLM(checkpoint, **KW, **DP)
+    try:
+        engine = llm.engine
+        engine.workers.processes[0].kill()
+        engine.workers.processes[0].join(10)
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] stopped responding"):
+            llm.generate(_prompts(4), GREEDY, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_every_data_parallel_message_type_has_a_worker_handler():
+    assert set(_Worker.HANDLERS) == set(DPMessage.__subclasses__())
