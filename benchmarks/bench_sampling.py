@@ -1,8 +1,8 @@
 """The sampler on the GPU at W1's shape: Qwen3's 151,936-token vocabulary, bf16 logits.
 
 For each row count (default 128, 256 and 1,024: W1 decodes 256 rows tapering to a few,
-W7 ~1,000), the kernels alone (kernels/sampling.py's draw, kernels/sampling_cut.py's
-nucleus cut, kernels/sampling_nucleus.py's top-p draw, kernels/penalties.py) and the whole Sampler call for W1's configurations
+W7 ~1,000), the kernels alone (kernels/sampling.py's draw, kernels/sampling_nucleus.py's
+top-p draw, kernels/penalties.py) and the whole Sampler call for W1's configurations
 beside greedy (the runner's plain greedy argmax): temperature 0.8 + top_p 0.95 with a
 seed a row, + top_k 50, + repetition_penalty 1.1 (counts kept on the device, 64 output
 tokens a row). GPU times are triton.testing.do_bench medians in microseconds; each
@@ -28,7 +28,6 @@ import torch
 from triton.testing import do_bench
 
 from batchgen.kernels.sampling import sample_tokens
-from batchgen.kernels.sampling_cut import top_p_cut
 from batchgen.runner import sampler as sampler_module
 from batchgen.runner.penalty_counts import PenaltyCounts
 from batchgen.runner.sampler import Sampler, SamplingMetadata, request_seed
@@ -85,16 +84,9 @@ def bench_rows(rows: int, vocab: int, dev: torch.device) -> None:
     temp = torch.full((rows,), 0.8, device=dev)
     seed_t = torch.tensor(seeds, device=dev)
     pos = torch.zeros(rows, dtype=torch.int64, device=dev)
-    cut = torch.full((rows,), float("-inf"), device=dev)
     top_p = torch.full((rows,), 0.95, device=dev)
     show(
         rows, "kernel: draw", timed_us(lambda: sample_tokens(logits, temp, seed_t, pos), dev), "us"
-    )
-    show(
-        rows,
-        "kernel: nucleus cut",
-        timed_us(lambda: top_p_cut(logits, temp, top_p, cut), dev),
-        "us",
     )
     try:
         nucleus = importlib.import_module("batchgen.kernels.sampling_nucleus")

@@ -1,5 +1,5 @@
-"""The batch sampling kernels (kernels/sampling.py, kernels/sampling_cut.py) under the
-Triton interpreter (on the GPU when there is one) against their torch references."""
+"""The batch sampling kernel (kernels/sampling.py) under the Triton interpreter (on the
+GPU when there is one) against its torch references."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from batchgen.kernels.sampling import (
     sample_tokens,
     sample_tokens_reference,
 )
-from batchgen.kernels.sampling_cut import top_p_cut, top_p_cut_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INF = float("inf")
@@ -97,68 +96,3 @@ def test_wrapper_checks_inputs():
     with pytest.raises(ValueError, match="cut"):
         sample_tokens(logits, temperature, seeds, positions, torch.zeros(3, device=DEVICE))
     assert sample_tokens(logits[:0], temperature[:0], seeds[:0], positions[:0]).numel() == 0
-
-
-def cut_case(seed: int, rows: int = 7, vocab: int = 3000):
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(rows, vocab, generator=gen) * 3
-    logits[5] = logits[5].round()  # many ties, some at the nucleus edge
-    temperature = torch.tensor([1.0, 0.7, 0.0, 2.0, 1.0, 1.0, 0.3])[:rows]
-    top_p = torch.tensor([0.9, 0.5, 0.5, 0.99, 1.0, 0.6, 0.95])[:rows]
-    cut = torch.full((rows,), -INF)
-    cut[1], cut[4] = 0.5, 1.0  # min_p / top_k left these
-    return [t.to(DEVICE) for t in (logits, temperature, top_p, cut)]
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_top_p_cut_matches_the_sorted_reference(seed):
-    logits, temperature, top_p, cut = cut_case(seed)
-    got = top_p_cut(logits, temperature, top_p, cut)
-    want = top_p_cut_reference(logits, temperature, top_p, cut)
-    assert torch.equal(got, want)
-    assert got[2] == -INF and got[4] == 1.0  # greedy and top_p 1 keep their cut
-    assert (got[[0, 1, 3, 5, 6]] > cut[[0, 1, 3, 5, 6]]).all()  # the others cut more
-
-
-def test_top_p_cut_is_the_smallest_set_reaching_p():
-    """Mass kept >= p, and without the edge value's tokens < p (ties kept whole)."""
-    logits, temperature, top_p, cut = cut_case(2)
-    got = top_p_cut(logits, temperature, top_p, cut)
-    for r in (0, 1, 3, 5, 6):
-        x = logits[r].double()
-        x = x.masked_fill(x < cut[r], -INF)
-        probs = torch.softmax(x / temperature[r].double(), dim=0)
-        kept = probs[x >= got[r]].sum()
-        assert kept >= top_p[r] - 1e-6
-        assert probs[x > got[r]].sum() < top_p[r]
-    assert int((logits[5] == got[5]).sum()) > 1  # a tie at the edge, kept whole
-
-
-def test_top_p_cut_on_bfloat16_logits():
-    logits, temperature, top_p, cut = cut_case(3)
-    logits = logits.to(torch.bfloat16)
-    got = top_p_cut(logits, temperature, top_p, cut)
-    assert torch.equal(got, top_p_cut_reference(logits, temperature, top_p, cut))
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_top_p_cut_matches_the_reference_across_scales(seed):
-    """Rows far from zero and across it, spreads from flat to peaked, many p, integer
-    ties, bfloat16: the few-pass search lands on the sorted reference's cut."""
-    gen = torch.Generator().manual_seed(100 + seed)
-    rows, vocab = 8, (1000, 3000, 5003, 700)[seed]
-    spread = float(torch.rand(1, generator=gen) * 20 + 0.1)
-    logits = torch.randn(rows, vocab, generator=gen) * spread
-    logits += (torch.rand(rows, 1, generator=gen) - 0.5) * 40
-    if seed == 1:
-        logits = logits.round()
-    if seed == 3:
-        logits = logits.to(torch.bfloat16)
-    temperature = torch.rand(rows, generator=gen) * 2 + 0.05
-    top_p = torch.tensor([0.5, 0.9, 0.95, 0.99, 0.999, 0.3, 0.8, 0.97])
-    cut = torch.full((rows,), -INF)
-    cut[2] = float(logits[2].float().quantile(0.7))  # a row min_p / top_k cut before
-    args = [t.to(DEVICE) for t in (logits, temperature, top_p, cut)]
-    got = top_p_cut(*args)
-    assert torch.equal(got, top_p_cut_reference(*args))
-    assert (got > args[3]).all()

@@ -1,8 +1,8 @@
 """Top-p sampling without the nucleus cut: draw first, then check the draw.
 
 `sampling.sample_tokens` draws argmax(x / T + Gumbel) over the tokens a row keeps; with
-top-p it needs the nucleus {x >= v} first (`sampling_cut`: several passes over the
-row). Here the draw comes first, over all the tokens kept before top-p (x >= cut): the
+top-p it needs the nucleus {x >= v} first (`top_p_cut_reference` below sorts the row
+for it; a kernel would take several passes over the row). Here the draw comes first, over all the tokens kept before top-p (x >= cut): the
 drawn token y is in the nucleus iff the mass of the tokens above it is short of p,
 mass({x > x_y}) < p * Z, and then it is also the argmax over the nucleus, so it is the
 draw `sample_tokens(..., cut=nucleus)` makes, with the same noise. Otherwise every token
@@ -144,7 +144,7 @@ def sample_nucleus(
     cut: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sampling.sample_tokens(logits, temperature, seeds, positions, nucleus)` where
-    nucleus is each row's top-p cut of softmax(x / T) over x >= cut (`sampling_cut`),
+    nucleus is each row's top-p cut of softmax(x / T) over x >= cut (`top_p_cut_reference`),
     without computing that cut: top_p [B] float32 (>= 1: no top-p) -> tokens [B] int64.
     Nothing is read back to the host."""
     _check(logits, temperature, seeds, positions, cut)
@@ -178,3 +178,34 @@ def sample_nucleus(
         BLOCK=min(_ROW_BLOCK, triton.next_power_of_2(max(vocab, 1))), num_warps=32,
     )  # fmt: skip
     return out
+
+
+def _check_cut(logits, temperature, top_p, cut) -> None:
+    if logits.dim() != 2 or logits.stride(1) != 1 or not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must be float [B, V] with contiguous rows: {list(logits.shape)}")
+    rows = logits.shape[0]
+    for name, t in (("temperature", temperature), ("top_p", top_p), ("cut", cut)):
+        if t.shape != (rows,) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [{rows}] float32: {list(t.shape)}")
+        if t.device != logits.device:
+            raise ValueError(f"{name} is on {t.device}, the logits on {logits.device}")
+
+
+def top_p_cut_reference(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, cut: torch.Tensor
+) -> torch.Tensor:
+    """logits [B, V] (rows contiguous), temperature, top_p and cut [B] float32 -> the new
+    cut [B] float32: the nucleus of softmax(x / T) over the tokens with x >= cut, ties at
+    its edge included (greedy rows, temperature 0, and rows with top_p >= 1 keep cut), from
+    a full sort: the kept tokens in descending order, their softmax(x / T) summed, the
+    first token where the sum reaches p gives the cut. The sampler's top-p off CUDA, and
+    the cut `sample_nucleus` is checked against."""
+    _check_cut(logits, temperature, top_p, cut)
+    x = logits.float()
+    kept = x.masked_fill(x < cut[:, None], float("-inf"))
+    inv_t = 1.0 / torch.where(temperature > 0, temperature, 1.0)
+    desc, _ = kept.sort(dim=1, descending=True)
+    mass = torch.softmax(desc * inv_t[:, None], dim=1).cumsum(dim=1)
+    edge = (mass < top_p[:, None]).sum(dim=1, keepdim=True).clamp(max=x.shape[1] - 1)
+    nucleus = desc.gather(1, edge).squeeze(1)
+    return torch.where((top_p < 1.0) & (temperature > 0), nucleus, cut)

@@ -34,8 +34,7 @@ import torch
 from batchgen.forward_context import to_device
 from batchgen.kernels.penalties import penalized_logits, penalized_logits_reference
 from batchgen.kernels.sampling import sample_tokens, sample_tokens_reference
-from batchgen.kernels.sampling_cut import top_p_cut, top_p_cut_reference
-from batchgen.kernels.sampling_nucleus import sample_nucleus
+from batchgen.kernels.sampling_nucleus import sample_nucleus, top_p_cut_reference
 from batchgen.runner.sampling_metadata import (
     SAMPLING_EPS,
     SamplingMetadata,
@@ -109,18 +108,16 @@ def apply_penalties(
     return penalized_logits_reference(logits, counts, prompt_mask, *penalties, rows)
 
 
-def filter_cut(
-    x: torch.Tensor, meta: SamplingMetadata, kernels: bool, top_p: bool = True
-) -> torch.Tensor | None:
+def filter_cut(x: torch.Tensor, meta: SamplingMetadata, top_p: bool = True) -> torch.Tensor | None:
     """Each row's cut [B] float32 on the logits ``x``: a sampled row keeps the tokens with
     x >= cut, which is min_p, then top_k, then (``top_p``) top_p applied to softmax(x / T)
     and renormalised (None: no row filters). Every filter is a threshold on the row's
-    logits, so no vocabulary is sorted:
+    logits; only top_p sorts, and the sampler asks for it off CUDA alone:
 
     - min_p: p(token) < min_p * p(top) is x < max(x) + T * log(min_p);
     - top_k: the k-th largest logit (torch.topk of the batch's largest k), ties kept;
-    - top_p: the nucleus of what the two above keep (`kernels.sampling_cut`, a
-      few-pass search; on the CPU its sort-based reference), ties at its edge kept.
+    - top_p: the nucleus of what the two above keep (`top_p_cut_reference`, a sort;
+      the sampler's kernel path draws without it, `sample_nucleus`), ties at its edge kept.
     """
     cut = None
     neg_inf = float("-inf")
@@ -137,8 +134,7 @@ def filter_cut(
     if meta.use_top_p and top_p:
         if cut is None:
             cut = torch.full_like(meta.temperature, neg_inf)
-        nucleus = top_p_cut if kernels else top_p_cut_reference
-        cut = nucleus(x, meta.temperature, meta.top_p, cut)
+        cut = top_p_cut_reference(x, meta.temperature, meta.top_p, cut)
     return cut
 
 
@@ -170,10 +166,10 @@ class Sampler:
             x = x.contiguous()
             args = (x, meta.temperature, meta.seeds, meta.positions)
             if kernels and meta.use_top_p:  # draw, then check the draw against top_p
-                token_ids = sample_nucleus(*args, meta.top_p, filter_cut(x, meta, True, False))
+                token_ids = sample_nucleus(*args, meta.top_p, filter_cut(x, meta, top_p=False))
             else:
                 draw = sample_tokens if kernels else sample_tokens_reference
-                token_ids = draw(*args, filter_cut(x, meta, kernels))
+                token_ids = draw(*args, filter_cut(x, meta))
         if not meta.need_logprobs:  # the full-vocabulary log_softmax is skipped
             return SamplerOutput(token_ids, None, None, None, None)
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
