@@ -126,39 +126,40 @@ class EngineConfig:
     to load (None: "main"); a local path has no revisions and ignores it.
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    max_queued_requests: int | None = None
-    page_size: int = 16
-    kv_cache_size_gib: float | None = None
-    num_kv_pages: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gib: float = 1.0
-    enable_prefix_caching: bool = True
-    host_kv_size_gib: float = 0.0
-    decode_append: str = "off"
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    pipeline_decode: bool = True
-    async_scheduling: bool = False
-    cache_dir: str | None = None
-    revision: str | None = None
-    seed: int = 0
-    admission: str = "prefix"
-    tier_policy: str = "auto"
-    tier_copy_issue: str = "inline"
-    tier_load_scatter: str = "copy"
-    state_checkpoint_interval: int = 1024
-    state_checkpoint_policy: str = "shared"
-    load_format: str = "auto"
-    batchgen_debug: bool = False
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
+    # each option's default is its group's (config_groups.py), defined there alone
+    model: str | None = ModelConfig.model
+    dtype: str = ModelConfig.dtype
+    device: str = ModelConfig.device
+    max_num_seqs: int | None = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
+    max_model_len: int | None = ModelConfig.max_model_len
+    max_queued_requests: int | None = SchedulerConfig.max_queued_requests
+    page_size: int = CacheConfig.page_size
+    kv_cache_size_gib: float | None = CacheConfig.kv_cache_size_gib
+    num_kv_pages: int | None = CacheConfig.num_kv_pages
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    cpu_kv_cache_gib: float = CacheConfig.cpu_kv_cache_gib
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    host_kv_size_gib: float = CacheConfig.host_kv_size_gib
+    decode_append: str = CacheConfig.decode_append
+    attention_backend: str = ModelConfig.attention_backend
+    enforce_eager: bool = ModelConfig.enforce_eager
+    pipeline_decode: bool = SchedulerConfig.pipeline_decode
+    async_scheduling: bool = SchedulerConfig.async_scheduling
+    cache_dir: str | None = ModelConfig.cache_dir
+    revision: str | None = ModelConfig.revision
+    seed: int = ModelConfig.seed
+    admission: str = SchedulerConfig.admission
+    tier_policy: str = CacheConfig.tier_policy
+    tier_copy_issue: str = CacheConfig.tier_copy_issue
+    tier_load_scatter: str = CacheConfig.tier_load_scatter
+    state_checkpoint_interval: int = CacheConfig.state_checkpoint_interval
+    state_checkpoint_policy: str = CacheConfig.state_checkpoint_policy
+    load_format: str = ModelConfig.load_format
+    batchgen_debug: bool = DebugConfig.batchgen_debug
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    data_parallel_size: int = ParallelConfig.data_parallel_size
+    enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
 
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     cache_config: CacheConfig = field(init=False, repr=False, compare=False)

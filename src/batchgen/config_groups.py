@@ -3,7 +3,8 @@
 EngineConfig (config.py) takes every option flat, as LLM(...) and vLLM users pass them,
 and builds these groups from its fields: `config.model_config`, `config.cache_config`,
 `config.scheduler_config`, `config.parallel_config`, `config.debug_config`. A component
-that needs the options of one concern can be handed its group alone. Each group raises
+that needs the options of one concern can be handed its group alone. Each option's
+default is defined here, and EngineConfig's flat field takes it. Each group raises
 ValueError naming the option a value is wrong for; checks that span groups (async
 scheduling against debug, decode_append and tensor parallel) are EngineConfig.resolve's.
 """
