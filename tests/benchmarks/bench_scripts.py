@@ -11,7 +11,7 @@ import pytest
 
 def load(name: str):
     """The module benchmarks.`name` (the package at the repository root, which
-    `python -m pytest` run there puts on sys.path)."""
+    pyproject's pytest `pythonpath` puts on sys.path)."""
     return importlib.import_module(f"benchmarks.{name}")
 
 
