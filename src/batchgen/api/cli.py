@@ -2,6 +2,7 @@
 
     batchgen run INPUT -o OUTPUT [--model PATH|ORG/NAME] [--max-tokens N] [--temperature T] ...
     batchgen show OUTPUT
+    batchgen plan MODEL --gpus N [--gpu h200] [--context T] ...
     batchgen eval mc|parity ...
     batchgen --version
 
@@ -21,6 +22,7 @@ import logging
 import sys
 from importlib import metadata
 
+from batchgen.api.plan_command import add_plan_parser, run_plan
 from batchgen.api.run_command import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, run_command
 from batchgen.api.run_options import add_run_parser
 from batchgen.api.show import add_show_parser, show
@@ -41,6 +43,7 @@ def build_parser(lazy_eval: bool = False) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_run_parser(sub)
     add_show_parser(sub)
+    add_plan_parser(sub)
     if lazy_eval:
         sub.add_parser("eval", help=EVAL_HELP)
     else:
@@ -72,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                 from batchgen.eval.cli import run_eval
 
                 return run_eval(args)
+            if args.command == "plan":
+                return run_plan(args)
             return _show(args) if args.command == "show" else run_command(args)
         except KeyboardInterrupt:  # before the job's own handlers are installed
             logger.warning("interrupted; rerun the same command to resume")

@@ -16,6 +16,7 @@ from batchgen.engine.builder import EngineParts, replace_pool
 from batchgen.engine.builder_load import load_engine
 from batchgen.engine.builder_plan import check_pool_size
 from batchgen.engine.limits import check_request
+from batchgen.engine.memory import weight_bytes
 from batchgen.engine.pipeline import next_decode
 from batchgen.engine.request import Request
 from batchgen.runner.batch import SchedulerOutput, StepCopies
@@ -58,6 +59,7 @@ class EngineCore:
         self.config = parts.config  # its batch limits set for this device and model
         self.model, self.hf_config, self.tokenizer = parts.model, parts.hf_config, parts.tokenizer
         self.device, self.dtype = parts.device, parts.dtype
+        self.weight_bytes = weight_bytes(parts.model)  # this rank's, on its device
         self.tp_workers = parts.tp_workers  # tensor parallel: this is rank 0 of the group
         self.plan, self.warmup = parts.plan, parts.warmup
         self.max_model_len = parts.plan.max_model_len
@@ -372,6 +374,7 @@ class EngineCore:
             "preemptions": self.scheduler.num_preemptions,
             "recomputes": self.scheduler.num_recomputes,
             "prefix_hit_tokens": self.kv.prefix_hit_tokens,
+            "weight_bytes": self.weight_bytes,
         }
         if self.checkpoints is not None:
             out["state_checkpoints"] = self.checkpoints.num_stored

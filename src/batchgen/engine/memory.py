@@ -132,6 +132,23 @@ def plan_num_pages(
     return min(pages, *others)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights occupy on its device: the storage of its parameters
+    and buffers (quantized weights, their scales and derived copies, such as a router's
+    narrow one, included), each storage counted once (tied embeddings share one). The
+    memory plan needs no figure from here: the weights are allocated before its
+    warm-up steps, so the peak it measures (`pages_left`) already counts their real
+    bytes, whatever their precision."""
+    seen: dict[object, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_meta:  # no storage to share: the tensor's own size
+            seen[id(t)] = t.numel() * t.element_size()
+            continue
+        storage = t.untyped_storage()
+        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
 def begin_peak(device: torch.device) -> None:
     """Start a memory plan's count: what is cached but unused goes back, and the peak
     counts from here."""
