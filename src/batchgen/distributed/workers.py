@@ -72,7 +72,7 @@ class Workers:
         self.tp = tp
         self.nccl = nccl
         self.exited: dict[int, int | None] = {}
-        # per message type: [messages sent, their pickled bytes] (message_stats)
+        # per message type: [messages sent, their pickled bytes] (message_metrics)
         self.sent: dict[str, list[int]] = {}
         self._stopping = False
         self._watcher = threading.Thread(target=self._watch, name="batchgen-tp-watch", daemon=True)
@@ -158,7 +158,7 @@ class Workers:
     def send(self, message: Message | DPMessage) -> None:
         """Broadcast a message from rank 0; RuntimeError naming dead workers when one
         has ended or the broadcast fails. Pickled here, once, so its size is counted
-        (`message_stats`)."""
+        (`message_metrics`)."""
         if not isinstance(message, Shutdown):
             self.check()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -173,11 +173,16 @@ class Workers:
                 f"tensor-parallel worker rank(s) {dead or '?'} stopped responding: {e}"
             ) from e
 
-    def message_stats(self, kind: type) -> tuple[int, int]:
-        """(messages, bytes): how many messages of type `kind` rank 0 has sent and
-        their pickled size, all workers receiving the same bytes."""
+    def message_metrics(self, kind: type) -> dict:
+        """What rank 0 has sent in messages of type `kind` (an engine's step message),
+        every worker receiving the same bytes: `step_messages`, `step_message_bytes_total`
+        (pickled) and `step_message_bytes` (their mean size)."""
         count, size = self.sent.get(kind.__name__, (0, 0))
-        return count, size
+        return {
+            "step_messages": count,
+            "step_message_bytes_total": size,
+            "step_message_bytes": size / count if count else 0.0,
+        }
 
     def gather(self) -> list:
         """What each worker answered the last message with, rank 1 first."""

@@ -233,7 +233,7 @@ class DPEngine:
             if isinstance(value, int) and not isinstance(value, bool):
                 out[key] = sum(m.get(key, 0) for m in ranks)
         out["steps"] = self._ticks
-        out.update(message_metrics(self.workers, DPStep))
+        out.update(self.workers.message_metrics(DPStep))
         return out
 
 
@@ -248,17 +248,6 @@ def _check_moe(config: EngineConfig) -> None:
             f"{type(hf_config).__name__} has no routed experts (for independent engines "
             "over a batch file use `batchgen run --data-parallel N`)"
         )
-
-
-def message_metrics(workers: Workers, kind) -> dict:
-    """What rank 0 has sent its workers in messages of type `kind` (the step messages):
-    how many, their bytes in all, and their mean size."""
-    count, size = workers.message_stats(kind)
-    return {
-        "step_messages": count,
-        "step_message_bytes_total": size,
-        "step_message_bytes": size / count if count else 0.0,
-    }
 
 
 def start_engine(config: EngineConfig) -> EngineCore | DPEngine:
