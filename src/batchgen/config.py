@@ -119,6 +119,11 @@ class EngineConfig:
     load_format "dummy" builds the model with random weights from its config alone (no
     checkpoint read): for benchmarks, as in vLLM.
 
+    quantization "fp8" quantizes a float checkpoint's linear layers to block-scaled FP8
+    (float8_e4m3fn, one scale per 128 x 128 block) as they load, as vLLM's option does;
+    None (the default) keeps a checkpoint as it is stored: a block-scaled FP8 checkpoint's
+    weights stay FP8 either way (models/quantization.py).
+
     cache_dir is where models are downloaded (vLLM's download_dir): the default model's
     GGUF (None: ~/.cache/batchgen) and, for a model named by its Hugging Face id, the hub
     cache its snapshot is looked up in and downloaded into (None: HF_HUB_CACHE, else
@@ -156,6 +161,7 @@ class EngineConfig:
     state_checkpoint_interval: int = CacheConfig.state_checkpoint_interval
     state_checkpoint_policy: str = CacheConfig.state_checkpoint_policy
     load_format: str = ModelConfig.load_format
+    quantization: str | None = ModelConfig.quantization
     batchgen_debug: bool = DebugConfig.batchgen_debug
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     data_parallel_size: int = ParallelConfig.data_parallel_size

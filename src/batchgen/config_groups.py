@@ -25,6 +25,8 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+# EngineConfig.quantization's values besides None: quantized as the checkpoint loads
+QUANTIZATIONS = ("fp8",)
 
 
 def _positive_int(group: object, *names: str, optional: bool = False) -> None:
@@ -76,6 +78,8 @@ def _one_of(group: object, *names: str) -> None:
 class ModelConfig:
     """What to load and how to run it: model, revision and cache_dir (where it comes
     from), load_format ("dummy": random weights from the config alone, for benchmarks),
+    quantization (None, or "fp8": a float checkpoint's linear layers quantized to
+    block-scaled FP8 as they load),
     dtype and device ("auto": see EngineConfig.torch_dtype / torch_device),
     max_model_len, attention_backend ("auto": see EngineConfig.resolved_attention_backend),
     enforce_eager (no CUDA graphs) and seed (the dummy weights' and each request's
@@ -85,6 +89,7 @@ class ModelConfig:
     revision: str | None = None
     cache_dir: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -99,6 +104,9 @@ class ModelConfig:
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _one_of(self, "attention_backend", "load_format")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            choices = " or ".join(repr(q) for q in QUANTIZATIONS)
+            raise ValueError(f"quantization must be None or {choices}, got {self.quantization!r}")
         if self.revision is not None and not (isinstance(self.revision, str) and self.revision):
             raise ValueError(
                 f"revision must be None or a branch, tag or commit, got {self.revision!r}"

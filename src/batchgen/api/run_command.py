@@ -123,6 +123,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         host_kv_size_gib=args.host_kv_gib,
         tensor_parallel_size=args.tp,
         seed=args.seed,
+        quantization=args.quantization,
     )
     if args.data_parallel is not None:
         return _run_data_parallel(args, opts, kwargs)

@@ -54,6 +54,14 @@ def add_run_parser(sub) -> None:
     run.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     run.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="quantize a float checkpoint's linear layers as they load: fp8 = block-scaled "
+        "FP8 weights, 128x128 blocks (default: the checkpoint as stored; an FP8 "
+        "checkpoint stays FP8 either way)",
+    )
+    run.add_argument(
         "--max-tokens",
         type=int,
         default=None,

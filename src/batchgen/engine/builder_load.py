@@ -38,7 +38,14 @@ def _from_source(config: EngineConfig, source: ModelSource) -> EngineParts:
     max_len = max_model_len(config, hf_config)
     if config.tensor_parallel_size == 1:
         model = build_model(
-            source, hf_config, dtype, device, max_len, config.load_format, config.seed
+            source,
+            hf_config,
+            dtype,
+            device,
+            max_len,
+            config.load_format,
+            config.seed,
+            quantization=config.quantization,
         )
         return build_engine(config, model, hf_config, tokenizer, device, dtype)
     check_supported(config, device)
@@ -54,6 +61,7 @@ def _from_source(config: EngineConfig, source: ModelSource) -> EngineParts:
             config.load_format,
             config.seed,
             tp=workers.tp,
+            quantization=config.quantization,
         )
         return build_engine(config, model, hf_config, tokenizer, device, dtype, workers)
     except BaseException:

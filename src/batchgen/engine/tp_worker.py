@@ -55,6 +55,7 @@ def worker_main(tp: TPGroup, config: EngineConfig, source: ModelSource) -> None:
             config.load_format,
             config.seed,
             tp=tp,
+            quantization=config.quantization,
         )
     serve(tp, _Worker(config, model, hf_config, device, dtype, tp).handle)
 

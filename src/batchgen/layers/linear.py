@@ -1,4 +1,5 @@
-"""Linear layers whose weights may be stacked from several checkpoint tensors."""
+"""Linear layers whose weights may be stacked from several checkpoint tensors, and may be
+held quantized (layers/quant: a `LinearMethod` given while the model is on meta)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.layers.quant.method import LinearMethod, QuantParam
+
+_PLAIN = QuantParam(torch.float32)  # a plain weight's (and a bias's) units: 1 x 1
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b). `shards` names row ranges of W filled by separate checkpoint
-    tensors, e.g. {"q": (0, 2048), "k": (2048, 2560), "v": (2560, 3072)}."""
+    tensors, e.g. {"q": (0, 2048), "k": (2048, 2560), "v": (2560, 3072)}.
+
+    `quantizable=False`: a layer whose matrix the model reads itself (MLA's kv_b_proj,
+    the lm_head), which therefore stays plain whatever the checkpoint or
+    EngineConfig.quantization asks. `quant`: the LinearMethod holding the weight
+    (None: the plain `weight`)."""
 
     def __init__(
         self,
@@ -17,25 +27,103 @@ class Linear(nn.Module):
         out_features: int,
         bias: bool = False,
         shards: dict[str, tuple[int, int]] | None = None,
+        quantizable: bool = True,
     ) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
+        self.quantizable = quantizable
+        self.quant: LinearMethod | None = None
+
+    def use_method(self, method: LinearMethod) -> None:
+        """Hold the weight as `method`'s parameters instead of `weight` (on the device
+        `weight` is on: call it on meta, before the model is allocated). ValueError
+        where a shard (or a rank's slice) does not start on a unit boundary of one of
+        them; the layer is then left as it was."""
+        if not self.quantizable:
+            raise ValueError("this layer's weight is read as a matrix; it stays plain")
+        params = method.params()
+        self.check_units(params)
+        device = self.weight.device
+        del self.weight
+        for name, spec in params.items():
+            shape = spec.shape(self.out_features, self.in_features)
+            tensor = torch.empty(shape, dtype=spec.dtype, device=device)
+            self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        self.quant = method
+
+    def check_units(self, params: dict[str, QuantParam]) -> None:
+        """ValueError unless every shard starts on a unit boundary of every parameter."""
+        for name, spec in params.items():
+            for shard, (start, _) in self.shards.items():
+                if start % spec.rows_per:
+                    raise ValueError(
+                        f"shard {shard!r} starts at row {start}, inside a {spec.rows_per}-row "
+                        f"unit of {name}"
+                    )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + bias, from the plain weight or through the layer's method."""
+        if self.quant is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant.apply(self, x, bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """W [out, in] as a plain matrix (float32 where quantized; the weight itself
+        otherwise)."""
+        return self.weight if self.quant is None else self.quant.dense_weight(self)
+
+    def units(self, param: str) -> QuantParam:
+        """`param`'s units over the weight's [out, in] grid (1 x 1 unless quantized)."""
+        if self.quant is None or param == "bias":
+            return _PLAIN
+        return self.quant.params()[param]
+
+    def param_names(self) -> tuple[str, ...]:
+        """The parameters a checkpoint fills (besides the bias)."""
+        return ("weight",) if self.quant is None else tuple(self.quant.params())
+
+    def shard_names(self, param: str) -> list[str]:
+        """The shards that fill `param` (the loader's check that nothing is left out)."""
+        return list(self.shards) if param in (*self.param_names(), "bias") else []
+
+    def filled_by(self, param: str, tensor: torch.Tensor) -> tuple[str, ...]:
+        """The parameters `load(param, tensor, ...)` fills: a float weight given to a
+        quantized layer fills all of the method's parameters (it is quantized here)."""
+        if self._quantizes(param, tensor):
+            return self.quant.weight_params()
+        return (param,)
+
+    def _quantizes(self, param: str, tensor: torch.Tensor) -> bool:
+        if self.quant is None or param != "weight" or "weight" not in self.quant.params():
+            return False
+        return tensor.dtype != self.weight.dtype
 
     def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
-        """Copy a checkpoint tensor into `weight` or `bias`, whole or into a shard's rows."""
-        if param not in ("weight", "bias"):
-            raise ValueError(f"unexpected checkpoint parameter {param!r} (weight or bias)")
-        target = self.weight if param == "weight" else self.bias
+        """Copy a checkpoint tensor into a parameter, whole or into a shard's rows (in
+        the parameter's units); a float weight given to a quantized layer is quantized
+        into the method's parameters."""
+        if param not in (*self.param_names(), "bias"):
+            expected = ", ".join((*self.param_names(), "bias"))
+            raise ValueError(f"unexpected checkpoint parameter {param!r} ({expected})")
+        target = getattr(self, param)
         if target is None:
             raise ValueError(f"checkpoint has a {param} this layer does not use")
-        if shard is not None:
-            start, end = self.shards[shard]
-            target = target[start:end]
+        rows = self.shards[shard] if shard is not None else None
+        if self._quantizes(param, tensor):
+            want = (rows[1] - rows[0] if rows else self.out_features, self.in_features)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"shape {tuple(tensor.shape)} != expected {want}")
+            self.quant.quantize(self, tensor, rows)
+            return
+        if rows is not None:
+            per = self.units(param).rows_per
+            target = target[rows[0] // per : -(-rows[1] // per)]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
         with torch.no_grad():

@@ -113,7 +113,9 @@ class MLAttention(nn.Module):
         self.q_lora = q_lora_rank is not None
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = _by_heads(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), tp)
+        # absorb / unabsorb read its matrix (W_UK, W_UV): it stays in the model's dtype
+        kv_b_out = heads * (self.nope_dim + self.v_dim)
+        self.kv_b_proj = _by_heads(self.kv_lora_rank, kv_b_out, tp, quantizable=False)
         if tp is None:
             self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
         else:
@@ -198,11 +200,13 @@ class MLAttention(nn.Module):
         return k_nope, k_pe, v
 
 
-def _by_heads(in_features: int, out_features: int, tp: TPGroup | None) -> Linear:
+def _by_heads(
+    in_features: int, out_features: int, tp: TPGroup | None, quantizable: bool = True
+) -> Linear:
     """A projection whose output rows are per head: split by heads under `tp`."""
     if tp is None:
-        return Linear(in_features, out_features)
-    return ColumnParallelLinear(in_features, out_features, tp=tp)
+        return Linear(in_features, out_features, quantizable=quantizable)
+    return ColumnParallelLinear(in_features, out_features, tp=tp, quantizable=quantizable)
 
 
 def _backend(name: str):

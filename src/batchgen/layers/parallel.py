@@ -44,6 +44,7 @@ class ColumnParallelLinear(Linear):
         tp: TPGroup = SINGLE,
         gather_output: bool = False,
         replicated: tuple[str, ...] = (),
+        quantizable: bool = True,
     ) -> None:
         full = dict(shards or {})
         whole = frozenset(replicated)
@@ -58,7 +59,8 @@ class ColumnParallelLinear(Linear):
         local_out = sum(local.values()) if local else tp.split(out_features, "out_features")
         if local and sum(end - start for start, end in full.values()) != out_features:
             raise ValueError(f"shards {full} do not cover {out_features} rows")
-        super().__init__(in_features, local_out, bias, merged_shards(local) if local else None)
+        local_shards = merged_shards(local) if local else None
+        super().__init__(in_features, local_out, bias, local_shards, quantizable)
         self.full_shards = full
         self.replicated = whole
         self.tp = tp
@@ -66,8 +68,26 @@ class ColumnParallelLinear(Linear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return self._gather(y) if self.gather_output else y
+
+    def check_units(self, params) -> None:
+        """As Linear's, and each rank's slice of a split shard (of the layer, without
+        shards) a whole number of every parameter's row units."""
+        super().check_units(params)
+        if self.tp.size == 1:
+            return
+        slices = {
+            name: e - s for name, (s, e) in self.shards.items() if name not in self.replicated
+        } or {None: self.out_features}
+        for name, spec in params.items():
+            for shard, rows in slices.items():
+                if rows % spec.rows_per:
+                    what = "the layer" if shard is None else f"shard {shard!r}"
+                    raise ValueError(
+                        f"a rank's {rows} rows of {what} are not whole {spec.rows_per}-row "
+                        f"units of {name}"
+                    )
 
     def _gather(self, y: torch.Tensor) -> torch.Tensor:
         """Every rank's columns back in the full layer's order (shard by shard)."""
@@ -79,17 +99,26 @@ class ColumnParallelLinear(Linear):
 
     def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """`tensor` is the full checkpoint tensor: one shard's rows, or the whole layer."""
-        super().load(param, self._rank_rows(tensor, shard), shard)
+        per = 1 if self._quantizes(param, tensor) else self.units(param).rows_per
+        super().load(param, self._rank_rows(tensor, shard, per), shard)
 
-    def _rank_rows(self, tensor: torch.Tensor, shard: str | None) -> torch.Tensor:
+    def _rank_rows(self, tensor: torch.Tensor, shard: str | None, per: int = 1) -> torch.Tensor:
+        """This rank's rows of a full tensor whose rows are units of `per` weight rows."""
+
+        def units(start: int, end: int) -> tuple[int, int]:
+            return start // per, -(-end // per)
+
         if shard is not None:
-            start, end = self.full_shards[shard]
+            start, end = units(*self.full_shards[shard])
             _check_rows(tensor, end - start, f"shard {shard!r}")
             return self._own_rows(shard, tensor)
-        _check_rows(tensor, self.full_out_features, "the layer")
+        _check_rows(tensor, -(-self.full_out_features // per), "the layer")
         if not self.full_shards:
             return self._own_rows(None, tensor)
-        parts = [self._own_rows(name, tensor[s:e]) for name, (s, e) in self.full_shards.items()]
+        parts = []
+        for name, rows in self.full_shards.items():
+            start, end = units(*rows)
+            parts.append(self._own_rows(name, tensor[start:end]))
         return torch.cat(parts)
 
     def _own_rows(self, shard: str | None, rows: torch.Tensor) -> torch.Tensor:
@@ -120,30 +149,41 @@ class RowParallelLinear(Linear):
         bias: bool = False,
         tp: TPGroup = SINGLE,
         reduce_output: bool = True,
+        quantizable: bool = True,
     ) -> None:
-        super().__init__(tp.split(in_features, "in_features"), out_features, bias)
+        local_in = tp.split(in_features, "in_features")
+        super().__init__(local_in, out_features, bias, quantizable=quantizable)
         self.tp = tp
         self.full_in_features = in_features
         self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.matmul(x, self.bias)
         if not self.reduce_output:
-            return F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias if self.tp.rank == 0 else None)
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
+
+    def check_units(self, params) -> None:
+        """As Linear's, and each rank's columns a whole number of every parameter's
+        column units."""
+        super().check_units(params)
+        for name, spec in params.items():
+            if self.tp.size > 1 and self.in_features % spec.cols_per:
+                raise ValueError(
+                    f"a rank's {self.in_features} columns are not whole {spec.cols_per}-column "
+                    f"units of {name}"
+                )
 
     def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """`tensor` is the full checkpoint tensor; the weight's columns are cut, the bias
         is whole."""
-        if param == "weight":
-            if tensor.dim() != 2 or tensor.shape[1] != self.full_in_features:
-                raise ValueError(
-                    f"shape {tuple(tensor.shape)} != expected "
-                    f"({self.weight.shape[0]}, {self.full_in_features})"
-                )
-            n = self.weight.shape[1]
+        if param != "bias":
+            per = 1 if self._quantizes(param, tensor) else self.units(param).cols_per
+            full, n = -(-self.full_in_features // per), -(-self.in_features // per)
+            if tensor.dim() != 2 or tensor.shape[1] != full:
+                raise ValueError(f"shape {tuple(tensor.shape)} does not have {full} columns")
             tensor = tensor[:, self.tp.rank * n : (self.tp.rank + 1) * n]
         super().load(param, tensor, shard)
 

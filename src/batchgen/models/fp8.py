@@ -1,24 +1,39 @@
-"""Block-scaled FP8 checkpoints (DeepSeek-V3, Kimi-K2): weights dequantized at load.
+"""Block-scaled FP8 checkpoints (DeepSeek-V3, Kimi-K2): weights kept in FP8.
 
 Such a checkpoint stores a linear weight W [out, in] as float8_e4m3fn beside
 `weight_scale_inv` [ceil(out / bo), ceil(in / bi)] float32, one scale per block of
 bo x bi (config.json: `quantization_config = {"quant_method": "fp8",
 "weight_block_size": [bo, bi], ...}`, 128 x 128 in DeepSeek-V3): the real weight is
-W[i, j] * scale_inv[i // bo, j // bi]. batchgen computes in bf16 (or the dtype asked
-for), so each pair becomes one plain weight as it is read, and the model never sees the
-scales.
+W[i, j] * scale_inv[i // bo, j // bi].
+
+Before the model is allocated, `keep_fp8` gives every linear layer all of whose
+checkpoint weights are FP8 an `Fp8BlockMethod` (layers/quant/fp8.py): it holds the pair
+as stored and multiplies from it. The loader hands those layers the pairs as they are
+(the scale under its own name, which the layer holds as `weight_scale_inv`), and joins
+every other pair into one float32 weight as it reads (`dequantized_weights`): a layer
+whose matrix the model reads itself (MLA's kv_b_proj), one whose shards are not all FP8
+or do not start on a block, and the routed experts for now.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from batchgen.layers.linear import Linear
+from batchgen.layers.quant.fp8 import Fp8BlockMethod, dequantize
+
+__all__ = ["block_size", "dequantize", "dequantized_weights", "keep_fp8", "quantize_linears"]
+
+logger = logging.getLogger(__name__)
 
 SCALE_SUFFIX = "_scale_inv"  # "x.weight" -> "x.weight_scale_inv"
 FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
 )
+DEFAULT_BLOCK = (128, 128)  # quantization="fp8" on a float checkpoint, as DeepSeek-V3's
 
 
 def block_size(config) -> tuple[int, int] | None:
@@ -43,31 +58,65 @@ def block_size(config) -> tuple[int, int] | None:
     return rows, cols
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
-    """W * scale_inv per (rows x cols) block, in float32: weight [out, in] FP8,
-    scale_inv [ceil(out / rows), ceil(in / cols)]. ValueError on a shape mismatch."""
-    rows, cols = block
-    out_dim, in_dim = weight.shape
-    want = (-(-out_dim // rows), -(-in_dim // cols))
-    if weight.dim() != 2 or tuple(scale_inv.shape) != want:
-        raise ValueError(
-            f"scale shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)} "
-            f"in blocks of {rows}x{cols} (expected {want})"
-        )
-    w = weight.to(torch.float32)
-    pad_out, pad_in = want[0] * rows - out_dim, want[1] * cols - in_dim
-    if pad_out or pad_in:
-        w = torch.nn.functional.pad(w, (0, pad_in, 0, pad_out))
-    w = w.view(want[0], rows, want[1], cols) * scale_inv.to(torch.float32)[:, None, :, None]
-    return w.view(want[0] * rows, want[1] * cols)[:out_dim, :in_dim]
+def keep_fp8(model: torch.nn.Module, fp8_weights: Iterable[str], block) -> set[str]:
+    """Give every Linear of `model` (on meta) whose checkpoint weights (`fp8_weights`:
+    the names of the checkpoint's FP8 weights) cover all of its shards an
+    Fp8BlockMethod(block); returns those layers' weight names, which the loader then
+    hands over as stored. A layer that cannot hold them (not quantizable, a shard off
+    a block boundary) stays plain, its pairs dequantized."""
+    by_layer: dict[int, tuple[Linear, set, list[str]]] = {}
+    for name in fp8_weights:
+        try:
+            target = model.checkpoint_target(name)
+        except KeyError:
+            continue
+        if target is None or not isinstance(target[0], Linear) or target[1] != "weight":
+            continue
+        layer, _, shard = target
+        entry = by_layer.setdefault(id(layer), (layer, set(), []))
+        entry[1].add(shard)
+        entry[2].append(name)
+    method = Fp8BlockMethod(block)
+    kept: set[str] = set()
+    for layer, shards, names in by_layer.values():
+        if not layer.quantizable or shards != (set(layer.shards) or {None}):
+            continue
+        try:
+            layer.use_method(method)
+        except ValueError as e:
+            logger.info("%s stays dequantized: %s", names[0], e)
+            continue
+        kept.update(names)
+    return kept
+
+
+def quantize_linears(model: torch.nn.Module, block=DEFAULT_BLOCK) -> int:
+    """quantization="fp8": every quantizable Linear of `model` (on meta) gets an
+    Fp8BlockMethod(block), its float weight quantized as it loads (a layer whose shards
+    do not start on a block stays plain). Returns how many layers did."""
+    method = Fp8BlockMethod(block)
+    count = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or not layer.quantizable:
+            continue
+        try:
+            layer.use_method(method)
+        except ValueError as e:
+            logger.info("%s stays in the model's dtype: %s", name, e)
+            continue
+        count += 1
+    return count
 
 
 def dequantized_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]
+    weights: Iterable[tuple[str, torch.Tensor]],
+    block: tuple[int, int],
+    keep: frozenset[str] | set[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (name, tensor) pairs with every FP8 weight and its
     `*_scale_inv` joined into one float32 weight (whichever of the two comes first is
-    held until the other arrives; they may sit in different files). Other tensors pass
+    held until the other arrives; they may sit in different files), except the weights
+    named in `keep` and their scales, which pass as they are. Other tensors pass
     through. ValueError naming a weight left without its scale, or a scale without
     its weight."""
     held_weights: dict[str, torch.Tensor] = {}
@@ -75,12 +124,15 @@ def dequantized_weights(
     for name, tensor in weights:
         if name.endswith(SCALE_SUFFIX):
             base = name[: -len(SCALE_SUFFIX)]
+            if base in keep:
+                yield name, tensor
+                continue
             weight = held_weights.pop(base, None)
             if weight is None:
                 held_scales[base] = tensor
                 continue
             yield base, _joined(base, weight, tensor, block)
-        elif tensor.dtype in FP8_DTYPES:
+        elif tensor.dtype in FP8_DTYPES and name not in keep:
             scale = held_scales.pop(name, None)
             if scale is None:
                 held_weights[name] = tensor

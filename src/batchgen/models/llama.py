@@ -147,7 +147,8 @@ class DecoderStack(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         elif tp is None:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            # compute_logits reads its matrix: never quantized
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, quantizable=False)
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
 

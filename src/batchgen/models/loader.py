@@ -16,6 +16,7 @@ import torch
 from batchgen.console import library_progress_bars, progress_enabled
 from batchgen.models import fp8
 from batchgen.models.hub import looks_like_repo_id, snapshot_path
+from batchgen.models.quantization import QuantPlan, plan_quantization
 from batchgen.models.registry import check_tensor_parallel, model_class
 
 logger = logging.getLogger(__name__)
@@ -79,14 +80,28 @@ class ModelSource:
             dtype = getattr(torch, dtype, None)
         return dtype if isinstance(dtype, torch.dtype) else None
 
-    def weights(self, config) -> Iterator[tuple[str, torch.Tensor]]:
-        """(transformers name, tensor) pairs, read lazily where the format allows."""
+    def weights(self, config, keep=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(transformers name, tensor) pairs, read lazily where the format allows; FP8
+        block-scaled weights dequantized as read, except those named in `keep` (and
+        their scales), which pass as stored."""
         if self.gguf_file:
             yield from _gguf_weights(self.path / self.gguf_file, config)
             return
-        block = fp8.block_size(config)  # FP8 block-scaled weights: dequantized as read
+        block = fp8.block_size(config)
         weights = _safetensors_weights(self.path)
-        yield from weights if block is None else fp8.dequantized_weights(weights, block)
+        yield from weights if block is None else fp8.dequantized_weights(weights, block, keep)
+
+    def fp8_weight_names(self) -> set[str]:
+        """The names of the weights stored with a `*_scale_inv` beside them, from the
+        safetensors headers alone (no tensor read)."""
+        from safetensors import safe_open
+
+        suffix = fp8.SCALE_SUFFIX
+        names = set()
+        for file in _safetensors_files(self.path):
+            with safe_open(str(file), framework="pt") as f:
+                names.update(k[: -len(suffix)] for k in f.keys() if k.endswith(suffix))  # noqa: SIM118
+        return names
 
 
 # The files a tokenizer is read from (fast, SentencePiece, BPE, WordPiece, tiktoken and
@@ -116,9 +131,9 @@ _GGUF_ARCHS = {
 }
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
-
+def _safetensors_files(path: Path) -> list[Path]:
+    """The weight files (an index's, else every *.safetensors); FileNotFoundError for
+    none, or one the index lists that is missing."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -130,9 +145,15 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             "(load_format='dummy' builds the model with random weights from config.json alone)"
         )
     for name in files:
-        file = path / name
-        if not file.is_file():
-            raise FileNotFoundError(f"weight file {file} listed in the index is missing")
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"weight file {path / name} listed in the index is missing")
+    return [path / name for name in files]
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for file in _safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -198,6 +219,7 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     tp=None,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
     """Build on the meta device, allocate on `device`, fill every weight from the
     checkpoint (load_format "auto") or with random values (load_format "dummy": no
@@ -206,7 +228,12 @@ def build_model(
     tensors (dummy weights are drawn per rank: they do not match a TP=1 run's, but a
     replicated weight, DeepSeek-V3's router or latent projection, comes out the same on
     every rank, each rank's parameters having the same shapes in the same order);
-    ValueError for an architecture that does not run under tensor parallel."""
+    ValueError for an architecture that does not run under tensor parallel.
+
+    Quantized weights (models/quantization.py): a checkpoint's block-scaled FP8 weights
+    stay FP8 in the layers that can hold them; `quantization` "fp8" quantizes a float
+    checkpoint's linear layers as they load; either way decided on meta, so only the
+    quantized parameters are allocated."""
     cls = model_class(config)
     if tp is not None:
         check_tensor_parallel(config, tp.size)
@@ -218,13 +245,16 @@ def build_model(
             model = cls(config, max_positions, **split)
     finally:
         torch.set_default_dtype(old)
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    from_checkpoint = load_format == "auto" and not (source is None or source.gguf_file)
+    names = source.fp8_weight_names if from_checkpoint else None
+    plan = plan_quantization(model, config, quantization, names)
     model.to_empty(device=device)
     if load_format == "dummy":
         init_dummy_weights(model, seed, dtype)
-    elif load_format == "auto":
-        _load_checkpoint(model, source, config)
     else:
-        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        _load_checkpoint(model, source, config, plan)
     for module in model.modules():  # a layer's forms of its weights derived from them
         after_load = getattr(module, "after_load", None)
         if after_load is not None:
@@ -241,12 +271,22 @@ def init_dummy_weights(
     transformers model initialised and then given normal(0, std) matrices: every weight
     of two or more dimensions (embeddings, projections, lm_head) from normal(0, std),
     norm weights 1, biases 0. The same seed, device and dtype give the same weights.
+    A block-scaled FP8 weight gets normal(0, 1) values in float8_e4m3fn and its
+    `*_scale_inv` the scale std, so that it too holds normal(0, std) weights.
     With `dtype` (the model's), a matrix kept wider than it (DeepSeek-V3's float32
     router) holds values of `dtype`, as that model's checkpoints store it."""
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2:
+            if name.endswith(fp8.SCALE_SUFFIX):
+                p.fill_(std)
+            elif p.dtype in fp8.FP8_DTYPES:
+                g = generators.get(p.device)
+                if g is None:
+                    g = generators[p.device] = torch.Generator(p.device).manual_seed(seed)
+                values = torch.empty(p.shape, device=p.device).normal_(0.0, 1.0, generator=g)
+                p.copy_(values.to(p.dtype))
+            elif p.dim() >= 2:
                 g = generators.get(p.device)
                 if g is None:
                     g = generators[p.device] = torch.Generator(p.device).manual_seed(seed)
@@ -259,21 +299,29 @@ def init_dummy_weights(
                 p.fill_(1.0)
 
 
-def _load_checkpoint(model: torch.nn.Module, source: ModelSource, config) -> None:
-    """Copy every checkpoint tensor into its parameter; ValueError naming what is missing."""
+def _load_checkpoint(
+    model: torch.nn.Module, source: ModelSource, config, plan: QuantPlan | None = None
+) -> None:
+    """Copy every checkpoint tensor into its parameter; ValueError naming what is missing.
+    A kept quantized weight's companion ("x.weight_scale_inv") goes to the weight's layer
+    as the parameter of the weight's name plus the suffix."""
     cls = type(model)
     expected = {n for n, _ in model.named_parameters()}
     loaded: set[str] = set()
     names = {id(p): n for n, p in model.named_parameters()}
-    for ckpt_name, tensor in source.weights(config):
+    plan = plan or QuantPlan()
+    for ckpt_name, tensor in source.weights(config, plan.kept):
+        companion = plan.companion(ckpt_name)
         try:
-            target = model.checkpoint_target(ckpt_name)
+            target = model.checkpoint_target(companion[0] if companion else ckpt_name)
         except KeyError:
             logger.warning("checkpoint weight %s is not used by %s", ckpt_name, cls.__name__)
             continue
         if target is None:
             continue
         module, param, shard = target
+        if companion:
+            param += companion[1]
         try:
             if hasattr(module, "load"):
                 module.load(param, tensor, shard)
@@ -282,7 +330,9 @@ def _load_checkpoint(model: torch.nn.Module, source: ModelSource, config) -> Non
                     getattr(module, param).copy_(tensor)
         except (ValueError, RuntimeError) as e:
             raise ValueError(f"checkpoint weight {ckpt_name}: {e}") from e
-        loaded.add(names[id(getattr(module, param))] + (f"[{shard}]" if shard else ""))
+        filled_by = getattr(module, "filled_by", None)
+        for filled in filled_by(param, tensor) if filled_by else (param,):
+            loaded.add(names[id(getattr(module, filled))] + (f"[{shard}]" if shard else ""))
     missing = sorted(_unfilled(model, expected, loaded))
     if missing:
         raise ValueError(
@@ -308,7 +358,8 @@ def _unfilled(model: torch.nn.Module, expected: set[str], loaded: set[str]) -> l
 
 def _shard_names(module: torch.nn.Module, param: str) -> list[str]:
     """The shards a stacked parameter is filled by: a module's `shard_names(param)`
-    (stacked experts), else the row ranges of a Linear's `shards` (weight and bias)."""
+    (stacked experts, Linear: its shards for each parameter a checkpoint fills), else
+    none."""
     if hasattr(module, "shard_names"):
         return module.shard_names(param)
-    return list(getattr(module, "shards", None) or {}) if param in ("weight", "bias") else []
+    return []

@@ -1,0 +1,137 @@
+"""Block-scaled FP8 weights kept in FP8 (DeepSeek-V3's and Kimi-K2's checkpoint format).
+
+A weight W [out, in] is float8_e4m3fn beside `weight_scale_inv` [ceil(out / bo),
+ceil(in / bi)] float32, one scale per bo x bi block (128 x 128 in those checkpoints):
+the real weight is W[i, j] * scale_inv[i // bo, j // bi]. `Fp8BlockMethod` keeps both
+in the layer and multiplies from them:
+
+- CUDA, bfloat16 / float16 activations: W8A8. The activations are quantized per token in
+  groups of bi columns (kernels/fp8_quant.py) and one Triton GEMM (kernels/fp8_gemm.py)
+  sums FP8 products in float32, scaled block by block.
+- Everywhere else (the CPU; float32 activations): W8A16. The weight is dequantized one
+  tile of rows at a time (`tile_rows`, whole blocks, about `tile_elements` values) into
+  x's dtype and multiplied; only that tile is ever held dequantized. On float32 this is
+  the product with the dequantized weight, which the CPU tests hold it to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.layers.quant.method import LinearMethod, QuantParam
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+TILE_ELEMENTS = 1 << 22  # weights dequantized at once on the tile path (16 MiB in float32)
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
+    """W * scale_inv per (rows x cols) block, in float32: weight [out, in] FP8,
+    scale_inv [ceil(out / rows), ceil(in / cols)]. ValueError on a shape mismatch."""
+    rows, cols = block
+    out_dim, in_dim = weight.shape
+    want = (-(-out_dim // rows), -(-in_dim // cols))
+    if weight.dim() != 2 or tuple(scale_inv.shape) != want:
+        raise ValueError(
+            f"scale shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)} "
+            f"in blocks of {rows}x{cols} (expected {want})"
+        )
+    w = weight.to(torch.float32)
+    pad_out, pad_in = want[0] * rows - out_dim, want[1] * cols - in_dim
+    if pad_out or pad_in:
+        w = F.pad(w, (0, pad_in, 0, pad_out))
+    w = w.view(want[0], rows, want[1], cols) * scale_inv.to(torch.float32)[:, None, :, None]
+    return w.view(want[0] * rows, want[1] * cols)[:out_dim, :in_dim]
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [out, in] as (float8_e4m3fn weight, float32 scale_inv): each block's
+    scale is its largest magnitude over 448, its values divided by it and rounded (the
+    absmax scaling DeepSeek's converter and vLLM's fp8 option use)."""
+    rows, cols = block
+    out_dim, in_dim = w.shape
+    nb = (-(-out_dim // rows), -(-in_dim // cols))
+    padded = F.pad(w.float(), (0, nb[1] * cols - in_dim, 0, nb[0] * rows - out_dim))
+    blocks = padded.view(nb[0], rows, nb[1], cols)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(nb[0] * rows, nb[1] * cols)[:out_dim, :in_dim].contiguous(), scale
+
+
+def tile_rows(block_rows: int, in_features: int, tile_elements: int = TILE_ELEMENTS) -> int:
+    """Weight rows dequantized at once: whole blocks, about tile_elements values."""
+    return max(1, tile_elements // max(1, in_features) // block_rows) * block_rows
+
+
+def dequantized_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    tile_elements: int = TILE_ELEMENTS,
+) -> torch.Tensor:
+    """x W^T + bias with W held as FP8 blocks: each tile of rows dequantized into x's dtype
+    (W * scale computed in float32, rounded once) and multiplied; x [..., in]."""
+    out_dim, in_dim = weight.shape
+    step = tile_rows(block[0], in_dim, tile_elements)
+    if step >= out_dim:
+        return F.linear(x, dequantize(weight, scale_inv, block).to(x.dtype), bias)
+    out = x.new_empty(*x.shape[:-1], out_dim)
+    for start in range(0, out_dim, step):
+        end = min(start + step, out_dim)
+        scales = scale_inv[start // block[0] : -(-end // block[0])]
+        w = dequantize(weight[start:end], scales, block).to(x.dtype)
+        out[..., start:end] = F.linear(x, w, None if bias is None else bias[start:end])
+    return out
+
+
+def w8a8_serves(x: torch.Tensor) -> bool:
+    """Whether Fp8BlockMethod.apply takes the W8A8 Triton path for x (CUDA, 16-bit)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+class Fp8BlockMethod(LinearMethod):
+    """A layer's weight as float8_e4m3fn `weight` [out, in] and float32
+    `weight_scale_inv` [ceil(out / bo), ceil(in / bi)] (module docstring)."""
+
+    name = "fp8"
+
+    def __init__(self, block: tuple[int, int] = (128, 128)) -> None:
+        rows, cols = (int(b) for b in block)
+        if rows < 1 or cols < 1:
+            raise ValueError(f"the FP8 weight block must be positive, got {block}")
+        self.block = (rows, cols)
+
+    def params(self) -> dict[str, QuantParam]:
+        rows, cols = self.block
+        return {
+            "weight": QuantParam(torch.float8_e4m3fn),
+            "weight_scale_inv": QuantParam(torch.float32, rows, cols),
+        }
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not w8a8_serves(x) or self.block[1] < 16 or self.block[1] & (self.block[1] - 1):
+            return dequantized_linear(x, layer.weight, layer.weight_scale_inv, self.block, bias)
+        from batchgen.kernels.fp8_gemm import block_scaled_mm
+        from batchgen.kernels.fp8_quant import quantize_groups
+
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        a, a_scale = quantize_groups(rows, self.block[1])
+        out = block_scaled_mm(
+            a, a_scale, layer.weight, layer.weight_scale_inv, self.block, x.dtype, bias
+        )
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def dense_weight(self, layer) -> torch.Tensor:
+        return dequantize(layer.weight, layer.weight_scale_inv, self.block)
+
+    def quantize(self, layer, weight: torch.Tensor, rows: tuple[int, int] | None) -> None:
+        q, scale = quantize_blocks(weight, self.block)
+        start, end = rows if rows is not None else (0, layer.out_features)
+        per = self.block[0]
+        with torch.no_grad():
+            layer.weight[start:end].copy_(q)
+            layer.weight_scale_inv[start // per : -(-end // per)].copy_(scale)

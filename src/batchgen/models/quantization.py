@@ -1,0 +1,67 @@
+"""Which layers of a model hold quantized weights, decided on the meta device before the
+model is allocated (so a layer's quantized parameters are all that is ever allocated):
+
+- a checkpoint whose config.json has a `quantization_config` (block-scaled FP8 today,
+  models/fp8.py) keeps its quantized weights as stored in every layer that can hold
+  them; the rest are dequantized as they load;
+- EngineConfig.quantization ("fp8") quantizes a float checkpoint's linear layers as
+  their weights load (block-scaled FP8, 128 x 128 blocks, as vLLM's option does);
+- load_format "dummy" gives the layers the checkpoint or option would quantize random
+  quantized weights.
+
+`plan_quantization` returns a `QuantPlan`: the checkpoint weights the loader hands to
+their layers as stored, and the suffixes of their companion tensors ("x.weight" ->
+"x.weight_scale_inv"), which the loader gives to the weight's layer as the parameter of
+the weight's name plus the suffix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.config_groups import QUANTIZATIONS
+from batchgen.models import fp8
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """kept: checkpoint weight names handed to their layers as stored; suffixes: the
+    names of their companion tensors (weight name + suffix)."""
+
+    kept: frozenset[str] = frozenset()
+    suffixes: tuple[str, ...] = ()
+
+    def companion(self, name: str) -> tuple[str, str] | None:
+        """(weight name, suffix) when `name` is a kept weight's companion tensor."""
+        for suffix in self.suffixes:
+            if name.endswith(suffix) and name[: -len(suffix)] in self.kept:
+                return name[: -len(suffix)], suffix
+        return None
+
+
+def plan_quantization(
+    model: torch.nn.Module,
+    config,
+    quantization: str | None,
+    fp8_weight_names: Callable[[], Iterable[str]] | None,
+) -> QuantPlan:
+    """Give `model`'s layers (on meta) their quantized forms; `fp8_weight_names` lists
+    the checkpoint's FP8 weights (None: no checkpoint is read, load_format "dummy").
+    ValueError for a quantization batchgen does not run."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}"
+        )
+    block = fp8.block_size(config)
+    if block is None:
+        if quantization == "fp8":
+            fp8.quantize_linears(model)
+        return QuantPlan()
+    if fp8_weight_names is None:
+        fp8.quantize_linears(model, block)
+        return QuantPlan()
+    kept = fp8.keep_fp8(model, fp8_weight_names(), block)
+    return QuantPlan(frozenset(kept), (fp8.SCALE_SUFFIX,))

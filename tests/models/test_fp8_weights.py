@@ -1,0 +1,120 @@
+"""Block-scaled FP8 checkpoints in the real on-disk format (float8_e4m3fn weights beside
+`weight_scale_inv`, 128 x 128 blocks, config.json's quantization_config) load with their
+weights still FP8, and generate what transformers generates from the same weights
+dequantized to float32: greedy tokens identical, logprobs within 1e-4 (CPU, float32:
+each tile of a weight dequantized as it is multiplied)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from deepseek_checkpoints import save_tiny_deepseek
+from fp8_blocks import quantize_blocks
+from safetensors.torch import load_file, save_file
+from test_deepseek_v3 import MAX_NEW, RUN, Reference, _prompts
+
+from batchgen import LLM, SamplingParams
+from batchgen.layers.linear import Linear
+from batchgen.models import fp8
+from batchgen.models.loader import ModelSource, build_model
+
+BLOCK = (128, 128)
+# block-aligned shapes: stacked shards (q | k | v, gate | up) start on a 128-row block
+LLAMA = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+             intermediate_size=384)  # fmt: skip
+DEEPSEEK = dict(first_k_dense_replace=1, intermediate_size=256, moe_intermediate_size=128)
+
+
+def is_quantized_by_converter(name: str) -> bool:
+    """The weights DeepSeek's FP8 converter stores in FP8: every projection (attention,
+    dense MLPs, shared and routed experts), not the embeddings, lm_head, norms or router."""
+    return name.endswith(("proj.weight", "proj_with_mqa.weight"))
+
+
+def write_fp8_pair(base, save) -> tuple:
+    """(fp8 dir, float32 dir of the same weights dequantized, transformers model over
+    the dequantized weights)."""
+    quant, plain = base / "fp8", base / "plain"
+    save(quant)
+    fp8_tensors, dequantized = {}, {}
+    for name, t in load_file(str(quant / "model.safetensors")).items():
+        if is_quantized_by_converter(name):
+            q, scale = quantize_blocks(t.float(), BLOCK)
+            fp8_tensors[name], fp8_tensors[name + "_scale_inv"] = q, scale
+            dequantized[name] = fp8.dequantize(q, scale, BLOCK).contiguous()
+        else:
+            fp8_tensors[name] = dequantized[name] = t
+    save_file(fp8_tensors, str(quant / "model.safetensors"))
+    save(plain)
+    save_file(dequantized, str(plain / "model.safetensors"))
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+    }
+    (quant / "config.json").write_text(json.dumps(config))
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32)
+    return quant, plain, reference.eval()
+
+
+SAVERS = {
+    "llama": lambda d: save_tiny_model(d, "LlamaForCausalLM", **LLAMA),
+    "deepseek_v3": lambda d: save_tiny_deepseek(d, **DEEPSEEK),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SAVERS))
+def checkpoint(request, tmp_path_factory):
+    quant, _, reference = write_fp8_pair(
+        tmp_path_factory.mktemp(request.param), SAVERS[request.param]
+    )
+    prompts = _prompts(8)
+    return request.param, quant, prompts, Reference(reference, quant, prompts)
+
+
+def test_weights_stay_fp8_as_stored(checkpoint):
+    """Every FP8 weight of a dense layer is held as stored: one byte a weight, the
+    checkpoint's scales beside it; only MLA's kv_b_proj (its matrix is read by the
+    absorbed decode) and the routed experts are dequantized."""
+    arch, quant, _, _ = checkpoint
+    source = ModelSource.resolve(quant)
+    config = source.load_config()
+    model = build_model(source, config, torch.float32, torch.device("cpu"), 64)
+    stored = load_file(str(quant / "model.safetensors"))
+    kept = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or name.endswith("kv_b_proj") or name == "lm_head":
+            assert not isinstance(layer, Linear) or layer.weight.dtype == torch.float32, name
+            continue
+        assert layer.weight.dtype == torch.float8_e4m3fn, name
+        assert layer.weight.nbytes == layer.weight.numel() == layer.out_features * layer.in_features
+        assert layer.weight_scale_inv.dtype == torch.float32
+        if not layer.shards:
+            want = stored[f"model.{name}.weight"]
+            assert torch.equal(layer.weight.view(torch.uint8), want.view(torch.uint8)), name
+            assert torch.equal(layer.weight_scale_inv, stored[f"model.{name}.weight_scale_inv"])
+        kept += 1
+    assert kept >= (6 if arch == "llama" else 11)
+
+
+def test_greedy_equals_the_dequantized_model_in_the_default_configuration(checkpoint):
+    """The default configuration (pipelined decode, EOS endings): tokens and finish
+    reasons equal transformers' over the dequantized weights."""
+    _, quant, prompts, ref = checkpoint
+    llm = LLM(model=str(quant), num_kv_pages=64, **RUN)
+    ref.check(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW)))
+
+
+def test_logprobs_within_1e_4_of_the_dequantized_model(checkpoint):
+    _, quant, prompts, ref = checkpoint
+    llm = LLM(model=str(quant), num_kv_pages=64, **RUN)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
+    worst = ref.check(llm.generate(prompts, params, use_tqdm=False), logprobs=True)
+    assert worst < 1e-4, f"largest logprob difference {worst:.2e}"
