@@ -184,6 +184,19 @@ def test_state_swapped_out_and_in_continues_exactly(setup):
     assert err(torch.cat(outs), hf_prefill(hf, x)) < TOL
 
 
+def kda_recurrent_loop(q, k, v, g, beta, state):
+    """One sequence token by token through kda_torch.kda_recurrent: q, k, g [T, H, Dk],
+    v [T, H, Dv], beta [T, H], state [H, Dk, Dv] -> (o [T, H, Dv], final state). The
+    definition kda_chunk must meet."""
+    outs = []
+    s = state.unsqueeze(0)
+    for t in range(q.shape[0]):
+        step = (x[t : t + 1] for x in (q, k, v, g, beta))
+        o, s = kda_torch.kda_recurrent(*step, s)
+        outs.append(o)
+    return torch.cat(outs), s[0]
+
+
 def random_kda_inputs(length: int, heads: int = 3, dk: int = 8, dv: int = 6, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(length, heads, dk, generator=gen)
@@ -198,7 +211,7 @@ def random_kda_inputs(length: int, heads: int = 3, dk: int = 8, dv: int = 6, see
 @pytest.mark.parametrize("length,chunk", [(1, 4), (7, 4), (33, 8), (64, 64), (65, 16)])
 def test_recurrent_equals_chunked(length, chunk):
     args = random_kda_inputs(length)
-    o_rec, s_rec = kda_torch.kda_recurrent_loop(*args)
+    o_rec, s_rec = kda_recurrent_loop(*args)
     o_chk, s_chk = kda_torch.kda_chunk(*args, chunk_size=chunk)
     assert err(o_rec, o_chk) < TOL
     assert err(s_rec, s_chk) < TOL
@@ -206,7 +219,7 @@ def test_recurrent_equals_chunked(length, chunk):
 
 def test_recurrent_matches_transformers_recurrence():
     q, k, v, g, beta, state = random_kda_inputs(12)
-    o, s = kda_torch.kda_recurrent_loop(q, k, v, g, beta, state)
+    o, s = kda_recurrent_loop(q, k, v, g, beta, state)
     want_o, want_s = kimi.recurrent_kimi_delta_attention(
         q[None],
         k[None],

@@ -82,26 +82,6 @@ def kda_recurrent(
     return o.to(v.dtype), s
 
 
-def kda_recurrent_loop(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence token by token: q, k, g [T, H, Dk], v [T, H, Dv], beta [T, H],
-    state [H, Dk, Dv] -> (o [T, H, Dv], final state). The definition kda_chunk must meet."""
-    outs = []
-    s = state.unsqueeze(0)
-    for t in range(q.shape[0]):
-        o, s = kda_recurrent(
-            q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s
-        )
-        outs.append(o)
-    return torch.cat(outs), s[0]
-
-
 def kda_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,8 +91,10 @@ def kda_chunk(
     state: torch.Tensor,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, chunk by chunk, continuing from `state`; same signature and result
-    as kda_recurrent_loop (the last chunk may be short; nothing is padded)."""
+    """One sequence, chunk by chunk, continuing from `state`: q, k, g [T, H, Dk], v
+    [T, H, Dv], beta [T, H], state [H, Dk, Dv] -> (o [T, H, Dv], final state), the numbers
+    of `kda_recurrent` run token by token (the last chunk may be short; nothing is
+    padded)."""
     q, k = _prepare(q, k)
     v32, g32, b32 = v.float(), g.float(), beta.float()
     s = state.float()
