@@ -18,6 +18,7 @@ from test_deepseek_v3 import MAX_NEW, RUN, Reference, _prompts
 
 from batchgen import LLM, SamplingParams
 from batchgen.layers.linear import Linear
+from batchgen.layers.routed_experts import RoutedExperts
 from batchgen.models import fp8
 from batchgen.models.loader import ModelSource, build_model
 
@@ -80,9 +81,9 @@ def checkpoint(request, tmp_path_factory):
 
 
 def test_weights_stay_fp8_as_stored(checkpoint):
-    """Every FP8 weight of a dense layer is held as stored: one byte a weight, the
-    checkpoint's scales beside it; only MLA's kv_b_proj (its matrix is read by the
-    absorbed decode) and the routed experts are dequantized."""
+    """Every FP8 weight is held as stored, the routed experts' too: one byte a weight,
+    the checkpoint's scales beside it; only MLA's kv_b_proj (its matrix is read by the
+    absorbed decode) is dequantized."""
     arch, quant, _, _ = checkpoint
     source = ModelSource.resolve(quant)
     config = source.load_config()
@@ -102,6 +103,19 @@ def test_weights_stay_fp8_as_stored(checkpoint):
             assert torch.equal(layer.weight_scale_inv, stored[f"model.{name}.weight_scale_inv"])
         kept += 1
     assert kept >= (6 if arch == "llama" else 11)
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    assert len(experts) == (0 if arch == "llama" else 1)
+    for layer in experts:
+        i = next(n for n, m in model.named_modules() if m is layer).split(".")[1]
+        for e in (0, layer.num_experts - 1):
+            want = stored[f"model.layers.{i}.mlp.experts.{e}.up_proj.weight"]
+            assert torch.equal(
+                layer.gate_up_proj[e, layer.inter :].view(torch.uint8), want.view(torch.uint8)
+            )
+            scale = stored[f"model.layers.{i}.mlp.experts.{e}.down_proj.weight_scale_inv"]
+            assert torch.equal(layer.down_proj_scale_inv[e], scale)
+        assert layer.down_proj.dtype == torch.float8_e4m3fn
+        assert layer.gate_up_proj.nbytes == layer.gate_up_proj.numel()
 
 
 def test_greedy_equals_the_dequantized_model_in_the_default_configuration(checkpoint):

@@ -159,6 +159,8 @@ class DeepseekV3MoE(nn.Module):
             return False
         if self.experts.group_size is not None:  # INT4: the Triton GEMMs on CUDA
             return torch.device(device).type == "cuda"
+        if self.experts.fp8_block is not None:  # FP8: the Triton W8A8 GEMMs, 16-bit on CUDA
+            return torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
         hidden, inter = self.experts.hidden, self.experts.inter
         return hidden % 8 == 0 and inter % 8 == 0 and grouped_mm_serves(dtype, device)
 

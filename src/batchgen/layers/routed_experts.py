@@ -43,6 +43,8 @@ from batchgen.layers.int4_experts import (
     expert_loop,
     packed_shapes,
 )
+from batchgen.layers.quant import fp8_experts
+from batchgen.layers.quant.fp8_experts import Fp8Experts
 from batchgen.layers.tp_group import TPGroup
 
 
@@ -65,7 +67,7 @@ def grouped_mm_loop(a: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
     """Rows a[offs[g-1]:offs[g]] times w[g]^T for each group g: [M, K] x [G, N, K] -> [M, N]
     (w a tensor, or PackedExperts: one expert dequantized at a time). Reference path:
     reads offs on the host."""
-    if isinstance(w, PackedExperts):
+    if not isinstance(w, torch.Tensor):  # INT4 or FP8: each expert dequantized in turn
         return expert_loop(a, w, offs)
     out = a.new_empty(a.shape[0], w.shape[1])
     start = 0
@@ -85,6 +87,8 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 def _expert_gemm(a, w, aligned, num_pairs: int, rows_per_token: int, tuning: MoETuning):
     if isinstance(w, PackedExperts):
         return expert_gemm(a, w, aligned, num_pairs, rows_per_token, tuning)
+    if isinstance(w, Fp8Experts):
+        return fp8_experts.fp8_expert_gemm(a, w, aligned, num_pairs, rows_per_token, tuning)
     return moe_gemm(a, w, *aligned, num_pairs, rows_per_token, tuning)
 
 
@@ -103,9 +107,9 @@ def fused_experts(
     (gate rows, then up rows), down [E, H, I], weights [T, k], ids [T, k] -> [T, H] in
     x's dtype. use_grouped_mm None: the GPU path where grouped_mm_available(x) and the
     rows are 16-byte aligned (H and I multiples of 8), else the reference path.
-    gate_up and down may be PackedExperts (INT4): the grouped-GEMM path does not take
-    them; triton_moe runs kernels/int4_moe.py, the reference path dequantizes an
-    expert at a time.
+    gate_up and down may be PackedExperts (INT4) or Fp8Experts (block-scaled FP8): the
+    grouped-GEMM path does not take them; triton_moe runs kernels/int4_moe.py or
+    kernels/fp8_moe.py, the reference path dequantizes an expert at a time.
 
     With first_expert (expert parallel: one rank's block) gate_up[e] and down[e] are
     expert first_expert + e, and a pair routed to an expert outside the block adds
@@ -136,7 +140,7 @@ def fused_experts(
     else:
         if use_grouped_mm is None:
             aligned = x.shape[1] % 8 == 0 and down.shape[2] % 8 == 0
-            plain = not isinstance(gate_up, PackedExperts)
+            plain = isinstance(gate_up, torch.Tensor)
             use_grouped_mm = aligned and plain and grouped_mm_available(x)
         order = sort_by_group(flat, num_experts + 1)[1]  # sorted row r is pair order[r]
         counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
@@ -175,7 +179,11 @@ class RoutedExperts(nn.Module):
     the experts as INT4 instead: gate_up_proj_packed / gate_up_proj_scale and
     down_proj_packed / down_proj_scale (packed [E, N, K / 8] int32, scales [E, N, K /
     group]), filled by the same shards from a pack-quantized checkpoint's
-    `weight_packed` / `weight_scale` tensors."""
+    `weight_packed` / `weight_scale` tensors. `use_fp8(block)` holds them as
+    block-scaled FP8: gate_up_proj / down_proj in float8_e4m3fn beside
+    gate_up_proj_scale_inv / down_proj_scale_inv ([E, ceil(N / bn), ceil(K / bk)]),
+    filled by the same shards from an FP8 checkpoint's weights and `weight_scale_inv`
+    (a float weight given to them is quantized as it loads)."""
 
     def __init__(
         self,
@@ -189,6 +197,7 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.group_size: int | None = None  # INT4 groups (use_int4); None: plain weights
+        self.fp8_block: tuple[int, int] | None = None  # FP8 weight blocks (use_fp8)
         num_local = num_experts if tp is None else tp.split(num_experts, "n_routed_experts")
         first = 0 if tp is None else tp.rank * num_local
         self.local_experts = range(first, first + num_local)
@@ -219,14 +228,47 @@ class RoutedExperts(nn.Module):
                 self.register_parameter(name + suffix, nn.Parameter(tensor, requires_grad=False))
         self.group_size = group_size
 
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the experts' weights as block-scaled FP8 (class docstring); call on meta.
+        ValueError (nothing changed) unless the up rows start on a block."""
+        if self.inter % block[0]:
+            raise ValueError(
+                f"moe_intermediate_size {self.inter} is not whole {block[0]}-row blocks"
+            )
+        device, num_local = self.gate_up_proj.device, len(self.local_experts)
+        for name in ("gate_up_proj", "down_proj"):
+            shape = getattr(self, name).shape
+            scale = fp8_experts.scale_shape(num_local, shape[1], shape[2], block)
+            for param, dtype, size in ((name, torch.float8_e4m3fn, shape),
+                                       (name + "_scale_inv", torch.float32, scale)):  # fmt: skip
+                tensor = torch.empty(size, dtype=dtype, device=device)
+                self.register_parameter(param, nn.Parameter(tensor, requires_grad=False))
+        self.fp8_block = tuple(block)
+
+    def filled_by(self, param: str, tensor: torch.Tensor) -> tuple[str, ...]:
+        """The parameters load(param, tensor, ...) fills: a float weight given to FP8
+        experts fills its scales too (it is quantized)."""
+        return (param, param + "_scale_inv") if self._quantizes(param, tensor) else (param,)
+
+    def _quantizes(self, param: str, tensor: torch.Tensor) -> bool:
+        plain = param in ("gate_up_proj", "down_proj")
+        return self.fp8_block is not None and plain and tensor.dtype != torch.float8_e4m3fn
+
     def param_names(self) -> tuple[str, ...]:
         """The parameters a checkpoint fills."""
+        if self.fp8_block is not None:
+            return ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
         if self.group_size is None:
             return ("gate_up_proj", "down_proj")
         return tuple(f"{n}_{p}" for n in ("gate_up_proj", "down_proj") for p in ("packed", "scale"))
 
     def weights(self) -> tuple[torch.Tensor | PackedExperts, torch.Tensor | PackedExperts]:
         """(gate_up, down) as fused_experts takes them: the stacked weights, or INT4."""
+        if self.fp8_block is not None:
+            return tuple(
+                Fp8Experts(getattr(self, name), getattr(self, name + "_scale_inv"), self.fp8_block)
+                for name in ("gate_up_proj", "down_proj")
+            )
         if self.group_size is None:
             return self.gate_up_proj, self.down_proj
         return tuple(
@@ -246,6 +288,11 @@ class RoutedExperts(nn.Module):
         if param not in self.param_names():
             expected = ", ".join(self.param_names())
             raise ValueError(f"unexpected expert parameter {param!r} ({expected})")
+        if self._quantizes(param, tensor):  # a float weight into FP8 experts
+            q, scale = fp8_experts.quantize_experts(tensor, self.fp8_block)
+            self.load(param, q, shard)
+            self.load(param + "_scale_inv", scale, shard)
+            return
         target = getattr(self, param)
         first = self.local_experts.start
         if shard is None:
@@ -262,10 +309,12 @@ class RoutedExperts(nn.Module):
             if int(expert) not in self.local_experts:
                 return  # another rank's expert
             target = target[int(expert) - first]
+            scale_rows = param.endswith("_scale_inv")  # in blocks of rows
+            split = self.inter // self.fp8_block[0] if scale_rows else self.inter
             if part == "gate":
-                target = target[: self.inter]
+                target = target[:split]
             elif part == "up":
-                target = target[self.inter :]
+                target = target[split:]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
         with torch.no_grad():
@@ -284,6 +333,10 @@ class RoutedExperts(nn.Module):
         kernels/int4_moe.py)."""
         gate_up, down = self.weights()
         packed_on_gpu = self.group_size is not None and x.is_cuda
+        if isinstance(gate_up, Fp8Experts) and fp8_experts.serves(x, gate_up):
+            tuning = fp8_experts.FP8_MOE_TUNING
+        else:
+            tuning = MOE_TUNING if packed_on_gpu else None
         return fused_experts(
             x,
             gate_up,
@@ -291,6 +344,6 @@ class RoutedExperts(nn.Module):
             weights,
             ids,
             first_expert=None if self.holds_all else self.local_experts.start,
-            triton_moe=MOE_TUNING if packed_on_gpu else None,
+            triton_moe=tuning,
             residual=residual,
         )

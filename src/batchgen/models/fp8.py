@@ -24,6 +24,7 @@ import torch
 
 from batchgen.layers.linear import Linear
 from batchgen.layers.quant.fp8 import Fp8BlockMethod, dequantize
+from batchgen.layers.routed_experts import RoutedExperts
 
 __all__ = ["block_size", "dequantize", "dequantized_weights", "keep_fp8", "quantize_linears"]
 
@@ -64,43 +65,60 @@ def keep_fp8(model: torch.nn.Module, fp8_weights: Iterable[str], block) -> set[s
     Fp8BlockMethod(block); returns those layers' weight names, which the loader then
     hands over as stored. A layer that cannot hold them (not quantizable, a shard off
     a block boundary) stays plain, its pairs dequantized."""
-    by_layer: dict[int, tuple[Linear, set, list[str]]] = {}
+    by_layer: dict[int, tuple[torch.nn.Module, set, list[str]]] = {}
     for name in fp8_weights:
         try:
             target = model.checkpoint_target(name)
         except KeyError:
             continue
-        if target is None or not isinstance(target[0], Linear) or target[1] != "weight":
+        if target is None or not _holds_fp8(*target[:2]):
             continue
-        layer, _, shard = target
+        layer, param, shard = target
         entry = by_layer.setdefault(id(layer), (layer, set(), []))
-        entry[1].add(shard)
+        entry[1].add((param, shard))
         entry[2].append(name)
     method = Fp8BlockMethod(block)
     kept: set[str] = set()
     for layer, shards, names in by_layer.values():
-        if not layer.quantizable or shards != (set(layer.shards) or {None}):
-            continue
         try:
-            layer.use_method(method)
+            if isinstance(layer, RoutedExperts):
+                wanted = {
+                    (p, s) for p in ("gate_up_proj", "down_proj") for s in layer.shard_names(p)
+                }
+                if wanted <= shards:
+                    layer.use_fp8(block)
+            elif layer.quantizable and shards == {("weight", s) for s in layer.shards or [None]}:
+                layer.use_method(method)
         except ValueError as e:
             logger.info("%s stays dequantized: %s", names[0], e)
-            continue
-        kept.update(names)
+        if getattr(layer, "quant", None) is not None or getattr(layer, "fp8_block", None):
+            kept.update(names)
     return kept
+
+
+def _holds_fp8(module: torch.nn.Module, param: str) -> bool:
+    """Whether a checkpoint weight landing in `param` of `module` may stay FP8 there."""
+    if isinstance(module, Linear):
+        return param == "weight"
+    return isinstance(module, RoutedExperts) and param in ("gate_up_proj", "down_proj")
 
 
 def quantize_linears(model: torch.nn.Module, block=DEFAULT_BLOCK) -> int:
     """quantization="fp8": every quantizable Linear of `model` (on meta) gets an
-    Fp8BlockMethod(block), its float weight quantized as it loads (a layer whose shards
-    do not start on a block stays plain). Returns how many layers did."""
+    Fp8BlockMethod(block), and the routed experts are held in FP8 (`use_fp8`), their
+    float weights quantized as they load (a layer whose shards do not start on a block
+    stays plain). Returns how many layers did."""
     method = Fp8BlockMethod(block)
     count = 0
     for name, layer in model.named_modules():
-        if not isinstance(layer, Linear) or not layer.quantizable:
+        quantizable = isinstance(layer, Linear) and layer.quantizable
+        if not quantizable and not isinstance(layer, RoutedExperts):
             continue
         try:
-            layer.use_method(method)
+            if quantizable:
+                layer.use_method(method)
+            else:
+                layer.use_fp8(block)
         except ValueError as e:
             logger.info("%s stays in the model's dtype: %s", name, e)
             continue
