@@ -1,0 +1,81 @@
+"""Kimi Linear (KDA + MLA + MoE) under attention data parallel (data_parallel_size=2,
+enable_expert_parallel=True: this process rank 0, one spawned gloo worker) against one
+process on a tiny random checkpoint: each rank its own requests' latent pages and KDA
+state slots, and, with a pool too small for its share, its own host tier swapping
+both."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kimi_checkpoints import save_tiny_kimi
+
+from batchgen import LLM, SamplingParams
+
+pytest.importorskip("transformers.models.kimi_linear")
+
+F, L = "full_attention", "linear_attention"
+KW = dict(
+    device="cpu",
+    dtype="float32",
+    page_size=4,
+    max_model_len=192,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,  # prefills chunked across steps, beside decodes
+)
+DP = dict(data_parallel_size=2, enable_expert_parallel=True)
+
+
+def _prompts() -> list[list[int]]:
+    """A shared 16-token head, then tails taking some prompts past one KDA chunk (64)."""
+    rng = random.Random(0)
+    head = [rng.randint(3, 500) for _ in range(16)]
+    return [head + [rng.randint(3, 500) for _ in range(n)] for n in (60, 5, 90, 21, 48, 1)]
+
+
+def _params() -> list[SamplingParams]:
+    """Greedy, seeded sampled and unseeded sampled rows (the engine seeds those by
+    arrival)."""
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0.8, max_tokens=12, seed=3),
+        SamplingParams(temperature=1.0, top_k=20, max_tokens=12),
+    ]
+    return [kinds[i % 3] for i in range(len(_prompts()))]
+
+
+def _run(path: str, **kw) -> tuple[list[list[int]], list[dict]]:
+    llm = LLM(path, **{**KW, **kw})
+    try:
+        outs = llm.generate(_prompts(), _params(), use_tqdm=False)
+        ranks = llm.engine.rank_metrics() if "data_parallel_size" in kw else []
+    finally:
+        llm.engine.shutdown()
+    return [o.outputs[0].token_ids for o in outs], ranks
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-kimi-dp")
+    save_tiny_kimi(path, layer_types=[L, L, L, F], first_k_dense_replace=1)
+    return str(path), _run(str(path), num_kv_pages=400)[0]
+
+
+@pytest.mark.slow
+def test_dp2_default_configuration_equals_one_process(reference):
+    path, want = reference
+    got, ranks = _run(path, num_kv_pages=400, **DP)
+    assert got == want
+    assert [m["prompt_tokens"] > 0 for m in ranks] == [True, True]
+
+
+@pytest.mark.slow
+def test_dp2_host_tier_swaps_each_ranks_pages_and_state(reference):
+    """A pool of 32 pages a rank: its requests swap their latent pages and state slots
+    to its own host tier and back; the tokens stay the one-process ample run's."""
+    path, want = reference
+    tier = dict(num_kv_pages=32, max_model_len=128, host_kv_size_gib=0.002)
+    got, ranks = _run(path, **tier, **DP)
+    assert got == want
+    assert [m["swaps_out"] > 0 and m["swaps_in"] > 0 for m in ranks] == [True, True], ranks
