@@ -186,7 +186,13 @@ class EngineConfig:
         for the device and the model (`with_batch_limits`), and async_scheduling kept
         only where it can run; where it cannot, a warning names the option that rules it
         out and it is off (as vLLM turns off async scheduling it cannot use). Resolving
-        a resolved config returns it unchanged."""
+        a resolved config returns it unchanged. ValueError for enable_expert_parallel
+        on a model without experts (`moe` False)."""
+        if self.enable_expert_parallel and not moe:
+            raise ValueError(
+                "enable_expert_parallel=True needs a mixture-of-experts model "
+                "(DeepSeek-V3, Kimi-K2, Kimi Linear); this model has no routed experts"
+            )
         config = self.with_batch_limits(device, state_bytes_per_seq, moe)
         blockers = self.async_blockers()
         if self.async_scheduling and blockers:

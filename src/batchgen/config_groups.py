@@ -191,7 +191,12 @@ class ParallelConfig:
     model: attention data parallel, that many ranks in one engine, each running its own
     share of the requests over its own KV pages, their MoE layers run together
     (engine/dp_attention.py). Without enable_expert_parallel, data parallel is the Ray
-    engines of `batchgen run --data-parallel` (api/data_parallel.py)."""
+    engines of `batchgen run --data-parallel` (api/data_parallel.py).
+    enable_expert_parallel with tensor_parallel_size > 1: the MoE layers' routed experts
+    placed by rank over the tensor-parallel ranks, tokens sent to their experts' ranks
+    and back by all-to-all (layers/expert_parallel.py) instead of every rank computing
+    its experts' share of every token and an all-reduce. It needs more than one rank
+    (tensor or data parallel) and a MoE model (EngineConfig.resolve checks the model)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -199,6 +204,13 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _positive_int(self, "tensor_parallel_size", "data_parallel_size")
+        ranks = self.tensor_parallel_size * self.data_parallel_size
+        if self.enable_expert_parallel and ranks < 2:
+            raise ValueError(
+                "enable_expert_parallel=True spreads experts over ranks: it needs "
+                "tensor_parallel_size or data_parallel_size > 1, got "
+                f"{self.tensor_parallel_size} and {self.data_parallel_size}"
+            )
 
 
 @dataclass(frozen=True)

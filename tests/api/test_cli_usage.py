@@ -83,6 +83,11 @@ def test_the_lazy_eval_entry_lists_eval_as_the_full_parser_does():
         ("--kv-cache-gib", "0", "--kv-cache-gib must be > 0, got 0"),
         ("--grace-seconds", "-2.5", "--grace-seconds must be >= 0, got -2.5"),
         ("--device", "gpu", "--device must be auto, cpu, cuda or cuda:N, got gpu"),
+        (
+            "--enable-expert-parallel",
+            "--tp=1",
+            "--enable-expert-parallel spreads experts over ranks: it needs --tp > 1, got 1",
+        ),
     ],
 )
 def test_a_bad_value_is_named_with_its_option_in_one_plain_line(tmp_path, option, value, message):

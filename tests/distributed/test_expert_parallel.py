@@ -1,18 +1,23 @@
 """Expert parallel (layers/expert_parallel.py) on spawned gloo ranks against the
 single-process MoE layer: each rank holds its block of the experts, its tokens go to
 their experts' ranks and back by all-to-all, with a different number of tokens on each
-rank, one rank with none."""
+rank, one rank with none; and each rank reading only its own experts' checkpoint
+tensors."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from deepseek_checkpoints import tiny_config
+from deepseek_checkpoints import CONFIGS, save_tiny_deepseek, tiny_config
+from safetensors.torch import load_file
 from tp_workers import run_ranks
 
 from batchgen.layers.expert_parallel import ExpertParallel
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.tp_group import TPGroup
+from batchgen.models.loader import ModelSource, build_model
 
 CONFIG = dict(first_k_dense_replace=0, n_shared_experts=1)
 
@@ -85,3 +90,32 @@ def test_two_ranks_uneven_tokens_one_rank_empty(tmp_path):
 @pytest.mark.slow
 def test_four_ranks_uneven_tokens(tmp_path):
     _check([5, 0, 9, 3], tmp_path)
+
+
+def test_a_rank_reads_only_its_own_experts_tensors(tmp_path, monkeypatch):
+    """Rank 1 of 2 under expert parallel reads the per-expert tensors of experts 4..7
+    from the checkpoint and never those of experts 0..3; its block holds them."""
+    save_tiny_deepseek(tmp_path, **CONFIGS["moe_dense_first"])
+    read = []
+    weights = ModelSource.weights
+
+    def recorded(self, config, *args):
+        for name, tensor in weights(self, config, *args):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(ModelSource, "weights", recorded)
+    source = ModelSource.resolve(tmp_path)
+    config = source.load_config()
+    tp = TPGroup(1, 2)
+    model = build_model(
+        source, config, torch.float32, torch.device("cpu"), 64, tp=tp, ep=ExpertParallel(tp)
+    )
+    experts = {int(m[1]) for n in read if (m := re.search(r"\.experts\.(\d+)\.", n))}
+    assert experts == {4, 5, 6, 7}
+    assert any("shared_experts" in n for n in read)
+    moe = model.layers[1].mlp
+    assert moe.ep is not None and moe.experts.local_experts == range(4, 8)
+    checkpoint = load_file(str(tmp_path / "model.safetensors"))
+    down = checkpoint["model.layers.1.mlp.experts.5.down_proj.weight"]
+    assert torch.equal(moe.experts.down_proj[1], down)

@@ -122,6 +122,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         kv_cache_size_gib=args.kv_cache_gib,
         host_kv_size_gib=args.host_kv_gib,
         tensor_parallel_size=args.tp,
+        enable_expert_parallel=args.enable_expert_parallel,
         seed=args.seed,
         quantization=args.quantization,
     )

@@ -127,6 +127,13 @@ def add_run_parser(sub) -> None:
         "with --device cpu); with --data-parallel, every engine is such a group (default: 1)",
     )
     run.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tp N on a mixture-of-experts model: place the routed experts by "
+        "rank and send tokens to their experts' ranks and back (all-to-all) instead of "
+        "every rank computing its experts' share of every token",
+    )
+    run.add_argument(
         "--data-parallel",
         type=int,
         default=None,
@@ -196,6 +203,10 @@ def check_run(args: argparse.Namespace) -> str | None:
         return f"--top-p must be in (0, 1], got {_shown(args.top_p)}"
     if not DEVICE.fullmatch(args.device):
         return f"--device must be auto, cpu, cuda or cuda:N, got {args.device}"
+    if args.enable_expert_parallel and args.tp < 2:
+        return (
+            f"--enable-expert-parallel spreads experts over ranks: it needs --tp > 1, got {args.tp}"
+        )
     if args.shard_size is not None and args.data_parallel is None:
         return "--shard-size applies to --data-parallel runs only"
     if args.data_parallel is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from batchgen.config import EngineConfig
 from batchgen.engine.builder import EngineParts, build_engine
-from batchgen.engine.builder_plan import with_limits_for
+from batchgen.engine.builder_plan import expert_parallel, with_limits_for
 from batchgen.engine.limits import max_model_len
 from batchgen.engine.memory import check_host_budget
 from batchgen.engine.tp_peers import TPWorkers, check_supported
@@ -62,6 +62,7 @@ def _from_source(config: EngineConfig, source: ModelSource) -> EngineParts:
             config.seed,
             tp=workers.tp,
             quantization=config.quantization,
+            ep=expert_parallel(config, workers.tp),
         )
         return build_engine(config, model, hf_config, tokenizer, device, dtype, workers)
     except BaseException:

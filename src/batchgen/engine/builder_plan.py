@@ -26,6 +26,8 @@ from batchgen.engine.memory import (
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.state_pool import StateLayout, StatePool
+from batchgen.layers.expert_parallel import ExpertParallel
+from batchgen.layers.tp_group import TPGroup
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,12 @@ def with_limits_for(config: EngineConfig, device: torch.device, hf_config) -> En
     batch limits set for a hybrid model's compressed state a row and whether it routes
     to experts, async scheduling kept only where it can run."""
     return config.resolve(device, state_bytes_per_seq(hf_config), has_moe_layers(hf_config))
+
+
+def expert_parallel(config: EngineConfig, tp: TPGroup) -> ExpertParallel | None:
+    """The MoE layers' expert parallel over the tensor-parallel ranks where the config
+    enables it (every rank gets the same tokens: each runs a slice), else None."""
+    return ExpertParallel(tp) if config.enable_expert_parallel else None
 
 
 def has_moe_layers(hf_config) -> bool:

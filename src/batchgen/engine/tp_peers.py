@@ -14,6 +14,7 @@ from batchgen.distributed.workers import Workers
 from batchgen.engine.limits import max_model_len
 from batchgen.engine.tensor_parallel import TPStep
 from batchgen.kv.tier_mirror import TierCopy
+from batchgen.layers.expert_parallel import ExpertParallel
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models.loader import ModelSource
 from batchgen.models.registry import model_class
@@ -30,13 +31,15 @@ def check_supported(config: EngineConfig, device: torch.device) -> None:
         )
 
 
-def _check_shares(hf_config, size: int, max_positions: int) -> None:
+def _check_shares(hf_config, size: int, max_positions: int, expert_parallel: bool) -> None:
     """The model's own ValueError (naming the number that does not divide: KV heads,
     heads, ...) when it cannot be split over `size` ranks. Rank 0's share is built on the
     meta device (no memory, no weights read, no collective), before any worker is
     spawned: otherwise each worker fails with its traceback before rank 0 says why."""
+    tp = TPGroup(rank=0, size=size)
+    ep = {"ep": ExpertParallel(tp)} if expert_parallel else {}
     with torch.device("meta"):
-        model_class(hf_config)(hf_config, max_positions, tp=TPGroup(rank=0, size=size))
+        model_class(hf_config)(hf_config, max_positions, tp=tp, **ep)
 
 
 class TPWorkers(Workers):
@@ -50,7 +53,8 @@ class TPWorkers(Workers):
         messages), and join the group as rank 0 (_check_shares first)."""
         size = config.tensor_parallel_size
         hf_config = source.load_config()
-        _check_shares(hf_config, size, max_model_len(config, hf_config))
+        max_len = max_model_len(config, hf_config)
+        _check_shares(hf_config, size, max_len, config.enable_expert_parallel)
         return cls.spawn(worker_main, (config, source), size, backend(config))
 
     def reconfigure(self, num_pages: int, copies: list[TierCopy]) -> list[str]:

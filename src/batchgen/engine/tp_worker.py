@@ -25,7 +25,7 @@ from batchgen.distributed.messages import (
 )
 from batchgen.distributed.workers import serve
 from batchgen.engine.builder import build_runner
-from batchgen.engine.builder_plan import Warmup, attention_backend, kv_layout
+from batchgen.engine.builder_plan import Warmup, attention_backend, expert_parallel, kv_layout
 from batchgen.engine.limits import max_model_len
 from batchgen.engine.memory import begin_peak, build_state_pool, pages_left, remake_pool
 from batchgen.engine.tensor_parallel import TPStep, apply_step
@@ -56,6 +56,7 @@ def worker_main(tp: TPGroup, config: EngineConfig, source: ModelSource) -> None:
             config.seed,
             tp=tp,
             quantization=config.quantization,
+            ep=expert_parallel(config, tp),
         )
     serve(tp, _Worker(config, model, hf_config, device, dtype, tp).handle)
 

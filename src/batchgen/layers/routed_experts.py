@@ -167,7 +167,8 @@ class RoutedExperts(nn.Module):
 
     `load(param, tensor, shard)` fills them from a checkpoint: shard None copies a whole
     fused tensor; shard "{e}.gate" / "{e}.up" (param gate_up_proj) and "{e}.down" (param
-    down_proj) copy one expert's per-expert tensor. `shard_names(param)` lists them all.
+    down_proj) copy one expert's per-expert tensor. `shard_names(param)` lists them all,
+    `holds(shard)` says whether a shard is this rank's (the loader reads no other).
 
     With `tp` (expert parallel) this rank holds the contiguous block of E / size experts
     `local_experts` = range(rank * E / size, (rank + 1) * E / size), stacked in that
@@ -283,6 +284,11 @@ class RoutedExperts(nn.Module):
         """The shards this rank's `param` is filled by (its block's experts)."""
         parts = ("gate", "up") if param.startswith("gate_up_proj") else ("down",)
         return [f"{e}.{p}" for e in self.local_experts for p in parts]
+
+    def holds(self, shard: str) -> bool:
+        """Whether this rank holds shard "{e}.{part}" (expert e is in its block)."""
+        expert = shard.partition(".")[0]
+        return expert.isdigit() and int(expert) in self.local_experts
 
     def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         if param not in self.param_names():

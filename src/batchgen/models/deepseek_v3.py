@@ -6,7 +6,12 @@ Tensor parallel (`tp`): MLA heads split (the latent cache replicated: every rank
 holds the same latents), dense MLPs' intermediate features split as Llama's, routed
 experts in one contiguous block per rank with the shared experts' features split, the
 vocabulary split for the embedding and lm_head. Per layer: one all-reduce after o_proj,
-one after the MLP (dense or MoE); logits gathered."""
+one after the MLP (dense or MoE); logits gathered.
+
+Expert parallel (`ep`, layers/expert_parallel.py; with tensor parallel: ep over the same
+ranks): the MoE layers' routed experts in one block per rank, each token's pairs sent to
+their experts' ranks and back by all-to-all, the shared experts replicated; attention,
+dense MLPs and the vocabulary as `tp` says."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from torch import nn
 
 from batchgen.kv_state import KVState
 from batchgen.layers import mla
+from batchgen.layers.expert_parallel import ExpertParallel
 from batchgen.layers.mla import MLAttention
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.norm import RMSNorm
@@ -35,12 +41,17 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 class DeepseekV3DecoderLayer(nn.Module):
     def __init__(
-        self, config, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup | None = None
+        self,
+        config,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        tp: TPGroup | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = MLAttention(config, layer_id, rotary, tp)
         if is_moe_layer(config, layer_id):
-            self.mlp = DeepseekV3MoE(config, tp=tp)
+            self.mlp = moe_layer(config, tp, ep)
         else:
             self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -53,6 +64,12 @@ class DeepseekV3DecoderLayer(nn.Module):
         h = self.self_attn(positions, h)
         h, residual = self.post_attention_layernorm.forward_residual(h, residual)
         return self.mlp(h), residual
+
+
+def moe_layer(config, tp: TPGroup | None, ep: ExpertParallel | None) -> DeepseekV3MoE:
+    """A MoE MLP: expert parallel where `ep` is given (then tp does not split it), else
+    tensor parallel as `tp` says."""
+    return DeepseekV3MoE(config, tp=None if ep is not None else tp, ep=ep)
 
 
 class MLAMoEDecode:
@@ -86,14 +103,22 @@ class DeepseekV3ForCausalLM(MLAMoEDecode, DecoderStack):
     arrive dequantized (the loader joins each with its weight_scale_inv).
 
     With `tp` (layers/tp_group.py) this rank's tensor-parallel share (module docstring);
-    None: one process, the plain layers. Its weights load from the full checkpoint
+    None: one process, the plain layers. With `ep` its MoE layers expert parallel
+    (module docstring). Its weights load from the full checkpoint
     tensors, each parallel layer cutting its slice."""
 
     attention_backends = mla.BACKENDS
     stacked = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
     tensor_parallel = True
+    expert_parallel = True
 
-    def __init__(self, config, max_positions: int, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         _check_supported(config)
         self.config = config
@@ -103,7 +128,7 @@ class DeepseekV3ForCausalLM(MLAMoEDecode, DecoderStack):
         self.kv_state = KVState.latent(config.kv_lora_rank + config.qk_rope_head_dim)
         self.build_embedding(config, tp)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, i, self.rotary, tp)
+            DeepseekV3DecoderLayer(config, i, self.rotary, tp, ep)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

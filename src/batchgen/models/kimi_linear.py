@@ -12,7 +12,8 @@ sizes the compressed-state pool.
 
 Tensor parallel (`tp`): KDA heads split (each rank's state slots hold its heads), MLA
 heads split over a replicated latent cache, MLPs and experts as in DeepSeek-V3, the
-vocabulary split for the embedding and lm_head.
+vocabulary split for the embedding and lm_head. Expert parallel (`ep`): the MoE layers'
+experts as in DeepSeek-V3 under `ep`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from torch import nn
 
 from batchgen.kv_state import KVState
 from batchgen.layers import mla
+from batchgen.layers.expert_parallel import ExpertParallel
 from batchgen.layers.kda import KimiDeltaAttention
 from batchgen.layers.mla import MLAttention
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.norm import RMSNorm
 from batchgen.layers.tp_group import TPGroup
-from batchgen.models.deepseek_v3 import MLAMoEDecode
+from batchgen.models.deepseek_v3 import MLAMoEDecode, moe_layer
 from batchgen.models.llama import DecoderStack, LlamaMLP
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -62,7 +64,13 @@ def moe_config(config) -> SimpleNamespace:
 
 class KimiLinearDecoderLayer(nn.Module):
     def __init__(
-        self, config, layer_id: int, kv_index: int, state_index: int, tp: TPGroup | None = None
+        self,
+        config,
+        layer_id: int,
+        kv_index: int,
+        state_index: int,
+        tp: TPGroup | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.is_linear = config.layer_types[layer_id] == LINEAR
@@ -71,7 +79,7 @@ class KimiLinearDecoderLayer(nn.Module):
         else:
             self.self_attn = MLAttention(config, kv_index, rotary=None, tp=tp)
         sparse = config.mlp_layer_types[layer_id] == "sparse"
-        self.mlp = DeepseekV3MoE(moe_config(config), tp=tp) if sparse else LlamaMLP(config, tp)
+        self.mlp = moe_layer(moe_config(config), tp, ep) if sparse else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -95,8 +103,15 @@ class KimiLinearForCausalLM(MLAMoEDecode, DecoderStack):
     attention_backends = mla.BACKENDS
     stacked = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
     tensor_parallel = True
+    expert_parallel = True
 
-    def __init__(self, config, max_positions: int, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         _check_supported(config)
         self.config = config
@@ -107,7 +122,7 @@ class KimiLinearForCausalLM(MLAMoEDecode, DecoderStack):
         self.build_embedding(config, tp)
         layers, kv_index, state_index = [], 0, 0
         for i, kind in enumerate(config.layer_types):
-            layers.append(KimiLinearDecoderLayer(config, i, kv_index, state_index, tp))
+            layers.append(KimiLinearDecoderLayer(config, i, kv_index, state_index, tp, ep))
             kv_index += kind == FULL
             state_index += kind == LINEAR
         self.layers = nn.ModuleList(layers)

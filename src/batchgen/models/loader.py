@@ -6,7 +6,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,15 +80,19 @@ class ModelSource:
             dtype = getattr(torch, dtype, None)
         return dtype if isinstance(dtype, torch.dtype) else None
 
-    def weights(self, config, keep=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(
+        self, config, keep=frozenset(), skip: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(transformers name, tensor) pairs, read lazily where the format allows; FP8
         block-scaled weights dequantized as read, except those named in `keep` (and
-        their scales), which pass as stored."""
+        their scales), which pass as stored. skip: names not read at all from
+        safetensors files (another rank's experts; a weight's `*_scale_inv` goes with
+        the weight); GGUF files are read whole."""
         if self.gguf_file:
             yield from _gguf_weights(self.path / self.gguf_file, config)
             return
         block = fp8.block_size(config)
-        weights = _safetensors_weights(self.path)
+        weights = _safetensors_weights(self.path, skip)
         yield from weights if block is None else fp8.dequantized_weights(weights, block, keep)
 
     def fp8_weight_names(self) -> set[str]:
@@ -150,14 +154,17 @@ def _safetensors_files(path: Path) -> list[Path]:
     return [path / name for name in files]
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(
+    path: Path, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     for file in _safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield key, f.get_tensor(key)
+                    if skip is None or not skip(key.removesuffix(fp8.SCALE_SUFFIX)):
+                        yield key, f.get_tensor(key)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"weight file {file} is truncated or corrupt: {e}") from e
 
@@ -220,6 +227,7 @@ def build_model(
     seed: int = 0,
     tp=None,
     quantization: str | None = None,
+    ep=None,
 ) -> torch.nn.Module:
     """Build on the meta device, allocate on `device`, fill every weight from the
     checkpoint (load_format "auto") or with random values (load_format "dummy": no
@@ -233,11 +241,19 @@ def build_model(
     Quantized weights (models/quantization.py): a checkpoint's block-scaled FP8 weights
     stay FP8 in the layers that can hold them; `quantization` "fp8" quantizes a float
     checkpoint's linear layers as they load; either way decided on meta, so only the
-    quantized parameters are allocated."""
+    quantized parameters are allocated.
+
+    With `ep` (a layers.expert_parallel.ExpertParallel) its MoE layers are expert
+    parallel, each rank reading only its own experts' per-expert tensors (ValueError
+    for an architecture without expert parallel)."""
     cls = model_class(config)
     if tp is not None:
         check_tensor_parallel(config, tp.size)
     split = {"tp": tp} if tp is not None and getattr(cls, "tensor_parallel", False) else {}
+    if ep is not None:
+        if not getattr(cls, "expert_parallel", False):
+            raise ValueError(f"{cls.__name__} does not run expert parallel (no MoE layers)")
+        split["ep"] = ep
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -310,7 +326,8 @@ def _load_checkpoint(
     loaded: set[str] = set()
     names = {id(p): n for n, p in model.named_parameters()}
     plan = plan or QuantPlan()
-    for ckpt_name, tensor in source.weights(config, plan.kept):
+    skip = functools.partial(_held_elsewhere, model)
+    for ckpt_name, tensor in source.weights(config, plan.kept, skip):
         companion = plan.companion(ckpt_name)
         try:
             target = model.checkpoint_target(companion[0] if companion else ckpt_name)
@@ -339,6 +356,19 @@ def _load_checkpoint(
             f"checkpoint is missing weights: {', '.join(missing[:10])}"
             + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         )
+
+
+def _held_elsewhere(model: torch.nn.Module, name: str) -> bool:
+    """Whether checkpoint tensor `name` fills a shard this rank does not hold (a module's
+    `holds(shard)`: another rank's routed expert), so need not be read."""
+    try:
+        target = model.checkpoint_target(name)
+    except KeyError:
+        return False
+    if target is None or target[2] is None:
+        return False
+    holds = getattr(target[0], "holds", None)
+    return holds is not None and not holds(target[2])
 
 
 def _unfilled(model: torch.nn.Module, expected: set[str], loaded: set[str]) -> list[str]:
