@@ -51,3 +51,30 @@ def test_torch_scaled_mm_takes_the_same_blocks(m):
     want = block_scaled_mm_reference(a, a_scale, wq, ws, BLOCK)
     got = scaled_mm_blockwise(a, a_scale, wq, ws, torch.bfloat16)
     assert torch.allclose(got.float(), want, rtol=2**-7, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_expert_gemm_matches_the_reference_at_model_shapes(tokens):
+    """kernels/fp8_moe.py at a Kimi-K2-like expert shape (hidden 7168, intermediate
+    2048 here cut to 16 experts), top-8, against the per-pair reference."""
+    from batchgen.kernels.fp8_moe import TUNING, fp8_moe_gemm, fp8_moe_reference
+    from batchgen.kernels.fused_moe import align_pairs
+
+    experts, n, k, top_k = 16, 2 * 2048, 7168, 8
+    gen = torch.Generator().manual_seed(tokens)
+    pairs = [
+        quantize_blocks(torch.randn(n, k, generator=gen) * 0.02, BLOCK) for _ in range(experts)
+    ]
+    w = torch.stack([q for q, _ in pairs]).cuda()
+    w_scale = torch.stack([s for _, s in pairs]).cuda()
+    x = torch.randn(tokens, k, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices.cuda()
+    a, a_scale = quantize_groups(x, BLOCK[1])
+    aligned = align_pairs(ids.reshape(-1), experts, TUNING.block_m)
+    got = fp8_moe_gemm(
+        a, a_scale, w, w_scale, BLOCK, *aligned, tokens * top_k, top_k, torch.bfloat16
+    )
+    check = slice(0, min(tokens * top_k, 64))  # the reference walks pairs one by one
+    want = fp8_moe_reference(a, a_scale, w, w_scale, BLOCK, ids.reshape(-1)[check], top_k)
+    scale = want.abs().max().item()
+    assert torch.allclose(got[check].float(), want, rtol=2**-7, atol=1e-2 * scale)

@@ -73,18 +73,17 @@ SAVERS = {
 
 @pytest.fixture(scope="module", params=sorted(SAVERS))
 def checkpoint(request, tmp_path_factory):
-    quant, _, reference = write_fp8_pair(
-        tmp_path_factory.mktemp(request.param), SAVERS[request.param]
-    )
+    base = tmp_path_factory.mktemp(request.param)
+    quant, plain, reference = write_fp8_pair(base, SAVERS[request.param])
     prompts = _prompts(8)
-    return request.param, quant, prompts, Reference(reference, quant, prompts)
+    return request.param, quant, prompts, Reference(reference, quant, prompts), plain
 
 
 def test_weights_stay_fp8_as_stored(checkpoint):
     """Every FP8 weight is held as stored, the routed experts' too: one byte a weight,
     the checkpoint's scales beside it; only MLA's kv_b_proj (its matrix is read by the
     absorbed decode) is dequantized."""
-    arch, quant, _, _ = checkpoint
+    arch, quant, *_ = checkpoint
     source = ModelSource.resolve(quant)
     config = source.load_config()
     model = build_model(source, config, torch.float32, torch.device("cpu"), 64)
@@ -121,14 +120,29 @@ def test_weights_stay_fp8_as_stored(checkpoint):
 def test_greedy_equals_the_dequantized_model_in_the_default_configuration(checkpoint):
     """The default configuration (pipelined decode, EOS endings): tokens and finish
     reasons equal transformers' over the dequantized weights."""
-    _, quant, prompts, ref = checkpoint
+    _, quant, prompts, ref, _ = checkpoint
     llm = LLM(model=str(quant), num_kv_pages=64, **RUN)
     ref.check(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW)))
 
 
 def test_logprobs_within_1e_4_of_the_dequantized_model(checkpoint):
-    _, quant, prompts, ref = checkpoint
+    _, quant, prompts, ref, _ = checkpoint
     llm = LLM(model=str(quant), num_kv_pages=64, **RUN)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
     worst = ref.check(llm.generate(prompts, params, use_tqdm=False), logprobs=True)
     assert worst < 1e-4, f"largest logprob difference {worst:.2e}"
+
+
+def test_weight_bytes_count_one_byte_a_kept_weight_and_its_scales(checkpoint):
+    """engine.metrics()["weight_bytes"]: the float32 model's bytes less 3 a weight kept
+    FP8, plus its float32 scales (every FP8 weight of the checkpoint but kv_b_proj's)."""
+    _, quant, _, _, plain = checkpoint
+    fp8_bytes = LLM(model=str(quant), num_kv_pages=32, **RUN).engine.metrics()["weight_bytes"]
+    float_bytes = LLM(model=str(plain), num_kv_pages=32, **RUN).engine.metrics()["weight_bytes"]
+    saved = 0
+    for name, t in load_file(str(quant / "model.safetensors")).items():
+        if t.dtype == torch.float8_e4m3fn and "kv_b_proj" not in name:
+            saved += 3 * t.numel()
+        elif name.endswith("_scale_inv") and "kv_b_proj" not in name:
+            saved -= t.nbytes
+    assert saved > 0 and fp8_bytes == float_bytes - saved

@@ -1,0 +1,148 @@
+"""Block-scaled FP8 GEMMs (W8A8: 1 x 128 activation groups, 128 x 128 weight blocks) on
+the GPU against bf16 at the same shapes.
+
+Dense, at DeepSeek-V3's projection shapes from one decode row to a 4,096-row prefill
+chunk: kernels/fp8_gemm.py's block_scaled_mm with the activations' quantization
+(kernels/fp8_quant.py) in the time (its default launch for the row count, then a sweep),
+torch's blockwise `scaled_mm` on the same operands (the activations quantized outside
+its time: the GEMM alone), and bf16 F.linear over the dequantized weights. MoE: a
+gate_up expert GEMM (64 experts, hidden 2048, intermediate 1024, top-6, W6's shape)
+through kernels/fp8_moe.py (quantization included) against bf16 torch._grouped_mm over
+the same token-sorted rows. Rates: the weight bytes read once over the time (decode is
+bound by them) against the copy ceiling. Each FP8 result's largest difference from the
+bf16 product of the dequantized weights is shown.
+
+    python3 -m benchmarks.bench_fp8            # defaults plus the launch sweep
+    python3 -m benchmarks.bench_fp8 --quick    # default launches only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+
+import torch
+
+from benchmarks.card import COPY_BW, kernel_seconds
+
+BLOCK = (128, 128)
+DENSE = [("V3 q_a", 1536, 7168), ("V3 o", 7168, 16384), ("V3 mlp down/8", 7168, 2304)]
+ROWS = (1, 16, 64, 512, 4096)
+LAUNCHES = [(16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
+
+
+def _weights(n: int, k: int, gen, experts: int | None = None):
+    from batchgen.layers.quant.fp8 import dequantize
+    from batchgen.layers.quant.fp8_experts import quantize_experts
+
+    shape = (n, k) if experts is None else (experts, n, k)
+    q, scale = quantize_experts(torch.randn(*shape, generator=gen) * 0.02, BLOCK)
+    if experts is None:
+        dense = dequantize(q, scale, BLOCK)
+    else:
+        dense = torch.stack([dequantize(q[e], scale[e], BLOCK) for e in range(experts)])
+    return q.cuda(), scale.cuda(), dense.to("cuda", torch.bfloat16)
+
+
+def _row(case, launch, seconds, weight_bytes, err=None):
+    bw = weight_bytes / seconds
+    note = "-" if err is None else f"max diff {err:.1e}"
+    rate = f"{bw / 1e12:.2f} TB/s"
+    return (case, launch, f"{seconds * 1e6:.1f} us", rate, f"{100 * bw / COPY_BW:.0f}%", note)
+
+
+def _quantized_mm(x, q, scale, tuning=None):
+    from batchgen.kernels.fp8_gemm import block_scaled_mm
+    from batchgen.kernels.fp8_quant import quantize_groups
+
+    a, a_scale = quantize_groups(x, BLOCK[1])
+    return block_scaled_mm(a, a_scale, q, scale, BLOCK, x.dtype, tuning=tuning)
+
+
+def bench_dense(gen, sweep: bool) -> list[tuple]:
+    from batchgen.kernels.fp8_gemm import Fp8GemmTuning, scaled_mm_blockwise
+    from batchgen.kernels.fp8_quant import quantize_groups
+
+    rows = []
+    for name, n, k in DENSE:
+        q, scale, dense = _weights(n, k, gen)
+        for m in ROWS:
+            x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+            ref = torch.nn.functional.linear(x, dense)
+            case = f"{name} [{m}, {k}] x [{n}, {k}]"
+            bf16 = partial(torch.nn.functional.linear, x, dense)
+            rows.append(_row(case, "bf16 F.linear", kernel_seconds(bf16), n * k * 2))
+            tunings = [None] + ([Fp8GemmTuning(*t) for t in LAUNCHES] if sweep else [])
+            for tn in tunings:
+                run = partial(_quantized_mm, x, q, scale, tn)
+                err = (run().float() - ref.float()).abs().max().item()
+                label = "fp8 triton default" if tn is None else (
+                    f"fp8 triton {tn.block_m}x{tn.block_n} w{tn.num_warps} s{tn.num_stages}"
+                )  # fmt: skip
+                rows.append(_row(case, label, kernel_seconds(run), n * k, err))
+            a, a_scale = quantize_groups(x, BLOCK[1])
+            try:
+                run = partial(scaled_mm_blockwise, a, a_scale, q, scale, torch.bfloat16)
+                err = (run().float() - ref.float()).abs().max().item()
+                rows.append(_row(case, "torch scaled_mm", kernel_seconds(run), n * k, err))
+            except (RuntimeError, NotImplementedError, ValueError) as e:
+                rows.append((case, "torch scaled_mm", "-", "-", "-", str(e).splitlines()[0][:60]))
+    return rows
+
+
+def bench_moe(gen, sweep: bool) -> list[tuple]:
+    from batchgen.kernels.fused_moe import MoETuning, align_pairs
+    from batchgen.layers.quant.fp8_experts import FP8_MOE_TUNING, Fp8Experts, fp8_expert_gemm
+    from batchgen.layers.routed_experts import grouped_mm
+
+    experts, hidden, inter, top_k = 64, 2048, 1024, 6
+    q, scale, dense = _weights(2 * inter, hidden, gen, experts)
+    w = Fp8Experts(q, scale, BLOCK)
+    rows = []
+    for t in (64, 512, 4096):
+        x = torch.randn(t, hidden, generator=gen).to("cuda", torch.bfloat16)
+        ids = torch.rand(t, experts, generator=gen).topk(top_k, dim=-1).indices.to("cuda")
+        flat = ids.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        offs = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
+        sorted_rows = x.index_select(0, order // top_k)
+        touched = min(experts, t * top_k)
+        case = f"W6 moe gate_up T={t}"
+        bf16 = partial(grouped_mm, sorted_rows, dense, offs)
+        ref = torch.empty_like(bf16()).index_copy_(0, order, bf16())  # back to pair order
+        w_bytes = dense.numel() * 2 * touched // experts
+        rows.append(_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
+        launches = [FP8_MOE_TUNING] + (
+            [MoETuning(*c) for c in [(16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 128, 8, 3)]]
+            if sweep
+            else []
+        )  # fmt: skip
+        for tn in launches:
+            aligned = align_pairs(flat, experts, tn.block_m)
+            run = partial(fp8_expert_gemm, x, w, aligned, t * top_k, top_k, tn)
+            err = (run().float() - ref.float()).abs().max().item()
+            label = f"fp8 {tn.block_m}x{tn.block_n} w{tn.num_warps} s{tn.num_stages}"
+            rows.append(_row(case, label, kernel_seconds(run), w_bytes // 2, err))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="default launches only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fp8: needs a CUDA device", file=sys.stderr)
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    rows = bench_dense(gen, not args.quick) + bench_moe(gen, not args.quick)
+    header = ("case", "launch", "median", "weights read", "of copy", "check")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""An FP8 DeepSeek-V3 checkpoint (128 x 128 blocks) at tensor_parallel_size=2 against
+tensor_parallel_size=1: each rank keeps FP8 the layers whose slice is whole blocks (the
+replicated latent projections, the dense MLP's features, its block of routed experts)
+and generates what one process does: the same greedy tokens and finish reasons,
+logprobs within 1e-4."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from deepseek_checkpoints import save_tiny_deepseek
+from fp8_blocks import quantize_blocks
+from safetensors.torch import load_file, save_file
+from test_tp_deepseek import _assert_same, _generate
+
+
+def test_tp2_keeps_whole_blocks_fp8_and_equals_tp1(tmp_path):
+    save_tiny_deepseek(
+        tmp_path, first_k_dense_replace=1, intermediate_size=256, moe_intermediate_size=128
+    )
+    tensors = {}
+    for name, t in load_file(str(tmp_path / "model.safetensors")).items():
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t.float(), (128, 128))
+        else:
+            tensors[name] = t
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    want, _ = _generate(str(tmp_path), num_kv_pages=200)
+    got, llm = _generate(str(tmp_path), num_kv_pages=200, tensor_parallel_size=2)
+    _assert_same(got, want)
+    model = llm.engine.runner.model
+    fp8 = torch.float8_e4m3fn
+    assert model.layers[0].mlp.gate_up_proj.weight.dtype == fp8  # 128 of 256 features
+    assert model.layers[0].self_attn.q_a_proj.weight.dtype == fp8  # replicated
+    assert model.layers[1].mlp.experts.gate_up_proj.dtype == fp8  # experts 0-3
+    assert model.layers[1].self_attn.o_proj.weight.dtype == torch.float32  # 48 columns
