@@ -25,3 +25,78 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return torch.stack([pack_to_int32(m, 4) for m in q.reshape(-1, *q.shape[-2:])]).view(
         *q.shape[:-1], -1
     ), scale
+
+
+KIMI_K2_THINKING_IGNORE = [  # its config.json's: only the routed experts are INT4
+    "lm_head",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+]
+
+
+def quantization_config(group: int, ignore: list[str]) -> dict:
+    """config.json's quantization_config of a compressed-tensors W4A16 checkpoint, as
+    llm-compressor writes it (Kimi-K2-Thinking's, with its group size and ignore list)."""
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": group,
+        "dynamic": False,
+        "actorder": None,
+        "block_structure": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+    group_0 = {
+        "targets": ["Linear"],
+        "weights": weights,
+        "input_activations": None,
+        "output_activations": None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": group_0},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "quantization_status": "compressed",
+    }
+
+
+def write_pack_quantized(path, plain, packs, group: int = 32, ignore=None) -> int:
+    """Rewrite the float checkpoint in `path` as pack-quantized INT4, and the same
+    weights dequantized (float32) into the float checkpoint in `plain`: every
+    "x.weight" for which packs(name) holds becomes x.weight_packed / x.weight_scale /
+    x.weight_shape; config.json gets the quantization_config. Dequantized by
+    compressed-tensors' own unpacking. Returns how many weights were packed."""
+    import json
+    from pathlib import Path
+
+    from compressed_tensors.compressors import unpack_from_int32
+    from safetensors.torch import load_file, save_file
+
+    path, plain = Path(path), Path(plain)
+    tensors = load_file(str(path / "model.safetensors"))
+    packed_tensors, dequantized, count = {}, {}, 0
+    for name, t in tensors.items():
+        if not (name.endswith(".weight") and t.dim() == 2 and packs(name)):
+            packed_tensors[name] = dequantized[name] = t
+            continue
+        packed, scale = quantize_int4(t, group)
+        base = name[: -len(".weight")]
+        packed_tensors[base + ".weight_packed"] = packed
+        packed_tensors[base + ".weight_scale"] = scale
+        packed_tensors[base + ".weight_shape"] = torch.tensor(list(t.shape))
+        q = unpack_from_int32(packed, 4, t.shape).float()
+        s = scale.float().repeat_interleave(group, dim=-1)[:, : t.shape[1]]
+        dequantized[name] = q * s
+        count += 1
+    save_file(packed_tensors, str(path / "model.safetensors"))
+    save_file(dequantized, str(plain / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config(group, ignore or ["lm_head"])
+    (path / "config.json").write_text(json.dumps(config))
+    return count

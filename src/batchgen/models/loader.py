@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from batchgen.console import library_progress_bars, progress_enabled
-from batchgen.models import fp8
+from batchgen.models import fp8, pack_quantized
 from batchgen.models.hub import looks_like_repo_id, snapshot_path
 from batchgen.models.quantization import QuantPlan, plan_quantization
 from batchgen.models.registry import check_tensor_parallel, model_class
@@ -84,27 +84,36 @@ class ModelSource:
         self, config, keep=frozenset(), skip: Callable[[str], bool] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(transformers name, tensor) pairs, read lazily where the format allows; FP8
-        block-scaled weights dequantized as read, except those named in `keep` (and
-        their scales), which pass as stored. skip: names not read at all from
-        safetensors files (another rank's experts; a weight's `*_scale_inv` goes with
-        the weight); GGUF files are read whole."""
+        block-scaled and INT4 pack-quantized weights dequantized as read, except those
+        named in `keep` (and their companions), which pass as stored. skip: names not
+        read at all from safetensors files (another rank's experts; a weight's
+        companions, `*_scale_inv` or `*_packed` / `*_scale` / `*_shape`, go with the
+        weight); GGUF files are read whole."""
         if self.gguf_file:
             yield from _gguf_weights(self.path / self.gguf_file, config)
             return
-        block = fp8.block_size(config)
         weights = _safetensors_weights(self.path, skip)
+        scheme = pack_quantized.int4_scheme(config)
+        if scheme is not None:
+            yield from pack_quantized.int4_weights(weights, scheme.group_size, keep)
+            return
+        block = fp8.block_size(config)
         yield from weights if block is None else fp8.dequantized_weights(weights, block, keep)
 
     def fp8_weight_names(self) -> set[str]:
         """The names of the weights stored with a `*_scale_inv` beside them, from the
         safetensors headers alone (no tensor read)."""
+        suffix = fp8.SCALE_SUFFIX
+        return {k[: -len(suffix)] for k in self.tensor_names() if k.endswith(suffix)}
+
+    def tensor_names(self) -> set[str]:
+        """Every tensor name of the safetensors files, from their headers alone."""
         from safetensors import safe_open
 
-        suffix = fp8.SCALE_SUFFIX
         names = set()
         for file in _safetensors_files(self.path):
             with safe_open(str(file), framework="pt") as f:
-                names.update(k[: -len(suffix)] for k in f.keys() if k.endswith(suffix))  # noqa: SIM118
+                names.update(f.keys())
         return names
 
 
@@ -154,6 +163,17 @@ def _safetensors_files(path: Path) -> list[Path]:
     return [path / name for name in files]
 
 
+COMPANIONS = (fp8.SCALE_SUFFIX, *pack_quantized.COMPANIONS)  # "x.weight" + suffix
+
+
+def _weight_name(key: str) -> str:
+    """The weight a checkpoint tensor goes with: itself, or the one it is a companion of."""
+    for suffix in COMPANIONS:
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return key
+
+
 def _safetensors_weights(
     path: Path, skip: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -163,7 +183,7 @@ def _safetensors_weights(
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if skip is None or not skip(key.removesuffix(fp8.SCALE_SUFFIX)):
+                    if skip is None or not skip(_weight_name(key)):
                         yield key, f.get_tensor(key)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"weight file {file} is truncated or corrupt: {e}") from e
@@ -264,8 +284,8 @@ def build_model(
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     from_checkpoint = load_format == "auto" and not (source is None or source.gguf_file)
-    names = source.fp8_weight_names if from_checkpoint else None
-    plan = plan_quantization(model, config, quantization, names)
+    names = source.tensor_names if from_checkpoint else None
+    plan = plan_quantization(model, config, quantization, names, dtype)
     model.to_empty(device=device)
     if load_format == "dummy":
         init_dummy_weights(model, seed, dtype)
@@ -288,7 +308,8 @@ def init_dummy_weights(
     of two or more dimensions (embeddings, projections, lm_head) from normal(0, std),
     norm weights 1, biases 0. The same seed, device and dtype give the same weights.
     A block-scaled FP8 weight gets normal(0, 1) values in float8_e4m3fn and its
-    `*_scale_inv` the scale std, so that it too holds normal(0, std) weights.
+    `*_scale_inv` the scale std, so that it too holds normal(0, std) weights; a packed
+    INT4 one uniform nibbles and scales that give its values that std.
     With `dtype` (the model's), a matrix kept wider than it (DeepSeek-V3's float32
     router) holds values of `dtype`, as that model's checkpoints store it."""
     generators: dict[torch.device, torch.Generator] = {}
@@ -302,6 +323,13 @@ def init_dummy_weights(
                     g = generators[p.device] = torch.Generator(p.device).manual_seed(seed)
                 values = torch.empty(p.shape, device=p.device).normal_(0.0, 1.0, generator=g)
                 p.copy_(values.to(p.dtype))
+            elif p.dtype == torch.int32:  # packed INT4 (pack_quantized): uniform nibbles
+                g = generators.get(p.device)
+                if g is None:
+                    g = generators[p.device] = torch.Generator(p.device).manual_seed(seed)
+                p.random_(-(2**31), 2**31 - 1, generator=g)
+            elif name.endswith(pack_quantized.SCALE):  # q uniform in [-8, 7]: std 4.6
+                p.fill_(std / 4.6)
             elif p.dim() >= 2:
                 g = generators.get(p.device)
                 if g is None:
