@@ -15,6 +15,7 @@ import torch
 
 from batchgen.console import library_progress_bars, progress_enabled
 from batchgen.models import fp8, pack_quantized
+from batchgen.models.dummy_weights import init_dummy_weights
 from batchgen.models.hub import looks_like_repo_id, snapshot_path
 from batchgen.models.quantization import QuantPlan, plan_quantization
 from batchgen.models.registry import check_tensor_parallel, model_class
@@ -298,49 +299,6 @@ def build_model(
     if getattr(model, "rotary", None) is not None:  # None: a model without rope (NoPE)
         model.rotary.materialize(device)
     return model.eval()
-
-
-def init_dummy_weights(
-    model: torch.nn.Module, seed: int = 0, dtype: torch.dtype | None = None, std: float = 0.02
-) -> None:
-    """Random weights in place, where the parameters already live (no host copy), as a
-    transformers model initialised and then given normal(0, std) matrices: every weight
-    of two or more dimensions (embeddings, projections, lm_head) from normal(0, std),
-    norm weights 1, biases 0. The same seed, device and dtype give the same weights.
-    A block-scaled FP8 weight gets normal(0, 1) values in float8_e4m3fn and its
-    `*_scale_inv` the scale std, so that it too holds normal(0, std) weights; a packed
-    INT4 one uniform nibbles and scales that give its values that std.
-    With `dtype` (the model's), a matrix kept wider than it (DeepSeek-V3's float32
-    router) holds values of `dtype`, as that model's checkpoints store it."""
-    generators: dict[torch.device, torch.Generator] = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(fp8.SCALE_SUFFIX):
-                p.fill_(std)
-            elif p.dtype in fp8.FP8_DTYPES:
-                g = generators.get(p.device)
-                if g is None:
-                    g = generators[p.device] = torch.Generator(p.device).manual_seed(seed)
-                values = torch.empty(p.shape, device=p.device).normal_(0.0, 1.0, generator=g)
-                p.copy_(values.to(p.dtype))
-            elif p.dtype == torch.int32:  # packed INT4 (pack_quantized): uniform nibbles
-                g = generators.get(p.device)
-                if g is None:
-                    g = generators[p.device] = torch.Generator(p.device).manual_seed(seed)
-                p.random_(-(2**31), 2**31 - 1, generator=g)
-            elif name.endswith(pack_quantized.SCALE):  # q uniform in [-8, 7]: std 4.6
-                p.fill_(std / 4.6)
-            elif p.dim() >= 2:
-                g = generators.get(p.device)
-                if g is None:
-                    g = generators[p.device] = torch.Generator(p.device).manual_seed(seed)
-                p.normal_(0.0, std, generator=g)
-                if dtype is not None and p.dtype != dtype and p.dtype.itemsize > dtype.itemsize:
-                    p.copy_(p.to(dtype))
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.fill_(1.0)
 
 
 def _load_checkpoint(
