@@ -17,6 +17,7 @@ from batchgen.layers.expert_parallel import ExpertParallel, dispatch_combine
 from batchgen.layers.linear import Linear, merged_shards
 from batchgen.layers.moe_routing import RoutingConfig, select_experts
 from batchgen.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from batchgen.layers.quant.fp8 import w8a8_serves_dtype as fp8_experts_serve
 from batchgen.layers.routed_experts import RoutedExperts, grouped_mm_serves
 from batchgen.layers.tp_group import TPGroup
 
@@ -159,8 +160,8 @@ class DeepseekV3MoE(nn.Module):
             return False
         if self.experts.group_size is not None:  # INT4: the Triton GEMMs on CUDA
             return torch.device(device).type == "cuda"
-        if self.experts.fp8_block is not None:  # FP8: the Triton W8A8 GEMMs, 16-bit on CUDA
-            return torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        if self.experts.fp8_block is not None:  # FP8: the Triton W8A8 GEMMs where they run
+            return fp8_experts_serve(dtype, device)
         hidden, inter = self.experts.hidden, self.experts.inter
         return hidden % 8 == 0 and inter % 8 == 0 and grouped_mm_serves(dtype, device)
 

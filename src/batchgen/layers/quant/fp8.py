@@ -5,7 +5,8 @@ ceil(in / bi)] float32, one scale per bo x bi block (128 x 128 in those checkpoi
 the real weight is W[i, j] * scale_inv[i // bo, j // bi]. `Fp8BlockMethod` keeps both
 in the layer and multiplies from them:
 
-- CUDA, bfloat16 / float16 activations: W8A8. The activations are quantized per token in
+- CUDA (FP8 tensor cores: compute capability 8.9 and up), bfloat16 / float16
+  activations: W8A8. The activations are quantized per token in
   groups of bi columns (kernels/fp8_quant.py) and one Triton GEMM (kernels/fp8_gemm.py)
   sums FP8 products in float32, scaled block by block.
 - Everywhere else (the CPU; float32 activations): W8A16. The weight is dequantized one
@@ -15,6 +16,8 @@ in the layer and multiplies from them:
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +90,23 @@ def dequantized_linear(
 
 
 def w8a8_serves(x: torch.Tensor) -> bool:
-    """Whether Fp8BlockMethod.apply takes the W8A8 Triton path for x (CUDA, 16-bit)."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether Fp8BlockMethod.apply takes the W8A8 Triton path for x: 16-bit activations
+    on a GPU with FP8 tensor cores (compute capability 8.9 and up: Ada, Hopper,
+    Blackwell); elsewhere the tile-by-tile dequantized product."""
+    return w8a8_serves_dtype(x.dtype, x.device)
+
+
+def w8a8_serves_dtype(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """w8a8_serves for activations of `dtype` on `device`, before any exist."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return _fp8_tensor_cores(device.index or 0)
+
+
+@functools.cache
+def _fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 class Fp8BlockMethod(LinearMethod):
