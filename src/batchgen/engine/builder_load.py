@@ -5,6 +5,7 @@ and loads rank 0's share."""
 from __future__ import annotations
 
 from batchgen.config import EngineConfig
+from batchgen.distributed import tp_group
 from batchgen.engine.builder import EngineParts, build_engine
 from batchgen.engine.builder_plan import expert_parallel, with_limits_for
 from batchgen.engine.limits import max_model_len
@@ -46,6 +47,8 @@ def _from_source(config: EngineConfig, source: ModelSource) -> EngineParts:
             config.load_format,
             config.seed,
             quantization=config.quantization,
+            # attention data parallel: the experts spread over the process's ranks
+            ep=expert_parallel(config, tp_group()),
         )
         return build_engine(config, model, hf_config, tokenizer, device, dtype)
     check_supported(config, device)

@@ -60,10 +60,14 @@ def with_limits_for(config: EngineConfig, device: torch.device, hf_config) -> En
     return config.resolve(device, state_bytes_per_seq(hf_config), has_moe_layers(hf_config))
 
 
-def expert_parallel(config: EngineConfig, tp: TPGroup) -> ExpertParallel | None:
-    """The MoE layers' expert parallel over the tensor-parallel ranks where the config
-    enables it (every rank gets the same tokens: each runs a slice), else None."""
-    return ExpertParallel(tp) if config.enable_expert_parallel else None
+def expert_parallel(config: EngineConfig, group: TPGroup) -> ExpertParallel | None:
+    """The MoE layers' expert parallel over `group` where the config enables it, else
+    None: under attention data parallel (data_parallel_size > 1, `group` the data-parallel
+    ranks) each rank brings its own tokens; under tensor parallel (`group` its ranks)
+    every rank gets the same tokens and runs a slice of them."""
+    if not config.enable_expert_parallel or group.size == 1:
+        return None
+    return ExpertParallel(group, local_tokens=config.data_parallel_size > 1)
 
 
 def has_moe_layers(hf_config) -> bool:

@@ -18,8 +18,8 @@ otherwise empty, whatever the ranks hold (metrics()["step_message_bytes"]). A re
 seed is fixed by rank 0 from its arrival index, as one engine would (runner/sampler.py:
 noise is a hash of the seed and the position), so a sampled row draws the same tokens
 on whatever rank it runs. Dense layers and attention weights are replicated on every
-rank; the MoE layers are each model's own (expert parallel where the model splits its
-experts over the group).
+rank; the MoE layers are expert parallel over the ranks (layers/expert_parallel.py,
+each rank its own tokens: builder_plan.expert_parallel).
 
 Not done here: GPUs are untested (the ranks' decode runs eagerly: a replayed CUDA graph
 does not call the model's pre-hook that pairs forwards), tensor parallel inside a data
