@@ -1,8 +1,8 @@
 """Block-scaled FP8 checkpoints in the real on-disk format (float8_e4m3fn weights beside
 `weight_scale_inv`, 128 x 128 blocks, config.json's quantization_config) load with their
-weights still FP8, and generate what transformers generates from the same weights
-dequantized to float32: greedy tokens identical, logprobs within 1e-4 (CPU, float32:
-each tile of a weight dequantized as it is multiplied)."""
+weights still FP8, and generate what transformers generates from the same checkpoint
+(which it dequantizes to float32 on the CPU): greedy tokens identical, logprobs within
+1e-4 (CPU, float32: each tile of a weight dequantized as it is multiplied)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,12 @@ BLOCK = (128, 128)
 # block-aligned shapes: stacked shards (q | k | v, gate | up) start on a 128-row block
 LLAMA = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
              intermediate_size=384)  # fmt: skip
-DEEPSEEK = dict(first_k_dense_replace=1, intermediate_size=256, moe_intermediate_size=128)
+# v_head_dim 16: kv_b_proj's 4 x (16 + 16) rows are one whole block; transformers 5.25
+# reads a weight whose last row block is partial, past the first, with other scales
+# than the checkpoint format's W[i, j] * scale[i // 128, j // 128]
+DEEPSEEK = dict(
+    first_k_dense_replace=1, intermediate_size=256, moe_intermediate_size=128, v_head_dim=16
+)
 
 
 def is_quantized_by_converter(name: str) -> bool:
@@ -36,8 +41,8 @@ def is_quantized_by_converter(name: str) -> bool:
 
 
 def write_fp8_pair(base, save) -> tuple:
-    """(fp8 dir, float32 dir of the same weights dequantized, transformers model over
-    the dequantized weights)."""
+    """(fp8 dir, float32 dir of the same weights dequantized, transformers' model read
+    from the FP8 dir: on the CPU it dequantizes the pairs itself, into float32)."""
     quant, plain = base / "fp8", base / "plain"
     save(quant)
     fp8_tensors, dequantized = {}, {}
@@ -61,7 +66,7 @@ def write_fp8_pair(base, save) -> tuple:
     (quant / "config.json").write_text(json.dumps(config))
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(str(quant), dtype=torch.float32)
     return quant, plain, reference.eval()
 
 
@@ -119,7 +124,7 @@ def test_weights_stay_fp8_as_stored(checkpoint):
 
 def test_greedy_equals_the_dequantized_model_in_the_default_configuration(checkpoint):
     """The default configuration (pipelined decode, EOS endings): tokens and finish
-    reasons equal transformers' over the dequantized weights."""
+    reasons equal transformers' on the same checkpoint."""
     _, quant, prompts, ref, _ = checkpoint
     llm = LLM(model=str(quant), num_kv_pages=64, **RUN)
     ref.check(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW)))
