@@ -30,7 +30,7 @@ RUN = dict(device="cpu", dtype="float32", page_size=4, max_model_len=128, max_nu
 PROMPTS = [[5, 6, 7, 8], [40, 41, 300, 2, 9, 10, 11], [100 + i for i in range(30)], [77] * 9]
 
 MODELS = {
-    "llama": (lambda d: save_tiny_model(d, "LlamaForCausalLM"), lambda n: "lm_head" not in n, None),
+    "llama": (lambda d: save_tiny_model(d, "LlamaForCausalLM"), lambda n: "proj" in n, None),
     "deepseek_v3": (
         lambda d: save_tiny_deepseek(d, first_k_dense_replace=1, n_shared_experts=1),
         lambda n: ".mlp.experts." in n,
@@ -38,12 +38,12 @@ MODELS = {
     ),
     "deepseek_v3_all_linear": (
         lambda d: save_tiny_deepseek(d, first_k_dense_replace=1, q_lora_rank=None),
-        lambda n: "lm_head" not in n and "mlp.gate.weight" not in n,
+        lambda n: "proj" in n,
         None,
     ),
     "kimi_linear": (
         lambda d: save_tiny_kimi(d, layer_types=["linear_attention", "full_attention"]),
-        lambda n: "lm_head" not in n and "moe.gate.weight" not in n,
+        lambda n: "proj" in n or ".experts." in n,
         None,
     ),
 }
@@ -132,6 +132,24 @@ def test_int4_checkpoint_loads_packed_and_greedy_matches_in_the_default_configur
         reasons[reason] += 1
     assert reasons["stop"] and reasons["length"], reasons
     assert any(queued), "no decode step was queued ahead"
+
+
+def test_weight_bytes_count_the_packed_words_and_scales(checkpoints):
+    """engine.metrics()["weight_bytes"]: the float32 twin's bytes less, for every packed
+    weight but kv_b_proj's (loaded dequantized), its float32 matrix plus its packed words
+    and float32 scales (the model's dtype)."""
+    from safetensors.torch import load_file
+
+    kw = dict(RUN, num_kv_pages=32)
+    int4_bytes = LLM(model=str(checkpoints.int4), **kw).engine.metrics()["weight_bytes"]
+    float_bytes = LLM(model=str(checkpoints.plain), **kw).engine.metrics()["weight_bytes"]
+    saved = 0
+    for name, t in load_file(str(checkpoints.int4 / "model.safetensors")).items():
+        if name.endswith(".weight_packed") and "kv_b_proj" not in name:
+            saved += 4 * t.numel() * 8 - t.nbytes
+        elif name.endswith(".weight_scale") and "kv_b_proj" not in name:
+            saved -= 4 * t.numel()
+    assert saved > 0 and int4_bytes == float_bytes - saved
 
 
 def test_int4_checkpoint_logprobs_match_the_dequantized_weights(checkpoints):
