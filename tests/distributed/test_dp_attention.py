@@ -89,6 +89,9 @@ def test_dp2_default_configuration_equals_one_process(checkpoint):
         assert isinstance(llm.engine, DPEngine)
         got = _tokens(llm, prompts, params)
         ranks = llm.engine.rank_metrics()
+        moe = llm.engine.model.layers[1].mlp  # rank 0's
+        assert moe.experts.local_experts == range(0, 4)  # of 8: expert parallel
+        assert moe.ep.local_tokens and moe.ep.size == 2
     finally:
         llm.engine.shutdown()
     assert got == want

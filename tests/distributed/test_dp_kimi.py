@@ -49,7 +49,11 @@ def _run(path: str, **kw) -> tuple[list[list[int]], list[dict]]:
     llm = LLM(path, **{**KW, **kw})
     try:
         outs = llm.generate(_prompts(), _params(), use_tqdm=False)
-        ranks = llm.engine.rank_metrics() if "data_parallel_size" in kw else []
+        ranks = []
+        if "data_parallel_size" in kw:
+            ranks = llm.engine.rank_metrics()
+            split = [m.ep for m in llm.engine.model.modules() if getattr(m, "ep", None)]
+            assert split and all(ep.size == 2 and ep.local_tokens for ep in split)
     finally:
         llm.engine.shutdown()
     return [o.outputs[0].token_ids for o in outs], ranks
