@@ -65,10 +65,14 @@ class WorkerStartError(RuntimeError):
 class Workers:
     """Rank 0's handle on ranks 1..N-1: started with `spawn`, fed with `send` / `ask`,
     stopped with `shutdown`. `exited` (rank: exit code) records each worker that ended
-    before shutdown, as the watcher thread sees it."""
+    before shutdown, as the watcher thread sees it. `role` names the workers in errors
+    and logs ("tensor-parallel", "data-parallel")."""
 
-    def __init__(self, processes: list, tp: TPGroup, nccl: bool = False) -> None:
+    def __init__(
+        self, processes: list, tp: TPGroup, nccl: bool = False, role: str = "tensor-parallel"
+    ) -> None:
         self.processes = processes
+        self.role = role
         self.tp = tp
         self.nccl = nccl
         self.exited: dict[int, int | None] = {}
@@ -86,6 +90,7 @@ class Workers:
         size: int,
         backend: str,
         timeout_s: float = RENDEZVOUS_TIMEOUT_S,
+        role: str = "tensor-parallel",
     ) -> Workers:
         """Spawn ranks 1..size-1, each running target(tp, *args) once it joined the
         group, and join it as rank 0. WorkerStartError, within seconds, where a worker
@@ -107,12 +112,12 @@ class Workers:
                 )
                 process.start()
                 processes.append(process)
-            _wait_joined(store, processes, timeout_s)
+            _wait_joined(store, processes, timeout_s, role)
             tp = init_tensor_parallel(0, size, backend, timeout_s=timeout_s, store=store)
         except BaseException:
             _kill(processes)
             raise
-        return cls(processes, tp, nccl=backend == "nccl")
+        return cls(processes, tp, nccl=backend == "nccl", role=role)
 
     def _watch(self) -> None:
         waiting = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, 1)}
@@ -123,7 +128,7 @@ class Workers:
                     continue
                 self.exited[rank] = _exit_code(process)  # before the abort wakes rank 0
                 logger.error(
-                    "tensor-parallel worker rank %d exited with code %s", rank, self.exited[rank]
+                    "%s worker rank %d exited with code %s", self.role, rank, self.exited[rank]
                 )
                 if self.nccl:  # the error to report is the exit, raised by check()
                     abort_collectives(self.tp)
@@ -151,7 +156,7 @@ class Workers:
         if self.exited:
             codes = ", ".join(f"{r}: {c}" for r, c in sorted(self.exited.items()))
             raise RuntimeError(
-                f"tensor-parallel worker rank(s) {sorted(self.exited)} stopped responding: "
+                f"{self.role} worker rank(s) {sorted(self.exited)} stopped responding: "
                 f"exited (rank: exit code) {codes}; its log says why"
             )
 
@@ -170,7 +175,7 @@ class Workers:
         except RuntimeError as e:
             dead = [r for r, p in enumerate(self.processes, 1) if not p.is_alive()]
             raise RuntimeError(
-                f"tensor-parallel worker rank(s) {dead or '?'} stopped responding: {e}"
+                f"{self.role} worker rank(s) {dead or '?'} stopped responding: {e}"
             ) from e
 
     def message_metrics(self, kind: type) -> dict:
@@ -205,7 +210,7 @@ class Workers:
                 try:
                     self.send(Shutdown())
                 except RuntimeError as e:  # whatever stopped them is the error to report
-                    logger.warning("tensor-parallel shutdown: %s", e)
+                    logger.warning("%s shutdown: %s", self.role, e)
             for p in self.processes:
                 p.join(timeout_s)
         finally:
@@ -253,7 +258,9 @@ def _joined(rank: int) -> str:
     return f"batchgen/joined/{rank}"
 
 
-def _wait_joined(store: dist.TCPStore, processes: list, timeout_s: float) -> None:
+def _wait_joined(
+    store: dist.TCPStore, processes: list, timeout_s: float, role: str = "tensor-parallel"
+) -> None:
     """Return once every worker set its key in the store; WorkerStartError naming those
     that ended first, TimeoutError after timeout_s."""
     keys = [_joined(rank) for rank in range(1, len(processes) + 1)]
@@ -265,13 +272,11 @@ def _wait_joined(store: dist.TCPStore, processes: list, timeout_s: float) -> Non
         if dead:
             codes = ", ".join(f"{p.exitcode} (rank {r})" for r, p in dead)
             raise WorkerStartError(
-                f"tensor-parallel worker rank(s) {[r for r, _ in dead]} exited while "
+                f"{role} worker rank(s) {[r for r, _ in dead]} exited while "
                 f"starting, before joining the group, with exit code {codes}. " + SPAWN_HINT
             )
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"tensor-parallel workers did not join the group within {timeout_s:.0f} s"
-            )
+            raise TimeoutError(f"{role} workers did not join the group within {timeout_s:.0f} s")
 
 
 def abort_collectives(tp: TPGroup) -> None:

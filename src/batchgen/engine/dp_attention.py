@@ -108,7 +108,7 @@ class DPEngine:
         backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
         if backend == "nccl":  # untested: see the module's docstring
             logger.warning("attention data parallel on GPUs is untested; decode runs eagerly")
-        workers = Workers.spawn(worker_main, (config,), size, backend)
+        workers = Workers.spawn(worker_main, (config,), size, backend, role="data-parallel")
         try:
             with workers.failures_named():
                 return cls(EngineCore(load_engine(config)), workers, size)
