@@ -110,3 +110,17 @@ def test_describe_names_every_option_by_group():
     )
     for name in EngineConfig.field_names():
         assert f"{name}=" in text
+
+
+def test_deterministic_is_checked_where_it_cannot_hold():
+    with pytest.raises(ValueError, match="deterministic"):
+        EngineConfig(deterministic=1)
+    with pytest.raises(ValueError, match="attention_backend='triton'"):
+        EngineConfig(deterministic=True, attention_backend="triton").resolve(CPU)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        EngineConfig(deterministic=True, tensor_parallel_size=2).resolve(CPU)
+    config = EngineConfig(deterministic=True).resolve(CPU)
+    assert config.deterministic and config.model_config.deterministic
+    # "auto" attends with the torch path (the batch-invariant one) on a GPU too
+    assert config.resolved_attention_backend(torch.device("cuda")) == "torch"
+    assert EngineConfig().resolved_attention_backend(torch.device("cuda")) == "triton"

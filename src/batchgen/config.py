@@ -116,6 +116,14 @@ class EngineConfig:
     (waiting or running) has the same prompt up to it; "all" stores every position, for
     prefixes shared by requests that come later (one request per generate() call).
 
+    deterministic makes every row's arithmetic independent of the batch it runs in
+    (layers/batch_invariant.py): products in row tiles of a fixed shape, attention over
+    key blocks fixed by position, so a prompt's tokens and logprobs are the same bits
+    alone, in any batch, prefilled in one step or many, after a prefix-cache hit or not,
+    pipelined or not. It attends with the torch path ("auto" picks it; "triton" is
+    refused) and runs on one rank (tensor_parallel_size=1: the all-reduce's order is
+    not fixed). README's "Deterministic generation" says what is and is not covered.
+
     load_format "dummy" builds the model with random weights from its config alone (no
     checkpoint read): for benchmarks, as in vLLM.
 
@@ -154,6 +162,7 @@ class EngineConfig:
     cache_dir: str | None = ModelConfig.cache_dir
     revision: str | None = ModelConfig.revision
     seed: int = ModelConfig.seed
+    deterministic: bool = ModelConfig.deterministic
     admission: str = SchedulerConfig.admission
     tier_policy: str = CacheConfig.tier_policy
     tier_copy_issue: str = CacheConfig.tier_copy_issue
@@ -194,6 +203,7 @@ class EngineConfig:
                 "(DeepSeek-V3, Kimi-K2, Kimi Linear); this model has no routed experts"
             )
         config = self.with_batch_limits(device, state_bytes_per_seq, moe)
+        self.check_deterministic()
         blockers = self.async_blockers()
         if self.async_scheduling and blockers:
             logger.warning(
@@ -203,6 +213,24 @@ class EngineConfig:
             )
             config = replace(config, async_scheduling=False)
         return config
+
+    def check_deterministic(self) -> None:
+        """ValueError naming the option that deterministic=True cannot run with: the
+        Triton attention kernels split the keys by the batch, and tensor parallel sums
+        its ranks' shares in an order the collective picks."""
+        if not self.deterministic:
+            return
+        if self.attention_backend == "triton":
+            raise ValueError(
+                "deterministic=True attends with the torch path (its key blocks are fixed "
+                "by position); attention_backend='triton' is not batch-invariant: use "
+                "'auto' or 'torch'"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "deterministic=True needs tensor_parallel_size=1, got "
+                f"{self.tensor_parallel_size}: the all-reduce's summation order is not fixed"
+            )
 
     def async_blockers(self) -> list[str]:
         """The options set here that async scheduling cannot run with: it needs
@@ -257,10 +285,11 @@ class EngineConfig:
         )
 
     def resolved_attention_backend(self, device: torch.device) -> str:
-        """'auto' is triton on a GPU when triton imports, else the torch reference."""
+        """'auto' is triton on a GPU when triton imports, else (and with deterministic)
+        the torch reference."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        if device.type != "cuda":
+        if device.type != "cuda" or self.deterministic:
             return "torch"
         try:
             import triton  # noqa: F401

@@ -82,8 +82,8 @@ class ModelConfig:
     block-scaled FP8 as they load),
     dtype and device ("auto": see EngineConfig.torch_dtype / torch_device),
     max_model_len, attention_backend ("auto": see EngineConfig.resolved_attention_backend),
-    enforce_eager (no CUDA graphs) and seed (the dummy weights' and each request's
-    default sampling seed)."""
+    enforce_eager (no CUDA graphs), seed (the dummy weights' and each request's default
+    sampling seed) and deterministic (batch-invariant layers: see EngineConfig)."""
 
     model: str | None = None
     revision: str | None = None
@@ -96,6 +96,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     seed: int = 0
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _positive_int(self, "max_model_len", optional=True)
@@ -107,6 +108,8 @@ class ModelConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             choices = " or ".join(repr(q) for q in QUANTIZATIONS)
             raise ValueError(f"quantization must be None or {choices}, got {self.quantization!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
         if self.revision is not None and not (isinstance(self.revision, str) and self.revision):
             raise ValueError(
                 f"revision must be None or a branch, tag or commit, got {self.revision!r}"

@@ -118,6 +118,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         batchgen_debug=args.debug,
+        deterministic=args.deterministic,
         max_model_len=args.max_model_len,
         kv_cache_size_gib=args.kv_cache_gib,
         host_kv_size_gib=args.host_kv_gib,

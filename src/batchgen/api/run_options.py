@@ -150,6 +150,12 @@ def add_run_parser(sub) -> None:
         help="input lines per shard under --data-parallel (default: 64; an error without it)",
     )
     run.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant arithmetic: each line's answer is the same bits however "
+        "the job batches it (alone, with others, resumed, chunked); slower",
+    )
+    run.add_argument(
         "--debug",
         action="store_true",
         help="engine self-checks (offload read-back, NaN/Inf checks)",

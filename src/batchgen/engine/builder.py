@@ -252,6 +252,7 @@ def build_runner(
         max_num_seqs=config.max_num_seqs,
         max_pages=-(-max_len // config.page_size),
         seed=config.seed,
+        deterministic=config.deterministic,
         linear_states=None if state_pool is None else state_pool.layer_states(),
         **runner_args,
     )

@@ -3,7 +3,9 @@
 Correct for any mix of prefill chunks and decodes, GQA, a cached prefix (the causal
 mask is offset by it) and an optional sliding window. Math runs in float32.
 Decodes are gathered into one batched attention; prefill chunks run one by one (the
-per-step token budget keeps them few).
+per-step token budget keeps them few). In batch-invariant mode (deterministic=True)
+both go through `batch_invariant.attend`, whose result for a query depends on its
+position and its sequence's keys alone.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.forward_context import AttentionMetadata
+from batchgen.layers import batch_invariant
 
 
 def store_kv(
@@ -63,13 +66,22 @@ def paged_attention(
         v = v_cache[table].flatten(1, 2)[:, :max_len]
         k_pos = torch.arange(max_len, device=q.device)[None, None, :]
         q_pos = (meta.decode_seq_lens - 1)[:, None, None]
-        allowed = _window_mask(q_pos, k_pos, sliding_window)
-        out[meta.decode_rows] = _attend(q[meta.decode_rows][:, None], k, v, allowed, scale)[:, 0]
+        rows = q[meta.decode_rows][:, None]
+        if batch_invariant.active():
+            att = batch_invariant.attend(rows, k, v, q_pos[:, :, 0], scale, sliding_window)
+            out[meta.decode_rows] = att[:, 0].to(q.dtype)
+        else:
+            allowed = _window_mask(q_pos, k_pos, sliding_window)
+            out[meta.decode_rows] = _attend(rows, k, v, allowed, scale)[:, 0]
     for seq in meta.prefills:
         k = k_cache[seq.pages].flatten(0, 1)[: seq.seq_len][None]
         v = v_cache[seq.pages].flatten(0, 1)[: seq.seq_len][None]
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
         q_pos = torch.arange(seq.seq_len - seq.q_len, seq.seq_len, device=q.device)[:, None]
+        if batch_invariant.active():
+            att = batch_invariant.attend(q[rows][None], k, v, q_pos.T, scale, sliding_window)
+            out[rows] = att[0].to(q.dtype)
+            continue
         k_pos = torch.arange(seq.seq_len, device=q.device)[None, :]
         allowed = _window_mask(q_pos, k_pos, sliding_window)[None]
         out[rows] = _attend(q[rows][None], k, v, allowed, scale)[0]

@@ -4,9 +4,9 @@ held quantized (layers/quant: a `LinearMethod` given while the model is on meta)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from batchgen.layers import batch_invariant
 from batchgen.layers.quant.method import LinearMethod, QuantParam
 
 _PLAIN = QuantParam(torch.float32)  # a plain weight's (and a bias's) units: 1 x 1
@@ -70,7 +70,7 @@ class Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias, from the plain weight or through the layer's method."""
         if self.quant is None:
-            return F.linear(x, self.weight, bias)
+            return batch_invariant.linear(x, self.weight, bias)
         return self.quant.apply(self, x, bias)
 
     def dense_weight(self) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from batchgen.forward_context import get_forward_context
-from batchgen.layers import mla_torch
+from batchgen.layers import batch_invariant, mla_torch
 from batchgen.layers.linear import Linear
 from batchgen.layers.norm import RMSNorm
 from batchgen.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -171,7 +171,17 @@ class MLAttention(nn.Module):
                 self.absorb(q_nope[rows]), q_pe[rows], cache, meta, self.scale
             )
             out[rows] = self.unabsorb(o_latent).to(out.dtype)
-        if meta.prefills:
+        if meta.prefills and batch_invariant.active():  # every row absorbed, as decode's
+            o_latent = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.kv_lora_rank)
+            o_latent = o_latent.float()
+            mla_torch.paged_prefill_absorbed(
+                self.absorb(q_nope), q_pe, cache, meta, self.scale, o_latent
+            )
+            o = self.unabsorb(o_latent).to(out.dtype)
+            for seq in meta.prefills:
+                rows = slice(seq.q_start, seq.q_start + seq.q_len)
+                out[rows] = o[rows]
+        elif meta.prefills:
             backend.paged_prefill(q_nope, q_pe, cache, meta, self.expand, self.scale, out)
         return out
 
@@ -183,12 +193,19 @@ class MLAttention(nn.Module):
         """q_nope [B, H, nope] -> q_nope W_UK [B, H, kv_lora_rank]: scores against c_kv
         equal scores of q_nope against the decompressed keys' nope part."""
         w_uk = self._w_kv_b()[:, : self.nope_dim]
+        if batch_invariant.active():  # rows in tiles: a row's bits whatever the batch
+            return batch_invariant.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         return torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
 
     def unabsorb(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Attention output over c_kv [B, H, kv_lora_rank] -> through W_UV [B, H, v_dim]."""
         w_uv = self._w_kv_b()[:, self.nope_dim :]
-        return torch.einsum("bhc,hvc->bhv", o_latent, w_uv.to(o_latent.dtype))
+        w_uv = w_uv.to(o_latent.dtype)
+        if batch_invariant.active():
+            return batch_invariant.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(
+                0, 1
+            )
+        return torch.einsum("bhc,hvc->bhv", o_latent, w_uv)
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decompress latents [S, W] into the keys' nope part [S, H, nope], their rope part

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from batchgen.forward_context import AttentionMetadata
+from batchgen.layers import batch_invariant
 
 
 def store_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -61,6 +62,10 @@ def paged_decode(
     k_pos = torch.arange(max_len, device=q_nope.device)[None, None, :]
     allowed = k_pos < meta.decode_seq_lens[:, None, None]
     q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1)[:, None]
+    if batch_invariant.active():
+        q_pos = (meta.decode_seq_lens - 1)[:, None]
+        v = latent[..., : q_nope.shape[-1]]
+        return batch_invariant.attend(q, latent, v, q_pos, scale)[:, 0]
     out = attend(q, latent, latent[..., : q_nope.shape[-1]], allowed, scale)
     return out[:, 0]
 
@@ -89,3 +94,25 @@ def paged_prefill(
         q_pos = torch.arange(seq.seq_len - seq.q_len, seq.seq_len, device=q.device)[:, None]
         allowed = torch.arange(seq.seq_len, device=q.device)[None, :] <= q_pos
         out[rows] = attend(q[rows][None], k[None], v[None], allowed[None], scale)[0]
+
+
+def paged_prefill_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Prefill rows attended as decode rows are, for batch-invariant mode: q_nope [T, H,
+    C] with W_UK folded in, q_pe [T, H, R]; each prefill chunk's rows of out [T, H, C]
+    (float32, W_UV not yet applied) get `batch_invariant.attend` over their sequence's
+    latents as one shared head. A token's bits then do not depend on whether its step
+    decoded it or prefilled it (a one-token chunk, a recomputed request)."""
+    q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1)
+    c = q_nope.shape[-1]
+    for seq in meta.prefills:
+        latent = cache[seq.pages].flatten(0, 1)[: seq.seq_len][None]  # [1, S, 1, C + R]
+        rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        q_pos = torch.arange(seq.seq_len - seq.q_len, seq.seq_len, device=q.device)[None]
+        out[rows] = batch_invariant.attend(q[rows][None], latent, latent[..., :c], q_pos, scale)[0]

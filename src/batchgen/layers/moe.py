@@ -9,9 +9,9 @@ the routed experts' weights and math of routed_experts.py.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from batchgen.layers import batch_invariant
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.expert_parallel import ExpertParallel, dispatch_combine
 from batchgen.layers.linear import Linear, merged_shards
@@ -65,7 +65,7 @@ class MoEGate(nn.Module):
         if narrow is not None and x.is_cuda and x.dtype == narrow.dtype:
             logits = torch.mm(x, narrow.t(), out_dtype=torch.float32)
         else:
-            logits = F.linear(x.float(), self.weight)
+            logits = batch_invariant.linear(x.float(), self.weight)
         return select_experts(logits, self.e_score_correction_bias, self.routing)
 
 

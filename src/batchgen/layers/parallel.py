@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.layers import batch_invariant
 from batchgen.layers.linear import Linear, merged_shards
 from batchgen.layers.tp_group import SINGLE, TPGroup
 
@@ -211,7 +212,7 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, dim] -> logits [T, num_embeddings] over the whole vocabulary, the
         weight used as an output projection (tied embeddings, or ParallelLMHead)."""
-        logits = self.tp.all_gather(hidden @ self.weight.t(), dim=-1)
+        logits = self.tp.all_gather(batch_invariant.linear(hidden, self.weight), dim=-1)
         if logits.shape[-1] != self.num_embeddings:  # padding rows out, rows contiguous
             logits = logits[..., : self.num_embeddings].contiguous()
         return logits

@@ -30,11 +30,11 @@ dequantized and multiplied.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels.fused_moe import MoETuning, align_pairs, moe_gemm, sort_by_group
 from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
+from batchgen.layers import batch_invariant
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.int4_experts import (
     MOE_TUNING,
@@ -73,7 +73,7 @@ def grouped_mm_loop(a: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
     start = 0
     for g, end in enumerate(offs.tolist()):
         if end > start:
-            out[start:end] = F.linear(a[start:end], w[g])
+            out[start:end] = batch_invariant.linear(a[start:end], w[g])
         start = end
     return out
 

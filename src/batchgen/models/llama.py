@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from batchgen.kv_state import KVState
+from batchgen.layers import batch_invariant
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.attention import Attention
 from batchgen.layers.linear import Linear, merged_shards
@@ -194,13 +195,13 @@ class DecoderStack(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, VocabParallelEmbedding):
             return head.logits(hidden)
-        return hidden @ head.weight.t()
+        return batch_invariant.linear(hidden, head.weight)
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary columns of compute_logits (all of them on one process),
         with no collective: the same GEMM, for warming it on one rank alone."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return hidden @ head.weight.t()
+        return batch_invariant.linear(hidden, head.weight)
 
 
 class LlamaForCausalLM(DecoderStack):

@@ -29,6 +29,7 @@ from batchgen.runner.sampler import (
     apply_token_bitmask,
 )
 from batchgen.runner.staging import HostStaging
+from batchgen.runner.step_mode import step_mode
 
 
 class ModelRunner:
@@ -59,6 +60,7 @@ class ModelRunner:
         seed: int = 0,
         linear_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         grammar=None,
+        deterministic: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -68,6 +70,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.debug = debug
+        self.deterministic = deterministic  # batch-invariant layers (step_mode)
         self.attention_backend = attention_backend
         self.graphs = graphs
         self.split_plan = split_plan
@@ -176,7 +179,7 @@ class ModelRunner:
             and all(len(r.new_token_ids) == 1 and r.sample for r in reqs)
         )
 
-    @torch.inference_mode()
+    @step_mode
     def launch_decode(
         self,
         sched: SchedulerOutput,
@@ -206,7 +209,7 @@ class ModelRunner:
             flight.launch_sample()
         return flight
 
-    @torch.inference_mode()
+    @step_mode
     def launch_step(
         self,
         sched: SchedulerOutput,
@@ -241,7 +244,7 @@ class ModelRunner:
     def _pipelined_ids(self, reqs: list[StepRow], prev: InFlightDecode) -> torch.Tensor:
         return pipelined_ids(reqs, prev, self.stage)
 
-    @torch.inference_mode()
+    @step_mode
     def _launch_sample(self, flight: InFlightDecode, logits: torch.Tensor, steps) -> None:
         reqs = flight.sampled
         logits = self._constrain(logits, reqs)
@@ -321,7 +324,7 @@ class ModelRunner:
             hidden = self.model(input_ids if device_ids is None else device_ids, positions)
         return hidden, sample_rows
 
-    @torch.inference_mode()
+    @step_mode
     def execute(self, sched: SchedulerOutput, copies: StepCopies = NO_COPIES) -> ModelRunnerOutput:
         reqs = self.apply(sched)
         hidden, sample_rows = self._forward(sched, reqs, copies)
@@ -342,7 +345,7 @@ class ModelRunner:
         out.prompt_logprobs = prompt
         return out
 
-    @torch.inference_mode()
+    @step_mode
     def execute_unsampled(
         self,
         sched: SchedulerOutput,
