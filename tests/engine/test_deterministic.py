@@ -1,7 +1,7 @@
 """deterministic=True (batch-invariant layers): each prompt's tokens and logprobs are
 the same bits run alone, in a batch of mixed lengths, prefilled in chunks of 64 tokens,
 after prefix-cache hits and with pipelined decode on or off; with deterministic=False
-the same runs differ (CPU, float32).
+the same runs differ (CPU, float32). A Llama and a DeepSeek-V3 (MLA, MoE) model.
 
 The model is a tiny random Llama whose lm_head holds near-twin rows (row 256 + i is row
 i nudged by a millionth): their logits differ by a few ulps, so a greedy pick between
@@ -17,7 +17,9 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import save_random_model, save_tiny_model
+from deepseek_checkpoints import CONFIGS
+from deepseek_checkpoints import tiny_config as deepseek_config
 
 from batchgen import LLM, SamplingParams
 
@@ -44,6 +46,15 @@ def twin_model(tmp_path_factory):
     generation = json.loads(file.read_text())
     generation["eos_token_id"] = [2, *(t for t, _ in common)]
     file.write_text(json.dumps(generation))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def deepseek_moe(tmp_path_factory):
+    """A tiny DeepSeek-V3 of Kimi-K2's shape: MLA, a dense layer, then 8 routed experts
+    (2 a token) and 2 shared ones."""
+    path = tmp_path_factory.mktemp("moe")
+    save_random_model(path, deepseek_config(**CONFIGS["moe_kimi_like"]))
     return str(path)
 
 
@@ -122,6 +133,14 @@ def test_without_deterministic_the_same_runs_differ(twin_model):
     """The difference deterministic=True removes exists on the CPU: every run's logprobs
     differ from the prompt alone for some prompt."""
     differ = _differing(_runs(twin_model, False, logprobs=0))  # off-defaults: logprobs
+    assert all(n > 0 for n in differ.values()), differ
+
+
+@pytest.mark.slow
+def test_mla_and_moe_tokens_and_logprobs_are_batch_invariant(deepseek_moe):
+    rows = _runs(deepseek_moe, True, logprobs=0)  # off-defaults: logprobs are compared
+    assert set(_differing(rows).values()) == {0}
+    differ = _differing(_runs(deepseek_moe, False, logprobs=0))  # off-defaults: logprobs
     assert all(n > 0 for n in differ.values()), differ
 
 

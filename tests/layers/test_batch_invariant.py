@@ -145,3 +145,17 @@ def test_plain_attention_differs_by_key_count():
                 q[r][None, None], k[None, : r + 1], v[None, : r + 1], pos[r].view(1, 1), 0.3
             )[0, 0]
             assert torch.equal(alone, whole[r])
+
+
+def test_pointwise_rows_do_not_depend_on_the_row_count():
+    """A sigmoid over narrow contiguous rows (8 router logits) takes the scalar tail for
+    some rows alone and the vector loop in a batch; padded rows take the vector loop."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 2
+
+    def differ(fn):
+        return [m for m in range(1, 65) if not torch.equal(fn(x[:m])[m - 1], fn(x[m - 1 : m])[0])]
+
+    assert differ(torch.sigmoid)
+    with bi.invariant_mode():
+        assert differ(lambda r: bi.pointwise(torch.sigmoid, r)) == []
+        torch.testing.assert_close(bi.pointwise(torch.sigmoid, x), torch.sigmoid(x))

@@ -22,7 +22,11 @@ than without. Here every product is taken in row tiles of a fixed shape instead:
 
 Reductions along a row (RMSNorm, softmax, log-softmax) already give a row the same bits
 whatever the row count on the CPU (tests/layers/test_batch_invariant.py holds them to
-it), and so do elementwise ops and index ops.
+it), and so do index ops and exact elementwise ops (+, *, /, sqrt). A transcendental
+elementwise op (exp, sigmoid) on a contiguous tensor runs as one loop over all its
+elements, vectorised but for a scalar tail whose bits differ: a narrow row (8 router
+logits) takes the vector path in a batch and the scalar one alone. `pointwise(fn, x)`
+pads each row to a multiple of POINTWISE_WIDTH elements, so that there is no tail.
 
 The mode is per thread, entered with `invariant_mode(True)` around the model's calls
 (the runner's entry points); outside it every function here is the plain op.
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 
 ROW_TILE = 16  # rows of every product's tile (MKL takes 16 and more rows one way)
 KV_BLOCK = 64  # keys a block of the attention's online softmax
+POINTWISE_WIDTH = 64  # a multiple of every CPU vector loop's step (AVX-512: 32 floats)
 
 
 class _Mode(threading.local):
@@ -71,6 +76,16 @@ def _tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
     m = x.shape[1]
     pad = -m % tile
     return (F.pad(x, (0, 0, 0, pad)) if pad else x), m
+
+
+def pointwise(fn, x: torch.Tensor, width: int = POINTWISE_WIDTH) -> torch.Tensor:
+    """fn(x) for an elementwise fn; in invariant mode with x's rows (last dimension)
+    padded to a multiple of `width` elements first, so that every element takes the
+    vectorised path whatever the row count (module docstring)."""
+    pad = -x.shape[-1] % width
+    if not _mode.on or not pad:
+        return fn(x)
+    return fn(F.pad(x, (0, pad)))[..., : x.shape[-1]]
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
@@ -151,7 +166,7 @@ def attend(
         scores = scores.masked_fill(~allowed, float("-inf"))
         new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
         base = new_best.masked_fill(new_best == float("-inf"), 0.0)
-        carry = torch.exp(best - base)
+        carry = pointwise(torch.exp, best - base)
         weights = torch.exp(scores - base)
         total = total * carry + weights.sum(-1, keepdim=True)
         acc = acc * carry + torch.bmm(weights, vb)

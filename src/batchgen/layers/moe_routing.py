@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.layers import batch_invariant
+
 
 @dataclass(frozen=True)
 class RoutingConfig:
@@ -114,7 +116,10 @@ def select_experts_torch(
     logits = logits.float()
     group_limit = _group_limit(cfg)
     t, e = logits.shape
-    scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+    if cfg.scoring_func == "sigmoid":  # rows padded in batch-invariant mode
+        scores = batch_invariant.pointwise(torch.sigmoid, logits)
+    else:
+        scores = logits.softmax(dim=-1)
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if group_limit:
         grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
