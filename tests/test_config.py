@@ -119,6 +119,8 @@ def test_deterministic_is_checked_where_it_cannot_hold():
         EngineConfig(deterministic=True, attention_backend="triton").resolve(CPU)
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         EngineConfig(deterministic=True, tensor_parallel_size=2).resolve(CPU)
+    with pytest.raises(ValueError, match="data_parallel_size=1"):
+        EngineConfig(deterministic=True, data_parallel_size=2).resolve(CPU, moe=True)
     config = EngineConfig(deterministic=True).resolve(CPU)
     assert config.deterministic and config.model_config.deterministic
     # "auto" attends with the torch path (the batch-invariant one) on a GPU too

@@ -216,8 +216,9 @@ class EngineConfig:
 
     def check_deterministic(self) -> None:
         """ValueError naming the option that deterministic=True cannot run with: the
-        Triton attention kernels split the keys by the batch, and tensor parallel sums
-        its ranks' shares in an order the collective picks."""
+        Triton attention kernels split the keys by the batch, and several ranks (tensor
+        parallel, attention data parallel with expert-parallel MoE) sum their shares in
+        an order the collective picks."""
         if not self.deterministic:
             return
         if self.attention_backend == "triton":
@@ -226,11 +227,12 @@ class EngineConfig:
                 "by position); attention_backend='triton' is not batch-invariant: use "
                 "'auto' or 'torch'"
             )
-        if self.tensor_parallel_size > 1:
-            raise ValueError(
-                "deterministic=True needs tensor_parallel_size=1, got "
-                f"{self.tensor_parallel_size}: the all-reduce's summation order is not fixed"
-            )
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) > 1:
+                raise ValueError(
+                    f"deterministic=True needs {name}=1, got {getattr(self, name)}: the "
+                    "ranks' collectives sum in an order they pick, not a fixed one"
+                )
 
     def async_blockers(self) -> list[str]:
         """The options set here that async scheduling cannot run with: it needs
