@@ -7,12 +7,14 @@ weights still FP8, and generate what transformers generates from the same checkp
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from conftest import save_tiny_model
 from deepseek_checkpoints import save_tiny_deepseek
 from fp8_blocks import quantize_blocks
+from kimi_checkpoints import save_tiny_kimi
 from safetensors.torch import load_file, save_file
 from test_deepseek_v3 import MAX_NEW, RUN, Reference, _prompts
 
@@ -23,6 +25,7 @@ from batchgen.models import fp8
 from batchgen.models.loader import ModelSource, build_model
 
 BLOCK = (128, 128)
+EXPERT = re.compile(r"experts\.\d+\.w[123]\.weight$")
 # block-aligned shapes: stacked shards (q | k | v, gate | up) start on a 128-row block
 LLAMA = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
              intermediate_size=384)  # fmt: skip
@@ -36,8 +39,9 @@ DEEPSEEK = dict(
 
 def is_quantized_by_converter(name: str) -> bool:
     """The weights DeepSeek's FP8 converter stores in FP8: every projection (attention,
-    dense MLPs, shared and routed experts), not the embeddings, lm_head, norms or router."""
-    return name.endswith(("proj.weight", "proj_with_mqa.weight"))
+    dense MLPs, shared and routed experts: Kimi Linear's w1 / w2 / w3), not the
+    embeddings, lm_head, norms, convolution taps or router."""
+    return name.endswith(("proj.weight", "proj_with_mqa.weight")) or bool(EXPERT.search(name))
 
 
 def write_fp8_pair(base, save) -> tuple:
@@ -70,9 +74,11 @@ def write_fp8_pair(base, save) -> tuple:
     return quant, plain, reference.eval()
 
 
+KIMI = dict(DEEPSEEK, layer_types=["linear_attention", "full_attention"], linear_head_dim=64)
 SAVERS = {
     "llama": lambda d: save_tiny_model(d, "LlamaForCausalLM", **LLAMA),
     "deepseek_v3": lambda d: save_tiny_deepseek(d, **DEEPSEEK),
+    "kimi_linear": lambda d: save_tiny_kimi(d, **KIMI),
 }
 
 
@@ -86,8 +92,9 @@ def checkpoint(request, tmp_path_factory):
 
 def test_weights_stay_fp8_as_stored(checkpoint):
     """Every FP8 weight is held as stored, the routed experts' too: one byte a weight,
-    the checkpoint's scales beside it; only MLA's kv_b_proj (its matrix is read by the
-    absorbed decode) is dequantized."""
+    the checkpoint's scales beside it; dequantized are only MLA's kv_b_proj (its matrix
+    is read by the absorbed decode) and a stacked layer with a shard off a 128-row block
+    (Kimi Linear's KDA in_proj: its 2-row beta shard)."""
     arch, quant, *_ = checkpoint
     source = ModelSource.resolve(quant)
     config = source.load_config()
@@ -95,29 +102,38 @@ def test_weights_stay_fp8_as_stored(checkpoint):
     stored = load_file(str(quant / "model.safetensors"))
     kept = 0
     for name, layer in model.named_modules():
-        if not isinstance(layer, Linear) or name.endswith("kv_b_proj") or name == "lm_head":
-            assert not isinstance(layer, Linear) or layer.weight.dtype == torch.float32, name
+        if not isinstance(layer, Linear) or name.endswith("conv1d"):
+            continue  # KDA's convolution taps: stored in float, as every non-projection
+        aligned = all(start % BLOCK[0] == 0 for start, _ in layer.shards.values())
+        if name.endswith("kv_b_proj") or name == "lm_head" or not aligned:
+            assert layer.weight.dtype == torch.float32, name
             continue
         assert layer.weight.dtype == torch.float8_e4m3fn, name
         assert layer.weight.nbytes == layer.weight.numel() == layer.out_features * layer.in_features
         assert layer.weight_scale_inv.dtype == torch.float32
-        if not layer.shards:
+        if not layer.shards and f"model.{name}.weight" in stored:
             want = stored[f"model.{name}.weight"]
             assert torch.equal(layer.weight.view(torch.uint8), want.view(torch.uint8)), name
             assert torch.equal(layer.weight_scale_inv, stored[f"model.{name}.weight_scale_inv"])
         kept += 1
-    assert kept >= (6 if arch == "llama" else 11)
+    assert kept >= {"llama": 6, "deepseek_v3": 11, "kimi_linear": 10}[arch]
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
-    assert len(experts) == (0 if arch == "llama" else 1)
+    assert len(experts) == {"llama": 0, "deepseek_v3": 1, "kimi_linear": 1}[arch]
     for layer in experts:
         i = next(n for n, m in model.named_modules() if m is layer).split(".")[1]
         for e in (0, layer.num_experts - 1):
-            want = stored[f"model.layers.{i}.mlp.experts.{e}.up_proj.weight"]
-            assert torch.equal(
-                layer.gate_up_proj[e, layer.inter :].view(torch.uint8), want.view(torch.uint8)
+            up, down = (  # DeepSeek-V3's names, or Kimi Linear's w3 / w2
+                next(
+                    t
+                    for n, t in stored.items()
+                    if re.search(rf"layers\.{i}\..*experts\.{e}\.{p}$", n)
+                )
+                for p in (r"(up_proj|w3)\.weight", r"(down_proj|w2)\.weight_scale_inv")
             )
-            scale = stored[f"model.layers.{i}.mlp.experts.{e}.down_proj.weight_scale_inv"]
-            assert torch.equal(layer.down_proj_scale_inv[e], scale)
+            assert torch.equal(
+                layer.gate_up_proj[e, layer.inter :].view(torch.uint8), up.view(torch.uint8)
+            )
+            assert torch.equal(layer.down_proj_scale_inv[e], down)
         assert layer.down_proj.dtype == torch.float8_e4m3fn
         assert layer.gate_up_proj.nbytes == layer.gate_up_proj.numel()
 
@@ -138,16 +154,28 @@ def test_logprobs_within_1e_4_of_the_dequantized_model(checkpoint):
     assert worst < 1e-4, f"largest logprob difference {worst:.2e}"
 
 
+# the checkpoint's FP8 weights the model dequantizes (test_weights_stay_fp8_as_stored):
+# MLA's kv_b_proj, and the parts of Kimi Linear's KDA in_proj (its layer 0)
+DEQUANTIZED = {
+    "llama": re.compile("$^"),
+    "deepseek_v3": re.compile("kv_b_proj"),
+    "kimi_linear": re.compile(r"kv_b_proj|layers\.0\.self_attn\.(q|k|v|b|f_a|g_a)_proj\."),
+}
+
+
 def test_weight_bytes_count_one_byte_a_kept_weight_and_its_scales(checkpoint):
     """engine.metrics()["weight_bytes"]: the float32 model's bytes less 3 a weight kept
-    FP8, plus its float32 scales (every FP8 weight of the checkpoint but kv_b_proj's)."""
-    _, quant, _, _, plain = checkpoint
+    FP8, plus its float32 scales (every FP8 weight of the checkpoint but MLA's kv_b_proj
+    and Kimi Linear's KDA in_proj parts, whose stacked shards are off the blocks)."""
+    arch, quant, _, _, plain = checkpoint
     fp8_bytes = LLM(model=str(quant), num_kv_pages=32, **RUN).engine.metrics()["weight_bytes"]
     float_bytes = LLM(model=str(plain), num_kv_pages=32, **RUN).engine.metrics()["weight_bytes"]
     saved = 0
     for name, t in load_file(str(quant / "model.safetensors")).items():
-        if t.dtype == torch.float8_e4m3fn and "kv_b_proj" not in name:
+        if DEQUANTIZED[arch].search(name):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
             saved += 3 * t.numel()
-        elif name.endswith("_scale_inv") and "kv_b_proj" not in name:
+        elif name.endswith("_scale_inv"):
             saved -= t.nbytes
     assert saved > 0 and fp8_bytes == float_bytes - saved
