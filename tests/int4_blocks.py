@@ -7,17 +7,24 @@ from __future__ import annotations
 import torch
 
 
-def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    w: torch.Tensor, group: int, pow2_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax quantization of w [..., N, K] in groups of `group` columns (the
     last one may be partial) -> (weight_packed [..., N, ceil(K / 8)] int32, weight_scale
-    [..., N, ceil(K / group)] bfloat16), packed by compressed-tensors."""
+    [..., N, ceil(K / group)] bfloat16), packed by compressed-tensors. pow2_scales: each
+    scale the power of two at or above absmax / 7, so that every q * scale is a bfloat16
+    value (compressed-tensors dequantizes into the scales' dtype)."""
     from compressed_tensors.compressors import pack_to_int32
 
     k = w.shape[-1]
     groups = -(-k // group)
     padded = torch.nn.functional.pad(w.float(), (0, groups * group - k))
     blocks = padded.unflatten(-1, (groups, group))
-    scale = (blocks.abs().amax(-1) / 7).clamp_min(1e-8).to(torch.bfloat16)
+    scale = (blocks.abs().amax(-1) / 7).clamp_min(1e-8)
+    if pow2_scales:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = scale.to(torch.bfloat16)
     q = (blocks / scale.float()[..., None]).round().clamp(-8, 7).flatten(-2)[..., :k]
     q = q.to(torch.int8)
     if q.dim() == 2:
@@ -66,12 +73,15 @@ def quantization_config(group: int, ignore: list[str]) -> dict:
     }
 
 
-def write_pack_quantized(path, plain, packs, group: int = 32, ignore=None) -> int:
+def write_pack_quantized(
+    path, plain, packs, group: int = 32, ignore=None, pow2_scales: bool = False
+) -> int:
     """Rewrite the float checkpoint in `path` as pack-quantized INT4, and the same
     weights dequantized (float32) into the float checkpoint in `plain`: every
     "x.weight" for which packs(name) holds becomes x.weight_packed / x.weight_scale /
     x.weight_shape; config.json gets the quantization_config. Dequantized by
-    compressed-tensors' own unpacking. Returns how many weights were packed."""
+    compressed-tensors' own unpacking. Returns how many weights were packed (pow2_scales:
+    see quantize_int4)."""
     import json
     from pathlib import Path
 
@@ -85,7 +95,7 @@ def write_pack_quantized(path, plain, packs, group: int = 32, ignore=None) -> in
         if not (name.endswith(".weight") and t.dim() == 2 and packs(name)):
             packed_tensors[name] = dequantized[name] = t
             continue
-        packed, scale = quantize_int4(t, group)
+        packed, scale = quantize_int4(t, group, pow2_scales)
         base = name[: -len(".weight")]
         packed_tensors[base + ".weight_packed"] = packed
         packed_tensors[base + ".weight_scale"] = scale
