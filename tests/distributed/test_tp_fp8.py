@@ -15,20 +15,25 @@ from safetensors.torch import load_file, save_file
 from test_tp_deepseek import _assert_same, _generate
 
 
-def test_tp2_keeps_whole_blocks_fp8_and_equals_tp1(tmp_path):
+def _write_fp8(path) -> None:
+    """A tiny DeepSeek-V3 checkpoint in DeepSeek-V3's FP8 format, 128 x 128 blocks."""
     save_tiny_deepseek(
-        tmp_path, first_k_dense_replace=1, intermediate_size=256, moe_intermediate_size=128
+        path, first_k_dense_replace=1, intermediate_size=256, moe_intermediate_size=128
     )
     tensors = {}
-    for name, t in load_file(str(tmp_path / "model.safetensors")).items():
+    for name, t in load_file(str(path / "model.safetensors")).items():
         if name.endswith(("proj.weight", "proj_with_mqa.weight")):
             tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t.float(), (128, 128))
         else:
             tensors[name] = t
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    config = json.loads((tmp_path / "config.json").read_text())
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_tp2_keeps_whole_blocks_fp8_and_equals_tp1(tmp_path):
+    _write_fp8(tmp_path)
     want, _ = _generate(str(tmp_path), num_kv_pages=200)
     got, llm = _generate(str(tmp_path), num_kv_pages=200, tensor_parallel_size=2)
     _assert_same(got, want)
@@ -38,3 +43,15 @@ def test_tp2_keeps_whole_blocks_fp8_and_equals_tp1(tmp_path):
     assert model.layers[0].self_attn.q_a_proj.weight.dtype == fp8  # replicated
     assert model.layers[1].mlp.experts.gate_up_proj.dtype == fp8  # experts 0-3
     assert model.layers[1].self_attn.o_proj.weight.dtype == torch.float32  # 48 columns
+
+
+def test_expert_parallel_fp8_experts_equal_tp1(tmp_path):
+    """enable_expert_parallel: tokens reach each rank's FP8 experts by all-to-all, and
+    the run equals one process's."""
+    _write_fp8(tmp_path)
+    want, _ = _generate(str(tmp_path), num_kv_pages=200)
+    got, llm = _generate(
+        str(tmp_path), num_kv_pages=200, tensor_parallel_size=2, enable_expert_parallel=True
+    )
+    _assert_same(got, want)
+    assert llm.engine.runner.model.layers[1].mlp.experts.down_proj_scale_inv.shape[0] == 4
