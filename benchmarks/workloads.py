@@ -222,6 +222,42 @@ SMALL_KIMI_X8 = dict(
 )
 
 # --model names: (config, its CPU-sized version for --small)
+# Kimi-K2-Thinking's quantization_config (compressed-tensors pack-quantized): its routed
+# experts INT4 in groups of 32, everything else in the model's dtype. A config with it
+# and load_format="dummy" gives the experts random packed weights (W4-INT4, W6-INT4).
+INT4_EXPERTS = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "input_activations": None,
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "actorder": None,
+                "dynamic": False,
+            },
+        }
+    },
+    "ignore": [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+    ],
+    "quantization_status": "compressed",
+}
+
+
+def with_int4_experts(config: dict) -> dict:
+    """`config` with Kimi-K2-Thinking's INT4 quantization_config (INT4_EXPERTS)."""
+    return dict(config, quantization_config=INT4_EXPERTS)
+
+
 MODELS = {
     "qwen3-0.6b": (QWEN3_0_6B, SMALL_MODEL),
     "llama-3.1-8b": (LLAMA_3_1_8B, SMALL_LLAMA),
