@@ -28,6 +28,11 @@ elements, vectorised but for a scalar tail whose bits differ: a narrow row (8 ro
 logits) takes the vector path in a batch and the scalar one alone. `pointwise(fn, x)`
 pads each row to a multiple of POINTWISE_WIDTH elements, so that there is no tail.
 
+On CUDA every product goes to kernels/invariant_mm.py instead: a persistent Triton GEMM
+with one fixed tiling and no split of the reduction, invariant by construction (cuBLAS
+picks its kernel by the shape, batch count included, so its batched GEMM promises
+nothing). The row tiles and key blocks stay as on the CPU.
+
 The mode is per thread, entered with `invariant_mode(True)` around the model's calls
 (the runner's entry points); outside it every function here is the plain op.
 """
@@ -88,6 +93,15 @@ def pointwise(fn, x: torch.Tensor, width: int = POINTWISE_WIDTH) -> torch.Tensor
     return fn(F.pad(x, (0, pad)))[..., : x.shape[-1]]
 
 
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm, or on CUDA the fixed-tiling Triton GEMM."""
+    if a.is_cuda:
+        from batchgen.kernels.invariant_mm import invariant_bmm
+
+        return invariant_bmm(a, b)
+    return torch.bmm(a, b)
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
     """a [B, M, K] x b [B, K, N] -> [B, M, N]: torch.bmm, or in invariant mode every
     [tile, K] x [K, N] row tile its own product of one batched GEMM."""
@@ -99,7 +113,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
     nt = padded.shape[1] // tile
     tiles = padded.reshape(batch * nt, tile, k)
     weights = b[:, None].expand(batch, nt, k, n).reshape(batch * nt, k, n)
-    return torch.bmm(tiles, weights).view(batch, nt * tile, n)[:, :m]
+    return _product(tiles, weights).view(batch, nt * tile, n)[:, :m]
 
 
 def linear(
@@ -110,6 +124,10 @@ def linear(
     one batched GEMM, the bias added after."""
     if not _mode.on:
         return F.linear(x, weight, bias)
+    if x.is_cuda:
+        from batchgen.kernels.invariant_mm import invariant_linear
+
+        return invariant_linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.reshape(1, -1, k)
     padded, m = _tiles(rows, tile)
@@ -158,7 +176,7 @@ def attend(
         vb = values[:, start : start + block, None].expand(b * hk, block, nt, dv)
         kb = kb.permute(0, 2, 1, 3).reshape(n, block, dk)
         vb = vb.permute(0, 2, 1, 3).reshape(n, block, dv)
-        scores = torch.bmm(rows, kb.transpose(1, 2)) * scale
+        scores = _product(rows, kb.transpose(1, 2)) * scale
         k_pos = torch.arange(start, start + block, device=q.device)
         allowed = k_pos <= pos
         if sliding_window is not None:
@@ -169,7 +187,7 @@ def attend(
         carry = pointwise(torch.exp, best - base)
         weights = torch.exp(scores - base)
         total = total * carry + weights.sum(-1, keepdim=True)
-        acc = acc * carry + torch.bmm(weights, vb)
+        acc = acc * carry + _product(weights, vb)
         best = new_best
     out = (acc / total).view(b * hk, nt * tile, dv)[:, :m]
     return out.reshape(b, hk, nq, g, dv).permute(0, 2, 1, 3, 4).reshape(b, nq, h, dv)
