@@ -44,9 +44,10 @@ def is_quantized_by_converter(name: str) -> bool:
     return name.endswith(("proj.weight", "proj_with_mqa.weight")) or bool(EXPERT.search(name))
 
 
-def write_fp8_pair(base, save) -> tuple:
+def write_fp8_pair(base, save, reference: bool = True) -> tuple:
     """(fp8 dir, float32 dir of the same weights dequantized, transformers' model read
-    from the FP8 dir: on the CPU it dequantizes the pairs itself, into float32)."""
+    from the FP8 dir: on the CPU it dequantizes the pairs itself, into float32; None
+    without `reference`)."""
     quant, plain = base / "fp8", base / "plain"
     save(quant)
     fp8_tensors, dequantized = {}, {}
@@ -68,10 +69,12 @@ def write_fp8_pair(base, save) -> tuple:
         "weight_block_size": list(BLOCK),
     }
     (quant / "config.json").write_text(json.dumps(config))
+    if not reference:
+        return quant, plain, None
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(str(quant), dtype=torch.float32)
-    return quant, plain, reference.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(quant), dtype=torch.float32)
+    return quant, plain, model.eval()
 
 
 KIMI = dict(DEEPSEEK, layer_types=["linear_attention", "full_attention"], linear_head_dim=64)
