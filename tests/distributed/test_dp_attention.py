@@ -19,6 +19,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.distributed.messages import DPMessage
 from batchgen.engine.dp_attention import DPEngine
 from batchgen.engine.dp_rank import _Worker
+from batchgen.engine.request import RequestStatus
 
 KW = dict(
     device="cpu",
@@ -141,11 +142,15 @@ def test_each_rank_holds_only_its_own_requests_pages(checkpoint):
             engine.add_request(rid, ids, params)
         # a: 44 tokens on rank 0; b, c, d: 12 each, all on rank 1 (36 < 44)
         assert engine.held == [44, 36]
+        waiting = {rid: r.status for rid, r in engine.requests.items()}
         for _ in range(3):  # prefill (24 tokens a step) and a decode
             engine.step()
         pages = engine.rank_pages()
+        running = {rid: r.status for rid, r in engine.requests.items()}
     finally:
         llm.engine.shutdown()
+    assert waiting == dict.fromkeys("abcd", RequestStatus.WAITING)
+    assert running == dict.fromkeys("abcd", RequestStatus.RUNNING)  # what every rank holds
     assert set(pages[0]) == {"a"} and set(pages[1]) == {"b", "c", "d"}
     assert pages[0]["a"] == 11  # 40 prompt tokens and a decoded one, 4 a page
     assert all(3 >= pages[1][rid] >= 2 for rid in "bcd")

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from batchgen.api.batch_journal import InputMismatch
-from batchgen.api.run_options import DEFAULT_MODEL_NAME, check_run
+from batchgen.api.run_options import DEFAULT_MODEL_NAME, attention_data_parallel, check_run
 from batchgen.console import usage_error
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,9 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         seed=args.seed,
         quantization=args.quantization,
     )
-    if args.data_parallel is not None:
+    if attention_data_parallel(args):  # one engine of N ranks
+        kwargs["data_parallel_size"] = args.data_parallel
+    elif args.data_parallel is not None:
         return _run_data_parallel(args, opts, kwargs)
 
     from batchgen.api.llm import LLM
@@ -138,6 +140,8 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
     except ValueError as e:
         return _usage_error(f"--device {args.device}: {e}")
     ranks = f", {args.tp} tensor-parallel ranks" if args.tp > 1 else ""
+    if attention_data_parallel(args):
+        ranks = f", {args.data_parallel} data-parallel ranks"
     logger.info(
         "loading %s on %s%s; results follow once it is loaded",
         name if args.model else f"the default model {name}",

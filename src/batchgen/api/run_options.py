@@ -131,7 +131,9 @@ def add_run_parser(sub) -> None:
         action="store_true",
         help="with --tp N on a mixture-of-experts model: place the routed experts by "
         "rank and send tokens to their experts' ranks and back (all-to-all) instead of "
-        "every rank computing its experts' share of every token",
+        "every rank computing its experts' share of every token; with --data-parallel N: "
+        "attention data parallel, one engine of N ranks each running its own share of "
+        "the requests (no Ray)",
     )
     run.add_argument(
         "--data-parallel",
@@ -140,7 +142,8 @@ def add_run_parser(sub) -> None:
         metavar="N",
         help="run N engines as Ray actors (one GPU each, or one CPU with --device cpu; "
         "--tp GPUs or CPUs each with --tp) over shards of the input; needs "
-        "pip install 'batchgen[ray]'",
+        "pip install 'batchgen[ray]'. With --enable-expert-parallel: one engine of N "
+        "data-parallel ranks instead",
     )
     run.add_argument(
         "--shard-size",
@@ -209,13 +212,21 @@ def check_run(args: argparse.Namespace) -> str | None:
         return f"--top-p must be in (0, 1], got {_shown(args.top_p)}"
     if not DEVICE.fullmatch(args.device):
         return f"--device must be auto, cpu, cuda or cuda:N, got {args.device}"
-    if args.enable_expert_parallel and args.tp < 2:
+    attention_dp = attention_data_parallel(args)
+    if attention_dp and args.tp > 1:
+        return (
+            "--data-parallel with --enable-expert-parallel runs one process a rank: "
+            f"--tp must be 1 for now, got {args.tp}"
+        )
+    if args.enable_expert_parallel and args.tp < 2 and not attention_dp:
         return (
             f"--enable-expert-parallel spreads experts over ranks: it needs --tp > 1, got {args.tp}"
         )
     if args.shard_size is not None and args.data_parallel is None:
         return "--shard-size applies to --data-parallel runs only"
-    if args.data_parallel is not None:
+    if args.shard_size is not None and attention_dp:
+        return "--shard-size applies to Ray data parallel (without --enable-expert-parallel)"
+    if args.data_parallel is not None and not attention_dp:
         from batchgen.api.data_parallel import RayNotInstalled, import_ray
 
         if args.device not in ("auto", "cpu", "cuda"):
@@ -233,6 +244,12 @@ def check_run(args: argparse.Namespace) -> str | None:
             "Face id (org/name)"
         )
     return None
+
+
+def attention_data_parallel(args: argparse.Namespace) -> bool:
+    """--data-parallel N > 1 with --enable-expert-parallel: one engine of N attention
+    data-parallel ranks (LLM's data_parallel_size), not N Ray engines."""
+    return bool(args.enable_expert_parallel) and (args.data_parallel or 1) > 1
 
 
 def _shown(value) -> str:

@@ -139,8 +139,9 @@ class DPStep(DPMessage):
 
 @dataclass(frozen=True)
 class DPQuery(DPMessage):
-    """Answer `what` of the worker's engine: "metrics" (its metrics dict) or "pages"
-    (request id -> the device pages it holds, for each request with pages)."""
+    """Answer `what` of the worker's engine: "metrics" (its metrics dict), "pages"
+    (request id -> the device pages it holds, for each request with pages) or "statuses"
+    (request id -> its RequestStatus, for each unfinished request it holds)."""
 
     replies: ClassVar[bool] = True
     what: str

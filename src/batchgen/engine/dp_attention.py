@@ -29,7 +29,7 @@ parallel rank, placement over several hosts (Ray), and reconfigure().
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from batchgen.config import EngineConfig
 from batchgen.distributed.lockstep import Lockstep
@@ -40,13 +40,21 @@ from batchgen.engine.builder_plan import has_moe_layers
 from batchgen.engine.dp_rank import DPRank, TickResult, worker_main
 from batchgen.engine.engine_core import EngineCore, EngineStats, RequestsFailed
 from batchgen.engine.memory import check_host_budget
-from batchgen.engine.request import Request
+from batchgen.engine.request import Request, RequestStatus
 from batchgen.models.default_model import default_model_path
 from batchgen.models.loader import ModelSource
 from batchgen.runner.sampler import request_seed
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankRequest:
+    """A request some rank holds, as rank 0 sees it: its id and status."""
+
+    request_id: str
+    status: RequestStatus
 
 
 def wants_dp_attention(config: EngineConfig) -> bool:
@@ -212,6 +220,18 @@ class DPEngine:
         where = self._where.pop(request_id, None)
         if where is not None:
             self.held[where[0]] -= where[1]
+
+    @property
+    def requests(self) -> dict[str, RankRequest]:
+        """The unfinished requests every rank holds, by id, with their status: a round
+        trip to every worker (the batch job asks it once, when a signal stops admission,
+        to drop the lines not started). Requests not yet sent to their rank are WAITING."""
+        out = {rid: RankRequest(rid, req.status) for rid, req in self.local.requests.items()}
+        for item in self._outbox:
+            out[item.request_id] = RankRequest(item.request_id, RequestStatus.WAITING)
+        for statuses in self.workers.ask(DPQuery("statuses")):
+            out.update({rid: RankRequest(rid, status) for rid, status in statuses.items()})
+        return out
 
     def rank_pages(self) -> list[dict[str, int]]:
         """Per rank (rank 0 first): request id -> the device pages it holds now."""

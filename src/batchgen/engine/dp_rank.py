@@ -127,4 +127,6 @@ class _Worker:
             return self.rank.metrics()
         if message.what == "pages":
             return self.rank.pages()
-        raise ValueError(f"DPQuery: unknown {message.what!r} (metrics, pages)")
+        if message.what == "statuses":
+            return {rid: req.status for rid, req in self.rank.engine.requests.items()}
+        raise ValueError(f"DPQuery: unknown {message.what!r} (metrics, pages, statuses)")
