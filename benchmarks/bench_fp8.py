@@ -92,8 +92,9 @@ def bench_dense(gen, sweep: bool) -> list[tuple]:
 
 
 def bench_moe(gen, sweep: bool) -> list[tuple]:
+    from batchgen.kernels.fp8_moe import tuning_for
     from batchgen.kernels.fused_moe import MoETuning, align_pairs
-    from batchgen.layers.quant.fp8_experts import FP8_MOE_TUNING, Fp8Experts, fp8_expert_gemm
+    from batchgen.layers.quant.fp8_experts import Fp8Experts, fp8_expert_gemm
     from batchgen.layers.routed_experts import grouped_mm
 
     experts, hidden, inter, top_k = 64, 2048, 1024, 6
@@ -113,7 +114,7 @@ def bench_moe(gen, sweep: bool) -> list[tuple]:
         ref = torch.empty_like(bf16()).index_copy_(0, order, bf16())  # back to pair order
         w_bytes = dense.numel() * 2 * touched // experts
         rows.append(_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
-        launches = [FP8_MOE_TUNING] + (
+        launches = [tuning_for(t * top_k, experts)] + (
             [MoETuning(*c) for c in [(16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 128, 8, 3)]]
             if sweep
             else []

@@ -24,6 +24,20 @@ from batchgen.kernels.fused_moe import MoETuning
 TUNING = MoETuning(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
+def tuning_for(num_pairs: int, num_experts: int) -> MoETuning:
+    """A launch for num_pairs pairs over num_experts experts (host ints: the step's
+    shape, nothing read back): row blocks about as tall as an expert's share of the
+    pairs, so each expert's weight tile is read by as few blocks as its rows need
+    (decode: 16; a 512-row step over 64 experts, top 6: ~48 rows each, 64). First
+    guesses until benchmarks/bench_fp8.py has run on the device."""
+    rows = num_pairs / max(1, num_experts)
+    if rows <= 16:
+        return TUNING
+    if rows <= 32:
+        return MoETuning(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    return MoETuning(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+
+
 @triton.jit
 def _fp8_moe_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, ids_ptr, block_expert_ptr, num_blocks_ptr,

@@ -340,7 +340,7 @@ class RoutedExperts(nn.Module):
         gate_up, down = self.weights()
         packed_on_gpu = self.group_size is not None and x.is_cuda
         if isinstance(gate_up, Fp8Experts) and fp8_experts.serves(x, gate_up):
-            tuning = fp8_experts.FP8_MOE_TUNING
+            tuning = fp8_experts.moe_tuning(x, ids.shape[1], gate_up)
         else:
             tuning = MOE_TUNING if packed_on_gpu else None
         return fused_experts(
