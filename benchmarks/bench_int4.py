@@ -8,6 +8,8 @@ intermediate 1024, top-6) through kernels/int4_moe.py against the bf16 grouped G
 (torch._grouped_mm over the same token-sorted rows). Rates: the weight bytes read once
 over the time (decode is bound by them) against the copy ceiling. Each INT4 result's
 largest difference from the bf16 product over the same dequantized weights is shown.
+The sweep tries each launch with both ways of unpacking a tile (int4_gemm.unpack_tile:
+words split by a reshape, or gathered per row: "gather").
 
     python3 -m benchmarks.bench_int4            # defaults plus the launch sweep
     python3 -m benchmarks.bench_int4 --quick    # default launches only
@@ -35,6 +37,13 @@ LAUNCHES = [  # (block_m, block_n, block_k, split_k, warps, stages)
     (64, 128, 64, 1, 8, 3),
     (128, 128, 64, 1, 8, 3),
     (64, 64, 128, 1, 4, 4),
+]
+
+MOE_LAUNCHES = [  # (block_m, block_n, block_k, warps, stages)
+    (16, 64, 128, 4, 3),
+    (16, 128, 128, 4, 4),
+    (32, 64, 128, 4, 4),
+    (64, 128, 64, 8, 3),
 ]
 
 
@@ -73,20 +82,22 @@ def bench_dense(gen, sweep: bool) -> list[tuple]:
                     n * k * 2,
                 )
             )
-            tunings = [None] + ([W4A16Tuning(*t) for t in LAUNCHES] if sweep else [])
+            swept = [W4A16Tuning(*t, gather=g) for t in LAUNCHES for g in (False, True)]
+            tunings = [None] + (swept if sweep else [])
             for tn in tunings:
                 run = partial(w4a16_gemm, x, packed, scale, GROUP, tuning=tn)
                 err = (run().float() - ref.float()).abs().max().item()
                 label = "int4 default" if tn is None else (
                     f"int4 {tn.block_m}x{tn.block_n}x{tn.block_k} s{tn.split_k} w{tn.num_warps}"
+                    + (" gather" if tn.gather else "")
                 )  # fmt: skip
                 rows.append(_row(case, label, kernel_seconds(run), n * k // 2, err))
     return rows
 
 
 def bench_moe(gen, sweep: bool) -> list[tuple]:
-    from batchgen.kernels.fused_moe import MoETuning, align_pairs
-    from batchgen.kernels.int4_moe import TUNING, int4_moe_gemm
+    from batchgen.kernels.fused_moe import align_pairs
+    from batchgen.kernels.int4_moe import TUNING, Int4MoETuning, int4_moe_gemm
     from batchgen.layers.routed_experts import grouped_mm
 
     experts, hidden, inter, top_k = 64, 2048, 1024, 6
@@ -106,7 +117,7 @@ def bench_moe(gen, sweep: bool) -> list[tuple]:
         w_bytes = dense.numel() * 2 * touched // experts
         rows.append(_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
         launches = [TUNING] + (
-            [MoETuning(*c) for c in [(16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 8, 3)]]
+            [Int4MoETuning(*c, gather=g) for c in MOE_LAUNCHES for g in (False, True)]
             if sweep
             else []
         )  # fmt: skip
@@ -115,6 +126,7 @@ def bench_moe(gen, sweep: bool) -> list[tuple]:
             run = partial(int4_moe_gemm, x, packed, scale, GROUP, *aligned, t * top_k, top_k, tn)
             err = (run().float() - ref.float()).abs().max().item()
             label = f"int4 {tn.block_m}x{tn.block_n}x{tn.block_k} w{tn.num_warps}"
+            label += " gather" if tn.gather else ""
             rows.append(_row(case, label, kernel_seconds(run), w_bytes // 4, err))
     return rows
 

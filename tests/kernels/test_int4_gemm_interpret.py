@@ -8,11 +8,13 @@ to float32 rounding of another summation order; bfloat16 outputs to one rounding
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from int4_blocks import quantize_int4
 
-from batchgen.kernels.fused_moe import MoETuning, align_pairs
+from batchgen.kernels.fused_moe import align_pairs
 from batchgen.kernels.int4_gemm import (
     DECODE_TUNING,
     PREFILL_TUNING,
@@ -24,7 +26,7 @@ from batchgen.kernels.int4_gemm import (
     w4a16_gemm,
     w4a16_reference,
 )
-from batchgen.kernels.int4_moe import int4_moe_gemm
+from batchgen.kernels.int4_moe import Int4MoETuning, int4_moe_gemm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL = W4A16Tuning(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1)
@@ -84,11 +86,14 @@ def test_dequantize_is_q_times_its_group_scale():
     ],
 )
 def test_w4a16_matches_the_reference(dtype, group, m, n, k, tuning):
+    """Both ways of unpacking a tile (a word split by a reshape, or gathered per row)."""
     gen = torch.Generator().manual_seed(m * 100 + n)
     packed, scale = _weights(n, k, group, gen)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
-    out = w4a16_gemm(x, packed, scale, group, tuning=tuning)
-    _close(out, w4a16_reference(x, packed, scale, group))
+    ref = w4a16_reference(x, packed, scale, group)
+    for gather in (False, True):
+        tn = dataclasses.replace(tuning, gather=gather)
+        _close(w4a16_gemm(x, packed, scale, group, tuning=tn), ref)
 
 
 def test_the_default_launches_and_a_strided_input():
@@ -156,9 +161,10 @@ def test_int4_moe_gemm_matches_the_reference(dtype, group, rows_per_token):
     pairs = tokens * rows_per_token
     experts_of = torch.randint(0, num_experts + 1, (pairs,), generator=gen).to(DEVICE)
     a = torch.randn(pairs // rows_per_token, k, generator=gen).to(DEVICE, dtype)
-    tuning = MoETuning(block_m=16, block_n=16, block_k=64, num_warps=1, num_stages=1)
-    aligned = align_pairs(experts_of, num_experts, tuning.block_m)
-    out = int4_moe_gemm(a, packed, scale, group, *aligned, pairs, rows_per_token, tuning)
     ref = _moe_reference(a, packed, scale, group, experts_of, rows_per_token)
     mine = experts_of < num_experts
-    _close(out[mine], ref[mine])
+    for gather in (False, True):
+        tuning = Int4MoETuning(16, 16, 64, num_warps=1, num_stages=1, gather=gather)
+        aligned = align_pairs(experts_of, num_experts, tuning.block_m)
+        out = int4_moe_gemm(a, packed, scale, group, *aligned, pairs, rows_per_token, tuning)
+        _close(out[mine], ref[mine])

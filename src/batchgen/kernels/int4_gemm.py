@@ -22,6 +22,7 @@ partial sums that torch adds in a fixed order (no atomics: the same bits every r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class W4A16Tuning:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    gather: bool = False  # unpack_tile's GATHER
 
 
 DECODE_TUNING = W4A16Tuning(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
@@ -63,25 +65,37 @@ def choose_tuning(m: int, n: int, k: int, num_sms: int) -> W4A16Tuning:
     split = 1
     while tiles * split * 2 <= num_sms and k // (base.block_k * split * 2) >= 4:
         split *= 2
-    return W4A16Tuning(base.block_m, base.block_n, base.block_k, split, base.num_warps,
-                       base.num_stages)  # fmt: skip
+    return dataclasses.replace(base, split_k=split)
 
 
 @triton.jit
 def unpack_tile(packed_ptr, scale_ptr, offs_n, k0, N, K, stride_pn, stride_sn,
-                GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """W^T[k0 : k0 + BLOCK_K, offs_n] in float32 (columns past K or rows past N: 0)."""
-    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                GATHER: tl.constexpr):  # fmt: skip
+    """W^T[k0 : k0 + BLOCK_K, offs_n] in float32 (columns past K or rows past N: 0, by
+    their zero scales). GATHER: each of the tile's BLOCK_K rows loads its word (8 loads
+    of a word, from the cache) and shifts out its nibble; else each word is loaded once
+    and split into 8 rows by a reshape (which the compiler may route through shared
+    memory): bench_int4.py times both."""
     mask_n = offs_n < N
-    packed = tl.load(
-        packed_ptr + offs_n[None, :] * stride_pn + words[:, None],
-        mask=mask_n[None, :] & (words[:, None] < tl.cdiv(K, 8)),
-        other=0x88888888,  # zeros as nibbles hold them (q + 8)
-    )
-    shifts = tl.arange(0, 8) * 4
-    nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
-    q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8  # row 8w + j: nibble j of word w
     offs_k = k0 + tl.arange(0, BLOCK_K)
+    if GATHER:
+        packed = tl.load(
+            packed_ptr + offs_n[None, :] * stride_pn + (offs_k // 8)[:, None],
+            mask=mask_n[None, :] & (offs_k[:, None] < K),
+            other=0,
+        )
+        q = ((packed >> ((offs_k % 8) * 4)[:, None]) & 0xF) - 8
+    else:
+        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(
+            packed_ptr + offs_n[None, :] * stride_pn + words[:, None],
+            mask=mask_n[None, :] & (words[:, None] < tl.cdiv(K, 8)),
+            other=0,
+        )
+        shifts = tl.arange(0, 8) * 4
+        nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, N]
+        q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8  # row 8w + j: nibble j of word w
     scale = tl.load(
         scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None],
         mask=mask_n[None, :] & (offs_k[:, None] < K),
@@ -96,6 +110,7 @@ def _w4a16_kernel(
     stride_xm, stride_pn, stride_sn, stride_os, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, RNE_BY_HAND: tl.constexpr,
+    GATHER: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -113,7 +128,7 @@ def _w4a16_kernel(
             other=0.0,
         )
         w = unpack_tile(packed_ptr, scale_ptr, offs_n, k0, N, K, stride_pn, stride_sn,
-                        GROUP, BLOCK_K, BLOCK_N)  # fmt: skip
+                        GROUP, BLOCK_K, BLOCK_N, GATHER)  # fmt: skip
         acc += mma(x, to_dtype(w, x_ptr.dtype.element_ty, RNE_BY_HAND), DOT_F32)
     out = out_ptr + pid_k * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     acc = to_dtype(acc, out_ptr.dtype.element_ty, RNE_BY_HAND)
@@ -169,7 +184,7 @@ def w4a16_gemm(
         target.stride(0) if split > 1 else 0, target.stride(-2),
         GROUP=group_size, BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n,
         BLOCK_K=tuning.block_k, DOT_F32=dot_in_f32(x), RNE_BY_HAND=rne_by_hand(x),
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        GATHER=tuning.gather, num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
     if split > 1:  # the partial sums in split order, rounded once
         out.copy_(target.sum(0))

@@ -14,6 +14,8 @@ a quarter of bf16's bytes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +25,15 @@ from batchgen.kernels.int4_gemm import check_packed, unpack_tile
 from batchgen.kernels.mma import dot_in_f32, mma
 from batchgen.kernels.rounding import rne_by_hand, to_dtype
 
-TUNING = MoETuning(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+
+@dataclass(frozen=True)
+class Int4MoETuning(MoETuning):
+    """MoETuning and how a weight tile is unpacked (int4_gemm.unpack_tile's GATHER)."""
+
+    gather: bool = False
+
+
+TUNING = Int4MoETuning(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -32,7 +42,7 @@ def _int4_moe_kernel(
     num_pairs, N, K, stride_am, stride_pe, stride_pn, stride_se, stride_sn, stride_om,
     GROUP: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    RNE_BY_HAND: tl.constexpr,
+    RNE_BY_HAND: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -55,7 +65,7 @@ def _int4_moe_kernel(
             other=0.0,
         )
         w = unpack_tile(packed_base, scale_base, offs_n, k0, N, K, stride_pn, stride_sn,
-                        GROUP, BLOCK_K, BLOCK_N)  # fmt: skip
+                        GROUP, BLOCK_K, BLOCK_N, GATHER)  # fmt: skip
         acc += mma(a, to_dtype(w, a_ptr.dtype.element_ty, RNE_BY_HAND), DOT_F32)
     out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     acc = to_dtype(acc, out_ptr.dtype.element_ty, RNE_BY_HAND)
@@ -95,6 +105,7 @@ def int4_moe_gemm(
         w_scale.stride(0), w_scale.stride(1), out.stride(0),
         GROUP=group_size, ROWS_PER_TOKEN=rows_per_token, BLOCK_M=tuning.block_m,
         BLOCK_N=tuning.block_n, BLOCK_K=tuning.block_k, DOT_F32=dot_in_f32(a),
-        RNE_BY_HAND=rne_by_hand(a), num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        RNE_BY_HAND=rne_by_hand(a), GATHER=getattr(tuning, "gather", False),
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
     return out
