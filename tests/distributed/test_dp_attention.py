@@ -142,6 +142,10 @@ def test_each_rank_holds_only_its_own_requests_pages(checkpoint):
             engine.add_request(rid, ids, params)
         # a: 44 tokens on rank 0; b, c, d: 12 each, all on rank 1 (36 < 44)
         assert engine.held == [44, 36]
+        for k in range(3):  # a prompt's samples stay together: one prefill serves them
+            engine.add_request(f"e#{k}", [7] * 8, params)
+        assert engine.held == [44, 36 + 3 * 12]
+        engine.abort([f"e#{k}" for k in range(3)])
         waiting = {rid: r.status for rid, r in engine.requests.items()}
         for _ in range(3):  # prefill (24 tokens a step) and a decode
             engine.step()

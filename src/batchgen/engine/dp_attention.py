@@ -104,6 +104,7 @@ class DPEngine:
         self._busy = [False] * size  # each worker's answer to the last tick
         self._tokens = [0] * size  # each rank's output tokens so far
         self._arrival = 0
+        self._last: tuple[tuple[int, ...], int] | None = None  # the last prompt, its rank
         self._failed: dict[str, str] = {}
 
     @classmethod
@@ -140,7 +141,9 @@ class DPEngine:
         validated: bool = False,
     ) -> None:
         """Queue one request on the rank holding the fewest tokens (the lowest such
-        rank); it reaches a worker with the next step."""
+        rank), or, where it has the prompt of the request added just before it (a
+        prompt's n samples), on that one's rank, where its prefill is shared; it
+        reaches a worker with the next step."""
         if not validated:
             self.validate(prompt_token_ids, params, f"request {request_id}")
         if request_id in self._where:
@@ -148,7 +151,12 @@ class DPEngine:
         if params.seed is None:  # the seed one engine would give it (EngineCore.add_request)
             params = replace(params, seed=request_seed(self.local.config.seed, self._arrival))
         self._arrival += 1
-        rank = min(range(self.size), key=lambda r: (self.held[r], r))
+        ids = tuple(prompt_token_ids)
+        if self._last is not None and self._last[0] == ids:
+            rank = self._last[1]  # a prompt's samples, added together: one prefill serves all
+        else:
+            rank = min(range(self.size), key=lambda r: (self.held[r], r))
+        self._last = (ids, rank)
         tokens = len(prompt_token_ids) + (params.max_tokens or self.max_model_len)
         tokens = min(tokens, self.max_model_len)
         self.held[rank] += tokens
