@@ -97,7 +97,7 @@ def bench_dense(gen, sweep: bool) -> list[tuple]:
 
 def bench_moe(gen, sweep: bool) -> list[tuple]:
     from batchgen.kernels.fused_moe import align_pairs
-    from batchgen.kernels.int4_moe import TUNING, Int4MoETuning, int4_moe_gemm
+    from batchgen.kernels.int4_moe import Int4MoETuning, int4_moe_gemm, tuning_for
     from batchgen.layers.routed_experts import grouped_mm
 
     experts, hidden, inter, top_k = 64, 2048, 1024, 6
@@ -116,7 +116,7 @@ def bench_moe(gen, sweep: bool) -> list[tuple]:
         ref = torch.empty_like(bf16()).index_copy_(0, order, bf16())  # back to pair order
         w_bytes = dense.numel() * 2 * touched // experts
         rows.append(_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
-        launches = [TUNING] + (
+        launches = [tuning_for(t * top_k, experts)] + (
             [Int4MoETuning(*c, gather=g) for c in MOE_LAUNCHES for g in (False, True)]
             if sweep
             else []

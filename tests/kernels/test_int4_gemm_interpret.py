@@ -26,7 +26,7 @@ from batchgen.kernels.int4_gemm import (
     w4a16_gemm,
     w4a16_reference,
 )
-from batchgen.kernels.int4_moe import Int4MoETuning, int4_moe_gemm
+from batchgen.kernels.int4_moe import Int4MoETuning, int4_moe_gemm, tuning_for
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL = W4A16Tuning(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1)
@@ -168,3 +168,17 @@ def test_int4_moe_gemm_matches_the_reference(dtype, group, rows_per_token):
         aligned = align_pairs(experts_of, num_experts, tuning.block_m)
         out = int4_moe_gemm(a, packed, scale, group, *aligned, pairs, rows_per_token, tuning)
         _close(out[mine], ref[mine])
+
+
+@pytest.mark.parametrize(("tokens", "rows"), [(6, 16), (40, 32), (90, 64)])
+def test_each_launch_tuning_for_picks_matches_the_reference(tokens, rows):
+    """tuning_for's 16-, 32- and 64-row blocks (2 experts, top 1: tokens / 2 rows each)."""
+    gen = torch.Generator().manual_seed(tokens)
+    packed, scale = _weights(40, 128, 32, gen, experts=2)
+    tuning = tuning_for(tokens, 2)
+    assert tuning.block_m == rows
+    experts_of = torch.randint(0, 2, (tokens,), generator=gen).to(DEVICE)
+    a = torch.randn(tokens, 128, generator=gen).to(DEVICE)
+    aligned = align_pairs(experts_of, 2, tuning.block_m)
+    out = int4_moe_gemm(a, packed, scale, 32, *aligned, tokens, 1, tuning)
+    _close(out, _moe_reference(a, packed, scale, 32, experts_of, 1))

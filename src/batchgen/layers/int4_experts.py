@@ -23,9 +23,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels.fused_moe import MoETuning
 from batchgen.kernels.int4_gemm import PACK, dequantize_int4
-from batchgen.kernels.int4_moe import TUNING, int4_moe_gemm
-
-MOE_TUNING = TUNING  # the launch RoutedExperts uses on CUDA
+from batchgen.kernels.int4_moe import int4_moe_gemm, tuning_for
 
 
 @dataclass(frozen=True)
@@ -62,6 +60,12 @@ def packed_shapes(
         (num_experts, rows, -(-in_features // PACK)),
         (num_experts, rows, -(-in_features // group_size)),
     )
+
+
+def moe_tuning(x: torch.Tensor, top_k: int, w: PackedExperts) -> MoETuning:
+    """The launch for x's step on CUDA: kernels/int4_moe.tuning_for its pairs and
+    experts."""
+    return tuning_for(x.shape[0] * top_k, w.shape[0])
 
 
 def expert_loop(a: torch.Tensor, w: PackedExperts, offs: torch.Tensor) -> torch.Tensor:

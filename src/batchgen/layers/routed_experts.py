@@ -37,12 +37,12 @@ from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
 from batchgen.layers import batch_invariant
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.int4_experts import (
-    MOE_TUNING,
     PackedExperts,
     expert_gemm,
     expert_loop,
     packed_shapes,
 )
+from batchgen.layers.int4_experts import moe_tuning as int4_moe_tuning
 from batchgen.layers.quant import fp8_experts
 from batchgen.layers.quant.fp8_experts import Fp8Experts
 from batchgen.layers.tp_group import TPGroup
@@ -342,7 +342,7 @@ class RoutedExperts(nn.Module):
         if isinstance(gate_up, Fp8Experts) and fp8_experts.serves(x, gate_up):
             tuning = fp8_experts.moe_tuning(x, ids.shape[1], gate_up)
         else:
-            tuning = MOE_TUNING if packed_on_gpu else None
+            tuning = int4_moe_tuning(x, ids.shape[1], gate_up) if packed_on_gpu else None
         return fused_experts(
             x,
             gate_up,
