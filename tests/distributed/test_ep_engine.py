@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import record_launches, save_tiny_model
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
+from int4_blocks import KIMI_K2_THINKING_IGNORE, write_pack_quantized
 from kimi_checkpoints import save_tiny_kimi
 from penalty_reference import set_eos
 
@@ -192,3 +193,24 @@ def test_expert_parallel_needs_ranks_and_experts(tmp_path):
     save_tiny_model(tmp_path, "LlamaForCausalLM")
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         LLM(str(tmp_path), tensor_parallel_size=2, **EP, **KW)
+
+
+@pytest.mark.slow
+def test_int4_experts_ep2_equal_one_process(tmp_path):
+    """Routed experts packed INT4 (Kimi-K2-Thinking's split) go through the all-to-all as
+    plain ones do: the greedy rows of one process on the same checkpoint."""
+    int4, plain = tmp_path / "int4", tmp_path / "plain"
+    for d in (int4, plain):
+        d.mkdir()
+        save_tiny_deepseek(d, first_k_dense_replace=1, n_shared_experts=1)
+    write_pack_quantized(int4, plain, lambda n: ".mlp.experts." in n, 32, KIMI_K2_THINKING_IGNORE)
+    prompts = _prompts(seed=3, head=8, tails=(1, 12))
+    want, _, _ = _reference(int4, prompts, max_model_len=64)
+    llm = LLM(str(int4), tensor_parallel_size=2, **EP, **KW, num_kv_pages=200, max_model_len=64)
+    try:
+        got = _rows(llm.generate(prompts, PARAMS, use_tqdm=False))
+        experts = llm.engine.model.layers[1].mlp.experts
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    assert experts.group_size == 32 and experts.local_experts == range(0, 4)

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek, tiny_config
+from int4_blocks import KIMI_K2_THINKING_IGNORE, write_pack_quantized
 from safetensors.torch import load_file
 from tp_workers import run_ranks
 
@@ -119,3 +120,25 @@ def test_a_rank_reads_only_its_own_experts_tensors(tmp_path, monkeypatch):
     checkpoint = load_file(str(tmp_path / "model.safetensors"))
     down = checkpoint["model.layers.1.mlp.experts.5.down_proj.weight"]
     assert torch.equal(moe.experts.down_proj[1], down)
+
+
+def test_int4_experts_load_by_rank_under_expert_parallel(tmp_path):
+    """A pack-quantized INT4 checkpoint (Kimi-K2-Thinking's split: routed experts INT4):
+    rank 1 of 2 holds experts 4..7 still packed, equal to the one-process model's."""
+    int4, plain = tmp_path / "int4", tmp_path / "plain"
+    for d in (int4, plain):
+        d.mkdir()
+        save_tiny_deepseek(d, first_k_dense_replace=1, n_shared_experts=1)
+    write_pack_quantized(int4, plain, lambda n: ".mlp.experts." in n, 32, KIMI_K2_THINKING_IGNORE)
+    source = ModelSource.resolve(int4)
+    config = source.load_config()
+    cpu = torch.device("cpu")
+    whole = build_model(source, config, torch.float32, cpu, 64).layers[1].mlp.experts
+    tp = TPGroup(1, 2)
+    share = build_model(source, config, torch.float32, cpu, 64, tp=tp, ep=ExpertParallel(tp))
+    experts = share.layers[1].mlp.experts
+    assert experts.group_size == 32 and experts.local_experts == range(4, 8)
+    params = dict(experts.named_parameters())
+    assert any(name.endswith("_packed") for name in params)
+    for name, p in params.items():
+        assert torch.equal(p, dict(whole.named_parameters())[name][4:8]), name
