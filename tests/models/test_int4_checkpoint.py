@@ -3,7 +3,8 @@ load with their weights still packed, and generate what the same weights dequant
 (float32, a plain checkpoint) generate: tokens identical, logprobs within 1e-4.
 
 Tiny random Llama, DeepSeek-V3 and Kimi Linear checkpoints are written by transformers,
-then packed by the compressed-tensors library (tests/int4_blocks.py); the reference
+then packed by the compressed-tensors library (tests/int4_blocks.py), in groups of 32
+(and one Llama in groups of 128, down_proj's 256 columns two groups); the reference
 checkpoint holds that library's own dequantization of them. The DeepSeek-V3 one is
 Kimi-K2-Thinking's split (routed experts INT4, the rest float), the others pack every
 linear layer but the lm_head (MLA's kv_b_proj, whose matrix the model reads, loads
@@ -29,8 +30,14 @@ MAX_NEW = 10
 RUN = dict(device="cpu", dtype="float32", page_size=4, max_model_len=128, max_num_seqs=8)
 PROMPTS = [[5, 6, 7, 8], [40, 41, 300, 2, 9, 10, 11], [100 + i for i in range(30)], [77] * 9]
 
-MODELS = {
+MODELS = {  # (write the float checkpoint, which weights to pack, ignore list, group)
     "llama": (lambda d: save_tiny_model(d, "LlamaForCausalLM"), lambda n: "proj" in n, None),
+    "llama_g128": (
+        lambda d: save_tiny_model(d, "LlamaForCausalLM", intermediate_size=256),
+        lambda n: "proj" in n,
+        None,
+        128,
+    ),
     "deepseek_v3": (
         lambda d: save_tiny_deepseek(d, first_k_dense_replace=1, n_shared_experts=1),
         lambda n: ".mlp.experts." in n,
@@ -54,12 +61,12 @@ class Checkpoints:
     (the reference), with EOS set in both to a token the continuations emit."""
 
     def __init__(self, base, name: str) -> None:
-        save, packs, ignore = MODELS[name]
+        save, packs, ignore, group = (*MODELS[name], 32)[:4]
         self.int4, self.plain = base / "int4", base / "plain"
         for d in (self.int4, self.plain):
             d.mkdir()
             save(d)
-        self.packed = write_pack_quantized(self.int4, self.plain, packs, 32, ignore)
+        self.packed = write_pack_quantized(self.int4, self.plain, packs, group, ignore)
         llm = LLM(model=str(self.plain), **RUN)
         params = SamplingParams(
             temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0

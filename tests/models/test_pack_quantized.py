@@ -96,3 +96,13 @@ def test_dummy_weights_follow_the_configs_ignore_list(tmp_path):
     assert 0.01 < w.std().item() < 0.04  # about the float weights' 0.02
     out = model.layers[1].mlp(torch.randn(3, config.hidden_size))
     assert torch.isfinite(out).all() and out.abs().max() > 0
+
+
+def test_an_int4_checkpoint_takes_no_quantization_option(tmp_path):
+    config = tiny_config(first_k_dense_replace=1)
+    config.quantization_config = quantization_config(32, KIMI_K2_THINKING_IGNORE)
+    with pytest.raises(ValueError, match="quantization='fp8' on an INT4 pack-quantized"):
+        build_model(
+            ModelSource(tmp_path), config, torch.float32, torch.device("cpu"), 64, "dummy",
+            quantization="fp8",
+        )  # fmt: skip
