@@ -219,3 +219,37 @@ def test_a_dead_rank_fails_the_call_naming_it(checkpoint):
 
 def test_every_data_parallel_message_type_has_a_worker_handler():
     assert set(_Worker.HANDLERS) == set(DPMessage.__subclasses__())
+
+
+@pytest.mark.slow
+def test_dp2_host_tier_swaps_latent_pages_and_equals_one_process(checkpoint):
+    """A pool too small for either rank's share: each rank swaps its own requests'
+    latent pages to its own host tier and back; the tokens stay the ample run's."""
+    prompts = _prompts(8)
+    want = _one_process(checkpoint, prompts, GREEDY)
+    tier = dict(KW, num_kv_pages=18, max_model_len=64, host_kv_size_gib=0.001)
+    llm = LLM(checkpoint, **tier, **DP)
+    try:
+        got = _tokens(llm, prompts, GREEDY)
+        ranks = llm.engine.rank_metrics()
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    assert [m["swaps_out"] > 0 and m["swaps_in"] > 0 for m in ranks] == [True, True], ranks
+
+
+@pytest.mark.slow
+def test_dp4_equals_one_process(checkpoint):
+    """Four ranks, two routed experts each, an uneven share of six requests."""
+    prompts, params = _prompts(6), _mixed_params(6)
+    want = _one_process(checkpoint, prompts, params)
+    llm = LLM(checkpoint, **KW, data_parallel_size=4, enable_expert_parallel=True)
+    try:
+        got = _tokens(llm, prompts, params)
+        moe = llm.engine.model.layers[1].mlp
+        ranks = llm.engine.rank_metrics()
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    assert moe.experts.local_experts == range(0, 2)
+    assert [m["prompt_tokens"] > 0 for m in ranks] == [True] * 4
