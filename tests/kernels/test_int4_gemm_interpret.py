@@ -17,6 +17,7 @@ from int4_blocks import quantize_int4
 from batchgen.kernels.fused_moe import align_pairs
 from batchgen.kernels.int4_gemm import (
     DECODE_TUNING,
+    LARGE_TUNING,
     PREFILL_TUNING,
     W4A16Tuning,
     choose_tuning,
@@ -97,10 +98,11 @@ def test_w4a16_matches_the_reference(dtype, group, m, n, k, tuning):
 
 
 def test_the_default_launches_and_a_strided_input():
-    """choose_tuning's launches (decode split along K, prefill), x a view of wider rows."""
+    """choose_tuning's launches (decode and prefill split along K, 128-row tiles), x a
+    view of wider rows."""
     gen = torch.Generator().manual_seed(2)
     packed, scale = _weights(64, 512, 32, gen)
-    for m in (2, 40):
+    for m in (2, 40, 300):
         x = torch.randn(m, 520, generator=gen).to(DEVICE)[:, 8:]
         _close(w4a16_gemm(x, packed, scale, 32), w4a16_reference(x, packed, scale, 32))
 
@@ -110,7 +112,9 @@ def test_choose_tuning_splits_k_only_for_few_rows_and_tiles():
     assert few.block_m == DECODE_TUNING.block_m and few.split_k > 1
     assert 7168 // (few.block_k * few.split_k) >= 4  # each split keeps 4+ steps
     assert choose_tuning(4, n=16384, k=7168, num_sms=132).split_k == 1  # tiles fill the GPU
-    assert choose_tuning(64, n=256, k=7168, num_sms=132) == PREFILL_TUNING
+    mid = choose_tuning(64, n=256, k=7168, num_sms=132)  # 2 tiles of 64 x 128: split too
+    assert mid.block_m == PREFILL_TUNING.block_m and mid.split_k > 1
+    assert choose_tuning(4096, n=4096, k=7168, num_sms=132) == LARGE_TUNING
 
 
 def test_w4a16_checks_its_inputs():
@@ -170,9 +174,10 @@ def test_int4_moe_gemm_matches_the_reference(dtype, group, rows_per_token):
         _close(out[mine], ref[mine])
 
 
-@pytest.mark.parametrize(("tokens", "rows"), [(6, 16), (40, 32), (90, 64)])
+@pytest.mark.parametrize(("tokens", "rows"), [(6, 16), (40, 32), (90, 64), (260, 128)])
 def test_each_launch_tuning_for_picks_matches_the_reference(tokens, rows):
-    """tuning_for's 16-, 32- and 64-row blocks (2 experts, top 1: tokens / 2 rows each)."""
+    """tuning_for's 16-, 32-, 64- and 128-row blocks (2 experts, top 1: tokens / 2 rows
+    each)."""
     gen = torch.Generator().manual_seed(tokens)
     packed, scale = _weights(40, 128, 32, gen, experts=2)
     tuning = tuning_for(tokens, 2)

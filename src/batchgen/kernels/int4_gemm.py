@@ -53,15 +53,16 @@ class W4A16Tuning:
 
 DECODE_TUNING = W4A16Tuning(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
 PREFILL_TUNING = W4A16Tuning(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+LARGE_TUNING = W4A16Tuning(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 def choose_tuning(m: int, n: int, k: int, num_sms: int) -> W4A16Tuning:
-    """Decode launch (block_m 16) up to 16 rows, split along K until the tiles give about
-    one program per SM (each split keeps at least 4 block_k steps); prefill's above."""
-    if m > 16:
-        return PREFILL_TUNING
-    base = DECODE_TUNING
-    tiles = triton.cdiv(n, base.block_n)
+    """The decode launch (block_m 16) up to 16 rows, the prefill one up to 256, 128-row
+    tiles above (each weight tile unpacked once for more rows); split along K until the
+    tiles give about one program per SM, each split keeping at least 4 block_k steps.
+    First guesses until benchmarks/bench_int4.py has run on the device."""
+    base = DECODE_TUNING if m <= 16 else PREFILL_TUNING if m <= 256 else LARGE_TUNING
+    tiles = triton.cdiv(m, base.block_m) * triton.cdiv(n, base.block_n)
     split = 1
     while tiles * split * 2 <= num_sms and k // (base.block_k * split * 2) >= 4:
         split *= 2

@@ -41,14 +41,17 @@ def tuning_for(num_pairs: int, num_experts: int) -> Int4MoETuning:
     shape, nothing read back): row blocks about as tall as an expert's share of the
     pairs, so each expert's packed tiles are read by as few blocks as its rows need
     (a decode step of Kimi-K2, 512 x 8 pairs over 384 experts: 16; W6's, 512 x 6 over
-    64: ~48 rows each, 64). First guesses until benchmarks/bench_int4.py has run on the
+    64: ~48 rows each, 64; prefill chunks past 96 rows an expert: 128, each unpacked
+    weight tile serving more rows). First guesses until benchmarks/bench_int4.py has run on the
     device."""
     rows = num_pairs / max(1, num_experts)
     if rows <= 16:
         return TUNING
     if rows <= 32:
         return Int4MoETuning(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
-    return Int4MoETuning(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    if rows <= 96:
+        return Int4MoETuning(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    return Int4MoETuning(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 @triton.jit
