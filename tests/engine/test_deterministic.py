@@ -1,6 +1,7 @@
 """deterministic=True (batch-invariant layers): each prompt's tokens and logprobs are
 the same bits run alone, in a batch of mixed lengths, prefilled in chunks of 64 tokens,
-after prefix-cache hits and with pipelined decode on or off; with deterministic=False
+after prefix-cache hits, swapped to the host tier and back, and with pipelined decode on
+or off; with deterministic=False
 the same runs differ (CPU, float32). A Llama and a DeepSeek-V3 (MLA, MoE) model.
 
 The model is a tiny random Llama whose lm_head holds near-twin rows (row 256 + i is row
@@ -84,8 +85,9 @@ def _row(out, logprobs: bool):
 
 def _runs(model: str, deterministic: bool, logprobs: int | None) -> dict[str, list]:
     """Each run's rows of the PROBES prompts: alone (one engine call a prompt), in the
-    whole batch, chunked, without pipelined decode, and the whole batch again on the
-    same engine (its prompts now prefix-cache hits)."""
+    whole batch, chunked, without pipelined decode, with a small pool swapping requests
+    to the host tier, and the whole batch again on the same engine (its prompts now
+    prefix-cache hits)."""
     prompts, params = _prompts(), _params(logprobs)
     want = logprobs is not None
     rows = {}
@@ -109,6 +111,17 @@ def _runs(model: str, deterministic: bool, logprobs: int | None) -> dict[str, li
     run(chunked, "chunked 64")
     plain = LLM(model=model, deterministic=deterministic, pipeline_decode=False, **KW)
     run(plain, "pipeline off")
+    # a pool of 40 pages: running requests are swapped to the host tier and back
+    swapping = LLM(
+        model=model,
+        deterministic=deterministic,
+        num_kv_pages=40,
+        host_kv_size_gib=0.05,
+        tier_policy="always",  # off-defaults: the tier must swap on the CPU
+        **KW,
+    )
+    run(swapping, "tier swaps")
+    assert swapping.engine.metrics()["swaps_out"] > 0
     return rows
 
 
@@ -121,9 +134,8 @@ def _differing(rows: dict[str, list]) -> dict[str, int]:
 @pytest.mark.slow
 def test_tokens_and_logprobs_are_batch_invariant(twin_model):
     rows = _runs(twin_model, True, logprobs=0)  # off-defaults: logprobs are compared
-    assert _differing(rows) == {
-        k: 0 for k in ("batch", "prefix hits", "chunked 64", "pipeline off")
-    }
+    runs = ("batch", "prefix hits", "chunked 64", "pipeline off", "tier swaps")
+    assert _differing(rows) == {k: 0 for k in runs}
     reasons = Counter(r[1] for r in rows["alone"])
     assert reasons["stop"] > 0 and reasons["length"] > 0  # EOS endings among them
 
