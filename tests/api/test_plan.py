@@ -50,7 +50,7 @@ TINY = {
 @pytest.mark.parametrize("tp", [1, 2])
 def test_weight_bytes_equal_the_engines_model_on_every_rank(tmp_path, name, tp):
     config = read_config(_written(tmp_path, TINY[name]()))
-    expected = sum(BF16.nbytes(w, True) for w in plans.model_weights(config, Parallel(tp)))
+    expected = BF16.total(plans.model_weights(config, Parallel(tp)), True)
     for rank in range(tp):
         group = TPGroup(rank, tp) if tp > 1 else None
         model = build_model(
@@ -59,6 +59,76 @@ def test_weight_bytes_equal_the_engines_model_on_every_rank(tmp_path, name, tp):
         tensors = [*model.parameters(), *model.buffers()]
         assert sum(t.numel() * t.element_size() for t in tensors) == expected, (name, rank)
         assert weight_bytes(model) == expected
+
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+# Kimi-K2-Thinking's: attention, shared experts and dense MLPs kept in bf16
+K2_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]  # fmt: skip
+
+
+def _int4_config(group: int, ignore: list[str]) -> dict:
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "ignore": ignore,
+        "config_groups": {
+            "g": {"targets": ["Linear"], "weights": {**weights, "group_size": group}}
+        },
+    }
+
+
+# dimensions of whole 128-blocks, so that FP8 and INT4 hold every layer they can
+WIDE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, vocab_size=1024)
+MLA = dict(kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
+WIDE_MODELS = {
+    "llama": lambda: tiny_config("LlamaForCausalLM", **WIDE, head_dim=64),
+    "deepseek_v3": lambda: tiny_deepseek(first_k_dense_replace=1, q_lora_rank=256, **WIDE, **MLA),
+    # in_proj's b rows put f_a off a block: it stays bf16 under FP8, as the engine keeps it
+    "kimi_linear": lambda: tiny_kimi(
+        ["linear_attention", "full_attention"], **WIDE, **MLA, linear_head_dim=128
+    ),
+}
+# (quantization_config in config.json, or the quantization option) -> the plan's row
+QUANTIZED = {
+    "option_fp8": (None, "fp8"),
+    "checkpoint_fp8": (FP8_CONFIG, "fp8"),
+    "checkpoint_int4_g32_k2": (_int4_config(32, K2_IGNORE), "int4-g32"),
+    "checkpoint_int4_g128": (_int4_config(128, ["lm_head"]), "int4-g128"),
+}
+
+
+@pytest.mark.parametrize("quantized", sorted(QUANTIZED))
+@pytest.mark.parametrize("name", sorted(WIDE_MODELS))
+def test_quantized_weight_bytes_equal_the_engines_model(tmp_path, name, quantized):
+    """Dummy weights take the quantized forms a checkpoint of the config (or the fp8
+    option) gives the engine's layers; the plan counts their bytes, rank by rank, under
+    tensor and expert parallel."""
+    from batchgen.layers.expert_parallel import ExpertParallel
+
+    config = WIDE_MODELS[name]()
+    quantization_config, row = QUANTIZED[quantized]
+    if quantization_config is not None:
+        config.quantization_config = quantization_config
+    config = read_config(_written(tmp_path, config))
+    precision = plans.shipped_precision(config) or next(
+        p for p in plans.PRECISIONS if p.name == row
+    )
+    assert precision.name == row
+    moe = name != "llama"
+    layouts = [(Parallel(2), lambda r: dict(tp=TPGroup(r, 2)))]
+    if moe:  # attention data parallel: attention whole, experts split, shared replicated
+        ep = lambda r: dict(ep=ExpertParallel(TPGroup(r, 2), local_tokens=True))  # noqa: E731
+        layouts.append((Parallel(1, 2, expert_parallel=True), ep))
+    option = "fp8" if quantized == "option_fp8" else None
+    for parallel, split in layouts:
+        expected = precision.total(plans.model_weights(config, parallel), moe)
+        for rank in range(2):
+            model = build_model(
+                None, config, torch.bfloat16, torch.device("cpu"), 64, "dummy",
+                quantization=option, **split(rank),
+            )  # fmt: skip
+            assert weight_bytes(model) == expected, (parallel, rank)
 
 
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3", "kimi_linear"])

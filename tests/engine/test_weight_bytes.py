@@ -29,7 +29,7 @@ def test_metrics_report_the_weights_bytes_the_plan_counts(tmp_path, config):
     save_tiny_tokenizer(tmp_path, 512)
     llm = LLM(model=str(tmp_path), dtype="bfloat16", **KW)
     planned = sum(
-        PRECISIONS[0].nbytes(w, True) for w in model_weights(read_config(tmp_path), Parallel())
+        PRECISIONS[0].nbytes(w, False) for w in model_weights(read_config(tmp_path), Parallel())
     )
     assert llm.engine.metrics()["weight_bytes"] == planned
 

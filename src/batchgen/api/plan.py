@@ -71,15 +71,36 @@ class Precision:
     shipped: bool = False
 
     def quantizes(self, w: Weight, moe: bool) -> bool:
+        """Whether this precision would hold `w` quantized, on its own (a stacked
+        tensor's neighbours decide too: `quantized`)."""
         if self.bits == 16 or not w.linear or (self.experts_only and moe and w.part != "experts"):
             return False
         return not any(_matches(pattern, w.module) for pattern in self.ignore)
 
-    def nbytes(self, w: Weight, moe: bool) -> int:
-        """Bytes of the `w.count` tensors in this precision."""
+    def quantized(self, weights: list[Weight], moe: bool) -> list[bool]:
+        """For each weight, whether it is held quantized: a stack is quantized whole,
+        where each of its tensors is and each starts on a scale block's first row (the
+        engine's Linear.check_units; FP8 scales cover 128 rows, INT4's one)."""
+        rows_per = self.block if self.bits == 8 else 1
+        stacks: dict[str, bool] = {}
+        offsets: dict[str, int] = {}
+        for w in weights:
+            if w.stack:
+                ok = self.quantizes(w, moe) and offsets.get(w.stack, 0) % rows_per == 0
+                stacks[w.stack] = stacks.get(w.stack, True) and ok
+                offsets[w.stack] = offsets.get(w.stack, 0) + w.rows
+        return [stacks[w.stack] if w.stack else self.quantizes(w, moe) for w in weights]
+
+    def total(self, weights: list[Weight], moe: bool) -> int:
+        """Bytes of all `weights` in this precision."""
+        held = self.quantized(weights, moe)
+        return sum(self.nbytes(w, q) for w, q in zip(weights, held))
+
+    def nbytes(self, w: Weight, quantized: bool) -> int:
+        """Bytes of the `w.count` tensors in this precision, held quantized or not."""
         if w.fp32:
             return 4 * w.numel
-        if not self.quantizes(w, moe):
+        if not quantized:
             return 2 * w.numel
         if self.bits == 8:
             scales = math.ceil(w.rows / self.block) * math.ceil(w.cols / self.block)
@@ -272,7 +293,7 @@ def plan(
     per_seq = math.ceil(context / limits.page_size)
     fits = []
     for precision in precisions(config):
-        nbytes = sum(precision.nbytes(w, moe) for w in weights)
+        nbytes = precision.total(weights, moe)
         budget = total * limits.gpu_memory_utilization - nbytes - state - reserve
         pages = {k: max(int(budget // lay.bytes_per_page), 0) for k, lay in layouts.items()}
         rows = {

@@ -61,7 +61,9 @@ class Weight:
     """`count` tensors of rows x cols (a vector: cols 1) on one GPU. `module` is a
     checkpoint name standing for them (what a quantization config's ignore list is
     matched against); `linear`: a projection a quantized checkpoint may store quantized;
-    `fp32`: kept in float32 whatever the model's dtype."""
+    `fp32`: kept in float32 whatever the model's dtype. `stack`: the engine's layer that
+    holds this tensor stacked with its neighbours of the same stack, in order (Llama's
+    qkv_proj, a gate_up_proj, KDA's in_proj): quantized all together or not at all."""
 
     module: str
     part: str  # embedding, attention, dense, shared, experts, router, norm
@@ -70,6 +72,7 @@ class Weight:
     count: int = 1
     linear: bool = False
     fp32: bool = False
+    stack: str = ""
 
     @property
     def numel(self) -> int:
@@ -164,9 +167,10 @@ def _norms(prefix: str, hidden: int, count: int) -> list[Weight]:
 
 def _mlp(prefix: str, hidden: int, inter: int, count: int, bias: bool = False) -> list[Weight]:
     """A SwiGLU MLP of `inter` features on this GPU: gate, up, down (and their biases)."""
+    stack = f"{prefix}.gate_up_proj"
     out = [
-        Weight(f"{prefix}.gate_proj", "dense", inter, hidden, count, linear=True),
-        Weight(f"{prefix}.up_proj", "dense", inter, hidden, count, linear=True),
+        Weight(f"{prefix}.gate_proj", "dense", inter, hidden, count, True, stack=stack),
+        Weight(f"{prefix}.up_proj", "dense", inter, hidden, count, True, stack=stack),
         Weight(f"{prefix}.down_proj", "dense", hidden, inter, count, linear=True),
     ]
     if bias:
@@ -187,7 +191,7 @@ def _llama_layers(config, parallel: Parallel, arch: str) -> list[Weight]:
     p = "model.layers.0.self_attn"
     out = _norms("model.layers.0", h, n)
     for name, rows in (("q_proj", heads * d), ("k_proj", kv * d), ("v_proj", kv * d)):
-        out.append(Weight(f"{p}.{name}", "attention", rows, h, n, linear=True))
+        out.append(Weight(f"{p}.{name}", "attention", rows, h, n, True, stack=f"{p}.qkv_proj"))
     attention_bias = bool(getattr(config, "attention_bias", False))
     if arch == "Qwen2ForCausalLM" or attention_bias:
         out.append(Weight(f"{p}.qkv_proj.bias", "attention", (heads + 2 * kv) * d, count=n))
@@ -217,7 +221,8 @@ def _mla(config, parallel: Parallel, prefix: str, count: int) -> list[Weight]:
         out.append(Weight(f"{prefix}.q_b_proj", "attention", heads * (nope + rope), q_lora, count, True))  # fmt: skip
     out.append(Weight(f"{prefix}.kv_a_proj_with_mqa", "attention", latent + rope, h, count, True))
     out.append(Weight(f"{prefix}.kv_a_layernorm", "norm", latent, count=count))
-    out.append(Weight(f"{prefix}.kv_b_proj", "attention", heads * (nope + v), latent, count, True))
+    # read as a matrix by the layer itself (absorbed into q and o): never quantized
+    out.append(Weight(f"{prefix}.kv_b_proj", "attention", heads * (nope + v), latent, count))
     out.append(Weight(f"{prefix}.o_proj", "attention", h, heads * v, count, True))
     if getattr(config, "attention_bias", False):
         # q_a_proj's (with a q LoRA), kv_a_proj_with_mqa's and o_proj's
@@ -282,14 +287,18 @@ def _kimi_linear_layers(config, parallel: Parallel) -> list[Weight]:
     first = lambda kind, seq: seq.index(kind) if kind in seq else 0  # noqa: E731
     p = f"model.layers.{first('linear_attention', kinds)}.self_attn"
     out = _norms("model.layers.0", h, n)
+    ins = f"{p}.in_proj"  # q k v b f_a g_a stacked
     out += [
-        Weight(f"{p}.q_proj", "attention", w, h, kda, True),
-        Weight(f"{p}.k_proj", "attention", w, h, kda, True),
-        Weight(f"{p}.v_proj", "attention", w, h, kda, True),
-        Weight(f"{p}.b_proj", "attention", heads, h, kda, True),
-        Weight(f"{p}.f_a_proj", "attention", d, h, kda, True),
-        Weight(f"{p}.g_a_proj", "attention", d, h, kda, True),
-        Weight(f"{p}.conv1d", "attention", 3 * w, k, kda),
+        Weight(f"{p}.q_proj", "attention", w, h, kda, True, stack=ins),
+        Weight(f"{p}.k_proj", "attention", w, h, kda, True, stack=ins),
+        Weight(f"{p}.v_proj", "attention", w, h, kda, True, stack=ins),
+        Weight(f"{p}.b_proj", "attention", heads, h, kda, True, stack=ins),
+        Weight(f"{p}.f_a_proj", "attention", d, h, kda, True, stack=ins),
+        Weight(f"{p}.g_a_proj", "attention", d, h, kda, True, stack=ins),
+        # depthwise conv taps [channels, K], q k v stacked: a Linear to the engine
+        Weight(f"{p}.q_conv1d", "attention", w, k, kda, True, stack=f"{p}.conv1d"),
+        Weight(f"{p}.k_conv1d", "attention", w, k, kda, True, stack=f"{p}.conv1d"),
+        Weight(f"{p}.v_conv1d", "attention", w, k, kda, True, stack=f"{p}.conv1d"),
         Weight(f"{p}.f_b_proj", "attention", w, d, kda, True),
         Weight(f"{p}.g_b_proj", "attention", w, d, kda, True),
         Weight(f"{p}.A_log", "attention", heads, count=kda, fp32=True),
