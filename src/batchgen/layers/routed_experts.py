@@ -295,6 +295,7 @@ class RoutedExperts(nn.Module):
             expected = ", ".join(self.param_names())
             raise ValueError(f"unexpected expert parameter {param!r} ({expected})")
         if self._quantizes(param, tensor):  # a float weight into FP8 experts
+            tensor = tensor.to(self.gate_up_proj.device)  # quantized where the experts live
             q, scale = fp8_experts.quantize_experts(tensor, self.fp8_block)
             self.load(param, q, shard)
             self.load(param + "_scale_inv", scale, shard)
