@@ -114,7 +114,7 @@ class DPMessage:
 
 @dataclass(frozen=True)
 class DPRequest:
-    """A request an attention data-parallel rank takes: sent to the ranks once, with the
+    """A request an attention data-parallel rank takes: sent to its rank once, with the
     tick after it arrived (its seed already fixed by rank 0, so its noise is the same on
     whatever rank it runs)."""
 
@@ -126,14 +126,15 @@ class DPRequest:
 
 @dataclass(frozen=True)
 class DPStep(DPMessage):
-    """One tick of an attention data-parallel engine: each worker adds the `new`
-    requests addressed to it (the rest are other ranks'), drops `aborts` it holds, runs
-    one step of its engine in lockstep with the other ranks (distributed.lockstep), and
-    answers what it finished. In a steady run both are empty: a step's message does not
-    grow with the requests or the tokens the ranks hold."""
+    """One tick of an attention data-parallel engine: each worker drops the `aborts` it
+    holds, where `new` takes the requests rank 0 then scatters to it alone (a list of
+    `DPRequest`, possibly empty: Workers.scatter), runs one step of its engine in
+    lockstep with the other ranks (distributed.lockstep), and answers what it finished.
+    In a steady run the message is empty: a step's bytes do not grow with the requests
+    or the tokens the ranks hold, and a request's data goes to its rank alone, once."""
 
     replies: ClassVar[bool] = True
-    new: tuple[DPRequest, ...] = ()
+    new: bool = False
     aborts: tuple[str, ...] = ()
 
 

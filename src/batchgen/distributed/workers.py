@@ -189,6 +189,15 @@ class Workers:
             "step_message_bytes": size / count if count else 0.0,
         }
 
+    def scatter(self, items: list, kind: type) -> None:
+        """items[r - 1] to worker r alone (each takes it with `receive_scattered`), its
+        bytes counted with the messages of type `kind` it goes with."""
+        self.check()
+        payloads = [b""] + [pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL) for item in items]
+        counts = self.sent.setdefault(kind.__name__, [0, 0])
+        counts[1] += sum(len(p) for p in payloads)
+        dist.scatter_object_list([None], payloads, src=0, group=self.tp.host_group)
+
     def gather(self) -> list:
         """What each worker answered the last message with, rank 1 first."""
         replies = [None] * self.tp.size
@@ -225,6 +234,13 @@ def serve(tp: TPGroup, handle: Callable[[Message | DPMessage], object]) -> None:
         reply = handle(message)
         if message.replies:
             dist.gather_object(reply, None, dst=0, group=tp.host_group)
+
+
+def receive_scattered(tp: TPGroup):
+    """This worker's item of what rank 0 scatters (Workers.scatter)."""
+    box = [None]
+    dist.scatter_object_list(box, None, src=0, group=tp.host_group)
+    return pickle.loads(box[0])
 
 
 def receive(tp: TPGroup) -> Message | DPMessage:

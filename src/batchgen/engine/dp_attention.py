@@ -198,10 +198,13 @@ class DPEngine:
     def step(self) -> list[Request]:
         """One tick on every rank: the new requests and aborts go out, every rank steps
         (forwards paired), and every rank's finished requests come back."""
-        message = DPStep(tuple(self._outbox), tuple(self._aborts))
-        self._outbox, self._aborts = [], []
-        self.workers.send(message)
+        new, self._outbox = self._outbox, []
+        self.workers.send(DPStep(bool(new), tuple(self._aborts)))
+        self._aborts = []
         with self.workers.failures_named():
+            if new:  # each worker's own requests, to it alone
+                own = [[item for item in new if item.rank == r] for r in range(1, self.size)]
+                self.workers.scatter(own, DPStep)
             mine = self.rank0.tick()
             replies = self.workers.gather()
         self.workers.check()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from batchgen.config import EngineConfig
 from batchgen.distributed.lockstep import Lockstep
 from batchgen.distributed.messages import DPMessage, DPQuery, DPRequest, DPStep
-from batchgen.distributed.workers import serve
+from batchgen.distributed.workers import receive_scattered, serve
 from batchgen.engine.builder_load import load_engine
 from batchgen.engine.engine_core import EngineCore, RequestsFailed
 from batchgen.engine.request import Request
@@ -94,7 +94,7 @@ def worker_main(tp: TPGroup, config: EngineConfig) -> None:
     serve rank 0's messages until Shutdown."""
     engine = EngineCore(load_engine(config))
     try:
-        serve(tp, _Worker(DPRank(engine, Lockstep(tp.host_group)), tp.rank).handle)
+        serve(tp, _Worker(DPRank(engine, Lockstep(tp.host_group)), tp).handle)
     finally:
         engine.shutdown()
 
@@ -105,9 +105,10 @@ class _Worker:
 
     HANDLERS = {DPStep: "_step", DPQuery: "_query"}
 
-    def __init__(self, rank: DPRank, index: int) -> None:
+    def __init__(self, rank: DPRank, tp: TPGroup) -> None:
         self.rank = rank
-        self.index = index
+        self.tp = tp
+        self.index = tp.rank
 
     def handle(self, message: DPMessage):
         name = self.HANDLERS.get(type(message))
@@ -119,7 +120,8 @@ class _Worker:
         return getattr(self, name)(message)
 
     def _step(self, message: DPStep) -> TickResult:
-        self.rank.add([item for item in message.new if item.rank == self.index])
+        if message.new:
+            self.rank.add(receive_scattered(self.tp))
         return self.rank.tick(message.aborts)
 
     def _query(self, message: DPQuery):
