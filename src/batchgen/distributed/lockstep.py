@@ -41,15 +41,25 @@ class Lockstep:
         self.rounds = 0
         self.dummy_forwards = 0
         self._pairing = False  # a dummy forward runs: its round is already done
+        # a forward began and has not returned: its collectives may be half done, so a
+        # failure now cannot be paired away (the rank must end, failing the others fast)
+        self.in_forward = False
 
-    def attach(self, model: nn.Module):
-        """Pair every forward of `model` with the other ranks' (a forward pre-hook);
-        the hook's handle (`.remove()` detaches it)."""
-        return model.register_forward_pre_hook(self._before_forward)
+    def attach(self, model: nn.Module) -> list:
+        """Pair every forward of `model` with the other ranks' (a forward pre-hook, and a
+        hook that notes its end); the hooks' handles (`.remove()` detaches one)."""
+        return [
+            model.register_forward_pre_hook(self._before_forward),
+            model.register_forward_hook(self._after_forward),
+        ]
 
     def _before_forward(self, module: nn.Module, args) -> None:
         if not self._pairing:
             self._round(True)
+        self.in_forward = True
+
+    def _after_forward(self, module: nn.Module, args, output) -> None:
+        self.in_forward = False
 
     def _round(self, forward: bool) -> bool:
         """Whether any rank runs a forward now (this one says whether it does)."""

@@ -212,6 +212,14 @@ class DPEngine:
         for rank, result in enumerate([mine, *replies]):
             self._take(rank, result, finished)
         self._ticks += 1
+        if mine.error is not None:  # every rank finished the tick: it can go on
+            raise mine.error
+        for rank, result in enumerate(replies, 1):
+            if result.error is not None:
+                raise RuntimeError(
+                    f"data-parallel rank {rank} failed in a step: "
+                    f"{type(result.error).__name__}: {result.error}"
+                ) from result.error
         if self._failed:
             failed, self._failed = self._failed, {}
             raise RequestsFailed({rid: RuntimeError(why) for rid, why in failed.items()})

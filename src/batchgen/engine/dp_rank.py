@@ -11,6 +11,8 @@ Shutdown.
 from __future__ import annotations
 
 import copy
+import logging
+import pickle
 from dataclasses import dataclass, field
 
 from batchgen.config import EngineConfig
@@ -22,15 +24,18 @@ from batchgen.engine.engine_core import EngineCore, RequestsFailed
 from batchgen.engine.request import Request
 from batchgen.layers.tp_group import TPGroup
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class TickResult:
     """What one rank's tick did: the requests it finished (detached from the engine:
-    plain data), those that failed (request id -> what failed), whether it has more to
-    do, and its output tokens so far."""
+    plain data), those that failed (request id -> what failed), the error its step
+    raised, whether it has more to do, and its output tokens so far."""
 
     finished: list[Request] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    error: BaseException | None = None  # the step raised (outside a forward)
     unfinished: bool = False
     output_tokens: int = 0
 
@@ -51,18 +56,28 @@ class DPRank:
                 item.request_id, item.prompt_token_ids, item.params, validated=True
             )
 
-    def tick(self, aborts=()) -> TickResult:
-        """Drop `aborts` this rank holds, run one step, then the lockstep's end."""
+    def tick(self, aborts=(), new=()) -> TickResult:
+        """Add `new`, drop `aborts` this rank holds, run one step, then the lockstep's
+        end. An error outside a forward is paired away (the other ranks' forwards get
+        dummies) and answered as `error`, so rank 0 raises it naming this rank; one
+        inside a forward, whose collectives may be half done, is raised: the rank ends
+        and the others fail at once."""
         engine = self.engine
-        held = [rid for rid in aborts if rid in engine.requests]
-        if held:
-            engine.abort(held)
         result = TickResult()
-        if engine.has_unfinished:
-            try:
-                result.finished = [_detached(req) for req in engine.step()]
-            except RequestsFailed as e:
-                result.failed = {rid: f"{type(x).__name__}: {x}" for rid, x in e.errors.items()}
+        try:
+            self.add(new)
+            held = [rid for rid in aborts if rid in engine.requests]
+            if held:
+                engine.abort(held)
+            if engine.has_unfinished:
+                try:
+                    result.finished = [_detached(req) for req in engine.step()]
+                except RequestsFailed as e:
+                    result.failed = {rid: f"{type(x).__name__}: {x}" for rid, x in e.errors.items()}
+        except Exception as e:
+            if self.lockstep.in_forward:
+                raise
+            result.error = e
         self.lockstep.end_tick(self._dummy_forward)
         result.unfinished = engine.has_unfinished
         result.output_tokens = engine.stats.output_tokens
@@ -79,6 +94,15 @@ class DPRank:
     def pages(self) -> dict[str, int]:
         """Request id -> the device pages it holds, for each request holding any."""
         return {rid: len(pages) for rid, pages in self.engine.kv.pages.items() if pages}
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """The error itself where it pickles, else a RuntimeError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 def _detached(req: Request) -> Request:
@@ -120,9 +144,12 @@ class _Worker:
         return getattr(self, name)(message)
 
     def _step(self, message: DPStep) -> TickResult:
-        if message.new:
-            self.rank.add(receive_scattered(self.tp))
-        return self.rank.tick(message.aborts)
+        new = receive_scattered(self.tp) if message.new else []
+        result = self.rank.tick(message.aborts, new)
+        if result.error is not None:  # rank 0 raises it; its traceback is logged here
+            logger.error("data-parallel rank %d: a step failed", self.index, exc_info=result.error)
+            result.error = _picklable(result.error)
+        return result
 
     def _query(self, message: DPQuery):
         if message.what == "metrics":
