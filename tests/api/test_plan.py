@@ -120,6 +120,9 @@ def test_quantized_weight_bytes_equal_the_engines_model(tmp_path, name, quantize
     if moe:  # attention data parallel: attention whole, experts split, shared replicated
         ep = lambda r: dict(ep=ExpertParallel(TPGroup(r, 2), local_tokens=True))  # noqa: E731
         layouts.append((Parallel(1, 2, expert_parallel=True), ep))
+        # tensor parallel attention, experts by all-to-all over the same ranks
+        tp_ep = lambda r: dict(tp=TPGroup(r, 2), ep=ExpertParallel(TPGroup(r, 2)))  # noqa: E731
+        layouts.append((Parallel(2, 1, expert_parallel=True), tp_ep))
     option = "fp8" if quantized == "option_fp8" else None
     for parallel, split in layouts:
         expected = precision.total(plans.model_weights(config, parallel), moe)

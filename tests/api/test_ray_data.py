@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen import LLM, SamplingParams
-from batchgen.api.ray_data import EngineStage, ProcessorConfig, build_processor
+from batchgen.api.ray_data import EngineStage, ProcessorConfig, build_processor, engine_gpus
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, page_size=4)
 
@@ -81,6 +81,15 @@ def test_a_row_that_is_no_single_request_fails_naming_it(tiny_llama, row, messag
         stage(_table([{"id": 1, "prompt": "w4"}, row]))
 
 
+def test_an_actor_asks_for_its_engines_gpus():
+    assert engine_gpus({}) == 1
+    assert engine_gpus({"tensor_parallel_size": 4}) == 4
+    # attention data parallel with expert parallel is one engine over tp x dp ranks
+    ep = {"tensor_parallel_size": 1, "data_parallel_size": 8, "enable_expert_parallel": True}
+    assert engine_gpus(ep) == 8
+    assert engine_gpus({"tensor_parallel_size": 2, "data_parallel_size": 4}) == 2
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """A local Ray cluster of four logical CPUs (two engines of one CPU each, two for
@@ -88,7 +97,8 @@ def local_ray():
     ray = pytest.importorskip("ray")
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the actors' processes
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # "local": a cluster of its own, never one another process on this machine started
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
     if old is None:

@@ -24,11 +24,14 @@ batch with a ValueError naming the row's place in the batch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PROMPT_COLUMNS = ("prompt", "prompt_token_ids", "messages")
 OUTPUT_COLUMNS = (
@@ -43,8 +46,10 @@ OUTPUT_COLUMNS = (
 @dataclass(frozen=True)
 class ProcessorConfig:
     """`concurrency` engines (Ray actors), each `LLM(model, **engine_kwargs)`, handed
-    `batch_size` rows a call. num_gpus a actor: None gives tensor_parallel_size GPUs
-    where the cluster has GPUs, none where it has not; num_cpus: the actor's CPUs."""
+    `batch_size` rows a call. num_gpus an actor: None gives the engine's GPUs
+    (`engine_gpus`: a tensor-parallel / expert-parallel group) where the cluster has
+    GPUs, none where it has not; num_cpus: the actor's CPUs (leave the cluster at least
+    one more for reading rows)."""
 
     model: str | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -142,10 +147,20 @@ class Processor:
         import ray
 
         config = self.config
+        resources = ray.cluster_resources()
         num_gpus = config.num_gpus
         if num_gpus is None:
-            has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-            num_gpus = config.engine_kwargs.get("tensor_parallel_size", 1) if has_gpus else 0
+            num_gpus = engine_gpus(config.engine_kwargs) if resources.get("GPU", 0) > 0 else 0
+        engines_cpus = config.concurrency * config.num_cpus
+        if resources.get("CPU", 0) < engines_cpus + 1:
+            logger.warning(
+                "the Ray cluster has %g CPUs; %d engines of %g CPUs each leave none for "
+                "reading and mapping rows, and the pipeline may wait for ever: lower "
+                "num_cpus or concurrency",
+                resources.get("CPU", 0),
+                config.concurrency,
+                config.num_cpus,
+            )
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
         ds = ds.map_batches(
@@ -165,6 +180,14 @@ class Processor:
         if self.postprocess is not None:
             ds = ds.map(self.postprocess)
         return ds
+
+
+def engine_gpus(engine_kwargs: dict[str, Any]) -> int:
+    """The GPUs one engine of these keywords runs on: its tensor-parallel ranks, times
+    its data-parallel ranks where they are one engine (enable_expert_parallel)."""
+    tp = engine_kwargs.get("tensor_parallel_size", 1)
+    dp = engine_kwargs.get("data_parallel_size", 1)
+    return tp * (dp if engine_kwargs.get("enable_expert_parallel") else 1)
 
 
 def build_processor(
