@@ -27,6 +27,7 @@ def profile_decode(llm, prompts, args, max_tokens: int = 300):
     from torch.profiler import ProfilerActivity, profile
 
     from batchgen import SamplingParams
+    from batchgen.engine.step_loop import Overlap
 
     eng = llm.engine
     rows = args.max_num_seqs or eng.config.max_num_seqs  # None: the engine's, for the device
@@ -47,7 +48,7 @@ def profile_decode(llm, prompts, args, max_tokens: int = 300):
 
     phases: dict[str, float] = {}
     runner, sched = eng.runner, eng.scheduler
-    pipeline, eng._pipeline = eng._pipeline, False  # phases of plain steps
+    overlap, eng.overlap = eng.overlap, Overlap()  # phases of plain steps
     eng._drain()
     targets = [
         (sched, "schedule", "schedule"),
@@ -72,7 +73,7 @@ def profile_decode(llm, prompts, args, max_tokens: int = 300):
             delattr(obj, name)
         else:
             setattr(obj, name, old)
-    eng._pipeline = pipeline
+    eng.overlap = overlap
     phase_ms = {k: v * 1000 / steps for k, v in phases.items()}
     phase_ms["rest"] = synced_ms - sum(phase_ms.values())
 

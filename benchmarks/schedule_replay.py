@@ -93,7 +93,7 @@ class ReplayScheduler(Scheduler):
 
     @classmethod
     def install(cls, engine, steps: list[list[Row]]) -> ReplayScheduler:
-        if engine._pipeline or engine._async:
+        if engine.overlap.name != "plain":
             raise ReplayError("the replaying engine must run with pipeline_decode=False")
         if engine.tier is not None:
             raise ReplayError("the replaying engine must run without the host tier")

@@ -136,7 +136,7 @@ def test_not_used_where_it_cannot_run(model_dir):
     params = SamplingParams(temperature=0, max_tokens=5)
     for kw in (dict(pipeline_decode=False), dict(batchgen_debug=True)):
         llm = LLM(model=str(model_dir), async_scheduling=True, **{**KW, **kw})
-        assert not llm.engine._async
+        assert llm.engine.overlap.name != "async"
         llm.generate(prompts, params, use_tqdm=False)
 
 
@@ -155,7 +155,7 @@ def test_on_the_gpu_with_graphs_it_matches_plain_steps(model_dir):
     runs, texts = [], []
     for async_ in (False, True):
         llm = LLM(model=str(model_dir), async_scheduling=async_, **gpu)
-        assert llm.engine.runner.graphs is not None and llm.engine._async == async_
+        assert llm.engine.runner.graphs is not None and (llm.engine.overlap.name == "async") == async_
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append([o.outputs[0].token_ids for o in outs])
         texts.append([o.outputs[0].text for o in outs])

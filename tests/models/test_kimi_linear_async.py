@@ -40,7 +40,7 @@ def _run(path, prompts, params, async_: bool, **kw):
     """The outputs, the launches made while a step was in flight (and how many of them
     held a prefill chunk) and the engine, checked idle and empty."""
     llm = LLM(model=path, async_scheduling=async_, **{**RUN, **kw})
-    assert llm.engine._async == async_
+    assert (llm.engine.overlap.name == "async") == async_
     ahead = count_launches_ahead(llm.engine.runner)
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.engine

@@ -226,7 +226,7 @@ def test_async_scheduling_matches_plain_steps(dense_model_dir, setup):
             **setup,
             **KW,
         )
-        assert llm.engine._async == async_ and llm.engine.runner.graphs is not None
+        assert (llm.engine.overlap.name == "async") == async_ and llm.engine.runner.graphs is not None
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], llm.engine.metrics()))
         del llm

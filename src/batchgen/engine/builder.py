@@ -34,6 +34,7 @@ from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
 from batchgen.engine.memory import build_state_pool, remake_pool
 from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.step_loop import Overlap, build_overlap
 from batchgen.engine.structured import StructuredOutputs
 from batchgen.engine.tensor_parallel import TPModelRunner
 from batchgen.engine.tp_peers import TPWorkers
@@ -77,6 +78,7 @@ class EngineParts:
     exact_swap: ExactSwap | None
     scheduler: Scheduler
     runner: ModelRunner
+    overlap: Overlap  # what runs ahead of the device: step_loop's policy for plan.overlap
     structured: StructuredOutputs  # xgrammar loaded at the first constrained request
     detokenizer: Detokenizer
     tp_workers: TPWorkers | None
@@ -195,6 +197,7 @@ def build_engine(
         exact_swap=exact_swap,
         scheduler=scheduler,
         runner=runner,
+        overlap=build_overlap(plan.overlap, runner, scheduler, kv),
         structured=structured,
         detokenizer=Detokenizer(tokenizer),
         tp_workers=tp_workers,

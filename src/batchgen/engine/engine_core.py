@@ -1,14 +1,14 @@
-"""EngineCore: the step loop. schedule() -> execute() -> update(), over the components
-builder.py built and handed over (`EngineParts`)."""
+"""EngineCore: add / step / abort / reconfigure / metrics over the components builder.py
+built and handed over (`EngineParts`). One step loop, schedule -> launch -> the next
+step launched while this one runs -> collect -> update, its overlap a policy
+(step_loop.py)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass
 
-import torch
 from torch.profiler import record_function
 
 from batchgen.config import EngineConfig
@@ -17,9 +17,9 @@ from batchgen.engine.builder_load import load_engine
 from batchgen.engine.builder_plan import check_pool_size
 from batchgen.engine.limits import check_request
 from batchgen.engine.memory import weight_bytes
-from batchgen.engine.pipeline import next_decode
 from batchgen.engine.request import Request
-from batchgen.runner.batch import SchedulerOutput, StepCopies
+from batchgen.engine.step_loop import profiled
+from batchgen.runner.batch import SchedulerOutput
 from batchgen.runner.sampler import request_seed
 from batchgen.sampling_params import SamplingParams
 
@@ -75,12 +75,10 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._arrival = itertools.count()
-        self._in_flight = None  # a queued decode step (pipelined decode)
+        self.overlap = parts.overlap  # what runs ahead of the device (step_loop.py)
+        self._in_flight = None  # a step launched ahead, collected by the next step()
         self._finished_early: list[Request] = []
         self._failed: dict[str, BaseException] = {}  # in this step: RequestsFailed
-        self._pipeline = parts.plan.overlap != "plain"  # pipelined decode (async: too)
-        self._async = parts.plan.overlap == "async"
-        self._num_sync = 0  # requests whose sampling needs the host's tokens each step
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -173,7 +171,7 @@ class EngineCore:
             self._grammar().add(request_id, params.structured_outputs)
         self.kv.want(request_id, req.token_ids)
         self.requests[request_id] = req
-        self._num_sync += _needs_sync(params)
+        self.overlap.enter(params)
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(prompt_token_ids)
         return req
@@ -184,7 +182,7 @@ class EngineCore:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self.scheduler.abort(req)
-                self._num_sync -= _needs_sync(req.params)
+                self.overlap.leave(req.params)
             if self.grammar is not None:
                 self.grammar.remove(rid)
         queued = self._in_flight
@@ -207,12 +205,11 @@ class EngineCore:
         """Run one step; returns the requests that finished in it (and any finished by
         a step drained early, e.g. by reconfigure()).
 
-        Pipelined decode: when a step is a decode step and
-        no request could be admitted, the next decode step is queued on the GPU (its
-        input tokens read there) before this one's tokens reach the host, so the host's
-        bookkeeping overlaps the GPU.
-        A request that stops on a token it could not foresee (EOS, a stop string) has
-        its queued extra token discarded.
+        With overlap (pipelined decode, async scheduling: step_loop.py) the next step
+        is queued on the GPU (its placeholder input tokens read there) before this
+        one's tokens reach the host, so the host's bookkeeping overlaps the GPU; a
+        request that stops on a token it could not foresee (EOS, a stop string) has its
+        queued extra token discarded.
 
         Raises RequestsFailed when the step failed for some requests only (their
         grammar raised on their token): they are dropped, the rest of the step stands."""
@@ -227,33 +224,26 @@ class EngineCore:
         return finished
 
     def _step(self) -> list[Request]:
+        """The one step loop: schedule -> launch -> the next step built and launched
+        while this one runs (`overlap.ahead`) -> collect -> update. A step the overlap
+        policy does not launch runs synchronously; one launched ahead waits in
+        `_in_flight` for the next call, which collects it instead of scheduling."""
         if self.tier is not None:  # finished copies release their pages, pipelined or not
             self.kv.flush_ahead()  # none stays deferred past its step (defer_stores_ahead)
             with profiled("batchgen.tier_poll"):
                 self.tier.poll()
-        if self._async:
-            return self._async_step()
-        if self._in_flight is None:
+        current, self._in_flight = self._in_flight, None
+        if current is None:
             with record_function("batchgen.schedule"):
                 sched = self.scheduler.schedule()
                 copies = self.scheduler.take_copies()
             if sched.is_empty:
                 return self._idle(sched)
-            if not (self._pipeline and self.runner.can_launch_decode(sched, copies)):
+            current = self.overlap.launch(sched, copies, self.requests)
+            if current is None:
                 return self._finish_step(sched, self.runner.execute(sched, copies))
-            self._in_flight = self.runner.launch_decode(sched, None, copies)
             self.kv.flush_ahead()  # the stores ahead schedule() deferred, behind the forward
-        current = self._in_flight
-        with profiled("batchgen.next_decode"):
-            following = next_decode(current.sched, self.scheduler, self.kv, self.requests)
-        if following is not None and not self.runner.can_launch_decode(*following):
-            self.scheduler.unsend(following[0])
-            following = None
-        with profiled("batchgen.launch"):
-            self._in_flight = None
-            if following is not None:
-                step, copies = following
-                self._in_flight = self.runner.launch_decode(step, current, copies)
+        self._in_flight = self.overlap.ahead(current, self.requests)
         with profiled("batchgen.wait_tokens"):
             result = current.result()
         finished = self._finish_step(current.sched, result)
@@ -261,37 +251,6 @@ class EngineCore:
             with profiled("batchgen.launch_sample"):
                 self._in_flight.launch_sample()
         return finished
-
-    def _async_step(self) -> list[Request]:
-        """Async scheduling: while the launched step runs, the next one is scheduled
-        (a token still in flight is a placeholder the runner fills on the device) and
-        launched; then the first one's tokens are applied. Steps are committed when
-        launched (Scheduler.commit). A request that stops on a token it could not foresee
-        (EOS, a stop string) has the next step's token discarded, as in pipelined decode.
-        While a request needs each step's tokens on the host first (structured output)
-        or prompt logprobs, steps run synchronously."""
-        if self._in_flight is None:
-            with record_function("batchgen.schedule"):
-                sched = self.scheduler.schedule()
-                copies = self.scheduler.take_copies()
-            if sched.is_empty:
-                return self._idle(sched)
-            if self._num_sync:
-                return self._finish_step(sched, self.runner.execute(sched, copies))
-            self._in_flight = self._launch_committed(sched, copies, None)
-        current, self._in_flight = self._in_flight, None
-        if not self._num_sync:
-            with profiled("batchgen.schedule_ahead"):
-                following = self.scheduler.schedule()
-                copies = self.scheduler.take_copies()
-            if following.is_empty:
-                self.scheduler.unsend(following)
-            else:
-                with profiled("batchgen.launch"):
-                    self._in_flight = self._launch_committed(following, copies, current)
-        with profiled("batchgen.wait_tokens"):
-            result = current.result()
-        return self._finish_step(current.sched, result)
 
     def _idle(self, sched: SchedulerOutput) -> list[Request]:
         """Nothing was scheduled: its released ids wait for the next step that runs;
@@ -303,11 +262,6 @@ class EngineCore:
         if self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("no request could be scheduled with an empty running set")
         return []
-
-    def _launch_committed(self, sched: SchedulerOutput, copies: StepCopies, prev):
-        flight = self.runner.launch_step(sched, prev, copies)
-        self.scheduler.commit(sched, self.requests)
-        return flight
 
     def _drain(self) -> None:
         """Finish a queued decode step now; its finished requests go out with the next
@@ -334,7 +288,7 @@ class EngineCore:
             if req.is_finished:
                 self.detokenizer.finalize(req)
                 finished.append(self.requests.pop(req.request_id))
-                self._num_sync -= _needs_sync(req.params)
+                self.overlap.leave(req.params)
                 if self.grammar is not None:
                     self.grammar.remove(req.request_id)
         if self.tier is not None and not self.scheduler.has_unfinished:
@@ -383,17 +337,3 @@ class EngineCore:
             out.update(self.tier.metrics.summary())
             out.update({f"tier_{k}": v for k, v in self.tier_cost.items()})
         return out
-
-
-def profiled(name: str):
-    """A profiler range around a phase of the step, only while a profiler records (the
-    hot loop pays one check otherwise)."""
-    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
-
-
-def _needs_sync(params: SamplingParams) -> bool:
-    """A request whose every step needs the previous step's tokens on the host (or
-    reports what only a plain step computes): async scheduling runs steps synchronously
-    for it. Penalties and logprobs do not: the runner keeps penalty counts on the device
-    and copies logprobs to the host with the tokens."""
-    return params.structured_outputs is not None or params.prompt_logprobs is not None

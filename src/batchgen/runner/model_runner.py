@@ -219,7 +219,7 @@ class ModelRunner:
         """Queue any step (async scheduling): its forward, the sampling of its rows that
         sample, and their tokens' copy to the host, without waiting. The engine sends
         only steps with no debug check, per-layer append, structured output or prompt
-        logprobs (EngineCore._needs_sync and its configuration checks). A row whose last
+        logprobs (engine.step_loop.needs_sync and its configuration checks). A row whose last
         input token is -1 reads it from what `prev` samples for its request, on the
         device. A decode step that graphs can take goes through `launch_decode`."""
         if self._graph_ok(sched, copies) and all(r.sample for r in sched.requests):

@@ -1,0 +1,160 @@
+"""How far the host runs ahead of the device: the overlap policy of the engine's one step
+loop (EngineCore._step), chosen by the builder from `EnginePlan.overlap`.
+
+    schedule N -> launch N -> build and launch N+1 while N runs -> collect N -> update N
+                  (policy.launch)  (policy.ahead)                 (result)
+
+    plain      launches nothing: N runs synchronously (runner.execute), nothing ahead.
+    pipelined  launches a decode step (runner.launch_decode); ahead, the next decode step
+               built blind (pipeline.next_decode: input tokens read on the device).
+    async      launches any step (runner.launch_step) and commits it (Scheduler.commit);
+               ahead, the scheduler's next step, committed at its launch too.
+
+A policy holds the runner, the scheduler and the KV manager it was built with, and looks
+their methods up at each call; the engine hands it its requests. A launched step is an
+`runner.in_flight.InFlightDecode`; the one launched ahead waits in the engine as
+`_in_flight` until the next step() collects it. Whether a step was committed at its
+launch is the scheduler's to know: the engine updates every step the same way
+(`Scheduler.update` applies a committed step, commits and applies any other).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch.profiler import record_function
+
+from batchgen.engine.pipeline import next_decode
+from batchgen.engine.request import Request
+from batchgen.engine.scheduler import Scheduler
+from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.runner.batch import SchedulerOutput, StepCopies
+from batchgen.runner.in_flight import InFlightDecode
+from batchgen.runner.model_runner import ModelRunner
+from batchgen.sampling_params import SamplingParams
+
+
+def profiled(name: str):
+    """A profiler range around a phase of the step, only while a profiler records (the
+    hot loop pays one check otherwise)."""
+    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
+
+
+class Overlap:
+    """The policy's interface; this base class itself is plain stepping: it launches
+    nothing (every step runs synchronously) and builds nothing ahead."""
+
+    name = "plain"
+
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        copies: StepCopies,
+        requests: dict[str, Request],
+        prev: InFlightDecode | None = None,
+    ) -> InFlightDecode | None:
+        """Queue `sched` (after `prev`, whose samples are its placeholders' tokens) without
+        waiting for it; None: this policy does not take it, it runs synchronously."""
+        return None
+
+    def ahead(self, current: InFlightDecode, requests: dict[str, Request]) -> InFlightDecode | None:
+        """Build and launch the step after `current` while it runs; None: none now."""
+        return None
+
+    def enter(self, params: SamplingParams) -> None:
+        """A request with these parameters came into the engine."""
+
+    def leave(self, params: SamplingParams) -> None:
+        """A request with these parameters left the engine (finished or aborted)."""
+
+
+class Pipelined(Overlap):
+    """Pipelined decode: a decode step is queued (`launch_decode`), and before its tokens
+    reach the host the next decode step, built blind by `pipeline.next_decode`, is queued
+    behind it. Steps the runner cannot launch (prefill, debug, a per-layer append) run
+    synchronously; a blind step it cannot launch is given back (`Scheduler.unsend`)."""
+
+    name = "pipelined"
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, kv: KVCacheManager) -> None:
+        self.runner, self.scheduler, self.kv = runner, scheduler, kv
+
+    def launch(self, sched, copies, requests, prev=None):
+        if not self.runner.can_launch_decode(sched, copies):
+            return None
+        return self.runner.launch_decode(sched, prev, copies)
+
+    def ahead(self, current, requests):
+        with profiled("batchgen.next_decode"):
+            following = next_decode(current.sched, self.scheduler, self.kv, requests)
+        if following is None:
+            return None
+        step, copies = following
+        if not self.runner.can_launch_decode(step, copies):
+            self.scheduler.unsend(step)
+            return None
+        with profiled("batchgen.launch"):
+            return self.launch(step, copies, requests, current)
+
+
+class Async(Overlap):
+    """Async scheduling: any step is launched (`launch_step`) and committed at once
+    (`Scheduler.commit`); while it runs, `schedule()` builds the next (a token still in
+    flight is a placeholder the runner fills on the device), launched before the first
+    one's tokens are read. A request that needs each step's tokens on the host first
+    (structured output) or prompt logprobs (`needs_sync`) makes steps synchronous while it
+    is in the engine. The schedule can differ from plain stepping's: a request finishing
+    in the step in flight still holds its seat and pages when the next one is scheduled."""
+
+    name = "async"
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler) -> None:
+        self.runner, self.scheduler = runner, scheduler
+        self.num_sync = 0  # requests in the engine for which steps run synchronously
+
+    def launch(self, sched, copies, requests, prev=None):
+        if self.num_sync:
+            return None
+        flight = self.runner.launch_step(sched, prev, copies)
+        self.scheduler.commit(sched, requests)
+        return flight
+
+    def ahead(self, current, requests):
+        if self.num_sync:
+            return None
+        with profiled("batchgen.schedule_ahead"):
+            following = self.scheduler.schedule()
+            copies = self.scheduler.take_copies()
+        if following.is_empty:
+            self.scheduler.unsend(following)
+            return None
+        with profiled("batchgen.launch"):
+            return self.launch(following, copies, requests, current)
+
+    def enter(self, params: SamplingParams) -> None:
+        self.num_sync += needs_sync(params)
+
+    def leave(self, params: SamplingParams) -> None:
+        self.num_sync -= needs_sync(params)
+
+
+def build_overlap(
+    mode: str, runner: ModelRunner, scheduler: Scheduler, kv: KVCacheManager
+) -> Overlap:
+    """The policy for `EnginePlan.overlap` ("plain", "pipelined" or "async")."""
+    if mode == "async":
+        return Async(runner, scheduler)
+    if mode == "pipelined":
+        return Pipelined(runner, scheduler, kv)
+    if mode == "plain":
+        return Overlap()
+    raise ValueError(f"unknown overlap mode {mode!r}")
+
+
+def needs_sync(params: SamplingParams) -> bool:
+    """A request whose every step needs the previous step's tokens on the host (or
+    reports what only a plain step computes): async scheduling runs steps synchronously
+    for it. Penalties and logprobs do not: the runner keeps penalty counts on the device
+    and copies logprobs to the host with the tokens."""
+    return params.structured_outputs is not None or params.prompt_logprobs is not None
