@@ -83,3 +83,27 @@ def test_dp2_host_tier_swaps_each_ranks_pages_and_state(reference):
     got, ranks = _run(path, **tier, **DP)
     assert got == want
     assert [m["swaps_out"] > 0 and m["swaps_in"] > 0 for m in ranks] == [True, True], ranks
+
+
+@pytest.mark.slow
+def test_each_rank_holds_its_own_requests_state_slots(reference):
+    """Each rank takes state slots from its own pool for its own requests alone: both
+    ranks hand out slot 0 first."""
+    path, _ = reference
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(path, **{**KW, "num_kv_pages": 400}, **DP)
+    try:
+        engine = llm.engine
+        for i, ids in enumerate(_prompts()[:4]):
+            engine.add_request(str(i), ids, params)
+        # by tokens held (prompt plus 8): 0 (84) rank 0, 1 (29) and 2 (114) rank 1, 3 (45)
+        # rank 0; seven steps of 32 tokens prefill them all, none ends
+        for _ in range(7):
+            engine.step()
+        slots = engine.rank_slots()
+        pages = engine.rank_pages()
+    finally:
+        engine.shutdown()
+    assert [set(s) for s in slots] == [{"0", "3"}, {"1", "2"}], slots
+    assert [sorted(s.values()) for s in slots] == [[0, 1], [0, 1]]
+    assert [set(p) for p in pages] == [set(s) for s in slots]

@@ -141,7 +141,8 @@ class DPStep(DPMessage):
 @dataclass(frozen=True)
 class DPQuery(DPMessage):
     """Answer `what` of the worker's engine: "metrics" (its metrics dict), "pages"
-    (request id -> the device pages it holds, for each request with pages) or "statuses"
+    (request id -> the device pages it holds, for each request with pages), "slots"
+    (request id -> its state slot, linear-attention models) or "statuses"
     (request id -> its RequestStatus, for each unfinished request it holds)."""
 
     replies: ClassVar[bool] = True

@@ -256,6 +256,11 @@ class DPEngine:
         """Per rank (rank 0 first): request id -> the device pages it holds now."""
         return [self.rank0.pages(), *self.workers.ask(DPQuery("pages"))]
 
+    def rank_slots(self) -> list[dict[str, int]]:
+        """Per rank (rank 0 first): request id -> the state slot it holds now (each rank
+        has its own slots; linear-attention models only)."""
+        return [self.rank0.slots(), *self.workers.ask(DPQuery("slots"))]
+
     def rank_metrics(self) -> list[dict]:
         """Every rank's engine metrics, rank 0 first."""
         return [self.rank0.metrics(), *self.workers.ask(DPQuery("metrics"))]

@@ -91,6 +91,14 @@ class DPRank:
         to pair another rank's."""
         return {**self.engine.metrics(), "dp_dummy_forwards": self.lockstep.dummy_forwards}
 
+    def slots(self) -> dict[str, int]:
+        """Request id -> the state slot it holds (models with linear-attention layers;
+        empty otherwise)."""
+        held = self.engine.state_slots
+        if held is None:
+            return {}
+        return {rid: held.slot(rid) for rid in self.engine.requests if held.holds(rid)}
+
     def pages(self) -> dict[str, int]:
         """Request id -> the device pages it holds, for each request holding any."""
         return {rid: len(pages) for rid, pages in self.engine.kv.pages.items() if pages}
@@ -156,6 +164,8 @@ class _Worker:
             return self.rank.metrics()
         if message.what == "pages":
             return self.rank.pages()
+        if message.what == "slots":
+            return self.rank.slots()
         if message.what == "statuses":
             return {rid: req.status for rid, req in self.rank.engine.requests.items()}
-        raise ValueError(f"DPQuery: unknown {message.what!r} (metrics, pages, statuses)")
+        raise ValueError(f"DPQuery: unknown {message.what!r} (metrics, pages, slots, statuses)")
