@@ -13,13 +13,17 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import save_byte_tokenizer
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
 
 from batchgen import LLM, SamplingParams
 from batchgen.distributed.messages import DPMessage
 from batchgen.engine.dp_attention import DPEngine
 from batchgen.engine.dp_rank import _Worker
+from batchgen.engine.engine_core import RequestsFailed
 from batchgen.engine.request import RequestStatus
+from batchgen.engine.structured import StructuredOutputs
+from batchgen.sampling_params import StructuredOutputsParams
 
 KW = dict(
     device="cpu",
@@ -253,3 +257,45 @@ def test_dp4_equals_one_process(checkpoint):
     assert got == want
     assert moe.experts.local_experts == range(0, 2)
     assert [m["prompt_tokens"] > 0 for m in ranks] == [True] * 4
+
+
+@pytest.mark.slow
+def test_a_request_failing_on_a_rank_fails_alone(tmp_path, monkeypatch):
+    """A grammar error on rank 0 fails that request alone (RequestsFailed, as one engine
+    raises it); the requests both ranks finished in that step come out of the next
+    step()."""
+    save_tiny_deepseek(tmp_path, **CONFIGS["moe_dense_first"])
+    save_byte_tokenizer(tmp_path)  # structured outputs need a tokenizer that spells JSON
+    real = StructuredOutputs.advance
+    taken: list[int] = []
+
+    def advance(self, request_ids, token_ids):  # rank 0's grammar: this process's
+        if "poison" in request_ids:
+            taken.append(1)
+            if len(taken) > 2:
+                raise RuntimeError("planted matcher error")
+        return real(self, request_ids, token_ids)
+
+    monkeypatch.setattr(StructuredOutputs, "advance", advance)
+    llm = LLM(str(tmp_path), **KW, **DP)
+    engine = llm.engine
+    try:
+        constrained = SamplingParams(
+            max_tokens=20, structured_outputs=StructuredOutputsParams(json_object=True)
+        )
+        three = SamplingParams(max_tokens=3, ignore_eos=True)
+        engine.add_request("poison", [5, 6, 7], constrained)  # rank 0 (23 tokens held)
+        engine.add_request("other", list(range(30, 51)), three)  # rank 1 (24)
+        engine.add_request("short", [8, 9, 10], three)  # rank 0 (23 < 24)
+        finished, failures = [], []
+        while engine.has_unfinished:
+            try:
+                finished += [r.request_id for r in engine.step()]
+            except RequestsFailed as e:
+                failures.append(e)
+    finally:
+        engine.shutdown()
+    assert engine.held == [0, 0]
+    assert [e.request_ids for e in failures] == [["poison"]]
+    assert "rank 0" in str(failures[0]) and "planted matcher error" in str(failures[0])
+    assert sorted(finished) == ["other", "short"]

@@ -106,6 +106,7 @@ class DPEngine:
         self._arrival = 0
         self._last: tuple[tuple[int, ...], int] | None = None  # the last prompt, its rank
         self._failed: dict[str, str] = {}
+        self._early: list[Request] = []  # finished by a tick that raised RequestsFailed
 
     @classmethod
     def start(cls, config: EngineConfig) -> DPEngine:
@@ -193,11 +194,15 @@ class DPEngine:
             or bool(self._outbox)
             or any(self._busy[1:])
             or bool(self._aborts)
+            or bool(self._early)
         )
 
     def step(self) -> list[Request]:
         """One tick on every rank: the new requests and aborts go out, every rank steps
-        (forwards paired), and every rank's finished requests come back."""
+        (forwards paired), and every rank's finished requests come back. Raises
+        RequestsFailed, as EngineCore.step does, when a rank's step failed for some
+        requests alone (dropped there); what the tick finished comes out of the next
+        step(). A rank's error raises after every rank ended the tick."""
         new, self._outbox = self._outbox, []
         self.workers.send(DPStep(bool(new), tuple(self._aborts)))
         self._aborts = []
@@ -208,7 +213,7 @@ class DPEngine:
             mine = self.rank0.tick()
             replies = self.workers.gather()
         self.workers.check()
-        finished: list[Request] = []
+        finished, self._early = self._early, []
         for rank, result in enumerate([mine, *replies]):
             self._take(rank, result, finished)
         self._ticks += 1
@@ -222,6 +227,7 @@ class DPEngine:
                 ) from result.error
         if self._failed:
             failed, self._failed = self._failed, {}
+            self._early = finished  # handed out by the next step()
             raise RequestsFailed({rid: RuntimeError(why) for rid, why in failed.items()})
         return finished
 
