@@ -96,6 +96,7 @@ def test_dp2_default_configuration_equals_one_process(checkpoint):
         assert isinstance(llm.engine, DPEngine)
         got = _tokens(llm, prompts, params)
         ranks = llm.engine.rank_metrics()
+        summed = llm.engine.metrics()
         moe = llm.engine.model.layers[1].mlp  # rank 0's
         assert moe.experts.local_experts == range(0, 4)  # of 8: expert parallel
         assert moe.ep.local_tokens and moe.ep.size == 2
@@ -106,6 +107,8 @@ def test_dp2_default_configuration_equals_one_process(checkpoint):
     assert sum(len(t) for t, _ in got) >= 90
     assert [m["prompt_tokens"] > 0 for m in ranks] == [True, True]
     assert sum(m["output_tokens"] for m in ranks) == sum(len(t) for t, _ in got)
+    assert summed["output_tokens"] == sum(len(t) for t, _ in got)
+    assert summed["prompt_tokens"] == sum(len(p) for p in prompts)
 
 
 @pytest.mark.slow

@@ -272,15 +272,17 @@ class DPEngine:
         return [self.rank0.metrics(), *self.workers.ask(DPQuery("metrics"))]
 
     def metrics(self) -> dict:
-        """Every rank's counters summed (a rate or a cost, not a count: rank 0's;
-        `dp_dummy_forwards`: forwards run only to pair another rank's), `steps` the
+        """Every rank's counters summed (integers, and the host tier's copy seconds; a
+        rate or a cost: rank 0's; `dp_dummy_forwards`: forwards run only to pair another
+        rank's), `steps` the
         ticks every rank stepped together, and what rank 0 sent the workers in them:
         `step_messages`, `step_message_bytes_total` and `step_message_bytes` (their
         mean size)."""
         ranks = self.rank_metrics()
         out = dict(ranks[0])
         for key, value in ranks[0].items():
-            if isinstance(value, int) and not isinstance(value, bool):
+            count = isinstance(value, int) and not isinstance(value, bool)
+            if count or key.startswith("copy_seconds_"):
                 out[key] = sum(m.get(key, 0) for m in ranks)
         out["steps"] = self._ticks
         out.update(self.workers.message_metrics(DPStep))
