@@ -31,6 +31,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+import torch
+
 from batchgen.config import EngineConfig
 from batchgen.distributed.lockstep import Lockstep
 from batchgen.distributed.messages import DPQuery, DPRequest, DPStep
@@ -117,6 +119,11 @@ class DPEngine:
         check_host_budget(config.host_kv_size_gib, size)
         backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
         if backend == "nccl":  # untested: see the module's docstring
+            if torch.cuda.device_count() < size:
+                raise ValueError(
+                    f"data_parallel_size={size} needs {size} GPUs, one a rank; "
+                    f"{torch.cuda.device_count()} visible"
+                )
             logger.warning("attention data parallel on GPUs is untested; decode runs eagerly")
         workers = Workers.spawn(worker_main, (config,), size, backend, role="data-parallel")
         try:
