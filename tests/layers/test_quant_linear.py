@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from fp8_blocks import quantize_blocks
 
+from batchgen.kernels.fp8_gemm import block_scaled_mm
+from batchgen.kernels.fp8_quant import quantize_groups
 from batchgen.layers.linear import Linear, merged_shards
 from batchgen.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from batchgen.layers.quant.fp8 import (
@@ -59,11 +61,39 @@ def test_the_tile_path_holds_one_tile_and_gives_the_whole_product():
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, want)
 
 
-def test_a_shard_off_a_block_boundary_keeps_the_layer_plain():
-    layer = Linear(64, 40, shards=merged_shards({"a": 24, "b": 16}))
-    with pytest.raises(ValueError, match="shard 'b' starts at row 24"):
-        layer.use_method(Fp8BlockMethod(BLOCK))
-    assert layer.quant is None and layer.weight.dtype == torch.float32
+def test_a_shard_inside_a_block_keeps_blocks_of_its_own():
+    """Shards a (24 rows) and b (16): b starts inside a 16-row block of the whole, so
+    each shard keeps the blocks its checkpoint tensor has (a: 2, the second partial; b:
+    1), and every path multiplies by each row's own shard's scales."""
+    shards = merged_shards({"a": 24, "b": 16})
+    layer = Linear(64, 40, shards=shards)
+    layer.use_method(Fp8BlockMethod(BLOCK))
+    assert layer.weight_scale_inv.shape == (3, 2)
+    parts = {name: fp8_weight(e - s, 64, seed=e) for name, (s, e) in shards.items()}
+    for name, (q, scale) in parts.items():
+        layer.load("weight", q, name)
+        layer.load("weight_scale_inv", scale, name)
+    layer.after_load()
+    assert layer.weight_scale_inv_rows.tolist() == [0] * 16 + [1] * 8 + [2] * 16
+    full = torch.cat([dequantize(q, s, BLOCK) for q, s in parts.values()])
+    assert torch.equal(layer.dense_weight(), full)
+    x = torch.randn(5, 64)
+    assert torch.equal(layer(x), F.linear(x, full))
+    tiled = dequantized_linear(
+        x, layer.weight, layer.weight_scale_inv, BLOCK, tile_elements=16 * 64,
+        unit_index=layer.weight_scale_inv_rows,
+    )  # fmt: skip
+    assert torch.allclose(tiled, F.linear(x, full), rtol=1e-6, atol=1e-6)
+    # the W8A8 kernel (the interpreter on the CPU) with the row index
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a, a_scale = quantize_groups(x.to(dev), BLOCK[1])
+    w, scale, index = (layer.weight, layer.weight_scale_inv, layer.weight_scale_inv_rows)
+    got = block_scaled_mm(
+        a, a_scale, w.to(dev), scale.to(dev), BLOCK, torch.float32, w_scale_rows=index.to(dev)
+    )
+    a_dequantized = a.float() * a_scale.repeat_interleave(BLOCK[1], 1)
+    want = F.linear(a_dequantized, full.to(dev))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="stays plain"):
         Linear(64, 32, quantizable=False).use_method(Fp8BlockMethod(BLOCK))
 
@@ -117,3 +147,22 @@ def test_a_rank_slice_inside_a_block_is_refused():
         ColumnParallelLinear(64, 48, tp=TPGroup(0, 2)).use_method(Fp8BlockMethod(BLOCK))
     with pytest.raises(ValueError, match="not whole 32-column units"):
         RowParallelLinear(96, 16, tp=TPGroup(0, 2)).use_method(Fp8BlockMethod(BLOCK))
+
+
+def test_a_float_weight_fills_each_shard_in_its_own_blocks():
+    """Online quantization of a stacked layer whose second shard starts inside a block,
+    shard by shard and from one whole tensor: the same parameters as that shard's own
+    quantize_blocks."""
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(6))
+    shards = merged_shards({"a": 24, "b": 16})
+    by_shard, whole = Linear(64, 40, shards=shards), Linear(64, 40, shards=shards)
+    for layer in (by_shard, whole):
+        layer.use_method(Fp8BlockMethod(BLOCK))
+    by_shard.load("weight", w[:24], "a")
+    by_shard.load("weight", w[24:], "b")
+    whole.load("weight", w)
+    q, scale = package_quantize(w[24:], BLOCK)
+    for layer in (by_shard, whole):
+        assert torch.equal(layer.weight[24:].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(layer.weight_scale_inv[2:], scale)
+    assert torch.equal(by_shard.weight_scale_inv, whole.weight_scale_inv)

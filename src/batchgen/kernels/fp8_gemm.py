@@ -76,6 +76,7 @@ def _block_scaled_mm_kernel(
     as_ptr,
     w_ptr,
     ws_ptr,
+    ws_rows_ptr,
     bias_ptr,
     out_ptr,
     M,
@@ -91,6 +92,7 @@ def _block_scaled_mm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ROW_INDEX: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -102,7 +104,11 @@ def _block_scaled_mm_kernel(
     a_rows = a_ptr + rows[:, None].to(tl.int64) * stride_am
     w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn
     as_rows = as_ptr + rows * stride_asm
-    ws_cols = ws_ptr + (cols // BLOCK_N_W) * stride_wsn
+    if ROW_INDEX:  # stacked shards starting inside blocks: each row's scale row given
+        ws_row = tl.load(ws_rows_ptr + cols, mask=col_ok, other=0)
+    else:
+        ws_row = cols // BLOCK_N_W
+    ws_cols = ws_ptr + ws_row * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for b in range(0, tl.cdiv(K, BLOCK_K)):
         k = b * BLOCK_K + ks
@@ -127,9 +133,12 @@ def block_scaled_mm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     tuning: Fp8GemmTuning | None = None,
+    w_scale_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """a [M, K] x w [N, K]^T with their scales (module docstring) -> [M, N] out_dtype.
-    block = (rows, columns) of a weight block; a's groups are `columns` wide."""
+    block = (rows, columns) of a weight block; a's groups are `columns` wide.
+    w_scale_rows (int32 [N]): row n's scales are w_scale[w_scale_rows[n]] instead of
+    w_scale[n // rows] (a stacked layer whose shards start inside blocks)."""
     bn, bk = block
     m, k = a.shape
     n = w.shape[0]
@@ -141,7 +150,12 @@ def block_scaled_mm(
         )
     if tuple(a_scale.shape) != (m, -(-k // bk)):
         raise ValueError(f"a_scale {tuple(a_scale.shape)} != ({m}, {-(-k // bk)})")
-    if tuple(w_scale.shape) != (-(-n // bn), -(-k // bk)):
+    if w_scale_rows is not None:
+        if tuple(w_scale_rows.shape) != (n,) or w_scale_rows.dtype != torch.int32:
+            raise ValueError(f"w_scale_rows must be int32 [{n}]")
+        if w_scale.shape[1] != -(-k // bk):
+            raise ValueError(f"w_scale {tuple(w_scale.shape)}: not {-(-k // bk)} column blocks")
+    elif tuple(w_scale.shape) != (-(-n // bn), -(-k // bk)):
         raise ValueError(f"w_scale {tuple(w_scale.shape)} != ({-(-n // bn)}, {-(-k // bk)})")
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"the weight block's width must be a power of two >= 16, got {bk}")
@@ -153,10 +167,12 @@ def block_scaled_mm(
     t = tuning or default_tuning(m, a.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
     _block_scaled_mm_kernel[grid](
-        a, a_scale, w, w_scale, bias if bias is not None else w_scale, out,
+        a, a_scale, w, w_scale, w_scale if w_scale_rows is None else w_scale_rows,
+        bias if bias is not None else w_scale, out,
         m, n, k, a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         BLOCK_N_W=bn, BLOCK_K=bk, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        HAS_BIAS=bias is not None, num_warps=t.num_warps, num_stages=t.num_stages,
+        HAS_BIAS=bias is not None, ROW_INDEX=w_scale_rows is not None,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return out
 

@@ -40,8 +40,8 @@ class Linear(nn.Module):
     def use_method(self, method: LinearMethod) -> None:
         """Hold the weight as `method`'s parameters instead of `weight` (on the device
         `weight` is on: call it on meta, before the model is allocated). ValueError
-        where a shard (or a rank's slice) does not start on a unit boundary of one of
-        them; the layer is then left as it was."""
+        where a tensor-parallel rank's slice does not hold whole units of one of them
+        (check_units); the layer is then left as it was."""
         if not self.quantizable:
             raise ValueError("this layer's weight is read as a matrix; it stays plain")
         params = method.params()
@@ -49,20 +49,61 @@ class Linear(nn.Module):
         device = self.weight.device
         del self.weight
         for name, spec in params.items():
-            shape = spec.shape(self.out_features, self.in_features)
+            shape = (self.unit_rows(spec)[1], -(-self.in_features // spec.cols_per))
             tensor = torch.empty(shape, dtype=spec.dtype, device=device)
             self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
         self.quant = method
 
     def check_units(self, params: dict[str, QuantParam]) -> None:
-        """ValueError unless every shard starts on a unit boundary of every parameter."""
-        for name, spec in params.items():
-            for shard, (start, _) in self.shards.items():
-                if start % spec.rows_per:
-                    raise ValueError(
-                        f"shard {shard!r} starts at row {start}, inside a {spec.rows_per}-row "
-                        f"unit of {name}"
-                    )
+        """Nothing to check for one process: every shard's rows start a unit of their own
+        (unit_rows). The tensor-parallel layers check their rank's slice."""
+
+    def unit_rows(self, spec: QuantParam, rows: tuple[int, int] | None = None) -> tuple[int, int]:
+        """The rows [start, end) of a parameter with `spec`'s units that cover weight rows
+        `rows` (a shard's range, or None: the whole weight). Each shard's rows are cut
+        into units from the shard's own first row, its last unit maybe partial, as a
+        checkpoint stores each shard's tensor:
+
+            weight rows:  | q: 0..576          | k: 576..768 | v: 768..960 |
+            128-row units:| 0 1 2 3 4 (partial)| 5 6 (part.) | 7 8 (part.) |
+        """
+        per = spec.rows_per
+        if not self.shards:
+            start, end = rows or (0, self.out_features)
+            return start // per, -(-end // per)
+        first = 0
+        for shard_rows in self.shards.values():
+            count = -(-(shard_rows[1] - shard_rows[0]) // per)
+            if rows == shard_rows:
+                return first, first + count
+            first += count
+        if rows is None:
+            return 0, first
+        raise ValueError(f"rows {rows} are not one of the shards {self.shards}")
+
+    def unit_index(self, param: str) -> torch.Tensor | None:
+        """int32 [out]: the row of `param` holding each weight row's unit, where a shard
+        starts inside a unit of the whole weight's grid; None where row // rows_per is
+        that row (no shards, or all on unit boundaries). Kept as buffer `{param}_rows`
+        (after_load makes it before any forward)."""
+        per = self.units(param).rows_per
+        if per == 1 or all(start % per == 0 for start, _ in self.shards.values()):
+            return None
+        held = getattr(self, f"{param}_rows", None)
+        if held is None:
+            parts, first = [], 0
+            for start, end in self.shards.values():
+                parts.append(first + torch.arange(end - start, dtype=torch.int32) // per)
+                first += -(-(end - start) // per)
+            held = torch.cat(parts).to(getattr(self, param).device)
+            self.register_buffer(f"{param}_rows", held, persistent=False)
+        return held
+
+    def after_load(self) -> None:
+        """Make each quantized parameter's unit_index buffer before the first forward."""
+        if self.quant is not None:
+            for param in self.quant.params():
+                self.unit_index(param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -122,8 +163,8 @@ class Linear(nn.Module):
             self.quant.quantize(self, tensor, rows)
             return
         if rows is not None:
-            per = self.units(param).rows_per
-            target = target[rows[0] // per : -(-rows[1] // per)]
+            start, end = self.unit_rows(self.units(param), rows)
+            target = target[start:end]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
         with torch.no_grad():

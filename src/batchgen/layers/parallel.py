@@ -104,22 +104,23 @@ class ColumnParallelLinear(Linear):
         super().load(param, self._rank_rows(tensor, shard, per), shard)
 
     def _rank_rows(self, tensor: torch.Tensor, shard: str | None, per: int = 1) -> torch.Tensor:
-        """This rank's rows of a full tensor whose rows are units of `per` weight rows."""
-
-        def units(start: int, end: int) -> tuple[int, int]:
-            return start // per, -(-end // per)
-
+        """This rank's rows of a full tensor whose rows are units of `per` weight rows:
+        a shard's own tensor (its rows cut into units from its first row), or the whole
+        layer's (units over the whole weight: every shard must start on one)."""
         if shard is not None:
-            start, end = units(*self.full_shards[shard])
-            _check_rows(tensor, end - start, f"shard {shard!r}")
+            start, end = self.full_shards[shard]
+            _check_rows(tensor, -(-(end - start) // per), f"shard {shard!r}")
             return self._own_rows(shard, tensor)
         _check_rows(tensor, -(-self.full_out_features // per), "the layer")
         if not self.full_shards:
             return self._own_rows(None, tensor)
+        if any(start % per for start, _ in self.full_shards.values()):
+            raise ValueError(
+                f"a whole-layer tensor in {per}-row units, but a shard starts inside one"
+            )
         parts = []
-        for name, rows in self.full_shards.items():
-            start, end = units(*rows)
-            parts.append(self._own_rows(name, tensor[start:end]))
+        for name, (start, end) in self.full_shards.items():
+            parts.append(self._own_rows(name, tensor[start // per : -(-end // per)]))
         return torch.cat(parts)
 
     def _own_rows(self, shard: str | None, rows: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,10 @@ checkpoint weights are FP8 an `Fp8BlockMethod` (layers/quant/fp8.py): it holds t
 as stored and multiplies from it. The loader hands those layers the pairs as they are
 (the scale under its own name, which the layer holds as `weight_scale_inv`), and joins
 every other pair into one float32 weight as it reads (`dequantized_weights`): a layer
-whose matrix the model reads itself (MLA's kv_b_proj), one whose shards are not all FP8
-or do not start on a block, and the routed experts for now.
+whose matrix the model reads itself (MLA's kv_b_proj), one whose shards are not all FP8,
+and one whose tensor-parallel slice is not whole blocks. The routed experts
+(`RoutedExperts.use_fp8`) stay FP8 the same way, when every expert of the rank's block
+is FP8 and moe_intermediate_size is whole blocks.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def keep_fp8(model: torch.nn.Module, fp8_weights: Iterable[str], block) -> set[s
     """Give every Linear of `model` (on meta) whose checkpoint weights (`fp8_weights`:
     the names of the checkpoint's FP8 weights) cover all of its shards an
     Fp8BlockMethod(block); returns those layers' weight names, which the loader then
-    hands over as stored. A layer that cannot hold them (not quantizable, a shard off
-    a block boundary) stays plain, its pairs dequantized."""
+    hands over as stored; the routed experts likewise (`use_fp8`). A layer that cannot
+    hold them (not quantizable, a rank's slice not whole blocks) stays plain, its pairs
+    dequantized."""
     by_layer: dict[int, tuple[torch.nn.Module, set, list[str]]] = {}
     for name in fp8_weights:
         try:
@@ -106,8 +109,8 @@ def _holds_fp8(module: torch.nn.Module, param: str) -> bool:
 def quantize_linears(model: torch.nn.Module, block=DEFAULT_BLOCK) -> int:
     """quantization="fp8": every quantizable Linear of `model` (on meta) gets an
     Fp8BlockMethod(block), and the routed experts are held in FP8 (`use_fp8`), their
-    float weights quantized as they load (a layer whose shards do not start on a block
-    stays plain). Returns how many layers did."""
+    float weights quantized as they load (a layer whose rank's slice is not whole
+    blocks stays plain). Returns how many layers did."""
     method = Fp8BlockMethod(block)
     count = 0
     for name, layer in model.named_modules():

@@ -66,6 +66,26 @@ def tile_rows(block_rows: int, in_features: int, tile_elements: int = TILE_ELEME
     return max(1, tile_elements // max(1, in_features) // block_rows) * block_rows
 
 
+def row_scales(
+    scale_inv: torch.Tensor, rows: tuple[int, int], block_rows: int, unit_index=None
+) -> torch.Tensor:
+    """float32 [end - start, ceil(in / bi)]: each weight row's block scales, for rows
+    [start, end); unit_index (Linear.unit_index) maps a row to its scale row where
+    stacked shards start inside blocks, else row // block_rows."""
+    start, end = rows
+    if unit_index is None:
+        index = torch.arange(start, end, device=scale_inv.device) // block_rows
+    else:
+        index = unit_index[start:end].long()
+    return scale_inv.float().index_select(0, index)
+
+
+def dequantize_rows(weight: torch.Tensor, scales: torch.Tensor, block_cols: int) -> torch.Tensor:
+    """weight [rows, in] FP8 times each row's block scales [rows, ceil(in / bi)]: float32."""
+    expanded = scales.repeat_interleave(block_cols, dim=1)[:, : weight.shape[1]]
+    return weight.to(torch.float32) * expanded
+
+
 def dequantized_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -73,19 +93,25 @@ def dequantized_linear(
     block: tuple[int, int],
     bias: torch.Tensor | None = None,
     tile_elements: int = TILE_ELEMENTS,
+    unit_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T + bias with W held as FP8 blocks: each tile of rows dequantized into x's dtype
-    (W * scale computed in float32, rounded once) and multiplied; x [..., in]."""
+    (W * scale computed in float32, rounded once) and multiplied; x [..., in].
+    unit_index: each row's scale row (Linear.unit_index), None: row // block rows."""
     out_dim, in_dim = weight.shape
     step = tile_rows(block[0], in_dim, tile_elements)
-    if step >= out_dim:
+    if step >= out_dim and unit_index is None:
         return F.linear(x, dequantize(weight, scale_inv, block).to(x.dtype), bias)
     out = x.new_empty(*x.shape[:-1], out_dim)
     for start in range(0, out_dim, step):
         end = min(start + step, out_dim)
-        scales = scale_inv[start // block[0] : -(-end // block[0])]
-        w = dequantize(weight[start:end], scales, block).to(x.dtype)
-        out[..., start:end] = F.linear(x, w, None if bias is None else bias[start:end])
+        if unit_index is None:
+            scales = scale_inv[start // block[0] : -(-end // block[0])]
+            w = dequantize(weight[start:end], scales, block)
+        else:
+            scales = row_scales(scale_inv, (start, end), block[0], unit_index)
+            w = dequantize_rows(weight[start:end], scales, block[1])
+        out[..., start:end] = F.linear(x, w.to(x.dtype), None if bias is None else bias[start:end])
     return out
 
 
@@ -129,8 +155,10 @@ class Fp8BlockMethod(LinearMethod):
         }
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        index = layer.unit_index("weight_scale_inv")
         if not w8a8_serves(x) or self.block[1] < 16 or self.block[1] & (self.block[1] - 1):
-            return dequantized_linear(x, layer.weight, layer.weight_scale_inv, self.block, bias)
+            w, scale = layer.weight, layer.weight_scale_inv
+            return dequantized_linear(x, w, scale, self.block, bias, unit_index=index)
         from batchgen.kernels.fp8_gemm import block_scaled_mm
         from batchgen.kernels.fp8_quant import quantize_groups
 
@@ -139,18 +167,28 @@ class Fp8BlockMethod(LinearMethod):
             rows = rows.contiguous()
         a, a_scale = quantize_groups(rows, self.block[1])
         out = block_scaled_mm(
-            a, a_scale, layer.weight, layer.weight_scale_inv, self.block, x.dtype, bias
-        )
+            a, a_scale, layer.weight, layer.weight_scale_inv, self.block, x.dtype, bias,
+            w_scale_rows=index,
+        )  # fmt: skip
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def dense_weight(self, layer) -> torch.Tensor:
-        return dequantize(layer.weight, layer.weight_scale_inv, self.block)
+        index = layer.unit_index("weight_scale_inv")
+        if index is None:
+            return dequantize(layer.weight, layer.weight_scale_inv, self.block)
+        scales = row_scales(layer.weight_scale_inv, (0, layer.out_features), self.block[0], index)
+        return dequantize_rows(layer.weight, scales, self.block[1])
 
     def quantize(self, layer, weight: torch.Tensor, rows: tuple[int, int] | None) -> None:
+        """Each shard quantized in blocks from its own first row (Linear.unit_rows)."""
+        if rows is None and layer.shards:
+            for start, end in layer.shards.values():
+                self.quantize(layer, weight[start:end], (start, end))
+            return
         # on the layer's device: a GPU quantizes a checkpoint far faster than the host
         q, scale = quantize_blocks(weight.to(layer.weight.device), self.block)
         start, end = rows if rows is not None else (0, layer.out_features)
-        per = self.block[0]
+        first, last = layer.unit_rows(self.params()["weight_scale_inv"], rows)
         with torch.no_grad():
             layer.weight[start:end].copy_(q)
-            layer.weight_scale_inv[start // per : -(-end // per)].copy_(scale)
+            layer.weight_scale_inv[first:last].copy_(scale)
