@@ -34,7 +34,6 @@ from batchgen.kernels.mma import dot_in_f32, mma
 from batchgen.kernels.rounding import rne_by_hand, to_dtype
 
 PACK = 8  # 4-bit values in one int32
-GROUP_SIZES = (32, 128)  # the groups the kernel is tested with (any multiple of 8 works)
 
 
 @dataclass(frozen=True)
