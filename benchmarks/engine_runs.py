@@ -219,7 +219,7 @@ PHASES = (
     ("result", None, "InFlightDecode.result"),
     ("store", "tier", "_submit_store"),
     ("load", "tier", "_submit_load"),
-    ("gather", "module", "batchgen.kv.tiered.gather_pages"),
+    ("gather", "module", "batchgen.kv.copy_ledger.gather_pages"),
     ("submit", "tier.copies", "submit"),
     ("update", "scheduler", "update"),
 )

@@ -35,10 +35,12 @@ refactored; the few names they start from (CopyEngine, kv/page_copies.py, the ru
     refused.
 3a  A host page (or state slot) is not read before its store completes: every store records
     its handle under each of its host pages in a map (in a loop of the submitting function, or
-    of a helper it hands the handle and the pages: CopyLedger.record_store), and every closure
+    of a helper it hands the handle and the pages on every path: CopyLedger.record_store, from
+    CopyLedger.store, the one place rank 0 and the workers submit stores), and every closure
     running a host_to_device* body first waits for the whole of each store that map holds for
     the body's host pages (wait_on_current_stream/synchronize; a gate is not enough), looked
-    up there or by a helper whose every return looks them up (CopyLedger.stores_of).
+    up there or by a helper whose every return looks them up (CopyLedger.stores_of, from
+    CopyLedger.load).
 3b  Compute waits for the step's copies: a function reading a step's copy handles (`.wait_for`)
     waits on each of them before every forward it runs (a graph replay, or a call that
     reaches one or binds a forward context), or binds a ForwardContext whose before_layer
@@ -501,13 +503,16 @@ class _Contract:
 
     def _store_maps(self, m: _Module, submit: ast.Call, pages: ast.AST | None) -> set[str]:
         """Maps `self.<M>` that get the submit's handle stored under each of `pages`: in
-        the submit's function, or by a helper it hands both (a ledger's record_store)."""
+        the submit's function, or by a helper it hands both, unconditionally (a ledger's
+        record_store: a call under an `if` or in a loop may record only some stores)."""
         assign = m.parent.get(submit)
         if pages is None or not isinstance(assign, ast.Assign):
             return set()
         handle, fn = ast.unparse(assign.targets[0]), m.func_of(submit)
         found = _recording_maps(fn, handle, ast.unparse(pages))
         for call in _calls(fn):
+            if _conditional(m, call, fn):
+                continue
             for helper, given in self._helpers(call):
                 if handle in given and ast.unparse(pages) in given:
                     found |= _recording_maps(helper, given[handle], given[ast.unparse(pages)])
@@ -1037,6 +1042,17 @@ def _in_bind(m: _Module, node: ast.AST, fn: ast.AST) -> bool:
         if isinstance(a, ast.With) and any(
             _callee(i.context_expr) == "bind_forward_context" for i in a.items
         ):
+            return True
+    return False
+
+
+def _conditional(m: _Module, node: ast.AST, fn: ast.AST) -> bool:
+    """node runs on some paths of fn only: under an if, a loop, a try or a short circuit."""
+    branches = (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.BoolOp, ast.comprehension)
+    for a in m.ancestors(node):
+        if a is fn:
+            return False
+        if isinstance(a, branches):
             return True
     return False
 

@@ -114,16 +114,16 @@ def test_replay_refuses_what_it_cannot_reproduce(tmp_path):
 def test_replay_catches_pages_loaded_wrong(tmp_path, monkeypatch):
     """The comparison can fail: a tier run whose swap-in loads leave layer 0 of every
     loaded page zeroed diverges from its replay, where those pages never moved."""
-    import batchgen.kv.tiered as tiered
+    import batchgen.kv.copy_ledger as copy_ledger
 
-    load = tiered.host_to_device_pages
+    load = copy_ledger.host_to_device_pages
 
     def zeroing(host_kv, dev_kv, host_pages, dev_pages, on_layer=None, **kw):
         handle = load(host_kv, dev_kv, host_pages, dev_pages, on_layer, **kw)
         dev_kv[0].index_fill_(1, handle[1], 0.0)
         return handle
 
-    monkeypatch.setattr(tiered, "host_to_device_pages", zeroing)
+    monkeypatch.setattr(copy_ledger, "host_to_device_pages", zeroing)
     kw, prompts = _kw(tmp_path), _prompts()
     params = SamplingParams(temperature=0, max_tokens=16)
     tier = dict(num_kv_pages=40, host_kv_size_gib=0.002, tier_policy="always")

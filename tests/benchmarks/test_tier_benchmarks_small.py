@@ -41,6 +41,7 @@ def observed(monkeypatch):
     staging tensor they copied through; the wrapped submissions record the per-page
     reasons of the task they queued, under the same host page list. Joined afterwards
     (a body may run on the copy worker before its submission returns)."""
+    import batchgen.kv.copy_ledger as copy_ledger
     import batchgen.kv.tiered as tiered
 
     reasons: dict[int, list[str]] = {}
@@ -62,7 +63,7 @@ def observed(monkeypatch):
         monkeypatch.setattr(tiered.TieredKVManager, method, wrapped)
 
     def counting(name: str, host_pages_at: int, layers) -> None:
-        body = getattr(tiered, name)
+        body = getattr(copy_ledger, name)
 
         def wrapped(*a, **kw):
             out = body(*a, **kw)
@@ -70,7 +71,7 @@ def observed(monkeypatch):
             keep.append(a[host_pages_at])
             return out
 
-        monkeypatch.setattr(tiered, name, wrapped)
+        monkeypatch.setattr(copy_ledger, name, wrapped)
 
     noting("_submit_store")
     noting("_submit_load")

@@ -141,11 +141,19 @@ def hoist(src: Source, fn: ast.FunctionDef, call: ast.Call) -> None:
     src.replace(old, f"{pad}kept = {seg}\n" + old.replace(seg, "kept"))
 
 
+LEDGER = "kv/copy_ledger.py"  # CopyLedger.store / .load: the one executor of copy records
+
+
+def load_closure(src: Source) -> ast.FunctionDef:
+    """The closure CopyLedger.load submits (pages and state slots alike)."""
+    closure = submitted_closure(src, src.func("load"), "host_to_device_pages")
+    assert isinstance(closure, ast.FunctionDef), "CopyLedger.load no longer submits a def"
+    return closure
+
+
 def load_closure_waits(src: Source) -> list[ast.For]:
-    """The loops of the load closure in _submit_load that wait before the copy body."""
-    closure = submitted_closure(src, src.func("_submit_load"), "host_to_device")
-    assert isinstance(closure, ast.FunctionDef), "_submit_load no longer submits a def"
-    return [s for s in closure.body if isinstance(s, ast.For)]
+    """The loops of the ledger's load closure that wait before the copy body."""
+    return [s for s in load_closure(src).body if isinstance(s, ast.For)]
 
 
 def store_before_load_wait(src: Source) -> ast.For:
@@ -189,50 +197,65 @@ def stream_waits(src: Source, scope: ast.AST) -> list[ast.stmt]:
 
 
 def sync_store_with_noop_closure(root):
-    src = Source(root, "kv/tiered.py")
-    fn = src.func("_submit_store")
+    src = Source(root, LEDGER)
+    fn = src.func("store")
     hoist(src, fn, src.only(fn, "device_to_host_pages call", calling("device_to_host_pages")))
 
 
 def sync_staged_store_with_noop_closure(root):
-    src = Source(root, "kv/tiered.py")
-    fn = src.func("_submit_store")
+    src = Source(root, LEDGER)
+    fn = src.func("store")
     hoist(src, fn, src.only(fn, "device_to_host_staged call", calling("device_to_host_staged")))
 
 
 def sync_load_with_noop_closure(root):
-    src = Source(root, "kv/tiered.py")
-    fn = src.func("_submit_load")
-    hoist(src, fn, src.only(fn, "host_to_device* call", copy_call("host_to_device")))
+    src = Source(root, LEDGER)
+    fn = src.func("load")
+    hoist(src, fn, src.only(fn, "host_to_device_pages call", calling("host_to_device_pages")))
 
 
 def sync_layer_store_with_noop_closure(root):
+    # the page tier's per-layer store copying its layer itself instead of handing the
+    # record to the ledger
     src = Source(root, "kv/tiered.py")
     fn = src.func("store_layer")
-    hoist(src, fn, src.only(fn, "device_to_host* call", copy_call("device_to_host")))
+    ledger = src.only(fn, "ledger.store(...)", calling("store"))
+    src.insert_before(
+        src.statement(fn, ledger),
+        """\
+        from batchgen.kv.page_copies import device_to_host_pages
+        layer_copy = device_to_host_pages(
+            self.device_pool.kv, self.host_pool.kv, dev_pages, host_pages, range(layer, layer + 1)
+        )
+        """,
+    )
 
 
 def closure_reference_instead_of_call(root):
-    src = Source(root, "kv/tiered.py")
-    fn = src.func("store_layer")
-    closure = submitted_closure(src, fn, "device_to_host")
-    assert isinstance(closure, ast.Lambda), "store_layer no longer submits a lambda"
-    call = closure.body
+    src = Source(root, LEDGER)
+    fn = src.func("store")
+    closure = submitted_closure(src, fn, "device_to_host_pages")
+    call = src.only(closure, "device_to_host_pages call", calling("device_to_host_pages"))
+    submit = src.only(fn, "submit(...)", calling("submit"))
+    handed = [a for a in submit.args if src.segment(a) == closure.name]
+    assert len(handed) == 1, "CopyLedger.store no longer hands its closure to submit"
     args = ", ".join(map(src.segment, call.args))
-    src.replace(src.segment(closure), f"functools.partial({src.segment(call.func)}, {args})")
+    src.replace_in(
+        submit,
+        f" {closure.name},",
+        f" functools.partial({src.segment(call.func)}, {args}),",
+    )
 
 
 def submitted_closure_also_called(root):
-    src = Source(root, "kv/tiered.py")
-    fn = src.func("_submit_load")
-    closure = submitted_closure(src, fn, "host_to_device")
-    assert isinstance(closure, ast.FunctionDef), "_submit_load no longer submits a def"
+    src = Source(root, LEDGER)
+    closure = load_closure(src)
     src.insert_after(closure, f"{closure.name}(None)\n")
 
 
 def closure_handed_to_another_executor(root):
-    src = Source(root, "kv/tiered.py")
-    fn = src.func("_submit_store")
+    src = Source(root, LEDGER)
+    fn = src.func("store")
     submit = src.only(fn, "submit(...)", calling("submit"))
     src.replace_in(submit, src.segment(submit.func), "futures.ThreadPoolExecutor(1).submit")
 
@@ -390,14 +413,14 @@ def write_into_device_pool_from_another_kv_module(root):
 
 
 def readback_before_the_store_completes(root):
-    src = Source(root, "kv/copy_ledger.py")
+    src = Source(root, "kv/copy_readback.py")
     fn = src.func("readback_pages")
     sync = src.only(fn, "synchronize()", calling("synchronize"))
     src.delete(src.statement(fn, sync), within=fn)
 
 
 def state_readback_before_its_store_completes(root):
-    src = Source(root, "kv/copy_ledger.py")
+    src = Source(root, "kv/copy_readback.py")
     fn = src.func("readback_slot")
     sync = src.only(fn, "synchronize()", calling("synchronize"))
     src.delete(src.statement(fn, sync), within=fn)
@@ -494,41 +517,59 @@ def graph_capture_wait_deleted(root):
 
 
 def store_before_load_wait_deleted(root):
-    src = Source(root, "kv/tiered.py")
+    src = Source(root, LEDGER)
     src.delete(store_before_load_wait(src))
 
 
 def store_before_load_waits_only_for_a_gate(root):
-    src = Source(root, "kv/tiered.py")
+    src = Source(root, LEDGER)
     wait = store_before_load_wait(src)
     old = src.lines(wait)
     src.replace(old, old.replace("wait_on_current_stream()", "wait_layer(0)"))
 
 
 def load_waits_for_the_stores_of_other_pages(root):
-    src = Source(root, "kv/tiered.py")
-    fn = src.func("_submit_load")
+    src = Source(root, LEDGER)
+    fn = src.func("load")
     lookup = src.only(fn, "store lookup", calling("stores_of"))
     old = src.segment(lookup)
-    src.replace(old, old.replace("host_pages", "dev_pages"))
+    src.replace(old, old.replace("host_ids", "dev_ids"))
 
 
 def layer_store_not_recorded_for_loads(root):
-    src = Source(root, "kv/tiered.py")
-    fn = src.func("store_layer")
-    record = src.only(fn, "record_store(...)", calling("record_store"))
-    src.delete(src.statement(fn, record), within=fn)
+    # a per-layer store (`layers=`) left out of the writing map: only whole stores recorded
+    src = Source(root, LEDGER)
+    fn = src.func("store")
+    record = src.statement(fn, src.only(fn, "record_store(...)", calling("record_store")))
+    old = src.lines(record)
+    pad = old[: len(old) - len(old.lstrip())]
+    src.replace(old, f"{pad}if layers is None:\n    {old}")
 
 
 def state_load_without_store_wait(root):
-    src = Source(root, "kv/state_tier.py")
-    copy = src.func("copy", src.func("load"))
-    wait = src.only(copy, "whole-store wait", lambda n: callee(n) == "wait_on_current_stream")
-    src.delete(src.statement(copy, wait))
+    # the state slots' path of the load closure runs before the store-before-load wait
+    src = Source(root, LEDGER)
+    closure = load_closure(src)
+    (wait,) = [s for s in closure.body if isinstance(s, ast.For)]
+    slots = src.only(
+        closure,
+        "if slots: ... host_to_device_state",
+        lambda n: (
+            isinstance(n, ast.If)
+            and n in closure.body
+            and any(callee(c) == "host_to_device_state" for c in ast.walk(n))
+        ),
+    )
+    first = min(wait.lineno, slots.lineno)
+    assert first == wait.lineno, "the load closure no longer waits before its state path"
+    old = "".join(src.text.splitlines(True)[wait.lineno - 1 : slots.end_lineno])
+    moved = src.lines(slots)
+    src.replace(old, moved + old.replace(moved, ""))
 
 
 def state_store_not_recorded_for_loads(root):
-    src = Source(root, "kv/state_tier.py")
+    # the ledger's one store path (pages and state slots) records nothing for the loads
+    src = Source(root, LEDGER)
     fn = src.func("store")
     record = src.only(fn, "record_store(...)", calling("record_store"))
     src.delete(src.statement(fn, record), within=fn)
@@ -549,8 +590,8 @@ def ledger_finds_no_store(root):
 
 
 def store_recorded_under_its_device_pages(root):
-    src = Source(root, "kv/tiered.py")
-    fn = src.func("_submit_store")
+    src = Source(root, LEDGER)
+    fn = src.func("store")
     record = src.only(fn, "record_store(...)", calling("record_store"))
     src.replace_in(fn, src.segment(record), src.segment(record).replace("host_", "dev_"))
 
@@ -748,15 +789,42 @@ def new_capture_outside_the_guard(root):
 
 
 def mirror_load_skips_its_store_wait(root):
+    # the worker's mirror issuing a load itself, bypassing its ledger's store wait
     src = Source(root, "kv/tier_mirror.py")
     fn = src.func("_load")
-    wait = src.only(fn, "wait_on_current_stream()", calling("wait_on_current_stream"))
-    src.replace_in(fn, src.segment(wait), "None")
+    ledger = src.only(fn, "ledger.load(...)", calling("load"))
+    src.replace_in(
+        fn,
+        src.segment(ledger),
+        """self.copies.submit(
+            "load",
+            0,
+            lambda h: host_to_device_pages(
+                self.host_pool.kv, self.device_pool.kv, c.host_pages, c.dev_pages, h.mark
+            ),
+            num_gates=self.device_pool.kv.shape[0],
+        )""",
+    )
+    src.insert_at_top(fn, "from batchgen.kv.page_copies import host_to_device_pages\n")
 
 
 def mirror_store_not_recorded_for_loads(root):
+    # the worker's mirror issuing a store itself: its ledger's writing map never sees it
     src = Source(root, "kv/tier_mirror.py")
-    src.replace_in(src.func("_store"), "self.ledger.record_store(handle, host_pages)", "pass")
+    fn = src.func("_store")
+    ledger = src.only(fn, "ledger.store(...)", calling("store"))
+    src.replace_in(
+        fn,
+        src.segment(ledger),
+        """self.copies.submit(
+            "store",
+            0,
+            lambda h: device_to_host_pages(
+                self.device_pool.kv, self.host_pool.kv, c.dev_pages, c.host_pages
+            ),
+        )""",
+    )
+    src.insert_at_top(fn, "from batchgen.kv.page_copies import device_to_host_pages\n")
 
 
 def worker_forward_ignores_its_copies(root):

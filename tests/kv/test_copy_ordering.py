@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-import batchgen.kv.state_tier as state_tier
+import batchgen.kv.copy_ledger as copy_ledger
 from batchgen.kv import page_copies
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.copy_ledger import TierCopy
@@ -248,7 +248,7 @@ def test_where_a_write_through_store_reads_its_pages(scatter, monkeypatch):
         copy_stream_reads.append(args[2])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("batchgen.kv.tiered.device_to_host_pages", counted)
+    monkeypatch.setattr("batchgen.kv.copy_ledger.device_to_host_pages", counted)
     (page,) = alloc.allocate(1)
     at_flush = device_page(tier, page).clone()
     release = block_streams(tier)
@@ -298,9 +298,9 @@ def test_where_a_state_store_and_a_checkpoint_read_their_slots(scatter, monkeypa
     which read happened. Either way the checkpoint's gate is marked and its handle done."""
     tier, slots = make_slots(load_scatter=scatter)
     copy_stream_reads = []
-    real = state_tier.device_to_host_state
+    real = copy_ledger.device_to_host_state
     monkeypatch.setattr(
-        state_tier,
+        copy_ledger,
         "device_to_host_state",
         lambda *a, **k: copy_stream_reads.append(a[2]) or real(*a, **k),
     )

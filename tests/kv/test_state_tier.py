@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-import batchgen.kv.state_tier as state_tier
+import batchgen.kv.copy_ledger as copy_ledger
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool, StateSlots
 from batchgen.kv.state_tier import StateTier
@@ -103,14 +103,14 @@ def test_debug_readback_compares_the_host_slot_with_its_source(monkeypatch):
     slots.take("r")
     tier.store("r", "request r")
     assert tier.metrics.readback_checks == 1
-    real = state_tier.device_to_host_state
+    real = copy_ledger.device_to_host_state
 
     def corrupt(dev, host, dev_slots, host_slots):
         keep = real(dev, host, dev_slots, host_slots)
         host[1][2, host_slots[0]] += 1  # layer 2's conv window
         return keep
 
-    monkeypatch.setattr(state_tier, "device_to_host_state", corrupt)
+    monkeypatch.setattr(copy_ledger, "device_to_host_state", corrupt)
     slots.take("s")
     with pytest.raises(KVReadbackError, match=r"request s: KDA layer 2's conv window"):
         tier.store("s", "request s")

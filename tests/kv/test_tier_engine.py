@@ -10,6 +10,7 @@ import pytest
 from conftest import save_tiny_model
 from tier_workload import assert_stores_ahead_follow_a_launch, spy_stores_ahead
 
+import batchgen.kv.copy_ledger as copy_ledger
 import batchgen.kv.tiered as tiered
 from batchgen import LLM, SamplingParams
 
@@ -35,7 +36,7 @@ def _reference(model_dir, prompts, params=GREEDY):
 
 
 class Traffic:
-    """The copies the host tier really ran, seen by wrapping the copy bodies tiered.py calls
+    """The copies the host tier really ran, seen by wrapping the copy bodies the ledger calls
     (each calls through to the real one): per copy, its direction, the host pages and layers
     it moved and the bytes of the destination it wrote. Each copy's pages are attributed to
     the reasons they were queued for, recorded by wrapping the three submissions
@@ -84,8 +85,8 @@ class Traffic:
         monkeypatch.setattr(cls, "store_layer", _store_layer)
 
     def _wrap_bodies(self, monkeypatch) -> None:
-        d2h, h2d = tiered.device_to_host_pages, tiered.host_to_device_pages
-        staged_d2h = tiered.device_to_host_staged
+        d2h, h2d = copy_ledger.device_to_host_pages, copy_ledger.host_to_device_pages
+        staged_d2h = copy_ledger.device_to_host_staged
 
         def store(dev_kv, host_kv, dev_pages, host_pages, layers=None, on_read=None):
             kept = d2h(dev_kv, host_kv, dev_pages, host_pages, layers, on_read)
@@ -106,9 +107,9 @@ class Traffic:
             self._ran("load", host_pages, dev_kv.shape[0], written, dev_kv.shape[0])
             return kept
 
-        monkeypatch.setattr(tiered, "device_to_host_staged", staged_store)
-        monkeypatch.setattr(tiered, "device_to_host_pages", store)
-        monkeypatch.setattr(tiered, "host_to_device_pages", load)
+        monkeypatch.setattr(copy_ledger, "device_to_host_staged", staged_store)
+        monkeypatch.setattr(copy_ledger, "device_to_host_pages", store)
+        monkeypatch.setattr(copy_ledger, "host_to_device_pages", load)
 
     def _ran(self, kind, host_pages, layers, written, num_layers) -> None:
         self.num_layers = num_layers

@@ -101,7 +101,7 @@ def test_debug_readback_names_request_layer_and_page(monkeypatch):
         host_kv[1, host_pages[0], 0, 0, 0, 0] += 1.0  # layer 1 differs
         return kept
 
-    monkeypatch.setattr("batchgen.kv.tiered.device_to_host_pages", corrupting)
+    monkeypatch.setattr("batchgen.kv.copy_ledger.device_to_host_pages", corrupting)
     tier.queue_store(pages, [b"q"], "write_through", "request r7")
     with pytest.raises(KVReadbackError, match=r"request r7: layer 1 of device page \d+"):
         tier.flush()

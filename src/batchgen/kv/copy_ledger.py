@@ -1,25 +1,28 @@
-"""CopyLedger: the bookkeeping of a host tier's copies in flight, one for pages and one
-for compressed-state slots, on rank 0 and on every tensor-parallel worker alike. The
-policies over it decide what to copy and what a completion releases: the page tier
-(kv/tiered.py), the state tier (kv/state_tier.py) and a worker's mirror of rank 0's
-copies (kv/tier_mirror.py). Rule numbers are kv/copy_rules.py's.
+"""CopyLedger: the one executor of the host tier's copies, on rank 0 and on every
+tensor-parallel worker alike, one ledger over host pages and one over compressed-state
+slots. A copy is a plain record (`TierCopy`: kind, device ids, host ids, tags); rank 0's
+policies emit them (the page tier, kv/tiered.py; the state tier, kv/state_tier.py), the
+step's message carries them to the workers, and every rank runs them here (a worker's
+mirror, kv/tier_mirror.py). The policies decide what to copy and what a completion
+releases; this module alone submits. Rule numbers are kv/copy_rules.py's.
 
-    policy                                    ledger
-    handle = copies.submit(store ...)  --->   record_store(handle, host ids): writing map
-    after = ledger.stores_of(host ids) <---   the stores in flight that write them
-    handle = copies.submit(load: first wait   (rule 3a: the load's body waits for each,
-        for each of `after`, then copy)        whole, on its copy stream)
-    ledger.add_store / add_load(handle, ...)  pending queue, in submission order
-    poll() / drain()                          completes in order: synchronize, copy
-                                              seconds by reason, writing map cleared,
-                                              host ids released meanwhile freed, the
-                                              policy's `done` (its pages released:
-                                              rule 5), the handle's tensors dropped
+    store(copy, pools, ...)                   load(copy, pools, ...)
+    [gather: device ids read into staging     after = stores_of(host ids)     (3a)
+     now, on the submitting stream]           staging and index made now
+    handle = copies.submit(body)  (1-2)       handle = copies.submit(body)    (1-2)
+      body: wait for `after` (whole), then      body: wait for each of `after`,
+      device_to_host*, gate 0 at the read       whole, then host_to_device*, a gate
+    record_store(handle, host ids)  (3a)        a layer (or deferred: CopyHandle.defer)
+    add_store(...): the pending queue         add_load(...): the pending queue
+    [batchgen_debug: readback]
 
-Rank 0's tiers describe each copy they submit as plain data (`TierCopy`, and a step's
-per-layer stores as `LayerStores`); the step's message carries them to the workers, whose
-mirrors run them through their own ledgers. `readback_pages` / `readback_slot` are
-batchgen_debug's check of a finished store against its source, raising `KVReadbackError`.
+    poll() / drain(): complete in submission order: synchronize, copy seconds by
+    reason, the writing map cleared, host ids released meanwhile freed, the policy's
+    `done(handle)` (what it held for the copy: rule 5), the handle's tensors dropped.
+
+A step's per-layer stores (decode_append="layer") travel as `LayerStores`; each layer of
+them is a store of one layer (`store(..., layers=)`). batchgen_debug's readback is
+kv/copy_readback.py's.
 """
 
 from __future__ import annotations
@@ -28,17 +31,22 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from batchgen.kv.copy_engine import CopyHandle
-from batchgen.kv.host_pool import HostPool
-from batchgen.kv.page_pool import PagePool
-from batchgen.kv.state_pool import HostStatePool, StatePool
+from batchgen.kv.copy_engine import CopyEngine, CopyHandle
+from batchgen.kv.copy_readback import readback_pages, readback_slot
+from batchgen.kv.page_copies import (
+    device_to_host_pages,
+    device_to_host_staged,
+    device_to_host_state,
+    device_to_host_state_staged,
+    gather_pages,
+    gather_state,
+    host_to_device_pages,
+    host_to_device_state,
+    load_buffers,
+)
 from batchgen.kv.tier_metrics import TierMetrics
 
-
-class KVReadbackError(RuntimeError):
-    """batchgen_debug found an offloaded page that differs from its device source."""
+Done = Callable[[CopyHandle], None]
 
 
 @dataclass(frozen=True)
@@ -72,30 +80,162 @@ class _Entry:
     store: bool  # a store: its host ids are in the writing map until it completes
     host_ids: list[int] | tuple  # the host pages or slots it writes (a store) or reads
     reasons: list[str] | tuple  # its copy seconds split by them
-    done: Callable[[], None] | None  # the policy's release at completion
+    done: Done | None  # the policy's release at completion
 
 
 class CopyLedger:
-    """Copies in flight over one space of host ids (host pages, or host state slots).
+    """Copies in flight over one space of host ids (host pages, or host state slots),
+    and the one place they are submitted.
 
-    `metrics`: where copy seconds are counted by reason (None: not counted). `free`:
-    gives host ids back to their pool, for those released while a store writes them.
-    `defers`: loads may defer their last part to the submitting stream (CopyHandle.defer),
-    which poll() runs for a step that failed before it waited on them."""
+    `copies`: the engine every copy goes through. `metrics`: where copy seconds are
+    counted by reason (None: not counted). `free`: gives host ids back to their pool,
+    for those released while a store writes them. `defers`: loads may defer their last
+    part to the submitting stream (CopyHandle.defer), which poll() runs for a step that
+    failed before it waited on them. `checks` (batchgen_debug): each store is read back
+    and compared with its source, counted in `checks.readback_checks`; None: no
+    readback."""
 
     def __init__(
         self,
+        copies: CopyEngine,
         metrics: TierMetrics | None = None,
         free: Callable[[list[int]], None] | None = None,
         defers: bool = False,
+        checks=None,
     ) -> None:
+        self.copies = copies
         self.metrics = metrics
         self.free = free
         self.defers = defers
+        self.checks = checks
         self.writing: dict[int, CopyHandle] = {}  # host id -> the store in flight writing it
         self._dropped: set[int] = set()  # host ids freed once the store writing them completes
         self._pending: deque[_Entry] = deque()
 
+    # ---- running copy records ----------------------------------------------------------
+    def store(
+        self,
+        copy: TierCopy,
+        pools: tuple,
+        reasons: list[str] | tuple = (),
+        done: Done | None = None,
+        gather: bool = False,
+        read_gate: bool = False,
+        readers: list[CopyHandle] | tuple = (),
+        layers: range | None = None,
+        background: bool = False,
+    ) -> CopyHandle:
+        """Submit a store (device -> host) of `copy` between `pools` (device pool, host
+        pool: of pages, or of state slots for a "state_store"), record it for the loads
+        of its host ids (rule 3a) and queue it for completion. `gather`: the device ids
+        are read now, on the submitting stream (ids nobody holds: before anything queued
+        later writes them; rule 3d), the copy only carries staging to host; else the
+        copy reads them on its stream. `read_gate`: the handle's one gate is marked once
+        they are read. `readers`: copies reading the same device ids that this one waits
+        for, whole, first. `layers`: pages only, one layer's store of every-layer
+        pages (the last layer's completion clears the writing map). `background`: on
+        the copy engine's background stream."""
+        dev_ids, host_ids = copy.dev_pages, copy.host_pages
+        slots = copy.kind.startswith("state")
+        dev, host = _tensors(pools, slots)
+        num_layers = _num_layers(dev, slots)
+        staged = None
+        if gather and slots:
+            staged = gather_state(dev, dev_ids, host_ids)
+        elif gather:
+            staged = gather_pages(dev, dev_ids, host_ids)
+
+        def run(handle: CopyHandle):
+            for reader in readers:  # the slot is given back only after both read it
+                reader.wait_on_current_stream()
+            on_read = (lambda: handle.mark(0)) if read_gate else None
+            if staged is not None:
+                if on_read is not None:
+                    on_read()  # read already, in the submitting stream's order
+                if slots:
+                    return device_to_host_state_staged(staged, host, host_ids)
+                return device_to_host_staged(staged, host, host_ids)
+            if slots and on_read is None:
+                return device_to_host_state(dev, host, dev_ids, host_ids)
+            if slots:
+                return device_to_host_state(dev, host, dev_ids, host_ids, on_read=on_read)
+            return device_to_host_pages(dev, host, dev_ids, host_ids, layers, on_read)
+
+        nbytes = len(dev_ids) * _unit_bytes(pools, slots)
+        if layers is not None:
+            nbytes //= num_layers
+        handle = self.copies.submit(
+            "store", nbytes, run, num_gates=int(read_gate), background=background
+        )
+        self.record_store(handle, host_ids)
+        whole = layers is None or layers.stop == num_layers
+        self.add_store(handle, host_ids if whole else [], reasons, done)
+        if self.checks is not None:
+            self._readback(copy, pools, handle, slots, layers or range(num_layers))
+        return handle
+
+    def load(
+        self,
+        copy: TierCopy,
+        pools: tuple,
+        reasons: list[str] | tuple = (),
+        done: Done | None = None,
+        defer: bool = False,
+    ) -> CopyHandle:
+        """Submit a load (host -> device) of `copy` between `pools` (of pages, or of
+        state slots for a "state_load"), after the whole of every store in flight that
+        writes its host ids (rule 3a), and queue it for completion. Pages: one gate a
+        layer, marked a group of layers at a time. `defer`: the scatter into the device
+        ids runs on the submitting stream at the first wait for its layers
+        (CopyHandle.defer), so no kernel runs on a copy stream."""
+        host_ids, dev_ids = copy.host_pages, copy.dev_pages
+        slots = copy.kind.startswith("state")
+        dev, host = _tensors(pools, slots)
+        after = self.stores_of(host_ids)
+        # staging and index made here, on the submitting stream: the copy stream
+        # allocates nothing (the copy keeps them alive until it completes)
+        buffers = None if slots else load_buffers(host, dev, host_ids, dev_ids, whole=defer)
+
+        def run(handle: CopyHandle):
+            for store in after:  # a host id is not read before its write completes (3a)
+                store.wait_on_current_stream()
+            later = handle.defer if defer else None
+            if slots:
+                return host_to_device_state(
+                    host, dev, host_ids, dev_ids, later, handle.consumer if defer else None
+                )
+            # a destination page a store read before its load: the read was queued on
+            # the producer's stream before this copy was submitted
+            return host_to_device_pages(
+                host,
+                dev,
+                host_ids,
+                dev_ids,
+                handle.mark,
+                buffers=buffers,
+                defer=later,
+                consumer=handle.consumer,
+            )
+
+        gates = 0 if slots else _num_layers(dev, slots)
+        nbytes = len(host_ids) * _unit_bytes(pools, slots)
+        handle = self.copies.submit("load", nbytes, run, num_gates=gates)
+        self.add_load(handle, host_ids, reasons, done)
+        return handle
+
+    def _readback(self, copy: TierCopy, pools: tuple, handle, slots: bool, layers: range):
+        """batchgen_debug: wait for the store and compare what it wrote with its device
+        source (nothing has written the source since: debug runs no step ahead)."""
+        dev, host = pools
+        if slots:
+            for d, h, tag in zip(copy.dev_pages, copy.host_pages, copy.tags):
+                readback_slot(handle, dev, host, d, h, tag, self.checks)
+            return
+        readback_pages(
+            handle, dev, host, copy.dev_pages, copy.host_pages, copy.tags, layers, self.checks
+        )
+
+    # ---- bookkeeping -------------------------------------------------------------------
     def record_store(self, handle: CopyHandle, host_ids: list[int]) -> None:
         """`handle` writes `host_ids`: a load of any of them waits for it (rule 3a)."""
         for i in host_ids:
@@ -111,11 +251,11 @@ class CopyLedger:
         handle: CopyHandle,
         host_ids: list[int] | tuple = (),
         reasons: list[str] | tuple = (),
-        done: Callable[[], None] | None = None,
+        done: Done | None = None,
     ) -> None:
         """A submitted store of `host_ids` (recorded with record_store), completed in
         submission order: then the writing map's entries for them that are still its
-        are cleared, those released meanwhile freed, and `done()` releases what the
+        are cleared, those released meanwhile freed, and `done(handle)` releases what the
         policy held for it (rule 5)."""
         self._pending.append(_Entry(handle, True, host_ids, reasons, done))
 
@@ -124,10 +264,10 @@ class CopyLedger:
         handle: CopyHandle,
         host_ids: list[int] | tuple = (),
         reasons: list[str] | tuple = (),
-        done: Callable[[], None] | None = None,
+        done: Done | None = None,
     ) -> None:
-        """A submitted load of `host_ids`, completed in submission order: then `done()`
-        releases what the policy held for it (rule 5)."""
+        """A submitted load of `host_ids`, completed in submission order: then
+        `done(handle)` releases what the policy held for it (rule 5)."""
         self._pending.append(_Entry(handle, False, host_ids, reasons, done))
 
     def release(self, host_id: int) -> None:
@@ -176,74 +316,23 @@ class CopyLedger:
         if dropped:
             self.free(dropped)
         if e.done is not None:
-            e.done()
+            e.done(e.handle)
         e.handle.release()
 
 
-def readback_pages(
-    handle: CopyHandle,
-    device_pool: PagePool,
-    host_pool: HostPool,
-    dev_pages: list[int],
-    host_pages: list[int],
-    tags: list,
-    layers: range,
-    metrics,
-) -> None:
-    """batchgen_debug: wait for a store, then compare each host page with its device
-    source over `layers` (nothing has written the source since the copy was issued: debug
-    runs no step ahead), counting each in `metrics.readback_checks`; KVReadbackError on a
-    difference."""
-    handle.synchronize()
-    first, end = layers.start, layers.stop
-    for dev, host, tag in zip(dev_pages, host_pages, tags):
-        src = device_pool.kv[first:end, :, dev].cpu()
-        dst = host_pool.kv[first:end, host]
-        metrics.readback_checks += 1
-        check_offloaded(src, dst, tag, dev, host, first)
+def _tensors(pools: tuple, slots: bool) -> tuple:
+    """The device and host tensors a copy between `pools` moves: the KV arrays of
+    pages, or (states, conv windows) of state slots."""
+    dev, host = pools
+    if slots:
+        return (dev.states, dev.windows), (host.states, host.windows)
+    return dev.kv, host.kv
 
 
-def readback_slot(
-    handle: CopyHandle,
-    device_pool: StatePool,
-    host_pool: HostStatePool,
-    dev_slot: int,
-    host_slot: int,
-    tag,
-    metrics,
-) -> None:
-    """batchgen_debug: wait for a state store, then compare the host slot with its device
-    source (states and conv windows), counted as one check; KVReadbackError on a
-    difference."""
-    handle.synchronize()
-    metrics.readback_checks += 1
-    src = (device_pool.states[:, dev_slot].cpu(), device_pool.windows[:, dev_slot].cpu())
-    dst = (host_pool.states[:, host_slot], host_pool.windows[:, host_slot])
-    check_offloaded_state(src, dst, dev_slot, host_slot, tag)
+def _num_layers(dev, slots: bool) -> int:
+    return dev[0].shape[0] if slots else dev.shape[0]
 
 
-def check_offloaded(src: torch.Tensor, dst: torch.Tensor, tag, dev, host, first_layer) -> None:
-    """KVReadbackError unless host copy `dst` of device page `dev` equals `src` (both on
-    the host, [layers, ...]) and is finite."""
-    if not torch.isfinite(dst.float()).all():
-        raise KVReadbackError(f"{tag}: non-finite KV in offloaded device page {dev}")
-    if not torch.equal(src, dst):
-        bad = (src != dst).flatten(1).any(-1).nonzero()[0, 0].item()
-        raise KVReadbackError(
-            f"{tag}: layer {first_layer + bad} of device page {dev} differs from its host "
-            f"copy (host page {host})"
-        )
-
-
-def check_offloaded_state(src: tuple, dst: tuple, dev_slot: int, host_slot: int, tag) -> None:
-    """KVReadbackError unless host slot `host_slot`'s (state, conv window) `dst` equals
-    device slot `dev_slot`'s `src` (both on the host, [KDA layers, ...]) and is finite."""
-    for what, src_one, dst_one in zip(("state", "conv window"), src, dst):
-        if not torch.isfinite(dst_one.float()).all():
-            raise KVReadbackError(f"{tag}: non-finite {what} in offloaded state slot {dev_slot}")
-        if not torch.equal(src_one, dst_one):
-            bad = (src_one != dst_one).flatten(1).any(-1).nonzero()[0, 0].item()
-            raise KVReadbackError(
-                f"{tag}: KDA layer {bad}'s {what} of device state slot {dev_slot} differs "
-                f"from its host copy (host slot {host_slot})"
-            )
+def _unit_bytes(pools: tuple, slots: bool) -> int:
+    layout = pools[0].layout
+    return layout.bytes_per_slot if slots else layout.bytes_per_page

@@ -15,7 +15,8 @@ tests, not by the check.
    then (the default stream too: its handle 0 is a stream like any other).
    1a A copy body (kv/page_copies.py, named for its direction: device_to_host* or
       host_to_device*) runs only inside a closure that its caller hands to submit and
-      uses nowhere else. A gather (gather_*) reads device pages into staging on the
+      uses nowhere else: `CopyLedger.store` / `.load` (kv/copy_ledger.py), the one
+      executor of the copy records the tiers emit, on rank 0 and the workers. A gather (gather_*) reads device pages into staging on the
       calling stream and copies nothing itself; its staging reaches the host only
       through a submitted copy body.
    1b Nothing outside page_copies.py writes into a pool tensor (the device and host
@@ -35,8 +36,8 @@ tests, not by the check.
    3a A load (of pages or of a state slot) waits on its copy stream for the whole of
       every store in flight that writes its host pages or slots: each store is recorded
       in its ledger's writing map under every host page or slot it writes
-      (`CopyLedger.writing`), and a load's body first waits for the stores that map
-      holds for its own host pages.
+      (`CopyLedger.store` -> `record_store`), and a load's body first waits for the
+      stores that map holds for its own host pages (`CopyLedger.load` -> `stores_of`).
    3b The forward waits for the step's copies (`StepCopies.wait_for`): all of them
       before a graph replay; in an eager forward each layer calls
       `ForwardContext.before_layer`, which waits for that layer's gate, before it reads

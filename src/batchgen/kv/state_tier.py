@@ -14,10 +14,11 @@ Who may reuse a slot:
   host slot whose store is still in flight waits for that store on the copy stream; the
   host slot is free again only once the load completes. A swapped request that ends
   before its swap-in frees its host slot, after its store completes if it is in flight.
-Copies in flight are kept in a `CopyLedger` of host slots (kv/copy_ledger.py: the
-writing map a load waits on, rule 3a of kv/copy_rules.py, and the queue whose completions
-release the slots, rule 5); they complete in `poll()` / `drain()`, which
-TieredKVManager's poll and drain call.
+Each copy is emitted as a plain record (`TierCopy` of kind "state_store" / "state_load")
+and run by a `CopyLedger` of host slots (kv/copy_ledger.py: the one executor of copy
+records, on every rank: the submit, the writing map a load waits on, rule 3a of
+kv/copy_rules.py, and the queue whose completions release the slots, rule 5); they
+complete in `poll()` / `drain()`, which TieredKVManager's poll and drain call.
 
 Checkpoints (state_checkpoints.py) use the same host slots through `checkpoint_out` (a
 copy of a slot its request keeps using: the step after it waits on the handle's gate,
@@ -37,13 +38,7 @@ from collections.abc import Callable
 
 from batchgen.config_groups import check_choice
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
-from batchgen.kv.copy_ledger import CopyLedger, TierCopy, readback_slot
-from batchgen.kv.page_copies import (
-    device_to_host_state,
-    device_to_host_state_staged,
-    gather_state,
-    host_to_device_state,
-)
+from batchgen.kv.copy_ledger import CopyLedger, TierCopy
 from batchgen.kv.state_pool import HostStatePool, StatePool, StateSlots
 from batchgen.kv.tier_metrics import TierMetrics
 
@@ -76,14 +71,23 @@ class StateTier:
         self._free = list(range(host_pool.num_slots - 1, -1, -1))
         self._owned: dict[str, int] = {}  # swapped request -> its host slot
         # host slots: stores in flight writing them, copies to complete in order
-        self.ledger = CopyLedger(metrics, self._free.extend, defers=True)
+        self.ledger = CopyLedger(
+            copies, metrics, self._free.extend, defers=True, checks=metrics if debug else None
+        )
         self._read: dict[int, CopyHandle] = {}  # device slot -> checkpoint copy reading it
         self._loading: dict[int, int] = {}  # host slot -> checkpoint loads reading it
         self.mirror = mirror
 
-    def _log(self, kind: str, dev_slot: int, host_slot: int, tag: str) -> None:
+    def _emit(self, kind: str, dev_slot: int, host_slot: int, tag: str) -> TierCopy:
+        """A copy this tier decided: logged for the workers' mirrors (tensor parallel),
+        then run by the ledger here."""
+        copy = TierCopy(kind, [dev_slot], [host_slot], [tag])
         if self.mirror is not None:
-            self.mirror(TierCopy(kind, [dev_slot], [host_slot], [tag]))
+            self.mirror(copy)
+        return copy
+
+    def _pools(self) -> tuple[StatePool, HostStatePool]:
+        return self.device_pool, self.host_pool
 
     @property
     def slot_bytes(self) -> int:
@@ -107,52 +111,37 @@ class StateTier:
         window) to a free host slot, which it owns until its swap-in. The caller checks
         `host_room`. The device slot leaves the request now and is free again only when
         the copy completes."""
-        dev_slots = [self.slots.detach(request_id)]
-        host_slots = [self._free.pop()]
-        dev, host = self._tensors()
-        before = [self._read[s] for s in dev_slots if s in self._read]
-        staged = self._gather_now(dev, dev_slots, host_slots)
-
-        def copy(handle: CopyHandle):
-            for checkpoint in before:  # the slot is given back only after both read it
-                checkpoint.wait_on_current_stream()
-            if staged is not None:
-                return device_to_host_state_staged(staged, host, host_slots)
-            return device_to_host_state(dev, host, dev_slots, host_slots)
-
-        handle = self.copies.submit("store", self.slot_bytes, copy)
-        self._log("state_store", dev_slots[0], host_slots[0], tag)
-        self.ledger.record_store(handle, host_slots)
-        self._owned[request_id] = host_slots[0]
+        dev_slot, host_slot = self.slots.detach(request_id), self._free.pop()
+        copy = self._emit("state_store", dev_slot, host_slot, tag)
+        readers = [self._read[dev_slot]] if dev_slot in self._read else []
+        self.ledger.store(
+            copy,
+            self._pools(),
+            ["state_swap_out"],
+            lambda h: self.slots.give_back(dev_slot),
+            gather=self.load_scatter == "compute",
+            readers=readers,  # a checkpoint reading the slot: given back after both
+        )
+        self._owned[request_id] = host_slot
         self.metrics.state_swaps_out += 1
         self.metrics.count("state_swap_out", self.slot_bytes)
-        self.ledger.add_store(
-            handle, host_slots, ["state_swap_out"], lambda: self.slots.give_back(dev_slots[0])
-        )
-        if self.debug:
-            self._readback(dev_slots[0], host_slots[0], handle, tag)
 
     def load(self, request_id: str) -> CopyHandle:
         """Swap-in: take a device slot for the request (the caller checks that one is
         free) and load its host slot into it; the step resuming the request waits on
         the handle. The host slot is held until the load completes."""
-        host_slots = [self._owned.pop(request_id)]
-        dev_slots = [self.slots.take(request_id)]
-        after = self.ledger.stores_of(host_slots)
-        dev, host = self._tensors()
-
-        def copy(handle: CopyHandle):
-            for store in after:  # a host slot is not read before its write completes (3a)
-                store.wait_on_current_stream()
-            return host_to_device_state(host, dev, host_slots, dev_slots, *self._deferral(handle))
-
-        handle = self.copies.submit("load", self.slot_bytes, copy)
-        self._log("state_load", dev_slots[0], host_slots[0], f"request {request_id}")
+        host_slot = self._owned.pop(request_id)
+        dev_slot = self.slots.take(request_id)
+        copy = self._emit("state_load", dev_slot, host_slot, f"request {request_id}")
+        handle = self.ledger.load(
+            copy,
+            self._pools(),
+            ["state_swap_in"],
+            lambda h: self._free.append(host_slot),
+            defer=self.load_scatter == "compute",
+        )
         self.metrics.state_swaps_in += 1
         self.metrics.count("state_swap_in", self.slot_bytes)
-        self.ledger.add_load(
-            handle, host_slots, ["state_swap_in"], lambda: self._free.extend(host_slots)
-        )
         return handle
 
     # ---- checkpoints (state_checkpoints.py) ---------------------------------------------
@@ -172,49 +161,30 @@ class StateTier:
         that wrote it. The handle's one gate is marked once the slot is read into staging:
         the step that runs next waits on that gate before writing the slot (a device
         gather), not on the transfer to host behind it."""
-        dev, host = self._tensors()
-        dev_slots, host_slots = [dev_slot], [host_slot]
-        staged = self._gather_now(dev, dev_slots, host_slots)
-
-        def copy(h: CopyHandle):
-            if staged is None:
-                return device_to_host_state(
-                    dev, host, dev_slots, host_slots, on_read=lambda: h.mark(0)
-                )
-            h.mark(0)  # read already, in the submitting stream's order
-            return device_to_host_state_staged(staged, host, host_slots)
-
-        handle = self.copies.submit("store", self.slot_bytes, copy, num_gates=1)
-        self._log("state_store", dev_slot, host_slot, tag)
-        self.ledger.record_store(handle, host_slots)
+        handle = self.ledger.store(
+            self._emit("state_store", dev_slot, host_slot, tag),
+            self._pools(),
+            ["state_checkpoint"],
+            lambda h: self._read_done(h, dev_slot),
+            gather=self.load_scatter == "compute",
+            read_gate=True,
+        )
         self._read[dev_slot] = handle
         self.metrics.count("state_checkpoint", self.slot_bytes)
-        self.ledger.add_store(
-            handle, host_slots, ["state_checkpoint"], lambda: self._read_done(handle, dev_slot)
-        )
-        if self.debug:
-            self._readback(dev_slot, host_slot, handle, tag)
         return handle
 
     def checkpoint_in(self, host_slot: int, dev_slot: int) -> CopyHandle:
         """Load a checkpoint into a request's new device slot; the step that resumes the
         request from it waits on the handle."""
-        dev_slots, host_slots = [dev_slot], [host_slot]
-        after = self.ledger.stores_of(host_slots)
-        dev, host = self._tensors()
-
-        def copy(handle: CopyHandle):
-            for store in after:  # a checkpoint is not read before its write completes (3a)
-                store.wait_on_current_stream()
-            return host_to_device_state(host, dev, host_slots, dev_slots, *self._deferral(handle))
-
-        handle = self.copies.submit("load", self.slot_bytes, copy)
-        self._log("state_load", dev_slot, host_slot, f"checkpoint {host_slot}")
+        handle = self.ledger.load(
+            self._emit("state_load", dev_slot, host_slot, f"checkpoint {host_slot}"),
+            self._pools(),
+            ["state_checkpoint_load"],
+            lambda h: self._checkpoint_read(host_slot),
+            defer=self.load_scatter == "compute",
+        )
         self._loading[host_slot] = self._loading.get(host_slot, 0) + 1
         self.metrics.count("state_checkpoint_load", self.slot_bytes)
-        self.ledger.add_load(
-            handle, host_slots, ["state_checkpoint_load"], lambda: self._checkpoint_read(host_slot)
-        )
         return handle
 
     def forget(self, request_id: str) -> None:
@@ -223,21 +193,6 @@ class StateTier:
         slot = self._owned.pop(request_id, None)
         if slot is not None:
             self.ledger.release(slot)
-
-    def _gather_now(self, dev: tuple, dev_slots: list[int], host_slots: list[int]):
-        """load_scatter="compute" (no tier kernel on a copy stream): a store's slots
-        gathered into staging now, on the submitting stream, in its order after the
-        compute that wrote them and before any that writes them later; None: its copy
-        reads them on the copy stream."""
-        if self.load_scatter != "compute":
-            return None
-        return gather_state(dev, dev_slots, host_slots)
-
-    def _deferral(self, handle: CopyHandle) -> tuple:
-        """A load body's (defer, consumer): where its scatter runs (load_scatter)."""
-        if self.load_scatter != "compute":
-            return None, None
-        return handle.defer, handle.consumer
 
     # ---- completion (CopyLedger.poll / drain) -------------------------------------------
     def poll(self) -> None:
@@ -262,10 +217,3 @@ class StateTier:
         self._loading[host_slot] -= 1
         if not self._loading[host_slot]:
             del self._loading[host_slot]
-
-    def _readback(self, dev_slot: int, host_slot: int, handle: CopyHandle, tag: str) -> None:
-        """batchgen_debug: wait for the store and compare the host slot with its device
-        source (detached, or a checkpoint's: nothing writes it before the next step)."""
-        readback_slot(
-            handle, self.device_pool, self.host_pool, dev_slot, host_slot, tag, self.metrics
-        )

@@ -2,11 +2,12 @@
 replayed on this rank's KV shard (same page ids, its own heads).
 
     rank 0: TieredKVManager decides            rank r: TierMirror replays
-    _submit_store / _submit_load submit on     the step's message carries them, in rank
-    rank 0's shard and log a TierCopy   ---->  0's submission order; each goes through
-    (plain data: kind, pages, tags)            CopyEngine.submit on this rank's shard
-                                               (rules 1-2), before the step's forward,
-                                               which waits for all of them (rule 3)
+    each copy, emits it as a TierCopy   ---->  the step's message carries them, in rank
+    (plain data: kind, pages, tags) and        0's submission order; each runs through
+    runs it through its CopyLedger             this rank's CopyLedger, the same executor
+                                               (rules 1-2, 3a), on this rank's shard,
+                                               before the step's forward, which waits
+                                               for all of them (rule 3)
 
 Rank 0 frees and reuses a page when its own copy completes; this rank's copy of the same
 page may finish later, or start later (stores rank 0 submits after a forward travel with
@@ -23,9 +24,10 @@ read or wrote it:
 
 A model with linear-attention layers also mirrors its state tier's copies ("state_store",
 "state_load": one compressed-state slot each way, this rank's heads of it), under the
-same rules, through the same stream. The copies in flight are kept in two `CopyLedger`s
-(kv/copy_ledger.py), of host pages and of host state slots, as rank 0's tiers keep
-theirs; rule numbers are kv/copy_rules.py's.
+same rules, through the same stream. The copies run through two `CopyLedger`s
+(kv/copy_ledger.py), of host pages and of host state slots, as rank 0's tiers run
+theirs: this module only picks how each kind runs here (a store's gate marked once its
+source pages are read; no scatter deferred); rule numbers are kv/copy_rules.py's.
 """
 
 from __future__ import annotations
@@ -33,17 +35,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
-from batchgen.kv.copy_ledger import CopyLedger, readback_pages, readback_slot
+from batchgen.kv.copy_ledger import CopyLedger
 from batchgen.kv.copy_ledger import LayerStores as LayerStores  # the records rank 0 sends
 from batchgen.kv.copy_ledger import TierCopy as TierCopy
 from batchgen.kv.host_pool import HostPool
-from batchgen.kv.page_copies import (
-    device_to_host_pages,
-    device_to_host_state,
-    host_to_device_pages,
-    host_to_device_state,
-    load_buffers,
-)
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.state_pool import HostStatePool, StatePool
 
@@ -81,8 +76,9 @@ class TierMirror:
         self.states = states  # this rank's device and host state pools, if any
         self.metrics = MirrorMetrics()
         # copies in flight: of host pages, of host state slots (rank 0 frees them)
-        self.ledger = CopyLedger()
-        self.slot_ledger = CopyLedger()
+        checks = self.metrics if debug else None  # batchgen_debug: each store read back
+        self.ledger = CopyLedger(copies, checks=checks)
+        self.slot_ledger = CopyLedger(copies, checks=checks)
         # per-layer stores issued inside a forward: the next step's forward waits for them
         # before it can write a page they read (rank 0 may have freed and reused it)
         self._layer_stores: list[CopyHandle] = []
@@ -112,99 +108,47 @@ class TierMirror:
         """decode_append="layer", inside this rank's forward right after layer `layer`
         wrote its K/V: copy that layer of the plan's pages (this rank's heads) to their
         host pages, ordered after the write (the copy engine's producer event)."""
-        dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
-        dev_pages, host_pages = plan.dev_pages, plan.host_pages
-        layers = range(layer, layer + 1)
-        handle = self.copies.submit(
-            "store",
-            len(dev_pages) * self.device_pool.layout.bytes_per_page // dev_kv.shape[0],
-            lambda h: device_to_host_pages(dev_kv, host_kv, dev_pages, host_pages, layers),
+        handle = self.ledger.store(
+            TierCopy("store", plan.dev_pages, plan.host_pages, plan.tags),
+            self._pools(),
+            layers=range(layer, layer + 1),
         )
-        self.ledger.record_store(handle, host_pages)
-        self.ledger.add_store(handle, host_pages)
         self._layer_stores.append(handle)
         self.metrics.layer_stores += 1
-        if layer == dev_kv.shape[0] - 1:
-            self.metrics.pages_offloaded += len(dev_pages)
-        if self.debug:
-            self._readback(dev_pages, host_pages, handle, plan.tags, layers)
+        if layer == self.device_pool.kv.shape[0] - 1:
+            self.metrics.pages_offloaded += len(plan.dev_pages)
+
+    def _pools(self) -> tuple[PagePool, HostPool]:
+        return self.device_pool, self.host_pool
 
     def _store(self, c: TierCopy) -> CopyHandle:
-        dev_pages, host_pages = c.dev_pages, c.host_pages
-        dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
-        handle = self.copies.submit(
-            "store",
-            len(dev_pages) * self.device_pool.layout.bytes_per_page,
-            lambda h: device_to_host_pages(
-                dev_kv, host_kv, dev_pages, host_pages, on_read=lambda: h.mark(0)
-            ),
-            num_gates=1,
-        )
-        self.ledger.record_store(handle, host_pages)
-        self.ledger.add_store(handle, host_pages)
+        # the forward waits for the gate, marked once the source pages are read
+        handle = self.ledger.store(c, self._pools(), read_gate=True)
         self.metrics.stores += 1
-        self.metrics.pages_offloaded += len(dev_pages)
-        if self.debug:
-            self._readback(dev_pages, host_pages, handle, c.tags)
+        self.metrics.pages_offloaded += len(c.dev_pages)
         return handle
 
     def _load(self, c: TierCopy) -> CopyHandle:
-        host_pages, dev_pages = c.host_pages, c.dev_pages
-        after = self.ledger.stores_of(host_pages)
-        host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
-        buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages)  # on this stream
-
-        def copy(handle: CopyHandle):
-            for store in after:  # a host page is not read before its write completes (3a)
-                store.wait_on_current_stream()
-            return host_to_device_pages(
-                host_kv, dev_kv, host_pages, dev_pages, handle.mark, buffers=buffers
-            )
-
-        handle = self.copies.submit(
-            "load",
-            len(host_pages) * self.device_pool.layout.bytes_per_page,
-            copy,
-            num_gates=dev_kv.shape[0],
-        )
-        self.ledger.add_load(handle, host_pages)
+        handle = self.ledger.load(c, self._pools())
         self.metrics.loads += 1
-        self.metrics.pages_loaded += len(host_pages)
+        self.metrics.pages_loaded += len(c.host_pages)
         return handle
 
-    def _state_tensors(self) -> tuple[tuple, tuple]:
+    def _state_pools(self) -> tuple[StatePool, HostStatePool]:
         if self.states is None:
             raise RuntimeError("a state copy was mirrored to a rank without a state pool")
-        dev, host = self.states
-        return (dev.states, dev.windows), (host.states, host.windows)
+        return self.states
 
     def _state_store(self, c: TierCopy) -> CopyHandle:
-        dev, host = self._state_tensors()
-        dev_slots, host_slots = c.dev_pages, c.host_pages
-        handle = self.copies.submit(
-            "store",
-            self.states[0].layout.bytes_per_slot,
-            lambda h: device_to_host_state(dev, host, dev_slots, host_slots),
+        tags = [f"{tag} (this rank's heads)" for tag in c.tags]  # for readback errors
+        handle = self.slot_ledger.store(
+            TierCopy(c.kind, c.dev_pages, c.host_pages, tags), self._state_pools()
         )
-        self.slot_ledger.record_store(handle, host_slots)
-        self.slot_ledger.add_store(handle, host_slots)
         self.metrics.state_stores += 1
-        if self.debug:
-            self._readback_state(dev_slots[0], host_slots[0], handle, c.tags[0])
         return handle
 
     def _state_load(self, c: TierCopy) -> CopyHandle:
-        dev, host = self._state_tensors()
-        host_slots, dev_slots = c.host_pages, c.dev_pages
-        after = self.slot_ledger.stores_of(host_slots)
-
-        def copy(handle: CopyHandle):
-            for store in after:  # a host slot is not read before its write completes (3a)
-                store.wait_on_current_stream()
-            return host_to_device_state(host, dev, host_slots, dev_slots)
-
-        handle = self.copies.submit("load", self.states[0].layout.bytes_per_slot, copy)
-        self.slot_ledger.add_load(handle, host_slots)
+        handle = self.slot_ledger.load(c, self._state_pools())
         self.metrics.state_loads += 1
         return handle
 
@@ -217,30 +161,3 @@ class TierMirror:
     def drain(self) -> None:
         self.ledger.drain()
         self.slot_ledger.drain()
-
-    def _readback(
-        self, dev_pages, host_pages, handle: CopyHandle, tags, layers: range | None = None
-    ) -> None:
-        """batchgen_debug: wait for the store and compare each host page of this rank's
-        shard with its device source, over `layers` (None: every layer; nothing has
-        written the source since the copy was issued)."""
-        if layers is None:
-            layers = range(self.device_pool.kv.shape[0])
-        readback_pages(
-            handle,
-            self.device_pool,
-            self.host_pool,
-            dev_pages,
-            host_pages,
-            tags,
-            layers,
-            self.metrics,
-        )
-
-    def _readback_state(self, dev_slot: int, host_slot: int, handle: CopyHandle, tag) -> None:
-        """batchgen_debug: wait for the state store and compare this rank's host slot
-        with its device source (one check: its state and conv window, as rank 0)."""
-        dev, host = self.states
-        readback_slot(
-            handle, dev, host, dev_slot, host_slot, f"{tag} (this rank's heads)", self.metrics
-        )

@@ -29,10 +29,12 @@ Who may free or reuse a page:
   whose host pages the swapped request owns until its swap-in: they are allocated at
   queue time, kept at completion, and freed by `release_host`. A store ahead
   (`queue_store_ahead`) is a write-back of pages nobody has been handed yet.
-Copies in flight are kept in a `CopyLedger` (kv/copy_ledger.py: the writing map a load
-waits on, rule 3a of kv/copy_rules.py, and the pending queue whose completions release
-the pages, rule 5). They complete in `poll()`, which the engine calls once per step, or
-`drain()`; both complete the state tier's copies too (`states`, kv/state_tier.py).
+Each copy is emitted as a plain record (`TierCopy`) and run by the tier's `CopyLedger`
+(kv/copy_ledger.py: the one executor of copy records, on every rank: the submit, the
+writing map a load waits on, rule 3a of kv/copy_rules.py, and the pending queue whose
+completions release the pages, rule 5); tensor parallel sends the same records to the
+workers. They complete in `poll()`, which the engine calls once per step, or `drain()`;
+both complete the state tier's copies too (`states`, kv/state_tier.py).
 """
 
 from __future__ import annotations
@@ -43,19 +45,11 @@ from typing import TYPE_CHECKING
 
 from batchgen.config_groups import check_choice
 from batchgen.kv.copy_engine import CopyEngine, CopyHandle
-from batchgen.kv.copy_ledger import CopyLedger, LayerStores, TierCopy, readback_pages
-from batchgen.kv.copy_ledger import KVReadbackError as KVReadbackError  # its old home
+from batchgen.kv.copy_ledger import CopyLedger, LayerStores, TierCopy
+from batchgen.kv.copy_readback import KVReadbackError as KVReadbackError  # its old home
 from batchgen.kv.host_pool import HostPool
 from batchgen.kv.page_allocator import PageAllocator
-from batchgen.kv.page_copies import (
-    LOAD_STAGING_BYTES,
-    device_to_host_pages,
-    device_to_host_staged,
-    gather_pages,
-    host_to_device_pages,
-    load_buffers,
-    num_runs,
-)
+from batchgen.kv.page_copies import LOAD_STAGING_BYTES, num_runs
 from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tier_queue import Queued, TierQueue
@@ -115,7 +109,13 @@ class TieredKVManager(TierQueue):
         self.loads_pay = loads_pay  # the cost rule's verdict: load rather than recompute
         self.metrics = TierMetrics() if metrics is None else metrics
         # host pages: stores in flight writing them, copies to complete in order
-        self.ledger = CopyLedger(self.metrics, self.host_alloc.free, load_scatter == "compute")
+        self.ledger = CopyLedger(
+            copies,
+            self.metrics,
+            self.host_alloc.free,
+            defers=load_scatter == "compute",
+            checks=self.metrics if debug else None,
+        )
         self._loading: dict[int, CopyHandle] = {}  # device page -> load in flight
         self.states = states
         self.mirrored = mirrored  # take_mirrored() hands them over
@@ -204,22 +204,20 @@ class TieredKVManager(TierQueue):
             return None
         dev_pages, hashes = q.dev_pages[:n], q.hashes[:n]
         host_pages = q.host_pages if owned else self.host_alloc.allocate(n)
-        dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
+        copy = self._emit(TierCopy("store", dev_pages, host_pages, q.tags[:n]))
         # pages no longer held (a new owner may have them already) are read now, on this
         # (the compute) stream, so that whatever is queued after, a forward or a load,
         # writes them only after the read; their copy only carries staging to the host.
         # Held pages are read on the copy stream, unless load_scatter="compute" keeps
         # every tier kernel off the copy streams (config.EngineConfig)
-        gather_now = not hold_dev or self.load_scatter == "compute"
-        staged = gather_pages(dev_kv, dev_pages, host_pages) if gather_now else None
-
-        def copy(handle: CopyHandle):
-            if staged is None:  # held until the copy completes: read on its stream
-                return device_to_host_pages(dev_kv, host_kv, dev_pages, host_pages)
-            return device_to_host_staged(staged, host_kv, host_pages)
-
-        handle = self.copies.submit("store", n * self.page_bytes, copy, background=background)
-        self.ledger.record_store(handle, host_pages)
+        handle = self.ledger.store(
+            copy,
+            self._pools(),
+            q.reasons[:n],
+            lambda h: self._stored(host_pages, dev_pages, hashes, hold_dev, owned),
+            gather=not hold_dev or self.load_scatter == "compute",
+            background=background,
+        )
         for page, h in zip(host_pages, hashes):
             if h is not None:  # a lookup finds it at once; a load of it waits for this store
                 self.host_alloc.register(page, h)
@@ -228,45 +226,17 @@ class TieredKVManager(TierQueue):
         self.metrics.pages_offloaded += n
         self.metrics.transfers += 1
         self.metrics.host_runs += num_runs(host_pages)
-        self.ledger.add_store(
-            handle,
-            host_pages,
-            q.reasons[:n],
-            lambda: self._stored(host_pages, dev_pages, hashes, hold_dev, owned),
-        )
-        if self.mirrored is not None:
-            self.mirrored.append(TierCopy("store", dev_pages, host_pages, q.tags[:n]))
-        if self.debug:
-            self._readback(dev_pages, host_pages, handle, range(dev_kv.shape[0]), q.tags)
         return handle
 
     def _submit_load(self, q: Queued) -> CopyHandle:
         host_pages, dev_pages = q.host_pages, q.dev_pages
-        after = self.ledger.stores_of(host_pages)
-        host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
-        # staging and index made here, on the compute stream: the copy stream allocates
-        # nothing (the copy keeps them alive until it completes)
-        deferred = self.load_scatter == "compute"
-        buffers = load_buffers(host_kv, dev_kv, host_pages, dev_pages, whole=deferred)
-
-        def copy(handle: CopyHandle):
-            for store in after:  # a host page is not read before its write completes (3a)
-                store.wait_on_current_stream()
-            # a destination page a store read before its load: the read was queued on
-            # the producer's stream before this copy was submitted (flush)
-            return host_to_device_pages(
-                host_kv,
-                dev_kv,
-                host_pages,
-                dev_pages,
-                handle.mark,
-                buffers=buffers,
-                defer=handle.defer if deferred else None,
-                consumer=handle.consumer,
-            )
-
-        handle = self.copies.submit(
-            "load", len(host_pages) * self.page_bytes, copy, num_gates=dev_kv.shape[0]
+        copy = self._emit(TierCopy("load", dev_pages, host_pages, q.tags))
+        handle = self.ledger.load(
+            copy,
+            self._pools(),
+            q.reasons,
+            lambda h: self._loaded(h, host_pages, dev_pages),
+            defer=self.load_scatter == "compute",
         )
         for reason, pages in Counter(q.reasons).items():
             self.metrics.count(reason, pages * self.page_bytes)
@@ -275,12 +245,17 @@ class TieredKVManager(TierQueue):
         self.metrics.host_runs += num_runs(host_pages)
         for p in dev_pages:
             self._loading[p] = handle
-        self.ledger.add_load(
-            handle, host_pages, q.reasons, lambda: self._loaded(handle, host_pages, dev_pages)
-        )
-        if self.mirrored is not None:
-            self.mirrored.append(TierCopy("load", dev_pages, host_pages, q.tags))
         return handle
+
+    def _emit(self, copy: TierCopy) -> TierCopy:
+        """A copy this tier decided: logged for the workers' mirrors (tensor parallel),
+        then run by the ledger here."""
+        if self.mirrored is not None:
+            self.mirrored.append(copy)
+        return copy
+
+    def _pools(self) -> tuple[PagePool, HostPool]:
+        return self.device_pool, self.host_pool
 
     def take_mirrored(self) -> list[TierCopy]:
         """The copies submitted since the last call, in submission order (tensor
@@ -296,31 +271,22 @@ class TieredKVManager(TierQueue):
         """decode_append="layer": copy one layer of full pages to host pages the caller
         allocated, right after that layer's K/V write (called inside the forward). The
         last layer's completion registers `hashes` and releases the host pages."""
-        dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
-        last = layer == dev_kv.shape[0] - 1
-        layers = range(layer, layer + 1)
-        handle = self.copies.submit(
-            "store",
-            len(dev_pages) * self.page_bytes // dev_kv.shape[0],
-            lambda h: device_to_host_pages(dev_kv, host_kv, dev_pages, host_pages, layers),
-        )
+        last = layer == self.device_pool.kv.shape[0] - 1
         self.device_alloc.touch(dev_pages)
-        self.ledger.record_store(handle, host_pages)
         if layer == 0:
             self._note_storing(hashes, 1)
+        written, named = (host_pages, hashes) if last else ([], [])
+        handle = self.ledger.store(
+            TierCopy("store", dev_pages, host_pages, tags),
+            self._pools(),
+            ["decode_append"],
+            lambda h: self._stored(written, dev_pages, named, True, False, register=True),
+            layers=range(layer, layer + 1),
+        )
         self.metrics.count("decode_append", handle.nbytes)
         self.metrics.appends += 1
         if last:
             self.metrics.pages_offloaded += len(dev_pages)
-        written, named = (host_pages, hashes) if last else ([], [])
-        self.ledger.add_store(
-            handle,
-            written,
-            ["decode_append"],
-            lambda: self._stored(written, dev_pages, named, True, False, register=True),
-        )
-        if self.debug:
-            self._readback(dev_pages, host_pages, handle, layers, tags)
 
     # ---- completion (CopyLedger.poll / drain) -------------------------------------------
     def poll(self) -> None:
@@ -362,17 +328,3 @@ class TieredKVManager(TierQueue):
     def num_in_flight(self) -> int:
         states = 0 if self.states is None else self.states.num_in_flight
         return self.ledger.num_in_flight + states
-
-    def _readback(self, dev_pages, host_pages, handle: CopyHandle, layers: range, tags) -> None:
-        """batchgen_debug: wait for the store and compare each host page with its device
-        source (nothing has written the source yet: debug runs no step ahead)."""
-        readback_pages(
-            handle,
-            self.device_pool,
-            self.host_pool,
-            dev_pages,
-            host_pages,
-            tags,
-            layers,
-            self.metrics,
-        )
