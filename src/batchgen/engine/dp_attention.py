@@ -6,14 +6,16 @@ enable_expert_parallel; SGLang's --enable-dp-attention).
     rank 0 (the caller): DPEngine                 rank r (spawned): dp_rank.worker_main
       add_request: the rank holding the fewest      its own EngineCore, built as rank 0's
         tokens takes it (its seed fixed here)
-      step(): DPStep(new requests, aborts)   -->    add its own new ones, abort, one
-        rank 0's own tick (dp_rank.DPRank)          step of its engine (none if idle);
+      step(): DPStep(new?, aborts)           -->    its new requests added, aborts
+        each worker's new requests, to it   -->     dropped, one step of its engine
+        alone; rank 0's own tick (DPRank)           (none if idle);
         forwards paired by lockstep rounds  <-->    every forward paired: a dummy one
                                                     where it has none
-        finished requests of every rank     <--     TickResult: finished, more to do?
+        finished requests of every rank     <--     TickResult: finished, failed,
+                                                    error, more to do?
       metrics(): every rank's summed        <->     DPQuery("metrics")
 
-A request's data goes to the ranks once (the tick after it arrived); a tick's message is
+A request's data goes to its rank once (the tick after it arrived); a tick's message is
 otherwise empty, whatever the ranks hold (metrics()["step_message_bytes"]). A request's
 seed is fixed by rank 0 from its arrival index, as one engine would (runner/sampler.py:
 noise is a hash of the seed and the position), so a sampled row draws the same tokens
