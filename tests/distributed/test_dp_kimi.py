@@ -77,12 +77,15 @@ def test_dp2_default_configuration_equals_one_process(reference):
 @pytest.mark.slow
 def test_dp2_host_tier_swaps_each_ranks_pages_and_state(reference):
     """A pool of 32 pages a rank: its requests swap their latent pages and state slots
-    to its own host tier and back; the tokens stay the one-process ample run's."""
+    to its own host tier and back (batchgen_debug reading each copy back on its rank);
+    the tokens stay the one-process ample run's."""
     path, want = reference
     tier = dict(num_kv_pages=32, max_model_len=128, host_kv_size_gib=0.002)
-    got, ranks = _run(path, **tier, **DP)
+    got, ranks = _run(path, **tier, batchgen_debug=True, **DP)
     assert got == want
     assert [m["swaps_out"] > 0 and m["swaps_in"] > 0 for m in ranks] == [True, True], ranks
+    # batchgen_debug: each rank read back every copy its own tier made
+    assert [m["readback_checks"] > 0 for m in ranks] == [True, True], ranks
 
 
 @pytest.mark.slow
