@@ -121,6 +121,11 @@ def test_deterministic_is_checked_where_it_cannot_hold():
         EngineConfig(deterministic=True, tensor_parallel_size=2).resolve(CPU)
     with pytest.raises(ValueError, match="data_parallel_size=1"):
         EngineConfig(deterministic=True, data_parallel_size=2).resolve(CPU, moe=True)
+    with pytest.raises(ValueError, match="max_num_batched_tokens >= 64"):
+        EngineConfig(deterministic=True, max_num_batched_tokens=32).resolve(CPU, 1)
+    with pytest.raises(ValueError, match="state_checkpoint_interval a multiple"):
+        EngineConfig(deterministic=True, state_checkpoint_interval=1040).resolve(CPU, 1)
+    EngineConfig(deterministic=True, max_num_batched_tokens=32).resolve(CPU)  # no KDA
     config = EngineConfig(deterministic=True).resolve(CPU)
     assert config.deterministic and config.model_config.deterministic
     # "auto" attends with the torch path (the batch-invariant one) on a GPU too

@@ -32,6 +32,9 @@ LARGE_GPU_LIMITS = (1024, 16384)  # (max_num_seqs, max_num_batched_tokens)
 # KDA chunks in a hybrid), so at 16,384 tokens its prefill step waits on the host
 MOE_LARGE_TOKENS = 32768
 DEFAULT_LIMITS = (256, 8192)
+# with deterministic=True a model with linear-attention layers prefills in pieces ending
+# at multiples of this (the KDA kernels' chunk), from the sequence's start
+DETERMINISTIC_CHUNK = 64
 # the compressed-state slots of a model with linear-attention layers (one a row) take at
 # most this share of the device memory under the large limits: rows are halved until they do
 STATE_POOL_SHARE = 1 / 8
@@ -203,7 +206,7 @@ class EngineConfig:
                 "(DeepSeek-V3, Kimi-K2, Kimi Linear); this model has no routed experts"
             )
         config = self.with_batch_limits(device, state_bytes_per_seq, moe)
-        self.check_deterministic()
+        config.check_deterministic(linear_attention=state_bytes_per_seq > 0)
         blockers = self.async_blockers()
         if self.async_scheduling and blockers:
             logger.warning(
@@ -214,11 +217,13 @@ class EngineConfig:
             config = replace(config, async_scheduling=False)
         return config
 
-    def check_deterministic(self) -> None:
+    def check_deterministic(self, linear_attention: bool = False) -> None:
         """ValueError naming the option that deterministic=True cannot run with: the
         Triton attention kernels split the keys by the batch, and several ranks (tensor
         parallel, attention data parallel with expert-parallel MoE) sum their shares in
-        an order the collective picks."""
+        an order the collective picks. A model with `linear_attention` layers prefills in
+        pieces aligned to DETERMINISTIC_CHUNK: its step budget must reach one, and its
+        state checkpoints must sit on them."""
         if not self.deterministic:
             return
         if self.attention_backend == "triton":
@@ -227,6 +232,15 @@ class EngineConfig:
                 "by position); attention_backend='triton' is not batch-invariant: use "
                 "'auto' or 'torch'"
             )
+        if linear_attention:  # prefill pieces end at multiples of DETERMINISTIC_CHUNK
+            interval = self.state_checkpoint_interval
+            if self.max_num_batched_tokens < DETERMINISTIC_CHUNK or interval % DETERMINISTIC_CHUNK:
+                raise ValueError(
+                    "deterministic=True with linear-attention layers needs "
+                    f"max_num_batched_tokens >= {DETERMINISTIC_CHUNK} and "
+                    f"state_checkpoint_interval a multiple of it, got "
+                    f"{self.max_num_batched_tokens} and {interval}"
+                )
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) > 1:
                 raise ValueError(

@@ -1,26 +1,24 @@
 """deterministic=True (batch-invariant layers): each prompt's tokens and logprobs are
 the same bits run alone, in a batch of mixed lengths, prefilled in chunks of 64 tokens,
 after prefix-cache hits, swapped to the host tier and back, and with pipelined decode on
-or off; with deterministic=False
-the same runs differ (CPU, float32). A Llama and a DeepSeek-V3 (MLA, MoE) model.
+or off; with deterministic=False the same runs differ (CPU, float32). A Llama and a
+DeepSeek-V3 (MLA, MoE) and a Kimi Linear (KDA, MLA, MoE) model.
 
-The model is a tiny random Llama whose lm_head holds near-twin rows (row 256 + i is row
-i nudged by a millionth): their logits differ by a few ulps, so a greedy pick between
-two twins follows the rounding of its row, and a run whose rounding depends on the
-batch picks other tokens. Its generation config ends rows on EOS ids the model emits.
+The Llama is twin_checkpoints' (near-tie logits: a run whose rounding depends on the
+batch picks other greedy tokens; rows end on EOS ids the model emits).
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
 
 import pytest
-import torch
-from conftest import save_random_model, save_tiny_model
+from conftest import save_random_model
 from deepseek_checkpoints import CONFIGS
 from deepseek_checkpoints import tiny_config as deepseek_config
+from kimi_checkpoints import tiny_config as kimi_config
+from twin_checkpoints import save_twin_model
 
 from batchgen import LLM, SamplingParams
 
@@ -31,23 +29,7 @@ PROBES = range(0, NUM_PROMPTS, 3)  # the prompts also run alone
 
 @pytest.fixture(scope="module")
 def twin_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("twins")
-    model = save_tiny_model(path, "LlamaForCausalLM")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        w = model.lm_head.weight
-        nudge = 1e-6 * w[:256].abs() * torch.randn(256, w.shape[1], generator=gen)
-        w[256:] = w[:256] + nudge
-    model.save_pretrained(path)
-    # EOS: id 2 and the two ids greedy rows emit most, so that rows end on EOS
-    llm = LLM(model=str(path), deterministic=True, **KW)
-    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    common = Counter(t for o in outs for t in o.outputs[0].token_ids[2:]).most_common(2)
-    file = path / "generation_config.json"
-    generation = json.loads(file.read_text())
-    generation["eos_token_id"] = [2, *(t for t, _ in common)]
-    file.write_text(json.dumps(generation))
-    return str(path)
+    return save_twin_model(tmp_path_factory.mktemp("twins"), _prompts())
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +65,14 @@ def _row(out, logprobs: bool):
     return c.token_ids, c.finish_reason, lps
 
 
-def _runs(model: str, deterministic: bool, logprobs: int | None) -> dict[str, list]:
+def _runs(
+    model: str, deterministic: bool, logprobs: int | None, hybrid: bool = False
+) -> dict[str, list]:
     """Each run's rows of the PROBES prompts: alone (one engine call a prompt), in the
     whole batch, chunked, without pipelined decode, with a small pool swapping requests
     to the host tier, and the whole batch again on the same engine (its prompts now
-    prefix-cache hits)."""
+    prefix-cache hits; a `hybrid` model's resume from the KDA state checkpointed to the
+    host every 64 tokens)."""
     prompts, params = _prompts(), _params(logprobs)
     want = logprobs is not None
     rows = {}
@@ -101,12 +86,17 @@ def _runs(model: str, deterministic: bool, logprobs: int | None) -> dict[str, li
     rows["alone"] = [
         _row(alone.generate([prompts[i]], params[i], use_tqdm=False)[0], want) for i in PROBES
     ]
-    batched = LLM(model=model, deterministic=deterministic, **KW)
+    checkpoints = dict(
+        host_kv_size_gib=0.05, state_checkpoint_interval=64, state_checkpoint_policy="all"
+    )
+    batched = LLM(model=model, deterministic=deterministic, **(checkpoints if hybrid else {}), **KW)
     run(batched, "batch")
-    before = batched.engine.metrics()["prefix_hit_tokens"]
+    metric = "state_checkpoint_hit_tokens" if hybrid else "prefix_hit_tokens"
+    before = batched.engine.metrics()[metric]
     run(batched, "prefix hits")
-    hit = batched.engine.metrics()["prefix_hit_tokens"] - before
-    assert hit >= sum(map(len, prompts)) // 2, hit  # most of each prompt came from cache
+    hit = batched.engine.metrics()[metric] - before
+    # most of each prompt came from cache (a hybrid's: its 64-token multiples)
+    assert hit >= sum(len(p) // 64 * 64 if hybrid else len(p) for p in prompts) // 2, hit
     chunked = LLM(model=model, deterministic=deterministic, max_num_batched_tokens=64, **KW)
     run(chunked, "chunked 64")
     plain = LLM(model=model, deterministic=deterministic, pipeline_decode=False, **KW)
@@ -153,6 +143,26 @@ def test_mla_and_moe_tokens_and_logprobs_are_batch_invariant(deepseek_moe):
     rows = _runs(deepseek_moe, True, logprobs=0)  # off-defaults: logprobs are compared
     assert set(_differing(rows).values()) == {0}
     differ = _differing(_runs(deepseek_moe, False, logprobs=0))  # off-defaults: logprobs
+    assert all(n > 0 for n in differ.values()), differ
+
+
+@pytest.fixture(scope="module")
+def kimi_linear(tmp_path_factory):
+    """A tiny Kimi Linear: KDA, MLA, KDA, MLA layers, a dense MLP then MoE."""
+    path = tmp_path_factory.mktemp("kimi")
+    layers = ["linear_attention", "full_attention"] * 2
+    save_random_model(path, kimi_config(layers))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_kda_tokens_and_logprobs_are_batch_invariant(kimi_linear):
+    """KDA's chunked math depends on where chunks start: a cut-short prefill ends at a
+    multiple of 64 from the sequence's start, decode rows take the chunked path too, and
+    a prefix hit resumes from a checkpoint on a multiple of 64."""
+    rows = _runs(kimi_linear, True, logprobs=0, hybrid=True)  # off-defaults: logprobs
+    assert set(_differing(rows).values()) == {0}
+    differ = _differing(_runs(kimi_linear, False, logprobs=0, hybrid=True))  # off-defaults
     assert all(n > 0 for n in differ.values()), differ
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.config import EngineConfig
+from batchgen.config import DETERMINISTIC_CHUNK, EngineConfig
 from batchgen.distributed.messages import Setup
 from batchgen.engine.builder_plan import (
     EnginePlan,
@@ -148,6 +148,7 @@ def build_engine(
         exact_swap=exact_swap,
         checkpoints=checkpoints,
         defer_stores_ahead=plan.defer_stores_ahead,
+        chunk_align=DETERMINISTIC_CHUNK if config.deterministic and state_slots else 1,
     )
     structured = StructuredOutputs(tokenizer, hf_config.vocab_size, eos)
     extra = {} if tp_workers is None else {"workers": tp_workers}

@@ -53,6 +53,7 @@ class Scheduler:
         exact_swap: ExactSwap | None = None,
         checkpoints: StateCheckpoints | None = None,
         defer_stores_ahead: bool = False,
+        chunk_align: int = 1,
     ) -> None:
         check_choice("admission", admission)
         if state_slots is None and (exact_swap is not None or checkpoints is not None):
@@ -65,6 +66,7 @@ class Scheduler:
         if state_slots is not None:
             self.hybrid = HybridState(kv, state_slots, exact_swap, checkpoints)
         self.admission = admission
+        self.chunk_align = chunk_align  # a cut-short prefill ends at a multiple of it
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -146,6 +148,9 @@ class Scheduler:
                 i += 1  # its token in flight is its last: it finishes when applied
                 continue
             n = self._chunk(req, req.num_computed_tokens, budget)
+            if n == 0:  # the budget left does not reach its next aligned end
+                i += 1
+                continue
             while not allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self.preempt(victim)
@@ -175,7 +180,7 @@ class Scheduler:
                 hits = self.kv.lookup_prefix(req.request_id, req.token_ids)
             cached = req.num_computed_tokens if exact else self.kv.hit_tokens(hits)
             n = self._chunk(req, cached, budget)
-            if not self.kv.allocate(req.request_id, cached + n, hits):
+            if n == 0 or not self.kv.allocate(req.request_id, cached + n, hits):
                 break
             if req.num_preemptions == 0:
                 self.kv.note_admission(req.num_tokens)
@@ -205,8 +210,12 @@ class Scheduler:
 
     def _chunk(self, req: Request, computed: int, budget: int) -> int:
         """Tokens the request computes this step from `computed`: what is left, within
-        the budget, ending at a state checkpoint position not yet stored."""
-        n = min(req.num_tokens + req.num_pending - computed, budget)
+        the budget (cut short: ending at a multiple of chunk_align, maybe 0 tokens),
+        ending at a state checkpoint position not yet stored."""
+        left = req.num_tokens + req.num_pending - computed
+        n = min(left, budget)
+        if n < left:
+            n -= (computed + n) % self.chunk_align
         if self.hybrid is None or n <= 1:
             return n
         return self.hybrid.cut(req, computed, n)

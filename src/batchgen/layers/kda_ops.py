@@ -41,7 +41,7 @@ from batchgen.forward_context import (
     parts_to_device,
     to_device,
 )
-from batchgen.layers import kda_torch
+from batchgen.layers import batch_invariant, kda_torch
 
 
 def reset_fresh_slots(
@@ -82,7 +82,7 @@ def short_conv(
         cu, count = meta.cu_seqlens, x.shape[0]
         rows = derived(meta, "conv_rows", lambda: request_of_row(cu, count))
         return conv_packed(x, weight, windows, cu, slots, parts, rows)
-    if meta.max_q_len == 1:
+    if meta.max_q_len == 1 and not batch_invariant.active():  # one row's path, any step
         y = kda_torch.short_conv_decode(x, weight, windows, meta.state_slots)
     else:
         y = kda_torch.short_conv_packed(x, weight, windows, meta.cu_seqlens, meta.state_slots)
@@ -127,14 +127,15 @@ def kda_attention(
         return _kda_fla(q, k, v, g, beta, states, meta, raw, decode_kernel)
     if raw is not None:
         g = kda_torch.kda_gate(g, raw.a_log, raw.dt_bias)
-        beta = torch.sigmoid(beta)
+        beta = batch_invariant.pointwise(torch.sigmoid, beta)
     return kda_attention_torch(q, k, v, g, beta, states, meta, chunk_size)
 
 
 def kda_attention_torch(q, k, v, g, beta, states, meta, chunk_size=64):
     """The reference path of kda_attention: a decode-only step as one batched recurrent
-    step on device tensors; otherwise request by request, chunked where q_len > 1."""
-    if meta.max_q_len == 1:
+    step on device tensors; otherwise (and always in batch-invariant mode, so that a
+    decode row takes one path whatever its step holds) request by request, chunked."""
+    if meta.max_q_len == 1 and not batch_invariant.active():
         slots = meta.state_slots
         past = states.index_select(0, slots).transpose(-1, -2)  # the math's [N, H, Dk, Dv]
         o, new = kda_torch.kda_recurrent(q, k, v, g, beta, past)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.forward_context import LinearSeq
+from batchgen.layers import batch_invariant
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -45,7 +46,8 @@ def kda_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tor
     [H * D]."""
     heads, dim = f.shape[-2], f.shape[-1]
     x = f.float() + dt_bias.float().view(heads, dim)
-    return -torch.exp(a_log.float().reshape(heads, 1)) * F.softplus(x, threshold=20.0)
+    softplus = batch_invariant.pointwise(lambda t: F.softplus(t, threshold=20.0), x)
+    return -torch.exp(a_log.float().reshape(heads, 1)) * softplus
 
 
 def gated_rms_norm(
@@ -54,7 +56,8 @@ def gated_rms_norm(
     """RMSNorm over the last dim in float32, times weight, times sigmoid(gate); x's dtype."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * h * torch.sigmoid(gate.float())).to(x.dtype)
+    gate = batch_invariant.pointwise(torch.sigmoid, gate.float())
+    return (weight.float() * h * gate).to(x.dtype)
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +173,7 @@ def short_conv_packed(
     for j in range(1, taps):
         out = out + src[taps_at[:, j]].to(weight.dtype) * weight[:, j]
     windows.index_copy_(0, slots, src[tails_at].to(windows.dtype))
-    return F.silu(out).to(x.dtype)
+    return batch_invariant.pointwise(F.silu, out).to(x.dtype)
 
 
 def conv_gather_index(
