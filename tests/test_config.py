@@ -105,7 +105,8 @@ def test_async_scheduling_that_cannot_run_is_turned_off_with_a_warning_naming_wh
 def test_describe_names_every_option_by_group():
     text = EngineConfig(model="m", max_num_seqs=7).describe()
     assert text.startswith(
-        "parallel: tensor_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False; "
+        "parallel: tensor_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False, "
+        "distributed_executor_backend='mp'; "
         "scheduler: max_num_seqs=7, "
     )
     for name in EngineConfig.field_names():

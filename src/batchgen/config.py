@@ -178,6 +178,7 @@ class EngineConfig:
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     data_parallel_size: int = ParallelConfig.data_parallel_size
     enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
+    distributed_executor_backend: str = ParallelConfig.distributed_executor_backend
 
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     cache_config: CacheConfig = field(init=False, repr=False, compare=False)

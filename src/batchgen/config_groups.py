@@ -49,6 +49,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "tier_load_scatter": ("copy", "compute"),
     "state_checkpoint_policy": ("shared", "all"),
     "admission": ("prefix", "arrival"),
+    "distributed_executor_backend": ("mp", "ray"),
 }
 
 
@@ -199,14 +200,20 @@ class ParallelConfig:
     placed by rank over the tensor-parallel ranks, tokens sent to their experts' ranks
     and back by all-to-all (layers/expert_parallel.py) instead of every rank computing
     its experts' share of every token and an all-reduce. It needs more than one rank
-    (tensor or data parallel) and a MoE model (EngineConfig.resolve checks the model)."""
+    (tensor or data parallel) and a MoE model (EngineConfig.resolve checks the model).
+    distributed_executor_backend (vLLM's name) starts the ranks past rank 0 (this
+    process): "mp" as processes of this host, "ray" as Ray actors placed over the hosts
+    of a Ray cluster, one engine across them (distributed/ray_ranks.py; Ray is an
+    optional extra)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         _positive_int(self, "tensor_parallel_size", "data_parallel_size")
+        _one_of(self, "distributed_executor_backend")
         ranks = self.tensor_parallel_size * self.data_parallel_size
         if self.enable_expert_parallel and ranks < 2:
             raise ValueError(

@@ -127,6 +127,8 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         seed=args.seed,
         quantization=args.quantization,
     )
+    if args.distributed_executor_backend != "mp":
+        kwargs["distributed_executor_backend"] = args.distributed_executor_backend
     if attention_data_parallel(args):  # one engine of N ranks
         kwargs["data_parallel_size"] = args.data_parallel
     elif args.data_parallel is not None:

@@ -137,6 +137,8 @@ def add_run_parser(sub) -> None:
     )
     run.add_argument(
         "--data-parallel",
+        "--data-parallel-size",
+        dest="data_parallel",
         type=int,
         default=None,
         metavar="N",
@@ -144,6 +146,15 @@ def add_run_parser(sub) -> None:
         "--tp GPUs or CPUs each with --tp) over shards of the input; needs "
         "pip install 'batchgen[ray]'. With --enable-expert-parallel: one engine of N "
         "data-parallel ranks instead",
+    )
+    run.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="how one engine's ranks past the first start (--tp N, or --data-parallel N "
+        "with --enable-expert-parallel): mp, processes of this host (default); ray, Ray "
+        "actors placed over the hosts of a Ray cluster (RAY_ADDRESS, else a local one; "
+        "needs pip install 'batchgen[ray]')",
     )
     run.add_argument(
         "--shard-size",
@@ -226,6 +237,19 @@ def check_run(args: argparse.Namespace) -> str | None:
         return "--shard-size applies to --data-parallel runs only"
     if args.shard_size is not None and attention_dp:
         return "--shard-size applies to Ray data parallel (without --enable-expert-parallel)"
+    if args.distributed_executor_backend == "ray":
+        from batchgen.api.data_parallel import RayNotInstalled, import_ray
+
+        if args.data_parallel is not None and not attention_dp:
+            return (
+                "--distributed-executor-backend ray spreads one engine's ranks: with "
+                "--data-parallel it needs --enable-expert-parallel (Ray data parallel's "
+                "engines start their --tp ranks on their own host)"
+            )
+        try:
+            import_ray()
+        except RayNotInstalled as e:
+            return f"--distributed-executor-backend ray: {e}"
     if args.data_parallel is not None and not attention_dp:
         from batchgen.api.data_parallel import RayNotInstalled, import_ray
 

@@ -1,5 +1,7 @@
 """Tensor parallel: the process group and collectives over it (tensor_parallel.py), the
-workers' processes (workers.py) and rank 0's messages to them (messages.py)."""
+workers' processes (workers.py; started by a launcher, launchers.py: on this host, or as
+Ray actors over a cluster's hosts, ray_ranks.py) and rank 0's messages to them
+(messages.py)."""
 
 from batchgen.distributed.tensor_parallel import (
     all_gather,

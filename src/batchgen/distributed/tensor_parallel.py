@@ -24,6 +24,7 @@ def init_tensor_parallel(
     init_method: str = "env://",
     timeout_s: float = 120.0,
     store: dist.Store | None = None,
+    device: int | None = None,
 ) -> TPGroup:
     """Join the group as `rank` of `world_size` and make it the process's group.
 
@@ -32,7 +33,9 @@ def init_tensor_parallel(
     torch.distributed init method ("tcp://host:port", "file:///path", "env://"), unused
     where `store` (a torch.distributed store every rank reaches) is given. A
     collective waiting on a dead peer raises after `timeout_s` instead of hanging. At
-    world_size 1 no process group is created and every collective is a no-op."""
+    world_size 1 no process group is created and every collective is a no-op. device:
+    this process's GPU under nccl where the launcher chose it (Ray's rank 0), else
+    `rank` modulo the GPUs it sees."""
     global _group
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"tensor-parallel rank {rank} is not in [0, {world_size})")
@@ -45,7 +48,7 @@ def init_tensor_parallel(
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"unknown backend {backend!r} (gloo, nccl)")
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank % torch.cuda.device_count() if device is None else device)
     where = {"store": store} if store is not None else {"init_method": init_method}
     dist.init_process_group(
         backend,

@@ -1,10 +1,12 @@
-"""The life of a tensor-parallel group's processes: rank 0 (the caller) spawns ranks
+"""The life of a tensor-parallel group's processes: rank 0 (the caller) starts ranks
 1..N-1, they meet, rank 0 talks to them in typed messages (messages.py), and every
-worker that ends before rank 0 stops them is seen at once.
+worker that ends before rank 0 stops them is seen at once. The launcher (launchers.py)
+decides where the ranks run: processes of this host ("mp") or Ray actors over a
+cluster's hosts ("ray"); the rest is the same under both.
 
     rank 0: Workers.spawn(target, args)         rank r: _worker_main
-      a TCPStore on a free port; spawn ranks      connect to the store, set "joined/r"
-      1..N-1 (spawn start method)
+      a TCPStore on a free port; start ranks      connect to the store, set "joined/r"
+      1..N-1 (the launcher's RankSet)
       wait: every "joined/r", or a death  <--     (a death first: rank 0 raises, naming it)
       init_tensor_parallel(0)             <-->    init_tensor_parallel(r), same store
       watcher thread on the processes             target(tp, *args): serve(tp, handle)
@@ -16,8 +18,8 @@ before it joins (for example a user script that builds its LLM outside
 `if __name__ == "__main__":` re-runs under spawn in the worker, which then may not start
 processes of its own) would otherwise leave rank 0 in torch's rendezvous until its
 timeout (120 s, then a DistStoreError that names no cause). Rank 0 polls the store's
-keys and the processes' exits, and raises within a fraction of a second of the death,
-saying what to do.
+keys and the ranks' ends, and raises within a fraction of a second of the death, saying
+what to do.
 
 Under NCCL a worker that ends makes the watcher abort the tensors' group: a collective
 captured in a decode graph is not one NCCL's watchdog times out, so rank 0 would
@@ -34,19 +36,18 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from multiprocessing import connection as mp_connection
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from batchgen.distributed.launchers import ProcessRanks, make_ranks
 from batchgen.distributed.messages import DPMessage, Message, Shutdown
+from batchgen.distributed.rank_set import RankSet
 from batchgen.distributed.tensor_parallel import destroy_tensor_parallel, init_tensor_parallel
 from batchgen.layers.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
-_HOST = "127.0.0.1"  # every rank of a group runs on this host
 RENDEZVOUS_TIMEOUT_S = 120.0  # torch.distributed's group timeout (init_tensor_parallel)
 
 SPAWN_HINT = (
@@ -56,6 +57,10 @@ SPAWN_HINT = (
     "has been made to start a new process before the current process has finished its "
     'bootstrapping phase"); otherwise its traceback says why.'
 )
+RAY_HINT = (
+    "Under Ray every host needs batchgen and the model's files at the same paths; the "
+    "rank's traceback above (its actor's log) says why it ended."
+)
 
 
 class WorkerStartError(RuntimeError):
@@ -64,14 +69,15 @@ class WorkerStartError(RuntimeError):
 
 class Workers:
     """Rank 0's handle on ranks 1..N-1: started with `spawn`, fed with `send` / `ask`,
-    stopped with `shutdown`. `exited` (rank: exit code) records each worker that ended
-    before shutdown, as the watcher thread sees it. `role` names the workers in errors
-    and logs ("tensor-parallel", "data-parallel")."""
+    stopped with `shutdown`. `exited` (rank: status, an exit code under "mp") records
+    each worker that ended before shutdown, as the watcher thread sees it. `role` names
+    the workers in errors and logs ("tensor-parallel", "data-parallel"); `ranks` is the
+    launcher's handle on them (rank_set.RankSet)."""
 
     def __init__(
-        self, processes: list, tp: TPGroup, nccl: bool = False, role: str = "tensor-parallel"
+        self, ranks: RankSet, tp: TPGroup, nccl: bool = False, role: str = "tensor-parallel"
     ) -> None:
-        self.processes = processes
+        self.ranks = ranks
         self.role = role
         self.tp = tp
         self.nccl = nccl
@@ -91,57 +97,66 @@ class Workers:
         backend: str,
         timeout_s: float = RENDEZVOUS_TIMEOUT_S,
         role: str = "tensor-parallel",
+        launcher: str = "mp",
     ) -> Workers:
-        """Spawn ranks 1..size-1, each running target(tp, *args) once it joined the
+        """Start ranks 1..size-1 with `launcher` ("mp": processes of this host, "ray":
+        Ray actors; launchers.py), each running target(tp, *args) once it joined the
         group, and join it as rank 0. WorkerStartError, within seconds, where a worker
         ends before it reached the rendezvous (SPAWN_HINT says the usual cause)."""
-        timeout = timedelta(seconds=timeout_s)
-        # port 0: the store binds a free port itself (no race with another process)
-        store = dist.TCPStore(
-            _HOST, 0, size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
-        ctx = mp.get_context("spawn")
-        processes = []
+        ranks = make_ranks(launcher, size, backend, role)
         try:
-            for rank in range(1, size):
-                process = ctx.Process(
-                    target=_worker_main,
-                    args=(rank, size, store.port, backend, timeout_s, target, args),
-                    name=f"batchgen-tp-rank{rank}",
-                    daemon=True,
-                )
-                process.start()
-                processes.append(process)
-            _wait_joined(store, processes, timeout_s, role)
-            tp = init_tensor_parallel(0, size, backend, timeout_s=timeout_s, store=store)
+            # port 0: the store binds a free port itself (no race with another process)
+            store = dist.TCPStore(
+                ranks.host,
+                0,
+                size,
+                is_master=True,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+            where = (size, ranks.host, store.port, backend, timeout_s, target, args)
+            ranks.start(_worker_main, {rank: (rank, *where) for rank in ranks.ranks})
+            _wait_joined(store, ranks, timeout_s, role)
+            tp = init_tensor_parallel(
+                0, size, backend, timeout_s=timeout_s, store=store, device=ranks.local_device
+            )
         except BaseException:
-            _kill(processes)
+            ranks.stop(0)
             raise
-        return cls(processes, tp, nccl=backend == "nccl", role=role)
+        return cls(ranks, tp, nccl=backend == "nccl", role=role)
+
+    @property
+    def processes(self) -> list:
+        """The workers' processes, rank 1 first, under the "mp" launcher (else none)."""
+        return self.ranks.processes if isinstance(self.ranks, ProcessRanks) else []
 
     def _watch(self) -> None:
-        waiting = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, 1)}
+        waiting = set(self.ranks.ranks)
         while waiting:
-            for sentinel in mp_connection.wait(list(waiting)):
-                rank, process = waiting.pop(sentinel)
+            try:
+                ended = self.ranks.wait(waiting, None)
+            except Exception:  # the launcher itself gone (Ray shut down): nothing to watch
+                logger.debug("%s watcher stopped", self.role, exc_info=True)
+                return
+            for rank, status in ended.items():
+                waiting.discard(rank)
                 if self._stopping:
                     continue
-                self.exited[rank] = _exit_code(process)  # before the abort wakes rank 0
-                logger.error(
-                    "%s worker rank %d exited with code %s", self.role, rank, self.exited[rank]
-                )
+                self.exited[rank] = status  # before the abort wakes rank 0
+                logger.error("%s worker %s", self.role, self.ranks.describe({rank: status}))
                 if self.nccl:  # the error to report is the exit, raised by check()
                     abort_collectives(self.tp)
 
     @contextmanager
-    def failures_named(self, grace_s: float = 2.0) -> Iterator[None]:
+    def failures_named(self, grace_s: float | None = None) -> Iterator[None]:
         """An error from a collective in the block (gloo: the peer's connection reset)
         becomes check()'s, naming the rank, where a worker has ended (waiting up to
-        grace_s for the watcher to see it: a worker that raised may still be exiting);
-        any other error passes unchanged, grace_s later."""
+        grace_s, None: the launcher's, for the watcher to see it: a worker that raised
+        may still be exiting); any other error passes unchanged, grace_s later."""
         try:
             yield
         except RuntimeError as e:
+            grace_s = self.ranks.grace_s if grace_s is None else grace_s
             deadline = time.monotonic() + grace_s
             while not self.exited and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -154,10 +169,9 @@ class Workers:
     def check(self) -> None:
         """RuntimeError naming the workers that ended before shutdown, if any."""
         if self.exited:
-            codes = ", ".join(f"{r}: {c}" for r, c in sorted(self.exited.items()))
             raise RuntimeError(
                 f"{self.role} worker rank(s) {sorted(self.exited)} stopped responding: "
-                f"exited (rank: exit code) {codes}; its log says why"
+                f"{self.ranks.describe(dict(self.exited))}; its log says why"
             )
 
     def send(self, message: Message | DPMessage) -> None:
@@ -173,7 +187,7 @@ class Workers:
         try:
             dist.broadcast_object_list([payload], src=0, group=self.tp.host_group)
         except RuntimeError as e:
-            dead = [r for r, p in enumerate(self.processes, 1) if not p.is_alive()]
+            dead = sorted(self.ranks.wait(self.ranks.ranks, 0))
             raise RuntimeError(
                 f"{self.role} worker rank(s) {dead or '?'} stopped responding: {e}"
             ) from e
@@ -215,16 +229,16 @@ class Workers:
         """Stop the workers (they leave the group) and leave it too."""
         self._stopping = True
         try:
-            if not self.exited and all(p.is_alive() for p in self.processes):
+            if not self.exited and not self.ranks.wait(self.ranks.ranks, 0):
                 try:
                     self.send(Shutdown())
                 except RuntimeError as e:  # whatever stopped them is the error to report
                     logger.warning("%s shutdown: %s", self.role, e)
-            for p in self.processes:
-                p.join(timeout_s)
         finally:
-            _kill(self.processes)
-            destroy_tensor_parallel()
+            try:
+                self.ranks.stop(timeout_s)
+            finally:
+                destroy_tensor_parallel()
 
 
 def serve(tp: TPGroup, handle: Callable[[Message | DPMessage], object]) -> None:
@@ -250,11 +264,11 @@ def receive(tp: TPGroup) -> Message | DPMessage:
     return pickle.loads(box[0])
 
 
-def _worker_main(rank, size, port, backend, timeout_s, target, args) -> None:
-    """A spawned rank: connect to rank 0's store and say so, join the group, run
-    target(tp, *args), leave."""
+def _worker_main(rank, size, host, port, backend, timeout_s, target, args) -> None:
+    """A worker rank (a process or an actor): connect to rank 0's store at host:port and
+    say so, join the group, run target(tp, *args), leave."""
     torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the host's cores shared
-    store = dist.TCPStore(_HOST, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
     store.set(_joined(rank), "1")
     tp = init_tensor_parallel(rank, size, backend, timeout_s=timeout_s, store=store)
     try:
@@ -275,21 +289,20 @@ def _joined(rank: int) -> str:
 
 
 def _wait_joined(
-    store: dist.TCPStore, processes: list, timeout_s: float, role: str = "tensor-parallel"
+    store: dist.TCPStore, ranks: RankSet, timeout_s: float, role: str = "tensor-parallel"
 ) -> None:
     """Return once every worker set its key in the store; WorkerStartError naming those
     that ended first, TimeoutError after timeout_s."""
-    keys = [_joined(rank) for rank in range(1, len(processes) + 1)]
+    keys = [_joined(rank) for rank in ranks.ranks]
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
         # wakes as soon as a worker ends, else every 50 ms to look at the keys again
-        mp_connection.wait([p.sentinel for p in processes], timeout=0.05)
-        dead = [(r, p) for r, p in enumerate(processes, 1) if p.exitcode is not None]
+        dead = ranks.wait(ranks.ranks, 0.05)
         if dead:
-            codes = ", ".join(f"{p.exitcode} (rank {r})" for r, p in dead)
+            hint = SPAWN_HINT if isinstance(ranks, ProcessRanks) else RAY_HINT
             raise WorkerStartError(
-                f"{role} worker rank(s) {[r for r, _ in dead]} exited while "
-                f"starting, before joining the group, with exit code {codes}. " + SPAWN_HINT
+                f"{role} worker rank(s) {sorted(dead)} exited while starting, before "
+                f"joining the group: {ranks.describe(dead)}. " + hint
             )
         if time.monotonic() > deadline:
             raise TimeoutError(f"{role} workers did not join the group within {timeout_s:.0f} s")
@@ -302,19 +315,3 @@ def abort_collectives(tp: TPGroup) -> None:
         tp.group.abort()
     except Exception:
         logger.exception("aborting the tensor-parallel NCCL group failed")
-
-
-def _exit_code(process, timeout_s: float = 5.0) -> int | None:
-    """The exit code of a process that has ended (its sentinel is ready). Another thread
-    may be reaping it at the same moment (join), so it can read None for a while."""
-    deadline = time.monotonic() + timeout_s
-    while (code := process.exitcode) is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return code
-
-
-def _kill(processes: list) -> None:
-    for p in processes:
-        if p.is_alive():
-            p.kill()
-            p.join(10)

@@ -25,7 +25,8 @@ each rank its own tokens: builder_plan.expert_parallel).
 
 Not done here: GPUs are untested (the ranks' decode runs eagerly: a replayed CUDA graph
 does not call the model's pre-hook that pairs forwards), tensor parallel inside a data
-parallel rank, placement over several hosts (Ray), and reconfigure().
+parallel rank, and reconfigure(). The ranks run as processes of this host, or as Ray
+actors over several hosts with distributed_executor_backend="ray" (distributed/ray_ranks.py).
 """
 
 from __future__ import annotations
@@ -127,7 +128,14 @@ class DPEngine:
                     f"{torch.cuda.device_count()} visible"
                 )
             logger.warning("attention data parallel on GPUs is untested; decode runs eagerly")
-        workers = Workers.spawn(worker_main, (config,), size, backend, role="data-parallel")
+        workers = Workers.spawn(
+            worker_main,
+            (config,),
+            size,
+            backend,
+            role="data-parallel",
+            launcher=config.distributed_executor_backend,
+        )
         try:
             with workers.failures_named():
                 return cls(EngineCore(load_engine(config)), workers, size)

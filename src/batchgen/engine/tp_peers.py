@@ -21,10 +21,11 @@ from batchgen.models.registry import model_class
 
 
 def check_supported(config: EngineConfig, device: torch.device) -> None:
-    """ValueError when GPUs are short: each rank needs its own (NCCL refuses two ranks on
-    one device)."""
+    """ValueError when this host's GPUs are short: each rank needs its own (NCCL refuses
+    two ranks on one device). Under Ray the cluster's GPUs count, its placement group's."""
     size = config.tensor_parallel_size
-    if device.type == "cuda" and torch.cuda.device_count() < size:
+    local = config.distributed_executor_backend == "mp"
+    if local and device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(
             f"tensor_parallel_size={size} needs {size} GPUs, one a rank; "
             f"{torch.cuda.device_count()} visible"
@@ -48,14 +49,21 @@ class TPWorkers(Workers):
 
     @classmethod
     def start(cls, config: EngineConfig, source: ModelSource, worker_main) -> TPWorkers:
-        """Spawn ranks 1..N-1, each running worker_main(tp, config, source)
+        """Start ranks 1..N-1 (config.distributed_executor_backend: processes or Ray
+        actors), each running worker_main(tp, config, source)
         (tp_worker.worker_main: it builds its share of the model, then serves rank 0's
         messages), and join the group as rank 0 (_check_shares first)."""
         size = config.tensor_parallel_size
         hf_config = source.load_config()
         max_len = max_model_len(config, hf_config)
         _check_shares(hf_config, size, max_len, config.enable_expert_parallel)
-        return cls.spawn(worker_main, (config, source), size, backend(config))
+        return cls.spawn(
+            worker_main,
+            (config, source),
+            size,
+            backend(config),
+            launcher=config.distributed_executor_backend,
+        )
 
     def reconfigure(self, num_pages: int, copies: list[TierCopy]) -> list[str]:
         """Every worker's pool re-created with num_pages pages, after the tier copies
