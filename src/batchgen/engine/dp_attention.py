@@ -122,7 +122,8 @@ class DPEngine:
         check_host_budget(config.host_kv_size_gib, size)
         backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
         if backend == "nccl":  # untested: see the module's docstring
-            if torch.cuda.device_count() < size:
+            local = config.distributed_executor_backend == "mp"  # Ray: the cluster's GPUs
+            if local and torch.cuda.device_count() < size:
                 raise ValueError(
                     f"data_parallel_size={size} needs {size} GPUs, one a rank; "
                     f"{torch.cuda.device_count()} visible"
