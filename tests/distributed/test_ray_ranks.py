@@ -26,7 +26,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.api.batch_job import JobOptions, run_batch_job
 from batchgen.api.cli import main
 from batchgen.config import EngineConfig
-from batchgen.distributed.ray_ranks import RayRanks
+from batchgen.distributed.ray_ranks import RayRanks, local_index
 
 KW = dict(
     device="cpu",
@@ -252,3 +252,10 @@ def test_ray_data_parallel_engines_refuse_the_ray_launcher(tmp_path, caplog):
     assert _run(str(tmp_path / "none"), inp, tmp_path / "out.jsonl", *flags) == 2
     assert "with --data-parallel it needs --enable-expert-parallel" in caplog.text
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_rank_0_runs_on_the_gpu_its_bundle_holds_as_this_process_numbers_it():
+    assert local_index("3", "") == 3  # every GPU visible: Ray's ids are torch's
+    assert local_index("6", "4,6,7") == 1  # Ray numbers them as CUDA_VISIBLE_DEVICES lists
+    with pytest.raises(RuntimeError, match="does not see"):
+        local_index("2", "4,6")

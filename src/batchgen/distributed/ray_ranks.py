@@ -23,6 +23,7 @@ NCCL_SOCKET_IFNAME otherwise).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Collection
 
 import ray
@@ -50,8 +51,8 @@ class _Rank:
 class _Holder:
     """Holds rank 0's bundle (its GPU: no rank's actor is given it) and says which."""
 
-    def gpu(self) -> int:
-        return int(ray.get_gpu_ids()[0])
+    def gpu(self) -> str:
+        return str(ray.get_gpu_ids()[0])
 
 
 class RayRanks(RankSet):
@@ -94,7 +95,7 @@ class RayRanks(RankSet):
             ) from None
         if self.gpus:
             self._holder = self._actor(_Holder, 0).remote()
-            self.local_device = ray.get(self._holder.gpu.remote())
+            self.local_device = local_index(ray.get(self._holder.gpu.remote()))
         self.actors = [self._actor(_Rank, rank).remote() for rank in self.ranks]
         self.nodes = dict(zip(self.ranks, ray.get([a.where.remote() for a in self.actors])))
         self.runs = [a.run.remote(entry, args[r]) for r, a in zip(self.ranks, self.actors)]
@@ -138,6 +139,23 @@ class RayRanks(RankSet):
         if self.group is not None:
             remove_placement_group(self.group)
         self.actors, self._holder, self.group = [], None, None
+
+
+def local_index(gpu_id: str, visible: str | None = None) -> int:
+    """The torch index, in this process, of the GPU Ray calls `gpu_id` (Ray numbers a
+    node's GPUs as CUDA_VISIBLE_DEVICES lists them where it is set; `visible`: that
+    variable, read from the environment when None)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if not visible:
+        return int(gpu_id)
+    listed = [v.strip() for v in visible.split(",")]
+    if gpu_id not in listed:
+        raise RuntimeError(
+            f"Ray gave rank 0 GPU {gpu_id}, which this process does not see "
+            f"(CUDA_VISIBLE_DEVICES={visible}): start Ray on this node with the same "
+            "CUDA_VISIBLE_DEVICES as the driver"
+        )
+    return listed.index(gpu_id)
 
 
 def _status(ref) -> str:
