@@ -121,6 +121,43 @@ def test_ranks_on_two_nodes_give_one_processs_tokens(cluster, checkpoint, parall
 
 
 @pytest.mark.slow
+def test_kimi_linear_ranks_swapping_to_their_host_tiers_give_one_processs_tokens(cluster, tmp_path):
+    """Kimi Linear (KDA + MLA + MoE), attention data parallel 2 with expert parallel 2 on
+    two nodes, pools too small for either rank's share: each rank swaps its latent pages
+    and state slots to its own host tier and back; greedy and sampled rows draw one
+    process's tokens."""
+    pytest.importorskip("transformers.models.kimi_linear")
+    from kimi_checkpoints import save_tiny_kimi
+
+    save_tiny_kimi(tmp_path, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    rng = random.Random(0)
+    head = [rng.randint(3, 500) for _ in range(16)]
+    prompts = [head + [rng.randint(3, 500) for _ in range(n)] for n in (60, 5, 90, 21, 48, 1)]
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0.8, max_tokens=12, seed=3),
+        SamplingParams(temperature=1.0, top_k=20, max_tokens=12),
+    ]
+    params = [kinds[i % 3] for i in range(len(prompts))]
+    kw = dict(device="cpu", dtype="float32", page_size=4, max_num_seqs=8)
+    kw.update(max_num_batched_tokens=32, max_model_len=128)
+    one = LLM(str(tmp_path), **kw, num_kv_pages=400)
+    try:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.engine.shutdown()
+    llm = LLM(str(tmp_path), **kw, num_kv_pages=32, host_kv_size_gib=0.002, **DP2, **RAY)
+    try:
+        assert llm.engine.workers.ranks.nodes[1][1] != ray.get_runtime_context().get_node_id()
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        ranks = llm.engine.rank_metrics()
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    assert [m["swaps_out"] > 0 and m["swaps_in"] > 0 for m in ranks] == [True, True], ranks
+
+
+@pytest.mark.slow
 def test_a_rank_killed_mid_decode_fails_the_call_naming_it_and_its_node(cluster, checkpoint):
     llm = LLM(checkpoint, **KW, **DP2, **RAY)
     try:
