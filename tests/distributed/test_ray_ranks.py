@@ -10,8 +10,10 @@ ray`). Not covered here: GPUs (NCCL, rank 0's GPU held by its bundle) and real h
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import sys
 import threading
 import time
 from collections import Counter
@@ -19,14 +21,18 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
 from ray.cluster_utils import Cluster
+from tp_workers import DiesWhileStarting, fails_once_joined, never_called
 
 from batchgen import LLM, SamplingParams
 from batchgen.api.batch_job import JobOptions, run_batch_job
 from batchgen.api.cli import main
 from batchgen.config import EngineConfig
+from batchgen.distributed.messages import PlanBegin
 from batchgen.distributed.ray_ranks import RayRanks, local_index
+from batchgen.distributed.workers import Workers, WorkerStartError
 
 KW = dict(
     device="cpu",
@@ -50,7 +56,10 @@ def cluster():
         ray.shutdown()
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     nodes.add_node(num_cpus=1)
-    ray.init(address=nodes.address, include_dashboard=False)
+    # the actors import what this process does (the tests' helpers too), as spawned
+    # processes do: they get the parent's sys.path
+    paths = {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}}
+    ray.init(address=nodes.address, include_dashboard=False, runtime_env=paths)
     nodes.wait_for_nodes()
     yield nodes
     ray.shutdown()
@@ -118,6 +127,31 @@ def test_ranks_on_two_nodes_give_one_processs_tokens(cluster, checkpoint, parall
     assert ray.util.placement_group_table() == {} or all(
         g["state"] == "REMOVED" for g in ray.util.placement_group_table().values()
     )
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_start_fails_the_start_naming_it_and_its_node(cluster):
+    started = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"rank\(s\) \[1\] exited while starting") as e:
+        Workers.spawn(never_called, (DiesWhileStarting(),), 2, "gloo", launcher="ray")
+    assert time.monotonic() - started < 60
+    assert "1 on node" in str(e.value) and "batchgen and the model's files" in str(e.value)
+    assert not torch.distributed.is_initialized()  # rank 0 never entered the rendezvous
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_once_joined_is_named_with_its_error(cluster):
+    workers = Workers.spawn(fails_once_joined, (), 2, "gloo", launcher="ray")
+    try:
+        deadline = time.monotonic() + 60
+        while not workers.exited and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] stopped responding") as e:
+            workers.send(PlanBegin())
+        assert "raised RuntimeError('rank 1 could not build its share')" in str(e.value)
+    finally:
+        workers.shutdown()
+    assert not torch.distributed.is_initialized()
 
 
 @pytest.mark.slow

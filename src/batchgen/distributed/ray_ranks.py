@@ -168,4 +168,6 @@ def _status(ref) -> str:
         # the lines that say why (killed, node died, out of memory), not the actor's ids
         lines = [s.strip() for s in str(e).splitlines() if s.strip() and not s[:1].isspace()]
         return "its actor died: " + " ".join(lines).rstrip(".")
+    except ray.exceptions.RayError as e:  # its arguments did not unpickle there, ...
+        return f"failed: {e}"
     return "returned"
