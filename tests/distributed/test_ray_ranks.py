@@ -155,6 +155,38 @@ def test_a_rank_that_fails_once_joined_is_named_with_its_error(cluster):
 
 
 @pytest.mark.slow
+def test_four_ranks_over_three_nodes_give_one_processs_tokens(cluster, checkpoint):
+    """Attention data parallel 4 with expert parallel 4 (two routed experts a rank): a
+    third node of two CPUs joins, so the four ranks take every node; greedy, seeded and
+    unseeded sampled rows draw one process's tokens."""
+    prompts = _prompts(8)
+    kinds = [
+        GREEDY,
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, seed=7),
+        SamplingParams(temperature=1.0, max_tokens=24),
+    ]
+    params = [kinds[i % 3] for i in range(len(prompts))]
+    want = _one_process(checkpoint, prompts, params)
+    extra = cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    try:
+        llm = LLM(checkpoint, **KW, data_parallel_size=4, enable_expert_parallel=True, **RAY)
+        try:
+            nodes = {node for _, node in llm.engine.workers.ranks.nodes.values()}
+            got = _tokens(llm, prompts, params)
+            moe = llm.engine.model.layers[1].mlp
+            ranks = llm.engine.rank_metrics()
+        finally:
+            llm.engine.shutdown()
+    finally:
+        cluster.remove_node(extra)
+    assert got == want
+    assert len(nodes | {ray.get_runtime_context().get_node_id()}) == 3
+    assert moe.experts.local_experts == range(0, 2)
+    assert [m["prompt_tokens"] > 0 for m in ranks] == [True] * 4
+
+
+@pytest.mark.slow
 def test_kimi_linear_ranks_swapping_to_their_host_tiers_give_one_processs_tokens(cluster, tmp_path):
     """Kimi Linear (KDA + MLA + MoE), attention data parallel 2 with expert parallel 2 on
     two nodes, pools too small for either rank's share: each rank swaps its latent pages
