@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.kernels.fused_moe import MoETuning, align_pairs, moe_gemm, sort_by_group
+from batchgen.kernels.fused_moe import TUNING, MoETuning, align_pairs, moe_gemm, sort_by_group
 from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
 from batchgen.layers import batch_invariant
 from batchgen.layers.activation import silu_and_mul
@@ -344,6 +344,9 @@ class RoutedExperts(nn.Module):
             tuning = fp8_experts.moe_tuning(x, ids.shape[1], gate_up)
         else:
             tuning = int4_moe_tuning(x, ids.shape[1], gate_up) if packed_on_gpu else None
+        if tuning is None and x.is_cuda and batch_invariant.active():
+            # one fixed tiling whatever each expert's token count (grouped_mm's is not)
+            tuning = TUNING
         return fused_experts(
             x,
             gate_up,
