@@ -362,3 +362,17 @@ def test_rank_0_runs_on_the_gpu_its_bundle_holds_as_this_process_numbers_it():
     assert local_index("6", "4,6,7") == 1  # Ray numbers them as CUDA_VISIBLE_DEVICES lists
     with pytest.raises(RuntimeError, match="does not see"):
         local_index("2", "4,6")
+
+
+def test_the_host_tier_budget_counts_the_ranks_this_host_runs(monkeypatch):
+    """A host tier's pre-check counts the ranks on this host: every one under "mp";
+    under Ray on GPUs at most this host's GPUs (16 ranks over two hosts of 8 check 8)."""
+    from batchgen.engine.builder_load import ranks_here
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    gpus = EngineConfig(device="cuda")
+    assert ranks_here(gpus, 16) == 16
+    assert ranks_here(EngineConfig(device="cuda", **RAY), 16) == 8
+    assert ranks_here(EngineConfig(device="cuda", **RAY), 4) == 4
+    assert ranks_here(EngineConfig(device="cpu", **RAY), 16) == 16  # a local test cluster

@@ -4,6 +4,8 @@ and loads rank 0's share."""
 
 from __future__ import annotations
 
+import torch
+
 from batchgen.config import EngineConfig
 from batchgen.distributed import tp_group
 from batchgen.engine.builder import EngineParts, build_engine
@@ -24,9 +26,20 @@ def load_engine(config: EngineConfig) -> EngineParts:
     model = config.model or default_model_path(config.cache_dir)
     source = ModelSource.resolve(model, config.revision, config.cache_dir)
     # before the weights: a host tier that cannot fit would fail after loading them
-    check_host_budget(config.host_kv_size_gib, config.tensor_parallel_size)
+    check_host_budget(config.host_kv_size_gib, ranks_here(config, config.tensor_parallel_size))
     with gguf_read_once():  # config, tokenizer and weights from one parse of a GGUF
         return _from_source(config, source)
+
+
+def ranks_here(config: EngineConfig, size: int) -> int:
+    """How many of an engine's `size` ranks run on this host, each with a host tier of
+    its own: every one under the "mp" launcher; under Ray, whose placement group packs
+    one rank a GPU, at most this host's GPUs (on the CPU every one: a local test
+    cluster's nodes share the host)."""
+    device = config.torch_device()
+    if config.distributed_executor_backend == "mp" or device.type != "cuda":
+        return size
+    return min(size, torch.cuda.device_count())
 
 
 def _from_source(config: EngineConfig, source: ModelSource) -> EngineParts:

@@ -40,7 +40,7 @@ from batchgen.config import EngineConfig
 from batchgen.distributed.lockstep import Lockstep
 from batchgen.distributed.messages import DPQuery, DPRequest, DPStep
 from batchgen.distributed.workers import Workers
-from batchgen.engine.builder_load import load_engine
+from batchgen.engine.builder_load import load_engine, ranks_here
 from batchgen.engine.builder_plan import has_moe_layers
 from batchgen.engine.dp_rank import DPRank, TickResult, worker_main
 from batchgen.engine.engine_core import EngineCore, EngineStats, RequestsFailed
@@ -119,7 +119,7 @@ class DPEngine:
         and build its own; a rank that fails to start fails this, naming it."""
         size = config.data_parallel_size
         _check_moe(config)
-        check_host_budget(config.host_kv_size_gib, size)
+        check_host_budget(config.host_kv_size_gib, ranks_here(config, size))
         backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
         if backend == "nccl":  # untested: see the module's docstring
             local = config.distributed_executor_backend == "mp"  # Ray: the cluster's GPUs
