@@ -84,6 +84,7 @@ def test_dequantize_is_q_times_its_group_scale():
         (5, 33, 96, SMALL),  # K past the last block_k
         (3, 48, 256, W4A16Tuning(16, 16, 32, split_k=3, num_warps=1, num_stages=1)),
         (20, 24, 128, W4A16Tuning(32, 16, 64, num_warps=2, num_stages=1)),
+        (4, 24, 80, W4A16Tuning(16, 16, 64, num_warps=1, num_stages=1)),  # a partial group
     ],
 )
 def test_w4a16_matches_the_reference(dtype, group, m, n, k, tuning):

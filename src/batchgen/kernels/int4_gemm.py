@@ -72,11 +72,14 @@ def choose_tuning(m: int, n: int, k: int, num_sms: int) -> W4A16Tuning:
 def unpack_tile(packed_ptr, scale_ptr, offs_n, k0, N, K, stride_pn, stride_sn,
                 GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                 GATHER: tl.constexpr):  # fmt: skip
-    """W^T[k0 : k0 + BLOCK_K, offs_n] in float32 (columns past K or rows past N: 0, by
-    their zero scales). GATHER: each of the tile's BLOCK_K rows loads its word (8 loads
-    of a word, from the cache) and shifts out its nibble; else each word is loaded once
-    and split into 8 rows by a reshape (which the compiler may route through shared
-    memory): bench_int4.py times both."""
+    """W^T[k0 : k0 + BLOCK_K, offs_n] in float32 (rows past N and groups past K: 0 by
+    their zero scales; columns past K inside K's last group are finite, for the caller
+    to multiply by masked-out zeros). GATHER: each of the tile's BLOCK_K rows loads its
+    word (8 loads of a word, from the cache) and shifts out its nibble; else each word is
+    loaded once and split into 8 rows by a reshape: bench_int4.py times both. The scales
+    are loaded one per (group, column), [BLOCK_K / GROUP, BLOCK_N] or one row where a
+    group spans the tile (BLOCK_K and GROUP nest), not one per weight: a tile of 64-bit
+    pointers per weight is what filled the registers."""
     mask_n = offs_n < N
     offs_k = k0 + tl.arange(0, BLOCK_K)
     if GATHER:
@@ -96,12 +99,19 @@ def unpack_tile(packed_ptr, scale_ptr, offs_n, k0, N, K, stride_pn, stride_sn,
         shifts = tl.arange(0, 8) * 4
         nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, N]
         q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8  # row 8w + j: nibble j of word w
-    scale = tl.load(
-        scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None],
-        mask=mask_n[None, :] & (offs_k[:, None] < K),
-        other=0.0,
-    )
-    return q.to(tl.float32) * scale.to(tl.float32)
+    if BLOCK_K <= GROUP:  # one group: a scale per column
+        scale = tl.load(scale_ptr + offs_n * stride_sn + k0 // GROUP, mask=mask_n, other=0.0)
+        w = q.to(tl.float32) * scale.to(tl.float32)[None, :]
+    else:
+        groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        scale = tl.load(
+            scale_ptr + offs_n[None, :] * stride_sn + groups[:, None],
+            mask=mask_n[None, :] & (groups[:, None] < tl.cdiv(K, GROUP)),
+            other=0.0,
+        )
+        by_group = tl.reshape(q, (BLOCK_K // GROUP, GROUP, BLOCK_N)).to(tl.float32)
+        w = tl.reshape(by_group * scale.to(tl.float32)[:, None, :], (BLOCK_K, BLOCK_N))
+    return w
 
 
 @triton.jit
@@ -148,6 +158,12 @@ def check_packed(packed: torch.Tensor, scale: torch.Tensor, k: int, group_size: 
         raise ValueError(f"scale {scale.dtype} {list(scale.shape)}: want float {list(want_s)}")
 
 
+def check_nesting(block_k: int, group_size: int) -> None:
+    """ValueError unless a K tile holds whole groups or lies inside one (unpack_tile)."""
+    if block_k % group_size and group_size % block_k:
+        raise ValueError(f"block_k {block_k} and group size {group_size} do not nest")
+
+
 def w4a16_gemm(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -174,6 +190,7 @@ def w4a16_gemm(
     if tuning is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
         tuning = choose_tuning(m, n, k, sms)
+    check_nesting(tuning.block_k, group_size)
     k_per_split = triton.cdiv(triton.cdiv(k, tuning.split_k), tuning.block_k) * tuning.block_k
     split = triton.cdiv(k, k_per_split)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
