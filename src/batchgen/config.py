@@ -20,6 +20,7 @@ from batchgen.config_groups import (
     SchedulerConfig,
     group_fields,
 )
+from batchgen.kv_quant import kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,11 @@ class EngineConfig:
     max_queued_requests bounds the requests a call keeps in the engine unfinished
     (`read_ahead`; None: 4 x max_num_seqs): LLM.generate/chat add their prompts as earlier
     ones finish, as a batch job reads its lines.
+
+    kv_cache_dtype "fp8" (or "fp8_e4m3", vLLM's names) stores K/V pages, and an MLA
+    model's latent, as float8_e4m3fn with a per-tensor scale of 1.0 (kv_quant.py): half
+    the bytes a token of bf16 pages takes on the device, so twice the pages for the same
+    memory, and half the bytes the host tier moves; "auto" keeps the compute dtype.
 
     kv_cache_size_gib, when set, fixes the device KV pool size; otherwise the pool
     takes gpu_memory_utilization of the device memory left after a warm-up forward
@@ -151,6 +157,7 @@ class EngineConfig:
     max_model_len: int | None = ModelConfig.max_model_len
     max_queued_requests: int | None = SchedulerConfig.max_queued_requests
     page_size: int = CacheConfig.page_size
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     kv_cache_size_gib: float | None = CacheConfig.kv_cache_size_gib
     num_kv_pages: int | None = CacheConfig.num_kv_pages
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
@@ -208,6 +215,7 @@ class EngineConfig:
             )
         config = self.with_batch_limits(device, state_bytes_per_seq, moe)
         config.check_deterministic(linear_attention=state_bytes_per_seq > 0)
+        self.check_kv_cache_dtype(device)
         blockers = self.async_blockers()
         if self.async_scheduling and blockers:
             logger.warning(
@@ -248,6 +256,26 @@ class EngineConfig:
                     f"deterministic=True needs {name}=1, got {getattr(self, name)}: the "
                     "ranks' collectives sum in an order they pick, not a fixed one"
                 )
+
+    def check_kv_cache_dtype(self, device: torch.device) -> None:
+        """ValueError where FP8 KV cannot run on `device`: the Triton kernels read and
+        write float8_e4m3fn with the conversions of GPUs of compute capability 8.9 and
+        up (Ada, Hopper); an older GPU can use the torch path."""
+        if self.kv_cache_dtype == "auto" or device.type != "cuda":
+            return
+        if self.attention_backend == "torch":
+            return
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} with the Triton attention kernels "
+                "needs a GPU of compute capability 8.9 or newer (FP8 conversions); use "
+                "attention_backend='torch' or kv_cache_dtype='auto'"
+            )
+
+    def kv_dtype(self, compute: torch.dtype) -> torch.dtype:
+        """The dtype KV pages are stored in: `compute` (the model's compute dtype) under
+        kv_cache_dtype "auto", else float8_e4m3fn."""
+        return kv_storage_dtype(self.kv_cache_dtype, compute)
 
     def async_blockers(self) -> list[str]:
         """The options set here that async scheduling cannot run with: it needs

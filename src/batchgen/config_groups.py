@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from batchgen.kv_quant import KV_CACHE_DTYPES
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -50,6 +52,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "state_checkpoint_policy": ("shared", "all"),
     "admission": ("prefix", "arrival"),
     "distributed_executor_backend": ("mp", "ray"),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 
 
@@ -121,11 +124,13 @@ class ModelConfig:
 class CacheConfig:
     """The KV cache on the device and the host tier behind it: pages (page_size,
     num_kv_pages or kv_cache_size_gib, else gpu_memory_utilization of what the warm-up
-    leaves; cpu_kv_cache_gib on the CPU), enable_prefix_caching, and the host tier
+    leaves; cpu_kv_cache_gib on the CPU), kv_cache_dtype ("auto": the compute dtype;
+    "fp8"/"fp8_e4m3": float8_e4m3fn pages, kv_quant.py), enable_prefix_caching, and the host tier
     (host_kv_size_gib, decode_append, tier_policy, tier_copy_issue, tier_load_scatter,
     state_checkpoint_interval and state_checkpoint_policy: EngineConfig says each)."""
 
     page_size: int = 16
+    kv_cache_dtype: str = "auto"
     kv_cache_size_gib: float | None = None
     num_kv_pages: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -163,6 +168,7 @@ class CacheConfig:
             "tier_copy_issue",
             "tier_load_scatter",
             "state_checkpoint_policy",
+            "kv_cache_dtype",
         )
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib!r}")

@@ -68,7 +68,7 @@ def test_vllm_names_set_their_options(model_dir, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported: batchgen keeps"),
+        (dict(kv_cache_dtype="int8"), "kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got"),
         (dict(tokenizer="other/tok"), "tokenizer='other/tok' is not supported"),
         (dict(revision=""), "revision must be None or a branch, tag or commit, got ''"),
         (dict(block_size=8), "block_size=8 and page_size=4 name one option"),

@@ -17,6 +17,7 @@ from batchgen.forward_context import (
     PrefillSeq,
     bind_forward_context,
 )
+from batchgen.kv_quant import FP8, FP8_MAX, to_cache
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -76,3 +77,39 @@ def test_mixed_step_matches_torch_backend(dtype):
     torch.testing.assert_close(caches["triton"][:15], caches["torch"][:15], atol=0, rtol=0)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_on_an_fp8_latent_matches_torch_backend(dtype):
+    """The same step over FP8 latent pages (kv_cache_dtype "fp8"): both backends store
+    the same bytes and attend alike; the outputs stay within FP8's rounding of the
+    step over pages in the compute dtype."""
+    config = _config()
+    attn = _layer(config).to(DEVICE, dtype)
+    attn.rotary.materialize(DEVICE)
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    positions, meta, cached = _mixed_step()
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.full((16, PAGE, 1, width), POISON, dtype=dtype, device=DEVICE)
+    for pages, span in cached.values():
+        slots = _slots(pages, span).to(DEVICE)
+        cache.view(-1, width)[slots] = torch.randn(len(span), width, generator=gen).to(cache)
+    x = torch.randn(meta.num_tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
+    ref_meta = replace(meta, slot_mapping=meta.slot_mapping.clone())
+    ref_meta.slot_mapping[-1] = 15 * PAGE
+    outs, caches = {}, {}
+    runs = (("torch", ref_meta, FP8), ("triton", meta, FP8), ("compute", ref_meta, dtype))
+    for name, m, kv_dtype in runs:
+        caches[name] = to_cache(cache, kv_dtype)
+        backend = "torch" if name == "compute" else name
+        ctx = ForwardContext(m, [(caches[name],)], backend)
+        with torch.no_grad(), bind_forward_context(ctx):
+            outs[name] = attn(positions, x)[:-1].float()
+    assert caches["triton"].dtype == FP8
+    assert (caches["triton"][15].float() == FP8_MAX).all(), "the padding row wrote"
+    raw = {k: caches[k][:15].view(torch.uint8) for k in ("torch", "triton")}
+    assert torch.equal(raw["triton"], raw["torch"])
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=tol, rtol=tol)
+    err = (outs["torch"] - outs["compute"]).abs().max().item()
+    assert err < 0.1 * outs["compute"].abs().max().item(), err

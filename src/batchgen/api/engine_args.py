@@ -6,9 +6,10 @@ Keywords name EngineConfig fields. The vLLM names a user types first are read to
   hub cache of a model named by its Hugging Face id, and batchgen's default model;
 - `revision` (a Hugging Face id's branch, tag or commit) is an EngineConfig field of
   the same name;
-- `kv_cache_dtype="auto"` and `tokenizer` equal to the model (or None) are what
-  batchgen does anyway and are accepted; other values raise ValueError saying what
-  batchgen does instead.
+- `kv_cache_dtype` ("auto", "fp8", "fp8_e4m3") is an EngineConfig field of the same
+  name;
+- `tokenizer` equal to the model (or None) is what batchgen does anyway and is
+  accepted; another value raises ValueError saying what batchgen does instead.
 An unknown name raises TypeError naming the nearest option.
 """
 
@@ -23,7 +24,7 @@ from batchgen.config import EngineConfig
 # vLLM's name -> the EngineConfig field it sets
 ALIASES = {"block_size": "page_size", "swap_space": "host_kv_size_gib", "download_dir": "cache_dir"}
 # vLLM's names for what batchgen does in one way only: accepted at that one value
-_FIXED = ("kv_cache_dtype", "tokenizer")
+_FIXED = ("tokenizer",)
 
 
 def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
@@ -34,7 +35,7 @@ def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
     unknown = sorted(set(kwargs) - known - set(ALIASES) - set(_FIXED))
     if unknown:
         raise TypeError(f"LLM() got unknown argument(s): {', '.join(map(_nearest, unknown))}")
-    _check_fixed(model, kwargs.pop("kv_cache_dtype", None), kwargs.pop("tokenizer", None))
+    _check_fixed(model, kwargs.pop("tokenizer", None))
     renamed = {}
     for vllm_name, field in ALIASES.items():
         if vllm_name not in kwargs:
@@ -56,12 +57,7 @@ def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
         raise
 
 
-def _check_fixed(model: str | None, kv_cache_dtype: Any, tokenizer: Any) -> None:
-    if kv_cache_dtype not in (None, "auto"):
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not supported: batchgen keeps the KV "
-            "cache in the model's compute dtype (set it with dtype=); use 'auto'"
-        )
+def _check_fixed(model: str | None, tokenizer: Any) -> None:
     if tokenizer is not None and not _same_model(str(tokenizer), model):
         raise ValueError(
             f"tokenizer={tokenizer!r} is not supported: batchgen loads the tokenizer from "

@@ -26,8 +26,8 @@ class LLM:
     arguments name EngineConfig fields (dtype, device, max_num_seqs,
     max_num_batched_tokens, max_model_len, page_size, kv_cache_size_gib,
     gpu_memory_utilization, ...) or their vLLM names (block_size, swap_space,
-    download_dir; kv_cache_dtype and tokenizer at the values batchgen takes: see
-    engine_args); unknown ones raise TypeError naming the nearest option. A model named
+    download_dir; kv_cache_dtype "fp8" for FP8 KV pages; tokenizer at the value batchgen
+    takes: see engine_args); unknown ones raise TypeError naming the nearest option. A model named
     by its Hugging Face id is loaded at `revision` (None: main) from the Hugging Face
     cache `download_dir` (None: HF_HUB_CACHE), downloaded into it where it is missing.
     max_model_len above the model's context length (max_position_embeddings) raises

@@ -78,9 +78,10 @@ def has_moe_layers(hf_config) -> bool:
 
 def kv_layout(config: EngineConfig, model, hf_config, dtype: torch.dtype) -> KVLayout:
     """The page geometry of this rank's share of `model` (model.kv_state: its KV heads;
-    under MLA the whole latent), the same on every rank but for the heads."""
+    under MLA the whole latent), the same on every rank but for the heads; its pages
+    hold `dtype` (the compute dtype) or FP8 as config.kv_cache_dtype says."""
     num_kv_layers = getattr(model, "num_kv_layers", hf_config.num_hidden_layers)
-    return KVLayout.of(model.kv_state, num_kv_layers, config.page_size, dtype)
+    return KVLayout.of(model.kv_state, num_kv_layers, config.page_size, config.kv_dtype(dtype))
 
 
 def attention_backend(config: EngineConfig, model, device: torch.device) -> str:

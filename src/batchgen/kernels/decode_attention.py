@@ -11,7 +11,9 @@ is read once per group. It walks its split of the keys with an online softmax:
 and writes the normalised partial output and its log-sum-exp (base 2) per split.
 Stage 2, one program per (request, query head), merges the splits. With one split,
 stage 1 writes the output directly and stage 2 is skipped.
-Math in float32; q, caches and out share one dtype (bf16, fp16 or fp32).
+Math in float32; q and out share one dtype (bf16, fp16 or fp32), the caches q's or
+float8_e4m3fn (kv_cache_dtype "fp8", scale 1.0: batchgen/kv_quant.py), upcast to q's
+dtype as each block of keys and values is loaded.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.mma import dot_in_f32, mma
+from batchgen.kv_quant import FP8
 
 _LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
@@ -78,7 +81,7 @@ def _decode_split_kernel(
         k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
         k = tl.load(
             k_cache_ptr + k_off[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
-        )
+        ).to(q.dtype)
         qk = mma(q, tl.trans(k), DOT_F32) * scale_log2
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -88,7 +91,7 @@ def _decode_split_kernel(
         v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
         v = tl.load(
             v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
-        )
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_F32)
         m_i = m_new
 
@@ -252,8 +255,11 @@ def _check(q, k_cache, v_cache, page_table, seq_lens, rows, out) -> None:
         raise ValueError(f"caches must be [P, S, Hkv, D]: {k_cache.shape} / {v_cache.shape}")
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype} {k_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8):
+        raise ValueError(
+            f"k_cache, v_cache must both be q's dtype or FP8: {q.dtype} {k_cache.dtype} "
+            f"{v_cache.dtype}"
+        )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}")
     batch = seq_lens.shape[0]

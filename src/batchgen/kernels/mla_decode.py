@@ -20,7 +20,9 @@ Each program walks its tokens with an online softmax and writes its normalised p
 output and log-sum-exp (base 2). Stage 2, one program per (query head, request), merges
 the splits; with one split, stage 1 writes the output directly. The launch grids depend
 on shapes and the split count only (never on seq_lens): CUDA-graph capturable.
-Math in float32; q_nope, q_pe, latent and out share one dtype (bf16, fp16 or fp32).
+Math in float32; q_nope, q_pe and out share one dtype (bf16, fp16 or fp32), the latent
+theirs or float8_e4m3fn (kv_cache_dtype "fp8", scale 1.0: batchgen/kv_quant.py), upcast
+to theirs as each block of tokens is loaded.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import triton.language as tl
 
 from batchgen.kernels.decode_attention import choose_num_splits
 from batchgen.kernels.mma import dot_in_f32, mma
+from batchgen.kv_quant import FP8
 
 _LOG2E = 1.4426950408889634
 
@@ -94,12 +97,12 @@ def _mla_split_kernel(
             latent_ptr + token[:, None] + offs_c[None, :] * stride_ld,
             mask=n_mask[:, None] & c_mask[None, :],
             other=0.0,
-        )
+        ).to(q_nope.dtype)
         pe = tl.load(
             latent_ptr + token[:, None] + (LORA_RANK + offs_r)[None, :] * stride_ld,
             mask=n_mask[:, None] & r_mask[None, :],
             other=0.0,
-        )
+        ).to(q_nope.dtype)
         qk = mma(q_nope, tl.trans(c), DOT_F32) + mma(q_pe, tl.trans(pe), DOT_F32)
         qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -283,8 +286,11 @@ def _check(q_nope, q_pe, latent, page_table, seq_lens, rows, out, num_splits) ->
         raise ValueError(
             f"latent rows of {latent.shape[2]} != {q_nope.shape[2]} (nope) + {q_pe.shape[2]} (pe)"
         )
-    if not (q_nope.dtype == q_pe.dtype == latent.dtype):
-        raise ValueError(f"dtypes differ: {q_nope.dtype} {q_pe.dtype} {latent.dtype}")
+    if q_nope.dtype != q_pe.dtype or latent.dtype not in (q_nope.dtype, FP8):
+        raise ValueError(
+            f"q_nope, q_pe and latent (or an FP8 latent) dtypes differ: {q_nope.dtype} "
+            f"{q_pe.dtype} {latent.dtype}"
+        )
     if q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q_nope.dtype}")
     batch = seq_lens.shape[0]

@@ -10,7 +10,9 @@ packed rows [q_start, q_start + q_len) and sit at the end of its sequence:
 
 A program walks the keys [lo, hi) its block can see (hi = one past its last query's
 position, lo from the window) in BLOCK_N steps with an online softmax, reading each key
-through the page table. Math in float32; q, caches and out share one dtype. Values may
+through the page table. Math in float32; q and out share one dtype, the caches q's or
+float8_e4m3fn (kv_cache_dtype "fp8", scale 1.0: batchgen/kv_quant.py), upcast to q's
+dtype as each block of keys and values is loaded. Values may
 be narrower than keys (MLA's decompressed heads: V 128 wide): out has V's width.
 
 Queries and keys may come in two parts (MLA: 128 "nope" dimensions, then 64 rope ones):
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.mma import dot_in_f32, mma
+from batchgen.kv_quant import FP8
 
 _LOG2E = 1.4426950408889634
 
@@ -96,7 +99,7 @@ def _prefill_kernel(
             k_cache_ptr + k_off[:, None] + offs_d[None, :] * stride_kd,
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
-        )
+        ).to(q.dtype)
         qk = mma(q, tl.trans(k), DOT_F32)
         if ROPE_DIM > 0:
             kr_off = page * stride_krp + in_page * stride_krs + kvh * stride_krh
@@ -120,7 +123,7 @@ def _prefill_kernel(
             v_cache_ptr + v_off[:, None] + offs_dv[None, :] * stride_vd,
             mask=n_mask[:, None] & dv_mask[None, :],
             other=0.0,
-        )
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_F32)
         m_i = m_new
 
@@ -255,8 +258,11 @@ def _check(q, k_cache, v_cache, q_start, q_len, seq_lens, page_table, out) -> No
         )
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype} {k_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8):
+        raise ValueError(
+            f"k_cache, v_cache must both be q's dtype or FP8: {q.dtype} {k_cache.dtype} "
+            f"{v_cache.dtype}"
+        )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}")
     num_reqs = seq_lens.shape[0]

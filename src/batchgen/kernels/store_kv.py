@@ -5,6 +5,11 @@
 
 A negative slot means "padding row, write nothing" (a CUDA-graph batch's padding rows).
 `store_latent` writes a one-component cache (MLA's latent rows) with the same kernel.
+An FP8 cache (float8_e4m3fn, kv_cache_dtype "fp8") gets each value clamped to +-448 and
+rounded to e4m3 (scale 1.0: batchgen/kv_quant.py), the bytes `kv_quant.to_cache` writes
+in torch. The rounding is done in float32 (`_e4m3_grid`), so the cast to float8 that
+stores it is exact: the same bytes compiled and in Triton's interpreter, whose own
+float8 cast truncates instead of rounding and drops the carry into the exponent.
 """
 
 from __future__ import annotations
@@ -13,6 +18,25 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kv_quant import FP8_MAX, is_fp8
+
+
+@triton.jit
+def _e4m3_grid(x, CLAMP: tl.constexpr):
+    """x clamped to +-CLAMP (448) and rounded to the nearest e4m3 value (ties to even),
+    as float32. Normal range: round the float32 bits to 3 mantissa bits. Below e4m3's
+    smallest normal 2^-6 (subnormals: multiples of 2^-9), the same after adding 2^-6,
+    which puts the value in [2^-6, 2^-5) where 3 mantissa bits are steps of 2^-9."""
+    x = tl.minimum(tl.maximum(x.to(tl.float32), -CLAMP), CLAMP)
+    a = tl.abs(x)
+    small = a < 0.015625
+    a = tl.where(small, a + 0.015625, a)
+    bits = a.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep sign, exponent, 3 bits
+    a = bits.to(tl.float32, bitcast=True)
+    a = tl.where(small, a - 0.015625, a)
+    return tl.where(x < 0, -a, a)
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -20,7 +44,7 @@ def _store_kv_kernel(
     stride_vt, stride_vh, stride_vd, stride_kc_page, stride_kc_off, stride_kc_h, stride_kc_d,
     stride_vc_page, stride_vc_off, stride_vc_h, stride_vc_d, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_V: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    CLAMP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -32,10 +56,14 @@ def _store_kv_kernel(
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
+    if CLAMP > 0:  # an FP8 cache: saturated and rounded, the cast below exact
+        k = _e4m3_grid(k, CLAMP)
     kc = k_cache_ptr + page * stride_kc_page + off * stride_kc_off
     tl.store(kc + h * stride_kc_h + d * stride_kc_d, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     if HAS_V:
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+        if CLAMP > 0:
+            v = _e4m3_grid(v, CLAMP)
         vc = v_cache_ptr + page * stride_vc_page + off * stride_vc_off
         tl.store(
             vc + h * stride_vc_h + d * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask
@@ -69,7 +97,8 @@ def store_kv(
         k, v, k_cache, v_cache, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_V=True,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        CLAMP=_clamp(k_cache), BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )  # fmt: skip
 
 
@@ -100,5 +129,10 @@ def store_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.
     _store_kv_kernel[(num_tokens,)](
         latent, latent, cache, cache, slot_mapping, *strides, *strides, *cache_strides,
         *cache_strides, NUM_KV_HEADS=1, HEAD_DIM=width, PAGE_SIZE=page_size, HAS_V=False,
-        BLOCK_H=1, BLOCK_D=triton.next_power_of_2(width),
+        CLAMP=_clamp(cache), BLOCK_H=1, BLOCK_D=triton.next_power_of_2(width),
     )  # fmt: skip
+
+
+def _clamp(cache: torch.Tensor) -> float:
+    """The kernel's CLAMP: FP8's largest value for an FP8 cache, 0 (none) otherwise."""
+    return FP8_MAX if is_fp8(cache.dtype) else 0.0

@@ -5,7 +5,8 @@ alive until its completion event fires (rule 5).
     host pool    host_kv [L, Ph, C, S, H, D]   layer-major: a run of consecutive host
                                                pages of one layer is one contiguous block
 C is the layout's component count (2: K and V; 1: an MLA latent); nothing here depends
-on it, nor on what a component holds.
+on it, nor on what a component holds, nor on its dtype: FP8 pages (kv_cache_dtype "fp8")
+are gathered and scattered as their bytes (`kv_quant.raw`).
 A transfer moves, per layer, one block per run of consecutive host pages through a
 device staging tensor; the device side gathers or scatters pages with one kernel. The
 pages are taken in host-page order (the device side's index follows it), so pages whose
@@ -32,6 +33,7 @@ from functools import partial
 import torch
 
 from batchgen.forward_context import to_device
+from batchgen.kv_quant import raw
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
@@ -87,7 +89,7 @@ def gather_pages(dev_kv: torch.Tensor, dev_pages: list[int], host_pages: list[in
     idx = to_device(torch.tensor(dev_pages, dtype=torch.int64), dev_kv.device)
     # pages picked from the [L, P, C, ...] view: the output comes out [L, n, C, ...] and
     # contiguous from the one kernel (.contiguous() copies nothing then)
-    return dev_kv.transpose(1, 2).index_select(1, idx).contiguous()
+    return raw(dev_kv).transpose(1, 2).index_select(1, idx).contiguous().view(dev_kv.dtype)
 
 
 def device_to_host_staged(
@@ -226,7 +228,7 @@ def host_to_device_pages(
 
 def _host_to_device_scatter(dev_kv, part, idx, group: range, on_layer) -> None:
     """A group's staged pages into the pool on the current stream, then on_layer(last)."""
-    dev_kv.transpose(1, 2)[group.start : group.stop].index_copy_(1, idx, part)
+    raw(dev_kv).transpose(1, 2)[group.start : group.stop].index_copy_(1, idx, raw(part))
     if on_layer is not None:
         on_layer(group.stop - 1)
 

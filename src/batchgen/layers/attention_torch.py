@@ -6,6 +6,9 @@ Decodes are gathered into one batched attention; prefill chunks run one by one (
 per-step token budget keeps them few). In batch-invariant mode (deterministic=True)
 both go through `batch_invariant.attend`, whose result for a query depends on its
 position and its sequence's keys alone.
+
+FP8 pages (kv_cache_dtype "fp8"): K/V are quantized as they are written
+(`kv_quant.write_rows`) and upcast where they are read (the float32 math below).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.forward_context import AttentionMetadata
+from batchgen.kv_quant import write_rows
 from batchgen.layers import batch_invariant
 
 
@@ -23,9 +27,10 @@ def store_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k, v [T, Hkv, D] into flat slots of the [pages, page_size, Hkv, D] caches."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Write k, v [T, Hkv, D] into flat slots of the [pages, page_size, Hkv, D] caches
+    (cast to the caches' dtype; FP8 saturated, kv_quant.to_cache)."""
+    write_rows(k_cache.view(-1, *k_cache.shape[2:]), slot_mapping, k)
+    write_rows(v_cache.view(-1, *v_cache.shape[2:]), slot_mapping, v)
 
 
 def _attend(

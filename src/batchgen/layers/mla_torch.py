@@ -14,6 +14,8 @@ Two ways to attend over it, with the same result:
   V = its first kv_lora_rank values); W_UV is applied to the output afterwards.
 
 Each function here is the torch twin a Triton kernel can replace. Math runs in float32.
+FP8 pages (kv_cache_dtype "fp8"): the latent is quantized as it is written
+(`kv_quant.write_rows`) and upcast where it is read.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from collections.abc import Callable
 import torch
 
 from batchgen.forward_context import AttentionMetadata
+from batchgen.kv_quant import write_rows
 from batchgen.layers import batch_invariant
 
 
 def store_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write latent [T, W] into flat slots of the [pages, page_size, 1, W] cache."""
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(cache.dtype))
+    """Write latent [T, W] into flat slots of the [pages, page_size, 1, W] cache (cast to
+    its dtype; FP8 saturated, kv_quant.to_cache)."""
+    write_rows(cache.view(-1, cache.shape[-1]), slot_mapping, latent)
 
 
 def attend(
@@ -87,7 +91,7 @@ def paged_prefill(
     before it."""
     q = torch.cat((q_nope, q_pe), dim=-1)
     for seq in meta.prefills:
-        latent = cache[seq.pages].flatten(0, 1)[: seq.seq_len, 0]
+        latent = cache[seq.pages].flatten(0, 1)[: seq.seq_len, 0].to(q.dtype)
         k_nope, k_pe, v = expand(latent)
         k = torch.cat((k_nope, k_pe[:, None].expand(-1, k_nope.shape[1], -1)), dim=-1)
         rows = slice(seq.q_start, seq.q_start + seq.q_len)

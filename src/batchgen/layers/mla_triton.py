@@ -66,7 +66,7 @@ def paged_prefill(
         meta, "mla_prefill", lambda: _prefill_index(meta, q_nope.device)
     )
     n, page_size = pages.numel(), cache.shape[1]
-    latent = cache[pages].reshape(n * page_size, cache.shape[-1])
+    latent = cache[pages].reshape(n * page_size, cache.shape[-1]).to(q_nope.dtype)  # FP8 upcast
     k_nope, k_pe, v = expand(latent)
     prefill_attention(
         q_nope,
