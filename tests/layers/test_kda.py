@@ -294,3 +294,17 @@ def test_packed_short_conv_equals_request_by_request(dtype):
     # the 2-row one (slot 3) its old window's last row, then its two rows
     assert torch.equal(windows[1], x[23:26])
     assert torch.equal(windows[3], torch.cat([ref_windows_before[3][-1:], x[6:8]]))
+
+
+def test_conv_taps_stay_plain_when_the_projections_quantize():
+    """quantization="fp8" quantizes every quantizable Linear; the depthwise conv taps
+    are read as a matrix by the short convolution and must stay in the model's dtype
+    (heads of 128 so that every stacked shard starts on a 128-row block)."""
+    from batchgen.models import fp8
+
+    config = tiny_config(linear_num_heads=2, linear_head_dim=128, hidden_size=256)
+    with torch.device("meta"):
+        layer = KimiDeltaAttention(config, layer_id=0, state_index=0)
+    assert fp8.quantize_linears(layer) >= 3
+    assert layer.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.conv1d.quant is None and layer.conv1d.weight.dtype == torch.float32

@@ -295,10 +295,11 @@ def _kimi_linear_layers(config, parallel: Parallel) -> list[Weight]:
         Weight(f"{p}.b_proj", "attention", heads, h, kda, True, stack=ins),
         Weight(f"{p}.f_a_proj", "attention", d, h, kda, True, stack=ins),
         Weight(f"{p}.g_a_proj", "attention", d, h, kda, True, stack=ins),
-        # depthwise conv taps [channels, K], q k v stacked: a Linear to the engine
-        Weight(f"{p}.q_conv1d", "attention", w, k, kda, True, stack=f"{p}.conv1d"),
-        Weight(f"{p}.k_conv1d", "attention", w, k, kda, True, stack=f"{p}.conv1d"),
-        Weight(f"{p}.v_conv1d", "attention", w, k, kda, True, stack=f"{p}.conv1d"),
+        # depthwise conv taps [channels, K], q k v stacked: read as a matrix by the
+        # engine's short convolution, never quantized (layers/kda.py ConvWeight)
+        Weight(f"{p}.q_conv1d", "attention", w, k, kda, stack=f"{p}.conv1d"),
+        Weight(f"{p}.k_conv1d", "attention", w, k, kda, stack=f"{p}.conv1d"),
+        Weight(f"{p}.v_conv1d", "attention", w, k, kda, stack=f"{p}.conv1d"),
         Weight(f"{p}.f_b_proj", "attention", w, d, kda, True),
         Weight(f"{p}.g_b_proj", "attention", w, d, kda, True),
         Weight(f"{p}.A_log", "attention", heads, count=kda, fp32=True),

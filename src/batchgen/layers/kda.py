@@ -39,7 +39,14 @@ from batchgen.layers.tp_group import SINGLE, TPGroup
 class ConvWeight(ColumnParallelLinear):
     """Depthwise conv taps [channels, K] stacked from q/k/v checkpoint tensors, which come
     as Conv1d weights [channels, 1, K]; under tensor parallel this rank's channels of
-    each."""
+    each. Not a projection: the short convolution reads the taps as a matrix
+    (kda_ops.short_conv), so they stay in the model's dtype whatever the checkpoint or
+    EngineConfig.quantization asks (quantizable=False), as checkpoints store them."""
+
+    def __init__(
+        self, kernel: int, channels: int, shards: dict[str, tuple[int, int]], tp: TPGroup
+    ) -> None:
+        super().__init__(kernel, channels, shards=shards, tp=tp, quantizable=False)
 
     def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         super().load(param, tensor.squeeze(1) if tensor.dim() == 3 else tensor, shard)
