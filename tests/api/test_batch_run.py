@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import save_tiny_model
 
 from batchgen.api.cli import main
@@ -552,3 +553,23 @@ def test_host_tier_from_the_command_line_swaps_and_changes_no_answer(tmp_path, t
     # a request preempted before it has one full page computed has nothing to swap
     assert swaps > 0 and swaps + recomputes == preemptions
     assert _answers(tight) == _answers(ample)
+
+
+def test_kv_cache_dtype_fp8_reaches_the_engine(tmp_path, tiny_llama, monkeypatch):
+    import batchgen.api.llm as llm_module
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", [_chat("a", "w5", max_tokens=3)])
+    out = tmp_path / "out.jsonl"
+    engines = []
+    real_llm = llm_module.LLM
+
+    def keep(*args, **kwargs):
+        llm = real_llm(*args, **kwargs)
+        engines.append(llm.engine)
+        return llm
+
+    monkeypatch.setattr(llm_module, "LLM", keep)
+    assert main(_cli(tiny_llama, inp, out, "--kv-cache-dtype", "fp8")) == 0
+    assert engines[0].config.kv_cache_dtype == "fp8"
+    assert engines[0].pool.kv.dtype == torch.float8_e4m3fn
+    assert list(_answers(out)) == ["a"]

@@ -151,6 +151,23 @@ def test_kv_and_state_geometry_equal_the_engines(tmp_path, name):
         assert planned_state.bytes_per_slot == engine_state.bytes_per_slot
 
 
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "kimi_linear"])
+def test_fp8_kv_column_is_the_engines_fp8_page(tmp_path, name):
+    """The plan's "fp8 KV" pages are the pages kv_cache_dtype="fp8" gives the engine:
+    float8_e4m3fn, half a bf16 page's bytes."""
+    config = read_config(_written(tmp_path, TINY[name]()))
+    model = build_model(
+        None, config, torch.bfloat16, torch.device("cpu"), 64, "dummy", tp=TPGroup(0, 2)
+    )
+    engine = kv_layout(plans.EngineConfig(page_size=16, kv_cache_dtype="fp8"), model, config,
+                       torch.bfloat16)  # fmt: skip
+    planned = plans.kv_layout(config, Parallel(2), 16, plans.KV_DTYPES["fp8"])
+    assert engine.dtype == planned.dtype == torch.float8_e4m3fn
+    assert planned.bytes_per_page == engine.bytes_per_page
+    bf16 = kv_layout(plans.EngineConfig(page_size=16), model, config, torch.bfloat16)
+    assert 2 * engine.bytes_per_page == bf16.bytes_per_page
+
+
 def test_deepseek_v3_real_config_is_671b_params_1_34_tb_bf16_0_67_tb_fp8(tmp_path):
     (tmp_path / "config.json").write_text((CONFIGS / "deepseek-v3" / "config.json").read_text())
     config = read_config(tmp_path)

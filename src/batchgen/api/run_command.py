@@ -126,6 +126,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         enable_expert_parallel=args.enable_expert_parallel,
         seed=args.seed,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.distributed_executor_backend != "mp":
         kwargs["distributed_executor_backend"] = args.distributed_executor_backend

@@ -62,6 +62,13 @@ def add_run_parser(sub) -> None:
         "checkpoint stays FP8 either way)",
     )
     run.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="KV pages' dtype: fp8 = float8_e4m3fn K/V (MLA: the latent), half a bf16 "
+        "page's bytes, scale 1.0 (default: auto, the compute dtype)",
+    )
+    run.add_argument(
         "--max-tokens",
         type=int,
         default=None,
