@@ -84,7 +84,8 @@ MLA = dict(kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_di
 WIDE_MODELS = {
     "llama": lambda: tiny_config("LlamaForCausalLM", **WIDE, head_dim=64),
     "deepseek_v3": lambda: tiny_deepseek(first_k_dense_replace=1, q_lora_rank=256, **WIDE, **MLA),
-    # in_proj's b rows put f_a off a block: it stays bf16 under FP8, as the engine keeps it
+    # in_proj's b rows put f_a off a block: one process keeps each part's own blocks (and
+    # a row index), two split ranks hold 1 row of b each and keep it bf16
     "kimi_linear": lambda: tiny_kimi(
         ["linear_attention", "full_attention"], **WIDE, **MLA, linear_head_dim=128
     ),
@@ -125,7 +126,7 @@ def test_quantized_weight_bytes_equal_the_engines_model(tmp_path, name, quantize
         layouts.append((Parallel(2, 1, expert_parallel=True), tp_ep))
     option = "fp8" if quantized == "option_fp8" else None
     for parallel, split in layouts:
-        expected = precision.total(plans.model_weights(config, parallel), moe)
+        expected = precision.total(plans.model_weights(config, parallel), moe, parallel.tp)
         for rank in range(2):
             model = build_model(
                 None, config, torch.bfloat16, torch.device("cpu"), 64, "dummy",

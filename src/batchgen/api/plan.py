@@ -77,24 +77,35 @@ class Precision:
             return False
         return not any(_matches(pattern, w.module) for pattern in self.ignore)
 
-    def quantized(self, weights: list[Weight], moe: bool) -> list[bool]:
+    def quantized(self, weights: list[Weight], moe: bool, tp: int = 1) -> list[bool]:
         """For each weight, whether it is held quantized: a stack is quantized whole,
-        where each of its tensors is and each starts on a scale block's first row (the
-        engine's Linear.check_units; FP8 scales cover 128 rows, INT4's one)."""
+        where each of its tensors is and, under tensor parallel (`tp` > 1), each is whole
+        scale blocks (the engine's ColumnParallelLinear.check_units; FP8 scales cover 128
+        rows, INT4's one). One process holds a stack whose tensors start inside blocks
+        too, each in blocks of its own (Linear.unit_rows)."""
         rows_per = self.block if self.bits == 8 else 1
         stacks: dict[str, bool] = {}
-        offsets: dict[str, int] = {}
         for w in weights:
             if w.stack:
-                ok = self.quantizes(w, moe) and offsets.get(w.stack, 0) % rows_per == 0
+                ok = self.quantizes(w, moe) and (tp == 1 or w.rows % rows_per == 0)
                 stacks[w.stack] = stacks.get(w.stack, True) and ok
-                offsets[w.stack] = offsets.get(w.stack, 0) + w.rows
         return [stacks[w.stack] if w.stack else self.quantizes(w, moe) for w in weights]
 
-    def total(self, weights: list[Weight], moe: bool) -> int:
-        """Bytes of all `weights` in this precision."""
-        held = self.quantized(weights, moe)
-        return sum(self.nbytes(w, q) for w, q in zip(weights, held))
+    def total(self, weights: list[Weight], moe: bool, tp: int = 1) -> int:
+        """Bytes of all `weights` in this precision (`tp`: see quantized), with the int32
+        a row a quantized stack keeps where a tensor starts inside a scale block (the
+        engine's Linear.unit_index)."""
+        held = self.quantized(weights, moe, tp)
+        rows_per = self.block if self.bits == 8 else 1
+        offsets: dict[str, int] = {}
+        off_grid: dict[str, int] = {}  # stack -> its rows x count, where off the grid
+        for w, q in zip(weights, held):
+            if w.stack and q:
+                if offsets.get(w.stack, 0) % rows_per:
+                    off_grid[w.stack] = 0
+                offsets[w.stack] = offsets.get(w.stack, 0) + w.rows
+        index = sum(4 * w.rows * w.count for w in weights if w.stack in off_grid)
+        return index + sum(self.nbytes(w, q) for w, q in zip(weights, held))
 
     def nbytes(self, w: Weight, quantized: bool) -> int:
         """Bytes of the `w.count` tensors in this precision, held quantized or not."""
@@ -293,7 +304,7 @@ def plan(
     per_seq = math.ceil(context / limits.page_size)
     fits = []
     for precision in precisions(config):
-        nbytes = precision.total(weights, moe)
+        nbytes = precision.total(weights, moe, parallel.tp)
         budget = total * limits.gpu_memory_utilization - nbytes - state - reserve
         pages = {k: max(int(budget // lay.bytes_per_page), 0) for k, lay in layouts.items()}
         rows = {
