@@ -29,7 +29,14 @@ from benchmarks.card import COPY_BW, kernel_seconds
 BLOCK = (128, 128)
 DENSE = [("V3 q_a", 1536, 7168), ("V3 o", 7168, 16384), ("V3 mlp down/8", 7168, 2304)]
 ROWS = (1, 16, 64, 512, 4096)
-LAUNCHES = [(16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
+LAUNCHES = [  # (block_m, block_n, warps, stages, split_k)
+    (16, 64, 4, 4, 1),
+    (16, 64, 4, 4, 4),
+    (16, 128, 4, 4, 2),
+    (32, 64, 4, 3, 1),
+    (64, 128, 8, 3, 1),
+    (128, 128, 8, 3, 1),
+]
 
 
 def _weights(n: int, k: int, gen, experts: int | None = None):
@@ -78,7 +85,8 @@ def bench_dense(gen, sweep: bool) -> list[tuple]:
                 run = partial(_quantized_mm, x, q, scale, tn)
                 err = (run().float() - ref.float()).abs().max().item()
                 label = "fp8 triton default" if tn is None else (
-                    f"fp8 triton {tn.block_m}x{tn.block_n} w{tn.num_warps} s{tn.num_stages}"
+                    f"fp8 triton {tn.block_m}x{tn.block_n} w{tn.num_warps} s{tn.num_stages} "
+                    f"k/{tn.split_k}"
                 )  # fmt: skip
                 rows.append(_row(case, label, kernel_seconds(run), n * k, err))
             a, a_scale = quantize_groups(x, BLOCK[1])

@@ -85,6 +85,21 @@ def test_gemm_rounds_once_to_the_output_dtype_and_takes_a_launch():
     assert torch.allclose(got.float(), want.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-3)
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_split_k_sums_the_same_products(split_k):
+    """K's 5 blocks shared among split_k programs (8: more than there are blocks, the
+    wrapper takes 5), bias added after the partials' sum."""
+    gen = torch.Generator().manual_seed(split_k)
+    x = torch.randn(3, 160, generator=gen).to(DEVICE)
+    wq, ws = (t.to(DEVICE) for t in quantize_blocks(torch.randn(40, 160, generator=gen), (16, 32)))
+    b = torch.randn(40, generator=gen).to(DEVICE)
+    a, a_scale = quantize_groups(x, 32)
+    tuning = Fp8GemmTuning(block_m=16, block_n=16, num_warps=1, num_stages=1, split_k=split_k)
+    got = block_scaled_mm(a, a_scale, wq, ws, (16, 32), torch.float32, b, tuning=tuning)
+    want = block_scaled_mm_reference(a, a_scale, wq, ws, (16, 32), b)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_wrapper_refuses_mismatched_inputs():
     a = torch.zeros(4, 64, dtype=torch.float8_e4m3fn, device=DEVICE)
     a_scale = torch.ones(4, 2, device=DEVICE)

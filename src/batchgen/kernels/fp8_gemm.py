@@ -13,7 +13,10 @@ float32 and scaled block by block, as DeepSeek-V3's checkpoints are meant to run
 A program computes a BLOCK_M x BLOCK_N tile of out, walking K one weight block (bk
 columns, BLOCK_K = bk) at a time: one FP8 tensor-core dot per block, accumulated in
 float32 after the two scales. The bias is added in float32 and the sum rounded once to
-the output dtype. `block_scaled_mm_reference` is the same sum in torch (float32).
+the output dtype. With split_k (decode-sized M, few column tiles) each tile's K blocks
+are shared among split_k programs writing float32 partials, which torch sums in a fixed
+order before the bias and the one rounding. `block_scaled_mm_reference` is the same sum
+in torch (float32).
 
 On Hopper torch's own `torch.nn.functional.scaled_mm` takes this case too (ScalingType
 BlockWise1x128 for a, BlockWise128x128 for w, 128-multiple shapes): `scaled_mm_blockwise`
@@ -22,6 +25,7 @@ calls it, for the device benchmark to measure against this kernel.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,21 +35,38 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class Fp8GemmTuning:
-    """A program's output tile (BLOCK_K is the weight block's width), warps and stages."""
+    """A program's output tile (BLOCK_K is the weight block's width), warps and stages;
+    split_k > 1 splits the K blocks over that many programs a tile, their float32
+    partials summed afterwards in a fixed order (no atomics: the same bits every run)."""
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
 
-def default_tuning(m: int, device: torch.device) -> Fp8GemmTuning:
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def default_tuning(
+    m: int, device: torch.device, n: int | None = None, k_blocks: int | None = None
+) -> Fp8GemmTuning:
     """Small tiles for decode-sized M (the weight read once by few programs' worth of
-    rows), larger ones for prefill; in the interpreter the smallest that work."""
+    rows), larger ones for prefill; in the interpreter the smallest that work. For a
+    decode-sized M with n and k_blocks given, K is split until the tiles' programs
+    about fill the GPU's SMs (a q_a_proj of 1,536 rows is 24 column tiles: a fifth of
+    an H100 without it)."""
     if device.type != "cuda":
         return Fp8GemmTuning(block_m=16, block_n=32, num_warps=1, num_stages=1)
     if m <= 16:
-        return Fp8GemmTuning(block_m=16, block_n=64, num_warps=4, num_stages=4)
+        split = 1
+        if n is not None and k_blocks is not None:
+            tiles = -(-n // 64)
+            split = max(1, min(8, k_blocks // 4, _num_sms(device.index or 0) // tiles))
+        return Fp8GemmTuning(block_m=16, block_n=64, num_warps=4, num_stages=4, split_k=split)
     if m <= 64:
         return Fp8GemmTuning(block_m=32, block_n=128, num_warps=4, num_stages=3)
     return Fp8GemmTuning(block_m=64, block_n=128, num_warps=4, num_stages=3)
@@ -87,15 +108,18 @@ def _block_scaled_mm_kernel(
     stride_wn,
     stride_wsn,
     stride_om,
+    stride_os,
     BLOCK_N_W: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROW_INDEX: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -110,7 +134,10 @@ def _block_scaled_mm_kernel(
         ws_row = cols // BLOCK_N_W
     ws_cols = ws_ptr + ws_row * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b in range(0, tl.cdiv(K, BLOCK_K)):
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    first = pid_s * per_split
+    for b in range(first, tl.minimum(first + per_split, k_blocks)):
         k = b * BLOCK_K + ks
         k_ok = k < K
         a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -120,7 +147,8 @@ def _block_scaled_mm_kernel(
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    out = out_ptr + pid_s.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
+    out += cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -161,20 +189,30 @@ def block_scaled_mm(
         raise ValueError(f"the weight block's width must be a power of two >= 16, got {bk}")
     if a_scale.dtype != torch.float32 or w_scale.dtype != torch.float32:
         raise ValueError("the scales must be float32")
-    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
-        return out
-    t = tuning or default_tuning(m, a.device)
-    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
+        return torch.empty(m, n, dtype=out_dtype, device=a.device)
+    t = tuning or default_tuning(m, a.device, n, -(-k // bk))
+    split = max(1, min(t.split_k, -(-k // bk)))
+    if split == 1:
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    else:  # float32 partials, one [M, N] a split, summed below
+        out = torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
     _block_scaled_mm_kernel[grid](
         a, a_scale, w, w_scale, w_scale if w_scale_rows is None else w_scale_rows,
         bias if bias is not None else w_scale, out,
-        m, n, k, a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        m, n, k, a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0),
+        out.stride(-2), out.stride(0) if split > 1 else 0,
         BLOCK_N_W=bn, BLOCK_K=bk, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        HAS_BIAS=bias is not None, ROW_INDEX=w_scale_rows is not None,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        HAS_BIAS=bias is not None and split == 1, ROW_INDEX=w_scale_rows is not None,
+        SPLIT_K=split, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
-    return out
+    if split == 1:
+        return out
+    total = out.sum(0)
+    if bias is not None:
+        total += bias.float()
+    return total.to(out_dtype)
 
 
 def scaled_mm_blockwise(
