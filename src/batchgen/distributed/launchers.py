@@ -29,7 +29,11 @@ class ProcessRanks(RankSet):
         ctx = mp.get_context("spawn")
         for rank in self.ranks:
             process = ctx.Process(
-                target=entry, args=args[rank], name=f"batchgen-tp-rank{rank}", daemon=True
+                target=entry,
+                args=args[rank],
+                kwargs={"device": None},
+                name=f"batchgen-tp-rank{rank}",
+                daemon=True,
             )
             process.start()
             self.processes.append(process)

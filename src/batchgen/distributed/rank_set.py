@@ -36,7 +36,9 @@ class RankSet(ABC):
 
     @abstractmethod
     def start(self, entry: Callable[..., None], args: dict[int, tuple]) -> None:
-        """Rank r (1..size-1) runs entry(*args[r]), each in its own process or actor."""
+        """Rank r (1..size-1) runs entry(*args[r], device=d), each in its own process or
+        actor: d the torch index of the GPU the launcher gave it, in that process, or
+        None where the launcher leaves it to the rank (rank % GPUs)."""
 
     @abstractmethod
     def wait(self, ranks: Collection[int], timeout: float | None) -> dict[int, object]:

@@ -8,7 +8,8 @@ option: Ray is an optional extra (pip install 'batchgen[ray]').
         (GPUs: a holder actor takes its GPU,  wherever they fit, over several nodes
         rank 0 then runs on it)               where one does not hold them all
       rank r: a _Rank actor in bundle r       its node recorded (ip, node id), then
-        run(entry, args) -> a future          entry(*args): the rank's whole life
+        run(entry, args) -> a future          entry(*args): the rank's whole life, on
+                                              its GPU among its node's, all visible
       wait: ray.wait on the run futures       an actor killed, or its node lost: its
                                               future fails (ActorDiedError) at once
 
@@ -36,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0  # the cluster's free resources to hold every rank
 NODE_LABEL = "ray.io/node-id"  # the label Ray gives each node: its id
+# Ray leaves an actor's CUDA_VISIBLE_DEVICES as its node's, instead of the actor's one GPU:
+# NCCL on NVSwitch nodes (H100/H200) is slow to import peers' memory, and its NVLS
+# collectives can hang, between processes that each see one GPU (NVIDIA/nccl#1749,
+# #1906; ray-project/ray#61073); torchrun's ranks, and vLLM's Ray workers, see them all
+NOSET_VISIBLE = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
 class _Rank:
@@ -44,8 +50,10 @@ class _Rank:
     def where(self) -> tuple[str, str]:
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
-    def run(self, entry: Callable[..., None], args: tuple) -> None:
-        entry(*args)
+    def run(self, entry: Callable[..., None], args: tuple, gpu: bool) -> None:
+        """entry(*args, device=...): the torch index of the GPU Ray gave this actor,
+        among all of its node's GPUs, which it sees (NOSET_VISIBLE), or None."""
+        entry(*args, device=local_index(str(ray.get_gpu_ids()[0])) if gpu else None)
 
 
 class _Holder:
@@ -98,7 +106,10 @@ class RayRanks(RankSet):
             self.local_device = local_index(ray.get(self._holder.gpu.remote()))
         self.actors = [self._actor(_Rank, rank).remote() for rank in self.ranks]
         self.nodes = dict(zip(self.ranks, ray.get([a.where.remote() for a in self.actors])))
-        self.runs = [a.run.remote(entry, args[r]) for r, a in zip(self.ranks, self.actors)]
+        self.runs = [
+            actor.run.remote(entry, args[rank], self.gpus)
+            for rank, actor in zip(self.ranks, self.actors)
+        ]
         logger.info(
             "%s ranks 1..%d on Ray nodes %s (rank 0 on %s)",
             self.role,
@@ -109,6 +120,8 @@ class RayRanks(RankSet):
 
     def _actor(self, cls: type, bundle: int):
         one = {"num_gpus": 1, "num_cpus": 0} if self.gpus else {"num_gpus": 0, "num_cpus": 1}
+        if self.gpus:  # every GPU of its node visible, its own picked by index
+            one["runtime_env"] = {"env_vars": {NOSET_VISIBLE: "1"}}
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
         return ray.remote(cls).options(scheduling_strategy=strategy, max_restarts=0, **one)
 

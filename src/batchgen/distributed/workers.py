@@ -264,13 +264,14 @@ def receive(tp: TPGroup) -> Message | DPMessage:
     return pickle.loads(box[0])
 
 
-def _worker_main(rank, size, host, port, backend, timeout_s, target, args) -> None:
+def _worker_main(rank, size, host, port, backend, timeout_s, target, args, device=None) -> None:
     """A worker rank (a process or an actor): connect to rank 0's store at host:port and
-    say so, join the group, run target(tp, *args), leave."""
+    say so, join the group (on GPU `device` where the launcher chose it), run
+    target(tp, *args), leave."""
     torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the host's cores shared
     store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
     store.set(_joined(rank), "1")
-    tp = init_tensor_parallel(rank, size, backend, timeout_s=timeout_s, store=store)
+    tp = init_tensor_parallel(rank, size, backend, timeout_s=timeout_s, store=store, device=device)
     try:
         target(tp, *args)
     except BaseException:
