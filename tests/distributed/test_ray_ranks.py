@@ -376,3 +376,15 @@ def test_the_host_tier_budget_counts_the_ranks_this_host_runs(monkeypatch):
     assert ranks_here(EngineConfig(device="cuda", **RAY), 16) == 8
     assert ranks_here(EngineConfig(device="cuda", **RAY), 4) == 4
     assert ranks_here(EngineConfig(device="cpu", **RAY), 16) == 16  # a local test cluster
+
+
+def test_run_takes_vllms_names_for_the_parallel_flags():
+    from batchgen.api.cli import build_parser
+
+    argv = ["run", "in.jsonl", "-o", "out.jsonl", "-tp", "2", "--enable-expert-parallel"]
+    args = build_parser().parse_args([*argv, "--data-parallel-size", "2"])
+    assert (args.tp, args.data_parallel, args.distributed_executor_backend) == (2, 2, "mp")
+    args = build_parser().parse_args(
+        [*argv, "-dp", "4", "--tensor-parallel-size", "1", "--distributed-executor-backend", "ray"]
+    )
+    assert (args.tp, args.data_parallel, args.distributed_executor_backend) == (1, 4, "ray")

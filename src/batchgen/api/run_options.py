@@ -126,6 +126,7 @@ def add_run_parser(sub) -> None:
     run.add_argument(
         "--tp",
         "--tensor-parallel-size",
+        "-tp",
         dest="tp",
         type=int,
         default=1,
@@ -145,6 +146,7 @@ def add_run_parser(sub) -> None:
     run.add_argument(
         "--data-parallel",
         "--data-parallel-size",
+        "-dp",
         dest="data_parallel",
         type=int,
         default=None,
