@@ -252,7 +252,7 @@ def run(model, prompts, params, after=None, swap_every: int = 0, record: bool = 
         metrics = llm.engine.metrics() | forced
         page_size = llm.engine.config.page_size
         metrics["host_prefix_hit_tokens"] = metrics.get("host_prefix_hit_pages", 0) * page_size
-        if llm.engine.tp_workers is not None and llm.engine.tier is not None:
+        if llm.engine.executor.size > 1 and llm.engine.tier is not None:
             # each worker rank's own copies (rank 0's are the metrics above)
             metrics["worker_tiers"] = llm.engine.tier_worker_metrics()
         rows = (

@@ -103,7 +103,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 def _workers(llm: LLM):
     engine = llm.engine
-    return engine.workers if hasattr(engine, "workers") else engine.tp_workers
+    return engine.workers if hasattr(engine, "workers") else engine.executor
 
 
 @pytest.mark.slow
@@ -290,7 +290,7 @@ def test_a_batch_job_cut_short_by_a_dead_rank_resumes_on_the_rerun(cluster, chec
     one, out = tmp_path / "one.jsonl", tmp_path / "out.jsonl"
     assert _run(checkpoint, inp, one) == 0
     llm = LLM(checkpoint, **dict(KW, max_num_seqs=2), **TP2, **RAY)
-    ranks = llm.engine.tp_workers.ranks
+    ranks = llm.engine.executor.ranks
 
     def kill_once_answers_are_written() -> None:
         deadline = time.monotonic() + 120

@@ -40,7 +40,7 @@ def _decode_step_bytes(path: str, kind: str, prompt_len: int) -> tuple[float, di
         rng = random.Random(0)
         for i in range(4):
             engine.add_request(str(i), [rng.randint(3, 500) for _ in range(prompt_len)], PARAMS)
-        workers = engine.tp_workers if kind == "tp" else engine.workers
+        workers = engine.executor if kind == "tp" else engine.workers
         for _ in range(3):
             engine.step()
         before = workers.message_metrics(message)

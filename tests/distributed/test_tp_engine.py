@@ -63,7 +63,7 @@ def test_tp2_engine_equals_tp1_and_a_dead_worker_fails_the_next_step(tmp_path, a
         stopped = llm.generate(PROMPTS, stop, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in stopped] == want_stopped
         assert len(want_stopped[0]) == 4 and stopped[0].outputs[0].finish_reason == "stop"
-        workers = llm.engine.tp_workers
+        workers = llm.engine.executor
         assert workers.exited == {}
         workers.processes[0].kill()
         workers.processes[0].join(10)
@@ -86,7 +86,7 @@ def test_a_worker_killed_mid_step_fails_the_call_naming_it(tmp_path):
     on a GPU makes it do (test_tp_gpu.py)."""
     save_tiny_model(tmp_path, "LlamaForCausalLM")
     llm = LLM(str(tmp_path), tensor_parallel_size=2, **KW)
-    workers = llm.engine.tp_workers
+    workers = llm.engine.executor
     send, sent = workers.send, []
 
     def send_then_kill(message):
@@ -109,7 +109,7 @@ def test_a_worker_killed_mid_step_fails_the_call_naming_it(tmp_path):
 def test_a_worker_that_ends_at_shutdown_is_not_reported_dead(tmp_path):
     save_tiny_model(tmp_path, "LlamaForCausalLM")
     llm = LLM(str(tmp_path), tensor_parallel_size=2, **KW)
-    workers = llm.engine.tp_workers
+    workers = llm.engine.executor
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     llm.engine.shutdown()
     workers._watcher.join(10)

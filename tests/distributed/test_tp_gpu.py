@@ -123,7 +123,7 @@ def test_a_worker_killed_during_a_graph_replay_fails_the_call(model_dir):
     llm = LLM(model_dir, tensor_parallel_size=2, **GRAPHS)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     _tokens(llm, params)  # graphs captured on both ranks
-    workers = llm.engine.tp_workers
+    workers = llm.engine.executor
     send, sent = workers.send, []
 
     def send_then_kill(message):

@@ -24,7 +24,7 @@ model, device = sys.argv[1], sys.argv[2]
 pool = {"num_kv_pages": 48} if device == "cpu" else {}
 llm = LLM(model, tensor_parallel_size=2, device=device, dtype="float32", max_model_len=96,
           page_size=4, **pool)
-print(llm.engine.tp_workers.processes[0].pid, flush=True)
+print(llm.engine.executor.processes[0].pid, flush=True)
 params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 while True:
     llm.generate([[5, 6, 7, 8]] * 8, params, use_tqdm=False)

@@ -31,13 +31,12 @@ from batchgen.engine.builder_plan import (
 )
 from batchgen.engine.decode_graphs import build_decode_graphs, decode_split_plan
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.executor import Executor
 from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
 from batchgen.engine.memory import build_state_pool, remake_pool
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.step_loop import Overlap, build_overlap
 from batchgen.engine.structured import StructuredOutputs
-from batchgen.engine.tensor_parallel import TPModelRunner
-from batchgen.engine.tp_peers import TPWorkers
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.host_pool import HostPool
@@ -81,7 +80,7 @@ class EngineParts:
     overlap: Overlap  # what runs ahead of the device: step_loop's policy for plan.overlap
     structured: StructuredOutputs  # xgrammar loaded at the first constrained request
     detokenizer: Detokenizer
-    tp_workers: TPWorkers | None
+    executor: Executor  # the ranks: executor.OneRank, or tp_peers.TPWorkers
 
 
 def build_engine(
@@ -91,11 +90,11 @@ def build_engine(
     tokenizer,
     device: torch.device,
     dtype: torch.dtype,
-    tp_workers: TPWorkers | None = None,
+    executor: Executor,
 ) -> EngineParts:
-    """Rank 0's components for `model` on `device` (tensor parallel: rank 0's share,
-    `tp_workers` the other ranks, each of which builds its pool and runner from the plan
-    sent to it here)."""
+    """Rank 0's components for `model` on `device` over the ranks of `executor`
+    (executor.OneRank; tensor parallel, tp_peers.TPWorkers: rank 0's share, each other
+    rank building its pool and runner from the plan sent to it here)."""
     config = with_limits_for(config, device, hf_config)
     max_len = max_model_len(config, hf_config)
     eos = eos_token_ids(hf_config, tokenizer, generation_eos(config.model))
@@ -105,11 +104,10 @@ def build_engine(
     state_pool = build_state_pool(model, config, dtype, device)
     backend = attention_backend(config, model, device)
     warmup = Warmup(
-        config, model, hf_config, layout, state_pool, device, eos, max_len, backend, tp_workers
+        config, model, hf_config, layout, state_pool, device, eos, max_len, backend, executor
     )
-    plan = resolve_plan(config, model, warmup, dtype, peers=tp_workers)
-    if tp_workers is not None:  # each rank builds pools of the same pages and slots
-        tp_workers.send(plan.setup())
+    plan = resolve_plan(config, model, warmup, dtype, executor)
+    executor.send(plan.setup())  # each rank builds pools of the same pages and slots
     pool = PagePool(layout, plan.num_pages, device)
     allocator = PageAllocator(plan.num_pages, plan.prefix_caching)  # the KV manager's, the tier's
     state_slots = None if state_pool is None else StateSlots(config.max_num_seqs)
@@ -130,7 +128,7 @@ def build_engine(
             states,
             state_slots,
             tier_cost,
-            mirrored=tp_workers is not None,
+            mirrored=executor.size > 1,
         )
         checkpoints = build_checkpoints(config, tier.states)
     kv = KVCacheManager(allocator, config.page_size, tier, config.decode_append)
@@ -151,9 +149,6 @@ def build_engine(
         chunk_align=DETERMINISTIC_CHUNK if config.deterministic and state_slots else 1,
     )
     structured = StructuredOutputs(tokenizer, hf_config.vocab_size, eos)
-    extra = {} if tp_workers is None else {"workers": tp_workers}
-    if tp_workers is not None and tier is not None:  # the copies its steps hand them
-        extra["take_copies"] = tier.take_mirrored
     runner = build_runner(
         plan.setup(),
         config,
@@ -165,10 +160,10 @@ def build_engine(
         dtype,
         plan.max_model_len,
         copies=None if tier is None else tier.copies,
-        runner_cls=ModelRunner if tp_workers is None else TPModelRunner,
+        runner_cls=executor.runner_cls,
         debug=config.batchgen_debug,
         grammar=structured,
-        **extra,
+        **executor.runner_args(tier),
     )
     logger.info("engine config: %s", config.describe())
     logger.info(
@@ -201,7 +196,7 @@ def build_engine(
         overlap=build_overlap(plan.overlap, runner, scheduler, kv),
         structured=structured,
         detokenizer=Detokenizer(tokenizer),
-        tp_workers=tp_workers,
+        executor=executor,
     )
 
 
@@ -343,7 +338,7 @@ def replace_pool(
     kv: KVCacheManager,
     tier: TieredKVManager | None,
     runner: ModelRunner,
-    tp_workers: TPWorkers | None = None,
+    executor: Executor,
 ) -> tuple[PagePool, str | None, Exception | None]:
     """reconfigure()'s pool swap, once the caller has let go of the old pool and every
     tier copy is done: each worker first (with the copies rank 0 logged), then the
@@ -352,10 +347,7 @@ def replace_pool(
     rank cannot allocate it, every rank gets a pool of the old size back: the pool, what
     failed and the allocation's error."""
     old_pages = kv.allocator.num_pages
-    errors = []
-    if tp_workers is not None:  # the workers first: they get the copies just made
-        copies = tier.take_mirrored() if tier is not None else []
-        errors = tp_workers.reconfigure(num_pages, copies)
+    errors = executor.reconfigure(num_pages, tier)  # the other ranks first, after the copies
     runner.set_kv_caches([])
     if tier is not None:
         tier.attach_device(None, None)
@@ -367,6 +359,6 @@ def replace_pool(
         tier.attach_device(pool, kv.allocator)
     runner.set_kv_caches(pool.layer_caches())
     failure = "; ".join(errors) or (None if error is None else str(error))
-    if failure and tp_workers is not None:  # every rank back to the old page count
-        tp_workers.reconfigure(old_pages, [])
+    if failure:  # every rank back to the old page count
+        executor.reconfigure(old_pages, tier)
     return pool, failure, error

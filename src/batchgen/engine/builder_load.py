@@ -10,6 +10,7 @@ from batchgen.config import EngineConfig
 from batchgen.distributed import tp_group
 from batchgen.engine.builder import EngineParts, build_engine
 from batchgen.engine.builder_plan import expert_parallel, with_limits_for
+from batchgen.engine.executor import OneRank
 from batchgen.engine.limits import max_model_len
 from batchgen.engine.memory import check_host_budget
 from batchgen.engine.tp_peers import TPWorkers, check_supported
@@ -63,7 +64,7 @@ def _from_source(config: EngineConfig, source: ModelSource) -> EngineParts:
             # attention data parallel: the experts spread over the process's ranks
             ep=expert_parallel(config, tp_group()),
         )
-        return build_engine(config, model, hf_config, tokenizer, device, dtype)
+        return build_engine(config, model, hf_config, tokenizer, device, dtype, OneRank())
     check_supported(config, device)
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     workers = TPWorkers.start(config, source, worker_main)

@@ -13,9 +13,9 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.distributed.messages import Profile, Setup
 from batchgen.engine.decode_graphs import graphs_wanted
+from batchgen.engine.executor import Executor
 from batchgen.engine.memory import (
     WIDEST_SAMPLING,
-    PlanPeers,
     copy_bytes_per_second,
     norm_bucket_sizes,
     plan_num_pages,
@@ -173,7 +173,7 @@ class Warmup:
         self.config, self.model, self.hf_config = config, model, hf_config
         self.layout, self.state_pool, self.device = layout, state_pool, device
         self.eos_token_ids, self.max_model_len, self.backend = eos_token_ids, max_model_len, backend
-        self.peers = peers  # tensor parallel: TPWorkers, who run every step too
+        self.peers = peers  # rank 0's executor: its other ranks run every step too
         self.profiled: set[int] = set()  # the steps' sizes run so far
 
     def forward(
@@ -183,7 +183,7 @@ class Warmup:
         long as max_model_len allows), each sampled with `params` (None: greedy), on
         every rank."""
         longest = self.max_model_len - 1 if max_len is None else max_len
-        if self.peers is not None:  # the workers run it too: collectives pair up
+        if self.peers is not None:  # the other ranks run it too: collectives pair up
             self.peers.send(Profile(num_tokens, longest, tuple(self.eos_token_ids)))
         states = None if self.state_pool is None else self.state_pool.layer_states()
         warmup_forward(
@@ -250,13 +250,13 @@ def resolve_plan(
     model,
     warmup: Warmup,
     dtype: torch.dtype,
-    peers: PlanPeers | None = None,
+    executor: Executor,
 ) -> EnginePlan:
-    """The plan for this model on warmup's device: the pages the memory plan leaves
-    (`peers`, tensor parallel: the fewest any rank has room for), the host budget's split
-    into pages and state slots, whether decode captures graphs, how steps overlap."""
+    """The plan for this model on warmup's device over `executor`'s ranks: the pages the
+    memory plan leaves (the fewest any rank has room for), the host budget's split into
+    pages and state slots, whether decode captures graphs, how steps overlap."""
     layout, state_pool, device = warmup.layout, warmup.state_pool, warmup.device
-    num_pages = plan_num_pages(config, layout, device, warmup.forward, warmup.sampler, peers)
+    num_pages = plan_num_pages(config, layout, device, warmup.forward, warmup.sampler, executor)
     warmup.linear_norms()
     check_pool_size(config, num_pages, warmup.max_model_len)
     # the host tier's budget: GiB of KV pages, and host slots of compressed state
@@ -279,5 +279,5 @@ def resolve_plan(
         prefix_caching=config.enable_prefix_caching and (state_pool is None or checkpoints),
         host_tier=host_tier,
         overlap=overlap,
-        defer_stores_ahead=host_tier and overlap == "pipelined" and peers is None,
+        defer_stores_ahead=host_tier and overlap == "pipelined" and executor.size == 1,
     )

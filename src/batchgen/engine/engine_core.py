@@ -60,7 +60,7 @@ class EngineCore:
         self.model, self.hf_config, self.tokenizer = parts.model, parts.hf_config, parts.tokenizer
         self.device, self.dtype = parts.device, parts.dtype
         self.weight_bytes = weight_bytes(parts.model)  # this rank's, on its device
-        self.tp_workers = parts.tp_workers  # tensor parallel: this is rank 0 of the group
+        self.executor = parts.executor  # the ranks (executor.py): this process is rank 0
         self.plan, self.warmup = parts.plan, parts.warmup
         self.max_model_len = parts.plan.max_model_len
         self.eos_token_ids = parts.plan.eos_token_ids
@@ -85,18 +85,13 @@ class EngineCore:
         return cls(load_engine(config))
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (a no-op otherwise)."""
-        if self.tp_workers is not None:
-            self.tp_workers.shutdown()
-            self.tp_workers = None
+        """Stop the other ranks (tensor parallel's workers; one rank: nothing to stop)."""
+        self.executor.shutdown()
 
     def tier_worker_metrics(self) -> list[dict | None]:
-        """Tensor parallel: each worker's host tier mirror counters (rank 1 first; None
-        without the tier), once every copy rank 0 submitted has reached and left it."""
-        if self.tp_workers is None:
-            return []
-        copies = self.tier.take_mirrored() if self.tier is not None else []
-        return self.tp_workers.tier_metrics(copies)
+        """Each other rank's host tier mirror counters (rank 1 first; None without the
+        tier; one rank: none), once every copy rank 0 submitted has reached and left it."""
+        return self.executor.tier_metrics(self.tier)
 
     def reconfigure(self, num_pages: int) -> None:
         """Free and re-create the device pool with num_pages pages between steps.
@@ -121,7 +116,7 @@ class EngineCore:
             self.tier.drain()
         self.pool = None  # freed once the runner and the tier let go of it too
         self.pool, failure, error = replace_pool(
-            self.layout, num_pages, self.kv, self.tier, self.runner, self.tp_workers
+            self.layout, num_pages, self.kv, self.tier, self.runner, self.executor
         )
         if failure:
             raise RuntimeError(

@@ -125,9 +125,9 @@ def plan_num_pages(
     if profile_sampler is not None:
         profile_sampler()
     pages = pages_left(config, layout, device)
-    if peers is None:
+    others = [] if peers is None else peers.plan_pages()
+    if not others:  # no other rank
         return pages
-    others = peers.plan_pages()
     logger.info("memory plan: pages each rank's GPU has left, rank 0 first: %s", [pages, *others])
     return min(pages, *others)
 

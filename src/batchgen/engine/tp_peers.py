@@ -1,5 +1,6 @@
-"""Rank 0's handle on its tensor-parallel workers, with the engine's requests of them
-(distributed.workers.Workers does the processes: spawn, rendezvous, watcher, messages).
+"""Rank 0's handle on its tensor-parallel workers, with the engine's requests of them:
+the N-rank `executor.Executor` (distributed.workers.Workers does the processes: spawn,
+rendezvous, watcher, messages).
 The workers' side is tp_worker.py (builder_load hands its worker_main to `start`: the
 worker builds through the builder, which holds this handle); the steps they are sent,
 tensor_parallel.py."""
@@ -12,8 +13,8 @@ from batchgen.config import EngineConfig
 from batchgen.distributed.messages import PlanBegin, PlanQuery, Reconfigure, TierMetricsQuery
 from batchgen.distributed.workers import Workers
 from batchgen.engine.limits import max_model_len
-from batchgen.engine.tensor_parallel import TPStep
-from batchgen.kv.tier_mirror import TierCopy
+from batchgen.engine.tensor_parallel import TPModelRunner, TPStep
+from batchgen.kv.tiered import TieredKVManager
 from batchgen.layers.expert_parallel import ExpertParallel
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models.loader import ModelSource
@@ -45,7 +46,21 @@ def _check_shares(hf_config, size: int, max_positions: int, expert_parallel: boo
 
 class TPWorkers(Workers):
     """Rank 0's handle on the other ranks (distributed.workers.Workers: spawn, watcher,
-    messages), with the engine's requests of them."""
+    messages), with the engine's requests of them: the executor of a tensor-parallel
+    engine (executor.Executor; one rank's is executor.OneRank)."""
+
+    runner_cls = TPModelRunner  # sends each step to the workers before it runs it
+
+    @property
+    def size(self) -> int:
+        return self.tp.size
+
+    def runner_args(self, tier: TieredKVManager | None) -> dict:
+        """TPModelRunner's: these workers, and the tier's copies its steps hand them."""
+        args = {"workers": self}
+        if tier is not None:
+            args["take_copies"] = tier.take_mirrored
+        return args
 
     @classmethod
     def start(cls, config: EngineConfig, source: ModelSource, worker_main) -> TPWorkers:
@@ -65,18 +80,25 @@ class TPWorkers(Workers):
             launcher=config.distributed_executor_backend,
         )
 
-    def reconfigure(self, num_pages: int, copies: list[TierCopy]) -> list[str]:
+    def reconfigure(self, num_pages: int, tier: TieredKVManager | None) -> list[str]:
         """Every worker's pool re-created with num_pages pages, after the tier copies
         rank 0 submitted since its last message; what failed, by rank (a worker whose
         allocation failed re-made a pool of its old size)."""
-        self.send(TPStep(None, copies))
+        self.send(TPStep(None, _mirrored(tier)))
         return [error for error in self.ask(Reconfigure(num_pages)) if error]
 
-    def tier_metrics(self, copies: list[TierCopy]) -> list[dict | None]:
+    def tier_metrics(self, tier: TieredKVManager | None) -> list[dict | None]:
         """Each worker's host tier mirror counters (rank 1 first; None without the
-        tier), once `copies` and every copy before them reached and left it."""
-        self.send(TPStep(None, copies))
+        tier), once the tier's copies not sent yet and every copy before them reached
+        and left it."""
+        self.send(TPStep(None, _mirrored(tier)))
         return self.ask(TierMetricsQuery())
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the workers and leave the group; a second call does nothing (another
+        engine's group may exist by then)."""
+        if not self._stopping:
+            super().shutdown(timeout_s)
 
     def plan_begin(self) -> None:
         """The memory plan (memory.PlanPeers): each worker starts counting its peak; the
@@ -87,6 +109,11 @@ class TPWorkers(Workers):
         """The memory plan: the pages each worker's GPU has left after those steps, rank
         1 first."""
         return self.ask(PlanQuery())
+
+
+def _mirrored(tier: TieredKVManager | None) -> list:
+    """The tier's copies submitted since the last message (none without a tier)."""
+    return [] if tier is None else tier.take_mirrored()
 
 
 def backend(config: EngineConfig) -> str:
