@@ -359,7 +359,8 @@ def _timed(
         "all_outputs": all(lengths.get(f"r{i}") == n for i, n in enumerate(out_lens)),
         "backend": eng.runner.attention_backend,
         "cuda_graphs": eng.runner.graphs is not None,
-        "async_scheduling": eng.overlap.name == "async",  # asked for and used: the engine may decline it
+        # asked for and used: the engine may decline it
+        "async_scheduling": eng.overlap.name == "async",
         "metrics": delta(before, counters(eng), len(prompts)),
         "add_requests_s": added_s,
         "timeline": timeline,

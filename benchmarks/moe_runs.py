@@ -136,7 +136,8 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         "output_tokens": out,
         "tok_s": out / wall,
         "cuda_graphs": eng.runner.graphs is not None,
-        "async_scheduling": eng.overlap.name == "async",  # asked for and used: the engine may decline it
+        # asked for and used: the engine may decline it
+        "async_scheduling": eng.overlap.name == "async",
         "backend": eng.runner.attention_backend,
         "steps": steps,
         "prefill_phase_s": first_all,

@@ -155,7 +155,8 @@ def test_on_the_gpu_with_graphs_it_matches_plain_steps(model_dir):
     runs, texts = [], []
     for async_ in (False, True):
         llm = LLM(model=str(model_dir), async_scheduling=async_, **gpu)
-        assert llm.engine.runner.graphs is not None and (llm.engine.overlap.name == "async") == async_
+        used = llm.engine.overlap.name == "async"
+        assert llm.engine.runner.graphs is not None and used == async_
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append([o.outputs[0].token_ids for o in outs])
         texts.append([o.outputs[0].text for o in outs])

@@ -226,7 +226,8 @@ def test_async_scheduling_matches_plain_steps(dense_model_dir, setup):
             **setup,
             **KW,
         )
-        assert (llm.engine.overlap.name == "async") == async_ and llm.engine.runner.graphs is not None
+        used = llm.engine.overlap.name == "async"
+        assert used == async_ and llm.engine.runner.graphs is not None
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], llm.engine.metrics()))
         del llm
