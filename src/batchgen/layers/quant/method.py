@@ -18,9 +18,13 @@ any parameter exactly as they cut the weight, in its own units:
     INT4 (packed)      weight_packed     int32          rows_per 1    cols_per 8
                        weight_scale      bfloat16       rows_per 1    cols_per group
 
-A shard of a stacked layer (and a tensor-parallel rank's slice) must start on a unit
-boundary of every parameter; `Linear.use_method` refuses a layer where one does not
-(ValueError), and the loader then keeps that layer plain.
+A stacked layer's shards are cut into units each from its own first row, as each
+shard's checkpoint tensor is (`Linear.unit_rows`; a shard's last unit may be partial),
+so a parameter's rows follow the shards and, where a shard starts inside a unit of
+the whole weight's grid, `Linear.unit_index(param)` maps each weight row to its unit's
+row. A tensor-parallel rank's slice must hold whole units of every parameter;
+`Linear.use_method` refuses a layer where one does not (ValueError), and the loader
+then keeps that layer plain.
 """
 
 from __future__ import annotations
