@@ -58,10 +58,13 @@ def _decode_step_bytes(path: str, kind: str, prompt_len: int) -> tuple[float, di
 
 @pytest.mark.slow
 def test_tensor_parallel_step_bytes_do_not_grow_with_tokens_held(checkpoint):
-    short, _ = _decode_step_bytes(checkpoint, "tp", 30)
+    short, metrics = _decode_step_bytes(checkpoint, "tp", 30)
     long, _ = _decode_step_bytes(checkpoint, "tp", 300)
     # the same fields; a position or page id past 255 pickles one byte wider
     assert short <= long <= 1.02 * short, (short, long)
+    # the engine's metrics report them: one step message a step (warm-up's included)
+    assert metrics["step_messages"] >= 23
+    assert metrics["step_message_bytes_total"] >= 20 * short
 
 
 @pytest.mark.slow

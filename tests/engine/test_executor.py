@@ -32,6 +32,7 @@ def test_one_rank_and_tensor_parallel_share_the_executor_interface():
         "plan_pages",
         "reconfigure",
         "tier_metrics",
+        "step_metrics",
         "shutdown",
     }
     assert one == tp  # the same names, the same parameters to pass

@@ -324,6 +324,7 @@ class EngineCore:
             "recomputes": self.scheduler.num_recomputes,
             "prefix_hit_tokens": self.kv.prefix_hit_tokens,
             "weight_bytes": self.weight_bytes,
+            **self.executor.step_metrics(),
         }
         if self.checkpoints is not None:
             out["state_checkpoints"] = self.checkpoints.num_stored

@@ -9,6 +9,7 @@ distributed.messages); one rank's is `OneRank`, which has no one to tell.
     runner_cls, runner_args()     ModelRunner         TPModelRunner, sending each step
     reconfigure(n, tier)          [] (nothing failed) each worker's pool re-made
     tier_metrics(tier)            []                  each worker's mirror counters
+    step_metrics()                {}                  step messages sent and their bytes
     shutdown()                    nothing             workers stopped, group left
 """
 
@@ -55,6 +56,11 @@ class Executor(Protocol):
         and left them."""
         ...
 
+    def step_metrics(self) -> dict:
+        """What rank 0 sent the other ranks in step messages: their count and pickled
+        bytes (`step_message_bytes` a step); empty with no other rank."""
+        ...
+
     def shutdown(self) -> None:
         """Stop the other ranks (a second call does nothing)."""
         ...
@@ -84,6 +90,9 @@ class OneRank:
 
     def tier_metrics(self, tier: TieredKVManager | None) -> list[dict | None]:
         return []
+
+    def step_metrics(self) -> dict:
+        return {}
 
     def shutdown(self) -> None:
         pass

@@ -94,6 +94,10 @@ class TPWorkers(Workers):
         self.send(TPStep(None, _mirrored(tier)))
         return self.ask(TierMetricsQuery())
 
+    def step_metrics(self) -> dict:
+        """The step messages sent to the workers and their pickled bytes."""
+        return self.message_metrics(TPStep)
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the workers and leave the group; a second call does nothing (another
         engine's group may exist by then)."""
