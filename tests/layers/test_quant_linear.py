@@ -166,3 +166,19 @@ def test_a_float_weight_fills_each_shard_in_its_own_blocks():
         assert torch.equal(layer.weight[24:].view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(layer.weight_scale_inv[2:], scale)
     assert torch.equal(by_shard.weight_scale_inv, whole.weight_scale_inv)
+
+
+def test_in_deterministic_mode_a_row_gets_the_same_bits_alone_and_in_a_batch():
+    """batch_invariant's mode (EngineConfig.deterministic): the tile path multiplies
+    through batch_invariant.linear, so row 0 alone equals row 0 of 37 rows."""
+    from batchgen.layers.batch_invariant import invariant_mode
+
+    q, scale = fp8_weight(96, 64, seed=8)
+    layer = Linear(64, 96)
+    layer.use_method(Fp8BlockMethod(BLOCK))
+    layer.load("weight", q)
+    layer.load("weight_scale_inv", scale)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(8))
+    with invariant_mode(True):
+        alone, batch = layer(x[:1]), layer(x)
+    assert torch.equal(alone[0], batch[0])

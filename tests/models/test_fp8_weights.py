@@ -181,3 +181,20 @@ def test_weight_bytes_count_one_byte_a_kept_weight_and_its_scales(checkpoint):
         if arch == "kimi_linear" and KDA_IN_PROJ.search(name):
             saved -= 4 * t.shape[0]
     assert saved > 0 and fp8_bytes == float_bytes - saved
+
+
+def test_deterministic_rows_are_the_same_bits_alone_and_in_a_batch(checkpoint):
+    """deterministic=True with FP8 weights (dense tiles and experts dequantized in turn,
+    every product batch-invariant): a prompt's logprobs alone equal its logprobs among
+    the batch's prompts."""
+    _, quant, prompts, _, _ = checkpoint
+    llm = LLM(model=str(quant), num_kv_pages=64, deterministic=True, **RUN)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    for i in (0, 5):
+        alone = llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0]
+        got = batch[i].outputs[0]
+        assert alone.token_ids == got.token_ids
+        assert [lp[t].logprob for t, lp in zip(alone.token_ids, alone.logprobs)] == [
+            lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)
+        ]

@@ -39,7 +39,6 @@ from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.int4_experts import (
     PackedExperts,
     expert_gemm,
-    expert_loop,
     packed_shapes,
 )
 from batchgen.layers.int4_experts import moe_tuning as int4_moe_tuning
@@ -67,13 +66,12 @@ def grouped_mm_loop(a: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
     """Rows a[offs[g-1]:offs[g]] times w[g]^T for each group g: [M, K] x [G, N, K] -> [M, N]
     (w a tensor, or PackedExperts: one expert dequantized at a time). Reference path:
     reads offs on the host."""
-    if not isinstance(w, torch.Tensor):  # INT4 or FP8: each expert dequantized in turn
-        return expert_loop(a, w, offs)
     out = a.new_empty(a.shape[0], w.shape[1])
     start = 0
     for g, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = batch_invariant.linear(a[start:end], w[g])
+        if end > start:  # INT4 or FP8 experts: each dequantized in turn into a's dtype
+            weight = w[g] if isinstance(w, torch.Tensor) else w.expert(g, a.dtype)
+            out[start:end] = batch_invariant.linear(a[start:end], weight)
         start = end
     return out
 

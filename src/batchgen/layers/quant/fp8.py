@@ -22,6 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from batchgen.layers import batch_invariant
 from batchgen.layers.quant.method import LinearMethod, QuantParam
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -96,12 +97,13 @@ def dequantized_linear(
     unit_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T + bias with W held as FP8 blocks: each tile of rows dequantized into x's dtype
-    (W * scale computed in float32, rounded once) and multiplied; x [..., in].
+    (W * scale computed in float32, rounded once) and multiplied; x [..., in]. The
+    products are batch_invariant.linear's (plain F.linear outside deterministic mode).
     unit_index: each row's scale row (Linear.unit_index), None: row // block rows."""
     out_dim, in_dim = weight.shape
     step = tile_rows(block[0], in_dim, tile_elements)
     if step >= out_dim and unit_index is None:
-        return F.linear(x, dequantize(weight, scale_inv, block).to(x.dtype), bias)
+        return batch_invariant.linear(x, dequantize(weight, scale_inv, block).to(x.dtype), bias)
     out = x.new_empty(*x.shape[:-1], out_dim)
     for start in range(0, out_dim, step):
         end = min(start + step, out_dim)
@@ -111,7 +113,8 @@ def dequantized_linear(
         else:
             scales = row_scales(scale_inv, (start, end), block[0], unit_index)
             w = dequantize_rows(weight[start:end], scales, block[1])
-        out[..., start:end] = F.linear(x, w.to(x.dtype), None if bias is None else bias[start:end])
+        part = None if bias is None else bias[start:end]
+        out[..., start:end] = batch_invariant.linear(x, w.to(x.dtype), part)
     return out
 
 
@@ -128,6 +131,12 @@ def w8a8_serves_dtype(dtype: torch.dtype, device: torch.device | str) -> bool:
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     return _fp8_tensor_cores(device.index or 0)
+
+
+def _invariant_tuning():
+    from batchgen.kernels.fp8_gemm import Fp8GemmTuning
+
+    return Fp8GemmTuning(block_m=64, block_n=128, num_warps=4, num_stages=3, split_k=1)
 
 
 @functools.cache
@@ -166,9 +175,11 @@ class Fp8BlockMethod(LinearMethod):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         a, a_scale = quantize_groups(rows, self.block[1])
+        # deterministic mode: one launch whatever the row count (no split of K)
+        tuning = _invariant_tuning() if batch_invariant.active() else None
         out = block_scaled_mm(
             a, a_scale, layer.weight, layer.weight_scale_inv, self.block, x.dtype, bias,
-            w_scale_rows=index,
+            tuning=tuning, w_scale_rows=index,
         )  # fmt: skip
         return out.view(*x.shape[:-1], out.shape[-1])
 

@@ -23,13 +23,17 @@ import torch
 from batchgen.kernels.fp8_moe import TUNING, fp8_moe_gemm, tuning_for
 from batchgen.kernels.fp8_quant import quantize_groups
 from batchgen.kernels.fused_moe import MoETuning
+from batchgen.layers import batch_invariant
 from batchgen.layers.quant.fp8 import dequantize, quantize_blocks, w8a8_serves
 
 FP8_MOE_TUNING = TUNING  # the decode launch RoutedExperts uses on CUDA (see moe_tuning)
 
 
 def moe_tuning(x: torch.Tensor, top_k: int, w: Fp8Experts) -> MoETuning:
-    """The launch for x's step: kernels/fp8_moe.tuning_for its pairs and experts."""
+    """The launch for x's step: kernels/fp8_moe.tuning_for its pairs and experts; in
+    deterministic mode always TUNING (a row's bits must not depend on the batch)."""
+    if batch_invariant.active():
+        return TUNING
     return tuning_for(x.shape[0] * top_k, w.shape[0])
 
 
