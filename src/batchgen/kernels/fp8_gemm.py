@@ -224,7 +224,9 @@ def scaled_mm_blockwise(
 ) -> torch.Tensor:
     """The same GEMM through torch's `scaled_mm` (CUDA, Hopper; 128 x 128 weight blocks,
     1 x 128 activation groups, K and N multiples of 128). torch wants a's scales
-    outer-dimension-major (the transpose of a contiguous [K / 128, M])."""
+    outer-dimension-major (the transpose of a contiguous [K / 128, M]), and the weight's
+    as blocks of its second operand w^T [K, N]: [K / 128, N / 128] (w_scale transposed;
+    torch 2.11 refused [N / 128, K / 128] on an H100)."""
     from torch.nn.functional import ScalingType, scaled_mm
 
     a_scale = a_scale.t().contiguous().t()
@@ -233,7 +235,7 @@ def scaled_mm_blockwise(
         w.t(),
         a_scale,
         ScalingType.BlockWise1x128,
-        w_scale,
+        w_scale.t(),
         ScalingType.BlockWise128x128,
         output_dtype=out_dtype,
     )

@@ -9,10 +9,11 @@ even in e4m3:
     x [M, K]  ->  q [M, K] float8_e4m3fn,  scale [M, ceil(K / group)] float32
                   x[m, k] ~= q[m, k] * scale[m, k // group]
 
-One program per (row block, group). On the GPU the float32 -> e4m3 conversion rounds to
-nearest even (cvt.rn.satfinite); Triton's interpreter does not, so on the CPU the value
-is first rounded onto e4m3's grid by hand (`RNE_BY_HAND`), after which its conversion is
-exact: the kernel's bits equal `quantize_groups_reference`'s on both.
+One program per (row block, group). Triton's own float32 -> e4m3 conversion is not
+torch's everywhere: the interpreter truncates, and on an H100 (Triton 3.6) the bytes
+differed from torch's at model shapes. So the value is always first rounded onto e4m3's
+grid by hand (`round_to_e4m3`, nearest even), after which any conversion of it is
+exact: the kernel's bits equal `quantize_groups_reference`'s on the CPU and the GPU.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from batchgen.kernels.rounding import rne_by_hand
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 MIN_SCALE_AMAX = 1e-10  # a group of zeros gets this amax (a scale, never a 0 division)
@@ -38,18 +37,17 @@ def quantize_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor
 
 
 @triton.jit
-def round_to_e4m3(v, RNE_BY_HAND: tl.constexpr):
+def round_to_e4m3(v):
     """float32 v (|v| <= 448) onto float8_e4m3fn's grid, nearest even, still float32:
     normal values keep 3 mantissa bits (bit rounding), subnormal ones (below 2^-6)
     become multiples of 2^-9 (adding and taking away 1.5 * 2^14 rounds there), sign kept."""
-    if RNE_BY_HAND:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-        normal = bits.to(tl.float32, bitcast=True)
-        magic = 24576.0
-        sub = (tl.abs(v) + magic) - magic  # the sign put back below: -0.0 stays -0.0
-        sub_bits = sub.to(tl.uint32, bitcast=True) | (v.to(tl.uint32, bitcast=True) & 0x80000000)
-        v = tl.where(tl.abs(v) < 0.015625, sub_bits.to(tl.float32, bitcast=True), normal)
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    magic = 24576.0
+    sub = (tl.abs(v) + magic) - magic  # the sign put back below: -0.0 stays -0.0
+    sub_bits = sub.to(tl.uint32, bitcast=True) | (v.to(tl.uint32, bitcast=True) & 0x80000000)
+    v = tl.where(tl.abs(v) < 0.015625, sub_bits.to(tl.float32, bitcast=True), normal)
     return v
 
 
@@ -65,7 +63,6 @@ def _quantize_groups_kernel(
     stride_sm,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    RNE_BY_HAND: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
@@ -78,7 +75,7 @@ def _quantize_groups_kernel(
     scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
     v = tl.math.div_rn(x, scale[:, None])
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    v = round_to_e4m3(v, RNE_BY_HAND)
+    v = round_to_e4m3(v)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], v.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + rows * stride_sm + g, scale, mask=rows < M)
 
@@ -100,6 +97,6 @@ def quantize_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, to
     grid = (triton.cdiv(m, block_m), groups)
     _quantize_groups_kernel[grid](
         x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0),
-        GROUP=group, BLOCK_M=block_m, RNE_BY_HAND=rne_by_hand(x),
+        GROUP=group, BLOCK_M=block_m,
     )  # fmt: skip
     return q, scale
