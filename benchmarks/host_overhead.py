@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 -m benchmarks.host_overhead --requests 8000     # many prompts
     PYTHONPATH=src python3 -m benchmarks.host_overhead --w6-steps 4        # W6's step shape
     PYTHONPATH=src python3 -m benchmarks.host_overhead --device cuda ...   # the GPU's host
+    PYTHONPATH=src python3 -m benchmarks.host_overhead --chat 2048         # W7, ~900 rows
 
 Two measurements, each on a model small enough that the forward is not the point:
 - `--requests N`: N prompts of 20-60 random tokens, sharing nothing, through
@@ -15,6 +16,8 @@ Two measurements, each on a model small enough that the forward is not the point
   host milliseconds of each step in schedule, prepare, update and the rest, and the
   seconds it took to add the 512 requests. On the GPU these are the edges of a prefill
   step, where the GPU waits for the host.
+- `--chat N`: W7's batch job (`batchgen run`'s path, sampled, seeded, EOS endings) over
+  N requests at --rows running rows, host ms a step by phase (chat_host.py).
 
 Prints a JSON summary and writes host_overhead.json into --out.
 """
@@ -125,12 +128,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=0, help="N prompts through generate()")
     ap.add_argument("--w6-steps", type=int, default=0, help="K steps of W6's shape")
+    ap.add_argument("--chat", type=int, default=0, help="N W7 requests through the job")
+    ap.add_argument("--rows", type=int, default=900, help="--chat: max_num_seqs")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--work", type=Path, default=Path("/tmp/batchgen-host-overhead"))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    if not (args.requests or args.w6_steps):
-        ap.error("give --requests N, --w6-steps K or both")
+    if not (args.requests or args.w6_steps or args.chat):
+        ap.error("give --requests N, --w6-steps K, --chat N or several")
     import torch
 
     result = {"device": args.device, "torch_threads": torch.get_num_threads()}
@@ -138,6 +143,13 @@ def main(argv=None) -> int:
         result["many_requests"] = many_requests(args, args.work)
     if args.w6_steps:
         result["w6_steps"] = w6_steps(args, args.work)
+    if args.chat:
+        from benchmarks import chat_host
+
+        chat = argparse.Namespace(
+            requests=args.chat, rows=args.rows, work=args.work, eos_every=160, profile=None
+        )
+        result["chat"] = chat_host.run(chat)
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

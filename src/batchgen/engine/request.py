@@ -60,6 +60,21 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
+    @property
+    def prompt_logprobs_due(self) -> bool:
+        """It reports prompt logprobs and some are still to compute."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
+
+    def next_inputs(self, n: int) -> list[int]:
+        """Its next n input tokens; a token still in flight (async scheduling) is -1, a
+        placeholder the runner fills on the device."""
+        start = self.num_computed_tokens
+        known = self.token_ids[start : start + n]
+        return known + [-1] * (n - len(known))
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)

@@ -172,7 +172,7 @@ class Scheduler:
             if self.hybrid is not None and not self.state_slots.num_free:
                 break
             exact = self.hybrid is not None and self.hybrid.holds(req.request_id)
-            if _prompt_logprobs_due(req) or exact:  # every prompt position must be computed
+            if req.prompt_logprobs_due or exact:  # every prompt position must be computed
                 hits = PrefixHit()
             elif self.hybrid is not None:
                 hits = self.hybrid.prefix_hit(req)
@@ -206,7 +206,7 @@ class Scheduler:
         """The step's entry for a request that computes its next n tokens."""
         start = req.num_computed_tokens
         sample = start + n == len(req.token_ids) + req.num_pending
-        return self.feed.entry(req, _new_tokens(req, n), start, sample)
+        return self.feed.entry(req, req.next_inputs(n), start, sample)
 
     def _chunk(self, req: Request, computed: int, budget: int) -> int:
         """Tokens the request computes this step from `computed`: what is left, within
@@ -251,9 +251,10 @@ class Scheduler:
         """Advance counters (unless `commit` did at the step's launch), append sampled
         tokens, finish on token-level stops. Returns the requests that got a new token
         this step."""
-        if not any(step is sched for step, _ in self._committed):
-            self.commit(sched, requests)
-        return self.apply(sched, result, requests)
+        if any(step is sched for step, _ in self._committed):
+            return self.apply(sched, result, requests)
+        self._advance(sched, requests)  # commit and apply's counters in one pass
+        return self._append(result, requests)
 
     def commit(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         """The step's effects that need none of its tokens: its requests' computed
@@ -307,34 +308,60 @@ class Scheduler:
                     self.num_prompt_tokens_computed -= min(n, prompt - s.start)
             elif req.status == RequestStatus.RUNNING:
                 cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        return self._append(result, requests)
+
+    def _advance(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """`commit` then `apply`'s first pass for a step nobody committed (plain and
+        pipelined steps): the same counters, one loop over the rows, nothing kept."""
+        cache_computed, get = self.kv.cache_computed, requests.get
+        finished, running = RequestStatus.FINISHED, RequestStatus.RUNNING
+        computed = prompt_computed = 0
+        for s in sched.requests:
+            req = get(s.request_id)
+            if req is None or req.status is finished:  # stopped while a step was queued
+                continue
+            n = len(s.new_token_ids)
+            req.num_computed_tokens += n
+            computed += n
+            prompt = len(req.prompt_token_ids)
+            if s.start < prompt:
+                prompt_computed += min(n, prompt - s.start)
+            if req.status is running:
+                cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.num_computed_tokens_total += computed
+        self.num_prompt_tokens_computed += prompt_computed
+
+    def _append(self, result: ModelRunnerOutput, requests: dict[str, Request]) -> list[Request]:
+        """The step's sampled tokens appended, token-level stops (EOS, stop_token_ids,
+        the length limit); the requests that got a token."""
         self.kv.after_step()
         for rid, entries in result.prompt_logprobs.items():
             if rid in requests:
                 requests[rid].prompt_logprobs.update(entries)
         advanced = []
+        get, finished, eos = requests.get, RequestStatus.FINISHED, self.eos_token_ids
+        max_model_len = self.max_model_len
         for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
-            req = requests.get(rid)
-            if req is None or req.is_finished:
+            req = get(rid)
+            if req is None or req.status is finished:
                 continue
-            req.append_token(token)
+            out = req.output_token_ids
+            out.append(token)
+            req.token_ids.append(token)
             if lp is not None:
                 req.logprobs.append(lp)
             advanced.append(req)
-            reason = self._token_stop(req, token)
-            if reason is not None:
-                self.finish(req, *reason)
+            p = req.params
+            if len(out) >= p.min_tokens:
+                if token in eos and not p.ignore_eos:
+                    self.finish(req, "stop")
+                    continue
+                if p.stop_token_ids and token in p.stop_token_ids:
+                    self.finish(req, "stop", token)
+                    continue
+            if len(out) >= req.max_tokens or len(req.token_ids) >= max_model_len:
+                self.finish(req, "length")
         return advanced
-
-    def _token_stop(self, req: Request, token: int) -> tuple[str, int | None] | None:
-        p = req.params
-        if len(req.output_token_ids) >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-            if token in p.stop_token_ids:
-                return "stop", token
-        if self.reaches_length(req):
-            return "length", None
-        return None
 
     def reaches_length(self, req: Request, ahead: int = 0) -> bool:
         """The request is at its length limit (max_tokens or max_model_len) once it has
@@ -378,19 +405,3 @@ class Scheduler:
             self.hybrid.ended(req.request_id, swapped)
         self.kv.forget(req.request_id)
         self._left_running(req)
-
-
-def _new_tokens(req: Request, n: int) -> list[int]:
-    """The request's next n input tokens; a token still in flight (async scheduling)
-    is -1, a placeholder the runner fills on the device."""
-    start = req.num_computed_tokens
-    known = req.token_ids[start : start + n]
-    return known + [-1] * (n - len(known))
-
-
-def _prompt_logprobs_due(req: Request) -> bool:
-    """The request reports prompt logprobs and some are still to compute."""
-    return (
-        req.params.prompt_logprobs is not None
-        and len(req.prompt_logprobs) < req.num_prompt_tokens - 1
-    )

@@ -1,0 +1,275 @@
+"""W7's host time on the CPU: `batchgen run`'s path over W7's requests, the forward and
+the sampler's arithmetic excluded, in milliseconds a step by phase.
+
+    PYTHONPATH=src python3 -m benchmarks.host_overhead --chat 2048            # ~900 rows
+    PYTHONPATH=src python3 -m benchmarks.chat_host --requests 2048 --out DIR  # the same
+
+W7 (chat_job.py) is host-bound on the GPU: the default model's step is a few ms of GPU
+work at ~900 rows, the host's bookkeeping tens. This measures that bookkeeping where no
+GPU is: the job (`batch_job.run_batch_job`, as `batchgen run` calls it: W7's batch lines,
+temperature 1.0, top_p 1.0, a seed per line from the run's seed 0, EOS endings) on an
+engine whose model is the default model's architecture shrunk to 2 layers of width 64
+(random weights) with its real tokenizer and chat template (read from the default
+model's GGUF) and vocabulary, so prompts, detokenization, EOS and output lines are
+W7's; pipelined decode as on the GPU; max_num_seqs --rows.
+
+The sampler's arithmetic over [rows, 49152] logits is seconds a step on a CPU (a GPU's
+work, left out anyway): the lm_head and the sampler are replaced by a stand-in that draws
+each row's token from a seeded CPU generator, EOS (id 2) with probability 1/--eos-every
+(W7's default-model answers mostly end by EOS before max_tokens), so a run of ~900 rows
+takes minutes; everything before the sampler (its metadata) and after it runs as it is.
+
+Timed per step (each call's time added to its phase; `forward` and `sample` are the
+model's and the stand-in sampler's, the GPU's work, left out of `host`):
+
+    cycle          one engine.step() start to the next (the job loop's whole turn)
+    schedule       Scheduler.schedule             prepare   ModelRunner.prepare
+    sampling_meta  SamplingState.build_for        update    Scheduler.update
+    detok          Detokenizer.finalize (find_stop, one call a row that returns at once
+                   for a request without stop strings, stays in `other`: a timer
+                   around each would cost more than the call)
+    outputs        the job's output lines         journal   Appender.write (OUTPUT, errors)
+    admit          reading and adding input lines
+    host           cycle - forward - sample; other = host - the phases above
+
+Prints a JSON summary (medians over the steps with at least 0.8 x --rows rows, and the
+mean over all) and writes chat_host.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from benchmarks.chat_job import batch_lines
+
+# the default model's architecture (SmolLM2-135M), shrunk: the host's work depends on
+# the rows, the tokens and the vocabulary, not on the width of the layers
+TINY_SMOLLM2 = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+HOST_PHASES = ("schedule", "prepare", "sampling_meta", "update", "detok", "outputs", "journal")
+HOST_PHASES += ("admit",)
+DEVICE_PHASES = ("forward", "sample")
+
+
+def tiny_default_model(path: Path) -> Path:
+    """A directory with TINY_SMOLLM2's config.json and the default model's tokenizer."""
+    if (path / "config.json").is_file():
+        return path
+    import transformers
+
+    from batchgen.models.default_model import default_model_path
+
+    gguf = default_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(path)
+    cfg = transformers.AutoConfig.for_model(**TINY_SMOLLM2, dtype="float32")
+    cfg.save_pretrained(path)  # last: a directory with config.json is complete
+    return path
+
+
+class StandInSampler:
+    """Tokens for the rows of `logits` (the hidden states: the lm_head is skipped) from a
+    seeded CPU generator: EOS with probability 1/eos_every, else a token of 3..vocab-1."""
+
+    def __init__(self, vocab: int, eos: int, eos_every: int) -> None:
+        import torch
+
+        self.vocab, self.eos, self.eos_every = vocab, eos, eos_every
+        self.gen = torch.Generator().manual_seed(0)
+
+    def __call__(self, logits, meta):
+        import torch
+
+        from batchgen.runner.sampler import SamplerOutput
+
+        n = logits.shape[0]
+        tokens = torch.randint(3, self.vocab, (n,), generator=self.gen)
+        stop = torch.randint(0, self.eos_every, (n,), generator=self.gen) == 0
+        return SamplerOutput(tokens.masked_fill(stop, self.eos), None, None, None, None)
+
+
+def _timed(spent: dict[str, float], name: str, fn):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+    return wrapper
+
+
+@contextmanager
+def _wrapped(owner, attr: str, spent: dict[str, float], name: str):
+    """owner.attr timed into spent[name] while the block runs (a class attribute is put
+    back after it; an instance's own attribute is removed)."""
+    had = attr in vars(owner)
+    original = getattr(owner, attr)
+    setattr(owner, attr, _timed(spent, name, original))
+    try:
+        yield
+    finally:
+        if had:
+            setattr(owner, attr, original)
+        else:
+            delattr(owner, attr)
+
+
+def run(args) -> dict:
+    from batchgen.api import batch_job, batch_journal
+    from batchgen.api.batch_summary import JobOptions
+    from batchgen.api.llm import LLM
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    ckpt = tiny_default_model(args.work / "tiny_smollm2")
+    path = args.work / "w7.jsonl"
+    out = args.work / "w7.out.jsonl"
+    lines = batch_lines(args.requests)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    for stale in args.work.glob("w7.out.jsonl*"):
+        stale.unlink()
+    llm = LLM(
+        model=str(ckpt),
+        load_format="dummy",
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=args.rows,
+        max_model_len=1024,
+        seed=0,
+    )
+    eng = llm.engine
+    opts = JobOptions(
+        input=path,
+        output=out,
+        model_name="tiny",
+        defaults={"max_tokens": None, "temperature": 1.0, "top_p": 1.0},
+        seed=0,
+        max_in_flight=eng.config.read_ahead,
+        progress=False,
+    )
+    spent: dict[str, float] = {}
+    steps: list[dict] = []
+    state = {"start": None, "rows": 0}
+    step = eng.step
+
+    def timed_step():
+        now = time.perf_counter()
+        if state["start"] is not None:  # the turn that ended now
+            row = {k: v * 1e3 for k, v in spent.items()}
+            row["cycle"] = (now - state["start"]) * 1e3
+            row["rows"] = state["rows"]
+            steps.append(row)
+        spent.clear()
+        state["start"] = now
+        return step()
+
+    def rows_of(fn):
+        def wrapper(sched, *a, **k):
+            state["rows"] = max(state["rows"], len(sched.requests))
+            return fn(sched, *a, **k)
+
+        return wrapper
+
+    runner, sched, detok = eng.runner, eng.scheduler, eng.detokenizer
+    wraps = [
+        (runner, "prepare", "prepare"),
+        (runner.sampling, "build_for", "sampling_meta"),
+        (runner.model, "forward", "forward"),
+        (runner, "sampler", "sample"),
+        (sched, "schedule", "schedule"),
+        (sched, "update", "update"),
+        (detok, "finalize", "detok"),
+        (batch_job._Job, "_finish", "outputs"),
+        (batch_job._Job, "_admit", "admit"),
+        (batch_journal.Appender, "write", "journal"),
+    ]
+    sched.update = rows_of(sched.update)  # counts each step's rows (inside its timer)
+    runner.model.compute_logits = lambda hidden: hidden  # the stand-in reads the rows only
+    runner.sampler = StandInSampler(TINY_SMOLLM2["vocab_size"], 2, args.eos_every)
+    with ExitStack() as stack:
+        for owner, attr, name in wraps:
+            stack.enter_context(_wrapped(owner, attr, spent, name))
+        eng.step = timed_step
+        try:
+            profile = None
+            if args.profile is not None:
+                import cProfile
+
+                profile = cProfile.Profile()
+                profile.enable()
+            start = time.perf_counter()
+            summary = batch_job.run_batch_job(llm, opts)
+            wall = time.perf_counter() - start
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(args.profile)
+        finally:
+            del eng.step
+    del sched.update, runner.model.compute_logits
+    for row in steps:
+        row["host"] = row["cycle"] - sum(row.get(k, 0.0) for k in DEVICE_PHASES)
+        row["other"] = row["host"] - sum(row.get(k, 0.0) for k in HOST_PHASES)
+    keys = ("host", *HOST_PHASES, "other", *DEVICE_PHASES, "cycle")
+    full = [r for r in steps if r["rows"] >= 0.8 * args.rows] or steps
+
+    def median(k):
+        vals = sorted(r.get(k, 0.0) for r in full)
+        return round(vals[len(vals) // 2], 2)
+
+    return {
+        "requests": args.requests,
+        "rows": args.rows,
+        "overlap": eng.overlap.name,
+        "steps": len(steps),
+        "full_steps": len(full),
+        "wall_s": round(wall, 2),
+        "succeeded": summary.succeeded,
+        "completion_tokens": summary.completion_tokens,
+        "median_ms_full_steps": {k: median(k) for k in keys},
+        "mean_ms_all_steps": {
+            k: round(sum(r.get(k, 0.0) for r in steps) / max(1, len(steps)), 2) for k in keys
+        },
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=2048)
+    ap.add_argument("--rows", type=int, default=900, help="max_num_seqs")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/batchgen-chat-host"))
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--eos-every", type=int, default=160, help="1/P(EOS) a token")
+    ap.add_argument("--profile", type=Path, default=None, help="write cProfile stats here")
+    args = ap.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result, indent=1))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "chat_host.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
