@@ -18,14 +18,29 @@ may be 0: the rank still joins every collective):
               weighted in float32 and summed in the pairs' order, plus the shared
               experts' output: the single-process layer's arithmetic
 
-CUDA graphs: the split sizes are read on the host every step (a sync), so a layer under
-expert parallel is not capturable and the engine decodes eagerly (`graph_safe` is False
-for it); a padded, fixed-capacity dispatch would lift that.
+The split sizes above are read on the host every step (a sync). Under `fixed_capacity()`
+(the decode CUDA graphs' forwards: runner/cuda_graphs.py) the layer dispatches with
+fixed shapes instead, no host read, so a graph captures it with its collectives:
+
+    capacity  C tokens a rank (the same on every rank): the slice ceil(T / size) of
+              replicated tokens, or ExpertParallel.max_tokens for local ones
+    dispatch  rank r sends every rank j a buffer of C k rows (the worst case: all of
+              r's pairs to j's experts), its pairs for j first, the rest zero, and
+              beside it each slot's expert id, -1 where empty (all_to_all, equal splits)
+    experts   every received slot through its expert, weight 1; empty slots through
+              this rank's first expert, weight 0, their outputs zeroed
+    combine   the slots back (all_to_all, equal splits), each pair's row picked from
+              its slot, then weighted and summed as above
+
+It moves size x C k rows a rank where the variable path moves the pairs alone: decode
+batches only; prefill keeps the variable path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +48,21 @@ import torch.distributed as dist
 
 from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
 from batchgen.layers.tp_group import TPGroup
+
+_FIXED: ContextVar[bool] = ContextVar("expert_parallel_fixed_capacity", default=False)
+
+
+@contextmanager
+def fixed_capacity() -> Iterator[None]:
+    """Expert-parallel layers run inside dispatch with fixed-capacity buffers (module
+    docstring): no host read, so a CUDA graph can capture the forward. Every rank of a
+    group must run the same layer call in the same mode (the decode graphs: every rank
+    captures and replays the same buckets)."""
+    token = _FIXED.set(True)
+    try:
+        yield
+    finally:
+        _FIXED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -44,26 +74,41 @@ class ExpertParallel:
     rank's own requests; counts may differ, 0 included) and returns their outputs.
     False: every rank gets the same tokens (tensor-parallel attention); rank r then
     runs the r-th slice of ceil(T / size) of them and the slices' outputs are gathered,
-    so every rank returns all T rows."""
+    so every rank returns all T rows.
+
+    max_tokens: with local_tokens, the most tokens one rank's forward takes under
+    `fixed_capacity()` (every rank's buffers hold that many; more is a ValueError)."""
 
     group: TPGroup
     local_tokens: bool = False
+    max_tokens: int | None = None
 
     @property
     def size(self) -> int:
         return self.group.size
 
     def forward(
-        self, x: torch.Tensor, local: Callable[[torch.Tensor], torch.Tensor]
+        self, x: torch.Tensor, local: Callable[[torch.Tensor, int | None], torch.Tensor]
     ) -> torch.Tensor:
-        """local(rows) -> their outputs, on this rank's tokens: x itself where tokens are
-        local, else this rank's slice of x with the slices' outputs gathered."""
+        """local(rows, capacity) -> their outputs, on this rank's tokens: x itself where
+        tokens are local, else this rank's slice of x with the slices' outputs gathered.
+        capacity: tokens a rank under `fixed_capacity()` (dispatch_combine's), else None."""
+        fixed = _FIXED.get() and self.size > 1
         if self.local_tokens or self.size == 1:
-            return local(x)
+            if not fixed:
+                return local(x, None)
+            if self.max_tokens is None:
+                raise ValueError("fixed-capacity dispatch of local tokens needs max_tokens")
+            if x.shape[0] > self.max_tokens:
+                raise ValueError(
+                    f"{x.shape[0]} tokens on a rank exceed the fixed capacity "
+                    f"max_tokens={self.max_tokens}"
+                )
+            return local(x, self.max_tokens)
         total = x.shape[0]
         chunk = -(-total // self.size)
         start = min(self.group.rank * chunk, total)
-        mine = local(x[start : start + chunk])
+        mine = local(x[start : start + chunk], chunk if fixed else None)
         padded = mine.new_zeros(chunk, *mine.shape[1:])
         padded[: mine.shape[0]] = mine
         return self.group.all_gather(padded, dim=0)[:total]
@@ -89,16 +134,22 @@ def dispatch_combine(
     num_experts: int,
     group: TPGroup,
     residual: torch.Tensor | None = None,
+    capacity: int | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (+ residual) for this rank's tokens
     x [T, H], the experts spread over `group` (module docstring). experts(rows, weights,
     ids) is this rank's RoutedExperts: rows whose experts are all in its block. Every
-    rank of the group calls it for the same layer, whatever its T."""
-    tokens, top_k = ids.shape
+    rank of the group calls it for the same layer, whatever its T. capacity: the
+    fixed-capacity dispatch for at most that many tokens a rank (the same on every
+    rank; no host read), else the variable one."""
+    top_k = ids.shape[1]
     size = group.size
     per_rank = num_experts // size
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs by expert, so by owning rank
+    if capacity is not None:
+        back = _fixed_exchange(x, flat, order, top_k, experts, per_rank, group, capacity)
+        return _combine(back, order, weights, residual)
     counts = torch.bincount(flat, minlength=num_experts)
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group.group)
@@ -115,11 +166,64 @@ def dispatch_combine(
         one = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=x.device)
         rows = experts(rows, one, expert)
     back = all_to_all(rows, receive, send, group)
-    if tokens == 0:
-        return back.new_zeros(0, x.shape[1]) if residual is None else residual
+    return _combine(back, order, weights, residual)
+
+
+def _fixed_exchange(
+    x: torch.Tensor,
+    flat: torch.Tensor,
+    order: torch.Tensor,
+    top_k: int,
+    experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    per_rank: int,
+    group: TPGroup,
+    capacity: int,
+) -> torch.Tensor:
+    """The expert outputs of this rank's pairs in `order` (dispatch_combine's `back`),
+    exchanged through buffers of capacity x top_k slots per rank pair: every shape a
+    Python constant, nothing read on the host."""
+    size, slots = group.size, capacity * top_k
+    if x.shape[0] > capacity:
+        raise ValueError(f"{x.shape[0]} tokens exceed the dispatch capacity {capacity}")
+    device = x.device
+    expert = flat.index_select(0, order)
+    owner = torch.div(expert, per_rank, rounding_mode="floor")
+    counts = torch.zeros(size, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, owner, torch.ones_like(owner))
+    starts = torch.cumsum(counts, 0) - counts
+    # pair i (sorted) goes to slot i - starts[owner] of its owner's buffer
+    slot = owner * slots + torch.arange(order.numel(), device=device) - starts[owner]
+    send = x.new_zeros(size * slots, x.shape[1])
+    send.index_copy_(0, slot, x.index_select(0, order // top_k))
+    send_ids = torch.full((size * slots,), -1, dtype=torch.int64, device=device)
+    send_ids.index_copy_(0, slot, expert)
+    rows, ids = torch.empty_like(send), torch.empty_like(send_ids)
+    dist.all_to_all_single(rows, send, group=group.group)
+    dist.all_to_all_single(ids, send_ids, group=group.group)
+    filled = ids >= 0
+    first = group.rank * per_rank
+    local = torch.where(filled, ids, first).unsqueeze(1)
+    weight = filled.to(torch.float32).unsqueeze(1)
+    # empty slots' outputs zeroed: weight 0 alone keeps a NaN (a zero row's quantization)
+    out = experts(rows, weight, local).masked_fill_(~filled.unsqueeze(1), 0)
+    back = torch.empty_like(out)
+    dist.all_to_all_single(back, out.contiguous(), group=group.group)
+    return back.index_select(0, slot)
+
+
+def _combine(
+    back: torch.Tensor,
+    order: torch.Tensor,
+    weights: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each token's k expert rows (back: the pairs in `order`) weighted in float32 and
+    summed in the pairs' order, plus residual: the one-process layer's arithmetic."""
+    if order.numel() == 0:
+        return back.new_zeros(0, back.shape[1]) if residual is None else residual
     position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=x.device)
+    position[order] = torch.arange(order.numel(), device=back.device)
     weights = weights.float().contiguous()
-    if x.is_cuda:
+    if back.is_cuda:
         return moe_combine(back, position, weights, residual=residual)
     return moe_combine_reference(back, position, weights, residual)

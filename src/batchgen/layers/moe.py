@@ -155,8 +155,10 @@ class DeepseekV3MoE(nn.Module):
     def graph_safe(self, dtype: torch.dtype, device: torch.device | str) -> bool:
         """Whether forward runs without a host sync for `dtype` activations on `device`
         (so a CUDA graph can capture it): fused_experts takes the grouped-GEMM path there,
-        and no expert-parallel dispatch reads its split sizes on the host."""
-        if self.ep is not None and self.ep.size > 1:
+        and an expert-parallel dispatch reads no split sizes on the host: the
+        fixed-capacity one of replicated tokens (every rank replays the same bucket; local
+        tokens are attention data parallel's, whose decode runs eagerly)."""
+        if self.ep is not None and self.ep.size > 1 and self.ep.local_tokens:
             return False
         if self.experts.group_size is not None:  # INT4: the Triton GEMMs on CUDA
             return torch.device(device).type == "cuda"
@@ -174,12 +176,13 @@ class DeepseekV3MoE(nn.Module):
         out = self.experts(x, weights, ids, residual=shared)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def _dispatched(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens through the experts of every rank (expert parallel)."""
+    def _dispatched(self, x: torch.Tensor, capacity: int | None) -> torch.Tensor:
+        """This rank's tokens through the experts of every rank (expert parallel);
+        capacity: the fixed-capacity dispatch's tokens a rank (ExpertParallel.forward)."""
         weights, ids = self.gate(x)
         shared = None if self.shared_experts is None else self.shared_experts(x)
-        num = self.routing.num_experts
-        return dispatch_combine(x, weights, ids, self.experts, num, self.ep.group, shared)
+        num, group = self.routing.num_experts, self.ep.group
+        return dispatch_combine(x, weights, ids, self.experts, num, group, shared, capacity)
 
     def checkpoint_target(self, name: str) -> tuple[nn.Module, str, str | None]:
         """(module, param, shard) for a checkpoint name relative to `mlp.`; KeyError for

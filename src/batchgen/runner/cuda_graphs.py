@@ -31,6 +31,7 @@ from batchgen.forward_context import (
     LinearAttentionMetadata,
     bind_forward_context,
 )
+from batchgen.layers.expert_parallel import fixed_capacity
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,8 @@ class DecodeGraphs:
         return ctx
 
     def _forward(self, bs: int) -> None:
-        with bind_forward_context(self._ctx(bs)):
+        # expert-parallel layers dispatch through fixed-capacity buffers (no host read)
+        with bind_forward_context(self._ctx(bs)), fixed_capacity():
             self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
 
     @torch.inference_mode()
