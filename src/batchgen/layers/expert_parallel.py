@@ -27,8 +27,8 @@ fixed shapes instead, no host read, so a graph captures it with its collectives:
     dispatch  rank r sends every rank j a buffer of C k rows (the worst case: all of
               r's pairs to j's experts), its pairs for j first, the rest zero, and
               beside it each slot's expert id, -1 where empty (all_to_all, equal splits)
-    experts   every received slot through its expert, weight 1; empty slots through
-              this rank's first expert, weight 0, their outputs zeroed
+    experts   every received slot through its expert, weight 1; an empty slot's id
+              -1 is outside the rank's block: RoutedExperts computes nothing for it
     combine   the slots back (all_to_all, equal splits), each pair's row picked from
               its slot, then weighted and summed as above
 
@@ -138,7 +138,8 @@ def dispatch_combine(
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (+ residual) for this rank's tokens
     x [T, H], the experts spread over `group` (module docstring). experts(rows, weights,
-    ids) is this rank's RoutedExperts: rows whose experts are all in its block. Every
+    ids) is this rank's RoutedExperts: rows whose experts are in its block (a pair outside
+    it adds nothing: the fixed-capacity dispatch's empty slots, id -1). Every
     rank of the group calls it for the same layer, whatever its T. capacity: the
     fixed-capacity dispatch for at most that many tokens a rank (the same on every
     rank; no host read), else the variable one."""
@@ -200,12 +201,10 @@ def _fixed_exchange(
     rows, ids = torch.empty_like(send), torch.empty_like(send_ids)
     dist.all_to_all_single(rows, send, group=group.group)
     dist.all_to_all_single(ids, send_ids, group=group.group)
-    filled = ids >= 0
-    first = group.rank * per_rank
-    local = torch.where(filled, ids, first).unsqueeze(1)
-    weight = filled.to(torch.float32).unsqueeze(1)
-    # empty slots' outputs zeroed: weight 0 alone keeps a NaN (a zero row's quantization)
-    out = experts(rows, weight, local).masked_fill_(~filled.unsqueeze(1), 0)
+    filled = (ids >= 0).unsqueeze(1)
+    # an empty slot's id -1 is outside this rank's block: RoutedExperts sorts such pairs
+    # past every group (no GEMM computes them) and weights them 0; zeroed here besides
+    out = experts(rows, filled.to(torch.float32), ids.unsqueeze(1)).masked_fill_(~filled, 0)
     back = torch.empty_like(out)
     dist.all_to_all_single(back, out.contiguous(), group=group.group)
     return back.index_select(0, slot)
