@@ -158,7 +158,11 @@ def sample_nucleus(
     out = torch.empty(rows, dtype=torch.int64, device=dev)
     if rows == 0:
         return out
-    best, top, z, above = torch.empty((4, rows, num_chunks), dtype=torch.float32, device=dev)
+    # four allocations, not one [4, rows, chunks] tensor: each must start 16-byte aligned
+    # whatever rows is (Triton compiles a kernel once per alignment pattern of its pointers)
+    best, top, z, above = (
+        torch.empty((rows, num_chunks), dtype=torch.float32, device=dev) for _ in range(4)
+    )
     index = torch.empty((rows, num_chunks), dtype=torch.int64, device=dev)
     has_cut, cut_arg = cut is not None, temperature if cut is None else cut
     nc = triton.next_power_of_2(num_chunks)

@@ -27,6 +27,7 @@ from batchgen.runner.sampler import (
     SamplingMetadata,
     SamplingState,
     apply_token_bitmask,
+    warm_kernels,
 )
 from batchgen.runner.staging import HostStaging
 from batchgen.runner.step_mode import step_mode
@@ -158,13 +159,14 @@ class ModelRunner:
         step may sample. cuBLAS chooses its kernel by the row count, and under CUDA's
         lazy module loading the first launch of a kernel not loaded yet waits for the
         GPU to drain: in W6's decode tail that blocked six pipelined launches for
-        15-29 ms each. Build time pays the loads instead. The model's local_logits
-        runs the GEMM without the tensor-parallel gather, so each rank warms alone."""
+        15-29 ms each. Build time pays the loads instead, and the sampler's Triton compiles
+        (`sampler.warm_kernels`). local_logits has no tensor-parallel gather: ranks warm alone."""
         if self.device.type != "cuda":
             return
         hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=self.device)
         for m in range(1, rows + 1):
             self.model.local_logits(hidden[:m]).argmax(dim=-1)
+        warm_kernels(self.sampler, self.vocab_size, dtype, self.device)
 
     def can_launch_decode(self, sched: SchedulerOutput, copies: StepCopies = NO_COPIES) -> bool:
         """Whether `launch_decode` takes this step: a decode step (graph-replayed when

@@ -35,12 +35,14 @@ from batchgen.forward_context import to_device
 from batchgen.kernels.penalties import penalized_logits, penalized_logits_reference
 from batchgen.kernels.sampling import sample_tokens, sample_tokens_reference
 from batchgen.kernels.sampling_nucleus import sample_nucleus, top_p_cut_reference
+from batchgen.runner.penalty_counts import PenaltyCounts
 from batchgen.runner.sampling_metadata import (
     SAMPLING_EPS,
     SamplingMetadata,
     SamplingState,
     request_seed,
 )
+from batchgen.sampling_params import SamplingParams
 
 # the step's metadata lives in sampling_metadata.py; these names are imported from here too
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "apply_token_bitmask",
     "filter_cut",
     "request_seed",
+    "warm_kernels",
 ]
 
 
@@ -183,3 +186,30 @@ def _gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int) -> Samp
     if k > 0:
         topk_lp, topk_ids = raw.topk(k, dim=-1)
     return SamplerOutput(token_ids, sampled.squeeze(1), ranks, topk_ids, topk_lp)
+
+
+# what warm_kernels samples with: top_p with and without an earlier cut, a plain draw with
+# and without one, and the penalty kernel with and without prompt tokens
+_WARM_PARAMS = (
+    dict(temperature=0.8, top_p=0.95),
+    dict(temperature=0.8, top_p=0.95, top_k=5),
+    dict(temperature=0.8),
+    dict(temperature=0.8, min_p=0.1),
+    dict(temperature=0.8, repetition_penalty=1.1),
+    dict(temperature=0.8, frequency_penalty=0.1),
+)
+
+
+def warm_kernels(
+    sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Sample two rows of zero logits [2, vocab_size] of ``dtype`` once under each kind of
+    step (`_WARM_PARAMS`), with a state and penalty counts of their own: Triton compiles
+    each kernel variant a sampled step launches here, at build time, instead of in the
+    first sampled steps of a job (0.3-2 s of host time each, while the GPU drains)."""
+    logits = torch.zeros(2, vocab_size, dtype=dtype, device=device)
+    for kw in _WARM_PARAMS:
+        params = [SamplingParams(seed=1, **kw), SamplingParams(seed=2, **kw)]
+        state = SamplingState(vocab_size, device, [], None, PenaltyCounts(vocab_size, device))
+        meta = state.build(["a", "b"], params, [[0], [0]], [[0], [0]])
+        meta.record(sampler(logits, meta).sampled_token_ids)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchgen.forward_context import to_device
+from batchgen.forward_context import parts_to_device, to_device
 from batchgen.runner.penalty_counts import PenaltyCounts, token_stats
 from batchgen.sampling_params import SamplingParams
 
@@ -266,7 +266,12 @@ class SamplingState:
                 min_tokens_block.append((i, ids))
         penalised = np.flatnonzero(ints[3]).tolist()
         width = 7 if penalised else 4
-        packed = to_device(torch.from_numpy(np.ascontiguousarray(floats[:width])), self.device)
+        # each row of `packed`, like each part of `dev` (parts_to_device), starts 16-byte
+        # aligned whatever n is: the sampling kernels take them as pointers, and Triton
+        # compiles a kernel anew for each alignment pattern (a tapering batch, mid-job)
+        packed = np.zeros((width, n + (-n) % 4), dtype=np.float32)
+        packed[:, :n] = floats[:width]
+        packed = to_device(torch.from_numpy(packed), self.device)[:, :n]
         # one int64 tensor crosses too: seeds, positions, then (penalties kept on the
         # device) each row's slot, the penalised rows and their slots
         parts = [ints[0], positions]
@@ -281,16 +286,16 @@ class SamplingState:
             )
             row_slots = np.full(n, pen_slots[0], dtype=np.int64)
             row_slots[penalised] = pen_slots
-            parts += [row_slots, np.asarray(penalised + pen_slots, dtype=np.int64)]
-        dev = to_device(torch.from_numpy(np.concatenate(parts)), self.device)
+            parts += [row_slots, penalised, pen_slots]
+        dev = parts_to_device(parts, self.device)
         meta = SamplingMetadata(
             temperature=packed[0],
             top_p=packed[1],
             top_k=packed[3].to(torch.int64),
             min_p=packed[2],
             all_greedy=bool((floats[0] == 0.0).all()),
-            seeds=dev[:n],
-            positions=dev[n : 2 * n],
+            seeds=dev[0],
+            positions=dev[1],
             max_logprobs=int(ints[2].max(initial=0)),
             presence_penalty=packed[4] if penalised else None,
             frequency_penalty=packed[5] if penalised else None,
@@ -303,10 +308,9 @@ class SamplingState:
             need_logprobs=bool((ints[2] >= 0).any()),
         )
         if pen_slots is not None:
-            row_slots = dev[2 * n : 3 * n]
+            row_slots = dev[2]
             meta.penalty_source = (kept.counts, kept.prompt, row_slots)
-            m = len(penalised)
-            meta.penalty_rows = (dev[3 * n : 3 * n + m], dev[3 * n + m :], kept, pen_ids)
+            meta.penalty_rows = (dev[3], dev[4], kept, pen_ids)
         elif penalised:
             outs = [(i, output_token_ids[i]) for i in penalised]
             rep = [(i, prompt_token_ids[i]) for i in penalised if floats[6, i] != 1]
