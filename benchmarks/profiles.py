@@ -268,7 +268,11 @@ FAMILIES = (
     ("linear_attention", ("kda", "chunk_", "recurrent", "delta_rule", "conv1d")),  # fla-core
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "sm90_")),
     ("norm_rope_act", ("rms_norm", "qk_norm_rope", "silu")),
-    ("sampling", ("argmax", "softmax", "exponential", "topk", "sort", "reduce_kernel")),
+    (
+        "sampling",
+        ("argmax", "softmax", "exponential", "topk", "sort", "reduce_kernel")
+        + ("_sample_kernel", "_mass_kernel", "_nucleus_kernel", "_penalty_kernel"),  # ours
+    ),
     ("copies", ("memcpy", "memset", "copy", "gather", "scatter")),
 )
 
