@@ -17,7 +17,7 @@ the compute stream, orders it after every step launched before.
 
 from __future__ import annotations
 
-from batchgen.engine.request import Request
+from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.runner.batch import SchedulerOutput, StepCopies
@@ -48,20 +48,27 @@ def next_decode(
     if could_admit(scheduler, kv):
         return None
     following = []
+    get, allocate, finished = requests.get, kv.allocate, RequestStatus.FINISHED
+    max_model_len = scheduler.max_model_len
     for s in queued.requests:
-        req = requests.get(s.request_id)
-        if req is None or req.is_finished:
+        req = get(s.request_id)
+        if req is None or req.status is finished:
             continue
-        if scheduler.reaches_length(req, ahead=1):  # its token from `queued` is its last
+        # scheduler.reaches_length(req, ahead=1), inline: its token from `queued` is its last
+        if (
+            len(req.output_token_ids) + 1 >= req.max_tokens
+            or len(req.token_ids) + 1 >= max_model_len
+        ):
             if scheduler.waiting:  # its seat goes to a waiting request: schedule() admits
                 return None
             continue
-        if not kv.allocate(req.request_id, s.start + 2):
+        if not allocate(req.request_id, s.start + 2):
             return None
         following.append((req, s.start + 1))
     if not following:
         return None
-    entries = [scheduler.feed.entry(req, [-1], start, True) for req, start in following]
+    entry = scheduler.feed.entry
+    entries = [entry(req, [-1], start, True) for req, start in following]
     # new pages may have evicted cached ones the tier writes back first
     step = SchedulerOutput(entries, released_ids=scheduler.take_released())
     return step, StepCopies(kv.take_step_copies())
