@@ -257,11 +257,9 @@ class Scheduler:
         return self._append(result, requests)
 
     def commit(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """The step's effects that need none of its tokens: its requests' computed
-        counters advance, and each row that samples has a token pending. Async scheduling
-        commits a step when it is launched, so that the next one can be scheduled while
-        it runs; `apply` follows once its tokens are on the host (the scheduler keeps
-        what each committed step counted until then)."""
+        """The step's effects that need none of its tokens (computed counters, a token
+        pending per sampling row). Async scheduling commits a step at its launch, to
+        schedule the next while it runs; `apply` follows once its tokens are on the host."""
         committed: dict[str, int] = {}
         self._committed.append((sched, committed))
         for s in sched.requests:
@@ -289,10 +287,9 @@ class Scheduler:
     def apply(
         self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
     ) -> list[Request]:
-        """The committed step's tokens: full pages registered in the prefix cache,
-        sampled tokens appended, token-level stops. A request that ended after the
-        commit (a stop in the step before) takes back what the step computed for it.
-        Returns the requests that got a new token."""
+        """The committed step's tokens: full pages cached, tokens appended, token-level
+        stops (a request that ended after the commit takes back what the step computed
+        for it). Returns the requests that got a new token."""
         committed = self._take_committed(sched)
         cache_computed = self.kv.cache_computed
         for s in sched.requests:
@@ -311,14 +308,12 @@ class Scheduler:
         return self._append(result, requests)
 
     def _advance(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """`commit` then `apply`'s first pass for a step nobody committed (plain and
-        pipelined steps): the same counters, one loop over the rows, nothing kept."""
-        cache_computed, get = self.kv.cache_computed, requests.get
-        finished, running = RequestStatus.FINISHED, RequestStatus.RUNNING
+        """`commit` and `apply`'s first pass in one loop, for a step nobody committed."""
+        cache_computed, get, running = self.kv.cache_computed, requests.get, RequestStatus.RUNNING
         computed = prompt_computed = 0
         for s in sched.requests:
             req = get(s.request_id)
-            if req is None or req.status is finished:  # stopped while a step was queued
+            if req is None or req.status is RequestStatus.FINISHED:  # stopped, step queued
                 continue
             n = len(s.new_token_ids)
             req.num_computed_tokens += n
@@ -332,15 +327,13 @@ class Scheduler:
         self.num_prompt_tokens_computed += prompt_computed
 
     def _append(self, result: ModelRunnerOutput, requests: dict[str, Request]) -> list[Request]:
-        """The step's sampled tokens appended, token-level stops (EOS, stop_token_ids,
-        the length limit); the requests that got a token."""
+        """Append the step's tokens; stop on EOS, stop_token_ids or length."""
         self.kv.after_step()
         for rid, entries in result.prompt_logprobs.items():
             if rid in requests:
                 requests[rid].prompt_logprobs.update(entries)
         advanced = []
         get, finished, eos = requests.get, RequestStatus.FINISHED, self.eos_token_ids
-        max_model_len = self.max_model_len
         for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
             req = get(rid)
             if req is None or req.status is finished:
@@ -359,7 +352,7 @@ class Scheduler:
                 if p.stop_token_ids and token in p.stop_token_ids:
                     self.finish(req, "stop", token)
                     continue
-            if len(out) >= req.max_tokens or len(req.token_ids) >= max_model_len:
+            if len(out) >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
                 self.finish(req, "length")
         return advanced
 
