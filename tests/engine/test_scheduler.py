@@ -494,3 +494,42 @@ def test_random_workload_with_shared_prefixes_and_small_pool(seed):
             assert req.params.min_tokens <= n <= m
     assert all(r == 0 for r in d.kv.allocator.ref_count)
     assert d.kv.num_free_pages == d.kv.allocator.num_pages
+
+
+class CommittingDriver(Driver):
+    """Commits every step before its update, as async scheduling does at a launch: the
+    update then applies the committed step (the two-pass path) instead of advancing and
+    appending in one pass."""
+
+    def check(self, out: SchedulerOutput, before: dict[str, int]) -> None:
+        super().check(out, before)
+        self.sched.commit(out, self.requests)
+
+
+def test_one_pass_update_matches_commit_then_apply():
+    """A step nobody committed is updated in one pass (Scheduler._advance/_append); the
+    same workload through commit + apply ends with the same tokens, finish reasons,
+    counters and prefix cache."""
+
+    def token(req):
+        h = (int(req.request_id[1:]) * 131 + req.num_tokens * 17) % 97
+        return EOS if h < 6 else 20 + h
+
+    runs = []
+    for cls in (Driver, CommittingDriver):
+        d = cls(num_pages=12, max_num_seqs=4, budget=9)
+        for i in range(10):
+            d.add(f"r{i}", prompt(3 + i % 7, base=100 * (i % 3)), max_tokens=2 + i % 5)
+        d.run(token=token)
+        runs.append(
+            (
+                {r: (q.output_token_ids, q.finish_reason) for r, q in d.requests.items()},
+                d.sched.num_computed_tokens_total,
+                d.sched.num_prompt_tokens_computed,
+                d.kv.prefix_hit_tokens,
+                d.kv.num_free_pages,
+            )
+        )
+    assert runs[0] == runs[1]
+    reasons = {reason for _, reason in runs[0][0].values()}
+    assert reasons == {"stop", "length"}  # both endings exercised
