@@ -309,3 +309,10 @@ def never_called(tp: TPGroup, *args) -> None:
 def fails_once_joined(tp: TPGroup) -> None:
     """A worker whose build fails after it joined the group (a bad checkpoint, no memory)."""
     raise RuntimeError(f"rank {tp.rank} could not build its share")
+
+
+def answer_rank(tp: TPGroup) -> None:
+    """A worker that answers each message rank 0 asks with its rank (test_tp_idle.py)."""
+    from batchgen.distributed.workers import serve
+
+    serve(tp, lambda message: tp.rank)

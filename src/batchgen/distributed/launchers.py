@@ -47,6 +47,9 @@ class ProcessRanks(RankSet):
         codes = ", ".join(f"{r}: {c}" for r, c in sorted(ended.items()))
         return f"exited (rank: exit code) {codes}"
 
+    def kill(self, rank: int) -> None:
+        self.processes[rank - 1].kill()
+
     def stop(self, timeout_s: float) -> None:
         for p in self.processes:
             p.join(timeout_s)

@@ -30,14 +30,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from batchgen.distributed.sliced import waited
+
 
 class Lockstep:
     """One rank's side of the rounds over `group` (a gloo process group; None: one
     rank, every round answered by this rank alone). `rounds` and `dummy_forwards`
-    count what this rank ran."""
+    count what this rank ran. check: rank 0's `Workers.check`, where its rounds wait in
+    slices of slice_s (sliced.py: a worker's host may vanish silently); None: a plain
+    wait (a worker's)."""
 
-    def __init__(self, group) -> None:
-        self.group = group
+    def __init__(
+        self, group, check: Callable[[], None] | None = None, slice_s: float = 2.0
+    ) -> None:
+        self.group, self.check, self.slice_s = group, check, slice_s
         self.rounds = 0
         self.dummy_forwards = 0
         self._pairing = False  # a dummy forward runs: its round is already done
@@ -67,7 +73,11 @@ class Lockstep:
         if self.group is None:
             return forward
         flag = torch.tensor([int(forward)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if self.check is None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        else:
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            waited(work, self.check, self.slice_s)
         return bool(flag.item())
 
     def end_tick(self, dummy_forward: Callable[[], None]) -> int:

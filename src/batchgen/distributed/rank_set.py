@@ -6,6 +6,7 @@ cluster's hosts (ray_ranks.RayRanks, "ray"; vLLM's distributed_executor_backend)
       start(entry, args)   rank r runs entry(*args[r]) in its own process or actor
       wait(ranks, timeout) the ranks among them that ended, with their status
       describe(ended)      those ranks named, with where they ran and how they ended
+      kill(rank)           end one rank now (one gone silent: heartbeat.py)
       stop(timeout_s)      wait for them to end, kill those left
 """
 
@@ -49,6 +50,10 @@ class RankSet(ABC):
     @abstractmethod
     def describe(self, ended: dict[int, object]) -> str:
         """The ended ranks named, with how they ended (and where, off this host)."""
+
+    @abstractmethod
+    def kill(self, rank: int) -> None:
+        """End `rank` now, without waiting for it (a rank that stopped answering)."""
 
     @abstractmethod
     def stop(self, timeout_s: float) -> None:

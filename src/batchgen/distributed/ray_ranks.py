@@ -141,6 +141,9 @@ class RayRanks(RankSet):
             parts.append(f"{rank} on node {ip} (id {node[:12]}): {status}")
         return "ended (rank, where: how) " + "; ".join(parts)
 
+    def kill(self, rank: int) -> None:
+        ray.kill(self.actors[rank - 1], no_restart=True)
+
     def stop(self, timeout_s: float) -> None:
         if not ray.is_initialized():
             return

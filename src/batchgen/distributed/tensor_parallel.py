@@ -16,6 +16,12 @@ from batchgen.layers.tp_group import SINGLE, TPGroup
 
 _group: TPGroup = SINGLE
 
+# the host messages' gloo group: a worker waits there for rank 0's next message however
+# long the LLM idles (torch's default for a new gloo group, 30 minutes, ended idle
+# workers); a rank that dies closes its connections, one that goes silent is found by
+# the heartbeats (workers.py), not by this timeout
+MESSAGE_TIMEOUT_S = 365 * 24 * 3600.0
+
 
 def init_tensor_parallel(
     rank: int,
@@ -25,6 +31,7 @@ def init_tensor_parallel(
     timeout_s: float = 120.0,
     store: dist.Store | None = None,
     device: int | None = None,
+    message_timeout_s: float = MESSAGE_TIMEOUT_S,
 ) -> TPGroup:
     """Join the group as `rank` of `world_size` and make it the process's group.
 
@@ -35,7 +42,8 @@ def init_tensor_parallel(
     collective waiting on a dead peer raises after `timeout_s` instead of hanging. At
     world_size 1 no process group is created and every collective is a no-op. device:
     this process's GPU under nccl where the launcher chose it (Ray's rank 0), else
-    `rank` modulo the GPUs it sees."""
+    `rank` modulo the GPUs it sees. message_timeout_s: the host messages' gloo group's
+    timeout (`TPGroup.host_group`, where an idle worker waits; a year by default)."""
     global _group
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"tensor-parallel rank {rank} is not in [0, {world_size})")
@@ -59,7 +67,8 @@ def init_tensor_parallel(
     )
     # host messages over gloo whatever the tensors' backend (a gloo world serves both, but
     # every run makes the group, so the CPU tests cover the path NCCL runs)
-    _group = TPGroup(rank, world_size, dist.group.WORLD, dist.new_group(backend="gloo"))
+    messages = dist.new_group(backend="gloo", timeout=timedelta(seconds=message_timeout_s))
+    _group = TPGroup(rank, world_size, dist.group.WORLD, messages)
     return _group
 
 

@@ -40,10 +40,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from batchgen.distributed.heartbeat import HEARTBEAT_S, SILENT_AFTER_S, Pulse, start_beating
 from batchgen.distributed.launchers import ProcessRanks, make_ranks
 from batchgen.distributed.messages import DPMessage, Message, Shutdown
 from batchgen.distributed.rank_set import RankSet
-from batchgen.distributed.tensor_parallel import destroy_tensor_parallel, init_tensor_parallel
+from batchgen.distributed.sliced import broadcast_object, gather_objects, scatter_objects
+from batchgen.distributed.tensor_parallel import (
+    MESSAGE_TIMEOUT_S,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
 from batchgen.layers.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -75,9 +81,16 @@ class Workers:
     launcher's handle on them (rank_set.RankSet)."""
 
     def __init__(
-        self, ranks: RankSet, tp: TPGroup, nccl: bool = False, role: str = "tensor-parallel"
+        self,
+        ranks: RankSet,
+        tp: TPGroup,
+        nccl: bool = False,
+        role: str = "tensor-parallel",
+        pulse: Pulse | None = None,
     ) -> None:
         self.ranks = ranks
+        self.pulse = pulse
+        self.slice_s = pulse.period_s if pulse else HEARTBEAT_S  # rank 0's waits: sliced.py
         self.role = role
         self.tp = tp
         self.nccl = nccl
@@ -98,11 +111,17 @@ class Workers:
         timeout_s: float = RENDEZVOUS_TIMEOUT_S,
         role: str = "tensor-parallel",
         launcher: str = "mp",
+        message_timeout_s: float = MESSAGE_TIMEOUT_S,
+        heartbeat_s: float = HEARTBEAT_S,
+        silent_after_s: float = SILENT_AFTER_S,
     ) -> Workers:
         """Start ranks 1..size-1 with `launcher` ("mp": processes of this host, "ray":
         Ray actors; launchers.py), each running target(tp, *args) once it joined the
         group, and join it as rank 0. WorkerStartError, within seconds, where a worker
-        ends before it reached the rendezvous (SPAWN_HINT says the usual cause)."""
+        ends before it reached the rendezvous (SPAWN_HINT says the usual cause).
+        message_timeout_s: the host messages' group's (tensor_parallel.MESSAGE_TIMEOUT_S);
+        each worker bumps a heartbeat every heartbeat_s, and one silent for
+        silent_after_s is killed and named (heartbeat.py)."""
         ranks = make_ranks(launcher, size, backend, role)
         try:
             # port 0: the store binds a free port itself (no race with another process)
@@ -114,16 +133,25 @@ class Workers:
                 timeout=timedelta(seconds=timeout_s),
                 wait_for_workers=False,
             )
-            where = (size, ranks.host, store.port, backend, timeout_s, target, args)
+            timeouts, beats = (timeout_s, message_timeout_s), (heartbeat_s, silent_after_s)
+            where = (size, ranks.host, store.port, backend, timeouts, beats, target, args)
             ranks.start(_worker_main, {rank: (rank, *where) for rank in ranks.ranks})
             _wait_joined(store, ranks, timeout_s, role)
             tp = init_tensor_parallel(
-                0, size, backend, timeout_s=timeout_s, store=store, device=ranks.local_device
+                0,
+                size,
+                backend,
+                timeout_s=timeout_s,
+                store=store,
+                device=ranks.local_device,
+                message_timeout_s=message_timeout_s,
             )
+            reader = dist.TCPStore(ranks.host, store.port, is_master=False, timeout=store.timeout)
+            pulse = Pulse(reader, ranks.ranks, heartbeat_s, silent_after_s)
         except BaseException:
             ranks.stop(0)
             raise
-        return cls(ranks, tp, nccl=backend == "nccl", role=role)
+        return cls(ranks, tp, nccl=backend == "nccl", role=role, pulse=pulse)
 
     @property
     def processes(self) -> list:
@@ -134,7 +162,9 @@ class Workers:
         waiting = set(self.ranks.ranks)
         while waiting:
             try:
-                ended = self.ranks.wait(waiting, None)
+                ended = self.ranks.wait(waiting, self.pulse.period_s if self.pulse else None)
+                if self.pulse and not self._stopping:
+                    ended.update(self._silenced(waiting))
             except Exception:  # the launcher itself gone (Ray shut down): nothing to watch
                 logger.debug("%s watcher stopped", self.role, exc_info=True)
                 return
@@ -146,6 +176,19 @@ class Workers:
                 logger.error("%s worker %s", self.role, self.ranks.describe({rank: status}))
                 if self.nccl:  # the error to report is the exit, raised by check()
                     abort_collectives(self.tp)
+
+    def _silenced(self, waiting: set[int]) -> dict[int, str]:
+        """The ranks among `waiting` whose heartbeat stopped (heartbeat.Pulse), killed:
+        a silent rank closes no connection, so rank 0 would wait on it for the messages'
+        group timeout; once killed its connections close (a host that vanished closes
+        none: rank 0's next message or check() still names it)."""
+        silenced = {}
+        for rank, quiet in self.pulse.silent().items():
+            if rank in waiting:
+                silenced[rank] = f"silent, no heartbeat for {quiet:.0f} s (killed)"
+                self.exited[rank] = silenced[rank]  # before the kill wakes rank 0
+                self.ranks.kill(rank)
+        return silenced
 
     @contextmanager
     def failures_named(self, grace_s: float | None = None) -> Iterator[None]:
@@ -185,8 +228,13 @@ class Workers:
         counts[0] += 1
         counts[1] += len(payload)
         try:
-            dist.broadcast_object_list([payload], src=0, group=self.tp.host_group)
+            broadcast_object(payload, self.tp.host_group, self.check, self.slice_s)
         except RuntimeError as e:
+            if self.exited:  # the watcher's account first (a silent rank it killed)
+                try:
+                    self.check()
+                except RuntimeError as named:
+                    raise named from e
             dead = sorted(self.ranks.wait(self.ranks.ranks, 0))
             raise RuntimeError(
                 f"{self.role} worker rank(s) {dead or '?'} stopped responding: {e}"
@@ -210,12 +258,11 @@ class Workers:
         payloads = [b""] + [pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL) for item in items]
         counts = self.sent.setdefault(kind.__name__, [0, 0])
         counts[1] += sum(len(p) for p in payloads)
-        dist.scatter_object_list([None], payloads, src=0, group=self.tp.host_group)
+        scatter_objects(payloads, self.tp.host_group, self.check, self.slice_s)
 
     def gather(self) -> list:
         """What each worker answered the last message with, rank 1 first."""
-        replies = [None] * self.tp.size
-        dist.gather_object(None, replies, dst=0, group=self.tp.host_group)
+        replies = gather_objects(self.tp.host_group, self.tp.size, self.check, self.slice_s)
         return replies[1:]
 
     def ask(self, message: Message | DPMessage) -> list:
@@ -223,7 +270,8 @@ class Workers:
         if not message.replies:
             raise ValueError(f"{type(message).__name__} has no reply to wait for")
         self.send(message)
-        return self.gather()
+        with self.failures_named():  # a worker killed mid-answer named, not the reset
+            return self.gather()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the workers (they leave the group) and leave it too."""
@@ -264,14 +312,27 @@ def receive(tp: TPGroup) -> Message | DPMessage:
     return pickle.loads(box[0])
 
 
-def _worker_main(rank, size, host, port, backend, timeout_s, target, args, device=None) -> None:
+def _worker_main(
+    rank, size, host, port, backend, timeouts, beats, target, args, device=None
+) -> None:
     """A worker rank (a process or an actor): connect to rank 0's store at host:port and
-    say so, join the group (on GPU `device` where the launcher chose it), run
-    target(tp, *args), leave."""
+    say so, beat (heartbeat.py: `beats` is (period, silence bound)), join the group (on
+    GPU `device` where the launcher chose it; `timeouts`: the group's and the messages'),
+    run target(tp, *args), leave."""
     torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the host's cores shared
+    timeout_s, message_timeout_s = timeouts
     store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    start_beating(host, port, rank, *beats)
     store.set(_joined(rank), "1")
-    tp = init_tensor_parallel(rank, size, backend, timeout_s=timeout_s, store=store, device=device)
+    tp = init_tensor_parallel(
+        rank,
+        size,
+        backend,
+        timeout_s=timeout_s,
+        store=store,
+        device=device,
+        message_timeout_s=message_timeout_s,
+    )
     try:
         target(tp, *args)
     except BaseException:

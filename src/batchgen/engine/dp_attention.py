@@ -92,7 +92,7 @@ class DPEngine:
 
     def __init__(self, local: EngineCore, workers: Workers, size: int) -> None:
         self.local = local
-        self.rank0 = DPRank(local, Lockstep(workers.tp.host_group))
+        self.rank0 = DPRank(local, Lockstep(workers.tp.host_group, workers.check, workers.slice_s))
         self.workers = workers
         self.size = size
         # LLM keeps read_ahead requests in the engine: enough for every rank
