@@ -18,13 +18,12 @@ bf16 product of the dequantized weights is shown.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 
 import torch
 
-from benchmarks.card import COPY_BW, kernel_seconds
+from benchmarks.card import kernel_seconds, weight_bench_main, weight_read_row
 
 BLOCK = (128, 128)
 DENSE = [("V3 q_a", 1536, 7168), ("V3 o", 7168, 16384), ("V3 mlp down/8", 7168, 2304)]
@@ -52,13 +51,6 @@ def _weights(n: int, k: int, gen, experts: int | None = None):
     return q.cuda(), scale.cuda(), dense.to("cuda", torch.bfloat16)
 
 
-def _row(case, launch, seconds, weight_bytes, err=None):
-    bw = weight_bytes / seconds
-    note = "-" if err is None else f"max diff {err:.1e}"
-    rate = f"{bw / 1e12:.2f} TB/s"
-    return (case, launch, f"{seconds * 1e6:.1f} us", rate, f"{100 * bw / COPY_BW:.0f}%", note)
-
-
 def _quantized_mm(x, q, scale, tuning=None):
     from batchgen.kernels.fp8_gemm import block_scaled_mm
     from batchgen.kernels.fp8_quant import quantize_groups
@@ -79,7 +71,7 @@ def bench_dense(gen, sweep: bool) -> list[tuple]:
             ref = torch.nn.functional.linear(x, dense)
             case = f"{name} [{m}, {k}] x [{n}, {k}]"
             bf16 = partial(torch.nn.functional.linear, x, dense)
-            rows.append(_row(case, "bf16 F.linear", kernel_seconds(bf16), n * k * 2))
+            rows.append(weight_read_row(case, "bf16 F.linear", kernel_seconds(bf16), n * k * 2))
             tunings = [None] + ([Fp8GemmTuning(*t) for t in LAUNCHES] if sweep else [])
             for tn in tunings:
                 run = partial(_quantized_mm, x, q, scale, tn)
@@ -88,12 +80,14 @@ def bench_dense(gen, sweep: bool) -> list[tuple]:
                     f"fp8 triton {tn.block_m}x{tn.block_n} w{tn.num_warps} s{tn.num_stages} "
                     f"k/{tn.split_k}"
                 )  # fmt: skip
-                rows.append(_row(case, label, kernel_seconds(run), n * k, err))
+                rows.append(weight_read_row(case, label, kernel_seconds(run), n * k, err))
             a, a_scale = quantize_groups(x, BLOCK[1])
             try:
                 run = partial(scaled_mm_blockwise, a, a_scale, q, scale, torch.bfloat16)
                 err = (run().float() - ref.float()).abs().max().item()
-                rows.append(_row(case, "torch scaled_mm", kernel_seconds(run), n * k, err))
+                rows.append(
+                    weight_read_row(case, "torch scaled_mm", kernel_seconds(run), n * k, err)
+                )
             except (RuntimeError, NotImplementedError, ValueError) as e:
                 rows.append((case, "torch scaled_mm", "-", "-", "-", str(e).splitlines()[0][:60]))
     return rows
@@ -121,7 +115,7 @@ def bench_moe(gen, sweep: bool) -> list[tuple]:
         bf16 = partial(grouped_mm, sorted_rows, dense, offs)
         ref = torch.empty_like(bf16()).index_copy_(0, order, bf16())  # back to pair order
         w_bytes = dense.numel() * 2 * touched // experts
-        rows.append(_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
+        rows.append(weight_read_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
         launches = [tuning_for(t * top_k, experts)] + (
             [MoETuning(*c) for c in [(16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 128, 8, 3)]]
             if sweep
@@ -132,25 +126,12 @@ def bench_moe(gen, sweep: bool) -> list[tuple]:
             run = partial(fp8_expert_gemm, x, w, aligned, t * top_k, top_k, tn)
             err = (run().float() - ref.float()).abs().max().item()
             label = f"fp8 {tn.block_m}x{tn.block_n} w{tn.num_warps} s{tn.num_stages}"
-            rows.append(_row(case, label, kernel_seconds(run), w_bytes // 2, err))
+            rows.append(weight_read_row(case, label, kernel_seconds(run), w_bytes // 2, err))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="default launches only")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_fp8: needs a CUDA device", file=sys.stderr)
-        return 1
-    gen = torch.Generator().manual_seed(0)
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    rows = bench_dense(gen, not args.quick) + bench_moe(gen, not args.quick)
-    header = ("case", "launch", "median", "weights read", "of copy", "check")
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    for r in [header] + rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-    return 0
+    return weight_bench_main("bench_fp8", __doc__, (bench_dense, bench_moe), argv)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ words split by a reshape, or gathered per row: "gather").
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 
 import torch
 
-from benchmarks.card import COPY_BW, kernel_seconds
+from benchmarks.card import kernel_seconds, weight_bench_main, weight_read_row
 
 GROUP = 32
 DENSE = [("W6 qkv", 4096, 2048), ("W6 o", 2048, 2048), ("K2 expert up", 4096, 7168)]
@@ -59,13 +58,6 @@ def _packed(n: int, k: int, gen, experts: int | None = None):
     return packed, scale, dequantize_int4(packed, scale, k, GROUP, torch.bfloat16)
 
 
-def _row(case, launch, seconds, weight_bytes, err=None):
-    bw = weight_bytes / seconds
-    note = "-" if err is None else f"max diff {err:.1e}"
-    rate = f"{bw / 1e12:.2f} TB/s"
-    return (case, launch, f"{seconds * 1e6:.1f} us", rate, f"{100 * bw / COPY_BW:.0f}%", note)
-
-
 def bench_dense(gen, sweep: bool) -> list[tuple]:
     from batchgen.kernels.int4_gemm import W4A16Tuning, w4a16_gemm
 
@@ -77,7 +69,7 @@ def bench_dense(gen, sweep: bool) -> list[tuple]:
             ref = torch.nn.functional.linear(x, dense)
             case = f"{name} [{m}, {k}] x [{n}, {k}]"
             rows.append(
-                _row(
+                weight_read_row(
                     case,
                     "bf16 F.linear",
                     kernel_seconds(partial(torch.nn.functional.linear, x, dense)),
@@ -93,7 +85,7 @@ def bench_dense(gen, sweep: bool) -> list[tuple]:
                     f"int4 {tn.block_m}x{tn.block_n}x{tn.block_k} s{tn.split_k} w{tn.num_warps}"
                     + (" gather" if tn.gather else "")
                 )  # fmt: skip
-                rows.append(_row(case, label, kernel_seconds(run), n * k // 2, err))
+                rows.append(weight_read_row(case, label, kernel_seconds(run), n * k // 2, err))
     return rows
 
 
@@ -117,7 +109,7 @@ def bench_moe(gen, sweep: bool) -> list[tuple]:
         bf16 = partial(grouped_mm, sorted_rows, dense, offs)
         ref = torch.empty_like(bf16()).index_copy_(0, order, bf16())  # back to pair order
         w_bytes = dense.numel() * 2 * touched // experts
-        rows.append(_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
+        rows.append(weight_read_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
         launches = [tuning_for(t * top_k, experts)] + (
             [Int4MoETuning(*c, gather=g) for c in MOE_LAUNCHES for g in (False, True)]
             if sweep
@@ -129,25 +121,12 @@ def bench_moe(gen, sweep: bool) -> list[tuple]:
             err = (run().float() - ref.float()).abs().max().item()
             label = f"int4 {tn.block_m}x{tn.block_n}x{tn.block_k} w{tn.num_warps}"
             label += " gather" if tn.gather else ""
-            rows.append(_row(case, label, kernel_seconds(run), w_bytes // 4, err))
+            rows.append(weight_read_row(case, label, kernel_seconds(run), w_bytes // 4, err))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="default launches only")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_int4: needs a CUDA device", file=sys.stderr)
-        return 1
-    gen = torch.Generator().manual_seed(0)
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    rows = bench_dense(gen, not args.quick) + bench_moe(gen, not args.quick)
-    header = ("case", "launch", "median", "weights read", "of copy", "check")
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    for r in [header] + rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-    return 0
+    return weight_bench_main("bench_int4", __doc__, (bench_dense, bench_moe), argv)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,38 @@ def kernel_seconds(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
 
 
+def weight_read_row(case, launch, seconds, weight_bytes, err=None) -> tuple:
+    """One row of a weight-bound kernel's table: its median time, the weight bytes it
+    read per second, that as a share of COPY_BW, and its largest difference from the
+    reference (`err`, if checked)."""
+    bw = weight_bytes / seconds
+    note = "-" if err is None else f"max diff {err:.1e}"
+    rate = f"{bw / 1e12:.2f} TB/s"
+    return (case, launch, f"{seconds * 1e6:.1f} us", rate, f"{100 * bw / COPY_BW:.0f}%", note)
+
+
+def weight_bench_main(name: str, doc: str, benches, argv=None) -> int:
+    """The main() of a quantized-weight kernel benchmark: each of `benches` (gen, sweep)
+    -> rows of weight_read_row, printed as one table; --quick runs the default launches
+    only. Needs a CUDA device."""
+    import torch
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="default launches only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA device", file=sys.stderr)
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    rows = [row for bench in benches for row in bench(gen, not args.quick)]
+    header = ("case", "launch", "median", "weights read", "of copy", "check")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    return 0
+
+
 def _median_seconds(fn, device, repeats: int) -> float:
     fn()  # first call: allocations, kernel selection
     times = []

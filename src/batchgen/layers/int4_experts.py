@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from batchgen.kernels.fused_moe import MoETuning
 from batchgen.kernels.int4_gemm import PACK, dequantize_int4
@@ -66,18 +65,6 @@ def moe_tuning(x: torch.Tensor, top_k: int, w: PackedExperts) -> MoETuning:
     """The launch for x's step on CUDA: kernels/int4_moe.tuning_for its pairs and
     experts."""
     return tuning_for(x.shape[0] * top_k, w.shape[0])
-
-
-def expert_loop(a: torch.Tensor, w: PackedExperts, offs: torch.Tensor) -> torch.Tensor:
-    """Rows a[offs[g-1]:offs[g]] times expert g's weight, one expert dequantized at a
-    time into a's dtype: [M, K] -> [M, N]. Reads offs on the host (the CPU path)."""
-    out = a.new_empty(a.shape[0], w.shape[1])
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = F.linear(a[start:end], w.expert(g, a.dtype))
-        start = end
-    return out
 
 
 def expert_gemm(
