@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from batch_files import read_answers, write_chat_batch
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
 from ray.cluster_utils import Cluster
 from tp_workers import DiesWhileStarting, fails_once_joined, never_called
@@ -250,26 +251,6 @@ def test_a_rank_killed_mid_decode_fails_the_call_naming_it_and_its_node(cluster,
         llm.engine.shutdown()
 
 
-def _batch(path: Path, n: int) -> Path:
-    rng = random.Random(1)
-    rows = []
-    for i in range(n):
-        words = " ".join(f"w{rng.randint(3, 500)}" for _ in range(rng.randint(2, 14)))
-        body = {"messages": [{"role": "user", "content": words}], "max_tokens": 24}
-        rows.append({"custom_id": f"r{i}", "url": "/v1/chat/completions", "body": body})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _answers(path: Path) -> dict[str, tuple]:
-    out = {}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        choice = rec["response"]["body"]["choices"][0]
-        out[rec["custom_id"]] = (choice["message"]["content"], choice["finish_reason"])
-    return out
-
-
 def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
@@ -286,7 +267,7 @@ def test_a_batch_job_cut_short_by_a_dead_rank_resumes_on_the_rerun(cluster, chec
     """A job under tensor parallel over Ray whose worker's actor is killed once some
     answers are written fails; the same job rerun through `batchgen run --tp 2
     --distributed-executor-backend ray` writes the rest, every answer one process's."""
-    inp = _batch(tmp_path / "in.jsonl", 12)
+    inp = write_chat_batch(tmp_path / "in.jsonl", 12, max_tokens=24)
     one, out = tmp_path / "one.jsonl", tmp_path / "out.jsonl"
     assert _run(checkpoint, inp, one) == 0
     llm = LLM(checkpoint, **dict(KW, max_num_seqs=2), **TP2, **RAY)
@@ -312,7 +293,7 @@ def test_a_batch_job_cut_short_by_a_dead_rank_resumes_on_the_rerun(cluster, chec
     assert 2 <= written < 12
     ray_flags = ("--tp", "2", "--distributed-executor-backend", "ray")
     assert _run(checkpoint, inp, out, *ray_flags) == 0
-    assert _answers(out) == _answers(one)
+    assert read_answers(out) == read_answers(one)
     assert _lines(out) == 12  # each line once: the rerun wrote only what was missing
 
 
@@ -350,7 +331,7 @@ def test_the_launcher_is_one_of_mp_and_ray():
 def test_ray_data_parallel_engines_refuse_the_ray_launcher(tmp_path, caplog):
     """Ray data parallel's engines (no --enable-expert-parallel) start their own ranks:
     the option that spreads one engine's ranks over Ray is refused before anything runs."""
-    inp = _batch(tmp_path / "in.jsonl", 1)
+    inp = write_chat_batch(tmp_path / "in.jsonl", 1, max_tokens=24)
     flags = ("--data-parallel-size", "2", "--distributed-executor-backend", "ray")
     assert _run(str(tmp_path / "none"), inp, tmp_path / "out.jsonl", *flags) == 2
     assert "with --data-parallel it needs --enable-expert-parallel" in caplog.text
