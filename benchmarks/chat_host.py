@@ -46,26 +46,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from benchmarks.chat_job import batch_lines
-
-# the default model's architecture (SmolLM2-135M), shrunk: the host's work depends on
-# the rows, the tokens and the vocabulary, not on the width of the layers
-TINY_SMOLLM2 = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=49152,
-    max_position_embeddings=2048,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from benchmarks.workloads import TINY_SMOLLM2
 
 HOST_PHASES = ("schedule", "prepare", "sampling_meta", "update", "detok", "outputs", "journal")
 HOST_PHASES += ("admit",)
