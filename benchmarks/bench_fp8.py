@@ -23,7 +23,16 @@ from functools import partial
 
 import torch
 
-from benchmarks.card import kernel_seconds, weight_bench_main, weight_read_row
+from benchmarks.card import (
+    MOE_EXPERTS,
+    MOE_HIDDEN,
+    MOE_INTER,
+    MOE_TOP_K,
+    kernel_seconds,
+    moe_gate_up_cases,
+    weight_bench_main,
+    weight_read_row,
+)
 
 BLOCK = (128, 128)
 DENSE = [("V3 q_a", 1536, 7168), ("V3 o", 7168, 16384), ("V3 mlp down/8", 7168, 2304)]
@@ -97,33 +106,21 @@ def bench_moe(gen, sweep: bool) -> list[tuple]:
     from batchgen.kernels.fp8_moe import tuning_for
     from batchgen.kernels.fused_moe import MoETuning, align_pairs
     from batchgen.layers.quant.fp8_experts import Fp8Experts, fp8_expert_gemm
-    from batchgen.layers.routed_experts import grouped_mm
 
-    experts, hidden, inter, top_k = 64, 2048, 1024, 6
-    q, scale, dense = _weights(2 * inter, hidden, gen, experts)
+    q, scale, dense = _weights(2 * MOE_INTER, MOE_HIDDEN, gen, MOE_EXPERTS)
     w = Fp8Experts(q, scale, BLOCK)
     rows = []
-    for t in (64, 512, 4096):
-        x = torch.randn(t, hidden, generator=gen).to("cuda", torch.bfloat16)
-        ids = torch.rand(t, experts, generator=gen).topk(top_k, dim=-1).indices.to("cuda")
-        flat = ids.reshape(-1)
-        order = torch.sort(flat, stable=True).indices
-        offs = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
-        sorted_rows = x.index_select(0, order // top_k)
-        touched = min(experts, t * top_k)
-        case = f"W6 moe gate_up T={t}"
-        bf16 = partial(grouped_mm, sorted_rows, dense, offs)
-        ref = torch.empty_like(bf16()).index_copy_(0, order, bf16())  # back to pair order
-        w_bytes = dense.numel() * 2 * touched // experts
-        rows.append(weight_read_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
-        launches = [tuning_for(t * top_k, experts)] + (
+    for case, x, flat, ref, w_bytes, bf16_row in moe_gate_up_cases(gen, dense):
+        rows.append(bf16_row)
+        pairs = flat.numel()
+        launches = [tuning_for(pairs, MOE_EXPERTS)] + (
             [MoETuning(*c) for c in [(16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 128, 8, 3)]]
             if sweep
             else []
         )  # fmt: skip
         for tn in launches:
-            aligned = align_pairs(flat, experts, tn.block_m)
-            run = partial(fp8_expert_gemm, x, w, aligned, t * top_k, top_k, tn)
+            aligned = align_pairs(flat, MOE_EXPERTS, tn.block_m)
+            run = partial(fp8_expert_gemm, x, w, aligned, pairs, MOE_TOP_K, tn)
             err = (run().float() - ref.float()).abs().max().item()
             label = f"fp8 {tn.block_m}x{tn.block_n} w{tn.num_warps} s{tn.num_stages}"
             rows.append(weight_read_row(case, label, kernel_seconds(run), w_bytes // 2, err))

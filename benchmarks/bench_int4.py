@@ -22,7 +22,16 @@ from functools import partial
 
 import torch
 
-from benchmarks.card import kernel_seconds, weight_bench_main, weight_read_row
+from benchmarks.card import (
+    MOE_EXPERTS,
+    MOE_HIDDEN,
+    MOE_INTER,
+    MOE_TOP_K,
+    kernel_seconds,
+    moe_gate_up_cases,
+    weight_bench_main,
+    weight_read_row,
+)
 
 GROUP = 32
 DENSE = [("W6 qkv", 4096, 2048), ("W6 o", 2048, 2048), ("K2 expert up", 4096, 7168)]
@@ -92,32 +101,20 @@ def bench_dense(gen, sweep: bool) -> list[tuple]:
 def bench_moe(gen, sweep: bool) -> list[tuple]:
     from batchgen.kernels.fused_moe import align_pairs
     from batchgen.kernels.int4_moe import Int4MoETuning, int4_moe_gemm, tuning_for
-    from batchgen.layers.routed_experts import grouped_mm
 
-    experts, hidden, inter, top_k = 64, 2048, 1024, 6
-    packed, scale, dense = _packed(2 * inter, hidden, gen, experts)
+    packed, scale, dense = _packed(2 * MOE_INTER, MOE_HIDDEN, gen, MOE_EXPERTS)
     rows = []
-    for t in (64, 512, 4096):
-        x = torch.randn(t, hidden, generator=gen).to("cuda", torch.bfloat16)
-        ids = torch.rand(t, experts, generator=gen).topk(top_k, dim=-1).indices.to("cuda")
-        flat = ids.reshape(-1)
-        order = torch.sort(flat, stable=True).indices
-        offs = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
-        sorted_rows = x.index_select(0, order // top_k)
-        touched = min(experts, t * top_k)
-        case = f"W6 moe gate_up T={t}"
-        bf16 = partial(grouped_mm, sorted_rows, dense, offs)
-        ref = torch.empty_like(bf16()).index_copy_(0, order, bf16())  # back to pair order
-        w_bytes = dense.numel() * 2 * touched // experts
-        rows.append(weight_read_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes))
-        launches = [tuning_for(t * top_k, experts)] + (
+    for case, x, flat, ref, w_bytes, bf16_row in moe_gate_up_cases(gen, dense):
+        rows.append(bf16_row)
+        pairs = flat.numel()
+        launches = [tuning_for(pairs, MOE_EXPERTS)] + (
             [Int4MoETuning(*c, gather=g) for c in MOE_LAUNCHES for g in (False, True)]
             if sweep
             else []
         )  # fmt: skip
         for tn in launches:
-            aligned = align_pairs(flat, experts, tn.block_m)
-            run = partial(int4_moe_gemm, x, packed, scale, GROUP, *aligned, t * top_k, top_k, tn)
+            aligned = align_pairs(flat, MOE_EXPERTS, tn.block_m)
+            run = partial(int4_moe_gemm, x, packed, scale, GROUP, *aligned, pairs, MOE_TOP_K, tn)
             err = (run().float() - ref.float()).abs().max().item()
             label = f"int4 {tn.block_m}x{tn.block_n}x{tn.block_k} w{tn.num_warps}"
             label += " gather" if tn.gather else ""

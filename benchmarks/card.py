@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 
 COPY_BW = 4.23e12  # bytes/s, device copy (read + written)
 MATMUL_FLOPS = 790e12  # bf16 dense matmul
@@ -45,6 +46,38 @@ def weight_read_row(case, launch, seconds, weight_bytes, err=None) -> tuple:
     note = "-" if err is None else f"max diff {err:.1e}"
     rate = f"{bw / 1e12:.2f} TB/s"
     return (case, launch, f"{seconds * 1e6:.1f} us", rate, f"{100 * bw / COPY_BW:.0f}%", note)
+
+
+# W6's routed experts' gate_up GEMM, as the quantized-expert benchmarks time it
+MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOP_K = 64, 2048, 1024, 6
+
+
+def moe_gate_up_cases(gen, dense, tokens=(64, 512, 4096)):
+    """W6's gate_up GEMM over the bf16 experts `dense` [MOE_EXPERTS, 2 * MOE_INTER,
+    MOE_HIDDEN] at each token count, yielded as (case, x, experts, ref, weight_bytes,
+    bf16_row):
+    random rows x [t, MOE_HIDDEN] bf16, each routed to MOE_TOP_K random experts (experts:
+    the pairs' experts, flat [t * MOE_TOP_K]); ref, torch._grouped_mm over the
+    token-sorted rows put back in pair order; the bf16 bytes of the experts a step
+    touches; and that grouped GEMM's row of the table."""
+    import torch
+
+    from batchgen.layers.routed_experts import grouped_mm
+
+    for t in tokens:
+        x = torch.randn(t, MOE_HIDDEN, generator=gen).to("cuda", torch.bfloat16)
+        ids = torch.rand(t, MOE_EXPERTS, generator=gen).topk(MOE_TOP_K, dim=-1).indices
+        flat = ids.to("cuda").reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        offs = torch.cumsum(torch.bincount(flat, minlength=MOE_EXPERTS), 0).to(torch.int32)
+        sorted_rows = x.index_select(0, order // MOE_TOP_K)
+        touched = min(MOE_EXPERTS, t * MOE_TOP_K)
+        case = f"W6 moe gate_up T={t}"
+        bf16 = partial(grouped_mm, sorted_rows, dense, offs)
+        ref = torch.empty_like(bf16()).index_copy_(0, order, bf16())  # back to pair order
+        w_bytes = dense.numel() * 2 * touched // MOE_EXPERTS
+        row = weight_read_row(case, "bf16 grouped_mm", kernel_seconds(bf16), w_bytes)
+        yield case, x, flat, ref, w_bytes, row
 
 
 def weight_bench_main(name: str, doc: str, benches, argv=None) -> int:
