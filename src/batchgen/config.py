@@ -63,7 +63,8 @@ class EngineConfig:
     ones finish, as a batch job reads its lines.
 
     kv_cache_dtype "fp8" (or "fp8_e4m3", vLLM's names) stores K/V pages, and an MLA
-    model's latent, as float8_e4m3fn with a per-tensor scale of 1.0 (kv_quant.py): half
+    model's latent, as float8_e4m3fn, scaled by the checkpoint's KV scales where it ships
+    them (layers/kv_scales.py), else by 1.0 (kv_quant.py): half
     the bytes a token of bf16 pages takes on the device, so twice the pages for the same
     memory, and half the bytes the host tier moves; "auto" keeps the compute dtype.
 

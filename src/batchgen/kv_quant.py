@@ -2,15 +2,16 @@
 
 kv_cache_dtype "auto" keeps K/V pages (MLA: the latent) in the compute dtype. "fp8" (or
 its full name "fp8_e4m3", vLLM's two spellings) stores them as float8_e4m3fn, one byte
-a value, with a per-tensor scale of 1.0, as vLLM stores them when a checkpoint carries
-no calibrated k_scale / v_scale:
+a value. What is written here is what the attention layers hand over: K and V already
+divided by a checkpoint's calibrated k_scale / v_scale (layers/kv_scales.py, which
+folds the scales into the attention around the kernels), or as they are, a scale of
+1.0, as vLLM stores them when a checkpoint carries none:
 
     write:  cache = e4m3(clamp(x, -448, 448))      round to nearest, saturated
     read:   x' = float(cache)                       upcast, no scale to apply
 
 e4m3 keeps 3 mantissa bits (a relative error up to 1/16) over 2^-6 .. 448, and
-subnormals down to 2^-9; a |value| above 448 saturates. Checkpoint scales
-(k_scale / v_scale, per tensor or per head) are not read: every layer uses 1.0.
+subnormals down to 2^-9; a |value| above 448 saturates.
 
 The page pool, the host tier and every copy between them hold the FP8 bytes as they
 are; the store kernels quantize, the attention kernels and torch paths upcast on read.

@@ -10,6 +10,10 @@ attend over their sequence's latent decompressed through kv_b_proj; decode rows 
 absorbed: W_UK (kv_b_proj's key rows) folded into the query, W_UV applied after.
 Parameter names follow transformers' DeepseekV3Attention.
 
+FP8 pages with a checkpoint's KV scale (layers/kv_scales.py: k_scale or kv_scale, per
+tensor): the latent is stored divided by it; the scale multiplies the softmax scale and
+the latent output of absorbed rows, and the latents decompressed for prefill.
+
 NoPE (Kimi Linear's MLA layers, `rotary=None`): no rotation anywhere; the "rope" part of
 the query and of the latent is kept as computed, and the scale is 1/sqrt(qk head dim).
 
@@ -31,7 +35,9 @@ import torch
 from torch import nn
 
 from batchgen.forward_context import get_forward_context
+from batchgen.kv_quant import is_fp8
 from batchgen.layers import batch_invariant, mla_torch
+from batchgen.layers.kv_scales import KVScales
 from batchgen.layers.linear import Linear
 from batchgen.layers.norm import RMSNorm
 from batchgen.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -123,6 +129,18 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.interleaved = bool(getattr(config, "rope_interleave", True))
         self.scale = softmax_scale(config) if rotary is not None else qk_dim**-0.5
+        self.kv_scales = KVScales(1)  # the latent's: one head
+
+    def load(self, param: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        """A checkpoint's KV-cache scale (kv_scales.split_name's "k", "v" or "kv"): the
+        latent takes k_scale or kv_scale; a v_scale is checked and not used."""
+        if param == "v":
+            KVScales(1).load(param, tensor)
+        else:
+            self.kv_scales.load("k", tensor)
+
+    def filled_by(self, param: str, tensor: torch.Tensor) -> tuple[str, ...]:
+        return ()  # a scale fills no parameter: without one, 1.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -161,6 +179,10 @@ class MLAttention(nn.Module):
         (cache,) = ctx.kv_caches[self.layer_id]
         meta = ctx.metadata
         backend = _backend(ctx.attention_backend)
+        # the checkpoint's latent scale, on FP8 pages only (s q.c' = q.c, s p.c' = p.c)
+        s = self.kv_scales.k_shared if is_fp8(cache.dtype) else 1.0
+        if s != 1.0:
+            latent = latent.float() / s
         backend.store_latent(cache, latent, meta.slot_mapping)
         if ctx.on_kv_written is not None:
             ctx.on_kv_written(self.layer_id)
@@ -168,21 +190,22 @@ class MLAttention(nn.Module):
         if meta.decode_rows is not None and meta.decode_rows.numel() > 0:
             rows = meta.decode_rows
             o_latent = backend.paged_decode(
-                self.absorb(q_nope[rows]), q_pe[rows], cache, meta, self.scale
+                self.absorb(q_nope[rows]), q_pe[rows], cache, meta, self.scale * s
             )
-            out[rows] = self.unabsorb(o_latent).to(out.dtype)
+            out[rows] = self.unabsorb(o_latent if s == 1.0 else o_latent * s).to(out.dtype)
         if meta.prefills and batch_invariant.active():  # every row absorbed, as decode's
             o_latent = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.kv_lora_rank)
             o_latent = o_latent.float()
             mla_torch.paged_prefill_absorbed(
-                self.absorb(q_nope), q_pe, cache, meta, self.scale, o_latent
+                self.absorb(q_nope), q_pe, cache, meta, self.scale * s, o_latent
             )
-            o = self.unabsorb(o_latent).to(out.dtype)
+            o = self.unabsorb(o_latent if s == 1.0 else o_latent * s).to(out.dtype)
             for seq in meta.prefills:
                 rows = slice(seq.q_start, seq.q_start + seq.q_len)
                 out[rows] = o[rows]
         elif meta.prefills:
-            backend.paged_prefill(q_nope, q_pe, cache, meta, self.expand, self.scale, out)
+            expand = self.expand if s == 1.0 else lambda cached: self.expand(cached * s)
+            backend.paged_prefill(q_nope, q_pe, cache, meta, expand, self.scale, out)
         return out
 
     def _w_kv_b(self) -> torch.Tensor:

@@ -9,6 +9,7 @@ from batchgen.kv_state import KVState
 from batchgen.layers import batch_invariant
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.attention import Attention
+from batchgen.layers.kv_scales import split_name
 from batchgen.layers.linear import Linear, merged_shards
 from batchgen.layers.norm import RMSNorm
 from batchgen.layers.parallel import (
@@ -49,6 +50,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj = Linear(*qkv_args, shards=qkv_shards)
             self.o_proj = Linear(q_size, config.hidden_size, bias=attention_bias)
         else:  # whole heads per rank, checked before the projections split their rows
+            total_kv_heads = self.num_kv_heads
             self.num_kv_heads = local_kv_heads(self.num_kv_heads, tp.size)
             self.num_heads = tp.split(self.num_heads, "num_attention_heads")
             self.qkv_proj = ColumnParallelLinear(*qkv_args, shards=qkv_shards, tp=tp)
@@ -59,9 +61,11 @@ class LlamaAttention(nn.Module):
         window = getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True) is False:
             window = None
+        first = 0 if tp is None else tp.rank * self.num_kv_heads  # this rank's KV heads
         self.attn = Attention(
-            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window
-        )
+            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+            window, first, self.num_kv_heads if tp is None else total_kv_heads,
+        )  # fmt: skip
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -174,11 +178,21 @@ class DecoderStack(nn.Module):
     def module_target(self, name: str) -> tuple[nn.Module, str, str | None]:
         """(module, parameter, shard) by walking the dotted name, the module before the
         parameter renamed through the model's `stacked` map ({name: (stacked module,
-        shard)}); KeyError for a name that leads nowhere."""
+        shard)}); KeyError for a name that leads nowhere. A KV-cache scale
+        (layers/kv_scales.py: "self_attn.k_scale", ...) goes to the layer's attention
+        (its `attn` where it has one) as parameter "k", "v" or "kv"."""
+        scale = split_name(name)
+        if scale is not None:
+            attn = self._walk(scale[0].split("."), name)
+            return getattr(attn, "attn", attn), scale[1], None
         *path, param = name.split(".")
         shard = None
         if len(path) >= 2 and path[-1] in self.stacked:
             path[-1], shard = self.stacked[path[-1]]
+        return self._walk(path, name), param, shard
+
+    def _walk(self, path: list[str], name: str) -> nn.Module:
+        """The submodule at dotted `path` (indices into module lists); KeyError(name)."""
         module = self
         for part in path:
             if part.isdigit():
@@ -187,7 +201,7 @@ class DecoderStack(nn.Module):
                 module = getattr(module, part, None)
             if module is None:
                 raise KeyError(name)
-        return module, param, shard
+        return module
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> logits [T, vocab]; under tensor parallel every rank's
