@@ -16,21 +16,19 @@ AutoFP8's kv_scale; per tensor and per head), bring them back into e4m3's range:
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 
 import pytest
 import torch
 from conftest import save_tiny_model
-from deepseek_checkpoints import save_tiny_deepseek
 from gpu_defaults import collapsed_rows
+from kv_scale_checkpoints import grown_deepseek, grown_qwen3, write_weights
 from parity import completions
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from batchgen import LLM, SamplingParams
 
-BIG = 1000.0
 RUN = dict(device="cpu", dtype="float32", page_size=4, max_model_len=64, num_kv_pages=200)
 JUDGE = SamplingParams(temperature=0, max_tokens=12, logprobs=5)  # off-defaults: judge
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -41,65 +39,15 @@ def _prompts() -> list[list[int]]:
     return [[rng.randint(3, 500) for _ in range(rng.randint(5, 20))] for _ in range(8)]
 
 
-def _qwen3(path) -> dict[str, torch.Tensor]:
-    """K and V grown by BIG, the function kept; scales under three formats' names."""
-    save_tiny_model(path, "Qwen3ForCausalLM")
-    t = load_file(str(path / "model.safetensors"))
-    for i in range(2):
-        a = f"model.layers.{i}.self_attn."
-        t[a + "k_norm.weight"] = t[a + "k_norm.weight"] * BIG
-        t[a + "q_norm.weight"] = t[a + "q_norm.weight"] / BIG
-        t[a + "v_proj.weight"] = t[a + "v_proj.weight"] * BIG
-        t[a + "o_proj.weight"] = t[a + "o_proj.weight"] / BIG
-    return t, {
-        "model.layers.0.self_attn.k_scale": torch.tensor(BIG / 64),  # compressed-tensors
-        "model.layers.0.self_attn.v_scale": torch.tensor([BIG / 32, BIG / 64]),  # per head
-        "model.layers.1.self_attn.k_proj.k_scale": torch.tensor([BIG / 48, BIG / 64]),
-        "model.layers.1.self_attn.v_proj.v_scale": torch.tensor([BIG / 40]),  # ModelOpt
-    }
-
-
-def _deepseek(path) -> dict[str, torch.Tensor]:
-    """The latent (c_kv and k_pe) grown by BIG, the function kept; a kv_scale for the
-    first layer, a k_scale (and a v_scale MLA does not use) for the second."""
-    save_tiny_deepseek(path, first_k_dense_replace=1)
-    config = json.loads((path / "config.json").read_text())
-    heads, nope, rope = (
-        config[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim")
-    )
-    rank = config["kv_lora_rank"]
-    t = load_file(str(path / "model.safetensors"))
-    for i in range(2):
-        a = f"model.layers.{i}.self_attn."
-        t[a + "kv_a_layernorm.weight"] = t[a + "kv_a_layernorm.weight"] * BIG
-        t[a + "kv_b_proj.weight"] = t[a + "kv_b_proj.weight"] / BIG
-        kv_a = t[a + "kv_a_proj_with_mqa.weight"].clone()
-        kv_a[rank:] *= BIG
-        t[a + "kv_a_proj_with_mqa.weight"] = kv_a
-        q_b = t[a + "q_b_proj.weight"].clone().view(heads, nope + rope, -1)
-        q_b[:, nope:] /= BIG
-        t[a + "q_b_proj.weight"] = q_b.reshape(heads * (nope + rope), -1)
-    return t, {
-        "model.layers.0.self_attn.kv_scale": torch.tensor([BIG / 64]),
-        "model.layers.1.self_attn.k_scale": torch.tensor(BIG / 48),
-        "model.layers.1.self_attn.v_scale": torch.tensor(3.0),
-    }
-
-
-def _write(path, tensors) -> str:
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    return str(path)
-
-
 @pytest.fixture(scope="module", params=["qwen3", "deepseek_v3"])
 def checkpoints(request, tmp_path_factory):
     """(with scales, without them): the same grown weights."""
     scaled = tmp_path_factory.mktemp(f"kv-scales-{request.param}")
-    tensors, scales = (_qwen3 if request.param == "qwen3" else _deepseek)(scaled)
+    tensors, scales = (grown_qwen3 if request.param == "qwen3" else grown_deepseek)(scaled)
     plain = tmp_path_factory.mktemp(f"kv-noscales-{request.param}")
     shutil.copytree(scaled, plain, dirs_exist_ok=True)
-    _write(plain, tensors)
-    _write(scaled, {**tensors, **scales})
+    write_weights(plain, tensors)
+    write_weights(scaled, {**tensors, **scales})
     return str(scaled), str(plain)
 
 
@@ -131,7 +79,7 @@ def test_a_malformed_kv_scale_names_the_tensor(tmp_path, scale, message):
     save_tiny_model(tmp_path, "Qwen3ForCausalLM")
     tensors = load_file(str(tmp_path / "model.safetensors"))
     name = "model.layers.1.self_attn.v_scale"
-    _write(tmp_path, {**tensors, name: scale})
+    write_weights(tmp_path, {**tensors, name: scale})
     with pytest.raises(ValueError, match=message) as err:
         LLM(str(tmp_path), kv_cache_dtype="fp8", **RUN)
     assert name in str(err.value)
