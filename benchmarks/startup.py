@@ -2,6 +2,8 @@
 
     python3 -m benchmarks.startup                        # the embedded default model, CPU
     python3 -m benchmarks.startup --model DIR --device cuda
+    python3 -m benchmarks.startup --model kimi-w6 --device cuda   # W6's engine, random weights
+    python3 -m benchmarks.startup --model kimi-w6 --device cuda --record-tuning T.json
     python3 -m benchmarks.startup --parse-each-read      # GGUF read as before gguf_read_once
 
 A batch job waits for the engine before its first step. This builds `LLM(...)` once in
@@ -12,6 +14,22 @@ gguf_read_once out, so that transformers parses a GGUF file once for each read, 
 before it: run it in a process of its own for the comparison (a process's first build
 also pays its imports: the first of two runs in one machine is the slower).
 Prints the phases and writes startup.json with --out.
+
+--model also takes a workloads.MODELS name: W1's (qwen3-0.6b), W4's (moonlight-w4) or
+W6's (kimi-w6) model with random weights drawn on the device (load_format="dummy", the
+directory holds config.json only; --small: the CPU-sized one), built as its benchmark
+builds it (max_model_len for its requests, W4's and W6's host tier of 32 GiB). The
+engine phase is then split further ("engine_s"): the Triton kernels made ready from the
+shipped table (kernel_prep), the warm-up profile and memory plan (resolve_plan), the
+host tier's cost rule (tier_cost), the runner with its CUDA graphs (build_runner), and
+the rest; with the number of Triton compiles the build made.
+
+--record-tuning PATH (on a GPU) writes what this build decided into the table at PATH
+under this GPU's name (torch.cuda.get_device_name), keeping the other GPUs' sections:
+every Autotuner's decisions (kernels/autotune_table.py) and every compile's
+specialization (kernels/precompile.py). Record on a machine whose Triton cache holds
+nothing of the model, then copy the table to src/batchgen/kernels/autotune_table.json
+(package data): a build on that GPU then neither benchmarks nor compiles one by one.
 """
 
 from __future__ import annotations
@@ -26,11 +44,22 @@ from pathlib import Path
 import torch
 
 from batchgen import LLM
-from batchgen.engine import builder_load
+from batchgen.engine import builder, builder_load
+from batchgen.engine.builder_plan import Warmup
+from batchgen.kernels import autotune_table
+from batchgen.kernels.precompile import CompileWatch, chosen_only
 from batchgen.models import loader
 from benchmarks.engine_runs import timed_into
+from benchmarks.workloads import MODELS, config_dir, w1_requests, w4_requests
 
 PHASES = ("config", "tokenizer", "weights")
+ENGINE_PHASES = ("kernels", "plan", "tier_cost", "runner")
+# the models --model names, as their benchmarks build them: requests, host tier GiB
+BENCHMARK_MODELS = {
+    "qwen3-0.6b": (w1_requests, None),
+    "moonlight-w4": (w4_requests, 32.0),
+    "kimi-w6": (w4_requests, 32.0),
+}
 
 
 @contextlib.contextmanager
@@ -48,39 +77,135 @@ def phase_timer(spent: dict[str, float]):
         source.load_config, source.load_tokenizer, builder_load.build_model = saved
 
 
+@contextlib.contextmanager
+def engine_timer(spent: dict[str, float]):
+    """Seconds of build_engine's parts, added to `spent` under ENGINE_PHASES' names:
+    entering kernel_prep.kernels_prepared, resolve_plan, Warmup.tier_cost, build_runner."""
+    saved = (builder.kernels_prepared, builder.resolve_plan, Warmup.tier_cost, builder.build_runner)
+
+    @contextlib.contextmanager
+    def kernels(*a, **k):
+        t0 = time.perf_counter()
+        with saved[0](*a, **k) as watch:
+            spent["kernels"] = spent.get("kernels", 0.0) + time.perf_counter() - t0
+            yield watch
+
+    builder.kernels_prepared = kernels
+    builder.resolve_plan = timed_into(spent, "plan", saved[1])
+    Warmup.tier_cost = timed_into(spent, "tier_cost", saved[2])
+    builder.build_runner = timed_into(spent, "runner", saved[3])
+    try:
+        yield
+    finally:
+        builder.kernels_prepared, builder.resolve_plan = saved[:2]
+        Warmup.tier_cost, builder.build_runner = saved[2:]
+
+
+def model_kwargs(name: str | None, small: bool, ckpt: Path | None = None) -> dict:
+    """LLM(...) arguments for --model: a BENCHMARK_MODELS name as its benchmark builds it
+    (config.json only, weights drawn on the device), else the directory (or None: the
+    default model) as it is. `ckpt`: the directory for a named model's config.json
+    (default /tmp/batchgen-<name>-config, + "-small")."""
+    if name not in BENCHMARK_MODELS:
+        return dict(model=name)
+    full, cpu_sized = MODELS[name]
+    requests, host_gib = BENCHMARK_MODELS[name]
+    path = ckpt or Path(f"/tmp/batchgen-{name}-config" + "-small" * small)
+    prompts, out_lens = requests()
+    kwargs = dict(
+        model=str(config_dir(path, cpu_sized if small else full)),
+        load_format="dummy",
+        max_model_len=max(map(len, prompts)) + max(out_lens) + 16,
+    )
+    if host_gib is not None:
+        kwargs["host_kv_size_gib"] = 0.01 if small else host_gib
+    return kwargs
+
+
+def record_tuning(
+    path: Path, gpu: str, watch: CompileWatch, prefixes=autotune_table.KERNEL_PACKAGES
+) -> dict:
+    """Write this process's autotuning decisions (of the kernels under `prefixes`) and
+    the compiles `watch` recorded into the table at `path` as `gpu`'s section; returns
+    the section."""
+    import triton
+
+    section = {
+        "triton": triton.__version__,
+        "autotune": autotune_table.record_decisions(prefixes),
+        "compile": chosen_only(watch.specs),
+    }
+    autotune_table.write_section(path, gpu, section)
+    return section
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="default: the embedded default model")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a directory, or W1's/W4's/W6's model: "
+        + ", ".join(BENCHMARK_MODELS)
+        + " (default: the embedded default model)",
+    )
+    ap.add_argument("--small", action="store_true", help="a named model's CPU-sized version")
+    ap.add_argument("--ckpt", type=Path, default=None, help="a named model's config directory")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--record-tuning",
+        type=Path,
+        default=None,
+        help="write this GPU's autotuning decisions and compiles into the table at PATH",
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--parse-each-read", action="store_true", help="without gguf_read_once")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("--device cuda needs a GPU")
+    if args.record_tuning is not None and not args.device.startswith("cuda"):
+        sys.exit("--record-tuning records a GPU's decisions: give --device cuda")
     spent: dict[str, float] = {}
+    engine: dict[str, float] = {}
     saved = builder_load.gguf_read_once
     if args.parse_each_read:
         builder_load.gguf_read_once = contextlib.nullcontext
     try:
-        with phase_timer(spent):
+        with phase_timer(spent), engine_timer(engine), CompileWatch(record=True) as watch:
             start = time.perf_counter()
-            llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
+            kwargs = model_kwargs(args.model, args.small, args.ckpt)
+            llm = LLM(**kwargs, device=args.device, dtype=args.dtype)
             total = time.perf_counter() - start
     finally:
         builder_load.gguf_read_once = saved
     phases = {name: spent.get(name, 0.0) for name in PHASES}
     phases["engine"] = total - sum(phases.values())
+    engine_s = {name: engine.get(name, 0.0) for name in ENGINE_PHASES}
+    engine_s["rest"] = phases["engine"] - sum(engine_s.values())
     result = {
         "model": args.model or "default",
         "device": args.device,
         "parse_each_read": args.parse_each_read,
         "total_s": total,
         "phases_s": phases,
+        "engine_s": engine_s,
+        "compiles": watch.count,
         "kv_pages": llm.engine.kv.allocator.num_pages,
     }
+    if args.record_tuning is not None:
+        gpu = torch.cuda.get_device_name(torch.device(args.device))
+        section = record_tuning(args.record_tuning, gpu, watch)
+        result["recorded"] = {
+            "gpu": gpu,
+            "autotune_keys": sum(len(v) for v in section["autotune"].values()),
+            "compiles": sum(len(v) for v in section["compile"].values()),
+        }
+        print(f"recorded for {gpu}: {json.dumps(result['recorded'])} -> {args.record_tuning}")
     for name, seconds in phases.items():
         print(f"{name:10s} {seconds:7.2f} s")
+    for name, seconds in engine_s.items():
+        print(f"  {name:10s} {seconds:7.2f} s")
+    print(f"{'compiles':10s} {watch.count:7d}")
     print(f"{'total':10s} {total:7.2f} s" + ("  (GGUF parsed per read)" * args.parse_each_read))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

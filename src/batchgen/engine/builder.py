@@ -32,8 +32,9 @@ from batchgen.engine.builder_plan import (
 from batchgen.engine.decode_graphs import build_decode_graphs, decode_split_plan
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.executor import Executor
+from batchgen.engine.kernel_prep import kernels_prepared
 from batchgen.engine.limits import eos_token_ids, generation_eos, max_model_len
-from batchgen.engine.memory import build_state_pool, remake_pool
+from batchgen.engine.memory import build_state_pool, remake_pool, state_layout
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.step_loop import Overlap, build_overlap
 from batchgen.engine.structured import StructuredOutputs
@@ -94,7 +95,13 @@ def build_engine(
 ) -> EngineParts:
     """Rank 0's components for `model` on `device` over the ranks of `executor`
     (executor.OneRank; tensor parallel, tp_peers.TPWorkers: rank 0's share, each other
-    rank building its pool and runner from the plan sent to it here)."""
+    rank building its pool and runner from the plan sent to it here), with the Triton
+    kernels made ready first (kernel_prep)."""
+    with kernels_prepared(device, state_layout(model, dtype) is not None):
+        return _build_engine(config, model, hf_config, tokenizer, device, dtype, executor)
+
+
+def _build_engine(config, model, hf_config, tokenizer, device, dtype, executor) -> EngineParts:
     config = with_limits_for(config, device, hf_config)
     max_len = max_model_len(config, hf_config)
     eos = eos_token_ids(hf_config, tokenizer, generation_eos(config.model))

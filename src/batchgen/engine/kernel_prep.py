@@ -1,0 +1,78 @@
+"""The Triton kernels made ready before the engine's warm-up, so that a first start on a
+fresh machine neither benchmarks autotuning spaces nor compiles one kernel at a time.
+
+On a CUDA device, `kernels_prepared(...)` (build_engine holds it around the whole build):
+1. loads fla-core's kernels where the model has KDA layers (kda_ops imports them lazily
+   at the first forward; their Autotuners must exist to take decisions),
+2. keeps autotuning results in Triton's cache directory where the user has not set
+   TRITON_CACHE_AUTOTUNING (autotune_table.keep_autotuning_on_disk),
+3. fills each Autotuner's cache from the shipped table's section for this GPU
+   (autotune_table), so the keys it holds run their recorded config without benchmarking,
+4. compiles the table's recorded specializations on a thread pool (precompile),
+5. logs "building: compiling kernels N/M" while the build compiles (precompile.CompileWatch;
+   M: what the recording build compiled).
+Nothing of it runs on the CPU (the interpreter neither compiles nor benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from batchgen.kernels import autotune_table
+from batchgen.kernels.precompile import CompileWatch, precompile, preload_jobs
+from batchgen.layers import kda_ops
+
+logger = logging.getLogger(__name__)
+
+MAX_COMPILE_THREADS = 16
+
+
+@contextlib.contextmanager
+def kernels_prepared(device: torch.device, linear_attention: bool, table: Path | None = None):
+    """Steps 1-5 above for a build on `device` (a model with KDA layers where
+    `linear_attention`), with the table at `table` (default the package's); yields the
+    CompileWatch of the build (None off CUDA)."""
+    if device.type != "cuda":
+        yield None
+        return
+    if linear_attention:
+        kda_ops.fla_kda()
+        kda_ops.fla_norm()
+    autotune_table.keep_autotuning_on_disk()
+    gpu = torch.cuda.get_device_name(device)
+    section = autotune_table.gpu_section(autotune_table.load_table(table), gpu)
+    specs = section.get("compile", {})
+    expected = (
+        sum(len(v) for v in specs.values() if isinstance(v, list)) if isinstance(specs, dict) else 0
+    )
+    with torch.cuda.device(device), CompileWatch(expected or None) as watch:
+        threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
+        filled, compiled, jobs = apply_section(
+            section, threads, before=lambda: torch.cuda.set_device(device)
+        )
+        logger.info(
+            "kernels for %s: %d autotuning decisions and %d of %d compiles from the shipped "
+            "table%s",
+            gpu,
+            filled,
+            compiled,
+            jobs,
+            ""
+            if section
+            else " (none recorded for this GPU: kernels autotune and compile as they are met)",
+        )
+        yield watch
+
+
+def apply_section(section: dict, threads: int, before=None) -> tuple[int, int, int]:
+    """A GPU's section of the table put to use: its autotuning decisions into the loaded
+    Autotuners' caches, then its compiles on `threads` threads (`before` runs first on
+    each). Returns (decisions put, compiles done, compiles asked)."""
+    filled = autotune_table.apply_decisions(section.get("autotune", {}))
+    jobs = preload_jobs(section.get("compile", {}))
+    return filled, precompile(jobs, threads, before=before), len(jobs)
