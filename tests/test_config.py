@@ -116,8 +116,8 @@ def test_describe_names_every_option_by_group():
 def test_deterministic_is_checked_where_it_cannot_hold():
     with pytest.raises(ValueError, match="deterministic"):
         EngineConfig(deterministic=1)
-    with pytest.raises(ValueError, match="attention_backend='triton'"):
-        EngineConfig(deterministic=True, attention_backend="triton").resolve(CPU)
+    # the Triton backend has batch-invariant kernels (kernels/invariant_attention.py)
+    EngineConfig(deterministic=True, attention_backend="triton").resolve(CPU)
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         EngineConfig(deterministic=True, tensor_parallel_size=2).resolve(CPU)
     with pytest.raises(ValueError, match="data_parallel_size=1"):
@@ -129,6 +129,7 @@ def test_deterministic_is_checked_where_it_cannot_hold():
     EngineConfig(deterministic=True, max_num_batched_tokens=32).resolve(CPU)  # no KDA
     config = EngineConfig(deterministic=True).resolve(CPU)
     assert config.deterministic and config.model_config.deterministic
-    # "auto" attends with the torch path (the batch-invariant one) on a GPU too
-    assert config.resolved_attention_backend(torch.device("cuda")) == "torch"
+    # "auto" attends with the Triton kernels on a GPU, deterministic or not
+    assert config.resolved_attention_backend(torch.device("cuda")) == "triton"
+    assert config.resolved_attention_backend(CPU) == "torch"
     assert EngineConfig().resolved_attention_backend(torch.device("cuda")) == "triton"

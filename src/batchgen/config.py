@@ -130,9 +130,10 @@ class EngineConfig:
     (layers/batch_invariant.py): products in row tiles of a fixed shape, attention over
     key blocks fixed by position, so a prompt's tokens and logprobs are the same bits
     alone, in any batch, prefilled in one step or many, after a prefix-cache hit or not,
-    pipelined or not. It attends with the torch path ("auto" picks it; "triton" is
-    refused) and runs on one rank (tensor_parallel_size=1: the all-reduce's order is
-    not fixed). README's "Deterministic generation" says what is and is not covered.
+    pipelined or not. The Triton backend attends with kernels/invariant_attention.py
+    (keys never split by the batch; decode CUDA graphs and pipelined decode stay on),
+    the torch one with batch_invariant.attend. It runs on one rank
+    (tensor_parallel_size=1: the all-reduce's order is not fixed). README's "Deterministic generation" says what is and is not covered.
 
     load_format "dummy" builds the model with random weights from its config alone (no
     checkpoint read): for benchmarks, as in vLLM.
@@ -228,20 +229,13 @@ class EngineConfig:
         return config
 
     def check_deterministic(self, linear_attention: bool = False) -> None:
-        """ValueError naming the option that deterministic=True cannot run with: the
-        Triton attention kernels split the keys by the batch, and several ranks (tensor
-        parallel, attention data parallel with expert-parallel MoE) sum their shares in
-        an order the collective picks. A model with `linear_attention` layers prefills in
+        """ValueError naming the option that deterministic=True cannot run with:
+        several ranks (tensor parallel, attention data parallel with expert-parallel
+        MoE) sum their shares in an order the collective picks. A model with `linear_attention` layers prefills in
         pieces aligned to DETERMINISTIC_CHUNK: its step budget must reach one, and its
         state checkpoints must sit on them."""
         if not self.deterministic:
             return
-        if self.attention_backend == "triton":
-            raise ValueError(
-                "deterministic=True attends with the torch path (its key blocks are fixed "
-                "by position); attention_backend='triton' is not batch-invariant: use "
-                "'auto' or 'torch'"
-            )
         if linear_attention:  # prefill pieces end at multiples of DETERMINISTIC_CHUNK
             interval = self.state_checkpoint_interval
             if self.max_num_batched_tokens < DETERMINISTIC_CHUNK or interval % DETERMINISTIC_CHUNK:
@@ -331,11 +325,11 @@ class EngineConfig:
         )
 
     def resolved_attention_backend(self, device: torch.device) -> str:
-        """'auto' is triton on a GPU when triton imports, else (and with deterministic)
-        the torch reference."""
+        """'auto' is triton on a GPU when triton imports (deterministic too: its
+        batch-invariant kernels), else the torch reference."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        if device.type != "cuda" or self.deterministic:
+        if device.type != "cuda":
             return "torch"
         try:
             import triton  # noqa: F401

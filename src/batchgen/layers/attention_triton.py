@@ -3,6 +3,9 @@
 Decode rows (q_len == 1) go through decode_attention in one launch (split along the
 sequence when the batch is small); prefill chunks go through prefill_attention in one
 launch from the padded prefill tensors. Both write straight into the packed output rows.
+In batch-invariant mode (deterministic=True, layers/batch_invariant.py) both go through
+kernels/invariant_attention.py instead: keys in blocks fixed by position, never split by
+the batch, a decoded token the same bits as the same token prefilled.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import torch
 
 from batchgen.forward_context import AttentionMetadata
 from batchgen.kernels.decode_attention import decode_attention
+from batchgen.kernels.invariant_attention import invariant_attention, invariant_decode
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.store_kv import store_kv  # noqa: F401  (the backend's K/V write)
+from batchgen.layers import batch_invariant
 
 
 def paged_attention(
@@ -25,7 +30,20 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]; every query's own K/V must already be in the cache."""
     out = torch.empty_like(q)
-    if meta.decode_rows is not None and meta.decode_rows.numel() > 0:
+    invariant = batch_invariant.active()
+    if meta.decode_rows is not None and meta.decode_rows.numel() > 0 and invariant:
+        invariant_decode(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_page_table,
+            meta.decode_seq_lens,
+            scale,
+            sliding_window,
+            rows=meta.decode_rows,
+            out=out,
+        )
+    elif meta.decode_rows is not None and meta.decode_rows.numel() > 0:
         decode_attention(
             q,
             k_cache,
@@ -40,8 +58,9 @@ def paged_attention(
             num_splits=meta.decode_num_splits,
         )
     if meta.prefills or (meta.prefill_q_len is not None and meta.prefill_q_len.numel() > 0):
-        q_start, q_len, seq_lens, table, max_q_len = _padded_prefills(meta, q.device)
-        prefill_attention(
+        q_start, q_len, seq_lens, table, max_q_len = padded_prefills(meta, q.device)
+        attend = invariant_attention if invariant else prefill_attention
+        attend(
             q,
             k_cache,
             v_cache,
@@ -57,8 +76,9 @@ def paged_attention(
     return out
 
 
-def _padded_prefills(meta: AttentionMetadata, device: torch.device):
-    """The padded prefill tensors; built from meta.prefills when the runner left them out."""
+def padded_prefills(meta: AttentionMetadata, device: torch.device):
+    """The padded prefill tensors (q_start, q_len, seq_lens, page table, max_q_len); built
+    from meta.prefills when the runner left them out."""
     if meta.prefill_q_len is not None:
         return (
             meta.prefill_q_start,

@@ -194,9 +194,12 @@ class MLAttention(nn.Module):
             )
             out[rows] = self.unabsorb(o_latent if s == 1.0 else o_latent * s).to(out.dtype)
         if meta.prefills and batch_invariant.active():  # every row absorbed, as decode's
-            o_latent = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.kv_lora_rank)
-            o_latent = o_latent.float()
-            mla_torch.paged_prefill_absorbed(
+            # in the dtype the backend's decode returns (torch: float32), so both round alike
+            dtype = torch.float32 if backend is mla_torch else q_nope.dtype
+            o_latent = q_nope.new_zeros(
+                q_nope.shape[0], self.num_heads, self.kv_lora_rank, dtype=dtype
+            )
+            backend.paged_prefill_absorbed(
                 self.absorb(q_nope), q_pe, cache, meta, self.scale * s, o_latent
             )
             o = self.unabsorb(o_latent if s == 1.0 else o_latent * s).to(out.dtype)

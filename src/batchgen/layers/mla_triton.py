@@ -13,6 +13,11 @@
 
     gathered pages:  | seq 0's pages (ceil(seq_len / page_size)) | seq 1's pages | ...
     page table row i: arange(first page of seq i, its last), padded with page 0
+
+In batch-invariant mode (deterministic=True) decode rows and prefill rows alike attend
+absorbed through `kernels.invariant_attention` (the latent one head shared by all H,
+key its C + R values, value its first C): a token's bits whatever its batch, and the same
+decoded as prefilled (`paged_prefill_absorbed`, mla_torch's twin).
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ import numpy as np
 import torch
 
 from batchgen.forward_context import AttentionMetadata, derived, parts_to_device
+from batchgen.kernels.invariant_attention import invariant_attention, invariant_decode
 from batchgen.kernels.mla_decode import mla_decode
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.store_kv import store_latent  # noqa: F401  (the backend's latent write)
+from batchgen.layers import batch_invariant
+from batchgen.layers.attention_triton import padded_prefills
 
 
 def paged_decode(
@@ -37,6 +45,18 @@ def paged_decode(
 ) -> torch.Tensor:
     """Absorbed decode, one query per decode row: q_nope [B, H, C] with W_UK folded in,
     q_pe [B, H, R] -> [B, H, C] in q_nope's dtype, W_UV not yet applied."""
+    if batch_invariant.active():
+        k, k_rope = _latent_parts(cache, q_nope.shape[-1])
+        return invariant_decode(
+            q_nope,
+            k,
+            k,
+            meta.decode_page_table,
+            meta.decode_seq_lens,
+            scale,
+            q_rope=q_pe.to(q_nope.dtype).contiguous(),
+            k_rope=k_rope,
+        )
     return mla_decode(
         q_nope,
         q_pe.to(q_nope.dtype),
@@ -79,6 +99,45 @@ def paged_prefill(
         q_rope=q_pe,
         k_rope=k_pe.view(n, page_size, 1, k_pe.shape[-1]),
     )
+
+
+def paged_prefill_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Prefill rows attended as decode rows are, for batch-invariant mode: q_nope [T, H,
+    C] with W_UK folded in, q_pe [T, H, R]; writes each prefill chunk's rows of out [T,
+    H, C] (W_UV not yet applied; q_nope's dtype, as paged_decode returns) through the
+    same kernel and launch as paged_decode, so a token decoded and the same token
+    prefilled (a one-token chunk, a recomputed request) have the same bits."""
+    q_start, q_len, seq_lens, table, max_q_len = derived(
+        meta, "padded_prefills", lambda: padded_prefills(meta, q_nope.device)
+    )
+    k, k_rope = _latent_parts(cache, q_nope.shape[-1])
+    invariant_attention(
+        q_nope,
+        k,
+        k,
+        q_start,
+        q_len,
+        seq_lens,
+        table,
+        max_q_len,
+        scale,
+        out=out,
+        q_rope=q_pe.to(q_nope.dtype).contiguous(),
+        k_rope=k_rope,
+    )
+
+
+def _latent_parts(cache: torch.Tensor, lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent pages [P, S, 1, C + R] as the two parts of one key head: [..., :C] (key
+    and value) and [..., C:] (rope)."""
+    return cache[..., :lora_rank], cache[..., lora_rank:]
 
 
 def _prefill_index(meta: AttentionMetadata, device: torch.device):
