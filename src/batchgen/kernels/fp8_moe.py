@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.fused_moe import MoETuning
+from batchgen.kernels.fused_moe import MoETuning, block_pairs, load_rows, store_pairs
 
 TUNING = MoETuning(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
@@ -50,11 +50,9 @@ def _fp8_moe_kernel(
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(ids_ptr + offs_m)
-    valid = pair < num_pairs
-    row = (pair // ROWS_PER_TOKEN).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair, valid, row, expert = block_pairs(
+        ids_ptr, block_expert_ptr, pid_m, num_pairs, ROWS_PER_TOKEN, BLOCK_M
+    )
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_base = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
@@ -63,17 +61,12 @@ def _fp8_moe_kernel(
     for b in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = b * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        a = tl.load(
-            a_ptr + row[:, None] * stride_am + offs_k[None, :],
-            mask=valid[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        a = load_rows(a_ptr, row, valid, offs_k, K, stride_am)
         w = tl.load(w_base + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         a_s = tl.load(as_ptr + row * stride_asm + b, mask=valid, other=0.0)
         w_s = tl.load(ws_base + b, mask=n_ok, other=0.0)
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-    out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    store_pairs(out_ptr, acc.to(out_ptr.dtype.element_ty), pair, valid, offs_n, N, stride_om)
 
 
 def fp8_moe_gemm(

@@ -47,6 +47,35 @@ TUNING = MoETuning()
 
 
 @triton.jit
+def block_pairs(ids_ptr, block_expert_ptr, pid_m, num_pairs,
+                ROWS_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Row block pid_m of sorted_ids: its pair ids [BLOCK_M], which of them are pairs
+    (not padding), their input rows and the block's expert (both int64). The expert
+    GEMMs (here, fp8_moe, int4_moe) all start from it."""
+    pair = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < num_pairs
+    row = (pair // ROWS_PER_TOKEN).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    return pair, valid, row, expert
+
+
+@triton.jit
+def load_rows(a_ptr, row, valid, offs_k, K, stride_am):
+    """The [BLOCK_M, BLOCK_K] tile of a's rows `row` at columns offs_k (zero where a
+    pair is padding or a column is past K)."""
+    mask = valid[:, None] & (offs_k[None, :] < K)
+    return tl.load(a_ptr + row[:, None] * stride_am + offs_k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def store_pairs(out_ptr, tile, pair, valid, offs_n, N, stride_om):
+    """tile [BLOCK_M, BLOCK_N] (in out's dtype) into the output rows of its pairs at
+    columns offs_n; padding rows and columns past N are not written."""
+    out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, tile, mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, ids_ptr, block_expert_ptr, num_blocks_ptr,
     num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
@@ -57,29 +86,22 @@ def _moe_gemm_kernel(
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(ids_ptr + offs_m)
-    valid = pair < num_pairs
-    row = (pair // ROWS_PER_TOKEN).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair, valid, row, expert = block_pairs(
+        ids_ptr, block_expert_ptr, pid_m, num_pairs, ROWS_PER_TOKEN, BLOCK_M
+    )
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(
-            a_ptr + row[:, None] * stride_am + offs_k[None, :],
-            mask=valid[:, None] & (offs_k[None, :] < K),
-            other=0.0,
-        )
+        a = load_rows(a_ptr, row, valid, offs_k, K, stride_am)
         w = tl.load(
             w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
             mask=(offs_n[None, :] < N) & (offs_k[:, None] < K),
             other=0.0,
         )
         acc += mma(a, w, DOT_F32)
-    out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+    store_pairs(out_ptr, acc.to(out_ptr.dtype.element_ty), pair, valid, offs_n, N, stride_om)
 
 
 def sort_by_group(groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.fused_moe import MoETuning
+from batchgen.kernels.fused_moe import MoETuning, block_pairs, load_rows, store_pairs
 from batchgen.kernels.int4_gemm import check_nesting, check_packed, unpack_tile
 from batchgen.kernels.mma import dot_in_f32, mma
 from batchgen.kernels.rounding import rne_by_hand, to_dtype
@@ -67,28 +67,21 @@ def _int4_moe_kernel(
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(ids_ptr + offs_m)
-    valid = pair < num_pairs
-    row = (pair // ROWS_PER_TOKEN).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair, valid, row, expert = block_pairs(
+        ids_ptr, block_expert_ptr, pid_m, num_pairs, ROWS_PER_TOKEN, BLOCK_M
+    )
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     packed_base = packed_ptr + expert * stride_pe
     scale_base = scale_ptr + expert * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(
-            a_ptr + row[:, None] * stride_am + offs_k[None, :],
-            mask=valid[:, None] & (offs_k[None, :] < K),
-            other=0.0,
-        )
+        a = load_rows(a_ptr, row, valid, offs_k, K, stride_am)
         w = unpack_tile(packed_base, scale_base, offs_n, k0, N, K, stride_pn, stride_sn,
                         GROUP, BLOCK_K, BLOCK_N, GATHER)  # fmt: skip
         acc += mma(a, to_dtype(w, a_ptr.dtype.element_ty, RNE_BY_HAND), DOT_F32)
-    out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    acc = to_dtype(acc, out_ptr.dtype.element_ty, RNE_BY_HAND)
-    tl.store(out, acc, mask=valid[:, None] & (offs_n[None, :] < N))
+    tile = to_dtype(acc, out_ptr.dtype.element_ty, RNE_BY_HAND)
+    store_pairs(out_ptr, tile, pair, valid, offs_n, N, stride_om)
 
 
 def int4_moe_gemm(
