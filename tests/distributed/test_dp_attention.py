@@ -6,7 +6,9 @@ only, the same tokens, a rank with nothing to run still stepping beside the othe
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import threading
 import time
 from collections import Counter
@@ -222,6 +224,43 @@ def test_a_dead_rank_fails_the_call_naming_it(checkpoint):
         assert killed and time.monotonic() - killed[0] < 60
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_rank_lost_mid_forward_fails_the_call_within_60s_naming_it(checkpoint, sig):
+    """The worker is killed, or stopped (silent: a host gone without closing its
+    connections), while rank 0 is inside a forward, just before a MoE layer's
+    all-to-all: the call fails naming rank 1 within 60 s (a stopped rank: the
+    heartbeats' 30 s and a slice), not after the tensors' group timeout (120 s)."""
+    llm = LLM(checkpoint, **KW, **DP)
+    engine = llm.engine
+    worker = engine.workers.processes[0]
+    lost: list[float] = []
+
+    def lose_the_worker(module, args) -> None:  # rank 0's MoE layer, its 3rd call
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(worker.pid, sig)
+            lost.append(time.monotonic())
+
+    calls: list[int] = []
+    try:
+        long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        for i, ids in enumerate(_prompts(4)):
+            engine.add_request(str(i), ids, long)
+        engine.model.layers[1].mlp.register_forward_pre_hook(lose_the_worker)
+        with pytest.raises(
+            RuntimeError, match=r"data-parallel worker rank\(s\) \[1\] stopped"
+        ) as e:
+            while engine.has_unfinished:
+                engine.step()
+        assert lost and time.monotonic() - lost[0] < 60
+        assert ("no heartbeat" in str(e.value)) == (sig == signal.SIGSTOP)
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGKILL)
+        engine.shutdown()
 
 
 def test_every_data_parallel_message_type_has_a_worker_handler():

@@ -138,7 +138,7 @@ def test_tensor_parallel_on_gpus_needs_a_gpu_a_rank(monkeypatch):
 GRAPH_RUN = dict(max_num_seqs=4, max_model_len=64, page_size=4)
 
 
-def test_each_step_tells_the_workers_whether_rank_0_replays_a_graph(tmp_path, monkeypatch):
+def test_each_step_tells_the_workers_whether_rank_0_replays_a_graph(tmp_path):
     """Rank 0's runner with decode graphs (replayed eagerly on the CPU) and stand-in
     workers: every step's TPStep.graph is what rank 0's forward then did, so a worker
     replays exactly when rank 0 does (their captured collectives pair). A worker that
@@ -167,11 +167,10 @@ def test_each_step_tells_the_workers_whether_rank_0_replays_a_graph(tmp_path, mo
         send=sent.append,
         check=check,
         failures_named=nullcontext,
-        tp=SimpleNamespace(group=None),
+        # one rank: the pipelined step's input tokens are rank 0's own already
+        tp=SINGLE,
     )
     runner.take_copies = list
-    # one rank: the pipelined step's input tokens are rank 0's own already
-    monkeypatch.setattr(torch.distributed, "broadcast", lambda tensor, src, group=None: None)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == want
     steps = [m for m in sent if isinstance(m, TPStep)]

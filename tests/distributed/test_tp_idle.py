@@ -15,6 +15,7 @@ import pytest
 import torch
 from tp_workers import answer_rank
 
+from batchgen.distributed import tp_group
 from batchgen.distributed.messages import TierMetricsQuery
 from batchgen.distributed.workers import Workers
 
@@ -62,4 +63,27 @@ def test_a_silent_worker_fails_the_call_within_the_bound_naming_it():
         assert not workers.processes[0].is_alive()  # killed, not left stopped
     finally:
         os.kill(pid, signal.SIGCONT) if workers.processes[0].is_alive() else None
+        workers.shutdown(timeout_s=5)
+
+
+def test_a_worker_silent_in_a_forward_collective_fails_it_within_the_bound():
+    """Rank 0 in a tensors' collective (a forward's all-reduce) with a worker gone silent
+    whose host cannot be reached (its kill closes nothing): rank 0's wait is sliced, so
+    the collective fails naming the rank within the silence bound and a slice, not after
+    the group's timeout (30 s here, 120 s by default)."""
+    workers = Workers.spawn(
+        answer_rank, (), 2, "gloo", timeout_s=30.0, heartbeat_s=0.5, silent_after_s=3.0
+    )
+    pid = workers.processes[0].pid
+    workers.ranks.kill = lambda rank: None  # a vanished host: no connection closes
+    try:
+        assert workers.ask(TierMetricsQuery()) == [1]
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\].*no heartbeat"):
+            tp_group().all_reduce(torch.ones(4))
+        assert time.monotonic() - start < 3.0 + 6.0
+        assert tp_group().waiter is not None  # the models built now wait this way
+    finally:
+        os.kill(pid, signal.SIGKILL)
         workers.shutdown(timeout_s=5)

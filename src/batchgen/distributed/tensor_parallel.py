@@ -7,6 +7,8 @@ engine per Ray actor), so a process belongs to one tensor-parallel group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -69,6 +71,15 @@ def init_tensor_parallel(
     # every run makes the group, so the CPU tests cover the path NCCL runs)
     messages = dist.new_group(backend="gloo", timeout=timedelta(seconds=message_timeout_s))
     _group = TPGroup(rank, world_size, dist.group.WORLD, messages)
+    return _group
+
+
+def wait_collectives_with(waiter: Callable[[dist.Work], None]) -> TPGroup:
+    """Make the process's group wait for its tensors' collectives through `waiter`
+    (`TPGroup.waiter`: rank 0's sliced, checked wait under gloo); the group, which the
+    models built after this take."""
+    global _group
+    _group = replace(_group, waiter=waiter)
     return _group
 
 

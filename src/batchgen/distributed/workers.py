@@ -44,11 +44,17 @@ from batchgen.distributed.heartbeat import HEARTBEAT_S, SILENT_AFTER_S, Pulse, s
 from batchgen.distributed.launchers import ProcessRanks, make_ranks
 from batchgen.distributed.messages import DPMessage, Message, Shutdown
 from batchgen.distributed.rank_set import RankSet
-from batchgen.distributed.sliced import broadcast_object, gather_objects, scatter_objects
+from batchgen.distributed.sliced import (
+    broadcast_object,
+    gather_objects,
+    scatter_objects,
+    waited,
+)
 from batchgen.distributed.tensor_parallel import (
     MESSAGE_TIMEOUT_S,
     destroy_tensor_parallel,
     init_tensor_parallel,
+    wait_collectives_with,
 )
 from batchgen.layers.tp_group import TPGroup
 
@@ -92,7 +98,10 @@ class Workers:
         self.pulse = pulse
         self.slice_s = pulse.period_s if pulse else HEARTBEAT_S  # rank 0's waits: sliced.py
         self.role = role
-        self.tp = tp
+        # under gloo rank 0's forwards wait for their collectives in slices too, so a
+        # rank gone silent mid-forward is named within the heartbeats' bound (NCCL's
+        # collectives are aborted by the watcher instead)
+        self.tp = tp if nccl else wait_collectives_with(self._wait_collective)
         self.nccl = nccl
         self.exited: dict[int, int | None] = {}
         # per message type: [messages sent, their pickled bytes] (message_metrics)
@@ -189,6 +198,11 @@ class Workers:
                 self.exited[rank] = silenced[rank]  # before the kill wakes rank 0
                 self.ranks.kill(rank)
         return silenced
+
+    def _wait_collective(self, work: dist.Work) -> None:
+        """Rank 0's wait for one of its tensors' collectives (TPGroup.waiter): sliced,
+        check() between the slices."""
+        waited(work, self.check, self.slice_s)
 
     @contextmanager
     def failures_named(self, grace_s: float | None = None) -> Iterator[None]:

@@ -54,7 +54,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from batchgen.distributed.messages import Message
 from batchgen.distributed.workers import Workers
@@ -117,8 +116,7 @@ class TPModelRunner(ModelRunner):
 
     def _pipelined_ids(self, reqs, prev) -> torch.Tensor:
         ids = super()._pipelined_ids(reqs, prev).to(torch.int64)
-        dist.broadcast(ids, src=0, group=self.workers.tp.group)
-        return ids
+        return self.workers.tp.broadcast(ids)
 
     def _send(self, sched: SchedulerOutput, copies: StepCopies, pipelined: bool) -> None:
         """The step goes as it is (plain data); this rank's copy handles stay here: the
@@ -150,7 +148,7 @@ def apply_step(
     if message.pipelined:  # rank 0's samples of the step before, on the device
         n = len(message.sched.requests)
         device_ids = torch.empty(n, dtype=torch.int64, device=device)
-        dist.broadcast(device_ids, src=0, group=tp.group)
+        tp.broadcast(device_ids)
     runner.execute_unsampled(
         message.sched,
         StepCopies(wait_for=waits, on_kv_written=hook),

@@ -44,7 +44,6 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
 from batchgen.layers.tp_group import TPGroup
@@ -120,10 +119,7 @@ def all_to_all(
     """Rows x[sum(send[:j]) : sum(send[:j + 1])] to rank j; what every rank sent here, rank
     0's rows first (receive[j] of them from rank j)."""
     out = x.new_empty(sum(receive), *x.shape[1:])
-    dist.all_to_all_single(
-        out, x.contiguous(), output_split_sizes=receive, input_split_sizes=send, group=group.group
-    )
-    return out
+    return group.all_to_all(out, x.contiguous(), receive, send)
 
 
 def dispatch_combine(
@@ -153,7 +149,7 @@ def dispatch_combine(
         return _combine(back, order, weights, residual)
     counts = torch.bincount(flat, minlength=num_experts)
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group.group)
+    group.all_to_all(received, counts)
     sent_by_rank = counts.view(size, per_rank).sum(1)
     received_by_rank = received.view(size, per_rank).sum(1)
     split = torch.cat((sent_by_rank, received_by_rank)).tolist()  # one host read
@@ -199,14 +195,14 @@ def _fixed_exchange(
     send_ids = torch.full((size * slots,), -1, dtype=torch.int64, device=device)
     send_ids.index_copy_(0, slot, expert)
     rows, ids = torch.empty_like(send), torch.empty_like(send_ids)
-    dist.all_to_all_single(rows, send, group=group.group)
-    dist.all_to_all_single(ids, send_ids, group=group.group)
+    group.all_to_all(rows, send)
+    group.all_to_all(ids, send_ids)
     filled = (ids >= 0).unsqueeze(1)
     # an empty slot's id -1 is outside this rank's block: RoutedExperts sorts such pairs
     # past every group (no GEMM computes them) and weights them 0; zeroed here besides
     out = experts(rows, filled.to(torch.float32), ids.unsqueeze(1)).masked_fill_(~filled, 0)
     back = torch.empty_like(out)
-    dist.all_to_all_single(back, out.contiguous(), group=group.group)
+    group.all_to_all(back, out.contiguous())
     return back.index_select(0, slot)
 
 

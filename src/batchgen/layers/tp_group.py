@@ -7,7 +7,8 @@ process group and hands out a `TPGroup`; models pass it down to their parallel l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,12 +21,18 @@ class TPGroup:
     the host's messages (rank 0's steps as pickled objects) without touching a GPU: an
     object sent over NCCL is staged through device memory, and its receiver waits for its
     GPU to drain before it can read it. None: `group`. At size 1 every collective returns
-    its input untouched and needs no process group."""
+    its input untouched and needs no process group.
+
+    `waiter`: how this rank waits for its collectives on `group` (None: torch's blocking
+    call). Rank 0 of a gloo group waits in slices, checking between them that no worker
+    ended or went silent (distributed.workers), so a forward's collective on a rank whose
+    host vanished fails within the heartbeats' bound, not after the group's timeout."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    waiter: Callable[[dist.Work], None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def host_group(self) -> dist.ProcessGroup | None:
@@ -50,7 +57,7 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
-        dist.all_reduce(x, group=self.group)
+        self._wait(dist.all_reduce(x, group=self.group, async_op=self.waiter is not None))
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -59,8 +66,41 @@ class TPGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
+        self._wait(dist.all_gather(parts, x, group=self.group, async_op=self.waiter is not None))
         return torch.cat(parts, dim=dim)
+
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+    ) -> torch.Tensor:
+        """`torch.distributed.all_to_all_single` into `out` (returned): x's rows, split
+        by input_split_sizes (None: equal), one part to each rank."""
+        work = dist.all_to_all_single(
+            out,
+            x,
+            output_split_sizes=output_split_sizes,
+            input_split_sizes=input_split_sizes,
+            group=self.group,
+            async_op=self.waiter is not None,
+        )
+        self._wait(work)
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x as rank `src` holds it, on every rank (in place; returned)."""
+        if self.size == 1:
+            return x
+        self._wait(dist.broadcast(x, src=src, group=self.group, async_op=self.waiter is not None))
+        return x
+
+    def _wait(self, work: dist.Work | None) -> None:
+        """Wait for an asynchronous collective through `waiter` (a blocking one returned
+        None: done)."""
+        if work is not None:
+            self.waiter(work)
 
 
 SINGLE = TPGroup()
