@@ -22,12 +22,14 @@ builds it (max_model_len for its requests, W4's and W6's host tier of 32 GiB). T
 engine phase is then split further ("engine_s"): the Triton kernels made ready from the
 shipped table (kernel_prep), the warm-up profile and memory plan (resolve_plan), the
 host tier's cost rule (tier_cost), the runner with its CUDA graphs (build_runner), and
-the rest; with the number of Triton compiles the build made.
+the rest; with the number of Triton compiles the build made. --first-requests then runs
+the warm-up its benchmark runs before timing (the first steps of new shapes may still
+compile or autotune) and reports its seconds and compiles apart.
 
 --record-tuning PATH (on a GPU) writes what this build decided into the table at PATH
 under this GPU's name (torch.cuda.get_device_name), keeping the other GPUs' sections:
 every Autotuner's decisions (kernels/autotune_table.py) and every compile's
-specialization (kernels/precompile.py). Record on a machine whose Triton cache holds
+specialization (kernels/precompile.py), those of --first-requests included. Record on a machine whose Triton cache holds
 nothing of the model, then copy the table to src/batchgen/kernels/autotune_table.json
 (package data): a build on that GPU then neither benchmarks nor compiles one by one.
 """
@@ -50,15 +52,17 @@ from batchgen.kernels import autotune_table
 from batchgen.kernels.precompile import CompileWatch, chosen_only
 from batchgen.models import loader
 from benchmarks.engine_runs import timed_into
-from benchmarks.workloads import MODELS, config_dir, w1_requests, w4_requests
+from benchmarks.moe_runs import warm_up_prompts
+from benchmarks.workloads import MODELS, config_dir, small_requests, w1_requests, w4_requests
 
 PHASES = ("config", "tokenizer", "weights")
 ENGINE_PHASES = ("kernels", "plan", "tier_cost", "runner")
-# the models --model names, as their benchmarks build them: requests, host tier GiB
+# the models --model names, as their benchmarks build them: requests, max_model_len,
+# host tier GiB (None: the engine's default)
 BENCHMARK_MODELS = {
-    "qwen3-0.6b": (w1_requests, None),
-    "moonlight-w4": (w4_requests, 32.0),
-    "kimi-w6": (w4_requests, 32.0),
+    "qwen3-0.6b": (w1_requests, 2048, None),  # throughput.py
+    "moonlight-w4": (w4_requests, 1024 + 128 + 16, 32.0),  # mla.py
+    "kimi-w6": (w4_requests, 1024 + 128 + 16, 32.0),  # hybrid.py
 }
 
 
@@ -109,17 +113,36 @@ def model_kwargs(name: str | None, small: bool, ckpt: Path | None = None) -> dic
     if name not in BENCHMARK_MODELS:
         return dict(model=name)
     full, cpu_sized = MODELS[name]
-    requests, host_gib = BENCHMARK_MODELS[name]
+    _, max_len, host_gib = BENCHMARK_MODELS[name]
     path = ckpt or Path(f"/tmp/batchgen-{name}-config" + "-small" * small)
-    prompts, out_lens = requests()
     kwargs = dict(
         model=str(config_dir(path, cpu_sized if small else full)),
         load_format="dummy",
-        max_model_len=max(map(len, prompts)) + max(out_lens) + 16,
+        max_model_len=max_len,
     )
     if host_gib is not None:
         kwargs["host_kv_size_gib"] = 0.01 if small else host_gib
     return kwargs
+
+
+def first_requests(llm, name: str, small: bool) -> float:
+    """The untimed warm-up the model's benchmark runs after the build (W1: its first 4
+    prompts for 8 tokens; W4, W6: moe_runs' full prefill, mixed and continued steps for
+    4 tokens; --small: CPU-sized prompts), greedy; returns its seconds."""
+    from batchgen import SamplingParams
+
+    requests = BENCHMARK_MODELS[name][0]
+    if requests is w1_requests:
+        prompts = small_requests(4)[0] if small else requests()[0][:4]
+        max_tokens = 8
+    else:
+        shape = dict(n=6, prompt_len=70, out_len=6, max_token=500) if small else {}
+        prompts = requests(**shape)[0]
+        prompts = [p[::-1] for p in prompts[: warm_up_prompts(llm, len(prompts[0]))]]
+        max_tokens = 4
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - start
 
 
 def record_tuning(
@@ -150,6 +173,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--small", action="store_true", help="a named model's CPU-sized version")
     ap.add_argument("--ckpt", type=Path, default=None, help="a named model's config directory")
+    ap.add_argument(
+        "--first-requests",
+        action="store_true",
+        help="then a named model's benchmark warm-up (timed, and recorded with the build)",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
         "--record-tuning",
@@ -176,6 +204,9 @@ def main(argv=None) -> int:
             kwargs = model_kwargs(args.model, args.small, args.ckpt)
             llm = LLM(**kwargs, device=args.device, dtype=args.dtype)
             total = time.perf_counter() - start
+            build_compiles, first_s = watch.count, None
+            if args.first_requests and args.model in BENCHMARK_MODELS:
+                first_s = first_requests(llm, args.model, args.small)
     finally:
         builder_load.gguf_read_once = saved
     phases = {name: spent.get(name, 0.0) for name in PHASES}
@@ -189,11 +220,13 @@ def main(argv=None) -> int:
         "total_s": total,
         "phases_s": phases,
         "engine_s": engine_s,
-        "compiles": watch.count,
+        "compiles": build_compiles,
+        "first_requests_s": first_s,
+        "first_requests_compiles": watch.count - build_compiles,
         "kv_pages": llm.engine.kv.allocator.num_pages,
     }
     if args.record_tuning is not None:
-        gpu = torch.cuda.get_device_name(torch.device(args.device))
+        gpu = torch.cuda.get_device_name(torch.device(args.device).index)
         section = record_tuning(args.record_tuning, gpu, watch)
         result["recorded"] = {
             "gpu": gpu,
@@ -205,7 +238,12 @@ def main(argv=None) -> int:
         print(f"{name:10s} {seconds:7.2f} s")
     for name, seconds in engine_s.items():
         print(f"  {name:10s} {seconds:7.2f} s")
-    print(f"{'compiles':10s} {watch.count:7d}")
+    print(f"{'compiles':10s} {build_compiles:7d}")
+    if first_s is not None:
+        print(
+            f"{'first reqs':10s} {first_s:7.2f} s (the benchmark's warm-up after the build, "
+            f"{watch.count - build_compiles} compiles)"
+        )
     print(f"{'total':10s} {total:7.2f} s" + ("  (GGUF parsed per read)" * args.parse_each_read))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

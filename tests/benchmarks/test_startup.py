@@ -38,6 +38,7 @@ def test_startup_times_each_phase_of_one_build(tmp_path, parse_each_read):
 def test_a_named_model_builds_with_its_engine_phases(tmp_path):
     startup = load("startup")
     argv = ["--model", "kimi-w6", "--small", "--dtype", "float32", "--out", str(tmp_path)]
+    argv += ["--first-requests"]
     assert startup.main(argv + ["--ckpt", str(tmp_path / "config")]) == 0
     result = json.loads((tmp_path / "startup.json").read_text())
     assert json.loads((tmp_path / "config" / "config.json").read_text())["model_type"] == (
@@ -50,6 +51,7 @@ def test_a_named_model_builds_with_its_engine_phases(tmp_path):
     assert engine["kernels"] < 0.05  # nothing to make ready off CUDA
     assert sum(engine.values()) == pytest.approx(result["phases_s"]["engine"])
     assert result["compiles"] == 0  # the interpreter compiles nothing
+    assert result["first_requests_s"] > 0 and result["first_requests_compiles"] == 0
 
 
 def test_recording_needs_a_gpu(tmp_path):

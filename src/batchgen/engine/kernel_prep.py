@@ -44,16 +44,17 @@ def kernels_prepared(device: torch.device, linear_attention: bool, table: Path |
         kda_ops.fla_kda()
         kda_ops.fla_norm()
     autotune_table.keep_autotuning_on_disk()
-    gpu = torch.cuda.get_device_name(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    gpu = torch.cuda.get_device_name(index)
     section = autotune_table.gpu_section(autotune_table.load_table(table), gpu)
     specs = section.get("compile", {})
     expected = (
         sum(len(v) for v in specs.values() if isinstance(v, list)) if isinstance(specs, dict) else 0
     )
-    with torch.cuda.device(device), CompileWatch(expected or None) as watch:
+    with torch.cuda.device(index), CompileWatch(expected or None) as watch:
         threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
         filled, compiled, jobs = apply_section(
-            section, threads, before=lambda: torch.cuda.set_device(device)
+            section, threads, before=lambda: torch.cuda.set_device(index)
         )
         logger.info(
             "kernels for %s: %d autotuning decisions and %d of %d compiles from the shipped "
