@@ -107,6 +107,12 @@ class DecodeGraphs:
         self.table = torch.zeros(max_bs, max_pages, **i64)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # forward + a tail (`run(..., tail=)`): graphs per (tail key, bucket), the words
+        # the tails read, their [max_bs] output, and the pool they were captured over
+        self.tail_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.tail_words: torch.Tensor | None = None
+        self.tail_out = torch.zeros(max_bs, **i64)
+        self._tail_kv = self._pool = None
         self.linear_states, self.spare_slot = linear_states, spare_slot
         if linear_states is not None:  # one token a request: rows are the sequences
             self.state_slots = torch.full((max_bs,), spare_slot, **i64)
@@ -150,13 +156,7 @@ class DecodeGraphs:
             self._capture()
 
     def _capture(self) -> None:
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.slots.fill_(-1)
-        self.seq_lens.fill_(1)
-        self.table.zero_()
-        if self.linear_states is not None:
-            self.state_slots.fill_(self.spare_slot)
+        self._reset_inputs()
         pool = None
         if self.capture_stream is None:
             self.capture_stream = torch.cuda.Stream()
@@ -171,13 +171,63 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
+        self._pool = pool
         logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def _reset_inputs(self) -> None:
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slots.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.table.zero_()
+        if self.linear_states is not None:
+            self.state_slots.fill_(self.spare_slot)
+
+    @torch.inference_mode()
+    def capture_tail(self, tail) -> None:
+        """Capture the forward followed by ``tail.compute(hidden [bs, H], words) ->
+        [bs]`` for every bucket (words: the bucket's `tail.words_per_bucket(bs)` static
+        int64 words, padding rows' while capturing), over the forward graphs' pool and
+        stream, under `capture_guard()`. Graphs of older tail keys beyond the last four
+        are dropped."""
+        if self._tail_kv is not self.kv_caches:  # a new pool: the old graphs baked it in
+            self.tail_graphs.clear()
+            self._tail_kv = self.kv_caches
+        size = tail.words_per_bucket(self.max_bs)
+        if self.tail_words is None or self.tail_words.numel() < size:
+            self.tail_graphs.clear()  # they read the old words
+            self.tail_words = torch.zeros(size, dtype=torch.int64, device=self.input_ids.device)
+        keys = list(dict.fromkeys(key for key, _ in self.tail_graphs))
+        for old in keys[:-3]:
+            for bs in self.buckets:
+                self.tail_graphs.pop((old, bs), None)
+        with self.capture_guard():
+            self._reset_inputs()
+            stream = self.capture_stream
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for bs in reversed(self.buckets):
+                    n = tail.words_per_bucket(bs)
+                    words = self.tail_words[:n]
+                    words.copy_(torch.from_numpy(tail.words(bs, rows=False)))
+                    self._forward_tail(tail, bs, words)  # warm-up: compiles, allocates
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                        self._forward_tail(tail, bs, words)
+                    self._pool = graph.pool()
+                    self.tail_graphs[tail.key, bs] = graph
+            torch.cuda.current_stream().wait_stream(stream)
+        logger.info("captured decode CUDA graphs with sampling %s", tail.key[0])
+
+    def _forward_tail(self, tail, bs: int, words: torch.Tensor) -> None:
+        self._forward(bs)
+        self.tail_out[:bs] = tail.compute(self.hidden[:bs], words)
 
     def bucket(self, n: int) -> int:
         return bucket_for(n, self.max_bs)
 
     def run(
-        self, ids, positions, slots, table, stage, device_ids=None, state_slots=None
+        self, ids, positions, slots, table, stage, device_ids=None, state_slots=None, tail=None
     ) -> torch.Tensor:
         """Replay the decode graph for len(ids) requests; returns hidden [n, hidden].
 
@@ -185,17 +235,24 @@ class DecodeGraphs:
         entries past a row's own pages are ignored); stage(array) puts an int64 array on
         the device; device_ids [n], when given, replaces ids (tokens still on the device);
         state_slots [n]: each request's state slot (models with linear-attention layers).
-        Padding rows get token 0, slot -1, a one-token context and the spare state slot."""
+        Padding rows get token 0, slot -1, a one-token context and the spare state slot.
+        tail (`capture_tail`): the graph that also runs it replays, its words for the
+        step staged with the inputs; ``tail.tokens`` is then its output [n] (a copy)."""
         if not self.graphs:
             self.capture()
         n = len(ids)
         bs = self.bucket(n)
+        if tail is not None and (
+            self._tail_kv is not self.kv_caches or (tail.key, bs) not in self.tail_graphs
+        ):
+            self.capture_tail(tail)
         width = table.shape[1]
         linear = self.linear_states is not None
         if linear and (state_slots is None or len(state_slots) != n):
             raise ValueError("a model with linear-attention layers replays with state_slots [n]")
         end = 4 * bs + bs * width
-        buf = np.zeros(end + (bs if linear else 0), dtype=np.int64)
+        words = 0 if tail is None else tail.words_per_bucket(bs)
+        buf = np.zeros(end + (bs if linear else 0) + words, dtype=np.int64)
         buf[:n] = ids
         buf[bs : bs + n] = positions
         buf[2 * bs : 3 * bs] = -1
@@ -205,8 +262,10 @@ class DecodeGraphs:
         buf[4 * bs : end] = 0
         buf[4 * bs : 4 * bs + n * width] = table.ravel()
         if linear:
-            buf[end:] = self.spare_slot
+            buf[end : end + bs] = self.spare_slot
             buf[end : end + n] = state_slots
+        if words:
+            buf[buf.size - words :] = tail.words(bs)
         dev = stage(buf)
         self.input_ids[:bs].copy_(dev[:bs])
         if device_ids is not None:
@@ -216,6 +275,11 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(dev[3 * bs : 4 * bs])
         self.table[:bs, :width].copy_(dev[4 * bs : end].view(bs, width))
         if linear:
-            self.state_slots[:bs].copy_(dev[end:])
+            self.state_slots[:bs].copy_(dev[end : end + bs])
+        if words:
+            self.tail_words[:words].copy_(dev[buf.size - words :])
+            self.tail_graphs[tail.key, bs].replay()
+            tail.tokens = self.tail_out[:n].clone()  # the next replay writes tail_out
+            return self.hidden[:n]
         self.graphs[bs].replay()
         return self.hidden[:n]

@@ -15,6 +15,7 @@ from batchgen.runner.batch import (
     TokenLogprobs,
 )
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
+from batchgen.runner.graph_sampling import graph_tail
 from batchgen.runner.in_flight import InFlightDecode, plain_greedy, sample_steps, token_logprobs
 from batchgen.runner.input_batch import InputBatch, StepRow
 from batchgen.runner.inputs import pack_step, pipelined_ids, table_width
@@ -123,7 +124,7 @@ class ModelRunner:
         )
 
     def _replay(
-        self, reqs: list[StepRow], device_ids: torch.Tensor | None = None
+        self, reqs: list[StepRow], device_ids: torch.Tensor | None = None, tail=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ps = self.page_size
         n = len(reqs)
@@ -140,13 +141,7 @@ class ModelRunner:
         if self.linear_states is not None:
             state_slots = np.fromiter((r.state_slot for r in reqs), np.int64, n)
         hidden = self.graphs.run(
-            ids,
-            starts,
-            slots,
-            table[rows, :width],
-            self.stage,
-            device_ids=device_ids,
-            state_slots=state_slots,
+            ids, starts, slots, table[rows, :width], self.stage, device_ids, state_slots, tail
         )
         if all(r.sample for r in reqs):
             return hidden, None
@@ -200,11 +195,15 @@ class ModelRunner:
         runs the forward meanwhile)."""
         reqs = self.apply(sched)
         device_ids = None if prev is None else self._pipelined_ids(reqs, prev)
-        # every row samples (can_launch_decode)
-        hidden, _ = self._forward(sched, reqs, copies, device_ids)
-        logits = self.model.compute_logits(hidden)
+        steps = sample_steps(reqs)  # every row samples (can_launch_decode)
         flight = InFlightDecode(sched, reqs)
-        steps = sample_steps(reqs)
+        # sampled inside the decode graph where the step allows it (graph_sampling)
+        tail = graph_tail(self, reqs, steps) if self._graph_ok(sched, copies) else None
+        hidden, _ = self._forward(sched, reqs, copies, device_ids, tail=tail)
+        if tail is not None:
+            tail.finish(flight)
+            return flight
+        logits = self.model.compute_logits(hidden)
         flight.pending = lambda: self._launch_sample(flight, logits, steps)
         flight.deferred = prev is not None and self._constrained(reqs)
         if not flight.deferred:
@@ -288,6 +287,7 @@ class ModelRunner:
         copies: StepCopies,
         device_ids: torch.Tensor | None = None,
         graph: bool | None = None,
+        tail=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's forward: a graph replay for a pure decode step, else the packed
         inputs and an eager forward. The step's copies (copies.wait_for) are awaited on
@@ -295,8 +295,8 @@ class ModelRunner:
         forward, layer by layer, so layer i computes while layer i+1's pages load.
         device_ids [T] replaces the input ids (a pipelined step's tokens, still on the
         device). `graph`: replay or not as told (a tensor-parallel worker follows rank
-        0), None: as `_graph_ok` says. Returns the hidden states and the rows to sample
-        from (None: all of them)."""
+        0), None: as `_graph_ok` says; `tail`: a replay's `graph_sampling.GraphTail`.
+        Returns the hidden states and the rows to sample from (None: all of them)."""
         if graph is None:
             graph = self._graph_ok(sched, copies)
         elif graph and self.graphs is None:
@@ -309,7 +309,7 @@ class ModelRunner:
             for copy in waits:
                 copy.wait_gates()
             with record_function("batchgen.replay"):
-                return self._replay(reqs, device_ids)
+                return self._replay(reqs, device_ids, tail)
         with record_function("batchgen.prepare"):
             input_ids, positions, meta, sample_rows = self.prepare(reqs)
         ctx = ForwardContext(

@@ -73,6 +73,11 @@ class PenaltyCounts:
         """Add one sampled token [P] (on the device) to the requests' slots [P]."""
         ones = torch.ones_like(token_ids, dtype=torch.int32)
         self.counts.index_put_((slots, token_ids), ones, accumulate=True)
+        self.counted(request_ids)
+
+    def counted(self, request_ids: list[str]) -> None:
+        """Note that one more token of each request is in its counts (`record` does; a
+        decode graph that adds its tokens on the device calls it alone)."""
         for rid in request_ids:
             if rid in self._recorded:
                 self._recorded[rid] += 1

@@ -9,7 +9,7 @@ so a step's metadata is a gather by slot and two copies to the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -227,16 +227,16 @@ class SamplingState:
         prompt_token_ids and output_token_ids) at their ``steps``: every row's id and
         params are read, a seed only for a request not held yet, token lists only for
         penalised rows."""
-        return self.build(
-            [r.request_id for r in requests],
-            [r.params for r in requests],
-            _Column(requests, "prompt_token_ids"),
-            _Column(requests, "output_token_ids"),
-            steps,
-            _Column(requests, "seed"),
-        )
+        return self.to_device(self.columns_for(requests, steps))
 
-    def build(
+    def columns_for(self, requests, steps: list[int]) -> StepColumns:
+        """`columns` for the runner's scheduled requests (read as `build_for` reads them)."""
+        ids, params = [r.request_id for r in requests], [r.params for r in requests]
+        prompts = _Column(requests, "prompt_token_ids")
+        outputs = _Column(requests, "output_token_ids")
+        return self.columns(ids, params, prompts, outputs, steps, _Column(requests, "seed"))
+
+    def columns(
         self,
         request_ids: list[str],
         params: list[SamplingParams],
@@ -244,9 +244,9 @@ class SamplingState:
         output_token_ids: list[list[int]],
         steps: list[int] | None = None,
         seeds: list[int | None] | None = None,
-    ) -> SamplingMetadata:
-        """The step's metadata for these rows (as `SamplingMetadata.build` describes;
-        ``seeds`` and ``params`` are read only for a request not held yet)."""
+    ) -> StepColumns:
+        """The step's parameters on the host (what `build` copies to the device); kept
+        penalty counts of a request not held yet, or out of step, are filled here."""
         n = len(params)
         get, held = self._slot.get, self._params
         slots = [get(rid, -1) for rid in request_ids]
@@ -264,7 +264,39 @@ class SamplingState:
             ids = self._min_tokens_ids(slots[i])
             if ids:
                 min_tokens_block.append((i, ids))
-        penalised = np.flatnonzero(ints[3]).tolist()
+        cols = StepColumns(floats, ints[0], positions, ints[2], min_tokens_block)
+        cols.penalised = np.flatnonzero(ints[3]).tolist()
+        kept = self.penalty_counts
+        if cols.penalised and kept is not None:
+            cols.pen_ids = [request_ids[i] for i in cols.penalised]
+            cols.pen_slots = kept.slots(
+                cols.pen_ids,
+                [prompt_token_ids[i] for i in cols.penalised],
+                [output_token_ids[i] for i in cols.penalised],
+                positions[cols.penalised].tolist(),
+            )
+        elif cols.penalised:  # counts built from the lists for this step alone
+            cols.outputs = [(i, output_token_ids[i]) for i in cols.penalised]
+            cols.prompts = [(i, prompt_token_ids[i]) for i in cols.penalised if floats[6, i] != 1]
+        return cols
+
+    def build(
+        self,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        steps: list[int] | None = None,
+        seeds: list[int | None] | None = None,
+    ) -> SamplingMetadata:
+        """The step's metadata for these rows (as `SamplingMetadata.build` describes;
+        ``seeds`` and ``params`` are read only for a request not held yet)."""
+        cols = self.columns(request_ids, params, prompt_token_ids, output_token_ids, steps, seeds)
+        return self.to_device(cols)
+
+    def to_device(self, cols: StepColumns) -> SamplingMetadata:
+        """`columns`' step as device tensors: two copies."""
+        floats, n, penalised = cols.floats, cols.positions.size, cols.penalised
         width = 7 if penalised else 4
         # each row of `packed`, like each part of `dev` (parts_to_device), starts 16-byte
         # aligned whatever n is: the sampling kernels take them as pointers, and Triton
@@ -274,49 +306,80 @@ class SamplingState:
         packed = to_device(torch.from_numpy(packed), self.device)[:, :n]
         # one int64 tensor crosses too: seeds, positions, then (penalties kept on the
         # device) each row's slot, the penalised rows and their slots
-        parts = [ints[0], positions]
-        kept, pen_slots = self.penalty_counts, None
-        if penalised and kept is not None:
-            pen_ids = [request_ids[i] for i in penalised]
-            pen_slots = kept.slots(
-                pen_ids,
-                [prompt_token_ids[i] for i in penalised],
-                [output_token_ids[i] for i in penalised],
-                positions[penalised].tolist(),
-            )
-            row_slots = np.full(n, pen_slots[0], dtype=np.int64)
-            row_slots[penalised] = pen_slots
-            parts += [row_slots, penalised, pen_slots]
+        parts = [cols.seeds, cols.positions]
+        if cols.pen_slots is not None:
+            parts += [cols.row_slots(), penalised, cols.pen_slots]
         dev = parts_to_device(parts, self.device)
         meta = SamplingMetadata(
             temperature=packed[0],
             top_p=packed[1],
             top_k=packed[3].to(torch.int64),
             min_p=packed[2],
-            all_greedy=bool((floats[0] == 0.0).all()),
+            all_greedy=cols.all_greedy,
             seeds=dev[0],
             positions=dev[1],
-            max_logprobs=int(ints[2].max(initial=0)),
+            max_logprobs=int(cols.logprobs.max(initial=0)),
             presence_penalty=packed[4] if penalised else None,
             frequency_penalty=packed[5] if penalised else None,
             repetition_penalty=packed[6] if penalised else None,
-            min_tokens_block=min_tokens_block,
-            max_top_k=int(floats[3].max(initial=0)),
+            min_tokens_block=cols.min_tokens_block,
+            max_top_k=cols.max_top_k,
             use_top_k=bool((floats[3] > 0).any()),
             use_top_p=bool((floats[1] < 1.0).any()),
-            use_min_p=bool((floats[2] > 0.0).any()),
-            need_logprobs=bool((ints[2] >= 0).any()),
+            use_min_p=cols.use_min_p,
+            need_logprobs=cols.need_logprobs,
         )
-        if pen_slots is not None:
-            row_slots = dev[2]
-            meta.penalty_source = (kept.counts, kept.prompt, row_slots)
-            meta.penalty_rows = (dev[3], dev[4], kept, pen_ids)
+        kept = self.penalty_counts
+        if cols.pen_slots is not None:
+            meta.penalty_source = (kept.counts, kept.prompt, dev[2])
+            meta.penalty_rows = (dev[3], dev[4], kept, cols.pen_ids)
         elif penalised:
-            outs = [(i, output_token_ids[i]) for i in penalised]
-            rep = [(i, prompt_token_ids[i]) for i in penalised if floats[6, i] != 1]
-            counts, mask = token_stats(n, self.vocab_size, self.device, outs, rep)
+            counts, mask = token_stats(n, self.vocab_size, self.device, cols.outputs, cols.prompts)
             meta.penalty_source = (counts, mask, None)
         return meta
+
+
+@dataclass
+class StepColumns:
+    """A step's sampling parameters on the host, rows as in the batch
+    (`SamplingState.columns`): what `SamplingState.to_device` copies to the device, and
+    what a decode graph's sampler reads from its static buffers (`runner.graph_sampling`)."""
+
+    # [7, n] float32: temperature (0: greedy), top_p, min_p, top_k (0: off), presence,
+    # frequency and repetition penalties
+    floats: np.ndarray
+    seeds: np.ndarray  # [n] int64: each row's noise seed
+    positions: np.ndarray  # [n] int64: each row's tokens generated so far
+    logprobs: np.ndarray  # [n] int64: params.logprobs, -1 for None
+    min_tokens_block: list[tuple[int, list[int]]]
+    penalised: list[int] = field(default_factory=list)  # the rows using a penalty
+    pen_ids: list[str] | None = None  # with kept counts: their request ids, slots
+    pen_slots: list[int] | None = None
+    outputs: list = field(default_factory=list)  # without: their (row, token ids)
+    prompts: list = field(default_factory=list)
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.floats[0] == 0.0).all())
+
+    @property
+    def max_top_k(self) -> int:
+        return int(self.floats[3].max(initial=0))
+
+    @property
+    def use_min_p(self) -> bool:
+        return bool((self.floats[2] > 0.0).any())
+
+    @property
+    def need_logprobs(self) -> bool:
+        return bool((self.logprobs >= 0).any())
+
+    def row_slots(self) -> np.ndarray:
+        """[n] int64: each row's kept-counts slot (a row without penalties reads the
+        first penalised row's, under identity penalties)."""
+        out = np.full(self.positions.size, self.pen_slots[0], dtype=np.int64)
+        out[self.penalised] = self.pen_slots
+        return out
 
 
 class _Column:

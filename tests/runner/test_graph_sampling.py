@@ -1,0 +1,141 @@
+"""The decode graph's sampler (runner/graph_sampling.py) called eagerly on the CPU: from
+its static words it must draw exactly the tokens `Sampler` draws for the same rows and
+seeds, and add the same tokens to the kept penalty counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from batchgen.runner.graph_sampling import (
+    MAX_TOP_K,
+    GraphTail,
+    StaticColumns,
+    Variant,
+    pack,
+    sample_static,
+    variant_of,
+    words_per_bucket,
+)
+from batchgen.runner.penalty_counts import PenaltyCounts
+from batchgen.runner.sampler import Sampler, SamplingState
+from batchgen.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+VOCAB = 300
+
+MIXED = [
+    dict(temperature=0.8, top_p=0.95),
+    dict(temperature=0.0),
+    dict(temperature=1.3, top_k=7),
+    dict(temperature=0.7, min_p=0.2, top_p=0.9),
+    dict(temperature=1.0),
+    dict(temperature=0.6, top_k=40, top_p=0.8),
+]
+PENALISED = [
+    dict(temperature=0.8, top_p=0.95, repetition_penalty=1.3),
+    dict(temperature=0.9, frequency_penalty=0.5, top_k=20),
+    dict(temperature=0.0, presence_penalty=0.7),
+    dict(temperature=1.1, top_p=0.9),  # no penalty, in a penalised batch
+]
+
+
+def _state() -> SamplingState:
+    return SamplingState(VOCAB, CPU, [2], None, PenaltyCounts(VOCAB, CPU))
+
+
+def _steps(configs, bs, kernels, steps=3, seed=0):
+    """Tokens per step from Sampler (one state) and sample_static on `pack`'s words for
+    bucket bs (another state), and both states' kept counts at the end."""
+    n = len(configs)
+    gen = torch.Generator().manual_seed(seed)
+    params = [SamplingParams(seed=100 + i, **kw) for i, kw in enumerate(configs)]
+    ids = [f"r{i}" for i in range(n)]
+    prompts = [torch.randint(0, VOCAB, (12,), generator=gen).tolist() for _ in range(n)]
+    outputs = [torch.randint(0, VOCAB, (5,), generator=gen).tolist() for _ in range(n)]
+    eager, static = _state(), _state()
+    sampler = Sampler(kernels=kernels)
+    got, want = [], []
+    for _ in range(steps):
+        logits = torch.randn(bs, VOCAB, generator=gen) * 3
+        positions = [len(o) for o in outputs]
+        meta = eager.build(ids, params, prompts, outputs, positions)
+        tokens = sampler(logits[:n], meta).sampled_token_ids
+        meta.record(tokens)
+        cols = static.columns(ids, params, prompts, outputs, positions)
+        variant = variant_of(cols, VOCAB)
+        assert variant is not None
+        words = torch.from_numpy(pack(cols, bs))
+        view = StaticColumns.view(words, bs)
+        drawn = sample_static(logits, view, variant, static.penalty_counts, kernels)
+        if variant.penalties:
+            static.penalty_counts.counted(cols.pen_ids)
+        want.append(tokens.tolist())
+        got.append(drawn[:n].tolist())
+        outputs = [o + [t] for o, t in zip(outputs, want[-1])]
+    return got, want, eager.penalty_counts, static.penalty_counts
+
+
+@pytest.mark.parametrize("bs", [6, 8])  # bucket = rows, and padding rows after them
+def test_static_words_draw_the_samplers_tokens(bs):
+    got, want, _, _ = _steps(MIXED, bs, kernels=False)
+    assert got == want
+    assert len({tuple(t) for t in want}) == 3  # the steps drew different tokens
+
+
+@pytest.mark.parametrize("bs", [4, 5])
+def test_penalised_rows_match_and_count_the_same_tokens(bs):
+    got, want, eager, static = _steps(PENALISED, bs, kernels=False, steps=4, seed=3)
+    assert got == want
+    rows = [f"r{i}" for i in range(3)]
+    a = eager.counts[eager.slots(rows, [[]] * 3, [[0] * 9] * 3, [9] * 3)]
+    b = static.counts[static.slots(rows, [[]] * 3, [[0] * 9] * 3, [9] * 3)]
+    assert int(a.sum()) == 3 * 9  # five from the lists, four sampled
+    assert torch.equal(a, b)
+
+
+def test_kernels_under_the_interpreter_match_the_sampler():
+    """The Triton path (interpreted on the CPU): penalty kernel, nucleus draw, top_k."""
+    got, want, _, _ = _steps(PENALISED[:2] + MIXED[:3], 8, kernels=True, steps=2, seed=5)
+    assert got == want
+
+
+def test_what_samples_eagerly():
+    vocab = 5000
+    state = SamplingState(vocab, CPU, [2], None, PenaltyCounts(vocab, CPU))
+
+    def cols(**kw):
+        p = [SamplingParams(seed=1, **kw), SamplingParams(seed=2, temperature=0.5)]
+        return state.columns(["a", "b"], p, [[1], [1]], [[], []], [0, 0])
+
+    assert variant_of(cols(temperature=0.5, logprobs=2), vocab) is None
+    assert variant_of(cols(temperature=0.5, min_tokens=3), vocab) is None
+    assert variant_of(cols(temperature=0.5, top_k=MAX_TOP_K + 1), vocab) is None
+    assert variant_of(cols(temperature=0.5), vocab) == Variant(False, 0, False)
+    assert variant_of(cols(temperature=0.5, top_k=50), vocab) == Variant(False, 64, False)
+    assert variant_of(cols(temperature=0.5, top_k=100, min_p=0.1), vocab) == Variant(
+        True, 128, False
+    )
+    assert variant_of(cols(temperature=0.5, top_k=200), 150) == Variant(False, 150, False)
+    assert variant_of(cols(temperature=0.5, repetition_penalty=1.2), vocab) == Variant(
+        False, 0, True
+    )
+    state.release(["a", "b"])
+    greedy = [SamplingParams(temperature=0), SamplingParams(temperature=0)]
+    assert variant_of(state.columns(["c", "d"], greedy, [[1]] * 2, [[]] * 2, [0, 0]), 9) is None
+
+
+@pytest.mark.parametrize("bs", [1, 2, 3, 5, 6, 24])
+def test_each_part_is_16_byte_aligned_and_padding_is_greedy(bs):
+    words = torch.from_numpy(pack(None, bs))
+    assert words.numel() == words_per_bucket(bs)
+    view = StaticColumns.view(words, bs)
+    base = words.data_ptr()
+    for name, t in vars(view).items():
+        assert t.shape == (bs,) and t.is_contiguous(), name
+        assert (t.data_ptr() - base) % 16 == 0, name
+    assert torch.equal(view.temperature, torch.zeros(bs))
+    assert torch.equal(view.repetition, torch.ones(bs)) and torch.equal(view.top_p, torch.ones(bs))
+    tail = GraphTail(None, None, Variant(False, 0, False), PenaltyCounts(VOCAB, CPU))
+    assert np.array_equal(tail.words(bs, rows=False), words.numpy())
