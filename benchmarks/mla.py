@@ -6,6 +6,7 @@
     PYTHONPATH=src python3 -m benchmarks.mla --skip-peer --profile --out $OUT  # + decode step
     PYTHONPATH=src python3 -m benchmarks.mla --skip-peer --profile-prefill --out $OUT  # + prefill
     PYTHONPATH=src python3 -m benchmarks.mla --small --out /tmp/w4    # CPU, seconds, for CI
+    PYTHONPATH=src python3 -m benchmarks.mla --sampling all --out $OUT  # sampled beside greedy
 
 Model: workloads.MOONLIGHT_W4, a scaled Moonlight-16B-A3B-like config (27 layers, hidden
 2048, MLA with kv_lora_rank 512 and a 64-wide rope part, 16 heads, 64 routed experts top-6
@@ -21,6 +22,11 @@ admission) with the host tier on (--host-gib, 32). Prints output tok/s of both, 
 ratio and the fraction of the roofline (BENCHMARKS.md: ~13,350 tok/s), and a breakdown of
 batchgen's run: prefill and decode phases (the prefill phase ends once every request has
 its first token), tier traffic. Writes mla.json into --out.
+
+--sampling greedy|sampled|top_k|penalty|all: batchgen alone (no peer), one engine, W4's
+requests greedy and then sampled as throughput.py's SAMPLING names them (issue 49: each
+beside greedy on W4's model as on W1's); prints each run's output tok/s and its ratio to
+greedy, writes sampling.json.
 """
 
 from __future__ import annotations
@@ -30,17 +36,39 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.engine_runs import add_engine_args
+from benchmarks.engine_runs import add_engine_args, engine_kwargs
 from benchmarks.moe_runs import (
     add_allocator_steps_arg,
     release_device_memory,
     run_batchgen,
     run_lines,
+    warm_up_prompts,
 )
 from benchmarks.peers import padded_generate
+from benchmarks.throughput import SAMPLING, print_sampling, sampled_runs
 from benchmarks.workloads import MOONLIGHT_W4, SMALL_MOONLIGHT, config_dir, w4_requests
 
 ROOFLINE_TOK_S = 13_350  # BENCHMARKS.md W4, H200
+
+
+def run_sampling(ckpt, prompts, out_lens, args) -> dict:
+    """W4's requests greedy, then sampled as --sampling names, in one engine built and
+    warmed up as `moe_runs.run_batchgen` builds its own (throughput.sampled_runs)."""
+    from batchgen import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(ckpt),
+        dtype=args.dtype,
+        device=args.device,
+        load_format="dummy",
+        max_model_len=max(len(p) for p in prompts) + max(out_lens) + 16,
+        host_kv_size_gib=args.host_gib,
+        **engine_kwargs(args),
+    )
+    warm = [p[::-1] for p in prompts[: warm_up_prompts(llm, len(prompts[0]))]]
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    names = ["greedy"] + (list(SAMPLING)[1:] if args.sampling == "all" else [args.sampling])
+    return sampled_runs(llm, prompts, out_lens, names, args.device)
 
 
 def main(argv=None) -> int:
@@ -63,6 +91,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="+ where a prefill step's time goes (profiles.profile_prefill)",
     )
+    ap.add_argument(
+        "--sampling",
+        choices=sorted(SAMPLING) + ["all"],
+        default=None,
+        help="batchgen greedy, then sampled as named (all: every one), ratios to greedy",
+    )
     add_allocator_steps_arg(ap)
     add_engine_args(ap)
     ap.set_defaults(ckpt=None)
@@ -77,6 +111,13 @@ def main(argv=None) -> int:
         prompts, out_lens = w4_requests()
         args.device, args.dtype = "cuda", "bfloat16"
         ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w4-config"), cfg)
+    if args.sampling:
+        runs = run_sampling(ckpt, prompts, out_lens, args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        result = {"workload": "small" if args.small else "W4", "sampling": runs}
+        (args.out / "sampling.json").write_text(json.dumps(result, indent=2))
+        print_sampling(runs)
+        return 0
     ours = run_batchgen(ckpt, prompts, out_lens, args)
     release_device_memory()
     print(json.dumps({"batchgen": ours}), flush=True)

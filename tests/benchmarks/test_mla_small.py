@@ -119,3 +119,20 @@ def test_allocator_line_names_each_counter_and_is_absent_on_the_cpu():
     assert by_step.split(None, 2)[2] == "#1 2 cudaMalloc; #3 1 cudaMalloc 2 retries"
     _, quiet = moe_runs.allocator_lines(alloc, [[0, 0], [0, 0]])
     assert quiet.endswith("none")
+
+
+def test_sampling_runs_beside_greedy(tmp_path):
+    """--sampling all: W4's script runs greedy and each sampled configuration in one
+    process (no peer, no mla.json), each run's rate and its ratio to greedy."""
+    mla = load("mla")
+    out = tmp_path / "out"
+    argv = ["--small", "--sampling", "all", "--out", str(out), "--ckpt", str(tmp_path / "c")]
+    elapsed = run_timed(mla, argv)
+    runs = json.loads((out / "sampling.json").read_text())["sampling"]
+    assert list(runs) == ["greedy", "sampled", "top_k", "penalty"]
+    rates = {name: rate_of(run, 6 * 6, elapsed) for name, run in runs.items()}
+    assert sum(run["wall_s"] for run in runs.values()) < elapsed
+    for name, run in runs.items():
+        assert run["output_tokens"] == 6 * 6
+        assert run["ratio_to_greedy"] == pytest.approx(rates[name] / rates["greedy"])
+    assert not (out / "mla.json").exists()
