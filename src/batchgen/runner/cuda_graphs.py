@@ -223,6 +223,12 @@ class DecodeGraphs:
         self._forward(bs)
         self.tail_out[:bs] = tail.compute(self.hidden[:bs], words)
 
+    def clear(self) -> None:
+        """Drop every captured graph (the KV pool was re-created): the next replay
+        captures again."""
+        self.graphs.clear()
+        self.tail_graphs.clear()
+
     def bucket(self, n: int) -> int:
         return bucket_for(n, self.max_bs)
 

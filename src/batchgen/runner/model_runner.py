@@ -113,7 +113,7 @@ class ModelRunner:
         self.batch.reset()
         if self.graphs is not None:
             self.graphs.kv_caches = kv_caches
-            self.graphs.graphs.clear()
+            self.graphs.clear()
 
     def _graph_ok(self, sched: SchedulerOutput, copies: StepCopies = NO_COPIES) -> bool:
         return (
