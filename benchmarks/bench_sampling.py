@@ -6,7 +6,9 @@ top-p draw, kernels/penalties.py) and the whole Sampler call for W1's configurat
 beside greedy (the runner's plain greedy argmax): temperature 0.8 + top_p 0.95 with a
 seed a row, + top_k 50, + repetition_penalty 1.1 (counts kept on the device, 64 output
 tokens a row). GPU times are triton.testing.do_bench medians in microseconds; each
-Sampler line also says how far it is over greedy. Host lines: milliseconds of CPU to
+Sampler line also says how far it is over greedy; each graph line is the same step's
+sampling as a decode graph runs it (runner/graph_sampling.py: sample_static captured in a
+CUDA graph, replayed), with the host time of its static words. Host lines: milliseconds of CPU to
 build a step's metadata, afresh (SamplingMetadata.build) and from a kept SamplingState.
 On the CPU (a check that it runs) times are medians of five calls, kernels interpreted.
 
@@ -133,6 +135,51 @@ def bench_rows(rows: int, vocab: int, dev: torch.device) -> None:
                 lambda p=params, s=state: s.build(ids, p, prompts, outputs, steps, seeds)
             )
             show(rows, f"host: {name} metadata, kept state", kept_ms * 1e3, "us")
+            args = (ids, params, prompts, outputs, steps, seeds)
+            graph = graph_sampling(
+                logits, state_cls(vocab, dev, [0], None, PenaltyCounts(vocab, dev)), args
+            )
+            if graph is not None:
+                t, host = graph
+                show(
+                    rows,
+                    f"graph: {name} sample_static replayed",
+                    t,
+                    f"us ({t - greedy:+.1f} over greedy)",
+                )
+                show(rows, f"host: {name} graph words (columns, pack)", host * 1e3, "us")
+
+
+def graph_sampling(logits, state, args):
+    """(us, host ms): the decode graph's sampler (runner/graph_sampling.py) on these
+    rows captured in a CUDA graph and replayed (on the CPU: called eagerly, torch
+    references), and the host time of its step words; None where the tree lacks it."""
+    try:
+        gs = importlib.import_module("batchgen.runner.graph_sampling")
+    except ImportError:
+        return None
+    rows, dev = logits.shape[0], logits.device
+    cols = state.columns(*args)
+    variant = gs.variant_of(cols, logits.shape[1])
+    words = torch.from_numpy(gs.pack(cols, rows)).to(dev)
+    view = gs.StaticColumns.view(words, rows)
+    host = host_ms(lambda: gs.pack(state.columns(*args), rows))
+    kept, cuda = state.penalty_counts, dev.type == "cuda"
+
+    def draw():
+        return gs.sample_static(logits, view, variant, kept, kernels=cuda)
+
+    if not cuda:
+        return timed_us(draw, dev), host
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        draw()  # compiles, allocates
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            draw()
+    torch.cuda.current_stream().wait_stream(stream)
+    return timed_us(graph.replay, dev), host
 
 
 if __name__ == "__main__":
