@@ -33,3 +33,10 @@ def test_a_gpu_build_is_watched_and_keeps_autotuning_on_disk(tmp_path, caplog):
     if "TRITON_CACHE_AUTOTUNING" not in os.environ:
         assert triton.knobs.autotuning.cache
     assert any("none recorded for this GPU" in r.getMessage() for r in caplog.records)
+
+
+def test_the_expected_compiles_count_each_listed_specialization():
+    section = {"compile": {"m:a": [{}, {}], "m:b": [{}], "m:c": "not a list"}}
+    assert kernel_prep.recorded_compiles(section) == 3
+    assert kernel_prep.recorded_compiles({"compile": ["x"]}) == 0
+    assert kernel_prep.recorded_compiles({}) == 0

@@ -40,6 +40,19 @@ def kernels_prepared(device: torch.device, linear_attention: bool, table: Path |
     if device.type != "cuda":
         yield None
         return
+    with CompileWatch() as watch:
+        prepare_kernels(device, linear_attention, table, watch)
+        yield watch
+
+
+def prepare_kernels(
+    device: torch.device,
+    linear_attention: bool,
+    table: Path | None = None,
+    watch: CompileWatch | None = None,
+) -> None:
+    """Steps 1-4 above on a CUDA `device` (a tensor-parallel worker rank's build calls it
+    alone); `watch`, if given, expects the compiles the table recorded for this GPU."""
     if linear_attention:
         kda_ops.fla_kda()
         kda_ops.fla_norm()
@@ -47,27 +60,29 @@ def kernels_prepared(device: torch.device, linear_attention: bool, table: Path |
     index = torch.cuda.current_device() if device.index is None else device.index
     gpu = torch.cuda.get_device_name(index)
     section = autotune_table.gpu_section(autotune_table.load_table(table), gpu)
-    specs = section.get("compile", {})
-    expected = (
-        sum(len(v) for v in specs.values() if isinstance(v, list)) if isinstance(specs, dict) else 0
-    )
-    with torch.cuda.device(index), CompileWatch(expected or None) as watch:
-        threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
+    if watch is not None:
+        watch.expected = recorded_compiles(section) or None
+    threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
+    with torch.cuda.device(index):
         filled, compiled, jobs = apply_section(
             section, threads, before=lambda: torch.cuda.set_device(index)
         )
-        logger.info(
-            "kernels for %s: %d autotuning decisions and %d of %d compiles from the shipped "
-            "table%s",
-            gpu,
-            filled,
-            compiled,
-            jobs,
-            ""
-            if section
-            else " (none recorded for this GPU: kernels autotune and compile as they are met)",
-        )
-        yield watch
+    logger.info(
+        "kernels for %s: %d autotuning decisions and %d of %d compiles from the shipped table%s",
+        gpu,
+        filled,
+        compiled,
+        jobs,
+        "" if section else " (none recorded for this GPU: kernels autotune and compile as met)",
+    )
+
+
+def recorded_compiles(section: dict) -> int:
+    """How many compiles a GPU's section of the table lists."""
+    specs = section.get("compile", {})
+    if not isinstance(specs, dict):
+        return 0
+    return sum(len(v) for v in specs.values() if isinstance(v, list))
 
 
 def apply_section(section: dict, threads: int, before=None) -> tuple[int, int, int]:

@@ -26,8 +26,15 @@ from batchgen.distributed.messages import (
 from batchgen.distributed.workers import serve
 from batchgen.engine.builder import build_runner
 from batchgen.engine.builder_plan import Warmup, attention_backend, expert_parallel, kv_layout
+from batchgen.engine.kernel_prep import prepare_kernels
 from batchgen.engine.limits import max_model_len
-from batchgen.engine.memory import begin_peak, build_state_pool, pages_left, remake_pool
+from batchgen.engine.memory import (
+    begin_peak,
+    build_state_pool,
+    pages_left,
+    remake_pool,
+    state_layout,
+)
 from batchgen.engine.tensor_parallel import TPStep, apply_step
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.host_pool import HostPool
@@ -58,6 +65,8 @@ def worker_main(tp: TPGroup, config: EngineConfig, source: ModelSource) -> None:
             quantization=config.quantization,
             ep=expert_parallel(config, tp),
         )
+    if device.type == "cuda":  # this rank's kernels, as build_engine's on rank 0
+        prepare_kernels(device, state_layout(model, dtype) is not None)
     serve(tp, _Worker(config, model, hf_config, device, dtype, tp).handle)
 
 
