@@ -19,8 +19,9 @@ from conftest import save_byte_tokenizer
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
 
 from batchgen import LLM, SamplingParams
+from batchgen.config import EngineConfig
 from batchgen.distributed.messages import DPMessage
-from batchgen.engine.dp_attention import DPEngine
+from batchgen.engine.dp_attention import DPEngine, wants_dp_attention
 from batchgen.engine.dp_rank import _Worker
 from batchgen.engine.engine_core import RequestsFailed
 from batchgen.engine.request import RequestStatus
@@ -35,7 +36,8 @@ KW = dict(
     max_num_batched_tokens=24,  # chunked prefills next to decodes
     num_kv_pages=200,
 )
-DP = dict(data_parallel_size=2, enable_expert_parallel=True)
+DP_FLAG = dict(enable_expert_parallel=True)
+DP = dict(data_parallel_size=2, **DP_FLAG)
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
@@ -201,6 +203,14 @@ def test_data_parallel_needs_expert_parallel_and_experts(tmp_path, tiny_llama):
         LLM(tiny_llama, device="cpu", data_parallel_size=2)
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         LLM(tiny_llama, device="cpu", **DP)
+
+
+def test_tensor_parallel_inside_a_data_parallel_rank_is_refused_saying_what_to_use():
+    config = EngineConfig(data_parallel_size=2, tensor_parallel_size=2, **DP_FLAG)
+    with pytest.raises(ValueError, match="MLA latent cache") as e:
+        wants_dp_attention(config)
+    assert "For 4 ranks use data_parallel_size=4 with enable_expert_parallel=True" in str(e.value)
+    assert wants_dp_attention(EngineConfig(data_parallel_size=4, **DP_FLAG))
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ def test_run_with_attention_data_parallel_writes_one_processs_answers(tmp_path):
     "extra, message",
     [
         (("--tp", "2"), "--tp must be 1 for now, got 2"),
+        (("--tp", "2"), "for 4 ranks use --data-parallel 4 --enable-expert-parallel"),
         (("--shard-size", "4"), "--shard-size applies to Ray data parallel"),
     ],
 )

@@ -236,7 +236,11 @@ def check_run(args: argparse.Namespace) -> str | None:
     if attention_dp and args.tp > 1:
         return (
             "--data-parallel with --enable-expert-parallel runs one process a rank: "
-            f"--tp must be 1 for now, got {args.tp}"
+            f"--tp must be 1 for now, got {args.tp} (tensor parallel inside a rank would "
+            "not split its MLA latent cache; for "
+            f"{args.data_parallel * args.tp} ranks use --data-parallel "
+            f"{args.data_parallel * args.tp} --enable-expert-parallel, or --tp "
+            f"{args.data_parallel * args.tp} --enable-expert-parallel)"
         )
     if args.enable_expert_parallel and args.tp < 2 and not attention_dp:
         return (

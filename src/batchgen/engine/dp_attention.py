@@ -24,8 +24,11 @@ rank; the MoE layers are expert parallel over the ranks (layers/expert_parallel.
 each rank its own tokens: builder_plan.expert_parallel).
 
 Not done here: GPUs are untested (the ranks' decode runs eagerly: a replayed CUDA graph
-does not call the model's pre-hook that pairs forwards), tensor parallel inside a data
-parallel rank, and reconfigure(). The ranks run as processes of this host, or as Ray
+does not call the model's pre-hook that pairs forwards), reconfigure(), and tensor
+parallel inside a data-parallel rank (refused: it needs a tensors' group per rank
+beside the expert-parallel group over all of them, each rank an executor of its own
+workers, and for MLA it would shrink no rank's latent cache; D x T ranks run as
+data_parallel_size=D*T instead). The ranks run as processes of this host, or as Ray
 actors over several hosts with distributed_executor_backend="ray" (distributed/ray_ranks.py).
 """
 
@@ -76,10 +79,16 @@ def wants_dp_attention(config: EngineConfig) -> bool:
             "ranks only for a mixture-of-experts model with enable_expert_parallel=True"
         )
     if config.tensor_parallel_size != 1:
+        dp, tp = config.data_parallel_size, config.tensor_parallel_size
         raise ValueError(
-            f"data_parallel_size={config.data_parallel_size} with tensor_parallel_size="
-            f"{config.tensor_parallel_size}: attention data parallel runs one process a "
-            "rank (tensor_parallel_size=1) for now"
+            f"data_parallel_size={dp} with tensor_parallel_size={tp}: attention data "
+            "parallel runs one process a rank (tensor_parallel_size=1) for now; tensor "
+            "parallel inside a rank would split its attention weights but not its MLA "
+            "latent cache (one latent head, held whole by every tensor-parallel rank). "
+            f"For {dp * tp} ranks use data_parallel_size={dp * tp} with "
+            "enable_expert_parallel=True (SGLang's --enable-dp-attention "
+            f"--tp {dp * tp} --dp {dp * tp}), or tensor_parallel_size={dp * tp} with "
+            "enable_expert_parallel=True"
         )
     return True
 
