@@ -206,4 +206,8 @@ def graph_tail(runner, reqs, steps: list[int]) -> GraphTail | None:
         return None
     cols = runner.sampling.columns_for(reqs, steps)
     variant = variant_of(cols, runner.vocab_size)
-    return None if variant is None else GraphTail(model, cols, variant, runner.penalties)
+    if variant is None:
+        return None
+    if variant.penalties:  # every row the graphs may hold has a slot: one capture
+        runner.penalties.reserve(runner.graphs.max_bs)
+    return GraphTail(model, cols, variant, runner.penalties)

@@ -82,6 +82,20 @@ class PenaltyCounts:
             if rid in self._recorded:
                 self._recorded[rid] += 1
 
+    def reserve(self, slots: int) -> None:
+        """Hold at least ``slots`` slots now, the counts kept: a decode graph bakes in
+        the counts' address, and growing by doubling as requests arrive would capture
+        its graphs again at each growth."""
+        have = self.counts.shape[0]
+        if have < slots:
+            self.counts = torch.cat(
+                [self.counts, self.counts.new_zeros(slots - have, self.vocab_size)]
+            )
+            self.prompt = torch.cat(
+                [self.prompt, self.prompt.new_zeros(slots - have, self.vocab_size)]
+            )
+            self._free = list(range(slots - 1, have - 1, -1)) + self._free
+
     def _take(self) -> int:
         if not self._free:
             have = self.counts.shape[0]
