@@ -26,8 +26,10 @@ they ran). Writes hybrid.json into --out. The run is the one mla.py makes
 (moe_runs.run_batchgen and peers.padded_generate), on this model.
 
 A machine's first process compiles and autotunes fla-core's kernels during the build
-(untimed; about 4 minutes on a fresh H200). With TRITON_CACHE_AUTOTUNING=1 in the
-environment the autotuning is kept on disk too, and a later process builds in about 20 s.
+(untimed; about 4 minutes on a fresh H200 before the shipped table of
+kernels/autotune_table.py). The engine keeps the autotuning on disk beside the compiled
+kernels (unless TRITON_CACHE_AUTOTUNING is set), and a later process built in about 20 s;
+`python -m benchmarks.startup --model kimi-w6 --device cuda` times this build alone.
 
 The peer is host-bound (transformers' MoE loops over experts in Python), so its rate
 follows the machine's CPU: 405-544 tok/s across H200 machines so far, each ratio against
