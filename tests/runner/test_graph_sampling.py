@@ -139,3 +139,85 @@ def test_each_part_is_16_byte_aligned_and_padding_is_greedy(bs):
     assert torch.equal(view.repetition, torch.ones(bs)) and torch.equal(view.top_p, torch.ones(bs))
     tail = GraphTail(None, None, Variant(False, 0, False), PenaltyCounts(VOCAB, CPU))
     assert np.array_equal(tail.words(bs, rows=False), words.numpy())
+
+
+class _Model:
+    """compute_logits is the identity: the test's hidden rows are its logits."""
+
+    def __init__(self, tp=None):
+        self.tp = tp
+
+    def compute_logits(self, hidden):
+        return hidden
+
+
+def _runner(model=None, grammar=None, kernels=None, max_bs=16):
+    from types import SimpleNamespace
+
+    kept = PenaltyCounts(VOCAB, CPU)
+    return SimpleNamespace(
+        model=model or _Model(),
+        grammar=grammar,
+        graphs=SimpleNamespace(max_bs=max_bs),
+        sampler=Sampler(kernels=kernels),
+        sampling=SamplingState(VOCAB, CPU, [2], None, kept),
+        penalties=kept,
+        vocab_size=VOCAB,
+    )
+
+
+def _rows(configs, outputs=3):
+    from batchgen.runner.input_batch import StepRow
+
+    return [
+        StepRow(
+            f"r{i}",
+            [-1],
+            10,
+            True,
+            outputs,
+            None,
+            SamplingParams(**kw),
+            [5, 6],
+            [7] * outputs,
+            100 + i,
+            i,
+        )  # fmt: skip
+        for i, kw in enumerate(configs)
+    ]
+
+
+def test_graph_tail_decides_per_step_and_hands_over_the_tokens():
+    from types import SimpleNamespace
+
+    from batchgen.runner.graph_sampling import graph_tail
+    from batchgen.runner.in_flight import InFlightDecode
+
+    configs = [dict(temperature=0.8, repetition_penalty=1.2), dict(temperature=0), dict(top_k=9)]
+    runner = _runner()
+    reqs = _rows(configs)
+    tail = graph_tail(runner, reqs, [3, 3, 3])
+    assert tail.variant == Variant(False, 64, True)
+    assert runner.penalties.counts.shape[0] == 16  # reserved for the graphs' rows
+    bs = 4
+    logits = torch.randn(bs, VOCAB, generator=torch.Generator().manual_seed(9)) * 2
+    tail.tokens = tail.compute(logits, torch.from_numpy(tail.words(bs)))[:3]
+    assert tail.tokens[1] == logits[1].argmax()  # the greedy row
+    flight = InFlightDecode(SimpleNamespace(), reqs)
+    tail.finish(flight)
+    assert flight.tokens is tail.tokens
+    slot = runner.penalties.slots(["r0"], [[5, 6]], [[7] * 4], [4])[0]
+    # the sampled token was counted in the graph, and the host knows: no refill at step 4
+    # (a refill would count 4 sevens from the lists instead)
+    want = torch.zeros(VOCAB, dtype=torch.int32)
+    want[7] += 3
+    want[int(tail.tokens[0])] += 1
+    assert torch.equal(runner.penalties.counts[slot], want)
+
+    assert graph_tail(runner, _rows([dict(temperature=0)] * 3), [3] * 3) is None  # argmax
+    assert graph_tail(runner, _rows([dict(logprobs=1)] + configs[1:]), [3] * 3) is None
+    following = SimpleNamespace(following=True)
+    assert graph_tail(_runner(grammar=following), reqs, [3] * 3) is None
+    assert graph_tail(_runner(model=_Model(SimpleNamespace(size=2))), reqs, [3] * 3) is None
+    assert graph_tail(_runner(kernels=False), reqs, [3] * 3) is None
+    assert graph_tail(_runner(), _rows([dict(temperature=0.5)]), [0]) is not None
