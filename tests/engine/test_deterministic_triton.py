@@ -43,23 +43,28 @@ def _rows(llm: LLM, prompts, order) -> dict[int, tuple]:
     return rows
 
 
-def _differing(model: str) -> dict[str, list[int]]:
-    """Per run, the prompts whose row differs from the prompt run alone."""
+def _differing(model: str, graphs: bool = False, **overrides) -> dict[str, list[int]]:
+    """Per run, the prompts whose row differs from the prompt run alone. graphs: every
+    engine must have replayed decode CUDA graphs."""
+    kw = dict(KW, **overrides)
     prompts = _prompts()
     order = list(range(len(prompts)))
-    alone_llm = LLM(model=model, **KW)
+    alone_llm = LLM(model=model, **kw)
     assert alone_llm.engine.runner.attention_backend == "triton"
     alone = {}
     for i in order:
         alone.update(_rows(alone_llm, prompts, [i]))
-    batched = LLM(model=model, **KW)
+    batched = LLM(model=model, **kw)
     runs = {"batch": _rows(batched, prompts, order)}
     runs["prefix hits"] = _rows(batched, prompts, order)
     assert batched.engine.metrics()["prefix_hit_tokens"] > 0
-    two = LLM(model=model, max_num_seqs=2, **KW)
+    two = LLM(model=model, **dict(kw, max_num_seqs=2))
     runs["two a step, reversed"] = _rows(two, prompts, order[::-1])
-    chunked = LLM(model=model, max_num_batched_tokens=16, **KW)
+    chunked = LLM(model=model, **dict(kw, max_num_batched_tokens=16))
     runs["chunked 16"] = _rows(chunked, prompts, order)
+    if graphs:
+        for llm in (alone_llm, batched, two, chunked):
+            assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
     return {k: [i for i in order if v[i] != alone[i]] for k, v in runs.items()}
 
 
@@ -74,4 +79,14 @@ def test_llama_rows_are_batch_invariant_on_the_triton_kernels(tmp_path):
 def test_mla_rows_are_batch_invariant_on_the_triton_kernels(tmp_path):
     save_random_model(tmp_path, deepseek_config())
     differ = _differing(str(tmp_path))
+    assert differ == {k: [] for k in differ}
+
+
+@pytest.mark.gpu
+def test_on_cuda_decode_graphs_stay_on_and_rows_are_batch_invariant(tmp_path):
+    """bf16 on a GPU, the backend left to "auto" (Triton there): decode replays CUDA graphs
+    (padding rows in most buckets) and the rows are the same bits batched any way."""
+    save_tiny_model(tmp_path, "LlamaForCausalLM")
+    cuda = dict(device="cuda", dtype="bfloat16", attention_backend="auto")
+    differ = _differing(str(tmp_path), graphs=True, **cuda)
     assert differ == {k: [] for k in differ}

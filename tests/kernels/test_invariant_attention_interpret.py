@@ -15,39 +15,47 @@ LENS = [37, 5, 18, 1, 29]
 
 
 class Seqs:
-    """Random K/V (and queries for every position) of len(LENS) sequences in a paged cache
+    """Random K/V (and queries for every position) of sequences of `lens` tokens in a paged cache
     whose page ids are shuffled; `mla`: one latent head, k = latent[..., :c] plus a rope
     part latent[..., c:], v = latent[..., :c]."""
 
-    def __init__(self, heads=4, kv_heads=2, dim=16, mla=False, seed=0):
+    def __init__(
+        self, heads=4, kv_heads=2, dim=16, mla=False, seed=0, lens=LENS, lora=32, rope=16,
+        device="cpu", dtype=torch.float32,
+    ):  # fmt: skip
         gen = torch.Generator().manual_seed(seed)
-        self.heads, self.mla = heads, mla
-        pages_each = [-(-n // PAGE) for n in LENS]
+        self.heads, self.mla, self.lens = heads, mla, lens
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen).to(device, dtype)
+
+        pages_each = [-(-n // PAGE) for n in lens]
         total = sum(pages_each) + 3
         order = torch.randperm(total, generator=gen)
         self.tables, first = [], 0
         for n in pages_each:
-            self.tables.append(order[first : first + n])
+            self.tables.append(order[first : first + n].to(device))
             first += n
         if mla:
-            self.c, rope = 32, 16
-            self.cache = torch.randn(total, PAGE, 1, self.c + rope, generator=gen)
-            self.k = self.cache[..., : self.c]
+            self.c = lora
+            self.cache = rand(total, PAGE, 1, lora + rope)
+            self.k = self.cache[..., :lora]
             self.v = self.k
-            self.k_rope = self.cache[..., self.c :]
-            self.q = [torch.randn(n, heads, self.c, generator=gen) for n in LENS]
-            self.q_rope = [torch.randn(n, heads, rope, generator=gen) for n in LENS]
+            self.k_rope = self.cache[..., lora:]
+            self.q = [rand(n, heads, lora) for n in lens]
+            self.q_rope = [rand(n, heads, rope) for n in lens]
         else:
-            self.k = torch.randn(total, PAGE, kv_heads, dim, generator=gen)
-            self.v = torch.randn(total, PAGE, kv_heads, dim, generator=gen)
+            self.k = rand(total, PAGE, kv_heads, dim)
+            self.v = rand(total, PAGE, kv_heads, dim)
             self.k_rope = None
-            self.q = [torch.randn(n, heads, dim, generator=gen) for n in LENS]
+            self.q = [rand(n, heads, dim) for n in lens]
             self.q_rope = None
-        self.scale = 0.3
+        self.scale = 0.3 if device == "cpu" else 1 / (lora if mla else dim) ** 0.5
+        self.device = device
 
     def table(self, seqs):
         width = max(len(self.tables[s]) for s in seqs)
-        out = torch.zeros(len(seqs), width, dtype=torch.int64)
+        out = torch.zeros(len(seqs), width, dtype=torch.int64, device=self.device)
         for i, s in enumerate(seqs):
             out[i, : len(self.tables[s])] = self.tables[s]
         return out
@@ -60,9 +68,11 @@ class Seqs:
             None if self.q_rope is None else torch.cat([self.q_rope[s][a:b] for s, a, b in chunks])
         )
         lens = [b - a for _, a, b in chunks]
-        starts = torch.tensor([0] + lens[:-1]).cumsum(0)
+        dev = dict(device=self.device)
+        starts = torch.tensor([0] + lens[:-1], **dev).cumsum(0)
+        ends = torch.tensor([b for _, _, b in chunks], **dev)
         out = invariant_attention(
-            q, self.k, self.v, starts, torch.tensor(lens), torch.tensor([b for _, _, b in chunks]),
+            q, self.k, self.v, starts, torch.tensor(lens, **dev), ends,
             self.table([s for s, _, _ in chunks]), max(lens), self.scale, window,
             q_rope=q_rope, k_rope=self.k_rope,
         )  # fmt: skip
@@ -86,17 +96,18 @@ class Seqs:
         return out[: len(seqs)]
 
     def reference(self, s, window=None):
-        """torch attention of sequence s's every query, [n, H, Dv]."""
-        n = LENS[s]
+        """torch attention of sequence s's every query, [n, H, Dv] (float32)."""
+        n = self.lens[s]
         keys = self.k[self.tables[s]].flatten(0, 1)[:n]  # [n, Hkv, D]
         values = self.v[self.tables[s]].flatten(0, 1)[:n]
         g = self.heads // keys.shape[1]
         keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
-        scores = torch.einsum("qhd,khd->hqk", self.q[s], keys)
+        keys, values = keys.float(), values.float()
+        scores = torch.einsum("qhd,khd->hqk", self.q[s].float(), keys)
         if self.mla:
-            rope = self.k_rope[self.tables[s]].flatten(0, 1)[:n, 0]
-            scores = scores + torch.einsum("qhr,kr->hqk", self.q_rope[s], rope)
-        pos = torch.arange(n)
+            rope = self.k_rope[self.tables[s]].flatten(0, 1)[:n, 0].float()
+            scores = scores + torch.einsum("qhr,kr->hqk", self.q_rope[s].float(), rope)
+        pos = torch.arange(n, device=self.device)
         allowed = pos[None, :] <= pos[:, None]
         if window is not None:
             allowed &= pos[None, :] > pos[:, None] - window
@@ -109,54 +120,76 @@ CASES = {
     "mha": dict(heads=2, kv_heads=2),
     "mla": dict(heads=4, mla=True),
 }
+# the GPU's: real head widths, bf16, sequences over several 64-key blocks
+GPU_LENS = [300, 5, 130, 1, 257]
+GPU_CASES = {
+    "gqa": dict(heads=8, kv_heads=2, dim=128),
+    "mla": dict(heads=16, mla=True, lora=512, rope=64),
+}
+GPU = dict(device="cuda", dtype=torch.bfloat16, lens=GPU_LENS)
+
+
+def _pieces(lens) -> list[list[tuple[int, int, int]]]:
+    """Three prefill steps cutting every sequence at a third and two thirds of its
+    length (empty pieces left out), the middle step's requests in reverse order."""
+    cuts = [(0, n // 3, 2 * n // 3, n) for n in lens]
+    steps = [[(s, c[i], c[i + 1]) for s, c in enumerate(cuts) if c[i + 1] > c[i]] for i in range(3)]
+    steps[1].reverse()
+    return steps
+
+
+def check_prefill(seqs: Seqs, window=None, tol=1e-5) -> None:
+    """Each sequence's prefill rows: close to the reference, and the same bits alone, in
+    the batch, in reverse order and chunked at other cut points beside other requests."""
+    whole = [(s, 0, n) for s, n in enumerate(seqs.lens)]
+    batch = seqs.prefill(whole, window)
+    for s in range(len(seqs.lens)):
+        ref = seqs.reference(s, window)
+        torch.testing.assert_close(batch[s].float(), ref, atol=tol, rtol=tol)
+    alone = [seqs.prefill([(s, 0, n)], window)[0] for s, n in enumerate(seqs.lens)]
+    backwards = seqs.prefill(whole[::-1], window)[::-1]
+    chunked = {}
+    for step in _pieces(seqs.lens):
+        for (s, a, _), rows in zip(step, seqs.prefill(step, window)):
+            chunked.setdefault(s, []).append((a, rows))
+    for s in range(len(seqs.lens)):
+        assert torch.equal(alone[s], batch[s]), s
+        assert torch.equal(backwards[s], batch[s]), s
+        pieces = torch.cat([r for _, r in sorted(chunked[s], key=lambda x: x[0])])
+        assert torch.equal(pieces, batch[s]), s
+
+
+def check_decode(seqs: Seqs, tol=1e-5) -> None:
+    """Each sequence's last token decoded: the same bits alone, batched, shuffled, beside
+    a graph bucket's padding rows, and as the same token prefilled; close to the
+    reference."""
+    order, shuffle = [0, 1, 2, 3, 4], [3, 0, 4, 2, 1]
+    batch = seqs.decode(order)
+    shuffled = seqs.decode(shuffle)
+    padded = seqs.decode(order, pad=3)  # a CUDA graph bucket's padding rows
+    prefilled = seqs.prefill([(s, 0, n) for s, n in enumerate(seqs.lens)])
+    for s in order:
+        alone = seqs.decode([s])[0]
+        assert torch.equal(alone, batch[s]), s
+        assert torch.equal(shuffled[shuffle.index(s)], batch[s]), s
+        assert torch.equal(padded[s], batch[s]), s
+        # the last token decoded has the bits of the same token prefilled
+        assert torch.equal(prefilled[s][-1], batch[s]), s
+        ref = seqs.reference(s)[-1]
+        torch.testing.assert_close(batch[s].float(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("window", [None, 7])
 def test_prefill_rows_same_bits_in_any_batch_and_chunking(case, window):
-    seqs = Seqs(**CASES[case])
     if case == "mla" and window is not None:
         pytest.skip("MLA has no sliding window")
-    whole = [(s, 0, n) for s, n in enumerate(LENS)]
-    batch = seqs.prefill(whole, window)
-    for s in range(len(LENS)):
-        torch.testing.assert_close(batch[s], seqs.reference(s, window), atol=1e-5, rtol=1e-5)
-    alone = [seqs.prefill([(s, 0, n)], window)[0] for s, n in enumerate(LENS)]
-    backwards = seqs.prefill(whole[::-1], window)[::-1]
-    # chunked at other cut points: sequence 0 in 3 pieces, 2 in 2, batched with others
-    pieces = (
-        [(0, 0, 9), (2, 0, 11), (4, 0, 29)],
-        [(0, 9, 30), (2, 11, 18), (1, 0, 5)],
-        [(3, 0, 1), (0, 30, 37)],
-    )
-    chunked = {}
-    for step in pieces:
-        for (s, a, _), rows in zip(step, seqs.prefill(list(step), window)):
-            chunked.setdefault(s, []).append((a, rows))
-    for s in range(len(LENS)):
-        assert torch.equal(alone[s], batch[s]), s
-        assert torch.equal(backwards[s], batch[s]), s
-        assert torch.equal(
-            torch.cat([r for _, r in sorted(chunked[s], key=lambda x: x[0])]), batch[s]
-        ), s
+    check_prefill(Seqs(**CASES[case]), window)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_decode_rows_same_bits_alone_batched_padded_and_as_prefill(case):
-    seqs = Seqs(**CASES[case], seed=1)
-    order = [0, 1, 2, 3, 4]
-    batch = seqs.decode(order)
-    shuffled = seqs.decode([3, 0, 4, 2, 1])
-    padded = seqs.decode(order, pad=3)  # a CUDA graph bucket's padding rows
-    prefilled = seqs.prefill([(s, 0, n) for s, n in enumerate(LENS)])
-    for s in order:
-        alone = seqs.decode([s])[0]
-        assert torch.equal(alone, batch[s]), s
-        assert torch.equal(shuffled[[3, 0, 4, 2, 1].index(s)], batch[s]), s
-        assert torch.equal(padded[s], batch[s]), s
-        # the last token decoded has the bits of the same token prefilled
-        assert torch.equal(prefilled[s][-1], batch[s]), s
-        torch.testing.assert_close(batch[s], seqs.reference(s)[-1], atol=1e-5, rtol=1e-5)
+    check_decode(Seqs(**CASES[case], seed=1))
 
 
 def test_decode_with_a_window_matches_prefill():
@@ -165,6 +198,16 @@ def test_decode_with_a_window_matches_prefill():
     prefilled = seqs.prefill([(0, 0, 37), (2, 0, 18), (4, 0, 29)], window=7)
     for i in range(3):
         assert torch.equal(decoded[i], prefilled[i][-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_rows_same_bits_on_cuda(case):
+    """The compiled kernels in bf16 on the tensor cores: the same invariances."""
+    check_prefill(Seqs(**GPU_CASES[case], **GPU), tol=2e-2)
+    check_decode(Seqs(**GPU_CASES[case], **GPU, seed=1), tol=2e-2)
+    if case == "gqa":
+        check_prefill(Seqs(**GPU_CASES[case], **GPU, seed=2), window=100, tol=2e-2)
 
 
 def test_rejects_misfit_rope():
