@@ -150,11 +150,18 @@ def record_tuning(
 ) -> dict:
     """Write this process's autotuning decisions (of the kernels under `prefixes`) and
     the compiles `watch` recorded into the table at `path` as `gpu`'s section; returns
-    the section."""
+    the section (with the Triton and fla-core versions it was recorded with)."""
+    import importlib.metadata
+
     import triton
 
+    try:
+        fla = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        fla = None
     section = {
         "triton": triton.__version__,
+        "fla-core": fla,
         "autotune": autotune_table.record_decisions(prefixes),
         "compile": chosen_only(watch.specs),
     }

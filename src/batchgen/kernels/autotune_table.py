@@ -18,7 +18,7 @@ A kernel id is "module:name", the module a kernel's function was defined in and 
 name it is bound to there. The table file (TABLE_PATH, package data) holds one section
 per GPU name (torch.cuda.get_device_name()):
 
-    {"format": 1, "gpus": {"NVIDIA H100 80GB HBM3": {"triton": "3.6.0",
+    {"format": 1, "gpus": {"NVIDIA H100 80GB HBM3": {"triton": "3.6.0", "fla-core": ...,
         "autotune": {kernel id: [entries]}, "compile": {kernel id: [specialization]}}}}
 
 ("compile" is precompile.py's). Anything the running process cannot use (an unknown
