@@ -196,7 +196,11 @@ def test_graph_tail_decides_per_step_and_hands_over_the_tokens():
     configs = [dict(temperature=0.8, repetition_penalty=1.2), dict(temperature=0), dict(top_k=9)]
     runner = _runner()
     reqs = _rows(configs)
-    tail = graph_tail(runner, reqs, [3, 3, 3])
+
+    def tail_for(runner, reqs, steps):
+        return graph_tail(runner, InFlightDecode(SimpleNamespace(), reqs), steps)
+
+    tail = tail_for(runner, reqs, [3, 3, 3])
     assert tail.variant == Variant(False, 64, True)
     assert runner.penalties.counts.shape[0] == 16  # reserved for the graphs' rows
     bs = 4
@@ -214,10 +218,10 @@ def test_graph_tail_decides_per_step_and_hands_over_the_tokens():
     want[int(tail.tokens[0])] += 1
     assert torch.equal(runner.penalties.counts[slot], want)
 
-    assert graph_tail(runner, _rows([dict(temperature=0)] * 3), [3] * 3) is None  # argmax
-    assert graph_tail(runner, _rows([dict(logprobs=1)] + configs[1:]), [3] * 3) is None
+    assert tail_for(runner, _rows([dict(temperature=0)] * 3), [3] * 3) is None  # argmax
+    assert tail_for(runner, _rows([dict(logprobs=1)] + configs[1:]), [3] * 3) is None
     following = SimpleNamespace(following=True)
-    assert graph_tail(_runner(grammar=following), reqs, [3] * 3) is None
-    assert graph_tail(_runner(model=_Model(SimpleNamespace(size=2))), reqs, [3] * 3) is None
-    assert graph_tail(_runner(kernels=False), reqs, [3] * 3) is None
-    assert graph_tail(_runner(), _rows([dict(temperature=0.5)]), [0]) is not None
+    assert tail_for(_runner(grammar=following), reqs, [3] * 3) is None
+    assert tail_for(_runner(model=_Model(SimpleNamespace(size=2))), reqs, [3] * 3) is None
+    assert tail_for(_runner(kernels=False), reqs, [3] * 3) is None
+    assert tail_for(_runner(), _rows([dict(temperature=0.5)]), [0]) is not None

@@ -30,7 +30,6 @@ import torch
 from batchgen.kernels.penalties import penalized_logits, penalized_logits_reference
 from batchgen.kernels.sampling import sample_tokens_reference
 from batchgen.kernels.sampling_nucleus import sample_nucleus, top_p_cut_reference
-from batchgen.runner.in_flight import plain_greedy
 from batchgen.runner.penalty_counts import PenaltyCounts
 from batchgen.runner.sampling_metadata import StepColumns
 
@@ -189,9 +188,9 @@ class GraphTail:
         flight.copy_tokens(self.tokens)
 
 
-def graph_tail(runner, reqs, steps: list[int]) -> GraphTail | None:
-    """The tail a decode step of ``reqs`` (every row sampling, graph-able) replays with,
-    None where it samples after the replay: no graphs, a structured-output grammar
+def graph_tail(runner, flight, steps: list[int]) -> GraphTail | None:
+    """The tail a decode step (its InFlightDecode: every row samples, graph-able) replays
+    with, None where it samples after the replay: no graphs, a structured-output grammar
     following a request, more than one tensor-parallel rank, every row plain greedy, or
     what `variant_of` leaves eager."""
     model, grammar = runner.model, runner.grammar
@@ -202,9 +201,9 @@ def graph_tail(runner, reqs, steps: list[int]) -> GraphTail | None:
     tp = getattr(model, "tp", None)
     if tp is not None and tp.size > 1:  # workers compute the logits' gather eagerly
         return None
-    if all(plain_greedy(r.params) for r in reqs):
+    if flight.plain_greedy():
         return None
-    cols = runner.sampling.columns_for(reqs, steps)
+    cols = runner.sampling.columns_for(flight.sampled, steps)
     variant = variant_of(cols, runner.vocab_size)
     if variant is None:
         return None

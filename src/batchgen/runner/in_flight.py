@@ -25,6 +25,7 @@ class InFlightDecode:
         self._reported: tuple = ()  # the logprobs' host copies, where a row reports them
         self.pending = None
         self.deferred = False
+        self._greedy: bool | None = None
         # run once the tokens are on the host, before they are used (tensor parallel:
         # raises if a worker ended while the step ran)
         self.check: Callable[[], None] | None = None
@@ -44,6 +45,13 @@ class InFlightDecode:
         self._host, self._reported = host[0], tuple(host[1:])
         self._done = torch.cuda.Event()
         self._done.record()
+
+    def plain_greedy(self) -> bool:
+        """Whether every sampled row is plain greedy (its sampling an argmax of the raw
+        logits), read from the rows once a step."""
+        if self._greedy is None:
+            self._greedy = all(plain_greedy(r.params) for r in self.sampled)
+        return self._greedy
 
     def launch_sample(self) -> None:
         """Queue the step's sampling if it is not queued yet."""

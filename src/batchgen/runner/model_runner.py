@@ -198,7 +198,7 @@ class ModelRunner:
         steps = sample_steps(reqs)  # every row samples (can_launch_decode)
         flight = InFlightDecode(sched, reqs)
         # sampled inside the decode graph where the step allows it (graph_sampling)
-        tail = graph_tail(self, reqs, steps) if self._graph_ok(sched, copies) else None
+        tail = graph_tail(self, flight, steps) if self._graph_ok(sched, copies) else None
         hidden, _ = self._forward(sched, reqs, copies, device_ids, tail=tail)
         if tail is not None:
             tail.finish(flight)
@@ -250,7 +250,7 @@ class ModelRunner:
         reqs = flight.sampled
         logits = self._constrain(logits, reqs)
         reported = None
-        if all(plain_greedy(r.params) for r in reqs):
+        if flight.plain_greedy():
             tokens = logits.argmax(dim=-1)
         else:
             meta = self._sampling(reqs, steps)
