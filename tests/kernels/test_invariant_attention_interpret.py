@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from batchgen.kernels.invariant_attention import invariant_attention, invariant_decode
+from batchgen.kv_quant import FP8, to_cache
 
 PAGE = 4
 LENS = [37, 5, 18, 1, 29]
@@ -198,6 +199,20 @@ def test_decode_with_a_window_matches_prefill():
     prefilled = seqs.prefill([(0, 0, 37), (2, 0, 18), (4, 0, 29)], window=7)
     for i in range(3):
         assert torch.equal(decoded[i], prefilled[i][-1])
+
+
+@pytest.mark.parametrize("case", ["gqa", "mla"])
+def test_fp8_caches_keep_every_invariance(case):
+    """FP8 pages (kv_cache_dtype "fp8"), upcast as loaded: the same checks."""
+    seqs = Seqs(**CASES[case], seed=3)
+    if seqs.mla:
+        seqs.cache = to_cache(seqs.cache, FP8)
+        seqs.k = seqs.v = seqs.cache[..., : seqs.c]
+        seqs.k_rope = seqs.cache[..., seqs.c :]
+    else:
+        seqs.k, seqs.v = to_cache(seqs.k, FP8), to_cache(seqs.v, FP8)
+    check_decode(seqs)
+    check_prefill(seqs)
 
 
 @pytest.mark.gpu
