@@ -1,0 +1,37 @@
+"""kernels/precompile.py on a GPU: a compile recorded by the watch, preloaded from its
+data into an emptied kernel, serves the next launch without compiling again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from batchgen.kernels.precompile import CompileWatch, precompile, preload_jobs
+
+pytestmark = pytest.mark.gpu
+
+
+@triton.jit
+def _add_one(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+def test_a_recorded_compile_preloads_and_the_launch_does_not_compile_again():
+    x = torch.arange(100, device="cuda", dtype=torch.float32)
+    out = torch.empty_like(x)
+    with CompileWatch(record=True) as first:
+        _add_one[(1,)](x, out, 100, BLOCK=128)
+    kernel_id = f"{__name__}:_add_one"
+    assert first.count == 1 and len(first.specs[kernel_id]) == 1
+    _add_one.device_caches.clear()  # as in a new process: nothing compiled in memory
+    index = x.device.index or 0
+    jobs = preload_jobs(first.specs)
+    assert precompile(jobs, 2, before=lambda: torch.cuda.set_device(index)) == 1
+    out.zero_()
+    with CompileWatch() as second:
+        _add_one[(1,)](x, out, 100, BLOCK=128)
+    assert torch.equal(out, x + 1)
+    assert second.count == 0
