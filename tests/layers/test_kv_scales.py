@@ -84,7 +84,8 @@ def test_attention_with_per_head_scales_on_both_backends():
     k = (torch.randn(t, heads, dim, generator=gen) * spread).to(DEVICE)
     v = (torch.randn(t, heads, dim, generator=gen) * spread.flip(1)).to(DEVICE)
     layer = Attention(0, heads * group, heads, dim, 0.25)
-    exact = _attention_step("torch", old_k.clone(), old_v.clone(), layer, q, k, v, meta)
+    f32_k, f32_v = old_k.to(DEVICE, copy=True), old_v.to(DEVICE, copy=True)
+    exact = _attention_step("torch", f32_k, f32_v, layer, q, k, v, meta)
     layer.load("k", k_scale)
     layer.load("v", v_scale)
     outs = {}
