@@ -1,6 +1,7 @@
 """A checkpoint's FP8 KV-cache scales (layers/kv_scales.py) in the attention layers.
 
-Names of each format map to their layer; a per-head scale is cut to a rank's KV heads;
+Names of each format map to their layer (Qwen3, DeepSeek-V3 and Kimi Linear models route
+them to the layer's attention); a per-head scale is cut to a rank's KV heads;
 malformed scales are refused. One mixed step (decodes, a chunk after a cached prefix, a
 fresh prompt) of `Attention` with per-head K and V scales, and of `MLAttention` with a
 latent scale, over FP8 pages on the torch and Triton backends (the interpreter on the
@@ -135,3 +136,30 @@ def test_mla_latent_scale_on_both_backends():
     attn.kv_scales = KVScales(1)  # the scale left out: the latent saturates
     out = run("torch", to_cache(old, FP8).to(DEVICE))
     assert (out - exact).abs().max().item() > 0.05 * exact.abs().max().item()
+
+
+def test_each_model_routes_a_scale_to_its_layers_attention():
+    """Llama/Qwen3: the layer's `attn` (per KV head); DeepSeek-V3 and Kimi Linear's MLA
+    layers: the MLAttention itself (its latent)."""
+    from conftest import tiny_config as tiny_llama
+    from deepseek_checkpoints import tiny_config as tiny_deepseek
+    from kimi_checkpoints import tiny_config as tiny_kimi
+
+    from batchgen.layers.mla import MLAttention
+    from batchgen.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from batchgen.models.kimi_linear import KimiLinearForCausalLM
+    from batchgen.models.llama import Qwen3ForCausalLM
+
+    cases = [
+        (Qwen3ForCausalLM, tiny_llama("Qwen3ForCausalLM"), Attention),
+        (DeepseekV3ForCausalLM, tiny_deepseek(), MLAttention),
+        (KimiLinearForCausalLM, tiny_kimi(["linear_attention", "full_attention"]), MLAttention),
+    ]
+    for cls, config, kind in cases:
+        with torch.device("meta"):
+            model = cls(config, 64)
+        for suffix, which in (("k_scale", "k"), ("v_proj.v_scale", "v"), ("kv_scale", "kv")):
+            name = f"model.layers.1.self_attn.{suffix}"
+            module, param, shard = model.checkpoint_target(name)
+            assert isinstance(module, kind) and (param, shard) == (which, None), name
+            assert module is model.layers[1].self_attn or module is model.layers[1].self_attn.attn
