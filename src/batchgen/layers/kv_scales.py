@@ -24,7 +24,8 @@ per tensor; a v_scale beside it is checked and not used (vLLM's MLA does the sam
 No kernel reads a scale: attention folds them where it costs nothing. K and V are
 divided before the store (in float32, so the e4m3 rounding is the only one); the key
 scale multiplies the softmax scale (q . k's = s (q . k')), per head by scaling the
-query's heads instead; the value scale multiplies the output (sum p v's = s sum p v').
+query's heads instead (in q's dtype: one more rounding, 2^-9 relative in bf16, far
+below e4m3's 2^-4); the value scale multiplies the output (sum p v's = s sum p v').
 """
 
 from __future__ import annotations
