@@ -140,6 +140,42 @@ def test_unseeded_sampling_with_early_stops(model_dir, engine_device):
     assert sum(len(ids) < 16 for ids, _, _ in rows) >= 2
 
 
+def test_admitting_steps_launch_and_the_next_decode_queues_behind_them(model_dir):
+    """A step that admits requests (prompt rows beside decode rows) is launched as well,
+    and the decode step after it is built blind and queued while it runs: the same steps
+    and outputs as plain stepping."""
+    prompts = _prompts(24)
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=2 + i % 7, ignore_eos=True)
+        for i in range(24)
+    ]
+    plain, _, plain_engine = _run(model_dir, prompts, params, False, max_num_seqs=6)
+    llm = LLM(model=str(model_dir), pipeline_decode=True, max_num_seqs=6, **KW)
+    runner = llm.engine.runner
+    prompted, behind = [], []
+    launch_step, launch_decode = runner.launch_step, runner.launch_decode
+
+    def has_prompt(sched):
+        return any(len(r.new_token_ids) > 1 for r in sched.requests)
+
+    def step(sched, prev=None, *copies):
+        prompted.append(has_prompt(sched))
+        return launch_step(sched, prev, *copies)
+
+    def decode(sched, prev=None, *copies):
+        behind.append(prev is not None and has_prompt(prev.sched))
+        return launch_decode(sched, prev, *copies)
+
+    runner.launch_step, runner.launch_decode = step, decode
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    rows = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+    assert rows == plain
+    assert llm.engine.stats.steps == plain_engine.stats.steps
+    assert sum(prompted) >= 3, "no step that admits requests was launched"
+    assert sum(behind) >= 3, "no decode step was queued behind an admitting step"
+    assert llm.engine.kv.num_free_pages == llm.engine.kv.allocator.num_pages
+
+
 def test_unseeded_draws_do_not_depend_on_the_batch(model_dir):
     """An unseeded request samples from the engine seed and its arrival index: other
     requests' lengths (what shares its steps) change nothing of its output."""

@@ -200,7 +200,11 @@ def _build_engine(config, model, hf_config, tokenizer, device, dtype, executor) 
         exact_swap=exact_swap,
         scheduler=scheduler,
         runner=runner,
-        overlap=build_overlap(plan.overlap, runner, scheduler, kv),
+        # admitting steps launched: one rank, no host tier (whose copies, finishing
+        # between steps, free pages that schedule() would admit into at once)
+        overlap=build_overlap(
+            plan.overlap, runner, scheduler, kv, executor.size == 1 and tier is None
+        ),
         structured=structured,
         detokenizer=Detokenizer(tokenizer),
         executor=executor,

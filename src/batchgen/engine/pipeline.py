@@ -40,9 +40,10 @@ def next_decode(
     kv: KVCacheManager,
     requests: dict[str, Request],
 ) -> tuple[SchedulerOutput, StepCopies] | None:
-    """The decode step after `queued` (a decode step whose tokens are not known yet) and
-    its copies, or None when it cannot be built blind: a waiting request could be
-    admitted now or once a request ends by length with `queued`, or pages run short.
+    """The decode step after `queued` (a step whose tokens are not known yet: a decode
+    step, or one whose prompt rows end their prompts) and its copies, or None when it
+    cannot be built blind: a waiting request could be admitted now or once a request
+    ends by length with `queued`, a prompt has chunks left, or pages run short.
     Its requests' input tokens are placeholders (-1): the runner reads the tokens
     `queued` samples on the device."""
     if could_admit(scheduler, kv):
@@ -54,6 +55,8 @@ def next_decode(
         req = get(s.request_id)
         if req is None or req.status is finished:
             continue
+        if not s.sample:  # a prompt chunk: schedule() cuts its next one
+            return None
         # scheduler.reaches_length(req, ahead=1), inline: its token from `queued` is its last
         if (
             len(req.output_token_ids) + 1 >= req.max_tokens
@@ -62,9 +65,10 @@ def next_decode(
             if scheduler.waiting:  # its seat goes to a waiting request: schedule() admits
                 return None
             continue
-        if not allocate(req.request_id, s.start + 2):
+        start = s.start + len(s.new_token_ids)  # a decode row's 1, a prompt's last chunk's n
+        if not allocate(req.request_id, start + 1):
             return None
-        following.append((req, s.start + 1))
+        following.append((req, start))
     if not following:
         return None
     entry = scheduler.feed.entry

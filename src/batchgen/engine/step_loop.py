@@ -5,8 +5,10 @@ loop (EngineCore._step), chosen by the builder from `EnginePlan.overlap`.
                   (policy.launch)  (policy.ahead)                 (result)
 
     plain      launches nothing: N runs synchronously (runner.execute), nothing ahead.
-    pipelined  launches a decode step (runner.launch_decode); ahead, the next decode step
-               built blind (pipeline.next_decode: input tokens read on the device).
+    pipelined  launches a decode step (runner.launch_decode), and with launch_steps any
+               step (runner.launch_step: one that admits requests); ahead, the next
+               decode step built blind (pipeline.next_decode: input tokens read on the
+               device).
     async      launches any step (runner.launch_step) and commits it (Scheduler.commit);
                ahead, the scheduler's next step, committed at its launch too.
 
@@ -72,18 +74,40 @@ class Overlap:
 class Pipelined(Overlap):
     """Pipelined decode: a decode step is queued (`launch_decode`), and before its tokens
     reach the host the next decode step, built blind by `pipeline.next_decode`, is queued
-    behind it. Steps the runner cannot launch (prefill, debug, a per-layer append) run
-    synchronously; a blind step it cannot launch is given back (`Scheduler.unsend`)."""
+    behind it. With `launch_steps` (one rank, no host tier) a step that prefills (one
+    that admits requests) is queued too (`launch_step`), so the decode step after it is
+    built and queued while it runs, not scheduled once its tokens are back; as after a
+    decode step, a seat that a stop in it frees (EOS, a stop string) is taken one step
+    later. Steps the runner cannot launch (debug, a per-layer append, while a request
+    needs each step on the host: `needs_sync`) run synchronously; a blind step it cannot
+    launch is given back (`Scheduler.unsend`)."""
 
     name = "pipelined"
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        launch_steps: bool = False,
+    ) -> None:
         self.runner, self.scheduler, self.kv = runner, scheduler, kv
+        self.launch_steps = launch_steps
+        self.num_sync = 0  # requests in the engine that keep prefill steps synchronous
 
     def launch(self, sched, copies, requests, prev=None):
-        if not self.runner.can_launch_decode(sched, copies):
+        runner = self.runner
+        if runner.can_launch_decode(sched, copies):
+            return runner.launch_decode(sched, prev, copies)
+        if (
+            not self.launch_steps
+            or self.num_sync
+            or prev is not None
+            or runner.debug
+            or copies.on_kv_written is not None
+        ):
             return None
-        return self.runner.launch_decode(sched, prev, copies)
+        return runner.launch_step(sched, None, copies)
 
     def ahead(self, current, requests):
         with profiled("batchgen.next_decode"):
@@ -96,6 +120,12 @@ class Pipelined(Overlap):
             return None
         with profiled("batchgen.launch"):
             return self.launch(step, copies, requests, current)
+
+    def enter(self, params: SamplingParams) -> None:
+        self.num_sync += needs_sync(params)
+
+    def leave(self, params: SamplingParams) -> None:
+        self.num_sync -= needs_sync(params)
 
 
 class Async(Overlap):
@@ -140,13 +170,19 @@ class Async(Overlap):
 
 
 def build_overlap(
-    mode: str, runner: ModelRunner, scheduler: Scheduler, kv: KVCacheManager
+    mode: str,
+    runner: ModelRunner,
+    scheduler: Scheduler,
+    kv: KVCacheManager,
+    launch_steps: bool = False,
 ) -> Overlap:
-    """The policy for `EnginePlan.overlap` ("plain", "pipelined" or "async")."""
+    """The policy for `EnginePlan.overlap` ("plain", "pipelined" or "async");
+    `launch_steps`: pipelined also launches steps that prefill (the builder's choice: one
+    rank, as a tensor-parallel runner launches decode steps only, and no host tier)."""
     if mode == "async":
         return Async(runner, scheduler)
     if mode == "pipelined":
-        return Pipelined(runner, scheduler, kv)
+        return Pipelined(runner, scheduler, kv, launch_steps)
     if mode == "plain":
         return Overlap()
     raise ValueError(f"unknown overlap mode {mode!r}")
