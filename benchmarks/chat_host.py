@@ -33,7 +33,8 @@ model's and the stand-in sampler's, the GPU's work, left out of `host`):
     host           cycle - forward - sample; other = host - the phases above
 
 Prints a JSON summary (medians over the steps with at least 0.8 x --rows rows, and the
-mean over all) and writes chat_host.json into --out.
+mean over all; `scheduled_steps`: the steps that called Scheduler.schedule, the others
+built blind by pipeline.next_decode) and writes chat_host.json into --out.
 """
 
 from __future__ import annotations
@@ -225,6 +226,7 @@ def run(args) -> dict:
         "overlap": eng.overlap.name,
         "steps": len(steps),
         "full_steps": len(full),
+        "scheduled_steps": sum("schedule" in r for r in steps),  # the rest built blind
         "wall_s": round(wall, 2),
         "succeeded": summary.succeeded,
         "completion_tokens": summary.completion_tokens,

@@ -22,6 +22,14 @@ The job admits a bounded window of lines (4 x max_num_seqs) while LLM.chat adds 
 request at once, so with the default prefix-first admission the two may batch rows
 differently; a row whose batch differs can round differently and, once sampled or at a
 near-tie, take another token. `--admission arrival` makes both admit in input order.
+
+Each run also reports its steps (`StepMeter`): ms a step over the stepping window (the
+first step's start to the last one's end), the host's ms a step (the window less the
+time the host waited for tokens: `InFlightDecode.result`, a synchronous step's sampling
+and read-back) and, on a GPU, the GPU's busy ms a step and busy fraction of the window
+(CUDA events around every call that queues a step's GPU work: the runner's forward, the
+lm_head, the sampling; time between a call's events counts as busy even where the GPU
+waited for the host's launches inside it, so the fraction is an upper bound).
 Prints a JSON summary and writes chat_job.json into --out.
 """
 
@@ -31,6 +39,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 TOPICS = (
@@ -78,6 +87,107 @@ def chat_engine_kwargs(args) -> dict:
     return kw
 
 
+class StepMeter:
+    """The steps of the engines built while it is entered, measured (module docstring):
+    `summary()` after the block."""
+
+    def __init__(self, gpu: bool) -> None:
+        self.gpu = gpu
+        self.events: list = []  # (start, end) CUDA event pairs
+        self.steps = 0
+        self.first = self.last = None  # the stepping window (perf_counter)
+        self.wait_s = 0.0
+        self._stack = ExitStack()
+
+    def __enter__(self) -> StepMeter:
+        from batchgen.engine.engine_core import EngineCore
+        from batchgen.runner.in_flight import InFlightDecode
+        from batchgen.runner.model_runner import ModelRunner
+
+        self._patch(EngineCore, "step", self._step)
+        self._patch(InFlightDecode, "result", self._waited)
+        self._patch(ModelRunner, "_sample", self._waited)
+        if self.gpu:
+            for name in ("_forward", "_launch_sample", "_sample"):
+                self._patch(ModelRunner, name, self._on_gpu)
+        self._models: set[int] = set()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _patch(self, cls: type, attr: str, wrap) -> None:
+        """cls.attr (defined by cls itself) wrapped until the block ends."""
+        original = vars(cls)[attr]
+        setattr(cls, attr, wrap(original))
+        self._stack.callback(setattr, cls, attr, original)
+
+    def _step(self, fn):
+        def step(engine, *a, **k):
+            model = engine.runner.model
+            if self.gpu and id(model) not in self._models:  # the lm_head, per instance
+                self._models.add(id(model))
+                model.compute_logits = self._on_gpu(model.compute_logits)
+                self._stack.callback(delattr, model, "compute_logits")
+            start = time.perf_counter()
+            try:
+                return fn(engine, *a, **k)
+            finally:
+                self.last = time.perf_counter()
+                self.first = start if self.first is None else self.first
+                self.steps += 1
+
+        return step
+
+    def _waited(self, fn):
+        def waited(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.wait_s += time.perf_counter() - start
+
+        return waited
+
+    def _on_gpu(self, fn):
+        import torch
+
+        def on_gpu(*a, **k):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return fn(*a, **k)
+            finally:
+                end.record()
+                self.events.append((start, end))
+
+        return on_gpu
+
+    def summary(self) -> dict:
+        if not self.steps:
+            return {"steps": 0}
+        window = self.last - self.first
+        out = {
+            "steps": self.steps,
+            "ms_per_step": round(window * 1e3 / self.steps, 3),
+            "host_ms_per_step": round((window - self.wait_s) * 1e3 / self.steps, 3),
+        }
+        if self.gpu and self.events:
+            import torch
+
+            torch.cuda.synchronize()
+            busy_ms = sum(s.elapsed_time(e) for s, e in self.events)
+            out["gpu_busy_ms_per_step"] = round(busy_ms / self.steps, 3)
+            out["gpu_busy_fraction"] = round(busy_ms / (window * 1e3), 4)
+        return out
+
+
+def on_gpu(device: str) -> bool:
+    import torch
+
+    return device != "cpu" and torch.cuda.is_available()
+
+
 def run_job(args, path: Path, out: Path) -> dict:
     """`batchgen run` in process: the call's wall (the engine's build included: the
     process's first, so any Triton compile lands here) and the job's own clock from its
@@ -97,9 +207,10 @@ def run_job(args, path: Path, out: Path) -> dict:
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("batchgen.api.run_command").addHandler(handler)
     try:
-        start = time.perf_counter()
-        code = cli.main(argv)
-        wall = time.perf_counter() - start
+        with StepMeter(on_gpu(args.device)) as meter:
+            start = time.perf_counter()
+            code = cli.main(argv)
+            wall = time.perf_counter() - start
     finally:
         logging.getLogger("batchgen.api.run_command").removeHandler(handler)
     done = next((m for m in said if m.startswith("done:")), "")
@@ -107,6 +218,7 @@ def run_job(args, path: Path, out: Path) -> dict:
     answers = read_answers(out)
     tokens = sum(a["completion_tokens"] for a in answers.values())
     result = {"exit_code": code, "wall_s": round(wall, 2), "lines": len(answers), "tokens": tokens}
+    result["steps"] = meter.summary()
     if clock:
         result["job_s"] = float(clock.group(1))
         result["job_tok_s"] = round(tokens / result["job_s"], 1)
@@ -155,9 +267,10 @@ def run_chat(args, lines: list[dict], greedy: bool) -> tuple[dict, dict[str, dic
         conversations, params = job_params(llm, lines)
         if greedy:
             params = [replace(p, temperature=0.0) for p in params]
-        start = time.perf_counter()
-        outs = llm.chat(conversations, params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        with StepMeter(on_gpu(args.device)) as meter:
+            start = time.perf_counter()
+            outs = llm.chat(conversations, params, use_tqdm=False)
+            wall = time.perf_counter() - start
     finally:
         llm.engine.shutdown()
     answers = {
@@ -170,6 +283,7 @@ def run_chat(args, lines: list[dict], greedy: bool) -> tuple[dict, dict[str, dic
     }
     tokens = sum(a["completion_tokens"] for a in answers.values())
     run = {"build_s": round(build_s, 2), "wall_s": round(wall, 2), "tokens": tokens}
+    run["steps"] = meter.summary()
     return {**run, "tok_s": round(tokens / wall, 1)}, answers
 
 
