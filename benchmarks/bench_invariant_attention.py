@@ -1,7 +1,8 @@
 """The batch-invariant attention kernel (deterministic=True) against the engine's usual ones.
 
 kernels/invariant_attention.py never splits a request's keys and tiles (query, head)
-rows 16 at a time, decode and prefill alike; decode_attention splits the keys by the
+rows 16 at a time (up to `subtiles` tiles a program sharing key loads), decode and
+prefill alike; decode_attention splits the keys by the
 batch and prefill_attention tiles 128 queries of one head. This times both on the GPU
 (triton.testing.do_bench medians, bf16, pages of 16 at random through the pool) so the
 attention's share of deterministic=True's cost, and the invariant tuning, can be read
@@ -78,9 +79,11 @@ def _tunings(setup: Setup, sweep: bool, width: int) -> list:
     default = ia.default_tuning(torch.empty(0, device=setup.device, dtype=setup.dtype), width)
     if not sweep or setup.device == "cpu":
         return [default]
-    extra = [(16, 32, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2)]
+    # (block_m, block_n, num_warps, num_stages, subtiles)
+    extra = [(16, 64, 4, 2, 1), (16, 64, 4, 2, 2), (16, 64, 4, 3, 4), (16, 128, 4, 2, 4)]
+    extra += [(32, 64, 4, 2, 2), (64, 64, 4, 2, 1)]
     if width > 256:
-        extra = [(16, 16, 4, 2), (16, 32, 4, 2), (32, 32, 4, 1), (64, 32, 8, 1)]
+        extra = [(16, 16, 4, 2, 2), (16, 32, 4, 1, 1), (16, 32, 4, 1, 4), (32, 32, 8, 1, 1)]
     return [default] + [ia.InvariantAttentionTuning(*t) for t in extra]
 
 
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             for tuning in _tunings(setup, not args.quick, width):
                 seconds = timed(lambda t=tuning, f=invariant: f(t))
                 launch = f"m={tuning.block_m} n={tuning.block_n} w={tuning.num_warps} "
-                launch += f"s={tuning.num_stages}"
+                launch += f"s={tuning.num_stages} t={tuning.subtiles}"
                 vs = f"{seconds / base:.2f}x plain ({base * 1e6:.1f} us)" if base else "-"
                 lines.append(f"{kind:<4} {name:<16} {launch:<20} {seconds * 1e6:9.1f} us  {vs}")
     sys.stdout.write("\n".join(lines) + "\n")

@@ -5,6 +5,8 @@ the torch reference). TRITON_INTERPRET=1 on the CPU, float32."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -191,6 +193,35 @@ def test_prefill_rows_same_bits_in_any_batch_and_chunking(case, window):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_decode_rows_same_bits_alone_batched_padded_and_as_prefill(case):
     check_decode(Seqs(**CASES[case], seed=1))
+
+
+@pytest.mark.parametrize("case", [pytest.param("mla", marks=pytest.mark.slow), "straddle"])
+def test_tiles_a_program_takes_leave_every_row_alone(case):
+    """1, 2 or 4 tiles a program (sharing each block of keys) give the same bits, also
+    where a query's heads straddle two tiles (3 heads a KV head, 16-row tiles) and for an
+    MLA decode row whose 20 heads fill two."""
+    from batchgen.kernels.invariant_attention import CPU_TUNING
+
+    kw = dict(heads=20, mla=True) if case == "mla" else dict(heads=3, kv_heads=1)
+    seqs = Seqs(**kw, seed=4)
+    outs = []
+    for subtiles in (1, 2, 4):
+        tuning = replace(CPU_TUNING, subtiles=subtiles)
+        q = torch.cat(seqs.q)
+        q_rope = None if seqs.q_rope is None else torch.cat(seqs.q_rope)
+        lens = torch.tensor(LENS)
+        starts = torch.tensor([0] + LENS[:-1]).cumsum(0)
+        out = invariant_attention(
+            q, seqs.k, seqs.v, starts, lens, lens, seqs.table(range(5)), max(LENS),
+            seqs.scale, q_rope=q_rope, k_rope=seqs.k_rope, tuning=tuning,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    prefilled = outs[0].split(LENS)
+    decoded = seqs.decode(range(5))
+    for s in range(5):
+        assert torch.equal(decoded[s], prefilled[s][-1]), s
+        torch.testing.assert_close(prefilled[s], seqs.reference(s), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_with_a_window_matches_prefill():

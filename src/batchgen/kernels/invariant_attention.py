@@ -7,9 +7,11 @@ other bits alone than in a batch, and other bits decoded than prefilled. Here a 
 
     row i * GROUP + g  =  query i (packed row q_start + i, position prefix + i), head kvh * GROUP + g
 
-and one program takes a tile of BLOCK_M consecutive rows of one (request, KV head). It
-walks the keys in blocks of BLOCK_N aligned to position 0, in position order, with an
-online softmax, and never splits them:
+and a tile is BLOCK_M consecutive rows of one (request, KV head); a program takes up to
+SUBTILES consecutive tiles (a prefill's share one load of each block of keys, each tile
+still its own products and softmax on the same code). It walks the keys in blocks of
+BLOCK_N aligned to position 0, in position order, with an online softmax per tile, and
+never splits them:
 
     keys:  | block 0 | block 1 | ... | block j (holds the row's position) | masked ... |
 
@@ -40,6 +42,79 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _rows(m0, kvh, q_start, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A tile's rows from m0: (in range, head, packed row, query index)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    query = offs_m // GROUP
+    heads = (kvh * GROUP + offs_m % GROUP).to(tl.int64)
+    return offs_m < q_len * GROUP, heads, q_start + query.to(tl.int64), query
+
+
+@triton.jit
+def _load_q(
+    q_ptr, qr_ptr, rows, heads, mask, stride_qt, stride_qh, stride_qd, stride_qrt,
+    stride_qrh, stride_qrd, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """A tile's queries [BLOCK_M, BLOCK_D] and their rope part (q again without one)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    at = rows[:, None] * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(
+        q_ptr + at + offs_d[None, :] * stride_qd,
+        mask=mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    q_rope = q
+    if ROPE_DIM > 0:
+        offs_r = tl.arange(0, BLOCK_R)
+        at_r = rows[:, None] * stride_qrt + heads[:, None] * stride_qrh
+        q_rope = tl.load(
+            qr_ptr + at_r + offs_r[None, :] * stride_qrd,
+            mask=mask[:, None] & (offs_r < ROPE_DIM)[None, :],
+            other=0.0,
+        )
+    return q, q_rope
+
+
+@triton.jit
+def _step(
+    q, q_rope, q_pos, m_i, l_i, acc, k, k_rope, v, pos, scale_log2, window,
+    ROPE_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """One tile's online softmax over one block of keys: the same code for every tile of
+    every launch, so a row's bits never depend on the tiles beside it."""
+    qk = mma(q, tl.trans(k), DOT_F32)
+    if ROPE_DIM > 0:
+        qk += mma(q_rope, tl.trans(k_rope), DOT_F32)
+    qk = qk * scale_log2
+    allowed = pos[None, :] <= q_pos[:, None]
+    if HAS_WINDOW:
+        allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+    qk = tl.where(allowed, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store(
+    out_ptr, acc, l_i, rows, heads, mask, stride_ot, stride_oh, stride_od,
+    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    at = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(
+        at + offs_dv[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+        mask=mask[:, None] & (offs_dv < V_DIM)[None, :],
+    )
+
+
+@triton.jit
 def _invariant_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, qr_ptr, kr_ptr, q_start_ptr, q_len_ptr, seq_lens_ptr,
     page_table_ptr, scale_log2, window, stride_qt, stride_qh, stride_qd, stride_kp,
@@ -48,10 +123,10 @@ def _invariant_kernel(
     stride_krs, stride_krh, stride_krd,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, SUBTILES: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    m0 = tl.program_id(0) * BLOCK_M
+    m0 = tl.program_id(0) * (BLOCK_M * SUBTILES)
     kvh = tl.program_id(1)
     r = tl.program_id(2)
     q_len = tl.load(q_len_ptr + r).to(tl.int32)
@@ -60,43 +135,46 @@ def _invariant_kernel(
     seq_len = tl.load(seq_lens_ptr + r).to(tl.int32)
     q_start = tl.load(q_start_ptr + r).to(tl.int64)
     prefix = seq_len - q_len
+    # SUBTILES tiles of BLOCK_M rows share each block of keys, each its own online softmax
+    mask0, heads0, rows0, query0 = _rows(m0, kvh, q_start, q_len, GROUP, BLOCK_M)
+    q0, qr0 = _load_q(q_ptr, qr_ptr, rows0, heads0, mask0, stride_qt, stride_qh, stride_qd,
+        stride_qrt, stride_qrh, stride_qrd, HEAD_DIM, ROPE_DIM, BLOCK_D, BLOCK_R)  # fmt: skip
+    m_0 = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: an all-masked block is a no-op
+    l_0 = tl.zeros([BLOCK_M], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if SUBTILES >= 2:
+        mask1, heads1, rows1, query1 = _rows(m0 + BLOCK_M, kvh, q_start, q_len, GROUP, BLOCK_M)
+        q1, qr1 = _load_q(q_ptr, qr_ptr, rows1, heads1, mask1, stride_qt, stride_qh, stride_qd,
+            stride_qrt, stride_qrh, stride_qrd, HEAD_DIM, ROPE_DIM, BLOCK_D, BLOCK_R)  # fmt: skip
+        m_1 = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_1 = tl.zeros([BLOCK_M], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if SUBTILES >= 4:
+        m2 = m0 + 2 * BLOCK_M
+        mask2, heads2, rows2, query2 = _rows(m2, kvh, q_start, q_len, GROUP, BLOCK_M)
+        q2, qr2 = _load_q(q_ptr, qr_ptr, rows2, heads2, mask2, stride_qt, stride_qh, stride_qd,
+            stride_qrt, stride_qrh, stride_qrd, HEAD_DIM, ROPE_DIM, BLOCK_D, BLOCK_R)  # fmt: skip
+        m_2 = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_2 = tl.zeros([BLOCK_M], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        m3 = m0 + 3 * BLOCK_M
+        mask3, heads3, rows3, query3 = _rows(m3, kvh, q_start, q_len, GROUP, BLOCK_M)
+        q3, qr3 = _load_q(q_ptr, qr_ptr, rows3, heads3, mask3, stride_qt, stride_qh, stride_qd,
+            stride_qrt, stride_qrh, stride_qrd, HEAD_DIM, ROPE_DIM, BLOCK_D, BLOCK_R)  # fmt: skip
+        m_3 = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_3 = tl.zeros([BLOCK_M], tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_n = tl.arange(0, BLOCK_N)
-    m_mask = offs_m < q_len * GROUP
-    d_mask = offs_d < HEAD_DIM
-    dv_mask = offs_dv < V_DIM
-    query = offs_m // GROUP
-    heads = (kvh * GROUP + offs_m % GROUP).to(tl.int64)
-    q_rows = q_start + query.to(tl.int64)
-    row_at = q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
-    q = tl.load(
-        q_ptr + row_at + offs_d[None, :] * stride_qd,
-        mask=m_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    if ROPE_DIM > 0:
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < ROPE_DIM
-        qr_at = q_rows[:, None] * stride_qrt + heads[:, None] * stride_qrh
-        q_rope = tl.load(
-            qr_ptr + qr_at + offs_r[None, :] * stride_qrd,
-            mask=m_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        )
-    q_pos = prefix + query
-
-    last = tl.minimum((m0 + BLOCK_M - 1) // GROUP, q_len - 1)
+    last = tl.minimum((m0 + BLOCK_M * SUBTILES - 1) // GROUP, q_len - 1)
     hi = prefix + last + 1
     lo = 0
-    if HAS_WINDOW:  # from the block of the tile's first row's first key (aligned)
+    if HAS_WINDOW:  # from the block of the first row's first key (aligned)
         lo = (tl.maximum(prefix + m0 // GROUP - window + 1, 0) // BLOCK_N) * BLOCK_N
-    # finite start: a block with none of a row's keys leaves it exactly as it was
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < HEAD_DIM
+    dv_mask = offs_dv < V_DIM
     table = page_table_ptr + r.to(tl.int64) * stride_pt
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
@@ -108,59 +186,67 @@ def _invariant_kernel(
             k_ptr + k_at[:, None] + offs_d[None, :] * stride_kd,
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
-        ).to(q.dtype)
-        qk = mma(q, tl.trans(k), DOT_F32)
+        ).to(q0.dtype)
+        k_rope = k
         if ROPE_DIM > 0:
+            offs_r = tl.arange(0, BLOCK_R)
             kr_at = page * stride_krp + in_page * stride_krs + kvh * stride_krh
             k_rope = tl.load(
                 kr_ptr + kr_at[:, None] + offs_r[None, :] * stride_krd,
-                mask=n_mask[:, None] & r_mask[None, :],
+                mask=n_mask[:, None] & (offs_r < ROPE_DIM)[None, :],
                 other=0.0,
-            ).to(q.dtype)
-            qk += mma(q_rope, tl.trans(k_rope), DOT_F32)
-        qk = qk * scale_log2
-        allowed = pos[None, :] <= q_pos[:, None]
-        if HAS_WINDOW:
-            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
-        qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+            ).to(q0.dtype)
         v_at = page * stride_vp + in_page * stride_vs + kvh * stride_vh
         v = tl.load(
             v_ptr + v_at[:, None] + offs_dv[None, :] * stride_vd,
             mask=n_mask[:, None] & dv_mask[None, :],
             other=0.0,
-        ).to(q.dtype)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_F32)
-        m_i = m_new
+        ).to(q0.dtype)
+        m_0, l_0, acc0 = _step(q0, qr0, prefix + query0, m_0, l_0, acc0, k, k_rope, v, pos,
+            scale_log2, window, ROPE_DIM, HAS_WINDOW, DOT_F32)  # fmt: skip
+        if SUBTILES >= 2:
+            m_1, l_1, acc1 = _step(q1, qr1, prefix + query1, m_1, l_1, acc1, k, k_rope, v, pos,
+                scale_log2, window, ROPE_DIM, HAS_WINDOW, DOT_F32)  # fmt: skip
+        if SUBTILES >= 4:
+            m_2, l_2, acc2 = _step(q2, qr2, prefix + query2, m_2, l_2, acc2, k, k_rope, v, pos,
+                scale_log2, window, ROPE_DIM, HAS_WINDOW, DOT_F32)  # fmt: skip
+            m_3, l_3, acc3 = _step(q3, qr3, prefix + query3, m_3, l_3, acc3, k, k_rope, v, pos,
+                scale_log2, window, ROPE_DIM, HAS_WINDOW, DOT_F32)  # fmt: skip
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_at = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
-    tl.store(
-        o_at + offs_dv[None, :] * stride_od,
-        o.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & dv_mask[None, :],
+    _store(
+        out_ptr, acc0, l_0, rows0, heads0, mask0, stride_ot, stride_oh, stride_od, V_DIM, BLOCK_DV
     )
+    if SUBTILES >= 2:
+        _store(out_ptr, acc1, l_1, rows1, heads1, mask1, stride_ot, stride_oh, stride_od, V_DIM,
+            BLOCK_DV)  # fmt: skip
+    if SUBTILES >= 4:
+        _store(out_ptr, acc2, l_2, rows2, heads2, mask2, stride_ot, stride_oh, stride_od, V_DIM,
+            BLOCK_DV)  # fmt: skip
+        _store(out_ptr, acc3, l_3, rows3, heads3, mask3, stride_ot, stride_oh, stride_od, V_DIM,
+            BLOCK_DV)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class InvariantAttentionTuning:
-    """BLOCK_M rows ((query, head) pairs) a program, BLOCK_N keys a step. A function of
-    the device, dtype and head widths only, never of the batch: decode and prefill of
-    one model launch the same program."""
+    """BLOCK_M rows ((query, head) pairs) a tile, BLOCK_N keys a step, up to `subtiles`
+    tiles (1, 2 or 4) a program sharing each block of keys. A function of the device,
+    dtype and head widths only, never of the batch: decode and prefill of one model run
+    the same tile code (the subtiles a program takes leave every tile's bits alone, so a
+    launch takes as many as its rows fill)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    subtiles: int = 1
 
 
-GPU_TUNING = InvariantAttentionTuning(block_m=16, block_n=64, num_warps=4, num_stages=2)
+GPU_TUNING = InvariantAttentionTuning(block_m=16, block_n=64, num_warps=4, num_stages=2, subtiles=4)
 # IEEE fp32 dots, and heads wider than 256 (MLA's 512 + 64 latent), take half the keys
-GPU_TUNING_NARROW = InvariantAttentionTuning(block_m=16, block_n=32, num_warps=4, num_stages=1)
-CPU_TUNING = InvariantAttentionTuning(block_m=16, block_n=16, num_warps=4, num_stages=1)
+GPU_TUNING_NARROW = InvariantAttentionTuning(
+    block_m=16, block_n=32, num_warps=4, num_stages=1, subtiles=2
+)
+CPU_TUNING = InvariantAttentionTuning(block_m=16, block_n=16, num_warps=4, num_stages=1, subtiles=2)
 
 
 def default_tuning(q: torch.Tensor, width: int) -> InvariantAttentionTuning:
@@ -207,7 +293,11 @@ def invariant_attention(
     group = num_heads // num_kv_heads
     rope_dim = 0 if q_rope is None else q_rope.shape[2]
     tuning = tuning or default_tuning(q, head_dim + rope_dim)
-    grid = (triton.cdiv(max_q_len * group, tuning.block_m), num_kv_heads, num_reqs)
+    if tuning.subtiles not in (1, 2, 4):
+        raise ValueError(f"subtiles must be 1, 2 or 4, got {tuning.subtiles}")
+    tiles = triton.cdiv(max_q_len * group, tuning.block_m)
+    subtiles = min(tuning.subtiles, triton.next_power_of_2(tiles))  # no idle tile a program
+    grid = (triton.cdiv(tiles, subtiles), num_kv_heads, num_reqs)
     if q_rope is None:  # no second part: the pointers are never read
         q_rope, k_rope, rope_strides = q, k_cache, (0,) * 7
     else:
@@ -222,7 +312,7 @@ def invariant_attention(
         *rope_strides,
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, ROPE_DIM=rope_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=sliding_window is not None, DOT_F32=dot_in_f32(q),
-        BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n,
+        BLOCK_M=tuning.block_m, SUBTILES=subtiles, BLOCK_N=tuning.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(v_dim)),
         BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))),
