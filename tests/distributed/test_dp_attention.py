@@ -101,9 +101,12 @@ def test_dp2_default_configuration_equals_one_process(checkpoint):
         got = _tokens(llm, prompts, params)
         ranks = llm.engine.rank_metrics()
         summed = llm.engine.metrics()
-        moe = llm.engine.model.layers[1].mlp  # rank 0's
-        assert moe.experts.local_experts == range(0, 4)  # of 8: expert parallel
-        assert moe.ep.local_tokens and moe.ep.size == 2
+        moes = [layer.mlp for layer in llm.engine.model.layers[1:]]  # rank 0's
+        for moe in moes:  # every MoE layer expert parallel over the ranks' own tokens
+            assert moe.experts.local_experts == range(0, 4)  # of 8: expert parallel
+            assert moe.ep.local_tokens and moe.ep.size == 2 and moe.tp is None
+            # the shared expert replicated: its whole intermediate width on every rank
+            assert moe.shared_experts.down_proj.weight.shape[1] == 32
     finally:
         llm.engine.shutdown()
     assert got == want

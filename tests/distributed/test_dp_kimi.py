@@ -1,15 +1,17 @@
-"""Kimi Linear (KDA + MLA + MoE) under attention data parallel (data_parallel_size=2,
-enable_expert_parallel=True: this process rank 0, one spawned gloo worker) against one
-process on a tiny random checkpoint: each rank its own requests' latent pages and KDA
-state slots, and, with a pool too small for its share, its own host tier swapping
-both."""
+"""Kimi Linear (KDA + MLA + MoE) under attention data parallel (data_parallel_size=2
+or 4, enable_expert_parallel=True: this process rank 0, spawned gloo workers) against
+one process on a tiny random checkpoint: the same tokens and EOS endings, each rank its
+own requests' latent pages and KDA state slots, and, with a pool too small for its
+share, its own host tier swapping both."""
 
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 from kimi_checkpoints import save_tiny_kimi
+from penalty_reference import emitted_eos, set_eos
 
 from batchgen import LLM, SamplingParams
 
@@ -34,18 +36,33 @@ def _prompts() -> list[list[int]]:
     return [head + [rng.randint(3, 500) for _ in range(n)] for n in (60, 5, 90, 21, 48, 1)]
 
 
-def _params() -> list[SamplingParams]:
+def _params(logprobs: int | None = None) -> list[SamplingParams]:
     """Greedy, seeded sampled and unseeded sampled rows (the engine seeds those by
-    arrival)."""
+    arrival), each asking `logprobs` where given."""
     kinds = [
-        SamplingParams(temperature=0, max_tokens=12),
-        SamplingParams(temperature=0.8, max_tokens=12, seed=3),
-        SamplingParams(temperature=1.0, top_k=20, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=logprobs),
+        SamplingParams(temperature=0.8, max_tokens=12, seed=3, logprobs=logprobs),
+        SamplingParams(temperature=1.0, top_k=20, max_tokens=12, logprobs=logprobs),
     ]
     return [kinds[i % 3] for i in range(len(_prompts()))]
 
 
-def _run(path: str, **kw) -> tuple[list[list[int]], list[dict]]:
+def _logprobs(path: str, **kw) -> tuple[list[list[int]], list[list[float]], list[dict]]:
+    """Each row's tokens and its tokens' logprobs, and each rank's metrics."""
+    llm = LLM(path, **{**KW, **kw})
+    try:
+        outs = llm.generate(_prompts(), _params(logprobs=1), use_tqdm=False)
+        ranks = llm.engine.rank_metrics() if "data_parallel_size" in kw else []
+    finally:
+        llm.engine.shutdown()
+    samples = [o.outputs[0] for o in outs]
+    chosen = [[lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs)] for s in samples]
+    return [s.token_ids for s in samples], chosen, ranks
+
+
+def _outputs(path: str, **kw) -> tuple[list, list[dict]]:
+    """Each row's tokens and finish reason, and each rank's metrics (attention data
+    parallel: its MoE layers checked expert parallel over every rank's own tokens)."""
     llm = LLM(path, **{**KW, **kw})
     try:
         outs = llm.generate(_prompts(), _params(), use_tqdm=False)
@@ -53,10 +70,16 @@ def _run(path: str, **kw) -> tuple[list[list[int]], list[dict]]:
         if "data_parallel_size" in kw:
             ranks = llm.engine.rank_metrics()
             split = [m.ep for m in llm.engine.model.modules() if getattr(m, "ep", None)]
-            assert split and all(ep.size == 2 and ep.local_tokens for ep in split)
+            size = kw["data_parallel_size"]
+            assert split and all(ep.size == size and ep.local_tokens for ep in split)
     finally:
         llm.engine.shutdown()
-    return [o.outputs[0].token_ids for o in outs], ranks
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], ranks
+
+
+def _run(path: str, **kw) -> tuple[list[list[int]], list[dict]]:
+    rows, ranks = _outputs(path, **kw)
+    return [tokens for tokens, _ in rows], ranks
 
 
 @pytest.fixture(scope="module")
@@ -66,23 +89,44 @@ def reference(tmp_path_factory):
     return str(path), _run(str(path), num_kv_pages=400)[0]
 
 
+@pytest.fixture(scope="module")
+def with_eos(reference, tmp_path_factory):
+    """The checkpoint again, its EOS a token the reference rows emit mid-way (so some
+    rows stop on it, others run to max_tokens), and one process's rows on it."""
+    path, rows = reference
+    copy = tmp_path_factory.mktemp("tiny-kimi-dp-eos")
+    shutil.copytree(path, copy, dirs_exist_ok=True)
+    set_eos(copy, emitted_eos(rows))
+    want, _ = _outputs(str(copy), num_kv_pages=400)
+    assert {reason for _, reason in want} == {"stop", "length"}, want
+    return str(copy), want
+
+
 @pytest.mark.slow
-def test_dp2_default_configuration_equals_one_process(reference):
-    path, want = reference
-    got, ranks = _run(path, num_kv_pages=400, **DP)
+@pytest.mark.parametrize("size", [2, 4], ids=["dp2", "dp4"])
+def test_default_configuration_equals_one_process(with_eos, size):
+    """The engine's defaults (pipelined decode, EOS endings): greedy, seeded and unseeded
+    sampled rows split over 2 and 4 ranks (experts 4 and 2 a rank) draw one process's
+    tokens and endings; every rank ran requests."""
+    path, want = with_eos
+    dp = dict(DP, data_parallel_size=size)
+    got, ranks = _outputs(path, num_kv_pages=400, **dp)
     assert got == want
-    assert [m["prompt_tokens"] > 0 for m in ranks] == [True, True]
+    assert [m["prompt_tokens"] > 0 for m in ranks] == [True] * size
 
 
 @pytest.mark.slow
 def test_dp2_host_tier_swaps_each_ranks_pages_and_state(reference):
     """A pool of 32 pages a rank: its requests swap their latent pages and state slots
     to its own host tier and back (batchgen_debug reading each copy back on its rank);
-    the tokens stay the one-process ample run's."""
+    the tokens stay the one-process ample run's, their logprobs within 1e-4 of it."""
     path, want = reference
+    _, want_logprobs, _ = _logprobs(path, num_kv_pages=400)
     tier = dict(num_kv_pages=32, max_model_len=128, host_kv_size_gib=0.002)
-    got, ranks = _run(path, **tier, batchgen_debug=True, **DP)
+    got, logprobs, ranks = _logprobs(path, **tier, batchgen_debug=True, **DP)
     assert got == want
+    worst = max(abs(a - b) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y))
+    assert worst < 1e-4, f"largest logprob difference {worst:.2e}"
     assert [m["swaps_out"] > 0 and m["swaps_in"] > 0 for m in ranks] == [True, True], ranks
     # batchgen_debug: each rank read back every copy its own tier made
     assert [m["readback_checks"] > 0 for m in ranks] == [True, True], ranks

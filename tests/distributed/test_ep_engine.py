@@ -141,23 +141,6 @@ def test_deepseek_ep4_equals_one_process(deepseek):
 
 
 @pytest.mark.slow
-def test_deepseek_attention_dp2_runs_its_moe_layers_expert_parallel(deepseek):
-    """data_parallel_size=2: each rank's own tokens go through the same all-to-all layer
-    (local tokens), the greedy rows those of one process."""
-    path, prompts, (want, _, _) = deepseek
-    dp = dict(data_parallel_size=2, num_kv_pages=200, max_model_len=64)
-    llm = LLM(str(path), **EP, **KW, **dp)
-    try:
-        got = _rows(llm.generate(prompts, PARAMS, use_tqdm=False))
-        model = llm.engine.model
-    finally:
-        llm.engine.shutdown()
-    assert got == want
-    _assert_expert_parallel(model, 2, num_experts=8, shared_inter=32)
-    assert all(layer.mlp.ep.local_tokens for layer in model.layers[1:])
-
-
-@pytest.mark.slow
 def test_kimi_linear_ep2_default_configuration_and_state_swaps_equal_one_process(tmp_path):
     """Kimi Linear (3 KDA : 1 MLA, MoE after a dense layer): KDA and MLA heads split, the
     experts spread; an ample pool, then a pool too small that swaps pages and state

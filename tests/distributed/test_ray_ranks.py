@@ -102,6 +102,23 @@ def checkpoint(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def greedy(checkpoint) -> tuple[list[list[int]], list]:
+    """Eight prompts and one process's greedy rows for them (each layout's test compares
+    with the same run)."""
+    prompts = _prompts(8)
+    return prompts, _one_process(checkpoint, prompts, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def batch_file(checkpoint, tmp_path_factory) -> tuple[Path, dict]:
+    """A chat batch file of 12 lines and one process's answers to it (`batchgen run`)."""
+    folder = tmp_path_factory.mktemp("batch")
+    inp = write_chat_batch(folder / "in.jsonl", 12, max_tokens=24)
+    assert _run(checkpoint, inp, folder / "one.jsonl") == 0
+    return inp, read_answers(folder / "one.jsonl")
+
+
 def _workers(llm: LLM):
     engine = llm.engine
     return engine.workers if hasattr(engine, "workers") else engine.executor
@@ -109,9 +126,8 @@ def _workers(llm: LLM):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", [TP2, DP2], ids=["tp2", "dp2_ep2"])
-def test_ranks_on_two_nodes_give_one_processs_tokens(cluster, checkpoint, parallel):
-    prompts = _prompts(8)
-    want = _one_process(checkpoint, prompts, GREEDY)
+def test_ranks_on_two_nodes_give_one_processs_tokens(cluster, checkpoint, greedy, parallel):
+    prompts, want = greedy
     llm = LLM(checkpoint, **KW, **parallel, **RAY)
     try:
         ranks = _workers(llm).ranks
@@ -263,15 +279,25 @@ def _run(model: str, inp: Path, out: Path, *extra: str) -> int:
 
 
 @pytest.mark.slow
-def test_a_batch_job_cut_short_by_a_dead_rank_resumes_on_the_rerun(cluster, checkpoint, tmp_path):
-    """A job under tensor parallel over Ray whose worker's actor is killed once some
-    answers are written fails; the same job rerun through `batchgen run --tp 2
-    --distributed-executor-backend ray` writes the rest, every answer one process's."""
-    inp = write_chat_batch(tmp_path / "in.jsonl", 12, max_tokens=24)
-    one, out = tmp_path / "one.jsonl", tmp_path / "out.jsonl"
-    assert _run(checkpoint, inp, one) == 0
-    llm = LLM(checkpoint, **dict(KW, max_num_seqs=2), **TP2, **RAY)
-    ranks = llm.engine.executor.ranks
+@pytest.mark.parametrize(
+    "parallel, role, flags",
+    [
+        (TP2, "tensor-parallel", ("--tp", "2")),
+        (DP2, "data-parallel", ("--data-parallel", "2", "--enable-expert-parallel")),
+    ],
+    ids=["tp2", "dp2_ep2"],
+)
+def test_a_batch_job_cut_short_by_a_dead_rank_resumes_on_the_rerun(
+    cluster, checkpoint, batch_file, tmp_path, parallel, role, flags
+):
+    """A job under tensor parallel, or attention data parallel with expert parallel,
+    over Ray whose worker's actor is killed once some answers are written fails; the
+    same job rerun through `batchgen run` with the same layout and
+    `--distributed-executor-backend ray` writes the rest, every answer one process's."""
+    inp, one = batch_file
+    out = tmp_path / "out.jsonl"
+    llm = LLM(checkpoint, **dict(KW, max_num_seqs=2), **parallel, **RAY)
+    ranks = _workers(llm).ranks
 
     def kill_once_answers_are_written() -> None:
         deadline = time.monotonic() + 120
@@ -284,16 +310,16 @@ def test_a_batch_job_cut_short_by_a_dead_rank_resumes_on_the_rerun(cluster, chec
     defaults = {"temperature": 0.0, "top_p": 1.0}  # as the CLI's flags give them
     opts = JobOptions(inp, out, Path(checkpoint).name, defaults=defaults, progress=False)
     try:
-        with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank\(s\) \[1\]"):
+        with pytest.raises(RuntimeError, match=role + r" worker rank\(s\) \[1\]"):
             run_batch_job(llm, opts)
     finally:
         killer.join()
         llm.engine.shutdown()
     written = _lines(out)
     assert 2 <= written < 12
-    ray_flags = ("--tp", "2", "--distributed-executor-backend", "ray")
+    ray_flags = (*flags, "--distributed-executor-backend", "ray")
     assert _run(checkpoint, inp, out, *ray_flags) == 0
-    assert read_answers(out) == read_answers(one)
+    assert read_answers(out) == one
     assert _lines(out) == 12  # each line once: the rerun wrote only what was missing
 
 
