@@ -118,3 +118,22 @@ def test_apply_chat_template_gets_flattened_messages(llm):
         messages, add_generation_prompt=False, chat_template=ROLE_TEMPLATE
     )
     assert text == "system=w3;user=w5;assistant=;"
+
+
+def test_chat_encodes_many_conversations_as_one_at_a_time(llm):
+    """LLM.chat renders and encodes its conversations in one batch call each: every
+    prompt's ids and text are those of apply_chat_template + encode on it alone, whatever
+    their lengths."""
+    convs = [
+        [_user("w5")],
+        [{"role": "system", "content": "w3 w4"}, _user("w5 w6 w7 w8 w9")],
+        [_user("w6 w6"), {"role": "assistant", "content": "w7"}, _user("w8")],
+    ]
+    outs = llm.chat(convs, GREEDY, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for conv, out in zip(convs, outs, strict=True):
+        text = llm.apply_chat_template(conv)
+        assert out.prompt == text
+        assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    assert len({len(o.prompt_token_ids) for o in outs}) == 3
+    _assert_idle(llm)

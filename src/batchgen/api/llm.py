@@ -95,11 +95,11 @@ class LLM:
             convs = []  # no conversations, as vLLM reads an empty list
         else:
             convs = [checked_conversation(messages)]
-        prompts = [
-            self._render(conv, add_generation_prompt, chat_template_kwargs or {}) for conv in convs
-        ]
+        # every conversation rendered and encoded in one call each (the fast tokenizer's
+        # batch encode): the same ids as one at a time, less per-prompt overhead
+        prompts = self._render(convs, add_generation_prompt, chat_template_kwargs or {})
         params = _params_for(prompts, sampling_params, "conversation")
-        encoded = [(self.tokenizer.encode(p, add_special_tokens=False), p) for p in prompts]
+        encoded = list(zip(_encode_batch(self.tokenizer, prompts), prompts))
         for i, (ids, _) in enumerate(encoded):
             self._validate(ids, params[i], f"conversation {i}")
         return self._run(encoded, params, use_tqdm)
@@ -116,9 +116,11 @@ class LLM:
         """The prompt text of one conversation, checked and flattened as LLM.chat does."""
         return self._render(checked_conversation(conversation), add_generation_prompt, kwargs)
 
-    def _render(
-        self, flat: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
-    ) -> str:
+    def _render(self, flat: list, add_generation_prompt: bool, kwargs: dict[str, Any]):
+        """The prompt text of one flattened conversation (a list of messages), or the
+        list of texts of a list of them, rendered in one call."""
+        if not flat:
+            return []  # no conversations
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; use generate()")
         return self.tokenizer.apply_chat_template(
@@ -237,6 +239,14 @@ class LLM:
         }
         entry[token] = Logprob(lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token]))
         return entry
+
+
+def _encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's ids as `tokenizer.encode(text, add_special_tokens=False)` gives them,
+    in one batch call."""
+    if not texts:
+        return []
+    return list(tokenizer(texts, add_special_tokens=False)["input_ids"])
 
 
 def _as_list(prompts) -> list:
