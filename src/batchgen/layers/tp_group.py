@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from batchgen.layers import batch_invariant
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -53,10 +55,18 @@ class TPGroup:
         return total // self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's x (in place on a contiguous x; returned)."""
+        """The sum of every rank's x (in place on a contiguous x; returned).
+
+        In batch-invariant mode (deterministic=True, layers/batch_invariant.py) the sum
+        is `rank_order_sum` of the gathered parts: the same bits whatever algorithm or
+        topology the collective library picks (NCCL's ring or tree, its channel count,
+        gloo's ring: each adds the ranks' parts in an order of its own, which for 3 and
+        more ranks changes the rounding). Outside it, the library's all_reduce."""
         if self.size == 1:
             return x
         x = x.contiguous()
+        if batch_invariant.active():
+            return x.copy_(rank_order_sum(self._gather(x)))
         self._wait(dist.all_reduce(x, group=self.group, async_op=self.waiter is not None))
         return x
 
@@ -64,10 +74,13 @@ class TPGroup:
         """Every rank's x concatenated along `dim`, rank 0 first."""
         if self.size == 1:
             return x
-        x = x.contiguous()
+        return torch.cat(self._gather(x.contiguous()), dim=dim)
+
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's contiguous x, rank 0 first."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._wait(dist.all_gather(parts, x, group=self.group, async_op=self.waiter is not None))
-        return torch.cat(parts, dim=dim)
+        return parts
 
     def all_to_all(
         self,
@@ -101,6 +114,17 @@ class TPGroup:
         None: done)."""
         if work is not None:
             self.waiter(work)
+
+
+def rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + parts[1] + ... added one at a time in list (rank) order, in float32 at
+    least (a bfloat16 part is widened exactly, the total rounded once to its dtype): every
+    element's bits a function of the parts alone (TPGroup.all_reduce's deterministic sum)."""
+    dtype = parts[0].dtype
+    total = parts[0].to(torch.promote_types(dtype, torch.float32), copy=True)
+    for part in parts[1:]:
+        total.add_(part)
+    return total.to(dtype)
 
 
 SINGLE = TPGroup()
