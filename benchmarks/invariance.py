@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-gib", type=float, default=4.0, help="tier run's device KV pool")
     ap.add_argument("--kv-pages", type=int, default=40, help="--small: tier run's pool pages")
     ap.add_argument("--host-gib", type=float, default=None, help="32 (--small: 0.002)")
-    ap.add_argument("--swap-every", type=int, default=None, help="16 (--small: 4) steps")
+    ap.add_argument("--swap-every", type=int, default=None, help="64 (--small: 4) steps")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"some of {','.join(RUNS)}")
     ap.add_argument("--greedy-only", action="store_true", help="no sampled rows")
     ap.add_argument("--backend", default="auto", help="attention_backend")
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     if not runs or set(runs) - set(RUNS):
         ap.error(f"--runs takes some of {','.join(RUNS)}, got {args.runs!r}")
     small = dict(requests=16, prompt_len=48, output_len=16, swap_every=4)
-    full = dict(requests=512, prompt_len=1000, output_len=128, swap_every=16)
+    full = dict(requests=512, prompt_len=1000, output_len=128, swap_every=64)
     for key, value in (small if args.small else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
