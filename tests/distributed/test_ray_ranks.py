@@ -1,7 +1,8 @@
 """One engine across the nodes of a Ray cluster (distributed_executor_backend="ray"):
 ranks 1..N-1 are Ray actors of a placement group, rank 0 this process. A local cluster
-of two logical nodes of one CPU each (ray.cluster_utils.Cluster), so a group of two
-ranks spans both; gloo between them. Tensor parallel and attention data parallel with
+of two logical nodes of two CPUs each (ray.cluster_utils.Cluster), one of this node's
+held by an actor but for the four-rank test, so a group of two ranks spans both nodes
+and one of four takes two ranks on each; gloo between them. Tensor parallel and attention data parallel with
 expert parallel on a tiny DeepSeek-V3 give one process's greedy tokens; a rank whose
 actor is killed mid-decode fails the call within 60 s naming it and its node; a batch
 job cut short that way resumes on the rerun (`batchgen run --distributed-executor-backend
@@ -25,6 +26,7 @@ import torch
 from batch_files import read_answers, write_chat_batch
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tp_workers import DiesWhileStarting, fails_once_joined, never_called
 
 from batchgen import LLM, SamplingParams
@@ -49,19 +51,40 @@ TP2 = dict(tensor_parallel_size=2)
 DP2 = dict(data_parallel_size=2, enable_expert_parallel=True)
 
 
+HELD = "batchgen-test-head-cpu"  # the actor holding one of this node's two CPUs
+
+
+@ray.remote(num_cpus=1)
+class _HoldsACpu:
+    def ready(self) -> bool:
+        return True
+
+
+def _hold_a_cpu_here() -> None:
+    """An actor on this node takes one of its CPUs: a group of two ranks ({CPU: 1} a
+    bundle, rank 0's here) then finds one free CPU here and puts rank 1 on the other
+    node."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    # detached: held without a handle, until killed or the cluster ends
+    options = dict(name=HELD, lifetime="detached", scheduling_strategy=here)
+    holder = _HoldsACpu.options(**options).remote()
+    ray.get(holder.ready.remote())
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    """Two logical nodes of one CPU each: a rank's bundle ({CPU: 1}) fills a node, so
-    rank 0's (this node) and rank 1's land on different nodes."""
+    """Two logical nodes of two CPUs each, one of this node's held (_hold_a_cpu_here):
+    rank 0's bundle (this node) and rank 1's land on different nodes."""
     if ray.is_initialized():
         ray.shutdown()
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    nodes.add_node(num_cpus=1)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    nodes.add_node(num_cpus=2)
     # the actors import what this process does (the tests' helpers too), as spawned
     # processes do: they get the parent's sys.path
     paths = {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}}
     ray.init(address=nodes.address, include_dashboard=False, runtime_env=paths)
     nodes.wait_for_nodes()
+    _hold_a_cpu_here()
     yield nodes
     ray.shutdown()
     nodes.shutdown()
@@ -172,10 +195,10 @@ def test_a_rank_that_fails_once_joined_is_named_with_its_error(cluster):
 
 
 @pytest.mark.slow
-def test_four_ranks_over_three_nodes_give_one_processs_tokens(cluster, checkpoint):
-    """Attention data parallel 4 with expert parallel 4 (two routed experts a rank): a
-    third node of two CPUs joins, so the four ranks take every node; greedy, seeded and
-    unseeded sampled rows draw one process's tokens."""
+def test_four_ranks_two_on_each_of_two_nodes_give_one_processs_tokens(cluster, checkpoint):
+    """Attention data parallel 4 with expert parallel 4 (two routed experts a rank), this
+    node's held CPU freed: ranks 0 and 1 on this node, 2 and 3 on the other; greedy,
+    seeded and unseeded sampled rows draw one process's tokens."""
     prompts = _prompts(8)
     kinds = [
         GREEDY,
@@ -184,21 +207,21 @@ def test_four_ranks_over_three_nodes_give_one_processs_tokens(cluster, checkpoin
     ]
     params = [kinds[i % 3] for i in range(len(prompts))]
     want = _one_process(checkpoint, prompts, params)
-    extra = cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
+    ray.kill(ray.get_actor(HELD))
     try:
         llm = LLM(checkpoint, **KW, data_parallel_size=4, enable_expert_parallel=True, **RAY)
         try:
-            nodes = {node for _, node in llm.engine.workers.ranks.nodes.values()}
+            nodes = [node for _, node in llm.engine.workers.ranks.nodes.values()]
             got = _tokens(llm, prompts, params)
             moe = llm.engine.model.layers[1].mlp
             ranks = llm.engine.rank_metrics()
         finally:
             llm.engine.shutdown()
     finally:
-        cluster.remove_node(extra)
+        _hold_a_cpu_here()
     assert got == want
-    assert len(nodes | {ray.get_runtime_context().get_node_id()}) == 3
+    here = ray.get_runtime_context().get_node_id()
+    assert sorted(Counter([here, *nodes]).values()) == [2, 2]  # two nodes, two ranks each
     assert moe.experts.local_experts == range(0, 2)
     assert [m["prompt_tokens"] > 0 for m in ranks] == [True] * 4
 
@@ -344,7 +367,7 @@ def test_a_lost_node_fails_the_call_naming_the_rank_on_it(cluster, checkpoint):
         assert "its node has died" in str(e.value)
     finally:
         llm.engine.shutdown()
-        cluster.add_node(num_cpus=1)  # two nodes again for any test after this one
+        cluster.add_node(num_cpus=2)  # two nodes again for any test after this one
         cluster.wait_for_nodes()
 
 
