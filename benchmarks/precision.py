@@ -1,0 +1,248 @@
+"""Memory and tok/s by precision (issue 51): one model's shape in bf16, FP8 and INT4 weights,
+or W1 with FP8 KV beside bf16 KV, in one process.
+
+    PYTHONPATH=src python3 -m benchmarks precision --model w4 --out $OUT   # W4: bf16, FP8, INT4
+    PYTHONPATH=src python3 -m benchmarks precision --model w6 --out $OUT   # W6: the same
+    PYTHONPATH=src python3 -m benchmarks precision --model w1 --out $OUT   # W1: FP8 KV, bf16 KV
+    PYTHONPATH=src python3 -m benchmarks precision --model w4 --small --out /tmp/p  # CPU, CI
+
+Models: --model w4 is W4's (workloads.MOONLIGHT_W4), w6 W6's (KIMI_W6), w1 W1's
+(QWEN3_0_6B); random weights drawn on the device from config.json alone
+(load_format="dummy", which gives quantized layers random quantized weights), the same
+loader path a checkpoint takes from the quantization plan on (the layers' quantized
+parameters, their kernels, the memory plan over their real bytes); only the reading of
+the tensors from disk is left out. W4 and W6 run three engines, one after the other:
+
+- `fp8`: quantization="fp8" (block-scaled FP8, 128 x 128 blocks, as DeepSeek-V3 ships:
+  every quantizable linear and the routed experts; MLA's kv_b_proj, the router and the
+  lm_head stay in bf16);
+- `int4`: the config with Kimi-K2-Thinking's quantization_config (workloads.INT4_EXPERTS:
+  compressed-tensors pack-quantized, symmetric, groups of 32, the routed experts only);
+- `bf16`: the plain model.
+
+Each engine, after an untimed warm-up: its weight bytes on the device
+(metrics()["weight_bytes"]) and KV pages; a decode-bound run (--rows requests of 16
+random tokens, 128 output tokens each, greedy, ignore_eos: the decode phase's tok/s); the
+workload's requests end to end (W4 and W6: workloads.w4_requests, 512 x 1024 tokens, 128
+out; W1: workloads.w1_requests), output tok/s; and a closeness probe (64 prompts of 32
+tokens, 32 greedy tokens, five logprobs a step). The quantized engines' weights are then
+dequantized into bf16 on the host, and after the bf16 engine's own runs each is loaded in
+turn into its model (in place: the same CUDA graphs) and the probe runs again: the
+quantized engine against the dequantized-bf16 model on the same weights (this checks the
+kernels, not the quantization) by the logprob-closeness rule (eval/closeness.py), with
+the share of tokens that agree and the largest logprob difference before a row's first
+differing token. W1: `fp8 KV` (kv_cache_dtype="fp8") and `bf16 KV` engines with the
+same random bf16 weights, FP8 KV's probe against bf16 KV's.
+
+Prints the markdown table "memory and tok/s by precision" (ratios to bf16 / bf16 KV) and
+writes precision-<model>.json into --out. --small: CPU-sized configs of the same kinds
+(routed experts 128 wide, so FP8 holds them too), in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from benchmarks.engine_runs import add_engine_args, built_engine, engine_kwargs, size
+from benchmarks.moe_runs import release_device_memory, warm_up_prompts
+from benchmarks.precision_runs import (
+    closeness_of,
+    dequantized_state,
+    load_state,
+    probe,
+    timed,
+)
+from benchmarks.workloads import (
+    KIMI_W6,
+    MOONLIGHT_W4,
+    QWEN3_0_6B,
+    SMALL_KIMI,
+    SMALL_MODEL,
+    SMALL_MOONLIGHT,
+    config_dir,
+    small_requests,
+    w1_requests,
+    w4_requests,
+    with_int4_experts,
+)
+
+# --model: (config, its CPU-sized version, the largest random token id of its prompts)
+MODELS = {
+    "w4": (MOONLIGHT_W4, dict(SMALL_MOONLIGHT, moe_intermediate_size=128), 100000),
+    "w6": (KIMI_W6, dict(SMALL_KIMI, moe_intermediate_size=128), 100000),
+    "w1": (QWEN3_0_6B, SMALL_MODEL, 10000),
+}
+
+
+def variants(model: str, config: dict) -> list[tuple[str, dict, dict]]:
+    """(name, config, engine options) of the engines a --model runs, in the order they
+    run; the last is the reference the others are compared with."""
+    if model == "w1":
+        return [("fp8 KV", config, {"kv_cache_dtype": "fp8"}), ("bf16 KV", config, {})]
+    return [
+        ("fp8", config, {"quantization": "fp8"}),
+        ("int4", with_int4_experts(config), {}),
+        ("bf16", config, {}),
+    ]
+
+
+class Plan:
+    """The requests of one --model's runs (--small: CPU-sized)."""
+
+    def __init__(self, model: str, small: bool, rows: int):
+        _, _, top = MODELS[model]
+        top = 500 if small else top
+        self.top = top
+        if model == "w1":
+            self.workload = small_requests() if small else w1_requests()
+        elif small:
+            self.workload = w4_requests(n=6, prompt_len=24, out_len=6, max_token=top)
+        else:
+            self.workload = w4_requests()
+        self.rows = rows
+        self.decode_len, self.decode_out = (8, 8) if small else (16, 128)
+        self.probe_rows, self.probe_len, self.probe_out = (6, 12, 8) if small else (64, 32, 32)
+
+    def random_prompts(self, n: int, length: int, first: int, seed: int) -> list[list[int]]:
+        """n prompts of `length` random tokens, each starting with `first` (prompts of
+        different runs on one engine share no cached page)."""
+        rng = random.Random(seed)
+        return [[first] + [rng.randint(3, self.top) for _ in range(length - 1)] for _ in range(n)]
+
+    def decode_prompts(self) -> list[list[int]]:
+        return self.random_prompts(self.rows, self.decode_len, 3, seed=1)
+
+    def probe_prompts(self, k: int) -> list[list[int]]:
+        """The probe of the k-th variant: its own first token, the same rest."""
+        return self.random_prompts(self.probe_rows, self.probe_len, 10 + k, seed=2)
+
+    def max_model_len(self) -> int:
+        prompts, outs = self.workload
+        return max(max(map(len, prompts)) + max(outs), self.decode_len + self.decode_out) + 16
+
+
+def measure(llm, plan: Plan) -> dict:
+    """Weight bytes, KV pages, and the decode-bound and end-to-end runs, after a warm-up
+    shaped like both (first prompts of the workload reversed; the decode rows)."""
+    from batchgen import SamplingParams
+
+    prompts, outs = plan.workload
+    warm = [p[::-1] for p in prompts[: warm_up_prompts(llm, len(prompts[0]))]]
+    warm_params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.generate(warm, warm_params, use_tqdm=False)
+    warm_rows = [[4, *p[1:]] for p in plan.decode_prompts()]
+    llm.generate(warm_rows, warm_params, use_tqdm=False)
+    eng = llm.engine
+    decode = timed(llm, plan.decode_prompts(), [plan.decode_out] * plan.rows, "decode")
+    e2e = timed(llm, prompts, outs, "e2e")
+    sys.stderr.write(f"  decode {decode['decode_tok_s']:.0f} tok/s, e2e {e2e['tok_s']:.0f}\n")
+    return {
+        "weight_bytes": eng.metrics()["weight_bytes"],
+        "kv_pages": eng.kv.allocator.num_pages,
+        "page_size": eng.config.page_size,
+        "decode": decode,
+        "e2e": e2e,
+    }
+
+
+def run_model(args, plan: Plan) -> dict:
+    """Every variant of --model measured; each one but the reference with its closeness
+    to the reference on the same weights."""
+    import torch
+
+    full, small, _ = MODELS[args.model]
+    dtype = "float32" if args.small else "bfloat16"
+    runs = variants(args.model, small if args.small else full)
+    base = args.ckpt or Path(f"/tmp/batchgen-precision-{args.model}")
+    if args.small:
+        base = base.with_name(base.name + "-small")
+    common = dict(
+        dtype=dtype,
+        device=args.device,
+        load_format="dummy",
+        max_model_len=plan.max_model_len(),
+        **engine_kwargs(args),
+    )
+    if common["max_num_seqs"] is None:
+        common["max_num_seqs"] = plan.rows
+    results: dict[str, dict] = {}
+    probes, states = {}, {}
+    weights = args.model != "w1"  # quantized weights, compared through their dequantized form
+    *others, (ref_name, _, _) = runs
+    for k, (name, config, kw) in enumerate(runs):
+        ckpt = config_dir(base / name.replace(" ", "-"), config, dtype)
+        sys.stderr.write(f"{name}: building\n")
+        with built_engine(ckpt, **common, **kw) as llm:
+            results[name] = measure(llm, plan)
+            model = llm.engine.model
+            if name != ref_name:
+                probes[name] = probe(llm, plan.probe_prompts(k), plan.probe_out)
+                if weights:
+                    states[name] = dequantized_state(model, getattr(torch, dtype))
+            for j, (other, _, _) in enumerate(others if name == ref_name else []):
+                if weights:
+                    load_state(model, states.pop(other))
+                ref = probe(llm, plan.probe_prompts(j), plan.probe_out)
+                results[other]["closeness"] = closeness_of(probes[other], ref)
+            llm.engine.shutdown()
+            del llm, model
+        release_device_memory()
+    return {"reference": ref_name, "runs": {name: results[name] for name, _, _ in runs}}
+
+
+def table(model: str, result: dict, small: bool) -> str:
+    """The markdown table "memory and tok/s by precision" of run_model's result."""
+    ref = result["runs"][result["reference"]]
+    lines = [
+        f"memory and tok/s by precision ({model}{', small, CPU' if small else ''})",
+        "",
+        "| precision | weights | x ref | KV pages | decode tok/s | x ref | e2e tok/s | "
+        "x ref | tokens agree | max logprob diff | collapsed rows |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in result["runs"].items():
+        close = run.get("closeness")
+        judged = (
+            f"{100 * close['token_agreement']:.1f}% | {close['max_logprob_diff']:.3g} | "
+            f"{close['collapsed_rows']}/{close['rows']}"
+            if close
+            else "reference | | "
+        )
+        lines.append(
+            f"| {name} | {size(run['weight_bytes'])} | "
+            f"{run['weight_bytes'] / ref['weight_bytes']:.2f} | {run['kv_pages']} | "
+            f"{run['decode']['decode_tok_s']:.0f} | "
+            f"{run['decode']['decode_tok_s'] / ref['decode']['decode_tok_s']:.2f} | "
+            f"{run['e2e']['tok_s']:.0f} | {run['e2e']['tok_s'] / ref['e2e']['tok_s']:.2f} | "
+            f"{judged} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="w4")
+    ap.add_argument("--small", action="store_true", help="tiny configs on the CPU")
+    ap.add_argument(
+        "--rows", type=int, default=None, help="the decode run's requests (512; --small: 8)"
+    )
+    add_engine_args(ap)
+    ap.set_defaults(ckpt=None)
+    args = ap.parse_args(argv)
+    args.device = "cpu" if args.small else "cuda"
+    plan = Plan(args.model, args.small, args.rows or (8 if args.small else 512))
+    result = run_model(args, plan)
+    result.update(model=args.model, small=args.small, rows=plan.rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"precision-{args.model}.json").write_text(json.dumps(result, indent=2))
+    sys.stdout.write(table(args.model, result, args.small) + "\n")
+    want = sum(plan.workload[1])
+    return 0 if all(r["e2e"]["output_tokens"] == want for r in result["runs"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
