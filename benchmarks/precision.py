@@ -93,7 +93,7 @@ def variants(model: str, config: dict) -> list[tuple[str, dict, dict]]:
 class Plan:
     """The requests of one --model's runs (--small: CPU-sized)."""
 
-    def __init__(self, model: str, small: bool, rows: int):
+    def __init__(self, model: str, small: bool, rows: int, requests: int | None = None):
         _, _, top = MODELS[model]
         top = 500 if small else top
         self.top = top
@@ -103,6 +103,8 @@ class Plan:
             self.workload = w4_requests(n=6, prompt_len=24, out_len=6, max_token=top)
         else:
             self.workload = w4_requests()
+        if requests:
+            self.workload = (self.workload[0][:requests], self.workload[1][:requests])
         self.rows = rows
         self.decode_len, self.decode_out = (8, 8) if small else (16, 128)
         self.probe_rows, self.probe_len, self.probe_out = (6, 12, 8) if small else (64, 32, 32)
@@ -230,11 +232,17 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rows", type=int, default=None, help="the decode run's requests (512; --small: 8)"
     )
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="end to end on the workload's first N requests only (default: all)",
+    )
     add_engine_args(ap)
     ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)
     args.device = "cpu" if args.small else "cuda"
-    plan = Plan(args.model, args.small, args.rows or (8 if args.small else 512))
+    plan = Plan(args.model, args.small, args.rows or (8 if args.small else 512), args.requests)
     result = run_model(args, plan)
     result.update(model=args.model, small=args.small, rows=plan.rows)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,17 +9,19 @@ import torch
 from bench_scripts import load, run_timed
 
 
-def _run(tmp_path, model: str) -> dict:
+def _run(tmp_path, model: str, *more: str) -> dict:
     precision = load("precision")
     out = tmp_path / "out"
     argv = ["--model", model, "--small", "--out", str(out), "--ckpt", str(tmp_path / "cfg")]
-    run_timed(precision, argv)
+    run_timed(precision, [*argv, *more])
     return json.loads((out / f"precision-{model}.json").read_text())
 
 
 @pytest.mark.slow
-def test_w4_weights_stay_quantized_and_match_their_dequantized_model(tmp_path, capsys):
-    result = _run(tmp_path, "w4")
+@pytest.mark.parametrize("model", ["w4", "w6"])
+def test_weights_stay_quantized_and_match_their_dequantized_model(tmp_path, capsys, model):
+    """W4's DeepSeek-V3 and W6's Kimi Linear, CPU-sized."""
+    result = _run(tmp_path, model)
     runs = result["runs"]
     assert list(runs) == ["fp8", "int4", "bf16"] and result["reference"] == "bf16"
     plain = runs["bf16"]["weight_bytes"]
@@ -40,13 +42,16 @@ def test_w4_weights_stay_quantized_and_match_their_dequantized_model(tmp_path, c
         assert close["token_agreement"] == 1.0 and close["collapsed_rows"] == 0, name
         assert close["max_logprob_diff"] <= 1e-4, name
     assert "closeness" not in runs["bf16"]
-    assert "memory and tok/s by precision (w4, small, CPU)" in capsys.readouterr().out
+    assert f"memory and tok/s by precision ({model}, small, CPU)" in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_w1_fp8_kv_holds_four_times_the_pages_of_float32_kv(tmp_path):
-    runs = _run(tmp_path, "w1")["runs"]
+    runs = _run(tmp_path, "w1", "--requests", "3")["runs"]
     fp8, ref = runs["fp8 KV"], runs["bf16 KV"]
+    _, out_lens = load("workloads").small_requests()
+    for run in (fp8, ref):  # end to end on the first 3 requests only
+        assert run["e2e"]["output_tokens"] == sum(out_lens[:3])
     assert fp8["weight_bytes"] == ref["weight_bytes"]  # the same weights, the KV differs
     assert fp8["kv_pages"] == 4 * ref["kv_pages"]  # the CPU pool's bytes, 1 byte vs 4
     assert fp8["closeness"]["collapsed_rows"] == 0
