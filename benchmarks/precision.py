@@ -45,6 +45,7 @@ import argparse
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 from benchmarks.engine_runs import add_engine_args, built_engine, engine_kwargs, size
@@ -141,7 +142,6 @@ def measure(llm, plan: Plan) -> dict:
     eng = llm.engine
     decode = timed(llm, plan.decode_prompts(), [plan.decode_out] * plan.rows, "decode")
     e2e = timed(llm, prompts, outs, "e2e")
-    sys.stderr.write(f"  decode {decode['decode_tok_s']:.0f} tok/s, e2e {e2e['tok_s']:.0f}\n")
     return {
         "weight_bytes": eng.metrics()["weight_bytes"],
         "kv_pages": eng.kv.allocator.num_pages,
@@ -149,6 +149,17 @@ def measure(llm, plan: Plan) -> dict:
         "decode": decode,
         "e2e": e2e,
     }
+
+
+def progress(name: str, run: dict) -> None:
+    """One engine's figures on stderr as it finishes (a run cut off by a time limit
+    keeps what it had)."""
+    sys.stderr.write(
+        f"{name}: built in {run['build_s']:.1f} s, all in {run['seconds']:.1f} s; weights "
+        f"{size(run['weight_bytes'])}, {run['kv_pages']} KV pages, decode "
+        f"{run['decode']['decode_tok_s']:.0f} tok/s, e2e {run['e2e']['tok_s']:.0f} tok/s\n"
+    )
+    sys.stderr.flush()
 
 
 def run_model(args, plan: Plan) -> dict:
@@ -177,8 +188,9 @@ def run_model(args, plan: Plan) -> dict:
     *others, (ref_name, _, _) = runs
     for k, (name, config, kw) in enumerate(runs):
         ckpt = config_dir(base / name.replace(" ", "-"), config, dtype)
-        sys.stderr.write(f"{name}: building\n")
+        started = time.perf_counter()
         with built_engine(ckpt, **common, **kw) as llm:
+            built = time.perf_counter()
             results[name] = measure(llm, plan)
             model = llm.engine.model
             if name != ref_name:
@@ -190,6 +202,9 @@ def run_model(args, plan: Plan) -> dict:
                     load_state(model, states.pop(other))
                 ref = probe(llm, plan.probe_prompts(j), plan.probe_out)
                 results[other]["closeness"] = closeness_of(probes[other], ref)
+            results[name]["build_s"] = built - started
+            results[name]["seconds"] = time.perf_counter() - started
+            progress(name, results[name])
             llm.engine.shutdown()
             del llm, model
         release_device_memory()
