@@ -120,8 +120,9 @@ def test_deterministic_is_checked_where_it_cannot_hold():
     EngineConfig(deterministic=True, attention_backend="triton").resolve(CPU)
     # tensor parallel's all-reduces add the ranks' parts in rank order (layers/tp_group.py)
     assert EngineConfig(deterministic=True, tensor_parallel_size=2).resolve(CPU).deterministic
-    with pytest.raises(ValueError, match="data_parallel_size=1"):
-        EngineConfig(deterministic=True, data_parallel_size=2).resolve(CPU, moe=True)
+    # attention data parallel: expert parallel's combine adds a token's rows in its order
+    dp = EngineConfig(deterministic=True, data_parallel_size=2, enable_expert_parallel=True)
+    assert dp.resolve(CPU, moe=True).deterministic
     with pytest.raises(ValueError, match="max_num_batched_tokens >= 64"):
         EngineConfig(deterministic=True, max_num_batched_tokens=32).resolve(CPU, 1)
     with pytest.raises(ValueError, match="state_checkpoint_interval a multiple"):

@@ -133,8 +133,8 @@ class EngineConfig:
     pipelined or not. The Triton backend attends with kernels/invariant_attention.py
     (keys never split by the batch; decode CUDA graphs and pipelined decode stay on),
     the torch one with batch_invariant.attend. Under tensor parallel every all-reduce
-    adds the ranks' parts in rank order (layers/tp_group.py); attention data parallel
-    (data_parallel_size > 1) is refused. README's "Deterministic generation" says what is and is not covered.
+    adds the ranks' parts in rank order (layers/tp_group.py); expert parallel and
+    attention data parallel run too. README's "Deterministic generation" says what is and is not covered.
 
     load_format "dummy" builds the model with random weights from its config alone (no
     checkpoint read): for benchmarks, as in vLLM.
@@ -230,14 +230,15 @@ class EngineConfig:
         return config
 
     def check_deterministic(self, linear_attention: bool = False) -> None:
-        """ValueError naming the option that deterministic=True cannot run with.
-        Tensor parallel runs (its all-reduces then add the ranks' parts in rank order:
-        layers/tp_group.py), and so do `batchgen run --data-parallel N`'s separate
-        engines; attention data parallel (data_parallel_size > 1 in one engine) is
-        refused: not shown to give a request the bits it gets in a one-rank engine. A
-        model with `linear_attention` layers prefills in pieces aligned to
-        DETERMINISTIC_CHUNK: its step budget must reach one, and its state checkpoints
-        must sit on them."""
+        """ValueError naming the option that deterministic=True cannot run with. Every
+        parallel layout runs: tensor parallel's all-reduces add the ranks' parts in rank
+        order (layers/tp_group.py), expert parallel's combine adds a token's expert rows
+        in its routing order (its all-to-alls only move rows), so attention data
+        parallel's ranks and `batchgen run --data-parallel N`'s separate engines give a
+        request the bits one engine gives it (a tensor-parallel engine's bits are its
+        own: its products are split otherwise, but no batch changes them). A model with `linear_attention` layers
+        prefills in pieces aligned to DETERMINISTIC_CHUNK: its step budget must reach
+        one, and its state checkpoints must sit on them."""
         if not self.deterministic:
             return
         if linear_attention:  # prefill pieces end at multiples of DETERMINISTIC_CHUNK
@@ -249,14 +250,6 @@ class EngineConfig:
                     f"state_checkpoint_interval a multiple of it, got "
                     f"{self.max_num_batched_tokens} and {interval}"
                 )
-        if self.data_parallel_size > 1:
-            raise ValueError(
-                f"deterministic=True needs data_parallel_size=1, got "
-                f"{self.data_parallel_size}: attention data parallel is not shown to give "
-                "a request the bits a one-rank engine gives it; separate data-parallel "
-                "engines (`batchgen run --data-parallel N` without "
-                "--enable-expert-parallel) or tensor_parallel_size run deterministic"
-            )
 
     def check_kv_cache_dtype(self, device: torch.device) -> None:
         """ValueError where FP8 KV cannot run on `device`: the Triton kernels read and

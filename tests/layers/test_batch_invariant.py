@@ -38,6 +38,15 @@ def test_linear_rows_do_not_depend_on_the_row_count(shape):
     torch.testing.assert_close(bi.linear(x, w, b), F.linear(x, w, b))
 
 
+def test_linear_of_no_rows_is_empty():
+    """An expert-parallel rank's slice of a step's tokens can be empty (one decode row
+    over two ranks): its router's product still runs."""
+    w = torch.randn(8, 64)
+    with bi.invariant_mode():
+        assert bi.linear(torch.randn(0, 64), w).shape == (0, 8)
+        assert bi.linear(torch.randn(2, 0, 64), w, torch.randn(8)).shape == (2, 0, 8)
+
+
 def test_the_mode_is_off_outside_and_nests():
     assert not bi.active()
     with bi.invariant_mode():

@@ -134,7 +134,7 @@ def linear(
     nt = padded.shape[1] // tile
     w = weight.t()
     out = torch.bmm(padded.view(nt, tile, k), w.expand(nt, *w.shape))
-    out = out.view(nt * tile, -1)[:m]
+    out = out.view(nt * tile, weight.shape[0])[:m]  # 0 rows too (an idle EP rank's)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], out.shape[-1])
