@@ -336,3 +336,27 @@ def test_the_engine_refuses_an_oversized_host_tier_before_loading_weights(tmp_pa
     with pytest.raises(ValueError, match="lower host_kv_size_gib"):
         LLM(model=str(tmp_path), device="cpu", host_kv_size_gib=2.0)
     assert built == []
+
+
+def test_the_sampling_graphs_reserve_comes_out_of_the_kv_pages(monkeypatch):
+    """Bytes the sampling decode graphs hold later, outside every warm-up step's peak,
+    come out of the pool's budget; a reserve that grows with max_num_seqs shrinks it."""
+    from batchgen.engine.builder_plan import graph_sampling_reserve
+
+    gpu = FakeGPU(monkeypatch, 100 * GIB)
+    device = torch.device("cuda")
+
+    def pages(config, reserve):
+        forward = lambda n: gpu.step(f"forward {n}", 10 * GIB)  # noqa: E731
+        return memory.plan_num_pages(config, LAYOUT, device, forward, None, None, reserve)
+
+    config = EngineConfig(max_num_batched_tokens=64, gpu_memory_utilization=0.5)
+    assert pages(config, 3 * GIB) == (50 - 10 - 3) * GIB // LAYOUT.bytes_per_page
+    vocab, bf16 = 151936, torch.bfloat16
+    small, large = (EngineConfig(max_num_seqs=n, gpu_memory_utilization=0.5) for n in (256, 1024))
+    few, many = (graph_sampling_reserve(c, vocab, bf16, True, 1) for c in (small, large))
+    assert 0.3 * GIB < few < many  # at 256 rows: the widest tail ~0.24 GB, counts ~0.19 GB
+    assert pages(small, few) > pages(large, many)
+    # no graphs, or a tensor-parallel group (it samples after the replay): nothing held
+    assert graph_sampling_reserve(large, vocab, bf16, False, 1) == 0
+    assert graph_sampling_reserve(large, vocab, bf16, True, 2) == 0

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from batchgen.runner.cuda_graphs import DecodeGraphs
 from batchgen.runner.graph_sampling import (
     MAX_TOP_K,
     GraphTail,
@@ -151,14 +152,42 @@ class _Model:
         return hidden
 
 
-def _runner(model=None, grammar=None, kernels=None, max_bs=16):
+class _Graphs(DecodeGraphs):
+    """DecodeGraphs on the CPU whose captures are recorded, not made (`oom`: the
+    warm-up runs out of memory). `tail_room` reads the free bytes `_device` sets."""
+
+    def __init__(self, max_bs: int, oom: bool = False):
+        super().__init__(None, [], "triton", max_bs, 4, 8, CPU, torch.bfloat16, None)
+        self.oom, self.captured = oom, []
+
+    def capture_tail(self, tail) -> bool:
+        self.captured.append(tail.key)
+        if self.oom:
+            return False
+        self._tail_kv = self.kv_caches
+        for bs in self.buckets:
+            self.tail_graphs[tail.key, bs] = None
+        self.tail_bytes = max(self.tail_bytes, tail.pool_bytes(self.max_bs, self.dtype))
+        return True
+
+
+@pytest.fixture
+def device_free(monkeypatch):
+    """The device's free bytes as `DecodeGraphs.tail_room` reads them (set [0])."""
+    free = [2**40]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 2**41))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    return free
+
+
+def _runner(model=None, grammar=None, kernels=None, max_bs=16, graphs=None):
     from types import SimpleNamespace
 
     kept = PenaltyCounts(VOCAB, CPU)
     return SimpleNamespace(
         model=model or _Model(),
         grammar=grammar,
-        graphs=SimpleNamespace(max_bs=max_bs),
+        graphs=graphs or _Graphs(max_bs),
         sampler=Sampler(kernels=kernels),
         sampling=SamplingState(VOCAB, CPU, [2], None, kept),
         penalties=kept,
@@ -187,7 +216,7 @@ def _rows(configs, outputs=3):
     ]
 
 
-def test_graph_tail_decides_per_step_and_hands_over_the_tokens():
+def test_graph_tail_decides_per_step_and_hands_over_the_tokens(device_free):
     from types import SimpleNamespace
 
     from batchgen.runner.graph_sampling import graph_tail
@@ -225,3 +254,94 @@ def test_graph_tail_decides_per_step_and_hands_over_the_tokens():
     assert tail_for(_runner(model=_Model(SimpleNamespace(size=2))), reqs, [3] * 3) is None
     assert tail_for(_runner(kernels=False), reqs, [3] * 3) is None
     assert tail_for(_runner(), _rows([dict(temperature=0.5)]), [0]) is not None
+
+
+def _tail_for(runner, configs, steps=3):
+    from types import SimpleNamespace
+
+    from batchgen.runner.graph_sampling import graph_tail
+    from batchgen.runner.in_flight import InFlightDecode
+
+    reqs = _rows(configs, steps)
+    return graph_tail(runner, InFlightDecode(SimpleNamespace(), reqs), [steps] * len(reqs))
+
+
+def test_the_reserve_holds_the_widest_capture_and_grows_with_rows_and_vocab():
+    """The memory plan's reserve for the sampling graphs: the logits a graph keeps in
+    its pool (~78 MB at 256 rows of Qwen's 151,936-token vocabulary in bfloat16; ~0.9 GB
+    at 1,024 rows with penalties' float32 copy), and beside them the kept counts."""
+    from batchgen.runner.graph_sampling import (
+        counts_bytes,
+        sampling_graph_reserve,
+        tail_bytes,
+    )
+
+    qwen, bf16 = 151936, torch.bfloat16
+    plain = tail_bytes(256, qwen, bf16, Variant(False, 0, False))
+    assert 77.7e6 < plain < 79e6
+    penalised = tail_bytes(1024, qwen, bf16, Variant(False, 64, True))
+    assert 0.93e9 < penalised < 0.96e9
+    assert counts_bytes(1024, qwen) == 1024 * qwen * (4 + 1)
+    reserve = sampling_graph_reserve(1024, qwen, bf16)
+    for variant in [Variant(m, k, p) for m in (0, 1) for k in (0, 64, MAX_TOP_K) for p in (0, 1)]:
+        assert tail_bytes(1024, qwen, bf16, variant) + counts_bytes(1024, qwen) <= reserve
+    assert sampling_graph_reserve(512, qwen, bf16) < reserve  # rows
+    assert sampling_graph_reserve(1024, 32000, bf16) < reserve  # vocabulary
+    assert sampling_graph_reserve(1024, qwen, torch.float32) > reserve  # logits' dtype
+
+
+def test_a_tail_is_captured_once_where_it_fits(device_free):
+    """Captured at the first step needing it, the counts reserved for every row; later
+    steps replay it without asking for room; a narrower variant reuses the pool."""
+    graphs = _Graphs(16)
+    runner = _runner(graphs=graphs)
+    pen = [dict(temperature=0.8, repetition_penalty=1.2), dict(temperature=0.7)]
+    device_free[0] = 10 * 2**20
+    first = _tail_for(runner, pen)
+    assert first is not None and graphs.captured == [first.key]
+    assert runner.penalties.counts.shape[0] == 16
+    device_free[0] = 0  # captured: no room is needed again, nor for a narrower variant
+    assert _tail_for(runner, pen) is not None and len(graphs.captured) == 1
+    narrower = _tail_for(runner, [dict(temperature=0.8, top_p=0.9)])
+    assert narrower is not None and graphs.captured[1] == narrower.key
+    # a wider one than the pool holds (top_k) needs room that is not there
+    assert _tail_for(runner, [dict(temperature=0.8, top_k=200)]) is None
+
+
+def test_a_tail_that_does_not_fit_samples_eagerly_with_one_warning(device_free, caplog):
+    """No capture, no counts grown: the step samples after the replay; the warning is
+    said once, the variant not tried again until the pool is re-created."""
+    graphs = _Graphs(16)
+    runner = _runner(graphs=graphs)
+    pen = [dict(temperature=0.8, repetition_penalty=1.2)]
+    need = tail_bytes_for(Variant(False, 0, True), 16) + 16 * VOCAB * 5
+    device_free[0] = 1000  # less than either variant below needs at 16 rows
+    with caplog.at_level("WARNING", logger="batchgen.runner.graph_sampling"):
+        assert _tail_for(runner, pen) is None
+        assert _tail_for(runner, [dict(temperature=0.9, top_k=5)]) is None
+        assert _tail_for(runner, pen) is None
+    assert graphs.captured == [] and runner.penalties.counts.shape[0] < 16
+    assert len([r for r in caplog.records if "do not fit" in r.message]) == 1
+    device_free[0] = need  # room now, but the refusal stands until the pool changes
+    assert _tail_for(runner, pen) is None
+    graphs.clear()
+    device_free[0] = need - 1  # the tail and the counts' growth, to the byte
+    assert _tail_for(runner, pen) is None
+    graphs.clear()
+    device_free[0] = need
+    assert _tail_for(runner, pen) is not None
+    assert runner.penalties.counts.shape[0] == 16
+
+
+def test_a_warm_up_out_of_memory_samples_eagerly(device_free):
+    graphs = _Graphs(16, oom=True)
+    runner = _runner(graphs=graphs)
+    assert _tail_for(runner, [dict(temperature=0.8)]) is None
+    assert _tail_for(runner, [dict(temperature=0.8)]) is None
+    assert len(graphs.captured) == 1  # refused: not tried again
+
+
+def tail_bytes_for(variant, rows):
+    from batchgen.runner.graph_sampling import tail_bytes
+
+    return tail_bytes(rows, VOCAB, torch.bfloat16, variant)

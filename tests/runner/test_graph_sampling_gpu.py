@@ -77,3 +77,42 @@ def test_logprobs_steps_sample_eagerly_beside_graph_steps(model_dir):
     lp = [SamplingParams(seed=i, logprobs=1, **base) for i in range(8)]
     assert _tokens(eager_lp, prompts, lp) == plain
     assert not eager_lp.engine.runner.graphs.tail_graphs
+
+
+def test_a_tail_with_no_room_samples_eagerly_instead_of_running_out(tmp_path, caplog):
+    """A device filled so that the penalised sampling graphs (a 151,936-token vocabulary
+    at 256 rows: ~0.24 GB of pool and ~0.19 GB of counts) cannot be held: the sampled
+    steps replay the forward graph and sample after it (one warning), no out-of-memory
+    error, and the tokens are an eager engine's."""
+    import gc
+    import logging
+
+    import torch
+
+    from batchgen.runner.graph_sampling import Variant, counts_bytes, tail_bytes
+
+    vocab = 151936
+    save_tiny_model(tmp_path, "Qwen3ForCausalLM", vocab_size=vocab)
+    kw = dict(KW, max_num_seqs=256, num_kv_pages=512)
+    prompts = _prompts(16, seed=2)
+    pen = dict(max_tokens=16, ignore_eos=True, temperature=0.8, repetition_penalty=1.1)
+    params = [SamplingParams(seed=i, **pen) for i in range(16)]
+    eager = LLM(model=str(tmp_path), enforce_eager=True, **kw)
+    want = _tokens(eager, prompts, params)
+    del eager
+    gc.collect()
+    llm = LLM(model=str(tmp_path), **kw)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+    _tokens(llm, prompts, greedy)  # the forward graphs are captured
+    graphs = llm.engine.runner.graphs
+    assert graphs.graphs and not graphs.tail_graphs
+    need = tail_bytes(256, vocab, graphs.dtype, Variant(False, 0, True)) + counts_bytes(256, vocab)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    blocker = torch.empty(free - need // 2, dtype=torch.uint8, device="cuda")
+    with caplog.at_level(logging.WARNING, logger="batchgen.runner.graph_sampling"):
+        got = _tokens(llm, prompts, params)
+    del blocker
+    assert got == want
+    assert not graphs.tail_graphs and Variant(False, 0, True) in graphs.refused_tails
+    assert len([r for r in caplog.records if "do not fit" in r.message]) == 1

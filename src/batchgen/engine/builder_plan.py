@@ -28,6 +28,7 @@ from batchgen.kv.layout import KVLayout
 from batchgen.kv.state_pool import StateLayout, StatePool
 from batchgen.layers.expert_parallel import ExpertParallel
 from batchgen.layers.tp_group import TPGroup
+from batchgen.runner.graph_sampling import sampling_graph_reserve
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,18 @@ def attention_backend(config: EngineConfig, model, device: torch.device) -> str:
         f"{type(model).__name__} has no {backend!r} attention backend "
         f"(it runs on {', '.join(supported)})"
     )
+
+
+def graph_sampling_reserve(
+    config: EngineConfig, vocab: int, dtype: torch.dtype, graphs: bool, ranks: int
+) -> int:
+    """Device bytes the memory plan keeps out of the KV pool for the decode graphs that
+    sample (runner/graph_sampling.py): where decode graphs are captured on one rank (a
+    tensor-parallel group samples after the replay), their logits, penalty copy and
+    kept counts at max_num_seqs rows, which no warm-up step measures."""
+    if not graphs or ranks > 1:
+        return 0
+    return sampling_graph_reserve(config.max_num_seqs, vocab, dtype)
 
 
 def check_pool_size(config: EngineConfig, num_pages: int, max_model_len: int) -> None:
@@ -253,10 +266,16 @@ def resolve_plan(
     executor: Executor,
 ) -> EnginePlan:
     """The plan for this model on warmup's device over `executor`'s ranks: the pages the
-    memory plan leaves (the fewest any rank has room for), the host budget's split into
+    memory plan leaves (the fewest any rank has room for, less the sampling decode
+    graphs' reserve), the host budget's split into
     pages and state slots, whether decode captures graphs, how steps overlap."""
     layout, state_pool, device = warmup.layout, warmup.state_pool, warmup.device
-    num_pages = plan_num_pages(config, layout, device, warmup.forward, warmup.sampler, executor)
+    graphs = graphs_wanted(config, model, dtype, device, warmup.backend)
+    vocab = warmup.hf_config.vocab_size
+    reserve = graph_sampling_reserve(config, vocab, dtype, graphs, executor.size)
+    num_pages = plan_num_pages(
+        config, layout, device, warmup.forward, warmup.sampler, executor, reserve
+    )
     warmup.linear_norms()
     check_pool_size(config, num_pages, warmup.max_model_len)
     # the host tier's budget: GiB of KV pages, and host slots of compressed state
@@ -274,7 +293,7 @@ def resolve_plan(
         host_state_slots=host_slots,
         eos_token_ids=warmup.eos_token_ids,
         attention_backend=warmup.backend,
-        graphs=graphs_wanted(config, model, dtype, device, warmup.backend),
+        graphs=graphs,
         max_model_len=warmup.max_model_len,
         prefix_caching=config.enable_prefix_caching and (state_pool is None or checkpoints),
         host_tier=host_tier,

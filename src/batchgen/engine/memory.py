@@ -103,12 +103,15 @@ def plan_num_pages(
     profile_forward: Callable[[int], None],
     profile_sampler: Callable[[], None] | None = None,
     peers: PlanPeers | None = None,
+    reserve: int = 0,
 ) -> int:
     """Pages for the pool: fixed by config, else a fraction of what a warm-up forward
     at the largest token budget leaves free on the GPU (cpu_kv_cache_gib on the CPU).
     `profile_sampler`, run after it, counts the sampler's peak at its widest (a step of
     max_num_seqs rows, each filtered and reporting logprobs): a prefill step samples a
-    few rows, a later mixed or decode step hundreds, each a vocabulary wide.
+    few rows, a later mixed or decode step hundreds, each a vocabulary wide. `reserve`:
+    bytes held later that no warm-up step measures (the sampling decode graphs',
+    `graph_sampling.sampling_graph_reserve`), kept out of this rank's pages.
 
     `peers` (tensor parallel): every rank holds the same pages (of its own heads), so
     the pool gets the fewest that any rank's GPU has left after the same warm-up."""
@@ -124,7 +127,7 @@ def plan_num_pages(
     profile_forward(config.max_num_batched_tokens)
     if profile_sampler is not None:
         profile_sampler()
-    pages = pages_left(config, layout, device)
+    pages = pages_left(config, layout, device, reserve)
     others = [] if peers is None else peers.plan_pages()
     if not others:  # no other rank
         return pages
@@ -159,20 +162,24 @@ def begin_peak(device: torch.device) -> None:
     torch.cuda.reset_peak_memory_stats(device)
 
 
-def pages_left(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:
+def pages_left(
+    config: EngineConfig, layout: KVLayout, device: torch.device, reserve: int = 0
+) -> int:
     """Once the warm-up steps have run since begin_peak: the pages of `layout` that fit
-    in gpu_memory_utilization of the GPU, less the steps' peak and what other processes
-    (or memory outside torch's allocator, such as NCCL's) hold."""
+    in gpu_memory_utilization of the GPU, less the steps' peak, `reserve` bytes held
+    later outside it, and what other processes (or memory outside torch's allocator,
+    such as NCCL's) hold."""
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
     in_use_elsewhere = total - free - torch.cuda.memory_reserved(device)
-    budget = total * config.gpu_memory_utilization - peak - in_use_elsewhere
+    budget = total * config.gpu_memory_utilization - peak - reserve - in_use_elsewhere
     torch.cuda.empty_cache()
     pages = int(budget // layout.bytes_per_page)
     logger.info(
-        "memory plan: peak %.2f GiB during warm-up, %.2f GiB for KV",
+        "memory plan: peak %.2f GiB during warm-up, %.2f GiB reserved, %.2f GiB for KV",
         peak / 2**30,
+        reserve / 2**30,
         pages * layout.bytes_per_page / 2**30,
     )
     return max(pages, 0)

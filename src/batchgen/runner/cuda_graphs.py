@@ -113,6 +113,13 @@ class DecodeGraphs:
         self.tail_words: torch.Tensor | None = None
         self.tail_out = torch.zeros(max_bs, **i64)
         self._tail_kv = self._pool = None
+        self.dtype = dtype
+        # graph-pool bytes the widest tail captured so far holds (a new one reuses them),
+        # the tail variants refused for want of memory (they sample eagerly) and whether
+        # that was said once (graph_sampling.graph_tail)
+        self.tail_bytes = 0
+        self.refused_tails: set = set()
+        self.warned_tails = False
         self.linear_states, self.spare_slot = linear_states, spare_slot
         if linear_states is not None:  # one token a request: rows are the sequences
             self.state_slots = torch.full((max_bs,), spare_slot, **i64)
@@ -183,13 +190,33 @@ class DecodeGraphs:
         if self.linear_states is not None:
             self.state_slots.fill_(self.spare_slot)
 
+    def has_tail(self, key) -> bool:
+        """Whether the tail graphs of `key` are captured over the current pool."""
+        return self._tail_kv is self.kv_caches and (key, self.max_bs) in self.tail_graphs
+
+    def tail_room(self, pool_bytes: int, other_bytes: int = 0) -> bool:
+        """Whether a tail whose graphs hold `pool_bytes` in the graph pool (at max_bs),
+        and `other_bytes` more allocated beside it, fits on the device now: what the
+        tails captured so far hold is reused, the rest must be free once the allocator's
+        cached blocks are given back (a capture can only allocate, never free them)."""
+        extra = max(0, pool_bytes - self.tail_bytes) + other_bytes
+        if extra == 0:
+            return True
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.input_ids.device)
+        return extra <= free
+
     @torch.inference_mode()
-    def capture_tail(self, tail) -> None:
+    def capture_tail(self, tail) -> bool:
         """Capture the forward followed by ``tail.compute(hidden [bs, H], words) ->
         [bs]`` for every bucket (words: the bucket's `tail.words_per_bucket(bs)` static
         int64 words, padding rows' while capturing), over the forward graphs' pool and
-        stream, under `capture_guard()`. Graphs of older tail keys beyond the last four
-        are dropped."""
+        stream (captured first if they are not), under `capture_guard()`. Graphs of older
+        tail keys beyond the last four are dropped. Every bucket runs once eagerly first
+        (compiles, allocates); False, nothing captured, where that runs out of memory.
+        The cache those runs leave is given back before the captures allocate the pool."""
+        if not self.graphs:
+            self.capture()
         if self._tail_kv is not self.kv_caches:  # a new pool: the old graphs baked it in
             self.tail_graphs.clear()
             self._tail_kv = self.kv_caches
@@ -205,19 +232,34 @@ class DecodeGraphs:
             self._reset_inputs()
             stream = self.capture_stream
             stream.wait_stream(torch.cuda.current_stream())
+            try:
+                with torch.cuda.stream(stream):
+                    for bs in reversed(self.buckets):
+                        self._forward_tail(tail, bs, self._padding_words(tail, bs))
+            except torch.OutOfMemoryError:
+                logger.warning("no memory to warm decode graphs with sampling %s", tail.key[0])
+                return False
+            finally:
+                torch.cuda.current_stream().wait_stream(stream)
+                torch.cuda.empty_cache()
             with torch.cuda.stream(stream):
                 for bs in reversed(self.buckets):
-                    n = tail.words_per_bucket(bs)
-                    words = self.tail_words[:n]
-                    words.copy_(torch.from_numpy(tail.words(bs, rows=False)))
-                    self._forward_tail(tail, bs, words)  # warm-up: compiles, allocates
+                    words = self._padding_words(tail, bs)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                         self._forward_tail(tail, bs, words)
                     self._pool = graph.pool()
                     self.tail_graphs[tail.key, bs] = graph
             torch.cuda.current_stream().wait_stream(stream)
+        self.tail_bytes = max(self.tail_bytes, tail.pool_bytes(self.max_bs, self.dtype))
         logger.info("captured decode CUDA graphs with sampling %s", tail.key[0])
+        return True
+
+    def _padding_words(self, tail, bs: int) -> torch.Tensor:
+        """Bucket bs's static words, set to padding rows' (what a capture runs on)."""
+        words = self.tail_words[: tail.words_per_bucket(bs)]
+        words.copy_(torch.from_numpy(tail.words(bs, rows=False)))
+        return words
 
     def _forward_tail(self, tail, bs: int, words: torch.Tensor) -> None:
         self._forward(bs)
@@ -225,9 +267,11 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         """Drop every captured graph (the KV pool was re-created): the next replay
-        captures again."""
+        captures again, with a new pool, and a refused tail variant may fit now."""
         self.graphs.clear()
         self.tail_graphs.clear()
+        self.tail_bytes = 0
+        self.refused_tails.clear()
 
     def bucket(self, n: int) -> int:
         return bucket_for(n, self.max_bs)
@@ -251,7 +295,8 @@ class DecodeGraphs:
         if tail is not None and (
             self._tail_kv is not self.kv_caches or (tail.key, bs) not in self.tail_graphs
         ):
-            self.capture_tail(tail)
+            if not self.capture_tail(tail):
+                raise torch.OutOfMemoryError("no memory to capture the decode graphs' tail")
         width = table.shape[1]
         linear = self.linear_states is not None
         if linear and (state_slots is None or len(state_slots) != n):

@@ -17,11 +17,22 @@ aligned (Triton compiles a kernel per pointer alignment):
 runs (min_p, top_k and top_p as cuts of the row's logits, the counter-based draw keyed
 by seed and position), so the tokens are those of the eager sampler; called eagerly it
 is testable on the CPU. A graph variant (`Variant`: min_p used, the top_k taken, the
-penalties) is captured for every bucket the first time a step needs it.
+penalties) is captured for every bucket the first time a step needs it, if it fits:
+
+    graph pool, a row at the largest bucket (`tail_bytes`; variants share the pool,
+    so the widest bounds them all):
+        logits [V] in the model's dtype | penalised copy [V] float32 (penalties)
+        top_k values and int64 indices [top_k] | the nucleus kernel's chunk scratch
+    beside it, the kept penalty counts (`counts_bytes`): [V] int32 + [V] bool a slot
+
+The memory plan sets `sampling_graph_reserve` aside for them (engine/builder_plan.py);
+a variant whose capture would not fit on the device now samples eagerly, with a
+warning the first time (`graph_tail`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,9 +44,13 @@ from batchgen.kernels.sampling_nucleus import sample_nucleus, top_p_cut_referenc
 from batchgen.runner.penalty_counts import PenaltyCounts
 from batchgen.runner.sampling_metadata import StepColumns
 
+logger = logging.getLogger(__name__)
+
 MAX_TOP_K = 1024  # a step whose top_k is larger samples eagerly
 _MIN_TOP_K = 64  # the top_k taken: the batch's largest rounded up to a power of 2, >= this
 _INTS, _FLOATS = 5, 6
+_ROW_BYTES = 256  # a row's small tensors in the tail: cuts, flags, slots, its token
+_POOL_SLACK = 64 * 2**20  # the allocator's rounding: 2 MiB blocks, 20 MiB segments
 
 
 def _strides(bs: int) -> tuple[int, int]:
@@ -55,6 +70,34 @@ class Variant:
     min_p: bool  # the min_p cut (an amax over the vocabulary)
     top_k: int  # the top_k taken for the k-th largest logit (0: no top_k)
     penalties: bool  # the penalty kernel, and the tokens added to the kept counts
+
+
+WIDEST = Variant(min_p=True, top_k=MAX_TOP_K, penalties=True)  # what any capture holds at most
+
+
+def tail_bytes(rows: int, vocab: int, dtype: torch.dtype, variant: Variant) -> int:
+    """Bytes `sample_static` holds at once for `rows` rows of a `vocab`-wide model whose
+    logits are `dtype`: what its graph for bucket `rows` keeps in the graph pool."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    per_row = vocab * size + _ROW_BYTES + 24 * -(-vocab // 1024)  # nucleus: 24 B a chunk
+    if variant.penalties:
+        per_row += vocab * 4
+    if variant.top_k:
+        per_row += variant.top_k * (size + 8)
+    return rows * per_row
+
+
+def counts_bytes(slots: int, vocab: int) -> int:
+    """Bytes of `PenaltyCounts` holding `slots` slots (int32 counts and a bool mask)."""
+    return slots * vocab * 5
+
+
+def sampling_graph_reserve(max_bs: int, vocab: int, dtype: torch.dtype) -> int:
+    """Device bytes the sampling decode graphs of a runner with `max_bs` rows can hold
+    beyond what the memory plan's warm-up steps measure: the widest variant's tail at
+    the largest bucket in the graph pool (every variant and bucket shares it), the kept
+    penalty counts reserved for `max_bs` requests, and the allocator's rounding."""
+    return tail_bytes(max_bs, vocab, dtype, WIDEST) + counts_bytes(max_bs, vocab) + _POOL_SLACK
 
 
 def variant_of(cols: StepColumns, vocab: int) -> Variant | None:
@@ -164,12 +207,21 @@ class GraphTail:
 
     def __init__(self, model, cols: StepColumns, variant: Variant, kept: PenaltyCounts):
         self.model, self.cols, self.variant, self.kept = model, cols, variant, kept
-        # the graphs bake in the counts' address and size: new graphs once they grow
-        pen = (kept.counts.data_ptr(), kept.prompt.data_ptr(), len(kept.counts))
-        self.key = (variant, pen if variant.penalties else None)
         self.tokens: torch.Tensor | None = None
 
+    @property
+    def key(self) -> tuple:
+        """The graphs' key: the variant and, with penalties, the counts' address and
+        size, which the graphs bake in (new graphs once they grow)."""
+        kept = self.kept
+        pen = (kept.counts.data_ptr(), kept.prompt.data_ptr(), len(kept.counts))
+        return (self.variant, pen if self.variant.penalties else None)
+
     words_per_bucket = staticmethod(words_per_bucket)
+
+    def pool_bytes(self, rows: int, dtype: torch.dtype) -> int:
+        """What this tail's graph for bucket `rows` holds in the graph pool."""
+        return tail_bytes(rows, self.kept.vocab_size, dtype, self.variant)
 
     def words(self, bs: int, rows: bool = True) -> np.ndarray:
         """The static words of bucket bs: this step's rows, or (rows=False) none."""
@@ -207,6 +259,37 @@ def graph_tail(runner, flight, steps: list[int]) -> GraphTail | None:
     variant = variant_of(cols, runner.vocab_size)
     if variant is None:
         return None
-    if variant.penalties:  # every row the graphs may hold has a slot: one capture
-        runner.penalties.reserve(runner.graphs.max_bs)
-    return GraphTail(model, cols, variant, runner.penalties)
+    tail = GraphTail(model, cols, variant, runner.penalties)
+    return tail if _captured(runner.graphs, tail) else None
+
+
+def _captured(graphs, tail: GraphTail) -> bool:
+    """Whether `graphs` hold the tail's graphs, capturing them first where they fit (see
+    `DecodeGraphs.tail_room`); a variant that does not fit samples eagerly from then on
+    (until the pool is re-created), with a warning the first time."""
+    if graphs.has_tail(tail.key):
+        return True
+    variant, kept, max_bs = tail.variant, tail.kept, graphs.max_bs
+    if variant in graphs.refused_tails:
+        return False
+    # every row the graphs may hold gets a count slot now: one capture, not one a growth;
+    # the growth holds the old counts and the new at once
+    grow = variant.penalties and len(kept.counts) < max_bs
+    need = tail.pool_bytes(max_bs, graphs.dtype)
+    if graphs.tail_room(need, counts_bytes(max_bs, kept.vocab_size) if grow else 0):
+        if grow:
+            kept.reserve(max_bs)
+        if graphs.capture_tail(tail):
+            return True
+    graphs.refused_tails.add(variant)
+    if not graphs.warned_tails:
+        graphs.warned_tails = True
+        logger.warning(
+            "decode graphs with sampling %s do not fit on the device (%.0f MiB at %d rows): "
+            "those steps sample after the replay instead; a smaller max_num_seqs, "
+            "num_kv_pages or gpu_memory_utilization leaves room for them",
+            variant,
+            need / 2**20,
+            max_bs,
+        )
+    return False
