@@ -48,7 +48,13 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.engine_runs import add_engine_args, built_engine, engine_kwargs, size
+from benchmarks.engine_runs import (
+    add_engine_args,
+    built_engine,
+    comma_list,
+    engine_kwargs,
+    size,
+)
 from benchmarks.moe_runs import release_device_memory, warm_up_prompts
 from benchmarks.precision_runs import (
     closeness_of,
@@ -79,16 +85,19 @@ MODELS = {
 }
 
 
-def variants(model: str, config: dict) -> list[tuple[str, dict, dict]]:
+def variants(model: str, config: dict, only=None) -> list[tuple[str, dict, dict]]:
     """(name, config, engine options) of the engines a --model runs, in the order they
-    run; the last is the reference the others are compared with."""
+    run; the last is the reference the others are compared with, which runs whatever
+    `only` (names of the others, None: all) keeps."""
     if model == "w1":
-        return [("fp8 KV", config, {"kv_cache_dtype": "fp8"}), ("bf16 KV", config, {})]
-    return [
-        ("fp8", config, {"quantization": "fp8"}),
-        ("int4", with_int4_experts(config), {}),
-        ("bf16", config, {}),
-    ]
+        runs = [("fp8 KV", config, {"kv_cache_dtype": "fp8"}), ("bf16 KV", config, {})]
+    else:
+        runs = [
+            ("fp8", config, {"quantization": "fp8"}),
+            ("int4", with_int4_experts(config), {}),
+            ("bf16", config, {}),
+        ]
+    return [r for r in runs[:-1] if only is None or r[0] in only] + runs[-1:]
 
 
 class Plan:
@@ -169,7 +178,7 @@ def run_model(args, plan: Plan) -> dict:
 
     full, small, _ = MODELS[args.model]
     dtype = "float32" if args.small else "bfloat16"
-    runs = variants(args.model, small if args.small else full)
+    runs = variants(args.model, small if args.small else full, args.only)
     base = args.ckpt or Path(f"/tmp/batchgen-precision-{args.model}")
     if args.small:
         base = base.with_name(base.name + "-small")
@@ -246,6 +255,13 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny configs on the CPU")
     ap.add_argument(
         "--rows", type=int, default=None, help="the decode run's requests (512; --small: 8)"
+    )
+    ap.add_argument(
+        "--only",
+        type=lambda text: comma_list(text, ("fp8", "int4", "fp8 KV"), "fp8, int4 or 'fp8 KV'"),
+        default=None,
+        help="of the engines compared with the reference, only these (comma-separated; "
+        "default: all); the reference (bf16, bf16 KV) always runs",
     )
     ap.add_argument(
         "--requests",

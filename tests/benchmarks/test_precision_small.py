@@ -80,3 +80,17 @@ def test_load_state_copies_in_place_and_refuses_another_models_state():
         runs.load_state(model, {"1.weight": torch.ones(2, 3)})
     with pytest.raises(ValueError, match="0.weight"):
         runs.load_state(model, {"0.weight": torch.ones(3, 2)})
+
+
+def test_only_keeps_the_named_engines_and_always_the_reference():
+    precision = load("precision")
+
+    def names(model, only):
+        return [name for name, _, _ in precision.variants(model, {}, only)]
+
+    assert names("w4", None) == ["fp8", "int4", "bf16"]
+    assert names("w4", ["int4"]) == ["int4", "bf16"]
+    assert names("w1", []) == ["bf16 KV"]
+    int4 = precision.variants("w6", {"hidden_size": 8}, ["int4"])[0]
+    assert int4[1]["quantization_config"]["format"] == "pack-quantized"
+    assert int4[1]["hidden_size"] == 8 and int4[2] == {}
