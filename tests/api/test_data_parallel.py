@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ray_session import local_ray_cluster
 from test_batch_run import _answers, _chat, _read
 
 from batchgen.api.batch_job import JobOptions
@@ -22,20 +23,11 @@ N_ROWS = 96
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray session for the module; its actors run one thread each. Four CPUs
-    (this machine has two cores): two engines of two tensor-parallel ranks fit. Ray is
-    the one optional extra: without it the tests that need it skip, and the test of the
-    message that says how to install it still runs."""
-    ray = pytest.importorskip("ray")
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the actors' processes
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("OMP_NUM_THREADS")
-    else:
-        os.environ["OMP_NUM_THREADS"] = old
+    """One local Ray session for the module, four logical CPUs (this machine has two
+    cores): two engines of two tensor-parallel ranks fit. Without Ray the tests that need
+    it skip, and the test of the message that says how to install it still runs."""
+    with local_ray_cluster(num_cpus=4) as ray:
+        yield ray
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,10 @@ sampling parameters come back once each, with what LLM.generate / LLM.chat answe
 
 from __future__ import annotations
 
-import os
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from ray_session import local_ray_cluster
 
 from batchgen import LLM, SamplingParams
 from batchgen.api.ray_data import EngineStage, ProcessorConfig, build_processor, engine_gpus
@@ -93,18 +92,9 @@ def test_an_actor_asks_for_its_engines_gpus():
 @pytest.fixture(scope="module")
 def local_ray():
     """A local Ray cluster of four logical CPUs (two engines of one CPU each, two for
-    reading and mapping rows) for the module (Ray is the optional extra)."""
-    ray = pytest.importorskip("ray")
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the actors' processes
-    # "local": a cluster of its own, never one another process on this machine started
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("OMP_NUM_THREADS")
-    else:
-        os.environ["OMP_NUM_THREADS"] = old
+    reading and mapping rows) for the module."""
+    with local_ray_cluster(num_cpus=4) as ray:
+        yield ray
 
 
 @pytest.mark.slow
