@@ -1,8 +1,9 @@
 """deterministic=True with expert parallel (CPU, gloo, float32, a tiny DeepSeek-V3 of
 Kimi-K2's shape: MLA, a dense layer, then routed and shared experts): the combine adds a
 token's expert rows in its routing order whichever rank computed them, so 2 tensor-parallel
-ranks with expert parallel give each prompt the same tokens and logprobs alone, batched
-and chunked, and attention data parallel over 2 ranks gives one engine's bits."""
+ranks with expert parallel (and without it: the experts' shares all-reduced in rank
+order) give each prompt the same tokens and logprobs alone, batched and chunked, and
+attention data parallel over 2 ranks gives one engine's bits."""
 
 from __future__ import annotations
 
@@ -65,13 +66,16 @@ def _rows(model: str, alone: bool = False, **kw) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_tp2_expert_parallel_rows_are_the_same_alone_batched_and_chunked(deepseek_moe):
-    """A decode step of one row leaves one rank no tokens of the slice: it still runs."""
-    alone = _rows(deepseek_moe, alone=True, tensor_parallel_size=2, **EP)
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_tp2_moe_rows_are_the_same_alone_batched_and_chunked(deepseek_moe, expert_parallel):
+    """With expert parallel a decode step of one row leaves one rank no tokens of the
+    slice: it still runs. Without it each rank computes its experts' share of every
+    token and the shares are all-reduced (in rank order)."""
+    kw = dict(tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    alone = _rows(deepseek_moe, alone=True, **kw)
     assert len(alone) == len(PROBES) and all(len(r[0]) > 0 for r in alone)
-    assert _rows(deepseek_moe, tensor_parallel_size=2, **EP) == alone
-    chunked = _rows(deepseek_moe, tensor_parallel_size=2, max_num_batched_tokens=64, **EP)
-    assert chunked == alone
+    assert _rows(deepseek_moe, **kw) == alone
+    assert _rows(deepseek_moe, max_num_batched_tokens=64, **kw) == alone
 
 
 @pytest.mark.slow
