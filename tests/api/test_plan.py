@@ -290,3 +290,20 @@ def test_format_table_is_markdown():
     ]
     assert len(table) == 2 + len(plans.PRECISIONS)
     assert all(line.count("|") == 7 for line in table)
+
+
+def test_one_rank_keeps_room_for_the_sampling_decode_graphs():
+    """On one rank the engine keeps the sampling decode graphs' logits and penalty
+    counts out of the KV pool (a tensor-parallel group samples after the replay): a
+    151,936-token vocabulary at 1,024 rows takes over 1.5 GiB more of the estimate."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, model_type="qwen3"
+    )
+    limits = plans.Limits(max_num_seqs=1024, max_num_batched_tokens=1024)
+    one = plans.activation_reserve(config, Parallel(1), limits)
+    two = plans.activation_reserve(config, Parallel(2), limits)
+    assert one - two > 1.5 * 2**30  # the sampler's step dominates both: tp leaves it
+    fewer = plans.Limits(max_num_seqs=256, max_num_batched_tokens=1024)
+    assert plans.activation_reserve(config, Parallel(1), fewer) < one

@@ -6,7 +6,8 @@ memory plan leaves beside them, and the largest batch those hold at a context le
     pages   = budget // KVLayout.bytes_per_page         (engine/memory.py's rule)
     batch   = pages // ceil(context / page_size)        per engine, x dp over all GPUs
 
-The engine measures its reserve (the warm-up steps' peak above the weights); the plan
+The engine measures its reserve (the warm-up steps' peak above the weights) and adds
+its sampling decode graphs' (graph_sampling.sampling_graph_reserve); the plan
 estimates it (`activation_reserve`). Weight bytes read the tensors' sizes as the
 engine's layers shape them (plan_model.py), the quantized ones as their checkpoints
 store them:
@@ -39,6 +40,7 @@ from batchgen.engine.builder_plan import has_moe_layers, state_bytes_per_seq
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.state_pool import StateLayout
 from batchgen.kv_state import KVState
+from batchgen.runner.graph_sampling import sampling_graph_reserve
 
 MIB = 2**20
 # device memory as CUDA reports it (torch.cuda.mem_get_info's total), by card
@@ -260,14 +262,18 @@ def activation_reserve(config, parallel: Parallel, limits: Limits) -> int:
     PREFILL_HIDDEN_ROWS hidden-wide rows and the widest MLP's: a dense layer's
     3 x intermediate / tp, a MoE layer's top-k experts' 3 x moe_intermediate) and the
     sampler's widest step (max_num_seqs rows of SAMPLER_ROWS float32 vocabulary rows),
-    in bfloat16, plus OUTSIDE_TORCH."""
+    in bfloat16, plus OUTSIDE_TORCH, and on one tensor-parallel rank what the engine
+    keeps aside for its decode graphs that sample (`sampling_graph_reserve`)."""
     mlp = 3 * config.intermediate_size // parallel.tp
     if has_moe_layers(config):
         top_k = getattr(config, "num_experts_per_tok", None) or 1
         mlp = max(mlp, 3 * top_k * config.moe_intermediate_size)
     prefill = limits.max_num_batched_tokens * 2 * (PREFILL_HIDDEN_ROWS * config.hidden_size + mlp)
     sampler = limits.max_num_seqs * SAMPLER_ROWS * 4 * config.vocab_size
-    return max(prefill, sampler) + OUTSIDE_TORCH
+    graphs = 0
+    if parallel.tp == 1:  # a tensor-parallel group samples after the replay
+        graphs = sampling_graph_reserve(limits.max_num_seqs, config.vocab_size, torch.bfloat16)
+    return max(prefill, sampler) + OUTSIDE_TORCH + graphs
 
 
 def parameters(config) -> int:
