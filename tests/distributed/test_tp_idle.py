@@ -87,3 +87,23 @@ def test_a_worker_silent_in_a_forward_collective_fails_it_within_the_bound():
     finally:
         os.kill(pid, signal.SIGKILL)
         workers.shutdown(timeout_s=5)
+
+
+def test_after_a_worker_ends_shutdown_kills_the_others_at_once():
+    """Rank 1 of three is killed: rank 2, never told to stop (rank 0 does not send to a
+    group short of a rank) and waiting for a message, is killed at shutdown instead of
+    being waited on for the shutdown's timeout."""
+    workers = Workers.spawn(answer_rank, (), 3, "gloo")
+    first, second = workers.processes
+    try:
+        assert workers.ask(TierMetricsQuery()) == [1, 2]
+        first.kill()
+        deadline = time.monotonic() + 30
+        while not workers.exited and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(workers.exited) == [1]
+    finally:
+        start = time.monotonic()
+        workers.shutdown(timeout_s=30)
+    assert time.monotonic() - start < 15
+    assert not second.is_alive()

@@ -51,8 +51,9 @@ class ProcessRanks(RankSet):
         self.processes[rank - 1].kill()
 
     def stop(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s  # one bound for all, not one each
         for p in self.processes:
-            p.join(timeout_s)
+            p.join(max(0.0, deadline - time.monotonic()))
         for p in self.processes:
             if p.is_alive():
                 p.kill()

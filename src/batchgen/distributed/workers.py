@@ -288,17 +288,22 @@ class Workers:
             return self.gather()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the workers (they leave the group) and leave it too."""
+        """Stop the workers (they leave the group) and leave it too. Told to stop, they
+        get timeout_s to end; where a worker has ended first none is told (the others
+        may be waiting on it inside a collective, or on a message that never comes), so
+        the rest are killed at once instead of waited on."""
         self._stopping = True
+        told = False
         try:
             if not self.exited and not self.ranks.wait(self.ranks.ranks, 0):
                 try:
                     self.send(Shutdown())
+                    told = True
                 except RuntimeError as e:  # whatever stopped them is the error to report
                     logger.warning("%s shutdown: %s", self.role, e)
         finally:
             try:
-                self.ranks.stop(timeout_s)
+                self.ranks.stop(timeout_s if told else 0.0)
             finally:
                 destroy_tensor_parallel()
 
