@@ -110,9 +110,36 @@ def test_a_tail_with_no_room_samples_eagerly_instead_of_running_out(tmp_path, ca
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     blocker = torch.empty(free - need // 2, dtype=torch.uint8, device="cuda")
-    with caplog.at_level(logging.WARNING, logger="batchgen.runner.graph_sampling"):
-        got = _tokens(llm, prompts, params)
-    del blocker
+    try:  # a failure's traceback must not keep the device full for the next tests
+        with caplog.at_level(logging.WARNING, logger="batchgen.runner.graph_sampling"):
+            got = _tokens(llm, prompts, params)
+    finally:
+        del blocker
     assert got == want
     assert not graphs.tail_graphs and Variant(False, 0, True) in graphs.refused_tails
     assert len([r for r in caplog.records if "do not fit" in r.message]) == 1
+
+
+def test_a_warm_up_out_of_memory_captures_nothing_and_samples_eagerly(model_dir, monkeypatch):
+    """A tail whose eager warm-up runs out of memory leaves no graph of it: the steps
+    sample after the forward's replay, the same tokens; after the pool is re-created it
+    is tried again and captured."""
+    import torch
+
+    prompts = _prompts(8, seed=3)
+    base = dict(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9)
+    params = [SamplingParams(seed=i, **base) for i in range(8)]
+    want = _tokens(LLM(model=model_dir, enforce_eager=True, **KW), prompts, params)
+    llm = LLM(model=model_dir, **KW)
+    graphs = llm.engine.runner.graphs
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("no memory (test)")
+
+    monkeypatch.setattr(graphs, "_forward_tail", out_of_memory)
+    assert _tokens(llm, prompts, params) == want
+    assert graphs.graphs and not graphs.tail_graphs and graphs.refused_tails
+    monkeypatch.undo()
+    graphs.clear()
+    assert _tokens(llm, prompts, params) == want
+    assert graphs.tail_graphs and not graphs.refused_tails
