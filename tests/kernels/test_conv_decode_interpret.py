@@ -104,3 +104,19 @@ def test_bad_arguments_are_refused_by_name(change, match):
     change(args)
     with pytest.raises(ValueError, match=match):
         conv_decode(**args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_row_has_the_bits_of_the_packed_kernel(dtype):
+    """deterministic=True: a decode row's convolution is the same bits in a decode-only
+    step (this kernel) as in a mixed step (kernels/conv_packed.py): the taps summed in one
+    order."""
+    from batchgen.kernels.conv_packed import conv_packed
+
+    x, weight, windows, slots = _case(6, 3 * 96, 4, dtype, seed=7)
+    packed_windows = windows.clone()
+    cu = torch.arange(7, device=DEVICE)
+    want = conv_packed(x, weight, packed_windows, cu, slots, 3)
+    got = conv_decode(x, weight, windows, slots, 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(windows, packed_windows)

@@ -39,11 +39,14 @@ def _conv_decode_kernel(
     win = win_ptr + slot * stride_ws + cols
     x = tl.load(x_ptr + n * stride_x + cols, mask=mask, other=0.0)
     w_at = w_ptr + cols * stride_wc
-    acc = tl.load(w_at + (TAPS - 1) * stride_wk, mask=mask, other=0.0).to(tl.float32)
-    acc = acc * x.to(tl.float32)
+    # the taps oldest first, as conv_packed sums them: a row's bits are the same in a
+    # decode-only step and in a mixed one (deterministic=True)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TAPS - 1):
         w = tl.load(w_at + j * stride_wk, mask=mask, other=0.0).to(tl.float32)
-        acc += w * tl.load(win + j * stride_wj, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(win + j * stride_wj, mask=mask, other=0.0).to(tl.float32) * w
+    w = tl.load(w_at + (TAPS - 1) * stride_wk, mask=mask, other=0.0).to(tl.float32)
+    acc += x.to(tl.float32) * w
     # the window moves on: each row read (by the thread that writes it) before it is
     # overwritten, the new row last
     for j in tl.static_range(TAPS - 2):

@@ -41,7 +41,7 @@ from batchgen.forward_context import (
     parts_to_device,
     to_device,
 )
-from batchgen.layers import batch_invariant, kda_torch
+from batchgen.layers import batch_invariant, kda_invariant, kda_torch
 
 
 def reset_fresh_slots(
@@ -161,6 +161,7 @@ def fla_kda():
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     except ImportError:
         return None
+    kda_invariant.pin_autotuners()  # one config a kernel in invariant mode
     return chunk_kda, fused_recurrent_kda_fwd
 
 
@@ -171,6 +172,7 @@ def fla_norm():
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
     except ImportError:
         return None
+    kda_invariant.pin_autotuners()
     return rms_norm_gated
 
 
@@ -196,15 +198,18 @@ def _kda_fla(q, k, v, g, beta, states, meta, raw=None, decode_kernel="batchgen")
         slots, cu, cu_host = meta.state_slots, meta.cu_seqlens, meta.cu_seqlens_host
         return _chunked(step, states, slots, cu, cu_host, scale, gates)
     # a mixed step: its one-token rows take the recurrent step in place on their slots,
-    # its prefill chunks the chunked kernel (which would spend a whole chunk on each row)
+    # its prefill chunks the chunked kernel (which would spend a whole chunk on each row),
+    # in invariant mode first (a one-token row may be a piece's last: kda_invariant)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    rows = [_take(x, split.decode_rows) for x in step]
-    o = _recurrent(rows, states, split.decode_cu, split.decode_slots, scale, gates, decode_kernel)
-    _put(out, split.decode_rows, o)
-    rows = [_take(x, split.prefill_rows) for x in step]
-    cu, cu_host = split.prefill_cu, split.prefill_cu_host
-    o = _chunked(rows, states, split.prefill_slots, cu, cu_host, scale, gates)
-    _put(out, split.prefill_rows, o)
+    for chunks in (True, False) if batch_invariant.active() else (False, True):
+        rows = split.prefill_rows if chunks else split.decode_rows
+        taken = [_take(x, rows) for x in step]
+        if chunks:  # split[4:]: the prefill rows' slots, cu_seqlens, on the device and host
+            o = _chunked(taken, states, *split[4:], scale, gates)
+        else:
+            o = _recurrent(taken, states, split.decode_cu, split.decode_slots, scale, gates,
+                           decode_kernel)  # fmt: skip
+        _put(out, rows, o)
     return out
 
 
@@ -348,7 +353,12 @@ class _Split(NamedTuple):
 
 
 def _step_split(meta: LinearAttentionMetadata) -> _Split | None:
-    """The step's `_split`, built once (by prepare_step or the first KDA layer)."""
+    """The step's `_split`, built once (by prepare_step or the first KDA layer); in
+    invariant mode kda_invariant.tail_split's where a piece has 64k + 1 tokens."""
+    if batch_invariant.active():
+        tails = derived(meta, "tails", lambda: kda_invariant.tail_split(meta, seed_chunk_indices))
+        if tails is not None:
+            return _Split(*tails)
     return derived(meta, "kda_split", lambda: _split(meta, meta.cu_seqlens.device))
 
 
