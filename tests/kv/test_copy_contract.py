@@ -510,7 +510,7 @@ def graph_capture_wait_deleted(root):
     src = Source(root, "runner/cuda_graphs.py")
     waits = stream_waits(src, src.func("_capture"))
     assert len(waits) == 1, f"expected one wait before the capture stream, found {len(waits)}"
-    src.delete(waits[0])
+    src.delete(waits[0], within=src.func("_capture"))  # the sampling graphs' capture waits too
 
 
 # --- 3a: a load waits for the stores of its host pages ----------------------------------
