@@ -14,10 +14,12 @@ model's GGUF) and vocabulary, so prompts, detokenization, EOS and output lines a
 W7's; pipelined decode as on the GPU; max_num_seqs --rows.
 
 The sampler's arithmetic over [rows, 49152] logits is seconds a step on a CPU (a GPU's
-work, left out anyway): the lm_head and the sampler are replaced by a stand-in that draws
-each row's token from a seeded CPU generator, EOS (id 2) with probability 1/--eos-every
-(W7's default-model answers mostly end by EOS before max_tokens), so a run of ~900 rows
-takes minutes; everything before the sampler (its metadata) and after it runs as it is.
+work, left out anyway): the lm_head and the sampler are replaced by a stand-in whose
+token for a row is a hash of the row's seed and position (its request's draws depend on
+them alone, as the real sampler's: two trees that batch rows differently give the same
+answers), EOS (id 2) with probability 1/--eos-every (W7's default-model answers mostly
+end by EOS before max_tokens), so a run of ~900 rows takes minutes; everything before
+the sampler (its metadata) and after it runs as it is.
 
 Timed per step (each call's time added to its phase; `forward` and `sample` are the
 model's and the stand-in sampler's, the GPU's work, left out of `host`):
@@ -72,23 +74,22 @@ def tiny_default_model(path: Path) -> Path:
 
 
 class StandInSampler:
-    """Tokens for the rows of `logits` (the hidden states: the lm_head is skipped) from a
-    seeded CPU generator: EOS with probability 1/eos_every, else a token of 3..vocab-1."""
+    """Tokens for the rows of `logits` (the hidden states: the lm_head is skipped), each a
+    hash of its row's seed and position (`meta.seeds`, `meta.positions`): EOS with
+    probability about 1/eos_every, else a token of 3..vocab-1."""
 
     def __init__(self, vocab: int, eos: int, eos_every: int) -> None:
-        import torch
-
         self.vocab, self.eos, self.eos_every = vocab, eos, eos_every
-        self.gen = torch.Generator().manual_seed(0)
 
     def __call__(self, logits, meta):
-        import torch
-
         from batchgen.runner.sampler import SamplerOutput
 
-        n = logits.shape[0]
-        tokens = torch.randint(3, self.vocab, (n,), generator=self.gen)
-        stop = torch.randint(0, self.eos_every, (n,), generator=self.gen) == 0
+        # a multiply-xorshift mix in int64 (products wrap), masked to 62 bits
+        x = meta.seeds.cpu() * 0x5851F42D4C957F2D + (meta.positions.cpu() + 1) * 0x14057B7EF767814F
+        x = (x ^ (x >> 31)) * 0x2545F4914F6CDD1D
+        x = (x ^ (x >> 29)) & ((1 << 62) - 1)
+        tokens = 3 + x % (self.vocab - 3)
+        stop = (x >> 20) % self.eos_every == 0
         return SamplerOutput(tokens.masked_fill(stop, self.eos), None, None, None, None)
 
 

@@ -1,0 +1,35 @@
+"""chat_host's stand-in sampler: a row's token depends on its seed and position alone, so
+two trees that batch W7's rows differently give the same answers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from benchmarks.chat_host import StandInSampler
+
+
+def _draw(sampler, seeds, positions):
+    meta = SimpleNamespace(seeds=torch.tensor(seeds), positions=torch.tensor(positions))
+    return sampler(torch.zeros(len(seeds), 4), meta).sampled_token_ids.tolist()
+
+
+def test_a_rows_token_depends_on_its_seed_and_position_only():
+    sampler = StandInSampler(vocab=1000, eos=2, eos_every=8)
+    seeds = [11, -5, 2**62, 7, 11]
+    positions = [0, 3, 9, 1, 1]
+    alone = [_draw(sampler, [s], [p])[0] for s, p in zip(seeds, positions)]
+    assert _draw(sampler, seeds, positions) == alone
+    assert _draw(sampler, seeds[::-1], positions[::-1]) == alone[::-1]
+    assert alone[0] != alone[4]  # the same seed one position on
+    assert all(t == 2 or 3 <= t < 1000 for t in alone)
+
+
+def test_eos_comes_about_once_in_eos_every_draws():
+    sampler = StandInSampler(vocab=49152, eos=2, eos_every=16)
+    n = 20000
+    tokens = _draw(sampler, list(range(n)), [i % 50 for i in range(n)])
+    share = tokens.count(2) / n
+    assert 0.8 / 16 < share < 1.2 / 16
+    assert len(set(tokens)) > n // 3  # the other tokens spread over the vocabulary
