@@ -90,7 +90,16 @@ DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 FUNCS = (*DEFS, ast.Lambda)
 
 
-_WALKS: dict[ast.AST, list[ast.AST]] = {}  # node -> its subtree; cleared after each check
+# computed once a check, cleared after it: node -> its subtree; (node, types) -> the
+# subtree's nodes of those types
+_WALKS: dict[ast.AST, list[ast.AST]] = {}
+_WALKS_OF: dict[tuple[ast.AST, tuple], list[ast.AST]] = {}
+
+
+# the last check's modules by (src/batchgen/... path, text), which no check changes: a
+# check of a copy of the package that differs from the last in a file or two (the
+# mutations of tests/kv/test_copy_contract.py) parses only those again
+_LAST_PARSED: dict[tuple[str, str], _Module] = {}
 
 
 def _walk(node: ast.AST) -> list[ast.AST]:
@@ -101,18 +110,53 @@ def _walk(node: ast.AST) -> list[ast.AST]:
     return found
 
 
+def _walk_of(node: ast.AST, types: tuple) -> list[ast.AST]:
+    """The nodes of _walk(node) that are instances of `types`, in its order."""
+    found = _WALKS_OF.get((node, types))
+    if found is None:
+        found = _WALKS_OF[node, types] = [n for n in _walk(node) if isinstance(n, types)]
+    return found
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """The text of a name or a dotted path of attributes (`a`, `a.b.c`), else None: what
+    an imported module's name can be."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+IMPORTS = (ast.Import, ast.ImportFrom)
+ASSIGNS = (ast.Assign, ast.AnnAssign)
+BINDINGS = (ast.Assign, ast.AnnAssign, ast.NamedExpr, ast.withitem)
+WRITES = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Call)  # what _pool_copy looks at
+
+
 class _Module:
     """One parsed file of the package, with parent links and its annotation nodes."""
 
-    def __init__(self, root: Path, path: Path) -> None:
+    def __init__(self, root: Path, path: Path, text: str) -> None:
         self.rel = path.relative_to(root).as_posix()  # kv/tiered.py
         self.where = path.relative_to(root.parent.parent).as_posix()  # src/batchgen/kv/...
         self.package = [root.name, *Path(self.rel).parts[:-1]]
-        self.tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        self.tree = ast.parse(text, filename=str(path))
         self.parent = {c: n for n in _walk(self.tree) for c in ast.iter_child_nodes(n)}
         notes = [getattr(n, "annotation", None) for n in _walk(self.tree)]
         notes += [n.returns for n in _walk(self.tree) if isinstance(n, DEFS)]
         self.annotations = {id(x) for a in notes if a is not None for x in _walk(a)}
+        # the loaded names by name and the attributes by the text of their value, each with
+        # its place in the walk (refs look them up by name instead of walking the tree)
+        self.loads: dict[str, list[tuple[int, ast.AST]]] = {}
+        self.attrs_of: dict[str, list[tuple[int, ast.AST]]] = {}
+        for i, n in enumerate(_walk(self.tree)):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+                self.loads.setdefault(n.id, []).append((i, n))
+            elif isinstance(n, ast.Attribute) and (value := _dotted(n.value)) is not None:
+                self.attrs_of.setdefault(value, []).append((i, n))
 
     def ancestors(self, node: ast.AST) -> Iterator[ast.AST]:
         while node in self.parent:
@@ -182,7 +226,7 @@ class _Package:
         funcs, mods = {}, {".".join(target)}
         if m.rel == home:
             funcs = {n: n for n in (names or ())}
-        for node in _walk(m.tree):
+        for node in _walk_of(m.tree, IMPORTS):
             if isinstance(node, ast.ImportFrom):
                 base = _resolve(node, m.package)
                 for a in node.names:
@@ -193,12 +237,14 @@ class _Package:
                         mods.add(a.asname or a.name)
             elif isinstance(node, ast.Import):
                 mods |= {a.asname for a in node.names if a.name == ".".join(target) and a.asname}
-        for node in _walk(m.tree):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in funcs:
-                yield node, funcs[node.id]
-            elif isinstance(node, ast.Attribute) and ast.unparse(node.value) in mods:
-                if names is None or node.attr in names:
-                    yield node, node.attr
+        found = [(i, n, funcs[name]) for name in funcs for i, n in m.loads.get(name, ())]
+        found += [
+            (i, n, n.attr)
+            for mod in mods
+            for i, n in m.attrs_of.get(mod, ())
+            if names is None or n.attr in names
+        ]
+        yield from ((n, name) for _, n, name in sorted(found, key=lambda f: f[0]))
 
 
 class _Types:
@@ -213,8 +259,8 @@ class _Types:
         while True:
             before, self._locals = len(self.attrs), {}
             for m in pkg.modules:
-                for node in _walk(m.tree):
-                    if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                for node in _walk_of(m.tree, ASSIGNS):
+                    if node.value is not None:
                         for t in _targets(node):
                             if isinstance(t, ast.Attribute) and self.typed(m, node.value):
                                 self.attrs.add(t.attr)
@@ -231,8 +277,7 @@ class _Types:
             self._locals[key] = set()  # no recursion while it is computed
             names = {
                 a.arg
-                for f in _walk(scope)
-                if isinstance(f, FUNCS)
+                for f in _walk_of(scope, FUNCS)
                 for a in [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs]
                 if a.annotation is not None
                 and any(self.is_class(m, x) for x in _walk(a.annotation))
@@ -264,10 +309,14 @@ def check_copy_contract(src_root: Path, files: Iterable[Path] | None = None) -> 
     """Violations of the copy-ordering rules in the package at src_root (the src/batchgen folder); `files`, when
     given, are the package's .py files to read (else every one under src_root)."""
     root, modules, problems = Path(src_root).resolve(), [], []
+    parsed: dict[tuple[str, str], _Module] = {}
     try:
         for path in sorted(Path(p).resolve() for p in (files or root.rglob("*.py"))):
             try:
-                modules.append(_Module(root, path))
+                text = path.read_text(encoding="utf-8")
+                key = (path.relative_to(root.parent.parent).as_posix(), text)
+                m = _LAST_PARSED.get(key) or _Module(root, path, text)
+                modules.append(parsed.setdefault(key, m))
             except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
                 where = path.relative_to(root.parent.parent).as_posix()
                 line = getattr(exc, "lineno", 0) or 0
@@ -275,6 +324,9 @@ def check_copy_contract(src_root: Path, files: Iterable[Path] | None = None) -> 
         return problems + [_finding(m, *p) for m, p in _check_package(_Package(modules))]
     finally:
         _WALKS.clear()
+        _WALKS_OF.clear()
+        _LAST_PARSED.clear()
+        _LAST_PARSED.update(parsed)
 
 
 def _check_package(pkg: _Package) -> Iterator[tuple[_Module, tuple]]:
@@ -417,7 +469,7 @@ class _Contract:
     def _check_pool_writes(self, m: _Module) -> Iterator[tuple]:
         tier = m.rel.startswith("kv/") and m.rel != "kv/copy_engine.py"
         tests: dict[int, Callable[[ast.AST | None], bool]] = {}
-        for node in _walk(m.tree):
+        for node in _walk_of(m.tree, WRITES):
             scope = m.scope_of(node)
             if id(scope) not in tests:
                 pools = self._pool_names(m, node)
@@ -1029,9 +1081,8 @@ def _waits_on(node: ast.AST, carriers: set[str]) -> bool:
 
 def _binds(fn: ast.AST) -> bool:
     return any(
-        isinstance(w, ast.With)
-        and any(_callee(i.context_expr) == "bind_forward_context" for i in w.items)
-        for w in _walk(fn)
+        any(_callee(i.context_expr) == "bind_forward_context" for i in w.items)
+        for w in _walk_of(fn, (ast.With,))
     )
 
 
@@ -1066,7 +1117,7 @@ def _bind(scope: ast.AST, names: set[str], is_value) -> set[str]:
     names = set(names)
     while True:
         before = len(names)
-        for node in _walk(scope):
+        for node in _walk_of(scope, BINDINGS):
             if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value:
                 pairs = [(t, node.value) for t in _targets(node)]
             elif isinstance(node, ast.withitem) and node.optional_vars is not None:
@@ -1181,7 +1232,7 @@ def _if(node: ast.AST) -> bool | None:
 
 
 def _calls(node: ast.AST | None) -> list[ast.Call]:
-    return [n for n in _walk(node) if isinstance(n, ast.Call)] if node is not None else []
+    return _walk_of(node, (ast.Call,)) if node is not None else []
 
 
 def _targets(node: ast.AST) -> list[ast.AST]:
