@@ -141,3 +141,48 @@ def test_without_a_64k_plus_one_piece_the_usual_split_serves(lengths):
         split = kda_ops._step_split(meta)
     assert meta.derived["tails"] is None
     assert split.decode_slots.tolist() == [s.slot for s in meta.seqs if s.q_len == 1]
+
+
+def test_a_tail_steps_after_its_chunks_from_their_state(monkeypatch):
+    """In invariant mode a mixed step with pieces of 65 and 129 tokens: the chunked call
+    takes 64 and 128 of their rows (and a 10-token prompt whole), then one recurrent call
+    takes the decode rows and the two last rows, from the states the chunks left. The
+    chunked kernel cannot run in the interpreter: its stand-in is fla's varlen recurrent
+    KDA (as in tests/layers/test_kda_fla_interpret.py). Outputs and every slot against
+    the torch step."""
+    from fla.ops import kda as fla_ops
+
+    calls = []
+
+    def chunked(q, *args, cu_seqlens=None, **kwargs):
+        calls.append(("chunked", q.shape[1], cu_seqlens.tolist()))
+        kwargs.pop("cu_seqlens_cpu")
+        return fla_ops.fused_recurrent_kda(q, *args, cu_seqlens=cu_seqlens, **kwargs)
+
+    def recurrent(q, *args, ssm_state_indices=None, **kwargs):
+        calls.append(("recurrent", q.shape[1], ssm_state_indices.tolist()))
+        return step(q, *args, ssm_state_indices=ssm_state_indices, **kwargs)
+
+    _, step = kda_ops.fla_kda()
+    monkeypatch.setattr(kda_ops, "fla_kda", lambda: (chunked, recurrent))
+    parts = [(1, 6, True), (65, 1, True), (10, 3, False), (129, 4, False), (1, 2, True)]
+    seqs, row = [], 0
+    for n, slot, has_state in parts:
+        seqs.append(LinearSeq(q_start=row, q_len=n, slot=slot, has_state=has_state))
+        row += n
+    meta = LinearAttentionMetadata.build(seqs, DEVICE)
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(row, 2, 16, generator=gen).to(DEVICE) for _ in range(3))
+    g = -torch.rand(row, 2, 16, generator=gen).to(DEVICE)
+    beta = torch.rand(row, 2, generator=gen).to(DEVICE)
+    states = torch.randn(8, 2, 16, 16, generator=gen).to(DEVICE)
+    states.index_fill_(0, meta.fresh_slots, 0.0)
+    want_states = states.clone()
+    want = kda_ops.kda_attention_torch(q, k, v, g, beta, want_states, meta)
+    with batch_invariant.invariant_mode(True):
+        got = kda_ops._kda_fla(q, k, v, g, beta, states, meta, decode_kernel="fla")
+    assert calls == [("chunked", 202, [0, 64, 74, 202]), ("recurrent", 4, [6, 1, 4, 2])]
+    tol = 1e-4 if DEVICE.type == "cpu" else 5e-3  # fla's dots in tf32 on the GPU
+    assert (got - want).abs().max().item() < tol
+    assert (states - want_states).abs().max().item() < tol
+    assert torch.equal(states[[0, 5, 7]], want_states[[0, 5, 7]])
