@@ -225,3 +225,21 @@ def test_a_worker_builds_graphs_only_when_rank_0_replays_them(tmp_path):
         off.handle(TPStep(decode, [], graph=True))
     for worker in (on, off):
         worker.mirror.copies.close()
+
+
+def test_rank_0_refuses_to_launch_a_step_its_workers_would_not_run():
+    """A prefill (or eager decode) step launched on rank 0 alone would leave the workers'
+    collectives unpaired: launch_step hands graph decode steps to launch_decode (mirrored)
+    and raises for any other."""
+    decode = SchedulerOutput([ScheduledRequest("r", [5], 3, [0], True)])
+    launched = []
+    rank0 = SimpleNamespace(
+        _graph_ok=lambda sched, copies: graph,
+        launch_decode=lambda sched, prev, copies: launched.append(sched) or "flight",
+    )
+    graph = True
+    assert TPModelRunner.launch_step(rank0, decode) == "flight" and launched == [decode]
+    graph = False
+    with pytest.raises(RuntimeError, match="launches decode steps only"):
+        TPModelRunner.launch_step(rank0, decode)
+    assert launched == [decode]

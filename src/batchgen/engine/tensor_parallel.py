@@ -114,6 +114,14 @@ class TPModelRunner(ModelRunner):
         flight.check = self.workers.check  # once its tokens are read back
         return flight
 
+    def launch_step(self, sched: SchedulerOutput, prev=None, copies: StepCopies = NO_COPIES):
+        """A decode step that graphs can take is launched and mirrored (`launch_decode`);
+        any other step would run on this rank alone, its collectives unpaired: the builder
+        lets no overlap launch one on several ranks (executor.size > 1)."""
+        if self._graph_ok(sched, copies) and all(r.sample for r in sched.requests):
+            return self.launch_decode(sched, prev, copies)
+        raise RuntimeError("a tensor-parallel rank 0 launches decode steps only")
+
     def _pipelined_ids(self, reqs, prev) -> torch.Tensor:
         ids = super()._pipelined_ids(reqs, prev).to(torch.int64)
         return self.workers.tp.broadcast(ids)
