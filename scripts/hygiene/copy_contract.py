@@ -90,8 +90,8 @@ DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 FUNCS = (*DEFS, ast.Lambda)
 
 
-# computed once a check, cleared after it: node -> its subtree; (node, types) -> the
-# subtree's nodes of those types
+# node -> its subtree; (node, types) -> the subtree's nodes of those types: computed
+# once, kept while the node's module is (_LAST_PARSED)
 _WALKS: dict[ast.AST, list[ast.AST]] = {}
 _WALKS_OF: dict[tuple[ast.AST, tuple], list[ast.AST]] = {}
 
@@ -323,10 +323,13 @@ def check_copy_contract(src_root: Path, files: Iterable[Path] | None = None) -> 
                 problems.append(Finding(where, line, "syntax", str(exc)))
         return problems + [_finding(m, *p) for m, p in _check_package(_Package(modules))]
     finally:
-        _WALKS.clear()
-        _WALKS_OF.clear()
         _LAST_PARSED.clear()
         _LAST_PARSED.update(parsed)
+        # the walks of the trees kept for the next check stay true; the others go
+        kept = {id(n) for m in parsed.values() for n in (m.tree, *m.parent)}
+        for cache, node_of in ((_WALKS, lambda k: k), (_WALKS_OF, lambda k: k[0])):
+            for key in [k for k in cache if id(node_of(k)) not in kept]:
+                del cache[key]
 
 
 def _check_package(pkg: _Package) -> Iterator[tuple[_Module, tuple]]:
