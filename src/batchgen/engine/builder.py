@@ -141,7 +141,7 @@ def _build_engine(config, model, hf_config, tokenizer, device, dtype, executor) 
     kv = KVCacheManager(allocator, config.page_size, tier, config.decode_append)
     exact_swap = None  # hybrid models' swap, over the state tier
     if tier is not None and tier.states is not None:
-        exact_swap = ExactSwap(kv, tier.states, checkpoints)
+        exact_swap = ExactSwap(kv, tier.states, checkpoints, always=config.deterministic)
     scheduler = Scheduler(
         kv,
         config.max_num_seqs,

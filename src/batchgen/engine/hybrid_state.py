@@ -11,6 +11,12 @@ pages.
     preempt    `exact_swap` (the host tier on, with room for the pages and a slot) swaps
                pages and state whole; the request resumes at its exact position once a
                slot is free again. Otherwise the scheduler recomputes it from token 0
+    replay     (deterministic mode, which swaps whenever the host has room: ExactSwap's
+               `always`) a recomputed request computes its prompt in pieces as before,
+               then its decoded tokens one a step, so that each takes the kernel it first
+               took (on CUDA a one-token row takes the recurrent step, a piece of several
+               the chunked kernel, and their bits differ); checkpoints then stay within
+               prompts (a state stored past a prompt came from one-token steps)
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ class HybridState:
         slots: StateSlots,
         exact_swap: ExactSwap | None = None,
         checkpoints: StateCheckpoints | None = None,
+        replay: bool = False,
     ) -> None:
         self.kv = kv
         self.slots = slots
         self.exact_swap = exact_swap
         self.checkpoints = checkpoints
+        self.replay = replay  # decoded tokens are recomputed one a step
 
     def track(self, req: Request) -> None:
         """A request the engine now holds: its checkpoint positions count as shared."""
@@ -62,6 +70,8 @@ class HybridState:
         total = len(hits) + len(hits.host_pages)
         if not total:
             return hits
+        if self.replay:  # a checkpoint past the prompt holds another request's prefill
+            total = min(total, req.num_prompt_tokens // self.kv.page_size)
         hashes = self.kv.page_hashes(req.request_id, req.token_ids)
         pages = self.checkpoints.longest(hashes, total)
         return PrefixHit(hits[:pages], hits.host_pages[: max(0, pages - len(hits))])
@@ -81,8 +91,12 @@ class HybridState:
         return [self.checkpoints.load(hashes[page - 1], slot, cached)]
 
     def cut(self, req: Request, computed: int, n: int) -> int:
-        """n tokens from `computed`, cut to end at a checkpoint position not yet stored."""
-        if self.checkpoints is None:
+        """n tokens from `computed`, cut to end at a checkpoint position not yet stored;
+        with `replay`, at the prompt's end, and one token past it."""
+        if self.replay:
+            prompt = req.num_prompt_tokens
+            n = 1 if computed >= prompt else min(n, prompt - computed)
+        if self.checkpoints is None or n <= 1:
             return n
         hashes = self.kv.page_hashes(req.request_id, req.token_ids)
         return self.checkpoints.cut(computed, n, req.num_tokens, hashes)
@@ -97,6 +111,8 @@ class HybridState:
             computed = req.num_computed_tokens
             if not computed or computed % cps.interval or computed >= req.num_tokens - 1:
                 continue  # not at a position, or decoding (a step may be queued)
+            if self.replay and computed > req.num_prompt_tokens:
+                continue  # replaying decoded tokens: their state is not a prefill's
             hashes = self.kv.page_hashes(req.request_id, req.token_ids)
             slot = self.slots.slot(req.request_id)
             handle = cps.take(slot, computed, hashes, f"request {req.request_id}")

@@ -64,7 +64,7 @@ class Scheduler:
         self.checkpoints = checkpoints
         self.hybrid = None  # a model with linear-attention layers: each request's state
         if state_slots is not None:
-            self.hybrid = HybridState(kv, state_slots, exact_swap, checkpoints)
+            self.hybrid = HybridState(kv, state_slots, exact_swap, checkpoints, chunk_align > 1)
         self.admission = admission
         self.chunk_align = chunk_align  # a cut-short prefill ends at a multiple of it
         self.max_num_seqs = max_num_seqs

@@ -16,7 +16,9 @@ through the recurrence twice.
              slot -> a new device slot; the step waits on both (take_waits -> wait_for)
 
 A swap needs host room for both the pages and a slot (a state checkpoint gives its slot
-up for it); otherwise the caller recomputes.
+up for it); otherwise the caller recomputes. `always` (deterministic mode) swaps whatever
+the tier's cost rule says: a recompute runs the request's decoded tokens again, one at a
+time (engine/hybrid_state.py), which costs more than the cost rule's prefill rate.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ from batchgen.kv.state_tier import StateTier
 
 class ExactSwap:
     def __init__(
-        self, kv: KVCacheManager, states: StateTier, checkpoints: StateCheckpoints | None = None
+        self,
+        kv: KVCacheManager,
+        states: StateTier,
+        checkpoints: StateCheckpoints | None = None,
+        always: bool = False,
     ) -> None:
         if kv.tier is None:
             raise ValueError("ExactSwap needs the page tier attached to the KV manager")
@@ -37,6 +43,7 @@ class ExactSwap:
         self.tier = kv.tier
         self.states = states
         self.checkpoints = checkpoints  # give up a host slot to a swap that needs one
+        self.always = always  # swap even where the cost rule says recompute
         self._host_pages: dict[str, list[int]] = {}  # swapped request -> its host pages
         self._waits: list[CopyHandle] = []  # state loads of the step being planned
 
@@ -46,10 +53,10 @@ class ExactSwap:
 
     def swap_out(self, request_id: str, num_computed: int) -> bool:
         """Move the request's pages and state slot to host, releasing its device pages;
-        False (nothing changed) when the tier is idle (the cost rule says recompute),
-        nothing is computed yet, or the host has no room for either."""
+        False (nothing changed) when the tier is idle (the cost rule says recompute, and
+        not `always`), nothing is computed yet, or the host has no room for either."""
         pages = self.kv.pages.get(request_id, [])[: self.kv.pages_needed(num_computed)]
-        if not self.tier.loads_pay or not pages:
+        if not (self.tier.loads_pay or self.always) or not pages:
             return False
         if len(pages) > self.tier.host_room():
             return False
