@@ -202,6 +202,25 @@ def tiny_llama(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def shared_ray():
+    """The session's local Ray cluster (tests/ray_session.py), started by the first test
+    that asks for local_ray (none other pays for it) and shut down at the session's end."""
+    from ray_session import SharedLocalRay
+
+    shared = SharedLocalRay(num_cpus=4)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def local_ray(shared_ray):
+    """The ray module with the session's local cluster of four logical CPUs running (two
+    engines of two tensor-parallel ranks fit; this machine has two cores). Without Ray the
+    test skips."""
+    return shared_ray.ensure()
+
+
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine_device(request) -> str:
     """The device a module's engines run on: the CPU, and the GPU (marked gpu) with

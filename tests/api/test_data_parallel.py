@@ -12,22 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from ray_session import local_ray_cluster
 from test_batch_run import _answers, _chat, _read
 
 from batchgen.api.batch_job import JobOptions
 from batchgen.api.cli import main
 
 N_ROWS = 96
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray session for the module, four logical CPUs (this machine has two
-    cores): two engines of two tensor-parallel ranks fit. Without Ray the tests that need
-    it skip, and the test of the message that says how to install it still runs."""
-    with local_ray_cluster(num_cpus=4) as ray:
-        yield ray
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,10 @@ finish reasons, logprobs, seeded sampled lines included) as one engine does."""
 from __future__ import annotations
 
 import pytest
-from ray_session import local_ray_cluster
 from test_batch_deterministic import _choices, _lines, twin_model  # noqa: F401 (fixture)
 from test_batch_run import _cli, _write_jsonl
 
 from batchgen.api.cli import main
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """Four logical CPUs, as test_data_parallel.py's (Ray skips the test where it is not
-    installed)."""
-    with local_ray_cluster(num_cpus=4) as ray:
-        yield ray
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from ray_session import local_ray_cluster
 
 from batchgen import LLM, SamplingParams
 from batchgen.api.ray_data import EngineStage, ProcessorConfig, build_processor, engine_gpus
@@ -87,14 +86,6 @@ def test_an_actor_asks_for_its_engines_gpus():
     ep = {"tensor_parallel_size": 1, "data_parallel_size": 8, "enable_expert_parallel": True}
     assert engine_gpus(ep) == 8
     assert engine_gpus({"tensor_parallel_size": 2, "data_parallel_size": 4}) == 2
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray cluster of four logical CPUs (two engines of one CPU each, two for
-    reading and mapping rows) for the module."""
-    with local_ray_cluster(num_cpus=4) as ray:
-        yield ray
 
 
 @pytest.mark.slow
