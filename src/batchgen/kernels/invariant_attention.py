@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.mma import dot_in_f32, mma
+from batchgen.kernels.prefill_attention import rope_operands
 from batchgen.kv_quant import FP8
 
 _LOG2E = 1.4426950408889634
@@ -298,13 +299,7 @@ def invariant_attention(
     tiles = triton.cdiv(max_q_len * group, tuning.block_m)
     subtiles = min(tuning.subtiles, triton.next_power_of_2(tiles))  # no idle tile a program
     grid = (triton.cdiv(tiles, subtiles), num_kv_heads, num_reqs)
-    if q_rope is None:  # no second part: the pointers are never read
-        q_rope, k_rope, rope_strides = q, k_cache, (0,) * 7
-    else:
-        kr_strides = list(k_rope.stride())
-        if k_rope.shape[2] == 1:
-            kr_strides[2] = 0  # one rope head for every KV head
-        rope_strides = (*q_rope.stride(), *kr_strides)
+    q_rope, k_rope, *rope_strides = rope_operands(q, k_cache, q_rope, k_rope)
     _invariant_kernel[grid](
         q, k_cache, v_cache, out, q_rope, k_rope, q_start, q_len, seq_lens, page_table,
         scale * _LOG2E, sliding_window or 0,

@@ -205,18 +205,11 @@ def prefill_attention(
     tuning = tuning or default_tuning(q, v_dim)
     grid = (num_heads, triton.cdiv(max_q_len, tuning.block_m), num_reqs)
     rope_dim = 0 if q_rope is None else q_rope.shape[2]
-    if q_rope is None:  # no second part: the pointers are never read
-        q_rope, rope_strides = q, (0,) * 7
-    else:
-        kr_strides = list(k_rope.stride())
-        if k_rope.shape[2] == 1:
-            kr_strides[2] = 0  # one rope head for every KV head
-        rope_strides = (*q_rope.stride(), *kr_strides)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, q_start, q_len, seq_lens, page_table,
         scale * _LOG2E, sliding_window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), page_table.stride(0),
-        q_rope, k_cache if k_rope is None else k_rope, *rope_strides,
+        *rope_operands(q, k_cache, q_rope, k_rope),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, V_DIM=v_dim, ROPE_DIM=rope_dim,
         PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, DOT_F32=dot_in_f32(q),
         BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n,
@@ -226,6 +219,18 @@ def prefill_attention(
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
     return out
+
+
+def rope_operands(q, k_cache, q_rope, k_rope) -> tuple:
+    """The second part's kernel arguments: q_rope, k_rope and their seven strides. With
+    no second part q and k_cache stand in (never read) with zero strides; a k_rope of
+    one head is read by every KV head (its head stride 0)."""
+    if q_rope is None:
+        return (q, k_cache, *(0,) * 7)
+    kr_strides = list(k_rope.stride())
+    if k_rope.shape[2] == 1:
+        kr_strides[2] = 0
+    return (q_rope, k_rope, *q_rope.stride(), *kr_strides)
 
 
 def _check_rope(q, k_cache, q_rope, k_rope) -> None:
