@@ -20,7 +20,9 @@ from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
+from batchgen.distributed.heartbeat import HEARTBEAT_S, SILENT_AFTER_S
 from batchgen.distributed.messages import DPMessage
+from batchgen.distributed.workers import Workers
 from batchgen.engine.dp_attention import DPEngine, wants_dp_attention
 from batchgen.engine.dp_rank import _Worker
 from batchgen.engine.engine_core import RequestsFailed
@@ -241,11 +243,18 @@ def test_a_dead_rank_fails_the_call_naming_it(checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
-def test_a_rank_lost_mid_forward_fails_the_call_within_60s_naming_it(checkpoint, sig):
+def test_a_rank_lost_mid_forward_fails_the_call_within_60s_naming_it(checkpoint, sig, monkeypatch):
     """The worker is killed, or stopped (silent: a host gone without closing its
     connections), while rank 0 is inside a forward, just before a MoE layer's
     all-to-all: the call fails naming rank 1 within 60 s (a stopped rank: the
-    heartbeats' 30 s and a slice), not after the tensors' group timeout (120 s)."""
+    heartbeats' silence and a slice), not after the tensors' group timeout (120 s).
+    The engine's workers beat every 0.5 s and are silent after 5 s here (test_tp_idle.py
+    does the same), not HEARTBEAT_S and SILENT_AFTER_S (2 s, 30 s): the stopped case then
+    waits seconds, not half a minute. Those two keep the 60 s promise too (first assert)."""
+    assert SILENT_AFTER_S + HEARTBEAT_S < 60
+    spawn = Workers.spawn  # bound to the class
+    shorter = dict(heartbeat_s=0.5, silent_after_s=5.0)
+    monkeypatch.setattr(Workers, "spawn", staticmethod(lambda *a, **k: spawn(*a, **shorter, **k)))
     llm = LLM(checkpoint, **KW, **DP)
     engine = llm.engine
     worker = engine.workers.processes[0]
