@@ -31,8 +31,13 @@ def paged_attention(
     """q [T, H, D] -> [T, H, D]; every query's own K/V must already be in the cache."""
     out = torch.empty_like(q)
     invariant = batch_invariant.active()
-    if meta.decode_rows is not None and meta.decode_rows.numel() > 0 and invariant:
-        invariant_decode(
+    if meta.decode_rows is not None and meta.decode_rows.numel() > 0:
+        decode, splits = invariant_decode, {}  # never splits the keys by the batch
+        if not invariant:
+            decode = decode_attention
+            splits = {"max_seq_len": meta.decode_max_seq_len or None}
+            splits["num_splits"] = meta.decode_num_splits
+        decode(
             q,
             k_cache,
             v_cache,
@@ -42,20 +47,7 @@ def paged_attention(
             sliding_window,
             rows=meta.decode_rows,
             out=out,
-        )
-    elif meta.decode_rows is not None and meta.decode_rows.numel() > 0:
-        decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.decode_page_table,
-            meta.decode_seq_lens,
-            scale,
-            sliding_window,
-            rows=meta.decode_rows,
-            out=out,
-            max_seq_len=meta.decode_max_seq_len or None,
-            num_splits=meta.decode_num_splits,
+            **splits,
         )
     if meta.prefills or (meta.prefill_q_len is not None and meta.prefill_q_len.numel() > 0):
         q_start, q_len, seq_lens, table, max_q_len = padded_prefills(meta, q.device)
