@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from benchmarks.engine_runs import threads_for
-from benchmarks.probe_offload import make_prompts, resolve_model
+from benchmarks.probe_offload import make_prompts, reconfiguring, resolve_model
 
 RUNS = ("batched", "tier", "reconfigure", "cost")
 
@@ -91,17 +91,7 @@ def generate(model, prompts, params, every: int = 0, **kw) -> tuple[list, dict, 
 
 
 def _reconfiguring(eng, prompts, params, every: int) -> tuple[list, dict]:
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        eng.add_request(f"inv{i}", prompt, p)
-    done, steps, reconfigures = {}, 0, 0
-    while eng.has_unfinished:
-        done.update((r.request_id, r) for r in eng.step())
-        steps += 1
-        if steps % every == 0 and eng.scheduler.running:
-            eng.reconfigure(eng.pool.num_pages)
-            reconfigures += 1
-    done.update((r.request_id, r) for r in eng.step())
-    reqs = [done[f"inv{i}"] for i in range(len(prompts))]
+    reqs, reconfigures = reconfiguring(eng, prompts, params, every, "inv")
     rows = [(list(r.output_token_ids), r.finish_reason) for r in reqs]
     preempted = sum(1 for r in reqs if r.num_preemptions)
     return rows, {"reconfigures": reconfigures, "requests_preempted": preempted}

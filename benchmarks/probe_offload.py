@@ -305,11 +305,13 @@ def replay(model, prompts, params, steps, **kw) -> tuple[list[list[int]], float]
     return rows, wall
 
 
-def _generate_swapping(eng, prompts, params, every: int) -> tuple[list, dict]:
-    """run()'s swap_every: (rows of token ids, no logprobs, finish reason; the counts it
-    adds)."""
-    for i, prompt in enumerate(prompts):
-        eng.add_request(f"probe{i}", prompt, params)
+def reconfiguring(eng, prompts, params, every: int, tag: str) -> tuple[list, int]:
+    """The prompts (params: one for all, or one each) run to the end on `eng`, every
+    `every`-th step reconfiguring the pool while requests run (each preempted and
+    resumed); (the requests in prompt order, the reconfigures made)."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, each)):
+        eng.add_request(f"{tag}{i}", prompt, p)
     done, steps, reconfigures = {}, 0, 0
     while eng.has_unfinished:
         done.update((r.request_id, r) for r in eng.step())
@@ -318,7 +320,13 @@ def _generate_swapping(eng, prompts, params, every: int) -> tuple[list, dict]:
             eng.reconfigure(eng.pool.num_pages)
             reconfigures += 1
     done.update((r.request_id, r) for r in eng.step())  # what a last drain finished
-    reqs = [done[f"probe{i}"] for i in range(len(prompts))]
+    return [done[f"{tag}{i}"] for i in range(len(prompts))], reconfigures
+
+
+def _generate_swapping(eng, prompts, params, every: int) -> tuple[list, dict]:
+    """run()'s swap_every: (rows of token ids, no logprobs, finish reason; the counts it
+    adds)."""
+    reqs, reconfigures = reconfiguring(eng, prompts, params, every, "probe")
     rows = [(list(r.output_token_ids), None, r.finish_reason) for r in reqs]
     spared = [len(r.output_token_ids) for r in reqs if not r.num_preemptions]
     counts = {
