@@ -36,13 +36,14 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.engine_runs import add_engine_args, engine_kwargs
+from benchmarks.engine_runs import add_engine_args
 from benchmarks.moe_runs import (
     add_allocator_steps_arg,
     release_device_memory,
     run_batchgen,
     run_lines,
     warm_up_prompts,
+    workload_llm,
 )
 from benchmarks.peers import padded_generate
 from benchmarks.throughput import SAMPLING, print_sampling, sampled_runs
@@ -54,17 +55,9 @@ ROOFLINE_TOK_S = 13_350  # BENCHMARKS.md W4, H200
 def run_sampling(ckpt, prompts, out_lens, args) -> dict:
     """W4's requests greedy, then sampled as --sampling names, in one engine built and
     warmed up as `moe_runs.run_batchgen` builds its own (throughput.sampled_runs)."""
-    from batchgen import LLM, SamplingParams
+    from batchgen import SamplingParams
 
-    llm = LLM(
-        model=str(ckpt),
-        dtype=args.dtype,
-        device=args.device,
-        load_format="dummy",
-        max_model_len=max(len(p) for p in prompts) + max(out_lens) + 16,
-        host_kv_size_gib=args.host_gib,
-        **engine_kwargs(args),
-    )
+    llm = workload_llm(ckpt, prompts, out_lens, args)
     warm = [p[::-1] for p in prompts[: warm_up_prompts(llm, len(prompts[0]))]]
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     names = ["greedy"] + (list(SAMPLING)[1:] if args.sampling == "all" else [args.sampling])

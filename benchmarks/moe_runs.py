@@ -45,12 +45,12 @@ def warm_up_prompts(llm, prompt_len: int) -> int:
     return 2 * per_step + 1
 
 
-def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
-    from batchgen import LLM, SamplingParams
-    from batchgen.engine.memory import fewer_full_collections
+def workload_llm(ckpt: Path, prompts, out_lens, args):
+    """The engine the workload runs on: ckpt's config with dummy weights, room for the
+    longest prompt and output, args' dtype, device, host tier and engine options."""
+    from batchgen import LLM
 
-    built = time.perf_counter()
-    llm = LLM(
+    return LLM(
         model=str(ckpt),
         dtype=args.dtype,
         device=args.device,
@@ -59,6 +59,14 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
         host_kv_size_gib=args.host_gib,
         **engine_kwargs(args),
     )
+
+
+def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
+    from batchgen import SamplingParams
+    from batchgen.engine.memory import fewer_full_collections
+
+    built = time.perf_counter()
+    llm = workload_llm(ckpt, prompts, out_lens, args)
     # untimed warm-up shaped like the workload, as the peer's warm-up batch is: a full
     # prefill step, a mixed step (the first requests decoding, a prompt cut at the
     # budget) and the step after it (that prompt continued over its cached part), then
