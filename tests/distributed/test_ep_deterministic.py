@@ -7,14 +7,13 @@ attention data parallel over 2 ranks gives one engine's bits."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from conftest import save_random_model
 from deepseek_checkpoints import CONFIGS
 from deepseek_checkpoints import tiny_config as deepseek_config
+from deterministic_cases import mixed_params, mixed_prompts, probe_rows
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM
 
 NUM_PROMPTS = 16
 PROBES = range(0, NUM_PROMPTS, 4)
@@ -28,39 +27,13 @@ def deepseek_moe(tmp_path_factory):
     return str(path)
 
 
-def _prompts() -> list[list[int]]:
-    """Mixed lengths (2-150 tokens); every fourth starts with the same 40 tokens."""
-    rng = random.Random(7)
-    shared = [rng.randint(3, 500) for _ in range(40)]
-    prompts = [[rng.randint(3, 500) for _ in range(rng.randint(2, 150))] for _ in range(16)]
-    return [shared + p[:30] if i % 4 == 0 else p for i, p in enumerate(prompts)]
-
-
-def _params() -> list[SamplingParams]:
-    lp = dict(max_tokens=12, logprobs=0)  # off-defaults: the logprobs are compared too
-    return [
-        SamplingParams(temperature=0, **lp)
-        if i % 2 == 0
-        else SamplingParams(temperature=0.8, top_p=0.9, seed=i, **lp)
-        for i in range(NUM_PROMPTS)
-    ]
-
-
-def _row(out) -> tuple:
-    c = out.outputs[0]
-    return c.token_ids, c.finish_reason, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
-
-
 def _rows(model: str, alone: bool = False, **kw) -> list[tuple]:
     """The PROBES prompts' rows, deterministic: each prompt in an engine call of its own,
     or all NUM_PROMPTS in one call."""
     llm = LLM(model, device="cpu", dtype="float32", max_model_len=256, deterministic=True, **kw)
     try:
-        prompts, params = _prompts(), _params()
-        if alone:
-            return [_row(llm.generate([prompts[i]], params[i], use_tqdm=False)[0]) for i in PROBES]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [_row(outs[i]) for i in PROBES]
+        prompts, params = mixed_prompts(7, NUM_PROMPTS), mixed_params(NUM_PROMPTS, 12)
+        return probe_rows(llm, prompts, params, PROBES, alone)
     finally:
         llm.engine.shutdown()
 

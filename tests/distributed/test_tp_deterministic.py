@@ -7,14 +7,13 @@ same runs differ."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from deterministic_cases import mixed_params, mixed_prompts, probe_rows
 from tp_workers import run_ranks
 from twin_checkpoints import save_twin_model
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM
 from batchgen.layers.batch_invariant import invariant_mode
 from batchgen.layers.tp_group import TPGroup, rank_order_sum
 
@@ -72,27 +71,7 @@ def twin_model(tmp_path_factory):
 
 
 def _prompts() -> list[list[int]]:
-    """Mixed lengths (2-150 tokens); every fourth starts with the same 40 tokens."""
-    rng = random.Random(11)
-    shared = [rng.randint(3, 500) for _ in range(40)]
-    prompts = [[rng.randint(3, 500) for _ in range(rng.randint(2, 150))] for _ in range(16)]
-    return [shared + p[:30] if i % 4 == 0 else p for i, p in enumerate(prompts)]
-
-
-def _params() -> list[SamplingParams]:
-    """Greedy rows and sampled rows with seeds of their own, with logprobs."""
-    lp = dict(max_tokens=12, logprobs=0)  # off-defaults: the logprobs are compared too
-    return [
-        SamplingParams(temperature=0, **lp)
-        if i % 2 == 0
-        else SamplingParams(temperature=0.8, top_p=0.9, seed=i, **lp)
-        for i in range(NUM_PROMPTS)
-    ]
-
-
-def _row(out) -> tuple:
-    c = out.outputs[0]
-    return c.token_ids, c.finish_reason, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+    return mixed_prompts(11, NUM_PROMPTS)
 
 
 def _tp2_rows(model: str, dtype: str, alone: bool, deterministic: bool = True, **kw) -> list[tuple]:
@@ -108,11 +87,8 @@ def _tp2_rows(model: str, dtype: str, alone: bool, deterministic: bool = True, *
         **kw,
     )
     try:
-        prompts, params = _prompts(), _params()
-        if alone:
-            return [_row(llm.generate([prompts[i]], params[i], use_tqdm=False)[0]) for i in PROBES]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [_row(outs[i]) for i in PROBES]
+        prompts, params = _prompts(), mixed_params(NUM_PROMPTS, 12)
+        return probe_rows(llm, prompts, params, PROBES, alone)
     finally:
         llm.engine.shutdown()
 

@@ -10,17 +10,17 @@ batch picks other greedy tokens; rows end on EOS ids the model emits).
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
 from conftest import save_random_model
 from deepseek_checkpoints import CONFIGS
 from deepseek_checkpoints import tiny_config as deepseek_config
+from deterministic_cases import mixed_params, mixed_prompts, row
 from kimi_checkpoints import tiny_config as kimi_config
 from twin_checkpoints import save_twin_model
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM
 
 KW = dict(device="cpu", dtype="float32", max_model_len=256)
 NUM_PROMPTS = 24
@@ -42,27 +42,7 @@ def deepseek_moe(tmp_path_factory):
 
 
 def _prompts() -> list[list[int]]:
-    """Mixed lengths (2-150 tokens); every fourth starts with the same 40 tokens."""
-    rng = random.Random(7)
-    shared = [rng.randint(3, 500) for _ in range(40)]
-    prompts = [[rng.randint(3, 500) for _ in range(rng.randint(2, 150))] for _ in range(24)]
-    return [shared + p[:30] if i % 4 == 0 else p for i, p in enumerate(prompts)]
-
-
-def _params(logprobs: int | None) -> list[SamplingParams]:
-    """Greedy rows and sampled rows with seeds of their own."""
-    return [
-        SamplingParams(temperature=0, max_tokens=16, logprobs=logprobs)
-        if i % 2 == 0
-        else SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=16, logprobs=logprobs)
-        for i in range(NUM_PROMPTS)
-    ]
-
-
-def _row(out, logprobs: bool):
-    c = out.outputs[0]
-    lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] if logprobs else None
-    return c.token_ids, c.finish_reason, lps
+    return mixed_prompts(7, NUM_PROMPTS)
 
 
 def _runs(
@@ -73,18 +53,18 @@ def _runs(
     to the host tier, and the whole batch again on the same engine (its prompts now
     prefix-cache hits; a `hybrid` model's resume from the KDA state checkpointed to the
     host every 64 tokens)."""
-    prompts, params = _prompts(), _params(logprobs)
+    prompts, params = _prompts(), mixed_params(NUM_PROMPTS, 16, logprobs)
     want = logprobs is not None
     rows = {}
 
     def run(llm, note: str):
         outs = llm.generate(prompts, params, use_tqdm=False)
-        rows[note] = [_row(outs[i], want) for i in PROBES]
+        rows[note] = [row(outs[i], want) for i in PROBES]
         return outs
 
     alone = LLM(model=model, deterministic=deterministic, **KW)
     rows["alone"] = [
-        _row(alone.generate([prompts[i]], params[i], use_tqdm=False)[0], want) for i in PROBES
+        row(alone.generate([prompts[i]], params[i], use_tqdm=False)[0], want) for i in PROBES
     ]
     checkpoints = dict(
         host_kv_size_gib=0.05, state_checkpoint_interval=64, state_checkpoint_policy="all"
