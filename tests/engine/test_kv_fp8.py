@@ -15,11 +15,11 @@ the same budget, and `batchgen plan`'s "fp8 KV" column counts the same bytes a t
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from batch_cases import greedy_and_sampled, prefix_prompts
 from conftest import record_launches, save_tiny_model
 from deepseek_checkpoints import save_tiny_deepseek
 from gpu_defaults import collapsed_rows
@@ -35,27 +35,6 @@ AMPLE = 400
 JUDGE = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)  # off-defaults: judge
 
 
-def _prompts(n: int = 12) -> list[list[int]]:
-    """Prompts of 5 to 40 tokens, every third sharing a 24-token prefix."""
-    rng = random.Random(0)
-    shared = [rng.randint(3, 500) for _ in range(24)]
-    prompts = []
-    for i in range(n):
-        tail = [rng.randint(3, 500) for _ in range(rng.randint(5, 16))]
-        prompts.append(shared + tail if i % 3 == 0 else tail)
-    return prompts
-
-
-def _params(n: int) -> list[SamplingParams]:
-    """Greedy rows, and every third row sampled with a seed of its own."""
-    return [
-        SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=MAX_NEW)
-        if i % 3 == 2
-        else SamplingParams(temperature=0, max_tokens=MAX_NEW)
-        for i in range(n)
-    ]
-
-
 def _save(kind: str, path) -> str:
     if kind == "deepseek_v3":
         save_tiny_deepseek(path, first_k_dense_replace=1)
@@ -69,7 +48,7 @@ def model(request, tmp_path_factory):
     """The checkpoint with its EOS set to a token the float32-KV run emits mid-way in
     the most rows, the prompts, and the float32-KV reference under that EOS."""
     path = _save(request.param, tmp_path_factory.mktemp(f"kv-fp8-{request.param}"))
-    prompts = _prompts()
+    prompts = prefix_prompts(12, 500)
     free = completions(LLM(path, num_kv_pages=AMPLE, **RUN), prompts, JUDGE)
     set_eos(Path(path), emitted_eos([list(c.token_ids) for c in free]))
     ref_llm = LLM(path, num_kv_pages=AMPLE, **RUN)
@@ -80,7 +59,7 @@ def model(request, tmp_path_factory):
 
 def test_fp8_pages_swap_and_stay_close_to_float32_kv(model):
     path, prompts, ref, eos = model
-    params = _params(len(prompts))
+    params = greedy_and_sampled(len(prompts), MAX_NEW)
     ample = LLM(path, num_kv_pages=AMPLE, kv_cache_dtype="fp8", **RUN)
     assert ample.engine.pool.kv.dtype == FP8
     want = completions(ample, prompts, params)

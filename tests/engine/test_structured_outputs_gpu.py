@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
+from batch_cases import SCHEMA
 from conftest import record_launches, save_byte_tokenizer, save_tiny_model
 
 from batchgen import LLM, SamplingParams, StructuredOutputsParams
@@ -19,18 +20,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "color": {"enum": ["red", "green", "blue"]},
-        "name": {"type": "string", "maxLength": 6},
-    },
-    "required": ["ok", "n", "color", "name"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ against the same weights dequantized into a float32 checkpoint.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import jsonschema
 import pytest
+from batch_cases import SCHEMA, greedy_and_sampled, prefix_prompts
 from conftest import record_launches, save_byte_tokenizer, save_tiny_model
 from int4_blocks import write_pack_quantized
 from penalty_reference import emitted_eos, set_eos
@@ -26,37 +26,10 @@ from batchgen import LLM, SamplingParams, StructuredOutputsParams
 
 RUN = dict(device="cpu", dtype="float32", page_size=4, max_model_len=64, max_num_seqs=8)
 MAX_NEW = 16
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "color": {"enum": ["red", "green", "blue"]},
-        "name": {"type": "string", "maxLength": 6},
-    },
-    "required": ["ok", "n", "color", "name"],
-    "additionalProperties": False,
-}
 
 
-def _prompts(n: int = 12) -> list[list[int]]:
-    """Prompts of 5 to 40 tokens, every third sharing a 24-token prefix."""
-    rng = random.Random(0)
-    shared = [rng.randint(3, 250) for _ in range(24)]
-    prompts = []
-    for i in range(n):
-        tail = [rng.randint(3, 250) for _ in range(rng.randint(5, 16))]
-        prompts.append(shared + tail if i % 3 == 0 else tail)
-    return prompts
-
-
-def _params(n: int) -> list[SamplingParams]:
-    return [
-        SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=MAX_NEW)
-        if i % 3 == 2
-        else SamplingParams(temperature=0, max_tokens=MAX_NEW)
-        for i in range(n)
-    ]
+def _prompts() -> list[list[int]]:
+    return prefix_prompts(12, 250)
 
 
 def _save(path) -> None:
@@ -95,7 +68,7 @@ def _tokens(outs) -> list[tuple[list[int], str]]:
 
 def test_host_tier_and_pipelined_decode_with_quantized_weights(checkpoints):
     quant, plain = checkpoints["quant_eos"], checkpoints["plain_eos"]
-    prompts, params = _prompts(), _params(12)
+    prompts, params = _prompts(), greedy_and_sampled(12, MAX_NEW)
     ref = _tokens(LLM(plain, num_kv_pages=400, **RUN).generate(prompts, params))
     ample = _tokens(LLM(quant, num_kv_pages=400, **RUN).generate(prompts, params))
     tight = LLM(quant, num_kv_pages=20, host_kv_size_gib=0.01, **RUN)
