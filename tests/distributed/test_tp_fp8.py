@@ -6,12 +6,9 @@ logprobs within 1e-4."""
 
 from __future__ import annotations
 
-import json
-
 import torch
 from deepseek_checkpoints import save_tiny_deepseek
-from fp8_blocks import quantize_blocks
-from safetensors.torch import load_file, save_file
+from fp8_blocks import quantize_checkpoint
 from test_tp_deepseek import _assert_same, _generate
 
 
@@ -20,16 +17,7 @@ def _write_fp8(path) -> None:
     save_tiny_deepseek(
         path, first_k_dense_replace=1, intermediate_size=256, moe_intermediate_size=128
     )
-    tensors = {}
-    for name, t in load_file(str(path / "model.safetensors")).items():
-        if name.endswith(("proj.weight", "proj_with_mqa.weight")):
-            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t.float(), (128, 128))
-        else:
-            tensors[name] = t
-    save_file(tensors, str(path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(config))
+    quantize_checkpoint(path, ("proj.weight", "proj_with_mqa.weight"))
 
 
 def test_tp2_keeps_whole_blocks_fp8_and_equals_tp1(tmp_path):

@@ -7,30 +7,14 @@ and finish reasons, logprobs within 1e-4."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from conftest import save_tiny_model
-from fp8_blocks import quantize_blocks
+from fp8_blocks import quantize_checkpoint
 from int4_blocks import write_pack_quantized
-from safetensors.torch import load_file, save_file
 from test_tp_deepseek import _assert_same, _generate
 
 SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
-
-
-def _write_fp8(path) -> None:
-    tensors = {}
-    for name, t in load_file(str(path / "model.safetensors")).items():
-        if name.endswith("proj.weight"):
-            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t.float(), (128, 128))
-        else:
-            tensors[name] = t
-    save_file(tensors, str(path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.slow  # two engines, one of two ranks, over a 256-wide model
@@ -40,7 +24,7 @@ def test_tp2_keeps_whole_blocks_quantized_and_equals_tp1(tmp_path, fmt):
     path.mkdir()
     save_tiny_model(path, "LlamaForCausalLM", **SIZES)
     if fmt == "fp8":
-        _write_fp8(path)
+        quantize_checkpoint(path)
     else:
         plain = tmp_path / "plain"
         plain.mkdir()
