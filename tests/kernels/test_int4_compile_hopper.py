@@ -10,11 +10,9 @@ for this one when there is no GPU, and it decides at import what @triton.jit mak
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from hopper_compile import compile_for_hopper, compiled_in_child
 
 pytestmark = pytest.mark.slow
 
@@ -23,25 +21,10 @@ MOE_ROWS = (10, 48, 200)  # rows an expert: tuning_for's 16-, 64- and 128-row bl
 
 
 def _compile(fn, constants: dict, tuning, pointers: dict) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    def arg_type(name: str) -> str:
+        return pointers.get(name, "*bf16") if name.endswith("_ptr") else "i32"
 
-    names = fn.arg_names
-    signature = {}
-    for name in names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*bf16")
-        else:
-            signature[name] = "i32"
-    constexprs = {(names.index(k),): v for k, v in constants.items()}
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    options = {"num_warps": tuning.num_warps, "num_stages": tuning.num_stages}
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = kernel.asm["ptx"]
-    return {"tensor_cores": "wgmma.mma_async" in ptx or "mma.sync" in ptx}
+    return compile_for_hopper(fn, constants, tuning, arg_type)
 
 
 def _compile_all() -> dict:
@@ -72,12 +55,7 @@ def _compile_all() -> dict:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return compiled_in_child(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("gather", [False, True])

@@ -11,11 +11,9 @@ for this one when there is no GPU, and it decides at import what @triton.jit mak
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from hopper_compile import compile_for_hopper, compiled_in_child
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +32,6 @@ LAUNCHES = {
 
 
 def _compile(name: str) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from batchgen.kernels import invariant_attention as ia
 
     geometry, subtiles, window, cache, dtype = LAUNCHES[name]
@@ -48,36 +42,22 @@ def _compile(name: str) -> dict:
         geometry, PAGE_SIZE=16, HAS_WINDOW=window, DOT_F32=dtype == "fp32",
         BLOCK_M=tuning.block_m, SUBTILES=subtiles, BLOCK_N=tuning.block_n,
     )  # fmt: skip
-    fn = ia._invariant_kernel
-    names = fn.arg_names
-    signature = {}
-    for arg in names:
-        if arg in constants:
-            signature[arg] = "constexpr"
-        elif arg in ("k_ptr", "v_ptr", "kr_ptr"):
-            signature[arg] = f"*{cache}"
-        elif arg in ("q_ptr", "out_ptr", "qr_ptr"):
-            signature[arg] = f"*{dtype}"
-        elif arg.endswith("_ptr"):
-            signature[arg] = "*i64"
-        else:
-            signature[arg] = "fp32" if arg == "scale_log2" else "i32"
-    constexprs = {(names.index(k),): v for k, v in constants.items()}
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    options = {"num_warps": tuning.num_warps, "num_stages": tuning.num_stages}
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = kernel.asm["ptx"]
-    return {"tensor_cores": "wgmma.mma_async" in ptx or "mma.sync" in ptx}
+
+    def arg_type(arg: str) -> str:
+        if arg in ("k_ptr", "v_ptr", "kr_ptr"):
+            return f"*{cache}"
+        if arg in ("q_ptr", "out_ptr", "qr_ptr"):
+            return f"*{dtype}"
+        if arg.endswith("_ptr"):
+            return "*i64"
+        return "fp32" if arg == "scale_log2" else "i32"
+
+    return compile_for_hopper(ia._invariant_kernel, constants, tuning, arg_type)
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return compiled_in_child(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("name", sorted(LAUNCHES))
