@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.card import kernel_seconds
+from benchmarks.card import kernel_seconds, page_table
 
 PAGE = 16
 
@@ -63,16 +63,6 @@ FULL = Setup(
 SMALL_SHAPES = {"decode 4x40": ([40] * 4, [1] * 4), "prefill 2x24": ([24] * 2, [24] * 2)}
 
 
-def _table(seq_lens: list[int], num_pages: int, gen, device: str) -> torch.Tensor:
-    need = [math.ceil(n / PAGE) for n in seq_lens]
-    perm = torch.randperm(num_pages, generator=gen)[: sum(need)].tolist()
-    width, rows, at = max(need), [], 0
-    for n in need:
-        rows.append(perm[at : at + n] + [0] * (width - n))
-        at += n
-    return torch.tensor(rows, dtype=torch.int64, device=device)
-
-
 def _tunings(setup: Setup, sweep: bool, width: int) -> list:
     from batchgen.kernels import invariant_attention as ia
 
@@ -96,7 +86,7 @@ def _case(setup: Setup, kind: str, seq_lens: list[int], q_lens: list[int], gen):
 
     gqa, mla = setup.gqa, setup.mla
     pages = sum(math.ceil(n / PAGE) for n in seq_lens) + 8
-    table = _table(seq_lens, pages, gen, setup.device)
+    table = page_table(seq_lens, pages, PAGE, gen, setup.device)
     lens = torch.tensor(seq_lens, device=setup.device)
     q_len = torch.tensor(q_lens, device=setup.device)
     q_start = torch.tensor([0] + q_lens[:-1], device=setup.device).cumsum(0)

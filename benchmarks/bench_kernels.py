@@ -45,27 +45,16 @@ checked against the unfused one.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from functools import partial
 
 import torch
 
-from benchmarks.card import COPY_BW, kernel_seconds
+from benchmarks.card import COPY_BW, kernel_seconds, page_table
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 DTYPE = torch.bfloat16
 ELEM = 2  # bytes per bf16
-
-
-def _tables(seq_lens: list[int], num_pages: int, gen: torch.Generator) -> torch.Tensor:
-    need = [math.ceil(n / PAGE) for n in seq_lens]
-    perm = torch.randperm(num_pages, generator=gen)[: sum(need)].tolist()
-    width, rows, at = max(need), [], 0
-    for n in need:
-        rows.append(perm[at : at + n] + [0] * (width - n))
-        at += n
-    return torch.tensor(rows, dtype=torch.int64, device="cuda")
 
 
 def bench_decode(caches, batch: int, ctx: int, sweep: bool, gen) -> list[tuple]:
@@ -73,7 +62,7 @@ def bench_decode(caches, batch: int, ctx: int, sweep: bool, gen) -> list[tuple]:
 
     k_cache, v_cache = caches
     seq_lens = [ctx] * batch
-    table = _tables(seq_lens, k_cache.shape[0], gen)
+    table = page_table(seq_lens, k_cache.shape[0], PAGE, gen)
     lens = torch.tensor(seq_lens, device="cuda")
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
@@ -131,7 +120,7 @@ def bench_prefill(caches, specs: list[tuple[int, int]], sweep: bool, gen) -> lis
     seq_lens = [p + n for p, n in specs]
     q_len = [n for _, n in specs]
     q_start = [sum(q_len[:i]) for i in range(len(specs))]
-    table = _tables(seq_lens, k_cache.shape[0], gen)
+    table = page_table(seq_lens, k_cache.shape[0], PAGE, gen)
     args = [torch.tensor(x, device="cuda") for x in (q_start, q_len, seq_lens)]
     q = torch.randn(sum(q_len), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)

@@ -80,6 +80,20 @@ def moe_gate_up_cases(gen, dense, tokens=(64, 512, 4096)):
         yield case, x, flat, ref, w_bytes, row
 
 
+def page_table(seq_lens: list[int], num_pages: int, page: int, gen, device: str = "cuda"):
+    """A paged-attention page table [len(seq_lens), most pages]: each sequence's pages
+    drawn at random (gen) from num_pages without repeats, rows padded with page 0."""
+    import torch
+
+    need = [-(-n // page) for n in seq_lens]
+    perm = torch.randperm(num_pages, generator=gen)[: sum(need)].tolist()
+    width, rows, at = max(need), [], 0
+    for n in need:
+        rows.append(perm[at : at + n] + [0] * (width - n))
+        at += n
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
 def weight_bench_main(name: str, doc: str, benches, argv=None) -> int:
     """The main() of a quantized-weight kernel benchmark: each of `benches` (gen, sweep)
     -> rows of weight_read_row, printed as one table; --quick runs the default launches
