@@ -5,7 +5,7 @@ even where the tier's cost rule says recompute."""
 
 from __future__ import annotations
 
-from test_scheduler_state_slots import PS, add, make_swapping, step
+from test_scheduler_state_slots import PS, add, make_swapping, step, step_until_preempted
 
 from batchgen.engine.request import RequestStatus
 from batchgen.engine.scheduler import Scheduler
@@ -22,9 +22,7 @@ def recompute_pieces(chunk_align: int) -> tuple[int, list[tuple[int, int, bool]]
     requests = {}
     a = add(sched, requests, "a", 4, max_tokens=8)
     b = add(sched, requests, "b", 6, max_tokens=8, base=2000)
-    out = None
-    while not out or not out.preempted_ids:
-        out = step(sched, requests, slots)
+    out = step_until_preempted(sched, requests, slots)
     assert out.preempted_ids == ["b"] and sched.num_recomputes == 1
     assert b.status == RequestStatus.WAITING and b.output_token_ids
     pieces = []
@@ -56,9 +54,7 @@ def test_always_swaps_where_the_cost_rule_says_recompute():
         requests = {}
         add(sched, requests, "a", 4, max_tokens=12)
         b = add(sched, requests, "b", 6, max_tokens=12, base=2000)
-        out = None
-        while not out or not out.preempted_ids:
-            out = step(sched, requests, slots)
+        step_until_preempted(sched, requests, slots)
         swapped = RequestStatus.SWAPPED if always else RequestStatus.WAITING
         assert b.status == swapped
         assert (tier.metrics.swaps_out, sched.num_recomputes) == ((1, 0) if always else (0, 1))

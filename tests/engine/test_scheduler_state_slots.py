@@ -58,6 +58,14 @@ def step(sched, requests, slots):
     return out
 
 
+def step_until_preempted(sched, requests, slots):
+    """`step` until a step preempts a request; that step's output."""
+    out = step(sched, requests, slots)
+    while not out.preempted_ids:
+        out = step(sched, requests, slots)
+    return out
+
+
 @pytest.mark.parametrize("admission", ["prefix", "arrival"])
 def test_admission_waits_for_a_free_slot(admission):
     sched, slots = make(num_slots=2, admission=admission)
@@ -145,9 +153,7 @@ def test_preemption_with_the_tier_swaps_pages_and_state_and_resumes_exactly():
     requests = {}
     a = add(sched, requests, "a", 4, max_tokens=12)
     b = add(sched, requests, "b", 6, max_tokens=12, base=2000)
-    out = None
-    while not out or not out.preempted_ids:
-        out = step(sched, requests, slots)
+    out = step_until_preempted(sched, requests, slots)
     assert out.preempted_ids == ["b"]
     assert b.status == RequestStatus.SWAPPED and b.num_computed_tokens > 0
     computed = b.num_computed_tokens
@@ -191,9 +197,7 @@ def test_no_host_state_slot_left_recomputes():
     requests = {}
     add(sched, requests, "a", 4, max_tokens=12)
     b = add(sched, requests, "b", 6, max_tokens=12, base=2000)
-    out = None
-    while not out or not out.preempted_ids:
-        out = step(sched, requests, slots)
+    step_until_preempted(sched, requests, slots)
     assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
     assert sched.num_recomputes == 1 and tier.metrics.swaps_out == 0
     assert tier.host_alloc.num_free == tier.host_pool.num_pages  # no page went either
