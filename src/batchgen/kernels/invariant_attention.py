@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.mma import dot_in_f32, mma
-from batchgen.kernels.prefill_attention import rope_operands
+from batchgen.kernels.prefill_attention import rope_operands, tile_widths
 from batchgen.kv_quant import FP8
 
 _LOG2E = 1.4426950408889634
@@ -308,9 +308,7 @@ def invariant_attention(
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, ROPE_DIM=rope_dim, PAGE_SIZE=page_size,
         HAS_WINDOW=sliding_window is not None, DOT_F32=dot_in_f32(q),
         BLOCK_M=tuning.block_m, SUBTILES=subtiles, BLOCK_N=tuning.block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_DV=max(16, triton.next_power_of_2(v_dim)),
-        BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))),
+        **tile_widths(head_dim, v_dim, rope_dim),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
     return out

@@ -213,12 +213,20 @@ def prefill_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, V_DIM=v_dim, ROPE_DIM=rope_dim,
         PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None, DOT_F32=dot_in_f32(q),
         BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_DV=max(16, triton.next_power_of_2(v_dim)),
-        BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))),
+        **tile_widths(head_dim, v_dim, rope_dim),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
     return out
+
+
+def tile_widths(head_dim: int, v_dim: int, rope_dim: int) -> dict[str, int]:
+    """The tile widths of a key's first part, a value and a key's second part: each
+    width padded to a power of two, at least 16 (tl.dot's least)."""
+    return {
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "BLOCK_DV": max(16, triton.next_power_of_2(v_dim)),
+        "BLOCK_R": max(16, triton.next_power_of_2(max(rope_dim, 1))),
+    }
 
 
 def rope_operands(q, k_cache, q_rope, k_rope) -> tuple:
