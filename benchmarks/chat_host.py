@@ -49,6 +49,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from benchmarks.chat_job import batch_lines
+from benchmarks.engine_runs import timed_into
 from benchmarks.workloads import TINY_SMOLLM2
 
 HOST_PHASES = ("schedule", "prepare", "sampling_meta", "update", "detok", "outputs", "journal")
@@ -93,24 +94,13 @@ class StandInSampler:
         return SamplerOutput(tokens.masked_fill(stop, self.eos), None, None, None, None)
 
 
-def _timed(spent: dict[str, float], name: str, fn):
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-
-    return wrapper
-
-
 @contextmanager
 def _wrapped(owner, attr: str, spent: dict[str, float], name: str):
     """owner.attr timed into spent[name] while the block runs (a class attribute is put
     back after it; an instance's own attribute is removed)."""
     had = attr in vars(owner)
     original = getattr(owner, attr)
-    setattr(owner, attr, _timed(spent, name, original))
+    setattr(owner, attr, timed_into(spent, name, original))
     try:
         yield
     finally:
