@@ -7,6 +7,7 @@ group over the hosts of a Ray cluster (ray_ranks.py, imported only then). Worker
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection
 from multiprocessing import connection as mp_connection
@@ -15,6 +16,8 @@ import torch.multiprocessing as mp
 
 from batchgen.config_groups import check_choice
 from batchgen.distributed.rank_set import RankSet
+
+logger = logging.getLogger(__name__)
 
 
 class ProcessRanks(RankSet):
@@ -51,13 +54,21 @@ class ProcessRanks(RankSet):
         self.processes[rank - 1].kill()
 
     def stop(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s  # one bound for all, not one each
+        """Join the processes within timeout_s (one bound for all, not one each), kill
+        those left, and return once every one is reaped. The watcher thread reaps them
+        too (its `wait` reads exit codes): where it reaps a process first, join() sees no
+        child and returns None before the code is stored, so each exit code is awaited
+        here and none is still listed as a live child when the caller goes on."""
+        deadline = time.monotonic() + timeout_s
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.processes:
             if p.is_alive():
                 p.kill()
-                p.join(10)
+        for p in self.processes:
+            p.join(10)
+            if _exit_code(p, 10) is None:
+                logger.warning("%s (pid %s) had not ended 10 s after it was killed", p.name, p.pid)
 
 
 def make_ranks(launcher: str, size: int, backend: str, role: str) -> RankSet:

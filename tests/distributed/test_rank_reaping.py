@@ -1,0 +1,47 @@
+"""ProcessRanks.stop returns only once every worker process is reaped. The watcher
+thread reads exit codes too, so it can reap a process at the moment stop() joins it: the
+join then finds no child and returns before the code is stored, and a caller that goes
+on (a job that returns, a test listing live children) saw the worker as still running."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from batchgen.distributed.launchers import ProcessRanks
+
+
+class _ReapedElsewhere:
+    """A process another thread reaps: join() returns at once with nothing reaped, as
+    popen's join does after losing the race; its exit code appears `delay_s` later."""
+
+    def __init__(self, name: str, delay_s: float) -> None:
+        self.name, self.pid = name, 0
+        self._code: int | None = None
+        self.killed = False
+        threading.Timer(delay_s, self._reaped).start()
+
+    def _reaped(self) -> None:
+        self._code = 0
+
+    def join(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_alive(self) -> bool:
+        return self._code is None  # popen's poll reads "no code yet" as alive
+
+    def kill(self) -> None:
+        self.killed = True
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._code
+
+
+def test_stop_waits_for_every_exit_code_another_thread_is_reaping():
+    ranks = ProcessRanks(3, "gloo", "tensor-parallel")
+    ranks.processes = [_ReapedElsewhere(f"rank{r}", 0.2 * r) for r in (1, 2)]
+    started = time.monotonic()
+    ranks.stop(0.0)
+    assert [p.exitcode for p in ranks.processes] == [0, 0]
+    assert time.monotonic() - started < 5.0
