@@ -154,16 +154,18 @@ class _Model:
 
 class _Graphs(DecodeGraphs):
     """DecodeGraphs on the CPU whose captures are recorded, not made (`oom`: the
-    warm-up runs out of memory). `tail_room` reads the free bytes `_device` sets."""
+    warm-up runs out of memory; `error`: the capture raises it). `tail_room` reads the free bytes `_device` sets."""
 
-    def __init__(self, max_bs: int, oom: bool = False):
+    def __init__(self, max_bs: int, oom: bool = False, error: Exception | None = None):
         super().__init__(None, [], "triton", max_bs, 4, 8, CPU, torch.bfloat16, None)
-        self.oom, self.captured = oom, []
+        self.oom, self.error, self.captured = oom, error, []
 
     def capture_tail(self, tail) -> bool:
         self.captured.append(tail.key)
         if self.oom:
             return False
+        if self.error is not None:
+            raise self.error
         self._tail_kv = self.kv_caches
         for bs in self.buckets:
             self.tail_graphs[tail.key, bs] = None
@@ -339,6 +341,22 @@ def test_a_warm_up_out_of_memory_samples_eagerly(device_free):
     assert _tail_for(runner, [dict(temperature=0.8)]) is None
     assert _tail_for(runner, [dict(temperature=0.8)]) is None
     assert len(graphs.captured) == 1  # refused: not tried again
+
+
+def test_a_capture_that_raises_samples_eagerly_and_names_the_error(device_free, caplog):
+    """An error in a tail's warm-up or capture (not out of memory) leaves the step to
+    the sampler after the replay, the error in the warning; that variant is not tried
+    again, another variant still is."""
+    graphs = _Graphs(16, error=RuntimeError("operation not permitted when stream is capturing"))
+    runner = _runner(graphs=graphs)
+    with caplog.at_level("WARNING", logger="batchgen.runner.graph_sampling"):
+        assert _tail_for(runner, [dict(temperature=0.8)]) is None
+        assert _tail_for(runner, [dict(temperature=0.8)]) is None
+    assert len(graphs.captured) == 1
+    failed = [r for r in caplog.records if "failed" in r.message]
+    assert len(failed) == 1 and "not permitted" in str(failed[0].exc_info[1])
+    graphs.error = None
+    assert _tail_for(runner, [dict(temperature=0.8, top_k=5)]) is not None
 
 
 def tail_bytes_for(variant, rows):

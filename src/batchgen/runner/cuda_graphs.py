@@ -242,15 +242,21 @@ class DecodeGraphs:
             finally:
                 torch.cuda.current_stream().wait_stream(stream)
                 torch.cuda.empty_cache()
-            with torch.cuda.stream(stream):
-                for bs in reversed(self.buckets):
-                    words = self._padding_words(tail, bs)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                        self._forward_tail(tail, bs, words)
-                    self._pool = graph.pool()
-                    self.tail_graphs[tail.key, bs] = graph
-            torch.cuda.current_stream().wait_stream(stream)
+            try:
+                with torch.cuda.stream(stream):
+                    for bs in reversed(self.buckets):
+                        words = self._padding_words(tail, bs)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                            self._forward_tail(tail, bs, words)
+                        self._pool = graph.pool()
+                        self.tail_graphs[tail.key, bs] = graph
+            except BaseException:  # no key left with some buckets only (has_tail reads one)
+                for bs in self.buckets:
+                    self.tail_graphs.pop((tail.key, bs), None)
+                raise
+            finally:
+                torch.cuda.current_stream().wait_stream(stream)
         self.tail_bytes = max(self.tail_bytes, tail.pool_bytes(self.max_bs, self.dtype))
         logger.info("captured decode CUDA graphs with sampling %s", tail.key[0])
         return True

@@ -27,7 +27,8 @@ penalties) is captured for every bucket the first time a step needs it, if it fi
 
 The memory plan sets `sampling_graph_reserve` aside for them (engine/builder_plan.py);
 a variant whose capture would not fit on the device now samples eagerly, with a
-warning the first time (`graph_tail`).
+warning the first time (`graph_tail`); one whose warm-up or capture raises samples
+eagerly too, the error logged as a warning.
 """
 
 from __future__ import annotations
@@ -279,8 +280,18 @@ def _captured(graphs, tail: GraphTail) -> bool:
     if graphs.tail_room(need, counts_bytes(max_bs, kept.vocab_size) if grow else 0):
         if grow:
             kept.reserve(max_bs)
-        if graphs.capture_tail(tail):
-            return True
+        try:
+            if graphs.capture_tail(tail):
+                return True
+        except Exception:  # the sampler after the replay is the path that stays whole
+            graphs.refused_tails.add(variant)
+            logger.warning(
+                "capturing decode graphs with sampling %s failed: those steps sample "
+                "after the replay instead",
+                variant,
+                exc_info=True,
+            )
+            return False
     graphs.refused_tails.add(variant)
     if not graphs.warned_tails:
         graphs.warned_tails = True
