@@ -110,6 +110,25 @@ def _wrapped(owner, attr: str, spent: dict[str, float], name: str):
             delattr(owner, attr)
 
 
+@contextmanager
+def profiled(path: Path | None):
+    """The block under cProfile, its stats written to `path` (its folders made first) as
+    it ends; nothing where `path` is None."""
+    if path is None:
+        yield
+        return
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(path)
+
+
 def run(args) -> dict:
     from batchgen.api import batch_job, batch_journal
     from batchgen.api.batch_summary import JobOptions
@@ -186,18 +205,10 @@ def run(args) -> dict:
             stack.enter_context(_wrapped(owner, attr, spent, name))
         eng.step = timed_step
         try:
-            profile = None
-            if args.profile is not None:
-                import cProfile
-
-                profile = cProfile.Profile()
-                profile.enable()
-            start = time.perf_counter()
-            summary = batch_job.run_batch_job(llm, opts)
-            wall = time.perf_counter() - start
-            if profile is not None:
-                profile.disable()
-                profile.dump_stats(args.profile)
+            with profiled(args.profile):
+                start = time.perf_counter()
+                summary = batch_job.run_batch_job(llm, opts)
+                wall = time.perf_counter() - start
         finally:
             del eng.step
     del sched.update, runner.model.compute_logits

@@ -3,11 +3,12 @@ two trees that batch W7's rows differently give the same answers."""
 
 from __future__ import annotations
 
+import pstats
 from types import SimpleNamespace
 
 import torch
 
-from benchmarks.chat_host import StandInSampler
+from benchmarks.chat_host import StandInSampler, profiled
 
 
 def _draw(sampler, seeds, positions):
@@ -33,3 +34,14 @@ def test_eos_comes_about_once_in_eos_every_draws():
     share = tokens.count(2) / n
     assert 0.8 / 16 < share < 1.2 / 16
     assert len(set(tokens)) > n // 3  # the other tokens spread over the vocabulary
+
+
+def test_the_profile_is_written_where_its_folders_do_not_exist_yet(tmp_path):
+    path = tmp_path / "not" / "made" / "chat.prof"
+    with profiled(path):
+        sorted(range(1000), key=lambda i: -i)
+    stats = pstats.Stats(str(path))
+    assert any(name == "<lambda>" for _, _, name in stats.stats)
+    with profiled(None):
+        pass
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["chat.prof"]
