@@ -9,6 +9,7 @@ a Python int (`i_t.to(...)` fails), so the chunked path is covered by GPU tests 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -73,9 +74,13 @@ def test_recurrent_varlen_from_initial_states():
         assert (final[i] - want_s).abs().max().item() < TOL
 
 
-def one_config(*modules) -> None:
-    """Leave each autotuned kernel of `modules` one config: the interpreter cannot time
-    candidates (the tuner asks for a GPU driver), and one config never times."""
+@contextlib.contextmanager
+def one_config(*modules):
+    """While entered, each autotuned kernel of `modules` has one config: the interpreter
+    cannot time candidates (the tuner asks for a GPU driver), and one config never
+    times. Each list is put back on exit, so later tests (on a GPU, the tuner's own
+    choice) meet the kernels as fla-core made them."""
+    cut = []
     for module in modules:
         for name in dir(module):
             kernel = getattr(module, name)
@@ -83,7 +88,29 @@ def one_config(*modules) -> None:
                 kernel = kernel.fn
             configs = getattr(kernel, "configs", None)
             if isinstance(configs, list) and len(configs) > 1:
+                cut.append((kernel, configs))
                 kernel.configs = configs[:1]
+    try:
+        yield
+    finally:
+        for kernel, configs in cut:
+            kernel.configs = configs
+
+
+def test_one_config_puts_each_list_back():
+    from fla.modules.norm import fused_norm_gate
+
+    tuner = fused_norm_gate.layer_norm_gated_fwd_kernel
+    while not hasattr(tuner, "configs"):
+        tuner = tuner.fn
+    before = tuner.configs
+    assert len(before) > 1
+    with one_config(fused_norm_gate):
+        assert tuner.configs == before[:1]
+    assert tuner.configs is before
+    with pytest.raises(RuntimeError), one_config(fused_norm_gate):
+        raise RuntimeError("a failing test")
+    assert tuner.configs is before
 
 
 @pytest.fixture
@@ -93,9 +120,10 @@ def fla_norm():
         pytest.skip("this fla-core has no rms_norm_gated")
     from fla.modules.norm import fused_norm_gate
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        one_config(fused_norm_gate)
-    return norm
+    with contextlib.ExitStack() as stack:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            stack.enter_context(one_config(fused_norm_gate))
+        yield norm
 
 
 def test_gated_output_norm_matches_the_torch_norm(fla_norm):
