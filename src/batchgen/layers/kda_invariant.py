@@ -30,6 +30,15 @@ So in invariant mode `pin_autotuners()` makes every autotuned kernel of those mo
 launch with one config, `pinned_config(configs)`, whatever its key (outside the mode the
 tuner runs as before), and `tail_split` gives the last token of a piece of 64k + 1
 tokens to the recurrent kernel, as when that token comes alone after a cut.
+
+The pinning is process-wide and never undone: once a process (the first import of fla
+through kda_ops) each tuner's `run` is wrapped, its configs and cache left as they are.
+The wrapper decides per launch: inside `batch_invariant.invariant_mode(True)` (per
+thread; a deterministic runner enters it around each of its calls, runner/step_mode.py,
+and leaves it when the call returns or raises) it launches the pinned config, outside
+it it calls the tuner's own `run`. So an engine leaves nothing to restore when it is
+done: a later engine that is not deterministic, or any other user of fla in the
+process, meets the tuner as fla-core made it.
 """
 
 from __future__ import annotations
@@ -100,8 +109,9 @@ def _pinned_run(tuner, plain, config):
 
 @functools.cache
 def pin_autotuners() -> tuple:
-    """Once: every autotuner of PATH_MODULES launches with its `pinned_config` while
-    batch_invariant is active (the tuner's own run otherwise); returns them."""
+    """Once a process: every autotuner of PATH_MODULES launches with its `pinned_config`
+    while batch_invariant is active (the tuner's own run otherwise, so nothing is put
+    back; module docstring); returns them."""
     tuners = []
     for name in PATH_MODULES:
         for tuner in autotuners(importlib.import_module(name)):
