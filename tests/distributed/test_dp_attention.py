@@ -5,18 +5,24 @@ only, the same tokens, a rank with nothing to run still stepping beside the othe
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import signal
 import threading
 import time
-from collections import Counter
-from pathlib import Path
 
 import pytest
 from conftest import save_byte_tokenizer
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
+from deepseek_ranks import (
+    GREEDY,
+    KW,
+    add_long_requests,
+    generated,
+    mixed_params,
+    one_process,
+    save_with_emitted_eos,
+    shared_head_prompts,
+)
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
@@ -30,64 +36,13 @@ from batchgen.engine.request import RequestStatus
 from batchgen.engine.structured import StructuredOutputs
 from batchgen.sampling_params import StructuredOutputsParams
 
-KW = dict(
-    device="cpu",
-    dtype="float32",
-    page_size=4,
-    max_model_len=128,
-    max_num_batched_tokens=24,  # chunked prefills next to decodes
-    num_kv_pages=200,
-)
 DP_FLAG = dict(enable_expert_parallel=True)
 DP = dict(data_parallel_size=2, **DP_FLAG)
-GREEDY = SamplingParams(temperature=0, max_tokens=24)
-
-
-def _prompts(n: int = 6, length: int = 12, seed: int = 0) -> list[list[int]]:
-    """Prompts of 9 to 8 + length tokens, the first 8 (two pages) shared."""
-    rng = random.Random(seed)
-    head = [rng.randint(3, 500) for _ in range(8)]
-    return [head + [rng.randint(3, 500) for _ in range(rng.randint(1, length))] for _ in range(n)]
-
-
-def _tokens(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
-
-
-def _one_process(path: str, prompts, params, **kw):
-    llm = LLM(path, **KW, **kw)
-    try:
-        return _tokens(llm, prompts, params)
-    finally:
-        llm.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    """A DeepSeek-V3 checkpoint (a dense layer, then 8 routed experts and a shared one)
-    whose EOS is a token one process emits mid-way, so some requests stop on it."""
-    path = tmp_path_factory.mktemp("deepseek_dp")
-    save_tiny_deepseek(path, **CONFIGS["moe_dense_first"])
-    first = _one_process(str(path), _prompts(), GREEDY)
-    counts = Counter(t for tokens, _ in first for t in tokens[2:-2])
-    eos = next(t for t, _ in counts.most_common() if t > 2)
-    for name in ("config.json", "generation_config.json"):
-        data = json.loads((Path(path) / name).read_text())
-        data["eos_token_id"] = eos
-        (Path(path) / name).write_text(json.dumps(data))
-    return str(path)
-
-
-def _mixed_params(n: int) -> list[SamplingParams]:
-    """Greedy rows, sampled rows with a seed of their own, sampled rows without one (the
-    engine seeds them by arrival)."""
-    kinds = [
-        SamplingParams(temperature=0, max_tokens=24),
-        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, seed=7),
-        SamplingParams(temperature=1.0, max_tokens=24),
-    ]
-    return [kinds[i % 3] for i in range(n)]
+    return save_with_emitted_eos(tmp_path_factory.mktemp("deepseek_dp"))
 
 
 @pytest.mark.slow
@@ -95,12 +50,12 @@ def test_dp2_default_configuration_equals_one_process(checkpoint):
     """The engine's defaults (pipelined decode, EOS endings): greedy, seeded and unseeded
     sampled rows draw the same tokens split over two ranks as in one process; both ranks
     ran requests."""
-    prompts, params = _prompts(9), _mixed_params(9)
-    want = _one_process(checkpoint, prompts, params)
+    prompts, params = shared_head_prompts(9), mixed_params(9)
+    want = one_process(checkpoint, prompts, params)
     llm = LLM(checkpoint, **KW, **DP)
     try:
         assert isinstance(llm.engine, DPEngine)
-        got = _tokens(llm, prompts, params)
+        got = generated(llm, prompts, params)
         ranks = llm.engine.rank_metrics()
         summed = llm.engine.metrics()
         moes = [layer.mlp for layer in llm.engine.model.layers[1:]]  # rank 0's
@@ -123,7 +78,7 @@ def test_dp2_default_configuration_equals_one_process(checkpoint):
 @pytest.mark.slow
 def test_dp2_logprobs_within_1e4_of_one_process(checkpoint):
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
-    prompts = _prompts(6)
+    prompts = shared_head_prompts(6)
 
     def run(**kw):
         llm = LLM(checkpoint, **KW, **kw)
@@ -182,19 +137,22 @@ def test_an_idle_rank_keeps_stepping_beside_a_busy_one(checkpoint):
     rank 0. Then a long prompt with one token on rank 0 and a short prompt with many on
     rank 1: rank 0 idles once its request ends, pairing rank 1's forwards. Tokens as in
     one process either way."""
-    one, alone = [_prompts(1)[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one, alone = (
+        [shared_head_prompts(1)[0]],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    )
     uneven = [[9] * 40, [11] * 8]
     params = [
         SamplingParams(temperature=0, max_tokens=1),
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
     ]
-    want_one = _one_process(checkpoint, one, alone)
-    want_uneven = _one_process(checkpoint, uneven, params)
+    want_one = one_process(checkpoint, one, alone)
+    want_uneven = one_process(checkpoint, uneven, params)
     llm = LLM(checkpoint, **KW, **DP)
     try:
-        assert _tokens(llm, one, alone) == want_one
+        assert generated(llm, one, alone) == want_one
         first = [m["dp_dummy_forwards"] for m in llm.engine.rank_metrics()]
-        got = _tokens(llm, uneven, params)
+        got = generated(llm, uneven, params)
         then = [m["dp_dummy_forwards"] for m in llm.engine.rank_metrics()]
     finally:
         llm.engine.shutdown()
@@ -225,10 +183,8 @@ def test_a_dead_rank_fails_the_call_naming_it(checkpoint):
     naming it, well within 60 s."""
     llm = LLM(checkpoint, **KW, **DP)
     try:
-        long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
         engine = llm.engine
-        for i, ids in enumerate(_prompts(4)):
-            engine.add_request(str(i), ids, long)
+        add_long_requests(engine)
         engine.step()
         worker = engine.workers.processes[0]
         killed = []
@@ -268,9 +224,7 @@ def test_a_rank_lost_mid_forward_fails_the_call_within_60s_naming_it(checkpoint,
 
     calls: list[int] = []
     try:
-        long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-        for i, ids in enumerate(_prompts(4)):
-            engine.add_request(str(i), ids, long)
+        add_long_requests(engine)
         engine.model.layers[1].mlp.register_forward_pre_hook(lose_the_worker)
         with pytest.raises(
             RuntimeError, match=r"data-parallel worker rank\(s\) \[1\] stopped"
@@ -293,12 +247,12 @@ def test_every_data_parallel_message_type_has_a_worker_handler():
 def test_dp2_host_tier_swaps_latent_pages_and_equals_one_process(checkpoint):
     """A pool too small for either rank's share: each rank swaps its own requests'
     latent pages to its own host tier and back; the tokens stay the ample run's."""
-    prompts = _prompts(8)
-    want = _one_process(checkpoint, prompts, GREEDY)
+    prompts = shared_head_prompts(8)
+    want = one_process(checkpoint, prompts, GREEDY)
     tier = dict(KW, num_kv_pages=18, max_model_len=64, host_kv_size_gib=0.001)
     llm = LLM(checkpoint, **tier, **DP)
     try:
-        got = _tokens(llm, prompts, GREEDY)
+        got = generated(llm, prompts, GREEDY)
         ranks = llm.engine.rank_metrics()
     finally:
         llm.engine.shutdown()
@@ -309,11 +263,11 @@ def test_dp2_host_tier_swaps_latent_pages_and_equals_one_process(checkpoint):
 @pytest.mark.slow
 def test_dp4_equals_one_process(checkpoint):
     """Four ranks, two routed experts each, an uneven share of six requests."""
-    prompts, params = _prompts(6), _mixed_params(6)
-    want = _one_process(checkpoint, prompts, params)
+    prompts, params = shared_head_prompts(6), mixed_params(6)
+    want = one_process(checkpoint, prompts, params)
     llm = LLM(checkpoint, **KW, data_parallel_size=4, enable_expert_parallel=True)
     try:
-        got = _tokens(llm, prompts, params)
+        got = generated(llm, prompts, params)
         moe = llm.engine.model.layers[1].mlp
         ranks = llm.engine.rank_metrics()
     finally:

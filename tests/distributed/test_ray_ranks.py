@@ -10,7 +10,6 @@ ray`). Not covered here: GPUs (NCCL, rank 0's GPU held by its bundle) and real h
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -24,7 +23,16 @@ import pytest
 import ray
 import torch
 from batch_files import read_answers, write_chat_batch
-from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
+from deepseek_ranks import (
+    GREEDY,
+    KW,
+    add_long_requests,
+    generated,
+    mixed_params,
+    one_process,
+    save_with_emitted_eos,
+    shared_head_prompts,
+)
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tp_workers import DiesWhileStarting, fails_once_joined, never_called
@@ -37,16 +45,7 @@ from batchgen.distributed.messages import PlanBegin
 from batchgen.distributed.ray_ranks import RayRanks, local_index
 from batchgen.distributed.workers import Workers, WorkerStartError
 
-KW = dict(
-    device="cpu",
-    dtype="float32",
-    page_size=4,
-    max_model_len=128,
-    max_num_batched_tokens=24,  # chunked prefills next to decodes
-    num_kv_pages=200,
-)
 RAY = dict(distributed_executor_backend="ray")
-GREEDY = SamplingParams(temperature=0, max_tokens=24)
 TP2 = dict(tensor_parallel_size=2)
 DP2 = dict(data_parallel_size=2, enable_expert_parallel=True)
 
@@ -90,47 +89,17 @@ def cluster():
     nodes.shutdown()
 
 
-def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    head = [rng.randint(3, 500) for _ in range(8)]
-    return [head + [rng.randint(3, 500) for _ in range(rng.randint(1, 12))] for _ in range(n)]
-
-
-def _tokens(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
-
-
-def _one_process(path: str, prompts, params):
-    llm = LLM(path, **KW)
-    try:
-        return _tokens(llm, prompts, params)
-    finally:
-        llm.engine.shutdown()
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    """A DeepSeek-V3 (a dense layer, then 8 routed experts and a shared one) whose EOS
-    is a token one process emits mid-way, so some requests stop on it."""
-    path = tmp_path_factory.mktemp("deepseek_ray")
-    save_tiny_deepseek(path, **CONFIGS["moe_dense_first"])
-    first = _one_process(str(path), _prompts(), GREEDY)
-    counts = Counter(t for tokens, _ in first for t in tokens[2:-2])
-    eos = next(t for t, _ in counts.most_common() if t > 2)
-    for name in ("config.json", "generation_config.json"):
-        data = json.loads((path / name).read_text())
-        data["eos_token_id"] = eos
-        (path / name).write_text(json.dumps(data))
-    return str(path)
+    return save_with_emitted_eos(tmp_path_factory.mktemp("deepseek_ray"))
 
 
 @pytest.fixture(scope="module")
 def greedy(checkpoint) -> tuple[list[list[int]], list]:
     """Eight prompts and one process's greedy rows for them (each layout's test compares
     with the same run)."""
-    prompts = _prompts(8)
-    return prompts, _one_process(checkpoint, prompts, GREEDY)
+    prompts = shared_head_prompts(8)
+    return prompts, one_process(checkpoint, prompts, GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +126,7 @@ def test_ranks_on_two_nodes_give_one_processs_tokens(cluster, checkpoint, greedy
         assert isinstance(ranks, RayRanks)
         here = ray.get_runtime_context().get_node_id()
         assert ranks.nodes[1][1] != here  # rank 1's actor on the other node
-        got = _tokens(llm, prompts, GREEDY)
+        got = generated(llm, prompts, GREEDY)
         moe = llm.engine.model.layers[1].mlp  # rank 0's share of the experts
     finally:
         llm.engine.shutdown()
@@ -199,20 +168,14 @@ def test_four_ranks_two_on_each_of_two_nodes_give_one_processs_tokens(cluster, c
     """Attention data parallel 4 with expert parallel 4 (two routed experts a rank), this
     node's held CPU freed: ranks 0 and 1 on this node, 2 and 3 on the other; greedy,
     seeded and unseeded sampled rows draw one process's tokens."""
-    prompts = _prompts(8)
-    kinds = [
-        GREEDY,
-        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, seed=7),
-        SamplingParams(temperature=1.0, max_tokens=24),
-    ]
-    params = [kinds[i % 3] for i in range(len(prompts))]
-    want = _one_process(checkpoint, prompts, params)
+    prompts, params = shared_head_prompts(8), mixed_params(8)
+    want = one_process(checkpoint, prompts, params)
     ray.kill(ray.get_actor(HELD))
     try:
         llm = LLM(checkpoint, **KW, data_parallel_size=4, enable_expert_parallel=True, **RAY)
         try:
             nodes = [node for _, node in llm.engine.workers.ranks.nodes.values()]
-            got = _tokens(llm, prompts, params)
+            got = generated(llm, prompts, params)
             moe = llm.engine.model.layers[1].mlp
             ranks = llm.engine.rank_metrics()
         finally:
@@ -268,9 +231,7 @@ def test_a_rank_killed_mid_decode_fails_the_call_naming_it_and_its_node(cluster,
     llm = LLM(checkpoint, **KW, **DP2, **RAY)
     try:
         engine = llm.engine
-        long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-        for i, ids in enumerate(_prompts(4)):
-            engine.add_request(str(i), ids, long)
+        add_long_requests(engine)
         engine.step()
         ranks = engine.workers.ranks
         ip = ranks.nodes[1][0]
@@ -353,9 +314,7 @@ def test_a_lost_node_fails_the_call_naming_the_rank_on_it(cluster, checkpoint):
     llm = LLM(checkpoint, **KW, **TP2, **RAY)
     try:
         engine = llm.engine
-        long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-        for i, ids in enumerate(_prompts(4)):
-            engine.add_request(str(i), ids, long)
+        add_long_requests(engine)
         engine.step()
         (node,) = cluster.worker_nodes
         lost = time.monotonic()
