@@ -22,6 +22,7 @@ from batchgen.kernels.decode_attention import choose_num_splits, decode_attentio
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.store_kv import store_kv
 from batchgen.layers import attention_torch, attention_triton
+from benchmarks.card import page_table
 
 pytestmark = pytest.mark.gpu
 
@@ -39,18 +40,6 @@ def caches():
     yield pool[0, 0], pool[0, 1]
     del pool
     torch.cuda.empty_cache()
-
-
-def _tables(seq_lens, gen):
-    """Disjoint random pages (from the whole pool) per request, padded to one width."""
-    need = [math.ceil(n / PAGE) for n in seq_lens]
-    perm = torch.randperm(NUM_PAGES, generator=gen)[: sum(need)].tolist()
-    width = max(need)
-    rows, at = [], 0
-    for n in need:
-        rows.append(perm[at : at + n] + [0] * (width - n))
-        at += n
-    return torch.tensor(rows, dtype=torch.int64, device="cuda")
 
 
 def _assert_close(out, ref, bound=1e-2):
@@ -80,7 +69,7 @@ def test_store_kv_large_pool(caches):
 def _decode_case(caches, seq_lens, gen, window=None, num_splits=None, max_seq_len=None):
     k_cache, v_cache = caches
     batch = len(seq_lens)
-    table = _tables(seq_lens, gen)
+    table = page_table(seq_lens, NUM_PAGES, PAGE, gen)
     lens = torch.tensor(seq_lens, device="cuda")
     q = (2 * torch.randn(batch, HEADS, HEAD_DIM, generator=gen)).to("cuda", DTYPE)
     out = torch.full_like(q, float("nan"))
@@ -130,7 +119,7 @@ def _prefill_case(caches, specs, gen, window=None):
     q_len = [n for _, n in specs]
     q_start = [3 + sum(q_len[:i]) for i in range(len(specs))]  # rows 0-2 are decodes
     total = 3 + sum(q_len)
-    table = _tables(seq_lens, gen)
+    table = page_table(seq_lens, NUM_PAGES, PAGE, gen)
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen).to("cuda", DTYPE)
     args = [torch.tensor(x, device="cuda") for x in (q_start, q_len, seq_lens)]
     out = torch.full_like(q, float("nan"))
@@ -159,7 +148,7 @@ def test_backend_matches_torch_backend_on_mixed_batch(caches):
     requests[10:10] = [(2000, 512), (0, 333)]
     requests[40:40] = [(1500, 64), (16, 2)]
     seq_lens = [s + n for s, n in requests]
-    table = _tables(seq_lens, gen)
+    table = page_table(seq_lens, NUM_PAGES, PAGE, gen)
     rows = torch.tensor([0] + [n for _, n in requests]).cumsum(0)[:-1].tolist()
     dec = [i for i, (_, n) in enumerate(requests) if n == 1]
     pre = [i for i, (_, n) in enumerate(requests) if n > 1]

@@ -7,8 +7,6 @@ DeepSeek-V3's latent (512 + 64, 16 and 128 heads), pages of 16 and 64 tokens."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from kernel_references import (
@@ -22,23 +20,13 @@ from batchgen.kernels.mla_decode import mla_decode
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.store_kv import store_kv, store_latent
 from batchgen.kv_quant import FP8, to_cache
+from benchmarks.card import page_table
 
 pytestmark = pytest.mark.gpu
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 NUM_PAGES = 20_000
 DTYPE = torch.bfloat16
-
-
-def _tables(seq_lens, page_size, num_pages, gen):
-    need = [math.ceil(n / page_size) for n in seq_lens]
-    perm = torch.randperm(num_pages, generator=gen)[: sum(need)].tolist()
-    width = max(need)
-    rows, at = [], 0
-    for n in need:
-        rows.append(perm[at : at + n] + [0] * (width - n))
-        at += n
-    return torch.tensor(rows, dtype=torch.int64, device="cuda")
 
 
 def _assert_close(out, ref, bound=1e-2):
@@ -83,7 +71,7 @@ def test_decode_over_fp8_pages(caches, batch, lens, num_splits):
     k_cache, v_cache = caches
     gen = torch.Generator().manual_seed(1)
     seq_lens = torch.randint(*lens, (batch,), generator=gen).tolist()
-    table = _tables(seq_lens, PAGE, NUM_PAGES, gen)
+    table = page_table(seq_lens, NUM_PAGES, PAGE, gen)
     seqs = torch.tensor(seq_lens, device="cuda")
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to("cuda", DTYPE)
     out = decode_attention(
@@ -101,7 +89,7 @@ def test_prefill_over_fp8_pages(caches):
     gen = torch.Generator().manual_seed(2)
     specs = [(0, 700), (2000, 512), (37, 1)]
     seq_lens = [p + n for p, n in specs]
-    table = _tables(seq_lens, PAGE, NUM_PAGES, gen)
+    table = page_table(seq_lens, NUM_PAGES, PAGE, gen)
     q_len = [n for _, n in specs]
     q_start = [sum(q_len[:i]) for i in range(len(specs))]
     q = torch.randn(sum(q_len), HEADS, HEAD_DIM, generator=gen).to("cuda", DTYPE)
@@ -119,7 +107,7 @@ def test_mla_decode_over_an_fp8_latent(heads, page_size, batch):
     num_pages = 4096 * 64 // page_size
     latent = to_cache(torch.randn(num_pages, page_size, 1, 576, device="cuda"), FP8)
     seq_lens = torch.randint(1, 2049, (batch,), generator=gen).tolist()
-    table = _tables(seq_lens, page_size, num_pages, gen)
+    table = page_table(seq_lens, num_pages, page_size, gen)
     seqs = torch.tensor(seq_lens, device="cuda")
     q_nope = torch.randn(batch, heads, 512, generator=gen).to("cuda", DTYPE)
     q_pe = torch.randn(batch, heads, 64, generator=gen).to("cuda", DTYPE)
