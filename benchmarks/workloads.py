@@ -393,33 +393,17 @@ def random_checkpoint(
     return path
 
 
-# the config.json fields that make two models the same shape
-SHAPE = (
-    "architectures",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "tie_word_embeddings",
-)
-
-
 def config_dir(path: Path, config: dict, dtype: str = "bfloat16") -> Path:
     """A model directory holding only config.json and a placeholder tokenizer, for
     load_format="dummy" (weights drawn on the device, nothing of the model's size on
-    disk). A directory whose config.json has the same shape is used as it is; one with a
-    different model's config.json is an error (it is never overwritten)."""
-    import json
-
+    disk). A directory whose config.json is this config (every field, as transformers
+    reads it back: the MoE widths, quantization_config and dtype included) is used as it
+    is; one with any other config.json is an error (it is never overwritten)."""
     import transformers
 
-    existing = path / "config.json"
-    if existing.is_file():
-        have = json.loads(existing.read_text())
-        differ = [k for k in SHAPE if k in config and have.get(k) != config[k]]
+    cfg = transformers.AutoConfig.for_model(**config, dtype=dtype)
+    if (path / "config.json").is_file():
+        differ = _fields_that_differ(transformers.AutoConfig.from_pretrained(path), cfg)
         if differ:
             raise ValueError(
                 f"{path} holds another model's config.json ({', '.join(differ)} differ): "
@@ -427,10 +411,17 @@ def config_dir(path: Path, config: dict, dtype: str = "bfloat16") -> Path:
             )
         return path
     path.mkdir(parents=True, exist_ok=True)
-    cfg = transformers.AutoConfig.for_model(**config, dtype=dtype)
     _placeholder_tokenizer(path, cfg.vocab_size)
     cfg.save_pretrained(path)  # last: a directory with config.json is complete
     return path
+
+
+def _fields_that_differ(have, want) -> list[str]:
+    """The fields of two transformers configs that differ, but for where each was read
+    from and the transformers version that wrote it."""
+    a, b = have.to_dict(), want.to_dict()
+    fields = (a.keys() | b.keys()) - {"transformers_version"}
+    return sorted(k for k in fields if not k.startswith("_") and a.get(k) != b.get(k))
 
 
 def _placeholder_tokenizer(path: Path, vocab_size: int) -> None:
