@@ -208,3 +208,14 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """The same in plain torch, as layers/activation.py."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def assert_close_relative(out: torch.Tensor, ref: torch.Tensor, bound: float = 1e-2) -> None:
+    """A kernel's output (any float dtype) against its float32 reference: every value
+    finite, the error's norm under bound of the reference's, and the largest error under
+    3 * bound of the reference's largest value."""
+    out = out.float()
+    assert torch.isfinite(out).all(), "non-finite outputs (rows left unwritten?)"
+    rel = ((out - ref).norm() / ref.norm()).item()
+    worst = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert rel < bound and worst < 3 * bound, f"relative error {rel:.2e}, worst {worst:.2e}"
