@@ -72,6 +72,20 @@ def test_dummy_weights_have_the_benchmark_checkpoints_distribution(tmp_path, arc
     )
 
 
+def test_building_a_model_draws_no_initial_weights(tmp_path, monkeypatch):
+    """Every weight is loaded or drawn after the build, so no layer draws its own on the
+    meta device: torch.nn.init there goes through torch._refs, which imports
+    torch._dynamo (about a second of every `batchgen run` start)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a layer drew initial weights while the model was built")
+
+    for name in ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_"):
+        monkeypatch.setattr(torch.nn.init, name, refuse)
+    model = _build(config_only(tmp_path))
+    assert model.embed_tokens.weight.shape == (512, model.embed_tokens.embedding_dim)
+
+
 def test_a_config_only_directory_without_dummy_names_the_missing_weights(tmp_path):
     config_only(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"weights are missing.*safetensors.*dummy"):

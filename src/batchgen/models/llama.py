@@ -141,8 +141,10 @@ class DecoderStack(nn.Module):
         """`embed_tokens`: plain on one process, the vocabulary split across ranks with
         `tp`. Built before the layers and build_lm_head after them, so that parameters
         keep their order (dummy weights are drawn in it)."""
-        if tp is None:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if tp is None:  # an empty weight: nn.Embedding's own init draws one, on meta
+            # through torch._refs, which imports torch._dynamo (~1 s of every start)
+            shape = (config.vocab_size, config.hidden_size)
+            self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
 
