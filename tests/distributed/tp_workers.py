@@ -228,9 +228,11 @@ def count_mirrored(monkeypatch) -> Counter:
     return sent
 
 
-def fail_on_rank_one(tp: TPGroup) -> None:
-    """Rank 1 raises before the collective rank 0 waits in."""
+def fail_on_rank_one(tp: TPGroup, stamp: str) -> None:
+    """Rank 1 raises before the collective rank 0 waits in, first writing the time it
+    gives up (time.time()) to the file `stamp`."""
     if tp.rank == 1:
+        Path(stamp).write_text(repr(time.time()))
         raise RuntimeError("rank 1 gives up")
     tp.all_reduce(torch.ones(3))
 
