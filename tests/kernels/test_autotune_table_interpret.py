@@ -6,6 +6,8 @@ malformed or foreign entries are skipped."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -150,3 +152,34 @@ def test_malformed_and_foreign_entries_are_skipped_and_the_good_one_applied():
 
 def _described(i: int) -> dict:
     return autotune_table.describe_config(_double.configs[i])
+
+
+def test_autotuning_stays_on_disk_for_the_block_only(monkeypatch):
+    """Inside: the knob and its environment variable on, every Autotuner made before
+    kept on disk, and so is one made meanwhile (Triton reads the knob then; the
+    interpreter is turned off while it is made, as on a GPU). After: each as before."""
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    knob = triton.knobs.autotuning.cache
+    _double.cache_results = False
+    module = sys.modules[__name__]
+    with autotune_table.autotuning_on_disk(PREFIXES) as turned_on:
+        assert turned_on
+        assert triton.knobs.autotuning.cache and os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+        assert _double.cache_results
+        with triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = False
+            made = triton.autotune(configs=_double.configs, key=["n"])(_double.fn)
+        monkeypatch.setattr(module, "_made_meanwhile", made, raising=False)
+        assert made.cache_results
+    assert triton.knobs.autotuning.cache == knob
+    assert "TRITON_CACHE_AUTOTUNING" not in os.environ
+    assert not _double.cache_results and not made.cache_results
+
+
+def test_a_users_choice_of_autotune_caching_is_left_alone(monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
+    _double.cache_results = False
+    with autotune_table.autotuning_on_disk(PREFIXES) as turned_on:
+        assert not turned_on and not _double.cache_results
+        assert not triton.knobs.autotuning.cache
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "0"

@@ -5,7 +5,8 @@ On a CUDA device, `kernels_prepared(...)` (build_engine holds it around the whol
 1. loads fla-core's kernels where the model has KDA layers (kda_ops imports them lazily
    at the first forward; their Autotuners must exist to take decisions),
 2. keeps autotuning results in Triton's cache directory where the user has not set
-   TRITON_CACHE_AUTOTUNING (autotune_table.keep_autotuning_on_disk),
+   TRITON_CACHE_AUTOTUNING, for the build only: on exit Triton's setting is what it was
+   before (autotune_table.autotuning_on_disk),
 3. fills each Autotuner's cache from the shipped table's section for this GPU
    (autotune_table), so the keys it holds run their recorded config without benchmarking,
 4. compiles the table's recorded specializations on a thread pool (precompile),
@@ -33,14 +34,22 @@ MAX_COMPILE_THREADS = 16
 
 
 @contextlib.contextmanager
-def kernels_prepared(device: torch.device, linear_attention: bool, table: Path | None = None):
+def kernels_prepared(
+    device: torch.device,
+    linear_attention: bool,
+    table: Path | None = None,
+    log_compiles: bool = True,
+):
     """Steps 1-5 above for a build on `device` (a model with KDA layers where
-    `linear_attention`), with the table at `table` (default the package's); yields the
-    CompileWatch of the build (None off CUDA)."""
+    `linear_attention`), with the table at `table` (default the package's), step 5 only
+    where `log_compiles` (a tensor-parallel worker rank's build leaves the log to rank
+    0); yields the CompileWatch of the build (None off CUDA or without the log)."""
     if device.type != "cuda":
         yield None
         return
-    with CompileWatch() as watch:
+    with contextlib.ExitStack() as stack:
+        watch = stack.enter_context(CompileWatch()) if log_compiles else None
+        stack.enter_context(autotune_table.autotuning_on_disk())
         prepare_kernels(device, linear_attention, table, watch)
         yield watch
 
@@ -51,12 +60,12 @@ def prepare_kernels(
     table: Path | None = None,
     watch: CompileWatch | None = None,
 ) -> None:
-    """Steps 1-4 above on a CUDA `device` (a tensor-parallel worker rank's build calls it
-    alone); `watch`, if given, expects the compiles the table recorded for this GPU."""
+    """Steps 1, 3 and 4 above on a CUDA `device` (kernels_prepared holds step 2 around
+    them and the rest of the build); `watch`, if given, expects the compiles the table
+    recorded for this GPU."""
     if linear_attention:
         kda_ops.fla_kda()
         kda_ops.fla_norm()
-    autotune_table.keep_autotuning_on_disk()
     index = torch.cuda.current_device() if device.index is None else device.index
     gpu = torch.cuda.get_device_name(index)
     section = autotune_table.gpu_section(autotune_table.load_table(table), gpu)

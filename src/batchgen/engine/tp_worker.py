@@ -26,7 +26,7 @@ from batchgen.distributed.messages import (
 from batchgen.distributed.workers import serve
 from batchgen.engine.builder import build_runner
 from batchgen.engine.builder_plan import Warmup, attention_backend, expert_parallel, kv_layout
-from batchgen.engine.kernel_prep import prepare_kernels
+from batchgen.engine.kernel_prep import kernels_prepared
 from batchgen.engine.limits import max_model_len
 from batchgen.engine.memory import (
     begin_peak,
@@ -65,9 +65,10 @@ def worker_main(tp: TPGroup, config: EngineConfig, source: ModelSource) -> None:
             quantization=config.quantization,
             ep=expert_parallel(config, tp),
         )
-    if device.type == "cuda":  # this rank's kernels, as build_engine's on rank 0
-        prepare_kernels(device, state_layout(model, dtype) is not None)
-    serve(tp, _Worker(config, model, hf_config, device, dtype, tp).handle)
+    # this rank's kernels, as build_engine's on rank 0; its warm-ups come as messages, so
+    # the preparation (autotuning kept on disk) lasts as long as the rank serves
+    with kernels_prepared(device, state_layout(model, dtype) is not None, log_compiles=False):
+        serve(tp, _Worker(config, model, hf_config, device, dtype, tp).handle)
 
 
 class _Worker:

@@ -28,6 +28,7 @@ is skipped with a debug log: that key autotunes as it would without the table.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -215,21 +216,41 @@ def _config_text(described: dict | None) -> str | None:
     return json.dumps(full, sort_keys=True)
 
 
-def keep_autotuning_on_disk() -> bool:
-    """Where the user has not chosen (TRITON_CACHE_AUTOTUNING unset), have Triton keep
-    autotuning results in its cache directory (the user's TRITON_CACHE_DIR or Triton's
-    default, unchanged), so that a second process on the machine does not benchmark:
-    for Autotuners made from now on (triton.knobs) and for those already made (they read
-    the knob when built). Returns whether it turned caching on."""
+@contextlib.contextmanager
+def autotuning_on_disk(prefixes: tuple[str, ...] = KERNEL_PACKAGES):
+    """While entered, where the user has not chosen (TRITON_CACHE_AUTOTUNING unset),
+    Triton keeps autotuning results in its cache directory (the user's TRITON_CACHE_DIR
+    or Triton's default, unchanged), so that a second process on the machine does not
+    benchmark: for Autotuners made meanwhile (triton.knobs, which Triton mirrors into
+    that environment variable) and for those already made in the modules under
+    `prefixes` (they read the knob when built). On exit the knob, the environment
+    variable and those Autotuners' `cache_results` are as they were, and Autotuners made
+    meanwhile take what the knob now says: nothing of it outlives the block. Yields
+    whether it turned caching on. For CUDA builds (the interpreter keeps no results)."""
     if "TRITON_CACHE_AUTOTUNING" in os.environ:
-        return False
+        yield False
+        return
     import triton
 
-    if triton.knobs.runtime.interpret:
-        return False  # the interpreter neither compiles nor keeps results
-    triton.knobs.autotuning.cache = True
-    for _, kernel in kernel_interfaces(KERNEL_PACKAGES):
+    before = [(tuner, tuner.cache_results) for tuner in _autotuners(prefixes)]
+    try:
+        with triton.knobs.autotuning.scope():
+            triton.knobs.autotuning.cache = True
+            for tuner, _ in before:
+                tuner.cache_results = True
+            yield True
+    finally:
+        kept = {id(tuner): value for tuner, value in before}
+        made = bool(triton.knobs.autotuning.cache) and not triton.knobs.runtime.interpret
+        for tuner in _autotuners(prefixes):
+            tuner.cache_results = kept.get(id(tuner), made)
+
+
+def _autotuners(prefixes: tuple[str, ...]) -> list:
+    """The Autotuners of the loaded modules under `prefixes`, each once."""
+    found = {}
+    for _, kernel in kernel_interfaces(prefixes):
         tuner = find_autotuner(kernel)
         if tuner is not None:
-            tuner.cache_results = True
-    return True
+            found[id(tuner)] = tuner
+    return list(found.values())
