@@ -8,20 +8,20 @@ from batchgen.config_groups import check_choice
 from batchgen.engine.hybrid_state import HybridState
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.runner_feed import RunnerFeed
+from batchgen.engine.step_update import StepUpdates
 from batchgen.engine.waiting import ArrivalWaiting, PrefixWaiting
 from batchgen.kv.exact_swap import ExactSwap
 from batchgen.kv.kv_manager import KVCacheManager, PrefixHit
 from batchgen.kv.state_checkpoints import StateCheckpoints
 from batchgen.kv.state_pool import StateSlots
 from batchgen.runner.batch import (
-    ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
     StepCopies,
 )
 
 
-class Scheduler:
+class Scheduler(StepUpdates):
     """Continuous batching under a per-step token budget.
 
     Each step: running requests first, in admission order (a prefill chunk or one
@@ -39,6 +39,8 @@ class Scheduler:
     admission="prefix" admits preempted requests first, then by cached prefix length,
     deferring a request whose next uncached page a running request is computing
     (`PrefixWaiting`).
+
+    A step's results (update, commit, apply) are step_update.py's `StepUpdates`.
     """
 
     def __init__(
@@ -244,117 +246,6 @@ class Scheduler:
             return None
         req = next(self.waiting.candidates(self.kv), None)
         return None if req is None else (req, self.waiting.pages_to_admit(req, self.kv))
-
-    def update(
-        self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
-    ) -> list[Request]:
-        """Advance counters (unless `commit` did at the step's launch), append sampled
-        tokens, finish on token-level stops. Returns the requests that got a new token
-        this step."""
-        if any(step is sched for step, _ in self._committed):
-            return self.apply(sched, result, requests)
-        self._advance(sched, requests)  # commit and apply's counters in one pass
-        return self._append(result, requests)
-
-    def commit(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """The step's effects that need none of its tokens (computed counters, a token
-        pending per sampling row). Async scheduling commits a step at its launch, to
-        schedule the next while it runs; `apply` follows once its tokens are on the host."""
-        committed: dict[str, int] = {}
-        self._committed.append((sched, committed))
-        for s in sched.requests:
-            req = requests.get(s.request_id)
-            if req is None or req.is_finished:  # stopped while a pipelined step was queued
-                continue
-            n = committed[s.request_id] = len(s.new_token_ids)
-            req.num_computed_tokens += n
-            req.num_pending += s.sample
-            self.num_computed_tokens_total += n
-            prompt = len(req.prompt_token_ids)
-            if s.start < prompt:
-                self.num_prompt_tokens_computed += min(n, prompt - s.start)
-
-    def _take_committed(self, sched: SchedulerOutput) -> dict[str, int]:
-        """What commit counted for `sched`; older commits never applied (a queued step
-        dropped by abort) go with it."""
-        for i, (step, committed) in enumerate(self._committed):
-            if step is sched:
-                for _ in range(i + 1):
-                    self._committed.popleft()
-                return committed
-        raise RuntimeError("Scheduler.apply: the step was never committed")
-
-    def apply(
-        self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
-    ) -> list[Request]:
-        """The committed step's tokens: full pages cached, tokens appended, token-level
-        stops (a request that ended after the commit takes back what the step computed
-        for it). Returns the requests that got a new token."""
-        committed = self._take_committed(sched)
-        cache_computed = self.kv.cache_computed
-        for s in sched.requests:
-            n = committed.get(s.request_id)
-            req = requests.get(s.request_id)
-            if n is None or req is None:
-                continue
-            req.num_pending -= s.sample
-            if req.is_finished:  # its queued extra token is discarded
-                self.num_computed_tokens_total -= n
-                prompt = len(req.prompt_token_ids)
-                if s.start < prompt:
-                    self.num_prompt_tokens_computed -= min(n, prompt - s.start)
-            elif req.status == RequestStatus.RUNNING:
-                cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
-        return self._append(result, requests)
-
-    def _advance(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """`commit` and `apply`'s first pass in one loop, for a step nobody committed."""
-        cache_computed, get, running = self.kv.cache_computed, requests.get, RequestStatus.RUNNING
-        computed = prompt_computed = 0
-        for s in sched.requests:
-            req = get(s.request_id)
-            if req is None or req.status is RequestStatus.FINISHED:  # stopped, step queued
-                continue
-            n = len(s.new_token_ids)
-            req.num_computed_tokens += n
-            computed += n
-            prompt = len(req.prompt_token_ids)
-            if s.start < prompt:
-                prompt_computed += min(n, prompt - s.start)
-            if req.status is running:
-                cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
-        self.num_computed_tokens_total += computed
-        self.num_prompt_tokens_computed += prompt_computed
-
-    def _append(self, result: ModelRunnerOutput, requests: dict[str, Request]) -> list[Request]:
-        """Append the step's tokens; stop on EOS, stop_token_ids or length."""
-        self.kv.after_step()
-        for rid, entries in result.prompt_logprobs.items():
-            if rid in requests:
-                requests[rid].prompt_logprobs.update(entries)
-        advanced = []
-        get, finished, eos = requests.get, RequestStatus.FINISHED, self.eos_token_ids
-        for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
-            req = get(rid)
-            if req is None or req.status is finished:
-                continue
-            out = req.output_token_ids
-            out.append(token)
-            req.token_ids.append(token)
-            if lp is not None:
-                req.logprobs.append(lp)
-            advanced.append(req)
-            p = req.params
-            if len(out) >= p.min_tokens:
-                if token in eos and not p.ignore_eos:
-                    self.finish(req, "stop")
-                    continue
-                if p.stop_token_ids and token in p.stop_token_ids:
-                    self.finish(req, "stop", token)
-                    continue
-            if len(out) >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
-                self.finish(req, "length")
-        return advanced
 
     def reaches_length(self, req: Request, ahead: int = 0) -> bool:
         """The request is at its length limit (max_tokens or max_model_len) once it has

@@ -1,0 +1,146 @@
+"""What a step's results do to its requests: `Scheduler.update` and its two halves,
+`commit` (the counters a launched step advances before its tokens are known) and `apply`
+(its tokens appended, full pages cached, token-level stops).
+
+    update(step) = commit(step) + apply(step)      a step nobody committed: one pass each
+                   (commit at launch: async)       `_advance` (counters, pages cached)
+                                                   and `_append` (tokens, stops)
+
+Each runs once a step over every row of the step, so each is one loop with its names
+bound before it (a full decode step has ~900 rows)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from batchgen.engine.request import Request, RequestStatus
+from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
+
+
+class StepUpdates:
+    """The scheduler's half that takes a step's results (engine/scheduler.py's
+    `Scheduler` is one): it reads `kv`, `eos_token_ids` (a set), `max_model_len` and
+    `finish(req, reason, stop_reason)`, and keeps `_committed` (steps committed and not
+    applied, oldest first, with what each counted), `num_computed_tokens_total` and
+    `num_prompt_tokens_computed`."""
+
+    kv: KVCacheManager
+    eos_token_ids: set[int]
+    max_model_len: int
+    _committed: deque[tuple[SchedulerOutput, dict[str, int]]]
+    num_computed_tokens_total: int
+    num_prompt_tokens_computed: int
+    finish: Callable[..., None]
+
+    def update(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
+    ) -> list[Request]:
+        """Advance counters (unless `commit` did at the step's launch), append sampled
+        tokens, finish on token-level stops. Returns the requests that got a new token
+        this step."""
+        if any(step is sched for step, _ in self._committed):
+            return self.apply(sched, result, requests)
+        self._advance(sched, requests)  # commit and apply's counters in one pass
+        return self._append(result, requests)
+
+    def commit(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """The step's effects that need none of its tokens (computed counters, a token
+        pending per sampling row). Async scheduling commits a step at its launch, to
+        schedule the next while it runs; `apply` follows once its tokens are on the host."""
+        committed: dict[str, int] = {}
+        self._committed.append((sched, committed))
+        for s in sched.requests:
+            req = requests.get(s.request_id)
+            if req is None or req.is_finished:  # stopped while a pipelined step was queued
+                continue
+            n = committed[s.request_id] = len(s.new_token_ids)
+            req.num_computed_tokens += n
+            req.num_pending += s.sample
+            self.num_computed_tokens_total += n
+            prompt = len(req.prompt_token_ids)
+            if s.start < prompt:
+                self.num_prompt_tokens_computed += min(n, prompt - s.start)
+
+    def _take_committed(self, sched: SchedulerOutput) -> dict[str, int]:
+        """What commit counted for `sched`; older commits never applied (a queued step
+        dropped by abort) go with it."""
+        for i, (step, committed) in enumerate(self._committed):
+            if step is sched:
+                for _ in range(i + 1):
+                    self._committed.popleft()
+                return committed
+        raise RuntimeError("Scheduler.apply: the step was never committed")
+
+    def apply(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, requests: dict[str, Request]
+    ) -> list[Request]:
+        """The committed step's tokens: full pages cached, tokens appended, token-level
+        stops (a request that ended after the commit takes back what the step computed
+        for it). Returns the requests that got a new token."""
+        committed = self._take_committed(sched)
+        cache_computed = self.kv.cache_computed
+        for s in sched.requests:
+            n = committed.get(s.request_id)
+            req = requests.get(s.request_id)
+            if n is None or req is None:
+                continue
+            req.num_pending -= s.sample
+            if req.is_finished:  # its queued extra token is discarded
+                self.num_computed_tokens_total -= n
+                prompt = len(req.prompt_token_ids)
+                if s.start < prompt:
+                    self.num_prompt_tokens_computed -= min(n, prompt - s.start)
+            elif req.status == RequestStatus.RUNNING:
+                cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        return self._append(result, requests)
+
+    def _advance(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """`commit` and `apply`'s first pass in one loop, for a step nobody committed."""
+        cache_computed, get, running = self.kv.cache_computed, requests.get, RequestStatus.RUNNING
+        computed = prompt_computed = 0
+        for s in sched.requests:
+            req = get(s.request_id)
+            if req is None or req.status is RequestStatus.FINISHED:  # stopped, step queued
+                continue
+            n = len(s.new_token_ids)
+            req.num_computed_tokens += n
+            computed += n
+            prompt = len(req.prompt_token_ids)
+            if s.start < prompt:
+                prompt_computed += min(n, prompt - s.start)
+            if req.status is running:
+                cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.num_computed_tokens_total += computed
+        self.num_prompt_tokens_computed += prompt_computed
+
+    def _append(self, result: ModelRunnerOutput, requests: dict[str, Request]) -> list[Request]:
+        """Append the step's tokens; stop on EOS, stop_token_ids or length."""
+        self.kv.after_step()
+        for rid, entries in result.prompt_logprobs.items():
+            if rid in requests:
+                requests[rid].prompt_logprobs.update(entries)
+        advanced = []
+        get, finished, eos = requests.get, RequestStatus.FINISHED, self.eos_token_ids
+        for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
+            req = get(rid)
+            if req is None or req.status is finished:
+                continue
+            out = req.output_token_ids
+            out.append(token)
+            req.token_ids.append(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            advanced.append(req)
+            p = req.params
+            if len(out) >= p.min_tokens:
+                if token in eos and not p.ignore_eos:
+                    self.finish(req, "stop")
+                    continue
+                if p.stop_token_ids and token in p.stop_token_ids:
+                    self.finish(req, "stop", token)
+                    continue
+            if len(out) >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
+                self.finish(req, "length")
+        return advanced
