@@ -37,16 +37,27 @@ _wrapped = SimpleNamespace(fn=_kernel)  # as an Autotuner holds its kernel
 
 def _spec(name: str, block: int) -> str:
     options = {"num_warps": 4, "extern_libs": [["libdevice", "/somewhere/libdevice.10.bc"]]}
-    return json.dumps({"name": name, "constant_vals": [block], "options": options, "key": "k"})
+    key = f"k{block}"  # Triton's cache key: the specialization's
+    return json.dumps({"name": name, "constant_vals": [block], "options": options, "key": key})
 
 
 def _compile(watch_hook, module: str, name: str, block: int):
     """Call the hook as Triton's _do_compile calls its post-compile hook."""
     fn = SimpleNamespace(module=module, name=name, jit_function=None)
-    compile = {"key": "k", "specialization_data": _spec(name, block)}
+    compile = {"key": f"k{block}", "specialization_data": _spec(name, block)}
     return watch_hook(
-        key="k", repr=name, fn=fn, compile=compile, is_manual_warmup=False, already_compiled=False
+        key=f"k{block}",
+        repr=name,
+        fn=fn,
+        compile=compile,
+        is_manual_warmup=False,
+        already_compiled=False,
     )
+
+
+def _plan(kernel_id: str, name: str, *blocks: int) -> dict:
+    """A table's compile section listing `blocks` of one kernel."""
+    return {kernel_id: [json.loads(_spec(name, b)) for b in blocks]}
 
 
 def test_the_watch_counts_records_and_logs_each_compile(caplog):
@@ -54,7 +65,7 @@ def test_the_watch_counts_records_and_logs_each_compile(caplog):
     outer_hook = triton.knobs.runtime.jit_post_compile_hook
     with caplog.at_level(logging.INFO, logger=precompile.__name__):
         with CompileWatch(record=True) as outer:
-            with CompileWatch(expected=3) as inner:
+            with CompileWatch(expected=_plan("mod.a:kern", "kern", 16, 32, 64)) as inner:
                 hook = triton.knobs.runtime.jit_post_compile_hook
                 assert hook == inner.hook
                 _compile(hook, "mod.a", "kern", 16)
@@ -72,6 +83,40 @@ def test_the_watch_counts_records_and_logs_each_compile(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert "building: compiling kernels 2/3" in lines  # the inner watch's last line
     assert "building: compiling kernels 3" in lines
+
+
+def test_the_count_of_planned_compiles_never_passes_the_plan(caplog):
+    """Compiles the plan does not list (another kernel, another key, a listed one met
+    again) are counted apart: N of "N/M" counts each listed compile once."""
+    with caplog.at_level(logging.INFO, logger=precompile.__name__):
+        with CompileWatch() as watch:
+            watch.expect(_plan("mod.a:kern", "kern", 16, 32))
+            hook = triton.knobs.runtime.jit_post_compile_hook
+            _compile(hook, "mod.a", "kern", 16)
+            for block in (8, 16):  # a key the plan lacks; the first one again
+                _compile(hook, "mod.a", "kern", block)
+            _compile(hook, "mod.b", "kern", 32)  # a listed key of another kernel
+            _compile(hook, "mod.a", "kern", 32)
+    assert (watch.count, watch.planned_done, watch.expected) == (5, 2, 2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "building: compiling kernels 1/2"  # the first compile logs at once
+    assert lines[-1] == "building: compiling kernels 2/2 (+3 not in the plan)"
+    for line in lines:
+        done, total = line.split()[3].split("/")
+        assert int(done) <= int(total)
+
+
+def test_planned_compiles_count_each_listed_entry_under_its_key():
+    plan = _plan("m:a", "a", 16, 16, 32)
+    plan["m:b"] = [{"no": "key"}, "not a spec"]
+    plan["m:c"] = "not a list"
+    planned = precompile.planned_compiles(plan)
+    assert planned == {
+        ("m:a", '"k16"'): 2,
+        ("m:a", '"k32"'): 1,
+        ("m:b", "null"): 2,
+    }
+    assert precompile.planned_compiles(["not", "a", "mapping"]) == {}
 
 
 def test_jobs_name_loaded_kernels_only_each_specialization_once():

@@ -35,3 +35,21 @@ def test_a_recorded_compile_preloads_and_the_launch_does_not_compile_again():
         _add_one[(1,)](x, out, 100, BLOCK=128)
     assert torch.equal(out, x + 1)
     assert second.count == 0
+
+
+def test_a_planned_compile_counts_whether_preloaded_or_launched_and_others_apart():
+    x = torch.arange(100, device="cuda", dtype=torch.float32)
+    out = torch.empty_like(x)
+    _add_one.device_caches.clear()
+    with CompileWatch(record=True) as first:
+        _add_one[(1,)](x, out, 100, BLOCK=128)
+    index = x.device.index or 0
+    _add_one.device_caches.clear()
+    with CompileWatch(expected=first.specs) as preloaded:
+        precompile(preload_jobs(first.specs), 2, before=lambda: torch.cuda.set_device(index))
+        _add_one[(1,)](x, out, 100, BLOCK=256)  # a specialization the plan lacks
+    assert (preloaded.count, preloaded.planned_done, preloaded.expected) == (2, 1, 1)
+    _add_one.device_caches.clear()
+    with CompileWatch(expected=first.specs) as launched:
+        _add_one[(1,)](x, out, 100, BLOCK=128)
+    assert (launched.count, launched.planned_done) == (1, 1)

@@ -11,7 +11,9 @@ On a CUDA device, `kernels_prepared(...)` (build_engine holds it around the whol
    (autotune_table), so the keys it holds run their recorded config without benchmarking,
 4. compiles the table's recorded specializations on a thread pool (precompile),
 5. logs "building: compiling kernels N/M" while the build compiles (precompile.CompileWatch;
-   M: what the recording build compiled).
+   M: what the recording build compiled, the table's compiles for this GPU; N: those of
+   them compiled so far, never more than M; compiles the table does not list, such as
+   the configs a tuner benchmarks for a key the table lacks, are counted apart).
 Nothing of it runs on the CPU (the interpreter neither compiles nor benchmarks).
 """
 
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from batchgen.kernels import autotune_table
-from batchgen.kernels.precompile import CompileWatch, precompile, preload_jobs
+from batchgen.kernels.precompile import CompileWatch, planned_compiles, precompile, preload_jobs
 from batchgen.layers import kda_ops
 
 logger = logging.getLogger(__name__)
@@ -70,28 +72,27 @@ def prepare_kernels(
     gpu = torch.cuda.get_device_name(index)
     section = autotune_table.gpu_section(autotune_table.load_table(table), gpu)
     if watch is not None:
-        watch.expected = recorded_compiles(section) or None
+        watch.expect(section.get("compile", {}))
     threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
     with torch.cuda.device(index):
         filled, compiled, jobs = apply_section(
             section, threads, before=lambda: torch.cuda.set_device(index)
         )
     logger.info(
-        "kernels for %s: %d autotuning decisions and %d of %d compiles from the shipped table%s",
+        "kernels for %s: %d autotuning decisions and %d of %d compiles (of the %d it lists "
+        "for this GPU) from the shipped table%s",
         gpu,
         filled,
         compiled,
         jobs,
+        recorded_compiles(section),
         "" if section else " (none recorded for this GPU: kernels autotune and compile as met)",
     )
 
 
 def recorded_compiles(section: dict) -> int:
-    """How many compiles a GPU's section of the table lists."""
-    specs = section.get("compile", {})
-    if not isinstance(specs, dict):
-        return 0
-    return sum(len(v) for v in specs.values() if isinstance(v, list))
+    """How many compiles a GPU's section of the table lists (M of the progress line)."""
+    return sum(planned_compiles(section.get("compile", {})).values())
 
 
 def apply_section(section: dict, threads: int, before=None) -> tuple[int, int, int]:

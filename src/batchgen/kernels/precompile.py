@@ -8,8 +8,9 @@ engine's warm-up meets them one after another. Triton can compile one from data 
 cache, and its compiler does its work in C++ and in ptxas.
 
     CompileWatch(expected, record)  while entered, every compile is counted and logged
-                                    ("building: compiling kernels 12/40") and, with
-                                    record, its specialization kept under its kernel id
+                                    ("building: compiling kernels 12/40", the planned
+                                    ones among those `expected`) and, with record, its
+                                    specialization kept under its kernel id
     chosen_only(specs)              the recorded compiles less those of configs that an
                                     autotuner benchmarked and did not choose
     preload_jobs(specs)             [(kernel id, kernel, specialization)] of the loaded
@@ -29,6 +30,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -41,19 +43,44 @@ PROGRESS_EVERY_S = 1.0  # at most one progress line a second (and the last)
 
 class CompileWatch:
     """While entered: counts each Triton compile of this process (any thread) and logs
-    "building: compiling kernels N/expected" at INFO, at most once every PROGRESS_EVERY_S;
+    "building: compiling kernels N/M" at INFO, at most once every PROGRESS_EVERY_S;
     with `record`, keeps each compile's specialization in `specs` {kernel id: [...]}.
     Installs Triton's jit_post_compile_hook and calls the hook it found there too; puts
-    that one back on exit, so watches nest."""
+    that one back on exit, so watches nest.
 
-    def __init__(self, expected: int | None = None, record: bool = False) -> None:
-        self.expected = expected
+    M is how many compiles `expected` (or `expect(...)`) lists, in `specs`' form (a
+    table's "compile" section); N counts the compiles of this process that are listed
+    ones (the same kernel id and Triton cache key, each listed entry met at most once),
+    so N never passes M. Compiles the plan does not list (a key the table has no
+    decision for, whose configs the tuner compiles to benchmark; a specialization the
+    recording build never met) are counted apart and logged as "(+K not in the plan)".
+    With nothing expected the line is "building: compiling kernels N"."""
+
+    def __init__(self, expected: dict | None = None, record: bool = False) -> None:
         self.record = record
         self.count = 0
+        self.planned_done = 0
         self.specs: dict[str, list[dict]] = {}
+        self._planned: Counter = Counter()
+        self._met: Counter = Counter()
         self._lock = threading.Lock()
         self._last_log = 0.0
         self._previous = None
+        self.expect(expected)
+
+    def expect(self, specs: dict | None) -> None:
+        """The compiles planned, {kernel id: [specialization]} (M of the progress line);
+        called before they start."""
+        planned = planned_compiles(specs)
+        with self._lock:
+            self._planned = planned
+            self._met = Counter()
+            self.planned_done = 0
+
+    @property
+    def expected(self) -> int:
+        """How many compiles the plan lists (M)."""
+        return sum(self._planned.values())
 
     def __enter__(self) -> CompileWatch:
         import triton
@@ -69,26 +96,60 @@ class CompileWatch:
         if self.count:
             self._log(time.monotonic())
 
-    def hook(self, *, fn, compile, **kwargs):
-        """Triton's post-compile hook: `fn` names the kernel (module, name), `compile`
-        carries its specialization_data."""
+    def hook(self, *, key, fn, compile, **kwargs):
+        """Triton's post-compile hook: `fn` names the kernel (module, name), `key` is the
+        compile's cache key, `compile` carries its specialization_data."""
+        kernel_id = f"{fn.module}:{fn.name}"
         with self._lock:
             self.count += 1
+            planned = (kernel_id, _key_text(key))
+            if self._met[planned] < self._planned[planned]:
+                self._met[planned] += 1
+                self.planned_done += 1
             if self.record:
                 spec = portable_spec(compile.get("specialization_data"))
                 if spec is not None:
-                    self.specs.setdefault(f"{fn.module}:{fn.name}", []).append(spec)
+                    self.specs.setdefault(kernel_id, []).append(spec)
             now = time.monotonic()
             if now - self._last_log >= PROGRESS_EVERY_S:
                 self._log(now)
         if self._previous is not None:
-            return self._previous(fn=fn, compile=compile, **kwargs)
+            return self._previous(key=key, fn=fn, compile=compile, **kwargs)
         return None
 
     def _log(self, now: float) -> None:
         self._last_log = now
-        total = f"/{self.expected}" if self.expected else ""
-        logger.info("building: compiling kernels %d%s", self.count, total)
+        if not self._planned:
+            logger.info("building: compiling kernels %d", self.count)
+            return
+        others = self.count - self.planned_done
+        logger.info(
+            "building: compiling kernels %d/%d%s",
+            self.planned_done,
+            self.expected,
+            f" (+{others} not in the plan)" if others else "",
+        )
+
+
+def planned_compiles(specs) -> Counter:
+    """{(kernel id, cache key as text): how many times listed} over the specializations
+    of `specs` ({kernel id: [specialization]}); an entry that is not a dict counts under
+    no key (no compile matches it)."""
+    planned = Counter()
+    if not isinstance(specs, dict):
+        return planned
+    for kernel_id, entries in specs.items():
+        if isinstance(entries, list):
+            for spec in entries:
+                key = spec.get("key") if isinstance(spec, dict) else None
+                planned[(kernel_id, _key_text(key))] += 1
+    return planned
+
+
+def _key_text(key) -> str:
+    """A Triton cache key as text that is the same for the key a compile hands its hook
+    and for the one its recorded specialization carries (JSON turns tuples to lists)."""
+    return json.dumps(key, sort_keys=True, default=str)
 
 
 def portable_spec(data: str | None) -> dict | None:
