@@ -1,7 +1,7 @@
 """A tiny DeepSeek-V3 with experts (a dense layer, then 8 routed experts and a shared one)
 whose EOS is a token one process emits mid-way, so some requests stop on it, and one
-process's runs of it: what the multi-rank tests (attention data parallel over processes or
-Ray actors, tensor parallel over Ray) compare their tokens with."""
+process's runs of it: what the multi-rank tests (attention data parallel and tensor parallel,
+over processes or Ray actors) compare their tokens with."""
 
 from __future__ import annotations
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import re
 import shutil
-from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from deepseek_checkpoints import CONFIGS, save_tiny_deepseek, tiny_config
+from deepseek_ranks import emitted_mid_way, shared_head_prompts
 from fp8_blocks import quantize_blocks
+from penalty_reference import set_eos
 from safetensors.torch import load_file, save_file
 
 from batchgen import LLM, SamplingParams
@@ -42,13 +42,6 @@ KW = dict(
 PARAMS = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
 
 
-def _prompts(n: int = 6) -> list[list[int]]:
-    """Prompts of 2 to 5 pages, the first 8 tokens (two pages) shared."""
-    rng = random.Random(0)
-    head = [rng.randint(3, 500) for _ in range(8)]
-    return [head + [rng.randint(3, 500) for _ in range(rng.randint(1, 12))] for _ in range(n)]
-
-
 def _completions(outs) -> list[tuple[list[int], str, list[float]]]:
     """Per request: its tokens, finish reason, and each token's logprob."""
     result = []
@@ -62,16 +55,9 @@ def _completions(outs) -> list[tuple[list[int], str, list[float]]]:
 def _generate(path: str, **kw) -> tuple[list, LLM]:
     llm = LLM(path, **KW, **kw)
     try:
-        return _completions(llm.generate(_prompts(), PARAMS, use_tqdm=False)), llm
+        return _completions(llm.generate(shared_head_prompts(), PARAMS, use_tqdm=False)), llm
     finally:
         llm.engine.shutdown()
-
-
-def _set_eos(path: Path, eos: int) -> None:
-    for name in ("config.json", "generation_config.json"):
-        data = json.loads((path / name).read_text())
-        data["eos_token_id"] = eos
-        (path / name).write_text(json.dumps(data))
 
 
 def _checkpoint_with_emitted_eos(path: Path, overrides: dict) -> list:
@@ -79,8 +65,7 @@ def _checkpoint_with_emitted_eos(path: Path, overrides: dict) -> list:
     under that EOS."""
     save_tiny_deepseek(path, **overrides)
     first, _ = _generate(str(path), num_kv_pages=200)
-    counts = Counter(t for tokens, _, _ in first for t in tokens[2:-2])
-    _set_eos(path, next(t for t, _ in counts.most_common() if t > 2))
+    set_eos(path, emitted_mid_way([tokens for tokens, _, _ in first]))
     want, _ = _generate(str(path), num_kv_pages=200)
     return want
 
@@ -128,7 +113,7 @@ def test_tp2_host_tier_swaps_and_equals_tp1_tier_off(tmp_path):
     tier = dict(tensor_parallel_size=2, num_kv_pages=18, host_kv_size_gib=0.001)
     llm = LLM(str(tmp_path), **{**KW, "max_model_len": 64}, **tier)
     try:
-        got = _completions(llm.generate(_prompts(), PARAMS, use_tqdm=False))
+        got = _completions(llm.generate(shared_head_prompts(), PARAMS, use_tqdm=False))
         (worker,) = llm.engine.tier_worker_metrics()
         m = llm.engine.metrics()
     finally:
