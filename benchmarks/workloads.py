@@ -373,11 +373,13 @@ def small_requests(n: int = 8) -> tuple[list[list[int]], list[int]]:
 def random_checkpoint(
     path: Path, config: dict, dtype: str = "bfloat16", seed: int = 0, std: float = 0.02
 ) -> Path:
-    """Write a random-weight transformers checkpoint (with a placeholder tokenizer)."""
+    """Write a random-weight transformers checkpoint (with a placeholder tokenizer). A
+    directory that holds one of this config (every field, dtype included, as config_dir
+    checks) is used as it is; one of another config is an error."""
     import torch
     import transformers
 
-    if (path / "config.json").is_file():
+    if _holds(path, transformers.AutoConfig.for_model(**config, dtype=dtype)):
         return path
     path.mkdir(parents=True, exist_ok=True)
     cfg = transformers.AutoConfig.for_model(**config)
@@ -402,18 +404,28 @@ def config_dir(path: Path, config: dict, dtype: str = "bfloat16") -> Path:
     import transformers
 
     cfg = transformers.AutoConfig.for_model(**config, dtype=dtype)
-    if (path / "config.json").is_file():
-        differ = _fields_that_differ(transformers.AutoConfig.from_pretrained(path), cfg)
-        if differ:
-            raise ValueError(
-                f"{path} holds another model's config.json ({', '.join(differ)} differ): "
-                "give this model another directory"
-            )
+    if _holds(path, cfg):
         return path
     path.mkdir(parents=True, exist_ok=True)
     _placeholder_tokenizer(path, cfg.vocab_size)
     cfg.save_pretrained(path)  # last: a directory with config.json is complete
     return path
+
+
+def _holds(path: Path, cfg) -> bool:
+    """Whether `path` holds a config.json, which must be `cfg` (ValueError naming the
+    fields that differ otherwise)."""
+    import transformers
+
+    if not (path / "config.json").is_file():
+        return False
+    differ = _fields_that_differ(transformers.AutoConfig.from_pretrained(path), cfg)
+    if differ:
+        raise ValueError(
+            f"{path} holds another model's config.json ({', '.join(differ)} differ): "
+            "give this model another directory"
+        )
+    return True
 
 
 def _fields_that_differ(have, want) -> list[str]:
