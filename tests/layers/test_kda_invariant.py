@@ -44,7 +44,7 @@ def test_fla_import_pins_every_autotuned_kernel_of_the_path():
     assert kda_ops.fla_kda() is not None
     pinned = {t.base_fn.__name__: t for t in kda_invariant.pin_autotuners()}
     assert FORWARD_PATH <= set(pinned)
-    for name in FORWARD_PATH:  # (tests/layers/test_kda_fla_interpret.py cuts some lists)
+    for name in FORWARD_PATH:
         assert isinstance(pinned[name].run.pinned, triton.Config), name
     assert _tuner(l2norm.l2norm_fwd_kernel).run.pinned.kwargs == {"BT": 8}
 
