@@ -226,7 +226,9 @@ def autotuning_on_disk(prefixes: tuple[str, ...] = KERNEL_PACKAGES):
     `prefixes` (they read the knob when built). On exit the knob, the environment
     variable and those Autotuners' `cache_results` are as they were, and Autotuners made
     meanwhile take what the knob now says: nothing of it outlives the block. Yields
-    whether it turned caching on. For CUDA builds (the interpreter keeps no results)."""
+    whether it turned caching on. For CUDA builds (the interpreter keeps no results),
+    one at a time in a process (the knob is process-wide: blocks that overlap on two
+    threads would put back each other's setting; nested ones are fine)."""
     if "TRITON_CACHE_AUTOTUNING" in os.environ:
         yield False
         return
