@@ -27,9 +27,8 @@ model's and the stand-in sampler's, the GPU's work, left out of `host`):
     cycle          one engine.step() start to the next (the job loop's whole turn)
     schedule       Scheduler.schedule             prepare   ModelRunner.prepare
     sampling_meta  SamplingState.build_for        update    Scheduler.update
-    detok          Detokenizer.finalize (find_stop, one call a row that returns at once
-                   for a request without stop strings, stays in `other`: a timer
-                   around each would cost more than the call)
+    detok          Detokenizer.finalize (find_stop is called only for requests with stop
+                   strings, none in W7)
     outputs        the job's output lines         journal   Appender.write (OUTPUT, errors)
     admit          reading and adding input lines
     host           cycle - forward - sample; other = host - the phases above

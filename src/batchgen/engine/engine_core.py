@@ -17,7 +17,7 @@ from batchgen.engine.builder_load import load_engine
 from batchgen.engine.builder_plan import check_pool_size
 from batchgen.engine.limits import check_request
 from batchgen.engine.memory import weight_bytes
-from batchgen.engine.request import Request
+from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.step_loop import profiled
 from batchgen.runner.batch import SchedulerOutput
 from batchgen.runner.sampler import request_seed
@@ -79,6 +79,7 @@ class EngineCore:
         self._in_flight = None  # a step launched ahead, collected by the next step()
         self._finished_early: list[Request] = []
         self._failed: dict[str, BaseException] = {}  # in this step: RequestsFailed
+        self._num_stop_strings = 0  # requests in the engine with stop strings
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -167,6 +168,7 @@ class EngineCore:
         self.kv.want(request_id, req.token_ids)
         self.requests[request_id] = req
         self.overlap.enter(params)
+        self._num_stop_strings += bool(params.stop_strings)
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(prompt_token_ids)
         return req
@@ -178,6 +180,7 @@ class EngineCore:
             if req is not None:
                 self.scheduler.abort(req)
                 self.overlap.leave(req.params)
+                self._num_stop_strings -= bool(req.params.stop_strings)
             if self.grammar is not None:
                 self.grammar.remove(rid)
         queued = self._in_flight
@@ -272,18 +275,21 @@ class EngineCore:
         self.stats.output_tokens += len(advanced)
         if self.grammar is not None:
             self._advance_grammars(advanced)
-        finished = []
+        finished, done = [], RequestStatus.FINISHED
+        if not (self._num_stop_strings or self._failed):  # only a finished row is read
+            advanced = [req for req in advanced if req.status is done]
         for req in advanced:
             if req.request_id in self._failed:
                 continue  # step() drops it
-            if req.finish_reason in (None, "length"):  # a stop string beats the length limit
-                stop = self.detokenizer.find_stop(req)
+            if req.finish_reason in (None, "length") and req.params.stop_strings:
+                stop = self.detokenizer.find_stop(req)  # a stop string beats the length limit
                 if stop is not None:
                     self.scheduler.finish(req, "stop", stop)
-            if req.is_finished:
+            if req.status is done:
                 self.detokenizer.finalize(req)
                 finished.append(self.requests.pop(req.request_id))
                 self.overlap.leave(req.params)
+                self._num_stop_strings -= bool(req.params.stop_strings)
                 if self.grammar is not None:
                     self.grammar.remove(req.request_id)
         if self.tier is not None and not self.scheduler.has_unfinished:

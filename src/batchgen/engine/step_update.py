@@ -123,14 +123,15 @@ class StepUpdates:
                 requests[rid].prompt_logprobs.update(entries)
         advanced = []
         get, finished, eos = requests.get, RequestStatus.FINISHED, self.eos_token_ids
+        max_model_len, logprobs = self.max_model_len, any(result.logprobs)
         for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
             req = get(rid)
             if req is None or req.status is finished:
                 continue
-            out = req.output_token_ids
+            out, ids = req.output_token_ids, req.token_ids
             out.append(token)
-            req.token_ids.append(token)
-            if lp is not None:
+            ids.append(token)
+            if logprobs and lp is not None:
                 req.logprobs.append(lp)
             advanced.append(req)
             p = req.params
@@ -141,6 +142,6 @@ class StepUpdates:
                 if p.stop_token_ids and token in p.stop_token_ids:
                     self.finish(req, "stop", token)
                     continue
-            if len(out) >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
+            if len(out) >= req.max_tokens or len(ids) >= max_model_len:
                 self.finish(req, "length")
         return advanced
