@@ -6,11 +6,11 @@ share, its own host tier swapping both."""
 
 from __future__ import annotations
 
-import random
 import shutil
 
 import pytest
 from kimi_checkpoints import save_tiny_kimi
+from kimi_ranks import KW, kimi_params, kimi_prompts
 from penalty_reference import emitted_eos, set_eos
 
 from batchgen import LLM, SamplingParams
@@ -18,40 +18,14 @@ from batchgen import LLM, SamplingParams
 pytest.importorskip("transformers.models.kimi_linear")
 
 F, L = "full_attention", "linear_attention"
-KW = dict(
-    device="cpu",
-    dtype="float32",
-    page_size=4,
-    max_model_len=192,
-    max_num_seqs=8,
-    max_num_batched_tokens=32,  # prefills chunked across steps, beside decodes
-)
 DP = dict(data_parallel_size=2, enable_expert_parallel=True)
-
-
-def _prompts() -> list[list[int]]:
-    """A shared 16-token head, then tails taking some prompts past one KDA chunk (64)."""
-    rng = random.Random(0)
-    head = [rng.randint(3, 500) for _ in range(16)]
-    return [head + [rng.randint(3, 500) for _ in range(n)] for n in (60, 5, 90, 21, 48, 1)]
-
-
-def _params(logprobs: int | None = None) -> list[SamplingParams]:
-    """Greedy, seeded sampled and unseeded sampled rows (the engine seeds those by
-    arrival), each asking `logprobs` where given."""
-    kinds = [
-        SamplingParams(temperature=0, max_tokens=12, logprobs=logprobs),
-        SamplingParams(temperature=0.8, max_tokens=12, seed=3, logprobs=logprobs),
-        SamplingParams(temperature=1.0, top_k=20, max_tokens=12, logprobs=logprobs),
-    ]
-    return [kinds[i % 3] for i in range(len(_prompts()))]
 
 
 def _logprobs(path: str, **kw) -> tuple[list[list[int]], list[list[float]], list[dict]]:
     """Each row's tokens and its tokens' logprobs, and each rank's metrics."""
     llm = LLM(path, **{**KW, **kw})
     try:
-        outs = llm.generate(_prompts(), _params(logprobs=1), use_tqdm=False)
+        outs = llm.generate(kimi_prompts(), kimi_params(logprobs=1), use_tqdm=False)
         ranks = llm.engine.rank_metrics() if "data_parallel_size" in kw else []
     finally:
         llm.engine.shutdown()
@@ -65,7 +39,7 @@ def _outputs(path: str, **kw) -> tuple[list, list[dict]]:
     parallel: its MoE layers checked expert parallel over every rank's own tokens)."""
     llm = LLM(path, **{**KW, **kw})
     try:
-        outs = llm.generate(_prompts(), _params(), use_tqdm=False)
+        outs = llm.generate(kimi_prompts(), kimi_params(), use_tqdm=False)
         ranks = []
         if "data_parallel_size" in kw:
             ranks = llm.engine.rank_metrics()
@@ -141,7 +115,7 @@ def test_each_rank_holds_its_own_requests_state_slots(reference):
     llm = LLM(path, **{**KW, "num_kv_pages": 400}, **DP)
     try:
         engine = llm.engine
-        for i, ids in enumerate(_prompts()[:4]):
+        for i, ids in enumerate(kimi_prompts()[:4]):
             engine.add_request(str(i), ids, params)
         # by tokens held (prompt plus 8): 0 (84) rank 0, 1 (29) and 2 (114) rank 1, 3 (45)
         # rank 0; seven steps of 32 tokens prefill them all, none ends

@@ -11,7 +11,6 @@ ray`). Not covered here: GPUs (NCCL, rank 0's GPU held by its bundle) and real h
 from __future__ import annotations
 
 import os
-import random
 import re
 import sys
 import threading
@@ -33,11 +32,13 @@ from deepseek_ranks import (
     save_with_emitted_eos,
     shared_head_prompts,
 )
+from kimi_ranks import KW as KIMI_KW
+from kimi_ranks import kimi_params, kimi_prompts
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tp_workers import DiesWhileStarting, fails_once_joined, never_called
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM
 from batchgen.api.batch_job import JobOptions, run_batch_job
 from batchgen.api.cli import main
 from batchgen.config import EngineConfig
@@ -199,17 +200,8 @@ def test_kimi_linear_ranks_swapping_to_their_host_tiers_give_one_processs_tokens
     from kimi_checkpoints import save_tiny_kimi
 
     save_tiny_kimi(tmp_path, layer_types=["linear_attention"] * 3 + ["full_attention"])
-    rng = random.Random(0)
-    head = [rng.randint(3, 500) for _ in range(16)]
-    prompts = [head + [rng.randint(3, 500) for _ in range(n)] for n in (60, 5, 90, 21, 48, 1)]
-    kinds = [
-        SamplingParams(temperature=0, max_tokens=12),
-        SamplingParams(temperature=0.8, max_tokens=12, seed=3),
-        SamplingParams(temperature=1.0, top_k=20, max_tokens=12),
-    ]
-    params = [kinds[i % 3] for i in range(len(prompts))]
-    kw = dict(device="cpu", dtype="float32", page_size=4, max_num_seqs=8)
-    kw.update(max_num_batched_tokens=32, max_model_len=128)
+    prompts, params = kimi_prompts(), kimi_params()
+    kw = dict(KIMI_KW, max_model_len=128)
     one = LLM(str(tmp_path), **kw, num_kv_pages=400)
     try:
         want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]

@@ -9,10 +9,9 @@ each copy back), the worker replaying every copy on its own shard."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from kimi_checkpoints import save_tiny_kimi
+from kimi_ranks import KW, kimi_prompts
 from tp_workers import count_mirrored
 
 from batchgen import LLM, SamplingParams
@@ -20,23 +19,7 @@ from batchgen import LLM, SamplingParams
 pytest.importorskip("transformers.models.kimi_linear")
 
 F, L = "full_attention", "linear_attention"
-KW = dict(
-    device="cpu",
-    dtype="float32",
-    page_size=4,
-    max_model_len=192,
-    max_num_seqs=8,
-    max_num_batched_tokens=32,  # prefills chunked across steps, beside decodes
-)
 PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
-
-
-def _prompts() -> list[list[int]]:
-    """A shared 16-token head (four pages: a state checkpoint at 16 serves it), then
-    tails taking some prompts past one KDA chunk (64)."""
-    rng = random.Random(0)
-    head = [rng.randint(3, 500) for _ in range(16)]
-    return [head + [rng.randint(3, 500) for _ in range(n)] for n in (60, 5, 90, 21, 48, 1)]
 
 
 def _rows(outs) -> list[tuple[list[int], list[float]]]:
@@ -52,7 +35,7 @@ def reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-kimi")
     save_tiny_kimi(path, layer_types=[L, L, L, F], first_k_dense_replace=1)
     llm = LLM(str(path), num_kv_pages=400, **KW)
-    return str(path), _rows(llm.generate(_prompts(), PARAMS, use_tqdm=False))
+    return str(path), _rows(llm.generate(kimi_prompts(), PARAMS, use_tqdm=False))
 
 
 def _assert_same(got, want) -> None:
@@ -65,7 +48,7 @@ def test_tp2_equals_tp1(reference):
     path, want = reference
     llm = LLM(path, tensor_parallel_size=2, num_kv_pages=400, **KW)
     try:
-        got = _rows(llm.generate(_prompts(), PARAMS, use_tqdm=False))
+        got = _rows(llm.generate(kimi_prompts(), PARAMS, use_tqdm=False))
     finally:
         llm.engine.shutdown()
     _assert_same(got, want)
@@ -88,7 +71,7 @@ def test_tp2_with_the_host_tier_swapping_pages_and_state(reference, monkeypatch)
         **KW,
     )
     try:
-        runs = [_rows(llm.generate(_prompts(), PARAMS, use_tqdm=False)) for _ in range(2)]
+        runs = [_rows(llm.generate(kimi_prompts(), PARAMS, use_tqdm=False)) for _ in range(2)]
         (worker,) = llm.engine.tier_worker_metrics()
         m = llm.engine.metrics()
     finally:
