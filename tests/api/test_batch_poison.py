@@ -7,12 +7,12 @@ import json
 
 import pytest
 from conftest import save_byte_tokenizer, save_tiny_model
+from planted_errors import grammar_fails_for, step_until_done
 from test_batch_run import _answers, _chat, _cli, _read, _write_jsonl
 
 from batchgen.api.batch_journal import suspects_path
 from batchgen.api.cli import main
 from batchgen.engine.engine_core import EngineCore, RequestsFailed
-from batchgen.engine.structured import StructuredOutputs
 
 
 @pytest.fixture(scope="module")
@@ -24,23 +24,6 @@ def spelling(tmp_path_factory) -> str:
     return str(path)
 
 
-def _grammar_fails_for(monkeypatch, poison: str, after: int = 3) -> list[int]:
-    """StructuredOutputs.advance raises for request `poison` once it has taken `after`
-    tokens, as a grammar error at run time would; returns the tokens it took."""
-    real = StructuredOutputs.advance
-    taken: list[int] = []
-
-    def advance(self, request_ids, token_ids):
-        if poison in request_ids:
-            taken.append(1)
-            if len(taken) > after:
-                raise RuntimeError("planted matcher error")
-        return real(self, request_ids, token_ids)
-
-    monkeypatch.setattr(StructuredOutputs, "advance", advance)
-    return taken
-
-
 def test_a_grammar_error_at_run_time_fails_its_line_alone(tmp_path, spelling, monkeypatch):
     rows = [
         _chat(f"j{i}", f"row {i}", response_format={"type": "json_object"}, max_tokens=40)
@@ -48,7 +31,7 @@ def test_a_grammar_error_at_run_time_fails_its_line_alone(tmp_path, spelling, mo
     ]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    taken = _grammar_fails_for(monkeypatch, poison="3")  # line 3: custom_id j2
+    taken = grammar_fails_for(monkeypatch, poison="3")  # line 3: custom_id j2
     assert main(_cli(spelling, inp, out)) == 1
     assert len(taken) > 3, "the planted error should have fired"
     assert sorted(_answers(out)) == ["j0", "j1", "j3", "j4", "j5"]
@@ -79,13 +62,8 @@ def test_engine_step_drops_the_failed_request_and_keeps_the_others(spelling, mon
     for rid in ("a", "poison", "b"):
         engine.add_request(rid, [5, 6, 7], constrained)
     engine.add_request("short", [8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
-    _grammar_fails_for(monkeypatch, poison="poison", after=2)  # "short" ends in that step
-    finished, failures = [], []
-    while engine.has_unfinished:
-        try:
-            finished += [r.request_id for r in engine.step()]
-        except RequestsFailed as e:
-            failures.append(e)
+    grammar_fails_for(monkeypatch, poison="poison", after=2)  # "short" ends in that step
+    finished, failures = step_until_done(engine)
     assert [e.request_ids for e in failures] == [["poison"]]
     assert "planted matcher error" in str(failures[0])
     assert sorted(finished) == ["a", "b", "short"]
@@ -105,7 +83,7 @@ def test_requests_the_failing_step_finished_come_out_of_the_next_step(spelling, 
     )
     engine.add_request("poison", [5, 6, 7], constrained)
     engine.add_request("short", [8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
-    _grammar_fails_for(monkeypatch, poison="poison", after=2)  # fails on its 3rd token
+    grammar_fails_for(monkeypatch, poison="poison", after=2)  # fails on its 3rd token
     finished = []
     with pytest.raises(RequestsFailed):
         while engine.has_unfinished:

@@ -23,6 +23,7 @@ from deepseek_ranks import (
     save_with_emitted_eos,
     shared_head_prompts,
 )
+from planted_errors import grammar_fails_for, step_until_done
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
@@ -31,9 +32,7 @@ from batchgen.distributed.messages import DPMessage
 from batchgen.distributed.workers import Workers
 from batchgen.engine.dp_attention import DPEngine, wants_dp_attention
 from batchgen.engine.dp_rank import _Worker
-from batchgen.engine.engine_core import RequestsFailed
 from batchgen.engine.request import RequestStatus
-from batchgen.engine.structured import StructuredOutputs
 from batchgen.sampling_params import StructuredOutputsParams
 
 DP_FLAG = dict(enable_expert_parallel=True)
@@ -284,17 +283,7 @@ def test_a_request_failing_on_a_rank_fails_alone(tmp_path, monkeypatch):
     step()."""
     save_tiny_deepseek(tmp_path, **CONFIGS["moe_dense_first"])
     save_byte_tokenizer(tmp_path)  # structured outputs need a tokenizer that spells JSON
-    real = StructuredOutputs.advance
-    taken: list[int] = []
-
-    def advance(self, request_ids, token_ids):  # rank 0's grammar: this process's
-        if "poison" in request_ids:
-            taken.append(1)
-            if len(taken) > 2:
-                raise RuntimeError("planted matcher error")
-        return real(self, request_ids, token_ids)
-
-    monkeypatch.setattr(StructuredOutputs, "advance", advance)
+    grammar_fails_for(monkeypatch, poison="poison", after=2)  # rank 0's grammar alone
     llm = LLM(str(tmp_path), **KW, **DP)
     engine = llm.engine
     try:
@@ -305,12 +294,7 @@ def test_a_request_failing_on_a_rank_fails_alone(tmp_path, monkeypatch):
         engine.add_request("poison", [5, 6, 7], constrained)  # rank 0 (23 tokens held)
         engine.add_request("other", list(range(30, 51)), three)  # rank 1 (24)
         engine.add_request("short", [8, 9, 10], three)  # rank 0 (23 < 24)
-        finished, failures = [], []
-        while engine.has_unfinished:
-            try:
-                finished += [r.request_id for r in engine.step()]
-            except RequestsFailed as e:
-                failures.append(e)
+        finished, failures = step_until_done(engine)
     finally:
         engine.shutdown()
     assert engine.held == [0, 0]
