@@ -41,51 +41,29 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from benchmarks.engine_runs import add_engine_args
 from benchmarks.moe_runs import (
-    add_allocator_steps_arg,
+    add_workload_args,
+    print_run,
     release_device_memory,
     run_batchgen,
     run_lines,
+    w4_workload,
 )
 from benchmarks.peers import padded_generate, peer_kda_path, torch_kda_for_the_peer
-from benchmarks.workloads import KIMI_W6, SMALL_KIMI, config_dir, w4_requests
+from benchmarks.workloads import KIMI_W6, SMALL_KIMI
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
-    ap.add_argument("--skip-peer", action="store_true")
-    ap.add_argument("--host-gib", type=float, default=32.0)
-    ap.add_argument(
-        "--peer-batches",
-        type=int,
-        default=2,
-        help="batches of 64 the peer is timed on, after an untimed warm-up (2; 0: all, "
+    add_workload_args(
+        ap,
+        peer_batches=2,
+        peer_help="batches of 64 the peer is timed on, after an untimed warm-up (2; 0: all, "
         "timed from the first). The full peer run takes longer than a device call allows.",
     )
-    ap.add_argument(
-        "--profile", action="store_true", help="+ where a decode step's time goes (profiles.py)"
-    )
-    ap.add_argument(
-        "--profile-prefill",
-        action="store_true",
-        help="+ where a prefill step's time goes (profiles.profile_prefill)",
-    )
-    add_allocator_steps_arg(ap)
-    add_engine_args(ap)
-    ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)
-    if args.small:
-        prompts, out_lens = w4_requests(n=6, prompt_len=70, out_len=6, max_token=500)
-        args.device, args.dtype, args.host_gib = "cpu", "float32", 0.01
-        ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w6-small-config"), SMALL_KIMI, "float32")
-    else:
-        prompts, out_lens = w4_requests()
-        args.device, args.dtype = "cuda", "bfloat16"
-        ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w6-config"), KIMI_W6)
+    prompts, out_lens, ckpt = w4_workload(args, KIMI_W6, SMALL_KIMI, "w6", 70)
     ours = run_batchgen(ckpt, prompts, out_lens, args)
     release_device_memory()
     print(json.dumps({"batchgen": ours}), flush=True)
@@ -123,11 +101,7 @@ def main(argv=None) -> int:
             f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s{timed}, "
             f"KDA {peer['peer_kda']}) -> ratio {result['ratio']:.1f}x"
         )
-    for key in ("profile", "profile_prefill"):
-        if key in ours:
-            lines.append(json.dumps(ours[key], indent=1))
-    sys.stdout.write("\n".join(lines) + "\n")
-    return 0 if ours["output_tokens"] == sum(out_lens) else 1
+    return print_run(lines, ours, out_lens)
 
 
 if __name__ == "__main__":

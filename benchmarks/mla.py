@@ -34,20 +34,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from benchmarks.engine_runs import add_engine_args
 from benchmarks.moe_runs import (
-    add_allocator_steps_arg,
+    add_workload_args,
+    print_run,
     release_device_memory,
     run_batchgen,
     run_lines,
+    w4_workload,
     warm_up_prompts,
     workload_llm,
 )
 from benchmarks.peers import padded_generate
 from benchmarks.throughput import SAMPLING, print_sampling, sampled_runs
-from benchmarks.workloads import MOONLIGHT_W4, SMALL_MOONLIGHT, config_dir, w4_requests
+from benchmarks.workloads import MOONLIGHT_W4, SMALL_MOONLIGHT
 
 ROOFLINE_TOK_S = 13_350  # BENCHMARKS.md W4, H200
 
@@ -66,23 +66,11 @@ def run_sampling(ckpt, prompts, out_lens, args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
-    ap.add_argument("--skip-peer", action="store_true")
-    ap.add_argument("--host-gib", type=float, default=32.0)
-    ap.add_argument(
-        "--peer-batches",
-        type=int,
-        default=0,
-        help="batches of 64 the peer is timed on, after an untimed warm-up (0, the "
+    add_workload_args(
+        ap,
+        peer_batches=0,
+        peer_help="batches of 64 the peer is timed on, after an untimed warm-up (0, the "
         "default: all 8, timed from the first; the full run takes about 3 minutes)",
-    )
-    ap.add_argument(
-        "--profile", action="store_true", help="+ where a decode step's time goes (profiles.py)"
-    )
-    ap.add_argument(
-        "--profile-prefill",
-        action="store_true",
-        help="+ where a prefill step's time goes (profiles.profile_prefill)",
     )
     ap.add_argument(
         "--sampling",
@@ -90,20 +78,8 @@ def main(argv=None) -> int:
         default=None,
         help="batchgen greedy, then sampled as named (all: every one), ratios to greedy",
     )
-    add_allocator_steps_arg(ap)
-    add_engine_args(ap)
-    ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)
-    if args.small:
-        cfg = SMALL_MOONLIGHT
-        prompts, out_lens = w4_requests(n=6, prompt_len=24, out_len=6, max_token=500)
-        args.device, args.dtype, args.host_gib = "cpu", "float32", 0.01
-        ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w4-small-config"), cfg, "float32")
-    else:
-        cfg = MOONLIGHT_W4
-        prompts, out_lens = w4_requests()
-        args.device, args.dtype = "cuda", "bfloat16"
-        ckpt = config_dir(args.ckpt or Path("/tmp/batchgen-w4-config"), cfg)
+    prompts, out_lens, ckpt = w4_workload(args, MOONLIGHT_W4, SMALL_MOONLIGHT, "w4", 24)
     if args.sampling:
         runs = run_sampling(ckpt, prompts, out_lens, args)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -142,11 +118,7 @@ def main(argv=None) -> int:
             f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s{timed}) "
             f"-> ratio {result['ratio']:.1f}x"
         )
-    for key in ("profile", "profile_prefill"):
-        if key in ours:
-            lines.append(json.dumps(ours[key], indent=1))
-    sys.stdout.write("\n".join(lines) + "\n")
-    return 0 if ours["output_tokens"] == sum(out_lens) else 1
+    return print_run(lines, ours, out_lens)
 
 
 if __name__ == "__main__":

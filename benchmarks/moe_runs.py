@@ -14,6 +14,7 @@ from pathlib import Path
 
 from benchmarks.card import sync
 from benchmarks.engine_runs import (
+    add_engine_args,
     allocator_stats,
     compile_log,
     engine_kwargs,
@@ -21,6 +22,7 @@ from benchmarks.engine_runs import (
     phase_table,
     step_phases,
 )
+from benchmarks.workloads import config_dir, w4_requests
 
 
 def slowest_steps(step_ms: list[float], step_tokens: list[int], n: int = 6) -> list[str]:
@@ -227,9 +229,23 @@ def allocator_lines(alloc: dict | None, steps: list | None = None) -> list[str]:
     return lines
 
 
-def add_allocator_steps_arg(ap: argparse.ArgumentParser) -> None:
-    """--allocator-steps and --step-phases (run_batchgen reads them), for mla.py and
-    hybrid.py."""
+def add_workload_args(ap: argparse.ArgumentParser, peer_batches: int, peer_help: str) -> None:
+    """The flags mla.py and hybrid.py share: --small, --skip-peer, --host-gib,
+    --peer-batches (its default and help the script's), --profile, --profile-prefill,
+    --allocator-steps and --step-phases (run_batchgen reads them), the engine's
+    (engine_runs.add_engine_args), and --ckpt's default (config_dir's folder)."""
+    ap.add_argument("--small", action="store_true", help="tiny model and workload on the CPU")
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--host-gib", type=float, default=32.0)
+    ap.add_argument("--peer-batches", type=int, default=peer_batches, help=peer_help)
+    ap.add_argument(
+        "--profile", action="store_true", help="+ where a decode step's time goes (profiles.py)"
+    )
+    ap.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="+ where a prefill step's time goes (profiles.profile_prefill)",
+    )
     ap.add_argument(
         "--allocator-steps",
         action="store_true",
@@ -242,3 +258,31 @@ def add_allocator_steps_arg(ap: argparse.ArgumentParser) -> None:
         help="+ each step's host ms in the engine calls engine_runs.PHASES names (waiting "
         "for a queued step's tokens is `result`): which steps the host or the GPU bounds",
     )
+    add_engine_args(ap)
+    ap.set_defaults(ckpt=None)
+
+
+def w4_workload(args, config: dict, small_config: dict, name: str, small_prompt_len: int):
+    """W4's requests (workloads.w4_requests) and the folder of the model's config.json:
+    on the GPU in bf16, or with --small six requests of small_prompt_len tokens on the CPU
+    in float32 over small_config, a 0.01 GiB host tier. Sets args.device and args.dtype
+    (and args.host_gib with --small); the folder is --ckpt or /tmp/batchgen-<name>-config
+    (-small-config)."""
+    if args.small:
+        prompts, out_lens = w4_requests(n=6, prompt_len=small_prompt_len, out_len=6, max_token=500)
+        args.device, args.dtype, args.host_gib = "cpu", "float32", 0.01
+        folder = args.ckpt or Path(f"/tmp/batchgen-{name}-small-config")
+        return prompts, out_lens, config_dir(folder, small_config, "float32")
+    prompts, out_lens = w4_requests()
+    args.device, args.dtype = "cuda", "bfloat16"
+    return prompts, out_lens, config_dir(args.ckpt or Path(f"/tmp/batchgen-{name}-config"), config)
+
+
+def print_run(lines: list[str], ours: dict, out_lens: list[int]) -> int:
+    """Prints lines, then run_batchgen's decode and prefill profiles where it took them;
+    the script's exit status: 0 if every request got its output tokens, else 1."""
+    for key in ("profile", "profile_prefill"):
+        if key in ours:
+            lines.append(json.dumps(ours[key], indent=1))
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0 if ours["output_tokens"] == sum(out_lens) else 1
