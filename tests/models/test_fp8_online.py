@@ -4,12 +4,10 @@ they load give the model an FP8 checkpoint of the same weights gives, and load_f
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from conftest import save_tiny_model
-from safetensors.torch import load_file, save_file
+from fp8_blocks import quantize_checkpoint
 from test_fp8_weights import LLAMA
 
 from batchgen import LLM, SamplingParams
@@ -29,16 +27,7 @@ def checkpoints(tmp_path_factory):
     plain, quant = base / "plain", base / "fp8"
     for d in (plain, quant):
         save_tiny_model(d, "LlamaForCausalLM", **LLAMA)
-    tensors = {}
-    for name, t in load_file(str(plain / "model.safetensors")).items():
-        if name.endswith("proj.weight"):
-            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t, (128, 128))
-        else:
-            tensors[name] = t
-    save_file(tensors, str(quant / "model.safetensors"))
-    config = json.loads((quant / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (quant / "config.json").write_text(json.dumps(config))
+    quantize_checkpoint(quant, quantize=quantize_blocks)  # the same seed: plain's weights
     return plain, quant
 
 
