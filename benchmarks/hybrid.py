@@ -44,6 +44,8 @@ import sys
 
 from benchmarks.moe_runs import (
     add_workload_args,
+    batchgen_line,
+    peer_line,
     print_run,
     release_device_memory,
     run_batchgen,
@@ -86,21 +88,14 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hybrid.json").write_text(json.dumps(result, indent=2))
     lines = [
-        f"batchgen     {ours['tok_s']:10.1f} output tok/s ({ours['wall_s']:.2f} s, "
-        f"{ours['steps']} steps; prefill phase {ours['prefill_phase_s']:.2f} s, decode "
-        f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']}, async scheduling "
-        f"{ours['async_scheduling']}, backend {ours['backend']})",
+        batchgen_line(ours, f", backend {ours['backend']}"),
         "counters     " + json.dumps(ours["counters"]),
         *run_lines(ours),
     ]
     if peer and "skipped" in peer:
         lines.append(f"transformers skipped: {peer['skipped']}")
     elif peer:
-        timed = f", {peer['timed_batches']} timed batches" if "timed_batches" in peer else ""
-        lines.append(
-            f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s{timed}, "
-            f"KDA {peer['peer_kda']}) -> ratio {result['ratio']:.1f}x"
-        )
+        lines.append(peer_line(peer, result["ratio"], f", KDA {peer['peer_kda']}"))
     return print_run(lines, ours, out_lens)
 
 

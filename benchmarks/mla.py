@@ -37,6 +37,8 @@ import sys
 
 from benchmarks.moe_runs import (
     add_workload_args,
+    batchgen_line,
+    peer_line,
     print_run,
     release_device_memory,
     run_batchgen,
@@ -102,10 +104,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mla.json").write_text(json.dumps(result, indent=2))
     lines = [
-        f"batchgen     {ours['tok_s']:10.1f} output tok/s ({ours['wall_s']:.2f} s, "
-        f"{ours['steps']} steps; prefill phase {ours['prefill_phase_s']:.2f} s, decode "
-        f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']}, async scheduling "
-        f"{ours['async_scheduling']})",
+        batchgen_line(ours),
         *run_lines(ours),
     ]
     if "fraction_of_roofline" in result:
@@ -113,11 +112,7 @@ def main(argv=None) -> int:
             f"roofline     {ROOFLINE_TOK_S:10.1f} -> {100 * result['fraction_of_roofline']:.1f}%"
         )
     if peer:
-        timed = f", {peer['timed_batches']} timed batches" if "timed_batches" in peer else ""
-        lines.append(
-            f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s{timed}) "
-            f"-> ratio {result['ratio']:.1f}x"
-        )
+        lines.append(peer_line(peer, result["ratio"]))
     return print_run(lines, ours, out_lens)
 
 

@@ -193,6 +193,27 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def batchgen_line(ours: dict, extra: str = "") -> str:
+    """run_batchgen's rate, time, steps, phases and modes as a printed line, `extra`
+    (", name value") after the modes."""
+    return (
+        f"batchgen     {ours['tok_s']:10.1f} output tok/s ({ours['wall_s']:.2f} s, "
+        f"{ours['steps']} steps; prefill phase {ours['prefill_phase_s']:.2f} s, decode "
+        f"{ours['decode_tok_s']:.1f} tok/s; graphs {ours['cuda_graphs']}, async scheduling "
+        f"{ours['async_scheduling']}{extra})"
+    )
+
+
+def peer_line(peer: dict, ratio: float, extra: str = "") -> str:
+    """peers.padded_generate's rate and time (and its timed batches where it timed some)
+    as a printed line, `extra` (", name value") after them, then batchgen's ratio to it."""
+    timed = f", {peer['timed_batches']} timed batches" if "timed_batches" in peer else ""
+    return (
+        f"transformers {peer['tok_s']:10.1f} output tok/s ({peer['wall_s']:.2f} s{timed}"
+        f"{extra}) -> ratio {ratio:.1f}x"
+    )
+
+
 def run_lines(ours: dict) -> list[str]:
     """run_batchgen's slowest steps, untimed start-up, Triton specialisations met after
     the warm-up and the collector's pauses, a printed line each (W4 and W6 alike)."""
