@@ -28,7 +28,6 @@ LAYOUT = StateLayout(
     conv_kernel=4,
     conv_dtype=torch.bfloat16,
 )
-PAUSE = 0.3  # seconds a copy that must wait is given to (wrongly) run
 
 
 def make(dev_slots=3, host_slots=2, debug=False, load_scatter="copy", mirror=None):

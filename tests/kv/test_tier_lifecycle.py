@@ -21,7 +21,6 @@ from batchgen.kv.page_pool import PagePool
 from batchgen.kv.tiered import KVReadbackError, TieredKVManager
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float32)
-PAUSE = 0.3  # seconds a copy that must wait is given to (wrongly) run
 
 
 def make(dev_pages=6, host_pages=4, debug=False, load_scatter="copy"):
@@ -33,19 +32,6 @@ def make(dev_pages=6, host_pages=4, debug=False, load_scatter="copy"):
     copies = CopyEngine(torch.device("cpu"))
     tier = TieredKVManager(pool, host, alloc, copies, debug=debug, load_scatter=load_scatter)
     return tier, alloc
-
-
-def block_streams(tier, streams=None):
-    """Queue a task that blocks until the returned event is set on each copy stream (or
-    on the next `streams` of them): copies submitted after it on that stream wait."""
-    ev = threading.Event()
-    for _ in range(streams or len(tier.copies._queues)):
-        tier.copies.submit("gate", 0, lambda h: ev.wait(10))
-    return ev
-
-
-def device_page(tier, page):
-    return tier.device_pool.kv[:, :, page]  # [L, 2, S, H, D]
 
 
 def test_a_bad_load_scatter_is_named():
