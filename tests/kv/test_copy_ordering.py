@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from tier_parts import STATE_LAYOUT, block_streams
 
 import batchgen.kv.copy_ledger as copy_ledger
 from batchgen.kv import page_copies
@@ -23,22 +24,13 @@ from batchgen.kv.host_pool import HostPool
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_pool import PagePool
-from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool, StateSlots
+from batchgen.kv.state_pool import HostStatePool, StatePool, StateSlots
 from batchgen.kv.state_tier import StateTier
 from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tier_mirror import TierMirror
 from batchgen.kv.tiered import TieredKVManager
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float32)
-STATE_LAYOUT = StateLayout(
-    num_layers=3,
-    num_heads=2,
-    head_k_dim=4,
-    head_v_dim=3,
-    conv_dim=6,
-    conv_kernel=4,
-    conv_dtype=torch.bfloat16,
-)
 PAUSE = 0.3  # seconds a copy that must wait is given to (wrongly) run
 CPU = torch.device("cpu")
 
@@ -77,15 +69,6 @@ def make_mirror():
     pool.kv.normal_()
     copies = CopyEngine(CPU, num_streams=2)
     return TierMirror(pool, HostPool(LAYOUT, 4, pin=False), copies, False, (dev, host))
-
-
-def block_streams(tier, streams=None):
-    """Queue a task that blocks until the returned event is set on each copy stream (or
-    on the next `streams` of them): copies submitted after it on that stream wait."""
-    ev = threading.Event()
-    for _ in range(streams or len(tier.copies._queues)):
-        tier.copies.submit("gate", 0, lambda h: ev.wait(10))
-    return ev
 
 
 def device_page(tier, page):

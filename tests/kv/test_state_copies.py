@@ -4,31 +4,22 @@ of consecutive host slots, in host-slot order, states and conv windows together.
 from __future__ import annotations
 
 import torch
+from tier_parts import STATE_LAYOUT
 
 from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.page_copies import device_to_host_state, host_to_device_state
-from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool
-
-LAYOUT = StateLayout(
-    num_layers=3,
-    num_heads=2,
-    head_k_dim=4,
-    head_v_dim=3,
-    conv_dim=6,
-    conv_kernel=4,
-    conv_dtype=torch.bfloat16,
-)
+from batchgen.kv.state_pool import HostStatePool, StatePool
 
 
 def filled_pool(num_slots: int = 6) -> StatePool:
-    pool = StatePool(LAYOUT, num_slots, "cpu")
+    pool = StatePool(STATE_LAYOUT, num_slots, "cpu")
     pool.states.copy_(torch.arange(pool.states.numel(), dtype=torch.float32).view_as(pool.states))
     pool.windows.copy_(torch.randn(pool.windows.shape))
     return pool
 
 
 def test_slots_round_trip_in_host_slot_order(monkeypatch):
-    pool, host = filled_pool(), HostStatePool(LAYOUT, 8, pin=False)
+    pool, host = filled_pool(), HostStatePool(STATE_LAYOUT, 8, pin=False)
     blocks = []
     real = torch.Tensor.copy_
 
@@ -42,11 +33,11 @@ def test_slots_round_trip_in_host_slot_order(monkeypatch):
     device_to_host_state(
         (pool.states, pool.windows), (host.states, host.windows), dev_slots, host_slots
     )
-    assert blocks == [3] * LAYOUT.num_layers
+    assert blocks == [3] * STATE_LAYOUT.num_layers
     for d, h in zip(dev_slots, host_slots):
         assert torch.equal(host.states[:, h], pool.states[:, d])
         assert torch.equal(host.windows[:, h], pool.windows[:, d])
-    back = StatePool(LAYOUT, 6, "cpu")
+    back = StatePool(STATE_LAYOUT, 6, "cpu")
     host_to_device_state(
         (host.states, host.windows), (back.states, back.windows), host_slots, [0, 2, 3]
     )
@@ -59,21 +50,21 @@ def test_slots_round_trip_in_host_slot_order(monkeypatch):
 
 
 def test_slot_copies_run_through_the_copy_engine():
-    pool, host = filled_pool(), HostStatePool(LAYOUT, 4, pin=False)
+    pool, host = filled_pool(), HostStatePool(STATE_LAYOUT, 4, pin=False)
     copies = CopyEngine(torch.device("cpu"))
     try:
         out = copies.submit(
             "swap_out",
-            LAYOUT.bytes_per_slot,
+            STATE_LAYOUT.bytes_per_slot,
             lambda h: device_to_host_state(
                 (pool.states, pool.windows), (host.states, host.windows), [2], [0]
             ),
         )
         out.synchronize()
-        restored = StatePool(LAYOUT, 6, "cpu")
+        restored = StatePool(STATE_LAYOUT, 6, "cpu")
         back = copies.submit(
             "swap_in",
-            LAYOUT.bytes_per_slot,
+            STATE_LAYOUT.bytes_per_slot,
             lambda h: host_to_device_state(
                 (host.states, host.windows), (restored.states, restored.windows), [0], [5]
             ),

@@ -7,34 +7,23 @@ that makes a missing wait visible here)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from tier_parts import STATE_LAYOUT, block_streams
 
 import batchgen.kv.copy_ledger as copy_ledger
 from batchgen.kv.copy_engine import CopyEngine
-from batchgen.kv.state_pool import HostStatePool, StateLayout, StatePool, StateSlots
+from batchgen.kv.state_pool import HostStatePool, StatePool, StateSlots
 from batchgen.kv.state_tier import StateTier
 from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tiered import KVReadbackError
 
-LAYOUT = StateLayout(
-    num_layers=3,
-    num_heads=2,
-    head_k_dim=4,
-    head_v_dim=3,
-    conv_dim=6,
-    conv_kernel=4,
-    conv_dtype=torch.bfloat16,
-)
-
 
 def make(dev_slots=3, host_slots=2, debug=False, load_scatter="copy", mirror=None):
-    pool = StatePool(LAYOUT, dev_slots, "cpu")
+    pool = StatePool(STATE_LAYOUT, dev_slots, "cpu")
     pool.states.normal_()
     pool.windows.normal_()
-    host = HostStatePool(LAYOUT, host_slots, pin=False)
+    host = HostStatePool(STATE_LAYOUT, host_slots, pin=False)
     host.states.fill_(-1.0)  # a slot nothing wrote reads -1
     host.windows.fill_(-1.0)
     slots = StateSlots(dev_slots)
@@ -43,14 +32,6 @@ def make(dev_slots=3, host_slots=2, debug=False, load_scatter="copy", mirror=Non
         pool, host, slots, copies, TierMetrics(), debug, load_scatter=load_scatter, mirror=mirror
     )
     return tier, slots
-
-
-def block_streams(tier):
-    """Queue a task that blocks until the returned event is set on every copy stream."""
-    ev = threading.Event()
-    for _ in tier.copies._queues:
-        tier.copies.submit("gate", 0, lambda h: ev.wait(10))
-    return ev
 
 
 def source(tier, slot):
@@ -78,8 +59,8 @@ def test_a_stored_then_loaded_slot_equals_the_original():
     m = tier.metrics
     assert (m.state_swaps_out, m.state_swaps_in) == (1, 1)
     assert m.bytes_by_reason == {
-        "state_swap_out": LAYOUT.bytes_per_slot,
-        "state_swap_in": LAYOUT.bytes_per_slot,
+        "state_swap_out": STATE_LAYOUT.bytes_per_slot,
+        "state_swap_in": STATE_LAYOUT.bytes_per_slot,
     }
 
 
@@ -136,10 +117,10 @@ def test_a_worker_mirror_replays_the_logged_state_copies_on_its_own_pools():
 
     logged = []
     tier, slots = make(dev_slots=4, host_slots=3, mirror=logged.append)
-    worker_dev = StatePool(LAYOUT, 4, "cpu")
+    worker_dev = StatePool(STATE_LAYOUT, 4, "cpu")
     worker_dev.states.normal_()
     worker_dev.windows.normal_()
-    worker_host = HostStatePool(LAYOUT, 3, pin=False)
+    worker_host = HostStatePool(STATE_LAYOUT, 3, pin=False)
     kv = KVLayout(1, 1, 2, 4, torch.float32)
     mirror = TierMirror(
         PagePool(kv, 2, torch.device("cpu")),
