@@ -162,19 +162,33 @@ def save_byte_tokenizer(path) -> None:
     fast.save_pretrained(path)
 
 
-def record_launches(runner) -> list:
-    """Wrap `runner.launch_decode`: the list returned gets each queued step's
-    InFlightDecode and whether it was queued behind another, as (flight, behind)."""
-    launches = []
+def _on_decode_launch(runner, note) -> None:
+    """Wrap `runner.launch_decode` so that each launch calls note(flight, behind): the
+    step's InFlightDecode, and whether it was queued behind another (pipelined)."""
     launch = runner.launch_decode
 
     def recorded(sched, prev=None, *copies):
         flight = launch(sched, prev, *copies)
-        launches.append((flight, prev is not None))
+        note(flight, prev is not None)
         return flight
 
     runner.launch_decode = recorded
+
+
+def record_launches(runner) -> list:
+    """Wrap `runner.launch_decode`: the list returned gets each queued step's
+    InFlightDecode and whether it was queued behind another, as (flight, behind)."""
+    launches = []
+    _on_decode_launch(runner, lambda flight, behind: launches.append((flight, behind)))
     return launches
+
+
+def record_queued(runner) -> list[bool]:
+    """Wrap `runner.launch_decode`: the list returned gets, per launched decode step,
+    whether it was queued behind another (pipelined)."""
+    queued: list[bool] = []
+    _on_decode_launch(runner, lambda flight, behind: queued.append(behind))
+    return queued
 
 
 def count_launches_ahead(runner) -> dict:

@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import record_queued
 from tier_workload import (
     KINDS,
     assert_nothing_held,
@@ -22,7 +23,6 @@ from tier_workload import (
     request_row,
     rows,
     spy_finishes,
-    spy_launches,
     spy_stores_ahead,
 )
 
@@ -127,7 +127,7 @@ def test_mixed_endings_match_tier_off(workload, pipeline, decode_append, scatter
     path, prompts, params, reference = workload
     llm = _tier_llm(path, pipeline, decode_append, scatter)
     deferred = spy_deferred(monkeypatch)
-    launches = spy_launches(llm)
+    launches = record_queued(llm.engine.runner)
     finishes = spy_finishes(llm.engine)
     got = rows(llm.generate(prompts, params, use_tqdm=False))
     assert got == reference, _diff(got, reference)

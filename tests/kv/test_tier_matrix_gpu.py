@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import record_queued
 from parity import top5_after
 from tier_workload import (
     KINDS,
@@ -23,7 +24,6 @@ from tier_workload import (
     endings,
     rows,
     spy_finishes,
-    spy_launches,
 )
 
 from batchgen import LLM
@@ -115,7 +115,7 @@ def test_mixed_endings_close_to_tier_off(
         **TIER,
         **GPU,
     )
-    launches = spy_launches(llm)
+    launches = record_queued(llm.engine.runner)
     finishes = spy_finishes(llm.engine)
     counts, broken = _judge(
         ref, prompts, params, rows(llm.generate(prompts, params, use_tqdm=False)), reference

@@ -113,21 +113,6 @@ def endings(rows_: list[tuple]) -> Counter:
     return Counter(kind(r[1], r[2]) for r in rows_)
 
 
-def spy_launches(llm) -> list[bool]:
-    """Record each runner.launch_decode call: True when it was queued behind another
-    step (pipelined), as tests/engine/test_pipeline_decode.py counts them."""
-    runner = llm.engine.runner
-    launches: list[bool] = []
-    launch = runner.launch_decode
-
-    def counted(sched, prev=None, *copies):
-        launches.append(prev is not None)
-        return launch(sched, prev, *copies)
-
-    runner.launch_decode = counted
-    return launches
-
-
 def spy_finishes(engine) -> Counter:
     """Count, per ending kind, the requests that ended while a queued pipelined step
     held them (its extra token must then be discarded)."""

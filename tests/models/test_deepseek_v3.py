@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import record_queued
 from deepseek_checkpoints import CONFIGS, YARN, save_tiny_deepseek, tiny_config
 from parity import reference_greedy
 
@@ -72,19 +73,6 @@ class Reference:
         return worst
 
 
-def _count_queued(llm) -> list[bool]:
-    """Records, per launched decode step, whether it was queued behind another."""
-    runner, launches = llm.engine.runner, []
-    launch = runner.launch_decode
-
-    def counted(sched, prev=None, *copies):
-        launches.append(prev is not None)
-        return launch(sched, prev, *copies)
-
-    runner.launch_decode = counted
-    return launches
-
-
 def _checkpoint(path, overrides: dict) -> tuple[str, list[list[int]], Reference]:
     model = save_tiny_deepseek(path, **overrides)
     prompts = _prompts()
@@ -101,7 +89,7 @@ def q_lora(tmp_path_factory):
 def test_greedy_and_logprobs_match_transformers(tmp_path, q_lora, name):
     path, prompts, ref = q_lora if name == "q_lora" else _checkpoint(tmp_path, CONFIGS[name])
     llm = LLM(model=path, num_kv_pages=40, max_num_batched_tokens=32, **RUN)
-    queued = _count_queued(llm)
+    queued = record_queued(llm.engine.runner)
     engine = llm.engine
     assert engine.layout.num_components == 1 and engine.layout.head_dim == 32 + 8
     assert engine.eos_token_ids == sorted(ref.stops)

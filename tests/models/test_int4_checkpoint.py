@@ -19,7 +19,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import record_queued, save_tiny_model
 from deepseek_checkpoints import save_tiny_deepseek
 from int4_blocks import KIMI_K2_THINKING_IGNORE, write_pack_quantized
 from kimi_checkpoints import save_tiny_kimi
@@ -107,24 +107,11 @@ def _packed_bytes_ratio(model) -> float:
     return packed / dense
 
 
-def _count_queued(llm) -> list[bool]:
-    """Records, per launched decode step, whether it was queued behind another."""
-    runner, launches = llm.engine.runner, []
-    launch = runner.launch_decode
-
-    def counted(sched, prev=None, *copies):
-        launches.append(prev is not None)
-        return launch(sched, prev, *copies)
-
-    runner.launch_decode = counted
-    return launches
-
-
 def test_int4_checkpoint_loads_packed_and_greedy_matches_in_the_default_configuration(checkpoints):
     """Pipelined decode, EOS endings: each request's tokens and finish reason are the
     dequantized twin's."""
     llm = LLM(model=str(checkpoints.int4), **RUN)
-    queued = _count_queued(llm)
+    queued = record_queued(llm.engine.runner)
     model = llm.engine.runner.model
     ratio = _packed_bytes_ratio(model)
     assert 0.25 < ratio <= 0.32, f"packed layers hold {ratio:.2f}x of their bf16 bytes"

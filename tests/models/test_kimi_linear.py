@@ -16,8 +16,9 @@ import random
 
 import pytest
 import torch
+from conftest import record_queued
 from kimi_checkpoints import save_tiny_kimi, tiny_config  # noqa: F401 (re-exported)
-from test_deepseek_v3 import MAX_NEW, Reference, _count_queued
+from test_deepseek_v3 import MAX_NEW, Reference
 
 from batchgen import LLM, SamplingParams
 from batchgen.models.loader import ModelSource, build_model
@@ -88,7 +89,7 @@ def test_greedy_and_logprobs_match_transformers(tmp_path, kimi_linear, name):
         kimi_linear if name == "kda3_mla1" else _checkpoint(tmp_path, PATTERNS[name])
     )
     llm = LLM(model=path, num_kv_pages=400, max_num_batched_tokens=48, **RUN)
-    queued = _count_queued(llm)
+    queued = record_queued(llm.engine.runner)
     engine = llm.engine
     config = engine.model.config
     assert engine.layout.num_layers == config.layer_types.count(F)

@@ -12,8 +12,8 @@ import random
 
 import pytest
 import torch
+from conftest import record_queued
 from parity import collapsed, completions, top5_after
-from test_deepseek_v3 import _count_queued
 from test_kimi_linear import save_tiny_kimi
 
 from batchgen import LLM, SamplingParams
@@ -76,7 +76,7 @@ def test_default_configuration_stays_close_to_the_logprobs_run(dense_model_dir):
     prompts = _prompts(32)
     stop = ["w7"]  # the test tokenizer's words w7 and w70-w79: ~2% of the vocabulary
     llm = LLM(model=dense_model_dir, num_kv_pages=1024, **KW)
-    queued = _count_queued(llm)
+    queued = record_queued(llm.engine.runner)
     plain = SamplingParams(temperature=0, max_tokens=48, stop=stop)
     outs = [o.outputs[0] for o in llm.generate(prompts, plain, use_tqdm=False)]
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs

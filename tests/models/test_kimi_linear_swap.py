@@ -11,7 +11,8 @@ pool with the tier off (no preemption at all): greedy tokens identical, logprobs
 from __future__ import annotations
 
 import pytest
-from test_deepseek_v3 import Reference, _count_queued
+from conftest import record_queued
+from test_deepseek_v3 import Reference
 from test_kimi_linear import (
     PATTERNS,
     RUN,
@@ -85,7 +86,7 @@ def _check_released(llm: LLM) -> None:
 def test_swapped_requests_resume_their_state_exactly(checkpoint, debug):
     path, prompts, ample = checkpoint
     llm = _tight_llm(path, batchgen_debug=debug)
-    queued = _count_queued(llm)
+    queued = record_queued(llm.engine.runner)
     _check_same(llm.generate(prompts, TOKENS, use_tqdm=False), ample[0], logprobs=False)
     m = _check_swaps(llm)
     assert (m["readback_checks"] > 0) == debug, m
