@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from deepseek_checkpoints import tiny_config
+from ep_layers import CONFIG, ep_moe, full_moe
 from tp_workers import run_ranks
 
 from batchgen.layers import moe as moe_module
@@ -18,7 +19,6 @@ from batchgen.layers.expert_parallel import ExpertParallel, dispatch_combine, fi
 from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.tp_group import TPGroup
 
-CONFIG = dict(first_k_dense_replace=0, n_shared_experts=1)
 NUM_EXPERTS = 8
 HOST_READS = ("item", "tolist", "nonzero", "numpy", "__bool__", "__int__", "__float__")
 TORCH_READS = ("nonzero", "bincount", "unique", "repeat_interleave")
@@ -51,15 +51,6 @@ def no_host_reads():
             setattr(owner, name, original)
 
 
-def _full_moe() -> DeepseekV3MoE:
-    torch.manual_seed(0)
-    moe = DeepseekV3MoE(tiny_config(**CONFIG))
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.3)
-    return moe
-
-
 def _inputs(counts: list[int], to_rank: int | None):
     """Every rank's tokens, routing weights and expert ids [sum(counts), 2]; to_rank:
     rank 0's pairs all go to that rank's experts."""
@@ -75,28 +66,15 @@ def _inputs(counts: list[int], to_rank: int | None):
     return x, weights, ids
 
 
-def _ep_moe(tp: TPGroup, full: DeepseekV3MoE, ep: ExpertParallel) -> DeepseekV3MoE:
-    moe = DeepseekV3MoE(tiny_config(**CONFIG), ep=ep)
-    local = moe.experts.local_experts
-    moe.load_state_dict(
-        {
-            **full.state_dict(),
-            "experts.gate_up_proj": full.experts.gate_up_proj[local],
-            "experts.down_proj": full.experts.down_proj[local],
-        }
-    )
-    return moe
-
-
 def _fixed_rank(tp: TPGroup, counts: list[int], to_rank: int | None) -> dict:
     """This rank's outputs: its own tokens through the variable and the fixed-capacity
     dispatch, whether the variable one read the host, and the MoE layer under
     fixed_capacity() with replicated tokens."""
-    full = _full_moe()
+    full = full_moe()
     x, weights, ids = _inputs(counts, to_rank)
     start = sum(counts[: tp.rank])
     mine = slice(start, start + counts[tp.rank])
-    moe = _ep_moe(tp, full, ExpertParallel(tp))
+    moe = ep_moe(full, ExpertParallel(tp))
 
     def experts(rows, w, expert_ids):  # the experts' own CPU path may read the host
         _armed[0] = False
@@ -121,7 +99,7 @@ def _fixed_rank(tp: TPGroup, counts: list[int], to_rank: int | None) -> dict:
         whole = torch.cat([x, x[:3]])
         with fixed_capacity():
             out["layer"] = moe(whole)
-            local = _ep_moe(tp, full, ExpertParallel(tp, local_tokens=True, max_tokens=2))
+            local = ep_moe(full, ExpertParallel(tp, local_tokens=True, max_tokens=2))
             try:
                 local(whole[:3])
                 out["over_capacity"] = None
@@ -131,7 +109,7 @@ def _fixed_rank(tp: TPGroup, counts: list[int], to_rank: int | None) -> dict:
 
 
 def _check(counts: list[int], tmp_path, to_rank: int | None = None) -> None:
-    full = _full_moe()
+    full = full_moe()
     x, weights, ids = _inputs(counts, to_rank)
     with torch.no_grad():
         want = full.experts(x, weights, ids)

@@ -10,26 +10,15 @@ import re
 
 import pytest
 import torch
-from deepseek_checkpoints import CONFIGS, save_tiny_deepseek, tiny_config
+from deepseek_checkpoints import CONFIGS, save_tiny_deepseek
+from ep_layers import ep_moe, full_moe
 from int4_blocks import KIMI_K2_THINKING_IGNORE, write_pack_quantized
 from safetensors.torch import load_file
 from tp_workers import run_ranks
 
 from batchgen.layers.expert_parallel import ExpertParallel
-from batchgen.layers.moe import DeepseekV3MoE
 from batchgen.layers.tp_group import TPGroup
 from batchgen.models.loader import ModelSource, build_model
-
-CONFIG = dict(first_k_dense_replace=0, n_shared_experts=1)
-
-
-def _full_moe() -> DeepseekV3MoE:
-    torch.manual_seed(0)
-    moe = DeepseekV3MoE(tiny_config(**CONFIG))
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.3)
-    return moe
 
 
 def _tokens(total: int) -> torch.Tensor:
@@ -44,18 +33,11 @@ def _rows(counts: list[int], rank: int) -> slice:
 def _ep_rank(tp: TPGroup, counts: list[int]) -> dict:
     """This rank's outputs through the expert-parallel layer: its own rows of the tokens
     (local tokens), and all of them (replicated tokens, each rank a slice)."""
-    full = _full_moe()
+    full = full_moe()
     x = _tokens(sum(counts))
     out = {}
     for local in (True, False):
-        moe = DeepseekV3MoE(tiny_config(**CONFIG), ep=ExpertParallel(tp, local_tokens=local))
-        moe.load_state_dict(
-            {
-                **full.state_dict(),
-                "experts.gate_up_proj": full.experts.gate_up_proj[moe.experts.local_experts],
-                "experts.down_proj": full.experts.down_proj[moe.experts.local_experts],
-            }
-        )
+        moe = ep_moe(full, ExpertParallel(tp, local_tokens=local))
         with torch.no_grad():
             out[local] = moe(x[_rows(counts, tp.rank)] if local else x)
     out["experts"] = list(moe.experts.local_experts)
@@ -65,7 +47,7 @@ def _ep_rank(tp: TPGroup, counts: list[int]) -> dict:
 
 def _check(counts: list[int], tmp_path) -> None:
     size = len(counts)
-    full = _full_moe()
+    full = full_moe()
     x = _tokens(sum(counts))
     with torch.no_grad():
         want = full(x)
