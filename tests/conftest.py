@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from pathlib import Path
@@ -160,6 +161,18 @@ def save_byte_tokenizer(path) -> None:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     fast.save_pretrained(path)
+
+
+class TtyStream(io.StringIO):
+    """A text stream (stderr's stand-in) that is a terminal or not as told: isatty()
+    says `tty`, what the progress output checks before it draws."""
+
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
 
 
 def _on_decode_launch(runner, note) -> None:

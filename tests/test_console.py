@@ -9,24 +9,16 @@ import sys
 import warnings
 
 import pytest
+from conftest import TtyStream
 from transformers import modeling_gguf_pytorch_utils as gguf_utils
 from transformers.utils import logging as hf_logging
 
 from batchgen import console
 
 
-class _Stream(io.StringIO):
-    def __init__(self, tty: bool) -> None:
-        super().__init__()
-        self.tty = tty
-
-    def isatty(self) -> bool:
-        return self.tty
-
-
 @pytest.mark.parametrize("tty", [True, False])
 def test_progress_only_on_a_terminal_and_never_when_quiet(monkeypatch, tty):
-    monkeypatch.setattr(sys, "stderr", _Stream(tty))
+    monkeypatch.setattr(sys, "stderr", TtyStream(tty))
     assert console.progress_enabled() is tty
     with console.quiet_libraries(quiet=False):
         assert console.progress_enabled() is tty

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import sys
 
 import pytest
-from conftest import save_tiny_model
+from conftest import TtyStream, save_tiny_model
 
 from batchgen import LLM, SamplingParams
-
-
-class _Stream(io.StringIO):
-    def __init__(self, tty: bool) -> None:
-        super().__init__()
-        self.tty = tty
-
-    def isatty(self) -> bool:
-        return self.tty
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +19,7 @@ def llm(tmp_path_factory):
 
 @pytest.mark.parametrize("tty", [True, False])
 def test_the_generating_bar_shows_only_when_stderr_is_a_terminal(monkeypatch, llm, tty):
-    stderr = _Stream(tty)
+    stderr = TtyStream(tty)
     monkeypatch.setattr(sys, "stderr", stderr)
     llm.generate(["w5 w6"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=True)
     assert ("Generating" in stderr.getvalue()) is tty
