@@ -3,8 +3,11 @@ by tests/models and tests/distributed."""
 
 from __future__ import annotations
 
+import inspect
 import math
+from contextlib import contextmanager
 
+import pytest
 import torch
 from conftest import save_random_model
 
@@ -106,3 +109,22 @@ def run_kda_step(layer, pool, parts: list[tuple[torch.Tensor, int, bool]]) -> li
     with torch.no_grad(), bind_forward_context(ctx):
         out = layer(x)
     return [out[s.q_start : s.q_start + s.q_len] for s in seqs]
+
+
+@contextmanager
+def transformers_torch_kda():
+    """transformers' Kimi Linear on its own torch KDA and short convolution: it binds
+    fla-core's kernels in their place where fla-core is installed, and the references
+    here are its torch code, on the CPU. Put back on leaving."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    names = [
+        "chunk_kimi_delta_attention",
+        "recurrent_kimi_delta_attention",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    ]
+    with pytest.MonkeyPatch.context() as mp:
+        for name in names:
+            mp.setattr(kimi, name, inspect.unwrap(getattr(kimi, name)))
+        yield

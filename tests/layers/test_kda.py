@@ -3,12 +3,11 @@ our recurrent, chunked and packed computations against each other."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 from kimi_checkpoints import random_kda_module as hf_layer
 from kimi_checkpoints import run_kda_step as run_step
+from kimi_checkpoints import transformers_torch_kda
 
 from batchgen.forward_context import (
     LinearAttentionMetadata,
@@ -28,15 +27,7 @@ TOL = 1e-5
 def transformers_torch_path():
     """transformers binds fla-core's kernels in place of its torch KDA where fla-core is
     installed; the reference here is its torch code, on the CPU."""
-    names = [
-        "chunk_kimi_delta_attention",
-        "recurrent_kimi_delta_attention",
-        "causal_conv1d_fn",
-        "causal_conv1d_update",
-    ]
-    with pytest.MonkeyPatch.context() as mp:
-        for name in names:
-            mp.setattr(kimi, name, inspect.unwrap(getattr(kimi, name)))
+    with transformers_torch_kda():
         yield
 
 

@@ -11,13 +11,16 @@ them with it).
 
 from __future__ import annotations
 
-import inspect
 import random
 
 import pytest
 import torch
 from conftest import record_queued
-from kimi_checkpoints import save_tiny_kimi, tiny_config  # noqa: F401 (re-exported)
+from kimi_checkpoints import (  # noqa: F401 (tiny_config re-exported)
+    save_tiny_kimi,
+    tiny_config,
+    transformers_torch_kda,
+)
 from test_deepseek_v3 import MAX_NEW, Reference
 
 from batchgen import LLM, SamplingParams
@@ -51,15 +54,7 @@ PATTERNS = {
 def transformers_torch_path():
     """transformers binds fla-core's kernels in place of its torch KDA where fla-core is
     installed; the reference is its torch code, on the CPU."""
-    names = [
-        "chunk_kimi_delta_attention",
-        "recurrent_kimi_delta_attention",
-        "causal_conv1d_fn",
-        "causal_conv1d_update",
-    ]
-    with pytest.MonkeyPatch.context() as mp:
-        for name in names:
-            mp.setattr(kimi, name, inspect.unwrap(getattr(kimi, name)))
+    with transformers_torch_kda():
         yield
 
 
