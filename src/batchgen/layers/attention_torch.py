@@ -2,10 +2,12 @@
 
 Correct for any mix of prefill chunks and decodes, GQA, a cached prefix (the causal
 mask is offset by it) and an optional sliding window. Math runs in float32.
-Decodes are gathered into one batched attention; prefill chunks run one by one (the
-per-step token budget keeps them few). In batch-invariant mode (deterministic=True)
-both go through `batch_invariant.attend`, whose result for a query depends on its
-position and its sequence's keys alone.
+Decodes are gathered into one batched attention; prefill chunks of the same query and
+key counts run as one batched attention (a step of many short prompts ran hundreds of
+small ones), each with its own shapes, so that a chunk's rows are what it alone gives
+(the same bits on the CPU). In batch-invariant mode
+(deterministic=True) both go through `batch_invariant.attend`, chunk by chunk, whose
+result for a query depends on its position and its sequence's keys alone.
 
 FP8 pages (kv_cache_dtype "fp8"): K/V are quantized as they are written
 (`kv_quant.write_rows`) and upcast where they are read (the float32 math below).
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.forward_context import AttentionMetadata
+from batchgen.forward_context import AttentionMetadata, PrefillSeq, derived
 from batchgen.kv_quant import write_rows
 from batchgen.layers import batch_invariant
 
@@ -78,16 +80,35 @@ def paged_attention(
         else:
             allowed = _window_mask(q_pos, k_pos, sliding_window)
             out[meta.decode_rows] = _attend(rows, k, v, allowed, scale)[:, 0]
-    for seq in meta.prefills:
-        k = k_cache[seq.pages].flatten(0, 1)[: seq.seq_len][None]
-        v = v_cache[seq.pages].flatten(0, 1)[: seq.seq_len][None]
-        rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        q_pos = torch.arange(seq.seq_len - seq.q_len, seq.seq_len, device=q.device)[:, None]
-        if batch_invariant.active():
-            att = batch_invariant.attend(q[rows][None], k, v, q_pos.T, scale, sliding_window)
+    if batch_invariant.active():
+        for seq in meta.prefills:
+            k = k_cache[seq.pages].flatten(0, 1)[: seq.seq_len][None]
+            v = v_cache[seq.pages].flatten(0, 1)[: seq.seq_len][None]
+            rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            q_pos = torch.arange(seq.seq_len - seq.q_len, seq.seq_len, device=q.device)[None]
+            att = batch_invariant.attend(q[rows][None], k, v, q_pos, scale, sliding_window)
             out[rows] = att[0].to(q.dtype)
-            continue
-        k_pos = torch.arange(seq.seq_len, device=q.device)[None, :]
-        allowed = _window_mask(q_pos, k_pos, sliding_window)[None]
-        out[rows] = _attend(q[rows][None], k, v, allowed, scale)[0]
+        return out
+    for rows, pages, q_len, seq_len in derived(meta, "prefill_groups", lambda: _groups(meta)):
+        k = k_cache[pages].flatten(1, 2)[:, :seq_len]
+        v = v_cache[pages].flatten(1, 2)[:, :seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        allowed = _window_mask(q_pos, k_pos, sliding_window)[None].expand(len(rows), -1, -1)
+        out[rows] = _attend(q[rows], k, v, allowed, scale)
     return out
+
+
+def _groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """The step's prefill chunks grouped by (q_len, seq_len): per group its query rows
+    [B, q_len] in the packed batch, its pages [B, pages], q_len and seq_len."""
+    by_shape: dict[tuple[int, int], list[PrefillSeq]] = {}
+    for seq in meta.prefills:
+        by_shape.setdefault((seq.q_len, seq.seq_len), []).append(seq)
+    groups = []
+    for (q_len, seq_len), seqs in by_shape.items():
+        pages = torch.stack([seq.pages for seq in seqs])
+        starts = torch.tensor([seq.q_start for seq in seqs], device=pages.device)
+        rows = starts[:, None] + torch.arange(q_len, device=pages.device)
+        groups.append((rows, pages, q_len, seq_len))
+    return groups
