@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from tier_parts import STATE_LAYOUT, block_streams
+from tier_parts import STATE_LAYOUT, block_streams, make_state_tier
 
 import batchgen.kv.copy_ledger as copy_ledger
 from batchgen.kv import page_copies
@@ -24,9 +24,7 @@ from batchgen.kv.host_pool import HostPool
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.page_pool import PagePool
-from batchgen.kv.state_pool import HostStatePool, StatePool, StateSlots
-from batchgen.kv.state_tier import StateTier
-from batchgen.kv.tier_metrics import TierMetrics
+from batchgen.kv.state_pool import HostStatePool, StatePool
 from batchgen.kv.tier_mirror import TierMirror
 from batchgen.kv.tiered import TieredKVManager
 
@@ -44,19 +42,6 @@ def make_pages(dev_pages=6, host_pages=4, debug=False, load_scatter="copy"):
     copies = CopyEngine(CPU)
     tier = TieredKVManager(pool, host, alloc, copies, debug=debug, load_scatter=load_scatter)
     return tier, alloc
-
-
-def make_slots(dev_slots=3, host_slots=2, debug=False, load_scatter="copy"):
-    pool = StatePool(STATE_LAYOUT, dev_slots, "cpu")
-    pool.states.normal_()
-    pool.windows.normal_()
-    host = HostStatePool(STATE_LAYOUT, host_slots, pin=False)
-    host.states.fill_(-1.0)  # a slot nothing wrote reads -1
-    host.windows.fill_(-1.0)
-    slots = StateSlots(dev_slots)
-    copies = CopyEngine(CPU)
-    tier = StateTier(pool, host, slots, copies, TierMetrics(), debug, load_scatter=load_scatter)
-    return tier, slots
 
 
 def make_mirror():
@@ -128,7 +113,7 @@ def _mirror_slots_store_then_load(mirror):
 
 SIDES = {
     "pages": (make_pages, _pages_store_then_load),
-    "slots": (make_slots, _slots_store_then_load),
+    "slots": (make_state_tier, _slots_store_then_load),
     "mirror-pages": (lambda: (make_mirror(),), _mirror_pages_store_then_load),
     "mirror-slots": (lambda: (make_mirror(),), _mirror_slots_store_then_load),
 }
@@ -252,7 +237,7 @@ def test_where_a_write_through_store_reads_its_pages(scatter, monkeypatch):
 
 
 def test_the_device_slot_is_not_reused_before_its_store_completes():
-    tier, slots = make_slots(dev_slots=2)
+    tier, slots = make_state_tier(dev_slots=2)
     slot = slots.take("r")
     want = source(tier, slot)
     release = block_streams(tier)
@@ -279,7 +264,7 @@ def test_where_a_state_store_and_a_checkpoint_read_their_slots(scatter, monkeypa
     the tier runs no kernel on a copy stream). Each slot is written again between the
     submission and the copy, which a blocked stream holds back: the host slots show
     which read happened. Either way the checkpoint's gate is marked and its handle done."""
-    tier, slots = make_slots(load_scatter=scatter)
+    tier, slots = make_state_tier(load_scatter=scatter)
     copy_stream_reads = []
     real = copy_ledger.device_to_host_state
     monkeypatch.setattr(
@@ -314,7 +299,7 @@ def test_a_checkpoint_frees_its_slot_for_writing_once_read_into_staging():
     with the state as it was. A gate marked before the gather would let it through.
     (On the CPU a copy is issued whole before any gate can be awaited; the GPU's events
     let the forward start while the transfer to host runs.)"""
-    tier, slots = make_slots()
+    tier, slots = make_state_tier()
     slot = slots.take("r")
     want = source(tier, slot)
     dev, host = tier._tensors()
@@ -395,7 +380,7 @@ def _swapped(tier, slots):
 def test_a_deferred_state_load_scatters_at_its_first_wait():
     """load_scatter="compute": the slot's staged values reach the pool only when the
     step resuming the request waits on the load, and the load is not done before."""
-    tier, slots = make_slots(load_scatter="compute")
+    tier, slots = make_state_tier(load_scatter="compute")
     want = _swapped(tier, slots)
     load = tier.load("r")
     load.issued.wait(10)
@@ -423,7 +408,7 @@ def _pages_load_a_failed_step_left():
 
 
 def _slots_load_a_failed_step_left():
-    tier, slots = make_slots(load_scatter="compute")
+    tier, slots = make_state_tier(load_scatter="compute")
     want = _swapped(tier, slots)
     load = tier.load("r")  # nobody waits on it: its step failed
     landed = lambda: torch.equal(tier.device_pool.states[:, slots.slot("r")], want[0])  # noqa: E731

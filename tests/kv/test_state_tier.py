@@ -9,29 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tier_parts import STATE_LAYOUT, block_streams
+from tier_parts import STATE_LAYOUT, block_streams, make_state_tier
 
 import batchgen.kv.copy_ledger as copy_ledger
 from batchgen.kv.copy_engine import CopyEngine
-from batchgen.kv.state_pool import HostStatePool, StatePool, StateSlots
-from batchgen.kv.state_tier import StateTier
-from batchgen.kv.tier_metrics import TierMetrics
+from batchgen.kv.state_pool import HostStatePool, StatePool
 from batchgen.kv.tiered import KVReadbackError
-
-
-def make(dev_slots=3, host_slots=2, debug=False, load_scatter="copy", mirror=None):
-    pool = StatePool(STATE_LAYOUT, dev_slots, "cpu")
-    pool.states.normal_()
-    pool.windows.normal_()
-    host = HostStatePool(STATE_LAYOUT, host_slots, pin=False)
-    host.states.fill_(-1.0)  # a slot nothing wrote reads -1
-    host.windows.fill_(-1.0)
-    slots = StateSlots(dev_slots)
-    copies = CopyEngine(torch.device("cpu"))
-    tier = StateTier(
-        pool, host, slots, copies, TierMetrics(), debug, load_scatter=load_scatter, mirror=mirror
-    )
-    return tier, slots
 
 
 def source(tier, slot):
@@ -40,7 +23,7 @@ def source(tier, slot):
 
 
 def test_a_stored_then_loaded_slot_equals_the_original():
-    tier, slots = make()
+    tier, slots = make_state_tier()
     slots.take("other")
     slot = slots.take("r")
     want = source(tier, slot)
@@ -65,7 +48,7 @@ def test_a_stored_then_loaded_slot_equals_the_original():
 
 
 def test_a_full_host_pool_has_no_room_and_a_forgotten_slot_comes_back():
-    tier, slots = make(host_slots=1)
+    tier, slots = make_state_tier(host_slots=1)
     slots.take("a")
     slots.take("b")
     release = block_streams(tier)
@@ -79,7 +62,7 @@ def test_a_full_host_pool_has_no_room_and_a_forgotten_slot_comes_back():
 
 
 def test_debug_readback_compares_the_host_slot_with_its_source(monkeypatch):
-    tier, slots = make(debug=True)
+    tier, slots = make_state_tier(debug=True)
     slots.take("r")
     tier.store("r", "request r")
     assert tier.metrics.readback_checks == 1
@@ -97,7 +80,7 @@ def test_debug_readback_compares_the_host_slot_with_its_source(monkeypatch):
 
 
 def test_no_readback_when_debug_is_off():
-    tier, slots = make()
+    tier, slots = make_state_tier()
     slots.take("r")
     release = block_streams(tier)
     tier.store("r", "request r")  # returns with the copy blocked: nothing waited on it
@@ -116,7 +99,7 @@ def test_a_worker_mirror_replays_the_logged_state_copies_on_its_own_pools():
     from batchgen.kv.tier_mirror import TierMirror
 
     logged = []
-    tier, slots = make(dev_slots=4, host_slots=3, mirror=logged.append)
+    tier, slots = make_state_tier(dev_slots=4, host_slots=3, mirror=logged.append)
     worker_dev = StatePool(STATE_LAYOUT, 4, "cpu")
     worker_dev.states.normal_()
     worker_dev.windows.normal_()
@@ -159,4 +142,4 @@ def test_a_worker_mirror_replays_the_logged_state_copies_on_its_own_pools():
 
 def test_a_bad_state_load_scatter_is_named():
     with pytest.raises(ValueError, match="load_scatter"):
-        make(load_scatter="side")
+        make_state_tier(load_scatter="side")
