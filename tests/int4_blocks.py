@@ -5,6 +5,8 @@ library's own, so a test reads what that library writes."""
 from __future__ import annotations
 
 import torch
+from conftest import save_tiny_model
+from deepseek_checkpoints import save_tiny_deepseek
 
 
 def quantize_int4(
@@ -40,6 +42,19 @@ KIMI_K2_THINKING_IGNORE = [  # its config.json's: only the routed experts are IN
     "re:.*shared_experts.*",
     r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
 ]
+
+
+# the tiny checkpoints the INT4 tests pack, by name: (write the float checkpoint into a
+# folder, which weights to pack, the ignore list): a Llama with every projection INT4, a
+# DeepSeek-V3 with only its routed experts INT4 (Kimi-K2-Thinking's layout)
+TINY_INT4 = {
+    "llama": (lambda d: save_tiny_model(d, "LlamaForCausalLM"), lambda n: "proj" in n, None),
+    "deepseek_v3": (
+        lambda d: save_tiny_deepseek(d, first_k_dense_replace=1, n_shared_experts=1),
+        lambda n: ".mlp.experts." in n,
+        KIMI_K2_THINKING_IGNORE,
+    ),
+}
 
 
 def quantization_config(group: int, ignore: list[str]) -> dict:

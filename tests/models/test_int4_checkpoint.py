@@ -14,15 +14,15 @@ default runs end both ways.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
 import torch
 from conftest import record_queued, save_tiny_model
 from deepseek_checkpoints import save_tiny_deepseek
-from int4_blocks import KIMI_K2_THINKING_IGNORE, write_pack_quantized
+from int4_blocks import TINY_INT4, write_pack_quantized
 from kimi_checkpoints import save_tiny_kimi
+from penalty_reference import set_eos
 
 from batchgen import LLM, SamplingParams
 
@@ -31,18 +31,14 @@ RUN = dict(device="cpu", dtype="float32", page_size=4, max_model_len=128, max_nu
 PROMPTS = [[5, 6, 7, 8], [40, 41, 300, 2, 9, 10, 11], [100 + i for i in range(30)], [77] * 9]
 
 MODELS = {  # (write the float checkpoint, which weights to pack, ignore list, group)
-    "llama": (lambda d: save_tiny_model(d, "LlamaForCausalLM"), lambda n: "proj" in n, None),
+    "llama": TINY_INT4["llama"],
     "llama_g128": (
         lambda d: save_tiny_model(d, "LlamaForCausalLM", intermediate_size=256),
         lambda n: "proj" in n,
         None,
         128,
     ),
-    "deepseek_v3": (
-        lambda d: save_tiny_deepseek(d, first_k_dense_replace=1, n_shared_experts=1),
-        lambda n: ".mlp.experts." in n,
-        KIMI_K2_THINKING_IGNORE,
-    ),
+    "deepseek_v3": TINY_INT4["deepseek_v3"],
     "deepseek_v3_all_linear": (
         lambda d: save_tiny_deepseek(d, first_k_dense_replace=1, q_lora_rank=None),
         lambda n: "proj" in n,
@@ -75,10 +71,7 @@ class Checkpoints:
         counts = Counter(t for o in self.runs for t in o.token_ids[1:-1])
         self.eos = next(t for t, _ in counts.most_common() if t > 2)
         for d in (self.int4, self.plain):
-            for file in ("config.json", "generation_config.json"):
-                data = json.loads((d / file).read_text())
-                data["eos_token_id"] = self.eos
-                (d / file).write_text(json.dumps(data))
+            set_eos(d, self.eos)
         self.stops = {self.eos, 2}
 
     def expected(self, i: int) -> tuple[list[int], str]:

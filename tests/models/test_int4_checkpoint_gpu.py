@@ -10,9 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import save_tiny_model
-from deepseek_checkpoints import save_tiny_deepseek
-from int4_blocks import KIMI_K2_THINKING_IGNORE, write_pack_quantized
+from int4_blocks import TINY_INT4, write_pack_quantized
 from parity import collapsed, completions
 
 from batchgen import LLM, SamplingParams
@@ -20,14 +18,7 @@ from batchgen import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 KW = dict(device="cuda", page_size=16, max_model_len=512, max_num_seqs=48)
-MODELS = {
-    "llama": (lambda d: save_tiny_model(d, "LlamaForCausalLM"), lambda n: "proj" in n, None),
-    "deepseek_v3": (
-        lambda d: save_tiny_deepseek(d, first_k_dense_replace=1, n_shared_experts=1),
-        lambda n: ".mlp.experts." in n,
-        KIMI_K2_THINKING_IGNORE,
-    ),
-}
+MODELS = TINY_INT4
 
 
 def _prompts(n, seed=0):

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import save_tiny_model
-from deepseek_checkpoints import save_tiny_deepseek
-from int4_blocks import KIMI_K2_THINKING_IGNORE, write_pack_quantized
+from int4_blocks import TINY_INT4, write_pack_quantized
 from parity import reference_greedy
 
 from batchgen import LLM, SamplingParams
@@ -22,14 +20,7 @@ from batchgen import LLM, SamplingParams
 MAX_NEW = 8
 RUN = dict(device="cpu", dtype="float32", page_size=4, max_model_len=128, max_num_seqs=8)
 PROMPTS = [[5, 6, 7, 8], [40, 41, 300, 2, 9, 10, 11], [100 + i for i in range(30)]]
-MODELS = {
-    "llama": (lambda d: save_tiny_model(d, "LlamaForCausalLM"), lambda n: "proj" in n, None),
-    "deepseek_v3": (
-        lambda d: save_tiny_deepseek(d, first_k_dense_replace=1, n_shared_experts=1),
-        lambda n: ".mlp.experts." in n,
-        KIMI_K2_THINKING_IGNORE,
-    ),
-}
+MODELS = TINY_INT4
 
 
 @pytest.mark.parametrize("name", list(MODELS))
