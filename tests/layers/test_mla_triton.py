@@ -51,8 +51,11 @@ def _mixed_step():
     return torch.tensor(positions, **dev), meta, {n: (pages[n], list(s)) for n, s in cached.items()}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_step_matches_torch_backend(dtype):
+def _mixed_case(dtype):
+    """The MLA layer in `dtype` and _mixed_step's positions and hidden states; a cache of
+    16 pages reading POISON but for the earlier steps' latents; the step's metadata, and
+    the torch reference's (it writes every slot: its padding row goes to page 15,
+    unused)."""
     config = _config()
     attn = _layer(config).to(DEVICE, dtype)
     attn.rotary.materialize(DEVICE)  # its tables are not module buffers
@@ -64,9 +67,14 @@ def test_mixed_step_matches_torch_backend(dtype):
         slots = _slots(pages, span).to(DEVICE)
         cache.view(-1, width)[slots] = torch.randn(len(span), width, generator=gen).to(cache)
     x = torch.randn(meta.num_tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
-    # the torch reference writes every slot: its padding row goes to page 15, unused
     ref_meta = replace(meta, slot_mapping=meta.slot_mapping.clone())
     ref_meta.slot_mapping[-1] = 15 * PAGE
+    return attn, positions, x, cache, meta, ref_meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_matches_torch_backend(dtype):
+    attn, positions, x, cache, meta, ref_meta = _mixed_case(dtype)
     outs, caches = {}, {}
     for backend, m in (("torch", ref_meta), ("triton", meta)):
         caches[backend] = cache.clone()
@@ -84,19 +92,7 @@ def test_mixed_step_on_an_fp8_latent_matches_torch_backend(dtype):
     """The same step over FP8 latent pages (kv_cache_dtype "fp8"): both backends store
     the same bytes and attend alike; the outputs stay within FP8's rounding of the
     step over pages in the compute dtype."""
-    config = _config()
-    attn = _layer(config).to(DEVICE, dtype)
-    attn.rotary.materialize(DEVICE)
-    width = config.kv_lora_rank + config.qk_rope_head_dim
-    positions, meta, cached = _mixed_step()
-    gen = torch.Generator().manual_seed(2)
-    cache = torch.full((16, PAGE, 1, width), POISON, dtype=dtype, device=DEVICE)
-    for pages, span in cached.values():
-        slots = _slots(pages, span).to(DEVICE)
-        cache.view(-1, width)[slots] = torch.randn(len(span), width, generator=gen).to(cache)
-    x = torch.randn(meta.num_tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
-    ref_meta = replace(meta, slot_mapping=meta.slot_mapping.clone())
-    ref_meta.slot_mapping[-1] = 15 * PAGE
+    attn, positions, x, cache, meta, ref_meta = _mixed_case(dtype)
     outs, caches = {}, {}
     runs = (("torch", ref_meta, FP8), ("triton", meta, FP8), ("compute", ref_meta, dtype))
     for name, m, kv_dtype in runs:
