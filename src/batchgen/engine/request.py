@@ -44,17 +44,23 @@ class Request:
     detok_prefix: int = 0  # incremental detokenization: output ids decoded as context
     detok_read: int = 0  # ... and the ids whose text is already in `text`
     detok_stream: object = None  # or the tokenizers DecodeStream fed those ids
+    # read for every row of every step, kept here beside the counters (params' own
+    # fields sit in another object, its __dict__: two more cache misses a row):
+    num_prompt_tokens: int = field(init=False)  # len(prompt_token_ids)
+    min_tokens: int = field(init=False)  # params.min_tokens: no stop before as many
+    stops_on_eos: bool = field(init=False)  # not params.ignore_eos
+    stop_token_ids: frozenset[int] | None = field(init=False)  # params', None if none
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        p = self.params
+        self.min_tokens, self.stops_on_eos = p.min_tokens, not p.ignore_eos
+        self.stop_token_ids = frozenset(p.stop_token_ids) or None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:

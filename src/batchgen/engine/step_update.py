@@ -59,7 +59,7 @@ class StepUpdates:
             req.num_computed_tokens += n
             req.num_pending += s.sample
             self.num_computed_tokens_total += n
-            prompt = len(req.prompt_token_ids)
+            prompt = req.num_prompt_tokens
             if s.start < prompt:
                 self.num_prompt_tokens_computed += min(n, prompt - s.start)
 
@@ -89,7 +89,7 @@ class StepUpdates:
             req.num_pending -= s.sample
             if req.is_finished:  # its queued extra token is discarded
                 self.num_computed_tokens_total -= n
-                prompt = len(req.prompt_token_ids)
+                prompt = req.num_prompt_tokens
                 if s.start < prompt:
                     self.num_prompt_tokens_computed -= min(n, prompt - s.start)
             elif req.status == RequestStatus.RUNNING:
@@ -107,7 +107,7 @@ class StepUpdates:
             n = len(s.new_token_ids)
             req.num_computed_tokens += n
             computed += n
-            prompt = len(req.prompt_token_ids)
+            prompt = req.num_prompt_tokens
             if s.start < prompt:
                 prompt_computed += min(n, prompt - s.start)
             if req.status is running:
@@ -134,12 +134,12 @@ class StepUpdates:
             if logprobs and lp is not None:
                 req.logprobs.append(lp)
             advanced.append(req)
-            p = req.params
-            if len(out) >= p.min_tokens:
-                if token in eos and not p.ignore_eos:
+            if len(out) >= req.min_tokens:
+                if token in eos and req.stops_on_eos:
                     self.finish(req, "stop")
                     continue
-                if p.stop_token_ids and token in p.stop_token_ids:
+                stops = req.stop_token_ids
+                if stops is not None and token in stops:
                     self.finish(req, "stop", token)
                     continue
             if len(out) >= req.max_tokens or len(ids) >= max_model_len:
