@@ -15,25 +15,26 @@ if not torch.cuda.is_available():  # Triton kernels run under the interpreter on
 
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]
 
+# what every tiny random checkpoint of the tests shares: a 512-token vocabulary (ids 0-2
+# <pad> <s> </s>, as save_tiny_tokenizer spells them), 64 wide, MLPs of 128, untied
+TINY_SIZES = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
 
 def tiny_config(arch: str, **overrides):
     """A small random config of `arch` (GQA, 2+ layers)."""
     import transformers
 
-    common = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    common = dict(TINY_SIZES, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     if arch == "LlamaForCausalLM":
         cfg = transformers.LlamaConfig(
             **common,

@@ -3,7 +3,7 @@ configs the DeepSeek-V3 tests run: shared by tests/models and tests/distributed.
 
 from __future__ import annotations
 
-from conftest import save_random_model
+from conftest import TINY_SIZES, save_random_model
 
 YARN = {
     "rope_type": "yarn",
@@ -36,9 +36,7 @@ def tiny_config(**overrides):
     from transformers import DeepseekV3Config
 
     cfg = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
+        TINY_SIZES,
         moe_intermediate_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -53,12 +51,6 @@ def tiny_config(**overrides):
         n_group=2,
         topk_group=1,
         num_experts_per_tok=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
     config = DeepseekV3Config(**{**cfg, **overrides})
     config.architectures = ["DeepseekV3ForCausalLM"]

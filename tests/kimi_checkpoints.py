@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import save_random_model
+from conftest import TINY_SIZES, save_random_model
 
 
 def tiny_config(layer_types, first_k_dense_replace=1, **overrides):
@@ -17,9 +17,7 @@ def tiny_config(layer_types, first_k_dense_replace=1, **overrides):
 
     n = len(layer_types)
     cfg = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
+        TINY_SIZES,
         moe_intermediate_size=32,
         num_hidden_layers=n,
         num_attention_heads=4,
@@ -40,12 +38,6 @@ def tiny_config(layer_types, first_k_dense_replace=1, **overrides):
         linear_conv_kernel_dim=4,
         layer_types=list(layer_types),
         mlp_layer_types=["dense" if i < first_k_dense_replace else "sparse" for i in range(n)],
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
     config = KimiLinearConfig(**{**cfg, **overrides})
     config.architectures = ["KimiLinearForCausalLM"]
