@@ -8,6 +8,8 @@ group over the hosts of a Ray cluster (ray_ranks.py, imported only then). Worker
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Collection
 from multiprocessing import connection as mp_connection
@@ -32,8 +34,8 @@ class ProcessRanks(RankSet):
         ctx = mp.get_context("spawn")
         for rank in self.ranks:
             process = ctx.Process(
-                target=entry,
-                args=args[rank],
+                target=run_then_exit,
+                args=(entry, *args[rank]),
                 kwargs={"device": None},
                 name=f"batchgen-tp-rank{rank}",
                 daemon=True,
@@ -69,6 +71,17 @@ class ProcessRanks(RankSet):
             p.join(10)
             if _exit_code(p, 10) is None:
                 logger.warning("%s (pid %s) had not ended 10 s after it was killed", p.name, p.pid)
+
+
+def run_then_exit(entry: Callable[..., None], *args, **kwargs) -> None:
+    """A rank's process: entry(*args, **kwargs), then, once it returned (its group left),
+    an exit without the interpreter's teardown, which at 8 gloo ranks held every worker
+    ~20 s after its last step (0.5 s for all 7 this way). Where entry raises,
+    multiprocessing prints the traceback and the exit code is 1, as before."""
+    entry(*args, **kwargs)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def make_ranks(launcher: str, size: int, backend: str, role: str) -> RankSet:
