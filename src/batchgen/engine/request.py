@@ -78,8 +78,8 @@ class Request:
         """Its next n input tokens; a token still in flight (async scheduling) is -1, a
         placeholder the runner fills on the device."""
         start = self.num_computed_tokens
-        known = self.token_ids[start : start + n]
-        return known + [-1] * (n - len(known))
+        known = self.token_ids[start : start + n]  # a new list: the step may keep it
+        return known if len(known) == n else known + [-1] * (n - len(known))
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -143,13 +143,15 @@ class Scheduler(StepUpdates):
         # copied first, and this step's forward waits for the copy before writing it
         waits = [] if self.hybrid is None else self.hybrid.take_checkpoints(self.running)
         i = 0
-        running, allocate = self.running, self.kv.allocate
+        running, allocate, plain = self.running, self.kv.allocate, self.hybrid is None
         while i < len(running) and budget > 0:
             req = running[i]
             if req.num_pending and self.reaches_length(req, ahead=req.num_pending):
                 i += 1  # its token in flight is its last: it finishes when applied
                 continue
-            n = self._chunk(req, req.num_computed_tokens, budget)
+            n = len(req.token_ids) + req.num_pending - req.num_computed_tokens
+            if n > budget or not plain:  # else all it has left, as _chunk says
+                n = self._chunk(req, req.num_computed_tokens, budget)
             if n == 0:  # the budget left does not reach its next aligned end
                 i += 1
                 continue
@@ -194,8 +196,8 @@ class Scheduler(StepUpdates):
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
-        hook = self.kv.layer_store_hook(
-            [(r.request_id, r.num_computed_tokens, r.token_ids) for r, n in scheduled if n == 1]
+        hook = self.kv.layer_store_hook(  # read only where a layer hook can be wanted
+            (r.request_id, r.num_computed_tokens, r.token_ids) for r, n in scheduled if n == 1
         )
         waits = self.kv.take_step_copies(self.defer_stores_ahead) + waits
         if self.hybrid is not None:

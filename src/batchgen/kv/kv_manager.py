@@ -16,6 +16,8 @@ with the step's load.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from batchgen.config_groups import check_choice
 from batchgen.kv.page_allocator import PageAllocator
 from batchgen.kv.prefix_hash import hash_full_pages
@@ -277,7 +279,7 @@ class KVCacheManager:
         if self.tier is not None:
             self.tier.flush(stores_only=True)
 
-    def layer_store_hook(self, decodes: list[tuple[str, int, list[int]]]):
+    def layer_store_hook(self, decodes: Iterable[tuple[str, int, list[int]]]):
         """decode_append="layer": for the decode tokens (request id, position, the
         request's tokens) that fill a page this step, return hook(layer) that copies that
         layer of those pages to host right after its K/V write; None when no page fills."""
