@@ -129,11 +129,14 @@ def test_mixed_endings_match_tier_off(workload, pipeline, decode_append, scatter
     deferred = spy_deferred(monkeypatch)
     launches = record_queued(llm.engine.runner)
     finishes = spy_finishes(llm.engine)
+    lost = spy_recomputes(llm.engine)
     got = rows(llm.generate(prompts, params, use_tqdm=False))
     assert got == reference, _diff(got, reference)
     m = llm.engine.metrics()
     assert m["swaps_out"] > 0 and m["swaps_in"] > 0, m
-    assert m["recomputes"] == 0, m
+    # every preempted request with a page computed swapped; one with less has nothing the
+    # tier keeps (whether the preemption finds one so young depends on the copy threads)
+    assert m["recomputes"] == len(lost) and all(n < BASE["page_size"] for n in lost), (lost, m)
     assert_nothing_held(llm.engine)
     # the same batch again: the pool has turned over many times, so the prompts' pages
     # are gone from the device and come back from host (whatever the admission order)
