@@ -179,7 +179,8 @@ def test_tensor_parallel_inside_a_data_parallel_rank_is_refused_saying_what_to_u
 def test_a_dead_rank_fails_the_call_naming_it(checkpoint):
     """A worker killed between steps fails the next one; one killed while the ranks
     step (rank 0 in a forward's collective or a lockstep round) fails the call at once,
-    naming it, well within 60 s."""
+    naming it, well within 60 s. Work is added until the kill lands: on a busy machine
+    the timer's thread may run after the first requests are done."""
     llm = LLM(checkpoint, **KW, **DP)
     try:
         engine = llm.engine
@@ -188,8 +189,14 @@ def test_a_dead_rank_fails_the_call_naming_it(checkpoint):
         worker = engine.workers.processes[0]
         killed = []
         threading.Timer(1.0, lambda: killed.append(time.monotonic()) or worker.kill()).start()
+        more = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        rounds = 0
         with pytest.raises(RuntimeError, match=r"data-parallel worker rank\(s\) \[1\] stopped"):
-            while engine.has_unfinished:
+            while engine.has_unfinished or not killed:
+                if not engine.has_unfinished:  # done before the kill: more of the same
+                    rounds += 1
+                    for i, ids in enumerate(shared_head_prompts(4)):
+                        engine.add_request(f"more{rounds}-{i}", ids, more)
                 engine.step()
         assert killed and time.monotonic() - killed[0] < 60
     finally:
