@@ -123,7 +123,7 @@ class StepUpdates:
                 requests[rid].prompt_logprobs.update(entries)
         advanced = []
         get, finished, eos = requests.get, RequestStatus.FINISHED, self.eos_token_ids
-        max_model_len, logprobs = self.max_model_len, any(result.logprobs)
+        max_model_len = self.max_model_len
         for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
             req = get(rid)
             if req is None or req.status is finished:
@@ -131,7 +131,7 @@ class StepUpdates:
             out, ids = req.output_token_ids, req.token_ids
             out.append(token)
             ids.append(token)
-            if logprobs and lp is not None:
+            if lp is not None:
                 req.logprobs.append(lp)
             advanced.append(req)
             if len(out) >= req.min_tokens:
