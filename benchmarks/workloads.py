@@ -379,10 +379,10 @@ def random_checkpoint(
     import torch
     import transformers
 
-    if _holds(path, transformers.AutoConfig.for_model(**config, dtype=dtype)):
+    cfg = transformers.AutoConfig.for_model(**config, dtype=dtype)
+    if _holds(path, cfg):
         return path
     path.mkdir(parents=True, exist_ok=True)
-    cfg = transformers.AutoConfig.for_model(**config)
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
