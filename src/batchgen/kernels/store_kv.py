@@ -35,7 +35,10 @@ def _e4m3_grid(x, CLAMP: tl.constexpr):
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep sign, exponent, 3 bits
     a = bits.to(tl.float32, bitcast=True)
     a = tl.where(small, a - 0.015625, a)
-    return tl.where(x < 0, -a, a)
+    # x's sign bit put back on the magnitude: a negative value that rounds to zero stays
+    # -0.0 (byte 0x80, as torch's cast writes it); Triton 3.6 compiles `-a` as 0 - a (+0.0)
+    sign = x.to(tl.uint32, bitcast=True) & 0x80000000
+    return (a.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
