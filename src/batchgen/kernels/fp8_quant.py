@@ -31,7 +31,10 @@ def quantize_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor
     m, k = x.shape
     groups = -(-k // group)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
-    scale = padded.abs().amax(dim=-1).clamp_min(MIN_SCALE_AMAX) / FP8_MAX
+    amax = padded.abs().amax(dim=-1).clamp_min(MIN_SCALE_AMAX)
+    # divided by a tensor: torch on CUDA divides by a Python scalar as a product with its
+    # reciprocal, which differs from the kernel's (and the CPU's) true division in the last bit
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(m, groups * group)[:, :k].contiguous(), scale
 
