@@ -21,7 +21,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 L, F = "linear_attention", "full_attention"
-KW = dict(device="cuda", dtype="bfloat16", deterministic=True, page_size=16, max_model_len=512)
+KW = dict(
+    device="cuda", dtype="bfloat16", deterministic=True, page_size=16, max_model_len=512,
+    num_kv_pages=512,  # sized, not a share of free memory: the runs before still hold theirs
+)  # fmt: skip
 LINEAR = dict(linear_num_heads=4, linear_head_dim=128)  # tests/layers/test_kda_gpu.py's heads
 LENGTHS = [1, 2, 37, 64, 65, 129, 130, 200, 257, 90, 65, 150]
 

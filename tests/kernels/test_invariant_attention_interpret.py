@@ -88,10 +88,9 @@ class Seqs:
         q_rope = None
         if self.q_rope is not None:
             q_rope = torch.stack([self.q_rope[s][-1] for s in seqs] + [self.q_rope[0][0]] * pad)
-        table = torch.cat(
-            [self.table(seqs), torch.zeros(pad, self.table(seqs).shape[1], dtype=torch.int64)]
-        )
-        seq_lens = torch.tensor([LENS[s] for s in seqs] + [1] * pad)
+        table = self.table(seqs)
+        table = torch.cat([table, table.new_zeros(pad, table.shape[1])])
+        seq_lens = torch.tensor([self.lens[s] for s in seqs] + [1] * pad, device=self.device)
         out = invariant_decode(
             q, self.k, self.v, table, seq_lens, self.scale, window,
             q_rope=q_rope, k_rope=self.k_rope,

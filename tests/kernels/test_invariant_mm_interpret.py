@@ -55,8 +55,9 @@ def test_rows_are_the_same_bits_in_any_batch_on_cuda():
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(700, 576, generator=gen).to("cuda", dtype)
         w = torch.randn(1536, 576, generator=gen).to("cuda", dtype)
+        # (cuBLAS on an H100 gave the same rows at 1, 3 and 17 of 700 in bf16 at this
+        # shape: whether it splits by row count depends on its heuristics, not promised)
         assert _rows_alike(x, w, None, GPU_TUNING) == []
-        plain = torch.nn.functional.linear
-        # what cuBLAS does: the plain product's rows differ by row count (the reason)
-        differ = [m for m in (1, 3, 17) if not torch.equal(plain(x[-m:], w), plain(x, w)[-m:])]
-        assert differ, dtype
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        tol = dict(atol=1e-3, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+        torch.testing.assert_close(invariant_linear(x, w, None, GPU_TUNING).float(), ref, **tol)
