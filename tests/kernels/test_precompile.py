@@ -135,6 +135,36 @@ def test_jobs_name_loaded_kernels_only_each_specialization_once():
     assert precompile.preload_jobs(["not", "a", "mapping"]) == []
 
 
+class _Ordered(_Preloadable):
+    """A kernel whose arguments are not in alphabetical order."""
+
+    arg_names = ["x_ptr", "out_ptr", "stride", "eps", "BLOCK"]
+
+
+_ordered = _Ordered()
+
+
+def test_jobs_from_a_written_table_preload_signatures_in_argument_order(tmp_path):
+    """The table is written with sorted keys; Triton's preload reads the signature by
+    position, so the job must hand it over in the kernel's argument order again."""
+    from batchgen.kernels.autotune_table import gpu_section, load_table, write_section
+
+    types = ["*bf16", "*bf16", "i32", "fp32", "constexpr"]
+    spec = json.loads(_spec("_ordered", 16))
+    spec["signature"] = dict(zip(_Ordered.arg_names, types))
+    path = tmp_path / "table.json"
+    write_section(path, "GPU", {"compile": {f"{__name__}:_ordered": [spec]}})
+    written = gpu_section(load_table(path), "GPU")["compile"][f"{__name__}:_ordered"][0]
+    assert list(written["signature"]) == sorted(_Ordered.arg_names)  # what the file holds
+    [(_, kernel, job)] = precompile.preload_jobs({f"{__name__}:_ordered": [written]})
+    precompile._preload(kernel, job)
+    loaded = json.loads(_ordered.loaded[-1])["signature"]
+    assert list(loaded.items()) == list(zip(_Ordered.arg_names, types))
+    # a signature that does not name the kernel's arguments is passed on untouched
+    odd = {**written, "signature": {"a": "i32", "b": "fp32"}}
+    assert precompile.preload_jobs({f"{__name__}:_ordered": [odd]})[0][2] == odd
+
+
 def test_the_jobs_compile_concurrently_and_a_failure_is_left_out():
     both_running = threading.Barrier(2, timeout=10)  # breaks unless two run at once
     started = []

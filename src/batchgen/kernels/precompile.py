@@ -14,7 +14,8 @@ cache, and its compiler does its work in C++ and in ptxas.
     chosen_only(specs)              the recorded compiles less those of configs that an
                                     autotuner benchmarked and did not choose
     preload_jobs(specs)             [(kernel id, kernel, specialization)] of the loaded
-                                    kernels among {kernel id: [specialization]}
+                                    kernels among {kernel id: [specialization]}, each
+                                    signature put back in its kernel's argument order
     precompile(jobs, workers, ...)  each job compiled on a thread pool, returns how many
                                     succeeded (a failure: debug log, it compiles at its
                                     first launch as before)
@@ -222,8 +223,20 @@ def preload_jobs(specs: dict) -> list[tuple[str, object, dict]]:
             text = json.dumps(spec, sort_keys=True)
             if isinstance(spec, dict) and text not in seen:
                 seen.add(text)
-                jobs.append((kernel_id, kernel, spec))
+                jobs.append((kernel_id, kernel, in_argument_order(spec, kernel)))
     return jobs
+
+
+def in_argument_order(spec: dict, kernel) -> dict:
+    """`spec` with its signature's entries in `kernel`'s argument order. Triton's preload
+    takes the signature's types by position, and a table written with sorted keys holds
+    them alphabetically: preloaded so, a kernel is compiled for its arguments' types in
+    the wrong places (on an H100: scalars read from tensors, illegal addresses). A
+    signature whose names are not the kernel's arguments is left as it is."""
+    signature, names = spec.get("signature"), getattr(kernel, "arg_names", None)
+    if not isinstance(signature, dict) or not names or set(signature) != set(names):
+        return spec
+    return {**spec, "signature": {name: signature[name] for name in names}}
 
 
 def _preloadable(kernel):
