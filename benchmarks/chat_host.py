@@ -35,7 +35,8 @@ model's and the stand-in sampler's, the GPU's work, left out of `host`):
 
 Prints a JSON summary (medians over the steps with at least 0.8 x --rows rows, and the
 mean over all; `scheduled_steps`: the steps that called Scheduler.schedule, the others
-built blind by pipeline.next_decode) and writes chat_host.json into --out.
+built blind by pipeline.next_decode; `sync_scheduled_steps`: those that called it with no
+step in flight, a GPU idle meanwhile) and writes chat_host.json into --out.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def run(args) -> dict:
     )
     spent: dict[str, float] = {}
     steps: list[dict] = []
-    state = {"start": None, "rows": 0}
+    state = {"start": None, "rows": 0, "idle": False}
     step = eng.step
 
     def timed_step():
@@ -171,9 +172,11 @@ def run(args) -> dict:
             row = {k: v * 1e3 for k, v in spent.items()}
             row["cycle"] = (now - state["start"]) * 1e3
             row["rows"] = state["rows"]
+            row["idle"] = state["idle"]
             steps.append(row)
         spent.clear()
         state["start"] = now
+        state["idle"] = eng._in_flight is None  # nothing queued: the device waits for it
         return step()
 
     def rows_of(fn):
@@ -228,6 +231,8 @@ def run(args) -> dict:
         "steps": len(steps),
         "full_steps": len(full),
         "scheduled_steps": sum("schedule" in r for r in steps),  # the rest built blind
+        # scheduled with no step in flight: a GPU would idle while the host schedules
+        "sync_scheduled_steps": sum("schedule" in r and r["idle"] for r in steps),
         "wall_s": round(wall, 2),
         "succeeded": summary.succeeded,
         "completion_tokens": summary.completion_tokens,

@@ -6,10 +6,11 @@ requests, preemption under a small pool, and nothing left held afterwards."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import count_launches_ahead, save_tiny_model
 
 from batchgen import LLM, SamplingParams
 
@@ -173,6 +174,27 @@ def test_admitting_steps_launch_and_the_next_decode_queues_behind_them(model_dir
     assert llm.engine.stats.steps == plain_engine.stats.steps
     assert sum(prompted) >= 3, "no step that admits requests was launched"
     assert sum(behind) >= 3, "no decode step was queued behind an admitting step"
+    assert llm.engine.kv.num_free_pages == llm.engine.kv.allocator.num_pages
+
+
+def test_seats_freed_by_stops_are_admitted_while_a_step_runs(model_dir):
+    """A seat that a stop id freed (a stop nobody could foresee) goes to a waiting
+    request in a step scheduled and launched while the step before it runs, not in one
+    scheduled after that step's tokens are back: the outputs of plain stepping."""
+    prompts = _prompts(24)
+    free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain, _, _ = _run(model_dir, prompts, free, False, max_num_seqs=16)
+    # the token most outputs reach midway
+    common = Counter(t for ids, _, _ in plain for t in set(ids[2:])).most_common(1)[0][0]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[common])
+    plain, _, _ = _run(model_dir, prompts, params, False, max_num_seqs=6)
+    assert sum(reason == "stop" for _, reason, _ in plain) >= 3
+    llm = LLM(model=str(model_dir), pipeline_decode=True, max_num_seqs=6, **KW)
+    ahead = count_launches_ahead(llm.engine.runner)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    rows = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+    assert rows == plain
+    assert ahead["with_prefill"] >= 2, "no admitting step was launched behind a running one"
     assert llm.engine.kv.num_free_pages == llm.engine.kv.allocator.num_pages
 
 

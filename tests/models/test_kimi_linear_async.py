@@ -38,8 +38,9 @@ def path(tmp_path_factory):
 
 def _run(path, prompts, params, async_: bool, **kw):
     """The outputs, the launches made while a step was in flight (and how many of them
-    held a prefill chunk) and the engine, checked idle and empty."""
-    llm = LLM(model=path, async_scheduling=async_, **{**RUN, **kw})
+    held a prefill chunk) and the engine, checked idle and empty; without async_, plain
+    steps (pipelined decode also launches steps that admit behind one in flight)."""
+    llm = LLM(model=path, pipeline_decode=async_, async_scheduling=async_, **{**RUN, **kw})
     assert (llm.engine.overlap.name == "async") == async_
     ahead = count_launches_ahead(llm.engine.runner)
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -34,19 +34,51 @@ def could_admit(scheduler: Scheduler, kv: KVCacheManager) -> bool:
     return candidate is not None and kv.num_free_pages >= candidate[1]
 
 
+def admits_ahead(
+    queued: SchedulerOutput, scheduler: Scheduler, kv: KVCacheManager, requests: dict[str, Request]
+) -> bool:
+    """A waiting request can be admitted now (`could_admit`) and no request of `queued`
+    ends by length with its token: the step after `queued` can then be scheduled before
+    `queued`'s tokens are known and admit what a schedule after them would (a seat that
+    a length limit frees in `queued` goes to a waiting request in the very next step,
+    which only a schedule made after `queued` is applied can give)."""
+    if not could_admit(scheduler, kv):
+        return False
+    get, finished, reaches_length = requests.get, RequestStatus.FINISHED, scheduler.reaches_length
+    for s in queued.requests:
+        req = get(s.request_id)
+        if req is None or req.status is finished or not s.sample:
+            continue
+        if reaches_length(req, ahead=1):  # its token from `queued` is its last
+            return False
+    return True
+
+
+def seats_wait(queued: SchedulerOutput, scheduler: Scheduler) -> bool:
+    """`queued` admitted requests and every seat free now was freed after its schedule
+    (stops that no schedule could foresee: EOS, stop ids, stop strings): those seats wait
+    for the step after the next, so admitting steps, whose forward cannot replay a decode
+    graph, come at most every other step, each taking two steps' stops."""
+    free = scheduler.max_num_seqs - len(scheduler.running)
+    return free <= scheduler.num_left_since_schedule and any(
+        s.new is not None for s in queued.requests
+    )
+
+
 def next_decode(
     queued: SchedulerOutput,
     scheduler: Scheduler,
     kv: KVCacheManager,
     requests: dict[str, Request],
+    admit: bool = True,
 ) -> tuple[SchedulerOutput, StepCopies] | None:
     """The decode step after `queued` (a step whose tokens are not known yet: a decode
     step, or one whose prompt rows end their prompts) and its copies, or None when it
-    cannot be built blind: a waiting request could be admitted now or once a request
-    ends by length with `queued`, a prompt has chunks left, or pages run short.
-    Its requests' input tokens are placeholders (-1): the runner reads the tokens
-    `queued` samples on the device."""
-    if could_admit(scheduler, kv):
+    cannot be built blind: a waiting request could be admitted now (only asked with
+    `admit`) or once a request ends by length with `queued`, a prompt has chunks left,
+    or pages run short. Its requests' input tokens are placeholders (-1): the runner
+    reads the tokens `queued` samples on the device."""
+    if admit and could_admit(scheduler, kv):
         return None
     following = []
     get, allocate, finished = requests.get, kv.allocate, RequestStatus.FINISHED

@@ -84,6 +84,7 @@ class Scheduler(StepUpdates):
         self.num_recomputes = 0
         self.num_computed_tokens_total = 0
         self.num_prompt_tokens_computed = 0  # prompt positions computed, recomputes included
+        self.num_left_since_schedule = 0  # seats freed since schedule() last ran
         # what the runner has been told: each step carries only what changed
         self.feed = RunnerFeed(kv, state_slots)
         # steps committed and not applied yet, oldest first, with what each counted
@@ -204,6 +205,7 @@ class Scheduler(StepUpdates):
             waits += self.hybrid.take_swap_waits()
         self.feed.set_copies(StepCopies(waits, hook))
         entries = [self._scheduled(req, n) for req, n in scheduled]
+        self.num_left_since_schedule = 0  # a seat free now was seen by this schedule
         return SchedulerOutput(entries, preempted, self.take_released())
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
@@ -234,6 +236,7 @@ class Scheduler(StepUpdates):
             self.waiting.claim(req.request_id, hashes[start:])
 
     def _left_running(self, req: Request) -> None:
+        self.num_left_since_schedule += 1
         self.feed.left(req.request_id)
         if self.hybrid is not None:
             self.hybrid.release(req.request_id)

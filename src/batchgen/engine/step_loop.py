@@ -27,7 +27,7 @@ from contextlib import nullcontext
 import torch
 from torch.profiler import record_function
 
-from batchgen.engine.pipeline import next_decode
+from batchgen.engine.pipeline import admits_ahead, next_decode, seats_wait
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.kv_manager import KVCacheManager
@@ -110,16 +110,44 @@ class Pipelined(Overlap):
         return runner.launch_step(sched, None, copies)
 
     def ahead(self, current, requests):
+        queued, scheduler = current.sched, self.scheduler
         with profiled("batchgen.next_decode"):
-            following = next_decode(current.sched, self.scheduler, self.kv, requests)
+            admit = not seats_wait(queued, scheduler)
+            following = next_decode(queued, scheduler, self.kv, requests, admit)
         if following is None:
-            return None
+            return self._admit_ahead(current, requests)
         step, copies = following
         if not self.runner.can_launch_decode(step, copies):
             self.scheduler.unsend(step)
             return None
         with profiled("batchgen.launch"):
             return self.launch(step, copies, requests, current)
+
+    def _admit_ahead(self, current: InFlightDecode, requests) -> InFlightDecode | None:
+        """The step after `current` where a waiting request can be admitted now
+        (`pipeline.admits_ahead`): scheduled and launched while `current` runs, as
+        `Async` does (`current` committed first, its tokens placeholders the runner reads
+        on the device; the new step committed at its launch), instead of scheduled
+        synchronously once `current`'s tokens are applied, with the GPU idle meanwhile.
+        None where this policy launches decode steps only, or a step must run
+        synchronously (a request that `needs_sync`, debug)."""
+        scheduler, runner = self.scheduler, self.runner
+        if not self.launch_steps or self.num_sync or runner.debug:
+            return None
+        if not admits_ahead(current.sched, scheduler, self.kv, requests):
+            return None
+        if not scheduler.is_committed(current.sched):
+            scheduler.commit(current.sched, requests)
+        with profiled("batchgen.schedule_ahead"):
+            step = scheduler.schedule()
+            copies = scheduler.take_copies()
+        if step.is_empty or copies.on_kv_written is not None:
+            scheduler.unsend(step)  # what it admitted is scheduled by the next schedule()
+            return None
+        with profiled("batchgen.launch"):
+            flight = runner.launch_step(step, current, copies)
+        scheduler.commit(step, requests)
+        return flight
 
     def enter(self, params: SamplingParams) -> None:
         self.num_sync += needs_sync(params)

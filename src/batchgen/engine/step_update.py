@@ -40,10 +40,14 @@ class StepUpdates:
         """Advance counters (unless `commit` did at the step's launch), append sampled
         tokens, finish on token-level stops. Returns the requests that got a new token
         this step."""
-        if any(step is sched for step, _ in self._committed):
+        if self.is_committed(sched):
             return self.apply(sched, result, requests)
         self._advance(sched, requests)  # commit and apply's counters in one pass
         return self._append(result, requests)
+
+    def is_committed(self, sched: SchedulerOutput) -> bool:
+        """`commit` has counted the step and `apply` has not taken its tokens yet."""
+        return any(step is sched for step, _ in self._committed)
 
     def commit(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         """The step's effects that need none of its tokens (computed counters, a token
