@@ -22,8 +22,9 @@ from benchmarks.workloads import MODELS, config_dir
 # counters that are rates: recomputed from the timed part's deltas, not subtracted
 RATES = ("copy_gb_per_s", "host_prefix_hit_rate")
 # metrics() keys that describe the engine rather than count its work (the tier's cost
-# rule: tier_loads_pay, tier_load_us_per_token, ...): reported as they are
-STATIC = ("tier_",)
+# rule: tier_loads_pay, tier_load_us_per_token, ...; the weights' bytes and the device
+# pool's pages): reported as they are
+STATIC = ("tier_", "weight_bytes", "kv_pages")
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:

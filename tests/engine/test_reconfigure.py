@@ -43,6 +43,7 @@ def test_too_small_a_pool_is_refused_before_anything_changes(model_dir):
 def test_the_old_pool_is_released_before_the_new_one_is_allocated(model_dir, monkeypatch):
     llm = LLM(model=model_dir, num_kv_pages=40, host_kv_size_gib=0.01, **KW)
     ref = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert llm.engine.metrics()["kv_pages"] == 40  # the device pool's pages
     old = weakref.ref(llm.engine.pool.kv)
     seen = []
     real = memory.PagePool
@@ -54,7 +55,7 @@ def test_the_old_pool_is_released_before_the_new_one_is_allocated(model_dir, mon
     monkeypatch.setattr(memory, "PagePool", watching)
     llm.engine.reconfigure(48)
     assert seen == [True], "the old KV tensor was still referenced when the new pool was made"
-    assert llm.engine.pool.num_pages == 48
+    assert llm.engine.pool.num_pages == 48 and llm.engine.metrics()["kv_pages"] == 48
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == ref
 
 

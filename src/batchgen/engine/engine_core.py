@@ -319,7 +319,8 @@ class EngineCore:
             self.scheduler.finish(req, "stop")
 
     def metrics(self) -> dict:
-        """Counters for summaries: tokens, preemptions, prefix hits and host-tier traffic."""
+        """Counters for summaries: tokens, preemptions, prefix hits and host-tier traffic,
+        and the weights' bytes and the device pool's pages (`kv_pages`)."""
         out = {
             "prompt_tokens": self.stats.prompt_tokens,
             "output_tokens": self.stats.output_tokens,
@@ -330,6 +331,7 @@ class EngineCore:
             "recomputes": self.scheduler.num_recomputes,
             "prefix_hit_tokens": self.kv.prefix_hit_tokens,
             "weight_bytes": self.weight_bytes,
+            "kv_pages": self.pool.num_pages,  # the device pool's, after any reconfigure
             **self.executor.step_metrics(),
         }
         if self.checkpoints is not None:
