@@ -198,6 +198,37 @@ def test_seats_freed_by_stops_are_admitted_while_a_step_runs(model_dir):
     assert llm.engine.kv.num_free_pages == llm.engine.kv.allocator.num_pages
 
 
+def test_seats_freed_by_length_are_admitted_while_a_step_runs(model_dir):
+    """A request whose token in flight is its last by length leaves its seat before the
+    token is back: a waiting request takes it in a step launched behind the one in
+    flight, the same step as plain stepping admits it in (the same steps and outputs),
+    and the runner is told once that the request left."""
+    prompts = _prompts(24)
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=2 + i % 7, ignore_eos=True)
+        for i in range(24)
+    ]
+    plain, _, plain_engine = _run(model_dir, prompts, params, False, max_num_seqs=6)
+    llm = LLM(model=str(model_dir), pipeline_decode=True, max_num_seqs=6, **KW)
+    runner = llm.engine.runner
+    ahead = count_launches_ahead(runner)
+    released = []
+    apply = runner.apply
+
+    def recorded(sched):
+        released.extend(sched.released_ids)
+        return apply(sched)
+
+    runner.apply = recorded
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    rows = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+    assert rows == plain
+    assert llm.engine.stats.steps == plain_engine.stats.steps
+    assert ahead["with_prefill"] >= 3, "no admitting step was launched behind a running one"
+    assert len(released) == len(set(released))
+    assert llm.engine.kv.num_free_pages == llm.engine.kv.allocator.num_pages
+
+
 def test_unseeded_draws_do_not_depend_on_the_batch(model_dir):
     """An unseeded request samples from the engine seed and its arrival index: other
     requests' lengths (what shares its steps) change nothing of its output."""

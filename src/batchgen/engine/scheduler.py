@@ -85,6 +85,7 @@ class Scheduler(StepUpdates):
         self.num_computed_tokens_total = 0
         self.num_prompt_tokens_computed = 0  # prompt positions computed, recomputes included
         self.num_left_since_schedule = 0  # seats freed since schedule() last ran
+        self._retired: set[str] = set()  # out of the running set, last token in flight
         # what the runner has been told: each step carries only what changed
         self.feed = RunnerFeed(kv, state_slots)
         # steps committed and not applied yet, oldest first, with what each counted
@@ -145,9 +146,14 @@ class Scheduler(StepUpdates):
         waits = [] if self.hybrid is None else self.hybrid.take_checkpoints(self.running)
         i = 0
         running, allocate, plain = self.running, self.kv.allocate, self.hybrid is None
+        max_model_len = self.max_model_len
         while i < len(running) and budget > 0:
             req = running[i]
-            if req.num_pending and self.reaches_length(req, ahead=req.num_pending):
+            pending = req.num_pending
+            if pending and (  # reaches_length(req, ahead=pending), inline: ~900 rows
+                len(req.output_token_ids) + pending >= req.max_tokens
+                or len(req.token_ids) + pending >= max_model_len
+            ):
                 i += 1  # its token in flight is its last: it finishes when applied
                 continue
             n = len(req.token_ids) + req.num_pending - req.num_computed_tokens
@@ -235,7 +241,20 @@ class Scheduler(StepUpdates):
             start = req.num_computed_tokens // self.kv.page_size
             self.waiting.claim(req.request_id, hashes[start:])
 
+    def retire(self, req: Request) -> None:
+        """The request's token in flight (a queued step's, not applied yet) is its last
+        by length: it leaves the running set now, so a step scheduled while that token is
+        on its way gives its seat to a waiting request, as one scheduled after it would.
+        Its pages stay until the token is applied and ends it (`finish`)."""
+        self.running.remove(req)
+        self._left_running(req)
+        self._retired.add(req.request_id)
+
     def _left_running(self, req: Request) -> None:
+        if self._retired:  # retired: it left already, its end changes nothing here
+            if req.request_id in self._retired:
+                self._retired.discard(req.request_id)
+                return
         self.num_left_since_schedule += 1
         self.feed.left(req.request_id)
         if self.hybrid is not None:

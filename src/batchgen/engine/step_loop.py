@@ -27,7 +27,7 @@ from contextlib import nullcontext
 import torch
 from torch.profiler import record_function
 
-from batchgen.engine.pipeline import admits_ahead, next_decode, seats_wait
+from batchgen.engine.pipeline import could_admit, ending_by_length, next_decode, seats_wait
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.kv_manager import KVCacheManager
@@ -124,17 +124,27 @@ class Pipelined(Overlap):
             return self.launch(step, copies, requests, current)
 
     def _admit_ahead(self, current: InFlightDecode, requests) -> InFlightDecode | None:
-        """The step after `current` where a waiting request can be admitted now
-        (`pipeline.admits_ahead`): scheduled and launched while `current` runs, as
-        `Async` does (`current` committed first, its tokens placeholders the runner reads
-        on the device; the new step committed at its launch), instead of scheduled
-        synchronously once `current`'s tokens are applied, with the GPU idle meanwhile.
-        None where this policy launches decode steps only, or a step must run
-        synchronously (a request that `needs_sync`, debug)."""
+        """The step after `current` where a waiting request can be admitted: scheduled
+        and launched while `current` runs, as `Async` does (`current` committed first,
+        its tokens placeholders the runner reads on the device), instead of scheduled
+        once `current`'s tokens are applied, with the device idle meanwhile. The new
+        step is committed only if the one after it is scheduled ahead too; else its
+        update counts it as a blind step's. A request whose token from `current` is its
+        last by length leaves the running set first (`Scheduler.retire`), so its seat
+        goes to a waiting request in this step, as a schedule after `current` would
+        give it. None where this policy launches decode steps only, a step must run
+        synchronously (a request that `needs_sync`, debug), nothing can be admitted, or
+        a hybrid model's request ends by length (its state slot is freed as its token
+        is applied)."""
         scheduler, runner = self.scheduler, self.runner
-        if not self.launch_steps or self.num_sync or runner.debug:
+        if not self.launch_steps or self.num_sync or runner.debug or not scheduler.waiting:
             return None
-        if not admits_ahead(current.sched, scheduler, self.kv, requests):
+        ending = ending_by_length(current.sched, scheduler, requests)
+        if ending and scheduler.hybrid is not None:
+            return None
+        for req in ending:
+            scheduler.retire(req)
+        if not could_admit(scheduler, self.kv):
             return None
         if not scheduler.is_committed(current.sched):
             scheduler.commit(current.sched, requests)
@@ -145,9 +155,7 @@ class Pipelined(Overlap):
             scheduler.unsend(step)  # what it admitted is scheduled by the next schedule()
             return None
         with profiled("batchgen.launch"):
-            flight = runner.launch_step(step, current, copies)
-        scheduler.commit(step, requests)
-        return flight
+            return runner.launch_step(step, current, copies)
 
     def enter(self, params: SamplingParams) -> None:
         self.num_sync += needs_sync(params)

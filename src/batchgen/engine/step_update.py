@@ -55,17 +55,21 @@ class StepUpdates:
         schedule the next while it runs; `apply` follows once its tokens are on the host."""
         committed: dict[str, int] = {}
         self._committed.append((sched, committed))
+        get, finished = requests.get, RequestStatus.FINISHED
+        computed = prompt_computed = 0
         for s in sched.requests:
-            req = requests.get(s.request_id)
-            if req is None or req.is_finished:  # stopped while a pipelined step was queued
+            req = get(s.request_id)
+            if req is None or req.status is finished:  # stopped, a pipelined step queued
                 continue
             n = committed[s.request_id] = len(s.new_token_ids)
             req.num_computed_tokens += n
             req.num_pending += s.sample
-            self.num_computed_tokens_total += n
+            computed += n
             prompt = req.num_prompt_tokens
             if s.start < prompt:
-                self.num_prompt_tokens_computed += min(n, prompt - s.start)
+                prompt_computed += min(n, prompt - s.start)
+        self.num_computed_tokens_total += computed
+        self.num_prompt_tokens_computed += prompt_computed
 
     def _take_committed(self, sched: SchedulerOutput) -> dict[str, int]:
         """What commit counted for `sched`; older commits never applied (a queued step
@@ -84,19 +88,20 @@ class StepUpdates:
         stops (a request that ended after the commit takes back what the step computed
         for it). Returns the requests that got a new token."""
         committed = self._take_committed(sched)
-        cache_computed = self.kv.cache_computed
+        cache_computed, get = self.kv.cache_computed, requests.get
+        finished, running = RequestStatus.FINISHED, RequestStatus.RUNNING
         for s in sched.requests:
             n = committed.get(s.request_id)
-            req = requests.get(s.request_id)
+            req = get(s.request_id)
             if n is None or req is None:
                 continue
             req.num_pending -= s.sample
-            if req.is_finished:  # its queued extra token is discarded
+            if req.status is finished:  # its queued extra token is discarded
                 self.num_computed_tokens_total -= n
                 prompt = req.num_prompt_tokens
                 if s.start < prompt:
                     self.num_prompt_tokens_computed -= min(n, prompt - s.start)
-            elif req.status == RequestStatus.RUNNING:
+            elif req.status is running:
                 cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
         return self._append(result, requests)
 
