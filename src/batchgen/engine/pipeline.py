@@ -37,16 +37,13 @@ def could_admit(scheduler: Scheduler, kv: KVCacheManager) -> bool:
 def ending_by_length(
     queued: SchedulerOutput, scheduler: Scheduler, requests: dict[str, Request]
 ) -> list[Request]:
-    """The requests of `queued` whose token from it is their last by length
-    (`scheduler.reaches_length(req, ahead=1)`, inline: a full step has ~900 rows)."""
-    get, running, max_model_len = requests.get, RequestStatus.RUNNING, scheduler.max_model_len
+    """The requests of `queued` whose token from it is their last by length (asked only
+    where next_decode gave up and a request waits: a few dozen steps a run)."""
+    running, reaches_length = RequestStatus.RUNNING, scheduler.reaches_length
     out = []
     for s in queued.requests:
-        req = get(s.request_id)
-        if req is None or req.status is not running or not s.sample:
-            continue
-        out_len, num_tokens = len(req.output_token_ids), len(req.token_ids)
-        if out_len + 1 >= req.max_tokens or num_tokens + 1 >= max_model_len:
+        req = requests.get(s.request_id)
+        if req is not None and req.status is running and s.sample and reaches_length(req, 1):
             out.append(req)
     return out
 

@@ -251,10 +251,9 @@ class Scheduler(StepUpdates):
         self._retired.add(req.request_id)
 
     def _left_running(self, req: Request) -> None:
-        if self._retired:  # retired: it left already, its end changes nothing here
-            if req.request_id in self._retired:
-                self._retired.discard(req.request_id)
-                return
+        if req.request_id in self._retired:  # it left already: its end changes nothing
+            self._retired.discard(req.request_id)
+            return
         self.num_left_since_schedule += 1
         self.feed.left(req.request_id)
         if self.hybrid is not None:
