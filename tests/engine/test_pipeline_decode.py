@@ -141,10 +141,9 @@ def test_unseeded_sampling_with_early_stops(model_dir, engine_device):
     assert sum(len(ids) < 16 for ids, _, _ in rows) >= 2
 
 
-def test_admitting_steps_launch_and_the_next_decode_queues_behind_them(model_dir):
-    """A step that admits requests (prompt rows beside decode rows) is launched as well,
-    and the decode step after it is built blind and queued while it runs: the same steps
-    and outputs as plain stepping."""
+def _length_mix(model_dir):
+    """24 seeded requests ending by length after 2-8 tokens on six seats: the prompts,
+    their params, plain stepping's rows and engine, and a pipelined LLM to run them on."""
     prompts = _prompts(24)
     params = [
         SamplingParams(temperature=0.8, seed=i, max_tokens=2 + i % 7, ignore_eos=True)
@@ -152,6 +151,14 @@ def test_admitting_steps_launch_and_the_next_decode_queues_behind_them(model_dir
     ]
     plain, _, plain_engine = _run(model_dir, prompts, params, False, max_num_seqs=6)
     llm = LLM(model=str(model_dir), pipeline_decode=True, max_num_seqs=6, **KW)
+    return prompts, params, plain, plain_engine, llm
+
+
+def test_admitting_steps_launch_and_the_next_decode_queues_behind_them(model_dir):
+    """A step that admits requests (prompt rows beside decode rows) is launched as well,
+    and the decode step after it is built blind and queued while it runs: the same steps
+    and outputs as plain stepping."""
+    prompts, params, plain, plain_engine, llm = _length_mix(model_dir)
     runner = llm.engine.runner
     prompted, behind = [], []
     launch_step, launch_decode = runner.launch_step, runner.launch_decode
@@ -203,13 +210,7 @@ def test_seats_freed_by_length_are_admitted_while_a_step_runs(model_dir):
     token is back: a waiting request takes it in a step launched behind the one in
     flight, the same step as plain stepping admits it in (the same steps and outputs),
     and the runner is told once that the request left."""
-    prompts = _prompts(24)
-    params = [
-        SamplingParams(temperature=0.8, seed=i, max_tokens=2 + i % 7, ignore_eos=True)
-        for i in range(24)
-    ]
-    plain, _, plain_engine = _run(model_dir, prompts, params, False, max_num_seqs=6)
-    llm = LLM(model=str(model_dir), pipeline_decode=True, max_num_seqs=6, **KW)
+    prompts, params, plain, plain_engine, llm = _length_mix(model_dir)
     runner = llm.engine.runner
     ahead = count_launches_ahead(runner)
     released = []
