@@ -13,7 +13,7 @@ def test_small_run_writes_its_result(tmp_path):
     small_requests = load("workloads").small_requests
     out = tmp_path / "out"
     ckpt = tmp_path / "ckpt"
-    argv = ["--small", "--skip-peer", "--out", str(out), "--ckpt", str(ckpt)]
+    argv = ["--small", "--skip-peer", "--constant-ceilings", "--out", str(out), "--ckpt", str(ckpt)]
     elapsed = run_timed(throughput, argv)
     result = json.loads((out / "throughput.json").read_text())
     ours = result["batchgen"]
@@ -24,22 +24,26 @@ def test_small_run_writes_its_result(tmp_path):
     # the timed run
     last_s, last_tokens = ours["timeline"][-1][:2]
     assert last_tokens == sum(out_lens) and 0 < last_s <= round(ours["wall_s"], 4)
-    # the roofline (a GPU's bound for this workload, roofline.py) is far beyond a CPU run
+    # the roofline at the H200's constants (a GPU's bound for this workload, roofline.py)
+    # is far beyond a CPU run
+    assert result["ceilings"]["source"] == "H200 constants"
     roof = result["roofline_s"]
+    assert result["fraction_at_h200_constants"] == pytest.approx(roof / ours["wall_s"])
     assert result["roofline_tok_s"] == pytest.approx(sum(out_lens) / roof)
     assert result["fraction_of_roofline"] == pytest.approx(roof / ours["wall_s"])
     assert 0 < result["fraction_of_roofline"] < 1
 
 
-def test_ceilings_give_the_roofline_of_the_card_measured(tmp_path):
+def test_the_roofline_is_the_measured_card_s_by_default(tmp_path):
     throughput = load("throughput")
     roofline = load("roofline")
     workloads = load("workloads")
     out = tmp_path / "out"
-    argv = ["--small", "--skip-peer", "--ceilings", "--out", str(out)]
+    argv = ["--small", "--skip-peer", "--out", str(out)]
     assert throughput.main([*argv, "--ckpt", str(tmp_path / "ckpt")]) == 0
     result = json.loads((out / "throughput.json").read_text())
     card = result["ceilings"]
+    assert card["source"] == "measured"
     assert card["h2d_gb_s"] is None  # the CPU has no pinned copies to time
     prompts, out_lens = workloads.small_requests()
     want = roofline.roofline_seconds(
@@ -49,9 +53,24 @@ def test_ceilings_give_the_roofline_of_the_card_measured(tmp_path):
         copy_bw=card["copy_bytes_per_s"],
         matmul_flops=card["matmul_flops"],
     )
-    assert result["fraction_of_card_roofline"] == pytest.approx(want / result["batchgen"]["wall_s"])
+    assert result["roofline_s"] == pytest.approx(want)
+    assert result["fraction_of_roofline"] == pytest.approx(want / result["batchgen"]["wall_s"])
     # the CPU's ceilings are far below the H200's, so its roofline is far longer
-    assert want > 10 * result["roofline_s"]
+    at_constants = roofline.roofline_seconds(
+        workloads.SMALL_MODEL, [len(p) for p in prompts], out_lens
+    )
+    assert want > 10 * at_constants
+    assert result["fraction_at_h200_constants"] == pytest.approx(
+        at_constants / result["batchgen"]["wall_s"]
+    )
+
+
+def test_ceilings_fall_back_to_the_constants_with_a_warning(capsys):
+    card = load("card")
+    got = card.ceilings("no-such-device")
+    assert got["source"] == "H200 constants"
+    assert got["copy_bytes_per_s"] == card.COPY_BW and got["matmul_flops"] == card.MATMUL_FLOPS
+    assert "not measured" in capsys.readouterr().err
 
 
 def test_the_roofline_scales_with_the_ceilings():
