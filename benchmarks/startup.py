@@ -153,14 +153,19 @@ def record_tuning(
     the section (with the Triton and fla-core versions it was recorded with)."""
     import importlib.metadata
 
+    import torch
     import triton
 
     try:
         fla = importlib.metadata.version("fla-core")
     except importlib.metadata.PackageNotFoundError:
         fla = None
+    capability = None
+    if torch.cuda.is_available():
+        capability = ".".join(map(str, torch.cuda.get_device_capability()))
     section = {
         "triton": triton.__version__,
+        "capability": capability,
         "fla-core": fla,
         "autotune": autotune_table.record_decisions(prefixes),
         "compile": chosen_only(watch.specs),

@@ -104,7 +104,7 @@ def test_a_recorded_table_round_trips_into_a_build_without_benchmarking(tmp_path
     section = startup.record_tuning(path, "Test GPU", watch, prefixes=(__name__,))
     kernel_id = f"{__name__}:_negate"
     assert section["triton"] == triton.__version__ and section["compile"] == {}
-    assert "fla-core" in section
+    assert "fla-core" in section and section["capability"] is None  # no GPU here
     assert section["autotune"][kernel_id][0]["key"] == [50, "torch.float32", "torch.float32"]
     table = autotune_table.load_table(path)
     assert sorted(table["gpus"]) == ["Another GPU", "Test GPU"]

@@ -113,6 +113,19 @@ def test_another_gpus_section_leaves_the_kernel_autotuning(tmp_path):
     assert BENCHES == []
 
 
+def test_a_gpu_without_a_section_takes_one_of_its_compute_capability(tmp_path):
+    path = tmp_path / "table.json"
+    autotune_table.write_section(path, "GPU H", {"capability": "9.0", "autotune": {"h": []}})
+    autotune_table.write_section(path, "GPU A", {"capability": "8.0", "autotune": {"a": []}})
+    autotune_table.write_section(path, "GPU G", {"capability": "9.0", "autotune": {"g": []}})
+    table = autotune_table.load_table(path)
+    assert autotune_table.gpu_section(table, "GPU A", "9.0")["autotune"] == {"a": []}  # its own
+    assert autotune_table.gpu_section(table, "GPU X", "9.0")["autotune"] == {"g": []}  # by name
+    assert autotune_table.gpu_section(table, "GPU X", "8.0")["autotune"] == {"a": []}
+    assert autotune_table.gpu_section(table, "GPU X", "10.0") == {}
+    assert autotune_table.gpu_section(table, "GPU X") == {}
+
+
 @pytest.mark.parametrize(
     "text",
     ["{not json", "[1, 2]", json.dumps({"format": 99, "gpus": {}}), json.dumps({"format": 1})],

@@ -70,7 +70,9 @@ def prepare_kernels(
         kda_ops.fla_norm()
     index = torch.cuda.current_device() if device.index is None else device.index
     gpu = torch.cuda.get_device_name(index)
-    section = autotune_table.gpu_section(autotune_table.load_table(table), gpu)
+    major, minor = torch.cuda.get_device_capability(index)
+    table_data = autotune_table.load_table(table)
+    section = autotune_table.gpu_section(table_data, gpu, f"{major}.{minor}")
     if watch is not None:
         watch.expect(section.get("compile", {}))
     threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)

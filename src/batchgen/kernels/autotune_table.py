@@ -16,10 +16,12 @@ W6's 245 s first build on a fresh H100 this way. Triton 3.6 and 3.9 build the ke
 
 A kernel id is "module:name", the module a kernel's function was defined in and the
 name it is bound to there. The table file (TABLE_PATH, package data) holds one section
-per GPU name (torch.cuda.get_device_name()):
+per GPU name (torch.cuda.get_device_name()); a GPU without one takes a section recorded
+on a GPU of its compute capability:
 
     {"format": 1, "gpus": {"NVIDIA H100 80GB HBM3": {"triton": "3.6.0", "fla-core": ...,
-        "autotune": {kernel id: [entries]}, "compile": {kernel id: [specialization]}}}}
+        "capability": "9.0", "autotune": {kernel id: [entries]},
+        "compile": {kernel id: [specialization]}}}}
 
 ("compile" is precompile.py's). Anything the running process cannot use (an unknown
 GPU, a module not loaded, a kernel or config that is no longer there, a malformed entry)
@@ -64,11 +66,28 @@ def load_table(path: Path | None = None) -> dict:
     return table
 
 
-def gpu_section(table: dict, gpu: str) -> dict:
-    """The table's section for the GPU named `gpu`, {} where it has none (or a malformed
-    one)."""
-    section = table.get("gpus", {}).get(gpu)
-    return section if isinstance(section, dict) else {}
+def gpu_section(table: dict, gpu: str, capability: str | None = None) -> dict:
+    """The table's section for the GPU named `gpu`; where it has none, the first (by name)
+    recorded on a GPU of the same compute `capability` ("9.0": an H200 takes an H100's
+    decisions; the kernels compile for the same architecture); {} where neither exists
+    (or the section is malformed)."""
+    sections = {
+        name: section
+        for name, section in table.get("gpus", {}).items()
+        if isinstance(section, dict)
+    }
+    if gpu in sections:
+        return sections[gpu]
+    for name in sorted(sections):
+        if capability is not None and sections[name].get("capability") == capability:
+            logger.info(
+                "no autotune table section for %s: using %s's (compute capability %s)",
+                gpu,
+                name,
+                capability,
+            )
+            return sections[name]
+    return {}
 
 
 def write_section(path: Path, gpu: str, section: dict) -> None:
