@@ -258,3 +258,31 @@ def test_free_pages_to_admit_counts_held_prefix_pages_as_free():
     kv.forget("a")  # cached but free: reviving them takes free pages
     assert kv.free_pages_to_admit("b", b) == 4
     assert kv.prefix_hit_tokens == 0
+
+
+def test_cache_computed_for_registers_as_cache_computed_row_by_row():
+    """A step's rows in one call: each request's full computed pages registered as its own
+    cache_computed call registers them (a token in flight counts no page), in row order."""
+    from types import SimpleNamespace
+
+    rows = [  # (tokens known, computed): pages fill, one of two, a token in flight, three
+        (list(range(8)), 8),
+        (list(range(100, 106)), 6),
+        (list(range(200, 208)), 9),
+        (list(range(300, 312)), 12),
+    ]
+    one, many = make(32), make(32)
+    reqs = []
+    for i, (tokens, computed) in enumerate(rows):
+        for kv in (one, many):
+            assert kv.allocate(f"r{i}", computed)
+        one.cache_computed(f"r{i}", tokens, computed)
+        reqs.append(
+            SimpleNamespace(request_id=f"r{i}", token_ids=tokens, num_computed_tokens=computed)
+        )
+    many.cache_computed_for(reqs)
+    for i in range(len(rows)):
+        want = [one.allocator.page_hash(p) for p in one.pages[f"r{i}"]]
+        assert [many.allocator.page_hash(p) for p in many.pages[f"r{i}"]] == want
+    hashed = [many.allocator.page_hash(p) for pages in many.pages.values() for p in pages]
+    assert sum(h is not None for h in hashed) == 2 + 1 + 2 + 3

@@ -76,7 +76,7 @@ def next_decode(
         return None
     following = []
     get, allocate, finished = requests.get, kv.allocate, RequestStatus.FINISHED
-    max_model_len = scheduler.max_model_len
+    max_model_len, held, page_size = scheduler.max_model_len, kv.pages.get, kv.page_size
     for s in queued.requests:
         req = get(s.request_id)
         if req is None or req.status is finished:
@@ -92,13 +92,15 @@ def next_decode(
                 return None
             continue
         start = s.start + len(s.new_token_ids)  # a decode row's 1, a prompt's last chunk's n
-        if not allocate(req.request_id, start + 1):
+        pages = held(req.request_id)  # allocate's first check, inline: most rows' pages cover it
+        if (pages is None or len(pages) * page_size <= start) and not allocate(
+            req.request_id, start + 1
+        ):
             return None
         following.append((req, start))
     if not following:
         return None
-    entry = scheduler.feed.entry
-    entries = [entry(req, [-1], start, True) for req, start in following]
+    entries = scheduler.feed.blind_entries(following)
     # new pages may have evicted cached ones the tier writes back first
     step = SchedulerOutput(entries, released_ids=scheduler.take_released())
     return step, StepCopies(kv.take_step_copies())

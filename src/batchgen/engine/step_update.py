@@ -88,7 +88,7 @@ class StepUpdates:
         stops (a request that ended after the commit takes back what the step computed
         for it). Returns the requests that got a new token."""
         committed = self._take_committed(sched)
-        cache_computed, get = self.kv.cache_computed, requests.get
+        get, cached = requests.get, []
         finished, running = RequestStatus.FINISHED, RequestStatus.RUNNING
         for s in sched.requests:
             n = committed.get(s.request_id)
@@ -102,12 +102,13 @@ class StepUpdates:
                 if s.start < prompt:
                     self.num_prompt_tokens_computed -= min(n, prompt - s.start)
             elif req.status is running:
-                cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+                cached.append(req)
+        self.kv.cache_computed_for(cached)
         return self._append(result, requests)
 
     def _advance(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         """`commit` and `apply`'s first pass in one loop, for a step nobody committed."""
-        cache_computed, get, running = self.kv.cache_computed, requests.get, RequestStatus.RUNNING
+        get, running, cached = requests.get, RequestStatus.RUNNING, []
         computed = prompt_computed = 0
         for s in sched.requests:
             req = get(s.request_id)
@@ -120,7 +121,8 @@ class StepUpdates:
             if s.start < prompt:
                 prompt_computed += min(n, prompt - s.start)
             if req.status is running:
-                cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+                cached.append(req)
+        self.kv.cache_computed_for(cached)  # full pages, after every row's counters
         self.num_computed_tokens_total += computed
         self.num_prompt_tokens_computed += prompt_computed
 

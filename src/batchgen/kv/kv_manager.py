@@ -190,6 +190,18 @@ class KVCacheManager:
         """Count an admitted request's tokens toward the prefix-cache query total."""
         self.prefix_query_tokens += num_tokens
 
+    def cache_computed_for(self, requests) -> None:
+        """`cache_computed` for each of `requests` (each with request_id, token_ids and
+        num_computed_tokens), in order: a step's rows, most of which fill no page (their
+        check is made here, without a call a row)."""
+        if not self.allocator.enable_caching:
+            return
+        ps, registered = self.page_size, self._num_registered.get
+        for req in requests:
+            ids, rid = req.token_ids, req.request_id
+            if min(req.num_computed_tokens, len(ids)) // ps > registered(rid, 0):
+                self.cache_computed(rid, ids, req.num_computed_tokens)
+
     def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register every full page whose tokens are all computed (and, with
         decode_append="batched", write it through to host). num_computed may count a

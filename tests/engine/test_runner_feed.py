@@ -1,0 +1,43 @@
+"""RunnerFeed (engine/runner_feed.py): what each step tells the runner of a request."""
+
+from __future__ import annotations
+
+from batchgen.engine.request import Request
+from batchgen.engine.runner_feed import RunnerFeed
+from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.kv.page_allocator import PageAllocator
+from batchgen.sampling_params import SamplingParams
+
+PS = 4
+
+
+def _feed_and_requests() -> tuple[RunnerFeed, list[tuple[Request, int]]]:
+    """A feed that sent "held" and "grows" their pages at 6 tokens, and never "fresh";
+    then "grows" got a page for its 9th token."""
+    kv = KVCacheManager(PageAllocator(32, True), PS)
+    feed = RunnerFeed(kv)
+    reqs = {rid: Request(rid, list(range(6)), SamplingParams(), 50) for rid in ("held", "grows")}
+    for rid, req in reqs.items():
+        assert kv.allocate(rid, 6)
+        feed.entry(req, list(range(6)), 0, True)
+        req.output_token_ids += [7, 8]
+        req.token_ids += [7, 8]
+    assert kv.allocate("grows", 9)
+    fresh = Request("fresh", [1, 2, 3], SamplingParams(), 50)
+    assert kv.allocate("fresh", 4)
+    following = [(reqs["held"], 7), (fresh, 3), (reqs["grows"], 8)]
+    return feed, following
+
+
+def test_blind_entries_are_the_entries_entry_makes():
+    """A blind decode step's entries in one call: each as `entry(req, [-1], start, True)`
+    makes it (new pages, a new request's fixed data), and the feed records the same."""
+    feed, following = _feed_and_requests()
+    got = feed.blind_entries(following)
+    feed_one, following_one = _feed_and_requests()
+    want = [feed_one.entry(req, [-1], start, True) for req, start in following_one]
+    assert got == want
+    assert [list(e.new_pages) for e in got] == [[], [want[1].new_pages[0]], [want[2].new_pages[0]]]
+    assert [e.new is not None for e in got] == [False, True, False]
+    assert [e.num_output_tokens for e in got] == [2, 0, 2]
+    assert feed._sent == feed_one._sent
