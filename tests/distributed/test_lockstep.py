@@ -9,7 +9,9 @@ from torch import nn
 from tp_workers import run_ranks
 
 from batchgen.distributed.lockstep import Lockstep
+from batchgen.layers import expert_parallel
 from batchgen.layers.tp_group import TPGroup
+from batchgen.runner.paired import FIXED, IDLE, VARIABLE
 
 
 class _Collective(nn.Module):
@@ -32,12 +34,12 @@ def _ticks(tp: TPGroup, plan: list[list[int]]) -> dict:
     end the tick with dummy forwards (contributing 0)."""
     model = _Collective(tp)
     lockstep = Lockstep(tp.host_group)
-    lockstep.attach(model)
     dummies = []
     for count in plan[tp.rank]:
         for _ in range(count):
-            model(torch.tensor([10.0**tp.rank]))
-        dummies.append(lockstep.end_tick(lambda: model(torch.zeros(1))))
+            with lockstep.forward(VARIABLE):  # as the runner pairs a forward it launches
+                model(torch.tensor([10.0**tp.rank]))
+        dummies.append(lockstep.end_tick(lambda mode: model(torch.zeros(1))))
     return {"seen": model.seen, "dummies": dummies, "rounds": lockstep.rounds}
 
 
@@ -49,3 +51,45 @@ def test_ranks_with_different_forward_counts_pair_every_forward(tmp_path):
     assert rank0["seen"] == rank1["seen"] == [11.0, 1.0, 10.0, 1.0, 11.0, 10.0]
     assert rank0["dummies"] == [0, 1, 0, 1] and rank1["dummies"] == [1, 0, 1, 0]
     assert rank0["rounds"] == rank1["rounds"] == 6 + 4  # a round a forward, one a tick's end
+
+
+def _modes(tp: TPGroup, plan: list[list[list[int]]]) -> dict:
+    """Tick t: rank r offers the modes plan[t][r] (FIXED or VARIABLE), one forward each,
+    then ends the tick; each forward (real or dummy) records the round's mode and
+    whether it ran under the fixed-capacity exchange."""
+    lockstep = Lockstep(tp.host_group)
+    seen = []
+    for tick in plan:
+        for offer in tick[tp.rank]:
+            with lockstep.forward(offer) as mode:
+                seen.append(("real", offer, mode, fixed_now()))
+        lockstep.end_tick(lambda mode: seen.append(("dummy", IDLE, mode, fixed_now())))
+    counts = dict(ran=lockstep.ran, fixed_dummies=lockstep.fixed_dummies)
+    return dict(seen=seen, eager_decodes=lockstep.eager_decodes, **counts)
+
+
+def fixed_now() -> bool:
+    """Whether expert-parallel layers would dispatch with fixed capacity here."""
+    return expert_parallel._FIXED.get()
+
+
+def test_every_rank_runs_each_forward_in_the_largest_offered_mode(tmp_path):
+    """One rank decodes (FIXED) while another prefills (VARIABLE) and a third is idle:
+    all three run that forward VARIABLE, the decode eagerly beside the prefill. Then two
+    decode and one idles: all three run FIXED, the idle one's dummy under the
+    fixed-capacity exchange too."""
+    F, V = FIXED, VARIABLE
+    plan = [[[F], [V], []], [[F, F], [F], []], [[V], [], [F]]]
+    ranks = run_ranks(_modes, 3, tmp_path, plan)
+    agreed = [[mode for _, _, mode, _ in r["seen"]] for r in ranks]
+    assert agreed[0] == agreed[1] == agreed[2] == [V, F, F, V]
+    for r in ranks:  # under the fixed-capacity exchange exactly in FIXED rounds
+        assert [fixed for _, _, _, fixed in r["seen"]] == [False, True, True, False]
+    assert [r["seen"][0][:3] for r in ranks] == [
+        ("real", F, V),
+        ("real", V, V),
+        ("dummy", IDLE, V),
+    ]
+    assert [r["eager_decodes"] for r in ranks] == [1, 0, 1]  # rank 2's last: rank 0's V
+    assert [r["fixed_dummies"] for r in ranks] == [0, 1, 2]
+    assert [r["ran"] for r in ranks] == [[0, 2, 2]] * 3

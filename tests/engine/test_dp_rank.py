@@ -13,6 +13,7 @@ from torch import nn
 
 from batchgen.distributed.lockstep import Lockstep
 from batchgen.engine.dp_rank import DPRank
+from batchgen.runner.paired import VARIABLE
 
 
 class _Failing(nn.Module):
@@ -22,24 +23,26 @@ class _Failing(nn.Module):
 
 class _Engine:
     """What DPRank uses of an EngineCore; step() raises `error`, from inside the
-    model's forward where `in_forward`."""
+    model's forward where `in_forward` (paired through `lockstep`, as the runner pairs
+    a forward it launches)."""
 
-    def __init__(self, error: Exception, in_forward: bool) -> None:
+    def __init__(self, error: Exception, in_forward: bool, lockstep: Lockstep) -> None:
         self.model = _Failing() if in_forward else nn.Identity()
-        self.error, self.in_forward = error, in_forward
+        self.error, self.in_forward, self.lockstep = error, in_forward, lockstep
         self.requests: dict = {}
         self.stats = SimpleNamespace(output_tokens=0)
         self.has_unfinished = True
 
     def step(self):
         if self.in_forward:
-            self.model(torch.zeros(1))
+            with self.lockstep.forward(VARIABLE):
+                self.model(torch.zeros(1))
         raise self.error
 
 
 def test_an_error_outside_a_forward_is_answered_and_the_tick_ends():
     lockstep = Lockstep(None)
-    rank = DPRank(_Engine(ValueError("in the scheduler"), in_forward=False), lockstep)
+    rank = DPRank(_Engine(ValueError("in the scheduler"), False, lockstep), lockstep)
     result = rank.tick()
     assert isinstance(result.error, ValueError) and str(result.error) == "in the scheduler"
     assert lockstep.rounds == 1  # the tick's end: other ranks' forwards would be paired
@@ -48,7 +51,7 @@ def test_an_error_outside_a_forward_is_answered_and_the_tick_ends():
 
 def test_an_error_inside_a_forward_ends_the_rank():
     lockstep = Lockstep(None)
-    rank = DPRank(_Engine(ValueError("unused"), in_forward=True), lockstep)
+    rank = DPRank(_Engine(ValueError("unused"), True, lockstep), lockstep)
     with pytest.raises(RuntimeError, match="inside the forward"):
         rank.tick()
     assert lockstep.in_forward

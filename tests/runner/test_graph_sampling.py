@@ -182,7 +182,7 @@ def device_free(monkeypatch):
     return free
 
 
-def _runner(model=None, grammar=None, kernels=None, max_bs=16, graphs=None):
+def _runner(model=None, grammar=None, kernels=None, max_bs=16, graphs=None, pairing=None):
     from types import SimpleNamespace
 
     kept = PenaltyCounts(VOCAB, CPU)
@@ -194,6 +194,7 @@ def _runner(model=None, grammar=None, kernels=None, max_bs=16, graphs=None):
         sampling=SamplingState(VOCAB, CPU, [2], None, kept),
         penalties=kept,
         vocab_size=VOCAB,
+        pairing=pairing,
     )
 
 
@@ -255,6 +256,8 @@ def test_graph_tail_decides_per_step_and_hands_over_the_tokens(device_free):
     assert tail_for(_runner(grammar=following), reqs, [3] * 3) is None
     assert tail_for(_runner(model=_Model(SimpleNamespace(size=2))), reqs, [3] * 3) is None
     assert tail_for(_runner(kernels=False), reqs, [3] * 3) is None
+    # an attention data-parallel rank: a tail's capture alone would run unpaired forwards
+    assert tail_for(_runner(pairing=SimpleNamespace()), reqs, [3] * 3) is None
     assert tail_for(_runner(), _rows([dict(temperature=0.5)]), [0]) is not None
 
 

@@ -4,39 +4,47 @@ Each rank runs its own scheduler over its own requests, so in one tick (one step
 every rank's engine) the ranks may run different numbers of model forwards: none (no
 work), one, or two (a pipelined decode's first call queues the step after it too). The
 MoE layers' collectives (expert parallel all-to-all) need every rank in every forward,
-so each forward is paired across the ranks by a round: an all-reduce (max) of one flag
-on the host group, every rank taking part in every round.
+so each forward is paired across the ranks by a round: an all-reduce (max) of one mode
+on the host group, every rank taking part in every round. A rank offers the mode of its
+forward (runner/paired.py: FIXED 1, a decode step the fixed-capacity exchange takes;
+VARIABLE 2, any other), or IDLE 0 once its step is over:
 
     rank A (two forwards this tick)          rank B (none this tick)
     forward 1: round(1) -> 1, runs it         end_tick: round(0) -> 1, dummy forward
-    forward 2: round(1) -> 1, runs it                   round(0) -> 1, dummy forward
+    forward 2: round(2) -> 2, runs it                   round(0) -> 2, dummy forward
     end_tick:  round(0) -> 0, tick over                 round(0) -> 0, tick over
 
-A round that any rank enters with 1 makes every rank run one forward (a real one, or a
-dummy of one token where it has none); a round every rank enters with 0 ends the tick.
-So the ranks run the same number of forwards in every tick, in the same order, and
-their MoE collectives pair up whatever each scheduler decided. The rounds go over the
-gloo host group: no GPU work, no device synchronisation.
+A round that any rank enters with a forward makes every rank run one (a real one, or a
+dummy where it has none) in the agreed mode, the largest offered: under the
+fixed-capacity expert-parallel exchange (`fixed_capacity()`) in a FIXED round, the
+variable one in a VARIABLE round, whatever each rank offered; a round every rank enters
+IDLE ends the tick. So the ranks run the same number of forwards in every tick, in the
+same order and mode, and their MoE collectives pair up whatever each scheduler decided.
+The rounds go over the gloo host group: no GPU work, no device synchronisation.
 
-A forward pairs through a pre-hook on the model (`attach`): CUDA-graph replays do not
-call the model, so this works for eager forwards only (the DP engine runs eagerly).
+The runner pairs each forward where it launches it (runner/paired.py), a decode graph's
+replay as well as an eager forward, so the ranks' decode steps may replay CUDA graphs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from batchgen.distributed.sliced import waited
+from batchgen.layers.expert_parallel import fixed_capacity
+from batchgen.runner.paired import FIXED, IDLE, VARIABLE
 
 
 class Lockstep:
     """One rank's side of the rounds over `group` (a gloo process group; None: one
-    rank, every round answered by this rank alone). `rounds` and `dummy_forwards`
-    count what this rank ran. check: rank 0's `Workers.check`, where its rounds wait in
+    rank, every round answered by this rank alone). What this rank ran: `rounds`,
+    `dummy_forwards`, `ran[mode]` (forwards, real or dummy, in FIXED and VARIABLE
+    rounds), `fixed_dummies` (dummies in FIXED rounds) and `eager_decodes` (forwards
+    it offered FIXED that ran VARIABLE beside another rank's step). check: rank 0's `Workers.check`, where its rounds wait in
     slices of slice_s (sliced.py: a worker's host may vanish silently); None: a plain
     wait (a worker's)."""
 
@@ -46,50 +54,54 @@ class Lockstep:
         self.group, self.check, self.slice_s = group, check, slice_s
         self.rounds = 0
         self.dummy_forwards = 0
-        self._pairing = False  # a dummy forward runs: its round is already done
+        self.ran = [0, 0, 0]  # by the round's mode (IDLE's stays 0)
+        self.fixed_dummies = 0
+        self.eager_decodes = 0
         # a forward began and has not returned: its collectives may be half done, so a
         # failure now cannot be paired away (the rank must end, failing the others fast)
         self.in_forward = False
 
-    def attach(self, model: nn.Module) -> list:
-        """Pair every forward of `model` with the other ranks' (a forward pre-hook, and a
-        hook that notes its end); the hooks' handles (`.remove()` detaches one)."""
-        return [
-            model.register_forward_pre_hook(self._before_forward),
-            model.register_forward_hook(self._after_forward),
-        ]
+    @contextmanager
+    def forward(self, mode: int) -> Iterator[int]:
+        """One forward of this rank's, offered in `mode` (FIXED or VARIABLE): the round,
+        then the agreed mode, inside which the forward runs (under the fixed-capacity
+        exchange where FIXED). in_forward while inside; left set where the forward
+        raises."""
+        agreed = self._round(mode)
+        self.eager_decodes += mode == FIXED and agreed == VARIABLE
+        with self._running(agreed):
+            yield agreed
 
-    def _before_forward(self, module: nn.Module, args) -> None:
-        if not self._pairing:
-            self._round(True)
+    @contextmanager
+    def _running(self, mode: int) -> Iterator[None]:
+        self.ran[mode] += 1
         self.in_forward = True
-
-    def _after_forward(self, module: nn.Module, args, output) -> None:
+        with fixed_capacity() if mode == FIXED else nullcontext():
+            yield
         self.in_forward = False
 
-    def _round(self, forward: bool) -> bool:
-        """Whether any rank runs a forward now (this one says whether it does)."""
+    def _round(self, mode: int) -> int:
+        """The largest mode any rank offers now (this one offers `mode`)."""
         self.rounds += 1
         if self.group is None:
-            return forward
-        flag = torch.tensor([int(forward)], dtype=torch.int32)
+            return mode
+        flag = torch.tensor([mode], dtype=torch.int32)
         if self.check is None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         else:
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             waited(work, self.check, self.slice_s)
-        return bool(flag.item())
+        return int(flag.item())
 
-    def end_tick(self, dummy_forward: Callable[[], None]) -> int:
-        """This rank's step is over: run a dummy forward for every forward another rank
-        still runs in this tick, until no rank does; the number run."""
+    def end_tick(self, dummy_forward: Callable[[int], None]) -> int:
+        """This rank's step is over: run dummy_forward(mode) for every forward another
+        rank still runs in this tick, in that round's mode, until no rank does; the
+        number run."""
         ran = 0
-        while self._round(False):
-            self._pairing = True
-            try:
-                dummy_forward()
-            finally:
-                self._pairing = False
+        while mode := self._round(IDLE):
+            with self._running(mode):
+                dummy_forward(mode)
+            self.fixed_dummies += mode == FIXED
             ran += 1
         self.dummy_forwards += ran
         return ran

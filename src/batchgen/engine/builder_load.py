@@ -17,11 +17,13 @@ from batchgen.engine.tp_peers import TPWorkers, check_supported
 from batchgen.engine.tp_worker import worker_main
 from batchgen.models.loader import ModelSource, build_model, gguf_read_once
 from batchgen.models.registry import check_tensor_parallel
+from batchgen.runner.paired import Pairing
 
 
-def load_engine(config: EngineConfig) -> EngineParts:
+def load_engine(config: EngineConfig, pairing: Pairing | None = None) -> EngineParts:
     """The parts for config.model (the default model when unset), its host tier's budget
-    checked before the weights load."""
+    checked before the weights load. pairing: an attention data-parallel rank's rounds
+    (OneRank's), its forwards paired with the other ranks'."""
     from batchgen.models.default_model import default_model_path
 
     model = config.model or default_model_path(config.cache_dir)
@@ -29,7 +31,7 @@ def load_engine(config: EngineConfig) -> EngineParts:
     # before the weights: a host tier that cannot fit would fail after loading them
     check_host_budget(config.host_kv_size_gib, ranks_here(config, config.tensor_parallel_size))
     with gguf_read_once():  # config, tokenizer and weights from one parse of a GGUF
-        return _from_source(config, source)
+        return _from_source(config, source, pairing)
 
 
 def ranks_here(config: EngineConfig, size: int) -> int:
@@ -43,7 +45,9 @@ def ranks_here(config: EngineConfig, size: int) -> int:
     return min(size, torch.cuda.device_count())
 
 
-def _from_source(config: EngineConfig, source: ModelSource) -> EngineParts:
+def _from_source(
+    config: EngineConfig, source: ModelSource, pairing: Pairing | None = None
+) -> EngineParts:
     hf_config = source.load_config()
     tokenizer = source.load_tokenizer()
     device = config.torch_device()
@@ -64,7 +68,7 @@ def _from_source(config: EngineConfig, source: ModelSource) -> EngineParts:
             # attention data parallel: the experts spread over the process's ranks
             ep=expert_parallel(config, tp_group()),
         )
-        return build_engine(config, model, hf_config, tokenizer, device, dtype, OneRank())
+        return build_engine(config, model, hf_config, tokenizer, device, dtype, OneRank(pairing))
     check_supported(config, device)
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     workers = TPWorkers.start(config, source, worker_main)

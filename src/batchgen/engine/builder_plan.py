@@ -64,11 +64,14 @@ def with_limits_for(config: EngineConfig, device: torch.device, hf_config) -> En
 def expert_parallel(config: EngineConfig, group: TPGroup) -> ExpertParallel | None:
     """The MoE layers' expert parallel over `group` where the config enables it, else
     None: under attention data parallel (data_parallel_size > 1, `group` the data-parallel
-    ranks) each rank brings its own tokens; under tensor parallel (`group` its ranks)
-    every rank gets the same tokens and runs a slice of them."""
+    ranks) each rank brings its own tokens, at most max_num_seqs in a decode step run
+    under the fixed-capacity exchange (runner/paired.py); under tensor parallel (`group`
+    its ranks) every rank gets the same tokens and runs a slice of them."""
     if not config.enable_expert_parallel or group.size == 1:
         return None
-    return ExpertParallel(group, local_tokens=config.data_parallel_size > 1)
+    if config.data_parallel_size > 1:
+        return ExpertParallel(group, local_tokens=True, max_tokens=config.max_num_seqs)
+    return ExpertParallel(group)
 
 
 def has_moe_layers(hf_config) -> bool:
@@ -106,8 +109,9 @@ def graph_sampling_reserve(
 ) -> int:
     """Device bytes the memory plan keeps out of the KV pool for the decode graphs that
     sample (runner/graph_sampling.py): where decode graphs are captured on one rank (a
-    tensor-parallel group samples after the replay), their logits, penalty copy and
-    kept counts at max_num_seqs rows, which no warm-up step measures."""
+    tensor-parallel group, or attention data parallel's ranks, sample after the replay:
+    `ranks` counts both), their logits, penalty copy and kept counts at max_num_seqs
+    rows, which no warm-up step measures."""
     if not graphs or ranks > 1:
         return 0
     return sampling_graph_reserve(config.max_num_seqs, vocab, dtype)
@@ -272,7 +276,8 @@ def resolve_plan(
     layout, state_pool, device = warmup.layout, warmup.state_pool, warmup.device
     graphs = graphs_wanted(config, model, dtype, device, warmup.backend)
     vocab = warmup.hf_config.vocab_size
-    reserve = graph_sampling_reserve(config, vocab, dtype, graphs, executor.size)
+    ranks = executor.size * config.data_parallel_size
+    reserve = graph_sampling_reserve(config, vocab, dtype, graphs, ranks)
     num_pages = plan_num_pages(
         config, layout, device, warmup.forward, warmup.sampler, executor, reserve
     )

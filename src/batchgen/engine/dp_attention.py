@@ -23,12 +23,22 @@ on whatever rank it runs. Dense layers and attention weights are replicated on e
 rank; the MoE layers are expert parallel over the ranks (layers/expert_parallel.py,
 each rank its own tokens: builder_plan.expert_parallel).
 
-Not done here: GPUs are untested (the ranks' decode runs eagerly: a replayed CUDA graph
-does not call the model's pre-hook that pairs forwards), reconfigure(), and tensor
-parallel inside a data-parallel rank (refused: it needs a tensors' group per rank
-beside the expert-parallel group over all of them, each rank an executor of its own
-workers, and for MLA it would shrink no rank's latent cache; D x T ranks run as
-data_parallel_size=D*T instead). The ranks run as processes of this host, or as Ray
+Decode CUDA graphs: each rank's runner pairs every forward where it launches it, an
+eager one or a graph's replay (runner/paired.py, distributed/lockstep.py). A round in
+which every rank's step is a decode a captured bucket takes (or a rank is idle) runs the
+fixed-capacity expert-parallel exchange: each rank replays its bucket's graph, the
+exchange captured inside, an idle rank the smallest bucket's padding; a round in which
+any rank prefills (or runs a decode the graphs cannot take) runs every rank eagerly
+under the variable exchange. On the CPU (no CUDA graphs) the same rounds run the
+fixed-capacity exchange eagerly, which tests/distributed/test_dp_modes.py checks. The
+capture itself needs a machine of several GPUs, and none has been lent: decode graphs
+under attention data parallel have not yet run (tests/distributed/test_dp_gpu.py, two
+GPUs, DP 2 with graphs against DP 2 eager, is skipped until one runs it).
+
+Not done here: reconfigure(), and tensor parallel inside a data-parallel rank (refused:
+it needs a tensors' group per rank beside the expert-parallel group over all of them,
+each rank an executor of its own workers, and for MLA it would shrink no rank's latent
+cache; D x T ranks run as data_parallel_size=D*T instead). The ranks run as processes of this host, or as Ray
 actors over several hosts with distributed_executor_backend="ray" (distributed/ray_ranks.py).
 """
 
@@ -97,11 +107,12 @@ class DPEngine:
     """Rank 0's engine over D data-parallel ranks, with EngineCore's interface as the
     API uses it: add_request, step, has_unfinished, abort, validate, metrics, shutdown.
     `local` is rank 0's own engine (its model is `model`); `held[r]` the tokens rank r's
-    unfinished requests hold at most (prompt plus max_tokens), which admission balances."""
+    unfinished requests hold at most (prompt plus max_tokens), which admission balances;
+    `lockstep` rank 0's side of the rounds, its runner's pairing (load_engine's)."""
 
-    def __init__(self, local: EngineCore, workers: Workers, size: int) -> None:
+    def __init__(self, local: EngineCore, lockstep: Lockstep, workers: Workers, size: int) -> None:
         self.local = local
-        self.rank0 = DPRank(local, Lockstep(workers.tp.host_group, workers.check, workers.slice_s))
+        self.rank0 = DPRank(local, lockstep)
         self.workers = workers
         self.size = size
         # LLM keeps read_ahead requests in the engine: enough for every rank
@@ -130,14 +141,14 @@ class DPEngine:
         _check_moe(config)
         check_host_budget(config.host_kv_size_gib, ranks_here(config, size))
         backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
-        if backend == "nccl":  # untested: see the module's docstring
+        if backend == "nccl":  # not yet run: see the module's docstring
             local = config.distributed_executor_backend == "mp"  # Ray: the cluster's GPUs
             if local and torch.cuda.device_count() < size:
                 raise ValueError(
                     f"data_parallel_size={size} needs {size} GPUs, one a rank; "
                     f"{torch.cuda.device_count()} visible"
                 )
-            logger.warning("attention data parallel on GPUs is untested; decode runs eagerly")
+            logger.warning("attention data parallel has not yet run on GPUs")
         workers = Workers.spawn(
             worker_main,
             (config,),
@@ -147,8 +158,9 @@ class DPEngine:
             launcher=config.distributed_executor_backend,
         )
         try:
+            lockstep = Lockstep(workers.tp.host_group, workers.check, workers.slice_s)
             with workers.failures_named():
-                return cls(EngineCore(load_engine(config)), workers, size)
+                return cls(EngineCore(load_engine(config, lockstep)), lockstep, workers, size)
         except BaseException:
             workers.shutdown()
             raise

@@ -1,7 +1,8 @@
 """One rank of an attention data-parallel engine (dp_attention.py): a whole engine of
 its own (EngineCore: scheduler, KV manager, page pool, state slots, host tier) over the
 requests rank 0 gave it, whose forwards run in lockstep with the other ranks'
-(distributed.lockstep), because the MoE layers' collectives need every rank.
+(distributed.lockstep; its runner pairs each one where it launches it, runner/paired.py),
+because the MoE layers' collectives need every rank.
 
 Rank 0 runs one beside its coordinator; ranks 1..D-1 run `worker_main` in the
 processes distributed.workers spawns, acting on DPStep and DPQuery messages until
@@ -23,6 +24,7 @@ from batchgen.engine.builder_load import load_engine
 from batchgen.engine.engine_core import EngineCore, RequestsFailed
 from batchgen.engine.request import Request
 from batchgen.layers.tp_group import TPGroup
+from batchgen.runner.paired import FIXED, VARIABLE, idle_replay
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +43,14 @@ class TickResult:
 
 
 class DPRank:
-    """A rank's engine and its side of the lockstep rounds. `tick` runs one step of the
-    engine (none where it holds nothing), then pairs every forward the other ranks still
-    run with a dummy one (`EngineCore.warmup.forward`: one token in a throw-away pool)."""
+    """A rank's engine and its side of the lockstep rounds (`lockstep`: the one its
+    runner pairs each forward through, load_engine's `pairing`). `tick` runs one step of
+    the engine (none where it holds nothing), then pairs every forward the other ranks
+    still run with a dummy one in the round's mode (`_dummy_forward`)."""
 
     def __init__(self, engine: EngineCore, lockstep: Lockstep) -> None:
         self.engine = engine
         self.lockstep = lockstep
-        self._hook = lockstep.attach(engine.model)
 
     def add(self, new: list[DPRequest]) -> None:
         for item in new:
@@ -83,13 +85,32 @@ class DPRank:
         result.output_tokens = engine.stats.output_tokens
         return result
 
-    def _dummy_forward(self) -> None:
-        self.engine.warmup.forward(1, max_len=1)
+    def _dummy_forward(self, mode: int) -> None:
+        """In a FIXED round where the runner has decode graphs, the smallest bucket's
+        padding replayed (paired.idle_replay: the fixed-capacity exchange is captured
+        in it); else one token in a throw-away pool (`EngineCore.warmup.forward`), which
+        the lockstep runs under the round's exchange."""
+        runner = self.engine.runner
+        if mode == FIXED and runner.graphs is not None:
+            idle_replay(runner)
+        else:
+            self.engine.warmup.forward(1, max_len=1)
 
     def metrics(self) -> dict:
-        """The engine's metrics and `dp_dummy_forwards`: the forwards this rank ran only
-        to pair another rank's."""
-        return {**self.engine.metrics(), "dp_dummy_forwards": self.lockstep.dummy_forwards}
+        """The engine's metrics and what this rank ran in the lockstep rounds:
+        `dp_dummy_forwards` (forwards only to pair another rank's; `dp_fixed_dummies`
+        of them in FIXED rounds), `dp_fixed_forwards` and `dp_variable_forwards` (real
+        or dummy, by the round's mode: runner/paired.py) and `dp_eager_decodes`
+        (decode steps offered FIXED, run eagerly beside another rank's VARIABLE step)."""
+        lockstep = self.lockstep
+        return {
+            **self.engine.metrics(),
+            "dp_dummy_forwards": lockstep.dummy_forwards,
+            "dp_fixed_dummies": lockstep.fixed_dummies,
+            "dp_fixed_forwards": lockstep.ran[FIXED],
+            "dp_variable_forwards": lockstep.ran[VARIABLE],
+            "dp_eager_decodes": lockstep.eager_decodes,
+        }
 
     def slots(self) -> dict[str, int]:
         """Request id -> the state slot it holds (models with linear-attention layers;
@@ -124,9 +145,10 @@ def _detached(req: Request) -> Request:
 def worker_main(tp: TPGroup, config: EngineConfig) -> None:
     """Rank r's life once it joined the group: build its engine, as rank 0 does, then
     serve rank 0's messages until Shutdown."""
-    engine = EngineCore(load_engine(config))
+    lockstep = Lockstep(tp.host_group)
+    engine = EngineCore(load_engine(config, pairing=lockstep))
     try:
-        serve(tp, _Worker(DPRank(engine, Lockstep(tp.host_group)), tp).handle)
+        serve(tp, _Worker(DPRank(engine, lockstep), tp).handle)
     finally:
         engine.shutdown()
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from batchgen.distributed.messages import Message
 from batchgen.runner.model_runner import ModelRunner
+from batchgen.runner.paired import Pairing
 
 if TYPE_CHECKING:
     from batchgen.kv.tiered import TieredKVManager
@@ -68,13 +69,18 @@ class Executor(Protocol):
 
 class OneRank:
     """The executor of an engine on one rank: there is no other rank to tell, ask, or
-    stop."""
+    stop. pairing: an attention data-parallel rank's rounds (distributed.lockstep.
+    Lockstep; each rank is an engine of one rank whose forwards pair with the other
+    ranks'), handed to its runner (runner/paired.py); None: one engine alone."""
 
     size = 1
     runner_cls = ModelRunner
 
+    def __init__(self, pairing: Pairing | None = None) -> None:
+        self.pairing = pairing
+
     def runner_args(self, tier: TieredKVManager | None) -> dict:
-        return {}
+        return {} if self.pairing is None else {"pairing": self.pairing}
 
     def send(self, message: Message) -> None:
         pass

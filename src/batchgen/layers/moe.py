@@ -156,9 +156,11 @@ class DeepseekV3MoE(nn.Module):
         """Whether forward runs without a host sync for `dtype` activations on `device`
         (so a CUDA graph can capture it): fused_experts takes the grouped-GEMM path there,
         and an expert-parallel dispatch reads no split sizes on the host: the
-        fixed-capacity one of replicated tokens (every rank replays the same bucket; local
-        tokens are attention data parallel's, whose decode runs eagerly)."""
-        if self.ep is not None and self.ep.size > 1 and self.ep.local_tokens:
+        fixed-capacity one (of replicated tokens: every rank replays the same bucket; of
+        local tokens, attention data parallel's, only with their capacity `max_tokens`:
+        every rank replays with the same buffers, whatever its bucket)."""
+        ep = self.ep
+        if ep is not None and ep.size > 1 and ep.local_tokens and ep.max_tokens is None:
             return False
         if self.experts.group_size is not None:  # INT4: the Triton GEMMs on CUDA
             return torch.device(device).type == "cuda"

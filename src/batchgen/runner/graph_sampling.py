@@ -244,10 +244,12 @@ class GraphTail:
 def graph_tail(runner, flight, steps: list[int]) -> GraphTail | None:
     """The tail a decode step (its InFlightDecode: every row samples, graph-able) replays
     with, None where it samples after the replay: no graphs, a structured-output grammar
-    following a request, more than one tensor-parallel rank, every row plain greedy, or
-    what `variant_of` leaves eager."""
+    following a request, more than one tensor-parallel rank, an attention data-parallel
+    rank (its tails' captures, one rank's sampling alone, would run forwards the other
+    ranks do not pair: runner/paired.py), every row plain greedy, or what `variant_of`
+    leaves eager."""
     model, grammar = runner.model, runner.grammar
-    if runner.graphs is None or runner.sampler.kernels is False:
+    if runner.graphs is None or runner.sampler.kernels is False or runner.pairing is not None:
         return None
     if grammar is not None and grammar.following:
         return None

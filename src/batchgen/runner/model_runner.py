@@ -21,6 +21,7 @@ from batchgen.runner.input_batch import InputBatch, StepRow
 from batchgen.runner.inputs import pack_step, pipelined_ids, table_width
 from batchgen.runner.linear_state import linear_metadata
 from batchgen.runner.mask_staging import MaskStaging
+from batchgen.runner.paired import Pairing, paired_forward
 from batchgen.runner.penalty_counts import PenaltyCounts
 from batchgen.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from batchgen.runner.sampler import (
@@ -28,6 +29,7 @@ from batchgen.runner.sampler import (
     SamplingMetadata,
     SamplingState,
     apply_token_bitmask,
+    check_finite,
     warm_kernels,
 )
 from batchgen.runner.staging import HostStaging
@@ -63,6 +65,7 @@ class ModelRunner:
         linear_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         grammar=None,
         deterministic: bool = False,
+        pairing: Pairing | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -73,6 +76,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.debug = debug
         self.deterministic = deterministic  # batch-invariant layers (step_mode)
+        self.pairing = pairing  # an attention data-parallel rank's rounds (paired.py)
         self.attention_backend = attention_backend
         self.graphs = graphs
         self.split_plan = split_plan
@@ -295,8 +299,11 @@ class ModelRunner:
         forward, layer by layer, so layer i computes while layer i+1's pages load.
         device_ids [T] replaces the input ids (a pipelined step's tokens, still on the
         device). `graph`: replay or not as told (a tensor-parallel worker follows rank
-        0), None: as `_graph_ok` says; `tail`: a replay's `graph_sampling.GraphTail`.
-        Returns the hidden states and the rows to sample from (None: all of them)."""
+        0), None: as `_graph_ok` says (with `pairing`, as the ranks agree: paired.py);
+        `tail`: a replay's `graph_sampling.GraphTail`. Returns the hidden states and the
+        rows to sample from (None: all of them)."""
+        if graph is None and self.pairing is not None:
+            return paired_forward(self, sched, reqs, copies, device_ids)
         if graph is None:
             graph = self._graph_ok(sched, copies)
         elif graph and self.graphs is None:
@@ -340,7 +347,7 @@ class ModelRunner:
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden)
         if self.debug:
-            self._check_finite(logits, sampled)
+            check_finite(logits, sampled)
         logits = self._constrain(logits, sampled)
         with record_function("batchgen.sample"):
             out = self._sample(logits, sampled)
@@ -389,12 +396,3 @@ class ModelRunner:
             top = () if out.topk_token_ids is None else (out.topk_token_ids, out.topk_logprobs)
             logprobs = token_logprobs(sampled, (out.sampled_logprobs, out.sampled_ranks, *top))
         return ModelRunnerOutput([r.request_id for r in sampled], token_ids, logprobs)
-
-    @staticmethod
-    def _check_finite(logits: torch.Tensor, sampled) -> None:
-        bad = (~torch.isfinite(logits)).any(dim=-1)
-        if bool(bad.any()):
-            rows = bad.nonzero().flatten().tolist()
-            raise FloatingPointError(
-                "non-finite logits for request(s) " + ", ".join(sampled[i].request_id for i in rows)
-            )

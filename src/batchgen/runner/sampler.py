@@ -54,6 +54,7 @@ __all__ = [
     "apply_min_tokens",
     "apply_penalties",
     "apply_token_bitmask",
+    "check_finite",
     "filter_cut",
     "request_seed",
     "warm_kernels",
@@ -80,6 +81,17 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
     allowed = ((octets.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :vocab]
     return logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+def check_finite(logits: torch.Tensor, sampled) -> None:
+    """FloatingPointError naming the rows of `sampled` (their `request_id`) whose logits
+    [B, V] hold a NaN or an infinity (batchgen_debug's check; it reads the device)."""
+    bad = (~torch.isfinite(logits)).any(dim=-1)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise FloatingPointError(
+            "non-finite logits for request(s) " + ", ".join(sampled[i].request_id for i in rows)
+        )
 
 
 def apply_min_tokens(logits: torch.Tensor, block: list[tuple[int, list[int]]]) -> torch.Tensor:
