@@ -4,12 +4,16 @@ A step names a request's fixed data (params, prompt, output so far, seed) once, 
 first time the runner sees it (`ScheduledRequest.new`), and after that only what the
 step changes: its new tokens and the pages it added. `InputBatch.apply(step)` drops the
 released requests, records the new ones, appends each request's new pages to its page
-row (`PageRows`) and returns the step's requests resolved (`StepRow`), in order.
+row (`PageRows`) and returns the step's requests resolved (`StepRow`), in order, with
+their page rows and the rows' serials as arrays (`StepRows`): what is kept per row
+elsewhere (sampling parameters, a queued step's tokens) is then gathered by row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from batchgen.runner.batch import NewRequest, SchedulerOutput
 from batchgen.runner.page_rows import PageRows
@@ -33,6 +37,18 @@ class StepRow:
     row: int  # its page row
 
 
+class StepRows(list):
+    """A step's `StepRow`s in order, with `rows` [n] int64 (each one's page row) and
+    `serials` [n] int64 (`PageRows.serial` of those rows as the step took them)."""
+
+    __slots__ = ("rows", "serials")
+
+    def __init__(self, items: list[StepRow], serial: np.ndarray) -> None:
+        super().__init__(items)
+        self.rows = np.fromiter((r.row for r in items), np.int64, len(items))
+        self.serials = serial[self.rows]
+
+
 class InputBatch:
     def __init__(self, max_rows: int, max_pages: int) -> None:
         self.page_rows = PageRows(max_rows, max_pages)
@@ -54,7 +70,7 @@ class InputBatch:
         self._held.clear()
         self.page_rows.reset()
 
-    def apply(self, step: SchedulerOutput) -> list[StepRow]:
+    def apply(self, step: SchedulerOutput) -> StepRows:
         self.release(step.released_ids)
         held, rows, out = self._held, self.page_rows, []
         for r in step.requests:
@@ -86,4 +102,4 @@ class InputBatch:
                     row,
                 )
             )
-        return out
+        return StepRows(out, rows.serial)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from batchgen.forward_context import AttentionMetadata, PrefillSeq, pack_aligned, unpack_aligned
-from batchgen.runner.input_batch import StepRow
+from batchgen.runner.input_batch import StepRow, StepRows
 from batchgen.runner.staging import HostStaging
 
 
@@ -90,10 +90,10 @@ def pipelined_ids(reqs: list[StepRow], prev, stage: HostStaging) -> torch.Tensor
     """The input tokens of a step queued after `prev` (an InFlightDecode; the ids packed
     as pack_step packs them): a placeholder -1, a request's last input token, is the
     token `prev` samples for it, read on the device; the other tokens are as given."""
-    at = {r.request_id: i for i, r in enumerate(prev.sampled)}
     if all(len(r.new_token_ids) == 1 and r.new_token_ids[0] == -1 for r in reqs):
-        index = stage(np.fromiter((at[r.request_id] for r in reqs), np.int64))
+        index = stage(_rows_in(reqs, prev.sampled))
         return prev.tokens.index_select(0, index)  # a decode step after a decode step
+    at = {r.request_id: i for i, r in enumerate(prev.sampled)}
     ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
     ends = np.cumsum([len(r.new_token_ids) for r in reqs])
     holes = [i for i, r in enumerate(reqs) if r.new_token_ids[-1] == -1]
@@ -104,3 +104,18 @@ def pipelined_ids(reqs: list[StepRow], prev, stage: HostStaging) -> torch.Tensor
     if n:
         out[dev[total : total + n]] = prev.tokens.index_select(0, dev[total + n :])
     return out
+
+
+def _rows_in(reqs: list[StepRow], prior: list[StepRow]) -> np.ndarray:
+    """Where each of `reqs` is in `prior` (every one is there): gathered by page row
+    where both are `StepRows` (a row keeps its request, and its serial, while the runner
+    holds it), else looked up by request id."""
+    if isinstance(reqs, StepRows) and isinstance(prior, StepRows) and len(prior):
+        at = np.full(int(max(prior.rows.max(), reqs.rows.max(initial=0))) + 1, -1, np.int64)
+        at[prior.rows] = np.arange(len(prior))
+        index = at[reqs.rows]
+        if (index < 0).any() or (prior.serials[index] != reqs.serials).any():
+            raise KeyError("a placeholder's request is not in the step before")
+        return index
+    at = {r.request_id: i for i, r in enumerate(prior)}
+    return np.fromiter((at[r.request_id] for r in reqs), np.int64, len(reqs))

@@ -9,6 +9,8 @@ with the step's other inputs):
     rows (max_rows x max_pages):  row 0  | 12 13 40 41 .. |   <- request "a"
                                   row 1  | 7  9  .       |   <- request "b"
     length[row]: how many of the row's entries are its pages
+    serial[row]: the row's taking (1, 2, ...: each `add` a new one), so that state kept
+                 by row elsewhere (runner/sampling_metadata.py) knows its holder's
 
 A request's row is written from its first page when it is added (admitted, swapped in,
 recomputed); rows of released requests are reused.
@@ -27,6 +29,10 @@ class PageRows:
         self._row_of: dict[str, int] = {}
         self._free = list(range(max_rows - 1, -1, -1))
         self._length = [0] * max_rows
+        # per row: which taking of the row holds it now (`add` counts them), so that
+        # what is kept per row elsewhere can tell a row's new holder from the last
+        self.serial = np.zeros(max_rows, dtype=np.int64)
+        self._taken = 0
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._row_of
@@ -54,6 +60,8 @@ class PageRows:
             )
         row = self._row_of[request_id] = self._free.pop()
         self._length[row] = 0
+        self._taken += 1
+        self.serial[row] = self._taken
         self.write(request_id, row, pages)
         return row
 

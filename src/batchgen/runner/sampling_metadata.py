@@ -9,13 +9,15 @@ so a step's metadata is a gather by slot and two copies to the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from batchgen.forward_context import parts_to_device, to_device
+from batchgen.runner.input_batch import StepRows
 from batchgen.runner.penalty_counts import PenaltyCounts, token_stats
+from batchgen.runner.step_columns import LazyColumn, StepColumns
 from batchgen.sampling_params import SamplingParams
 
 # Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
@@ -165,6 +167,10 @@ class SamplingState:
         # per slot: noise seed (int64 bits), min_tokens, logprobs (-1: None), penalised
         self._ints = np.zeros((4, 0), dtype=np.int64)
         self._blocked: list[list[int] | None] = []  # min_tokens' forbidden ids, when asked
+        # by runner page row (`columns_for` of StepRows): its holder's slot, and the row's
+        # serial then (-1: none seen)
+        self._row_slot = np.zeros(0, dtype=np.int64)
+        self._row_serial = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -230,11 +236,39 @@ class SamplingState:
         return self.to_device(self.columns_for(requests, steps))
 
     def columns_for(self, requests, steps: list[int]) -> StepColumns:
-        """`columns` for the runner's scheduled requests (read as `build_for` reads them)."""
+        """`columns` for the runner's scheduled requests (read as `build_for` reads them;
+        `StepRows` are gathered by page row, their ids and params read only for a row
+        whose holder this state has not seen there: `_slots_by_row`)."""
+        prompts = LazyColumn(requests, "prompt_token_ids")
+        outputs = LazyColumn(requests, "output_token_ids")
+        seeds = LazyColumn(requests, "seed")
+        if isinstance(requests, StepRows):
+            ids = LazyColumn(requests, "request_id")
+            at = self._slots_by_row(requests, ids, LazyColumn(requests, "params"), seeds)
+            return self._columns_at(at, ids, prompts, outputs, steps)
         ids, params = [r.request_id for r in requests], [r.params for r in requests]
-        prompts = _Column(requests, "prompt_token_ids")
-        outputs = _Column(requests, "output_token_ids")
-        return self.columns(ids, params, prompts, outputs, steps, _Column(requests, "seed"))
+        return self.columns(ids, params, prompts, outputs, steps, seeds)
+
+    def _slots_by_row(self, requests, ids, params, seeds) -> np.ndarray:
+        """Each row's slot, by page row (`requests.rows`): a row whose serial is the one
+        this state saw there maps to the same request's slot (a row keeps its request
+        while the runner holds it, and the request its params); the others are looked up
+        (and registered) by id, as `columns` does, in row order."""
+        rows, serials = requests.rows, requests.serials
+        if rows.size and int(rows.max()) >= self._row_slot.size:
+            more = max(int(rows.max()) + 1, 2 * self._row_slot.size) - self._row_slot.size
+            self._row_slot = np.concatenate([self._row_slot, np.zeros(more, np.int64)])
+            self._row_serial = np.concatenate([self._row_serial, np.full(more, -1, np.int64)])
+        stale = np.flatnonzero(self._row_serial[rows] != serials)
+        if stale.size:
+            unseen = stale.tolist()
+            get, held = self._slot.get, self._params
+            new = [i for i in unseen if (s := get(ids[i], -1)) < 0 or held[s] is not params[i]]
+            if new:
+                self._register(new, ids, params, seeds)
+            self._row_slot[rows[stale]] = [self._slot[ids[i]] for i in unseen]
+            self._row_serial[rows[stale]] = serials[stale]
+        return self._row_slot[rows]
 
     def columns(
         self,
@@ -247,21 +281,25 @@ class SamplingState:
     ) -> StepColumns:
         """The step's parameters on the host (what `build` copies to the device); kept
         penalty counts of a request not held yet, or out of step, are filled here."""
-        n = len(params)
         get, held = self._slot.get, self._params
         slots = [get(rid, -1) for rid in request_ids]
         new = [i for i, (s, p) in enumerate(zip(slots, params)) if s < 0 or held[s] is not p]
         if new:
             self._register(new, request_ids, params, seeds)
             slots = [self._slot[rid] for rid in request_ids]
-        at = np.asarray(slots, dtype=np.int64)
+        at = np.asarray(slots, dtype=np.int64).reshape(len(params))
+        return self._columns_at(at, request_ids, prompt_token_ids, output_token_ids, steps)
+
+    def _columns_at(self, at, request_ids, prompt_token_ids, output_token_ids, steps):
+        """`columns` of the rows whose slots are `at` [n] int64."""
+        n = at.size
         floats, ints = self._floats[:, at], self._ints[:, at]
         if steps is None:
-            steps = [len(o) for o in output_token_ids]
+            steps = [len(output_token_ids[i]) for i in range(n)]
         positions = np.asarray(steps, dtype=np.int64).reshape(n)
         min_tokens_block = []
         for i in np.flatnonzero(positions < ints[1]).tolist():
-            ids = self._min_tokens_ids(slots[i])
+            ids = self._min_tokens_ids(int(at[i]))
             if ids:
                 min_tokens_block.append((i, ids))
         cols = StepColumns(floats, ints[0], positions, ints[2], min_tokens_block)
@@ -337,58 +375,3 @@ class SamplingState:
             counts, mask = token_stats(n, self.vocab_size, self.device, cols.outputs, cols.prompts)
             meta.penalty_source = (counts, mask, None)
         return meta
-
-
-@dataclass
-class StepColumns:
-    """A step's sampling parameters on the host, rows as in the batch
-    (`SamplingState.columns`): what `SamplingState.to_device` copies to the device, and
-    what a decode graph's sampler reads from its static buffers (`runner.graph_sampling`)."""
-
-    # [7, n] float32: temperature (0: greedy), top_p, min_p, top_k (0: off), presence,
-    # frequency and repetition penalties
-    floats: np.ndarray
-    seeds: np.ndarray  # [n] int64: each row's noise seed
-    positions: np.ndarray  # [n] int64: each row's tokens generated so far
-    logprobs: np.ndarray  # [n] int64: params.logprobs, -1 for None
-    min_tokens_block: list[tuple[int, list[int]]]
-    penalised: list[int] = field(default_factory=list)  # the rows using a penalty
-    pen_ids: list[str] | None = None  # with kept counts: their request ids, slots
-    pen_slots: list[int] | None = None
-    outputs: list = field(default_factory=list)  # without: their (row, token ids)
-    prompts: list = field(default_factory=list)
-
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.floats[0] == 0.0).all())
-
-    @property
-    def max_top_k(self) -> int:
-        return int(self.floats[3].max(initial=0))
-
-    @property
-    def use_min_p(self) -> bool:
-        return bool((self.floats[2] > 0.0).any())
-
-    @property
-    def need_logprobs(self) -> bool:
-        return bool((self.logprobs >= 0).any())
-
-    def row_slots(self) -> np.ndarray:
-        """[n] int64: each row's kept-counts slot (a row without penalties reads the
-        first penalised row's, under identity penalties)."""
-        out = np.full(self.positions.size, self.pen_slots[0], dtype=np.int64)
-        out[self.penalised] = self.pen_slots
-        return out
-
-
-class _Column:
-    """requests[i].<name>, read where indexed (what build reads for a few rows only)."""
-
-    __slots__ = ("name", "requests")
-
-    def __init__(self, requests, name: str) -> None:
-        self.requests, self.name = requests, name
-
-    def __getitem__(self, i: int):
-        return getattr(self.requests[i], self.name)

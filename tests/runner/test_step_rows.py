@@ -1,0 +1,86 @@
+"""StepRows (runner/input_batch.py): a step's rows with their page rows and serials, and
+what is gathered by row from them (SamplingState.columns_for, inputs.pipelined_ids),
+against the same read by request id."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from batchgen.runner.batch import NewRequest, ScheduledRequest, SchedulerOutput
+from batchgen.runner.input_batch import InputBatch, StepRows
+from batchgen.runner.inputs import pipelined_ids
+from batchgen.runner.sampler import SamplingState
+from batchgen.runner.staging import HostStaging
+from tests.runner.test_sampling_state import CPU, EOS, PARAMS, VOCAB, assert_same
+
+
+def _steps(num_steps: int = 10, seed: int = 0):
+    """Steps of requests joining and leaving a 6-row batch (rows reused, an id reused by
+    another request), each continuing row with a -1 placeholder: the runner's steps."""
+    gen = random.Random(seed)
+    live, made, steps = {}, 0, []
+    for _ in range(num_steps):
+        done = [rid for rid in live if gen.random() < 0.3]
+        for rid in done:
+            del live[rid]
+        entries = []
+        for rid in list(live):
+            live[rid] += 1
+            entries.append(ScheduledRequest(rid, [-1], 10 + live[rid], (), True, live[rid]))
+        while len(live) < 6:
+            rid = f"r{made % 9}"  # ids come back once their request is gone
+            made += 1
+            if rid in live:
+                continue
+            seed = None if made % 3 == 0 else 500 + made  # None: drawn from the generator
+            new = NewRequest(PARAMS[made % len(PARAMS)], [1, 3, 5], [], seed)
+            entries.append(ScheduledRequest(rid, [7], 10, [made], True, 0, None, new))
+            live[rid] = 0
+        gen.shuffle(entries)
+        steps.append(SchedulerOutput(entries, released_ids=done))
+    return steps
+
+
+def test_columns_by_row_equal_columns_by_id():
+    """Each step's sampling metadata gathered by page row (StepRows) equals the one read
+    by request id, seeds drawn for unseeded requests in the same order."""
+    batch = InputBatch(6, 4)
+    by_row = SamplingState(VOCAB, CPU, EOS, torch.Generator().manual_seed(3))
+    by_id = SamplingState(VOCAB, CPU, EOS, torch.Generator().manual_seed(3))
+    fresh = 0
+    for step in _steps():
+        by_row.release(step.released_ids)
+        by_id.release(step.released_ids)
+        rows = batch.apply(step)
+        assert isinstance(rows, StepRows)
+        assert rows.rows.tolist() == [r.row for r in rows]
+        steps = [r.num_output_tokens for r in rows]
+        assert_same(by_row.build_for(rows, steps), by_id.build_for(list(rows), steps))
+        fresh += sum(r.num_output_tokens == 0 for r in rows)
+    assert fresh > 10 and len(by_row) == len(by_id) == 6
+
+
+def test_pipelined_ids_by_row_equal_by_id():
+    """A step's placeholders read its predecessor's tokens at the same rows whether
+    looked up by page row or by request id; a row taken by another request since its
+    predecessor is refused."""
+    batch, stage = InputBatch(6, 4), HostStaging(CPU)
+    prev = None
+    for step in _steps(seed=1):
+        rows = batch.apply(step)
+        if prev is not None and all(r.new_token_ids == [-1] for r in rows):
+            got = pipelined_ids(rows, prev, stage)
+            plain = SimpleNamespace(sampled=list(prev.sampled), tokens=prev.tokens)
+            assert torch.equal(got, pipelined_ids(list(rows), plain, stage))
+        tokens = torch.tensor(np.arange(len(rows)) * 11 + 100)
+        prev = SimpleNamespace(sampled=rows, tokens=tokens)
+    retaken = StepRows(list(rows[:1]), batch.page_rows.serial + 1)
+    try:
+        pipelined_ids(retaken, prev, stage)
+    except KeyError:
+        return
+    raise AssertionError("a placeholder on a row retaken since was read")
