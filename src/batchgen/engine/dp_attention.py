@@ -44,7 +44,6 @@ actors over several hosts with distributed_executor_backend="ray" (distributed/r
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -63,8 +62,6 @@ from batchgen.models.default_model import default_model_path
 from batchgen.models.loader import ModelSource
 from batchgen.runner.sampler import request_seed
 from batchgen.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -141,14 +138,13 @@ class DPEngine:
         _check_moe(config)
         check_host_budget(config.host_kv_size_gib, ranks_here(config, size))
         backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
-        if backend == "nccl":  # not yet run: see the module's docstring
+        if backend == "nccl":  # decode graphs not yet run on GPUs: the module's docstring
             local = config.distributed_executor_backend == "mp"  # Ray: the cluster's GPUs
             if local and torch.cuda.device_count() < size:
                 raise ValueError(
                     f"data_parallel_size={size} needs {size} GPUs, one a rank; "
                     f"{torch.cuda.device_count()} visible"
                 )
-            logger.warning("attention data parallel has not yet run on GPUs")
         workers = Workers.spawn(
             worker_main,
             (config,),
