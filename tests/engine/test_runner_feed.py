@@ -41,3 +41,31 @@ def test_blind_entries_are_the_entries_entry_makes():
     assert [e.new is not None for e in got] == [False, True, False]
     assert [e.num_output_tokens for e in got] == [2, 0, 2]
     assert feed._sent == feed_one._sent
+
+
+def test_entries_are_those_schedule_made_one_by_one():
+    """A scheduled step's entries in one call: each as `entry` makes it from the request's
+    next inputs (a placeholder for a pending token) and whether they reach its end."""
+
+    def scheduled():
+        feed, following = _feed_and_requests()
+        (held, _), (fresh, _), (grows, _) = following
+        held.num_computed_tokens = 7  # decodes its 8th token: samples
+        grows.num_computed_tokens, grows.num_pending = 8, 1  # its pending token: -1
+        return feed, [(held, 1), (fresh, 2), (grows, 1)]  # fresh: 2 of 3 prompt tokens
+
+    feed, rows = scheduled()
+    got = feed.entries(rows)
+    feed_one, rows_one = scheduled()
+    want = []
+    for req, n in rows_one:
+        start = req.num_computed_tokens
+        sample = start + n == len(req.token_ids) + req.num_pending
+        want.append(feed_one.entry(req, req.next_inputs(n), start, sample))
+    assert got == want
+    assert [(e.new_token_ids, e.sample) for e in got] == [
+        ([8], True),
+        ([1, 2], False),
+        ([-1], True),
+    ]
+    assert feed._sent == feed_one._sent

@@ -86,21 +86,36 @@ class RunnerFeed:
             new,
         )
 
+    def entries(self, scheduled: list[tuple[Request, int]]) -> list[ScheduledRequest]:
+        """The entries of a step whose requests compute their next n tokens from
+        num_computed_tokens, for each (req, n) of `scheduled`, in one loop: `entry` as
+        Scheduler.schedule() would make each (inputs `Request.next_inputs(n)`, sampling
+        where they reach its last known or pending token)."""
+        return self._entries(
+            (req, req.next_inputs(n), req.num_computed_tokens, n) for req, n in scheduled
+        )
+
     def blind_entries(self, following: list[tuple[Request, int]]) -> list[ScheduledRequest]:
         """`entry(req, [-1], start, True)` for each (req, start) of a decode step built
-        blind (pipeline.next_decode), in one loop: ~900 rows a step, most of them held by
-        the runner already and given no page since their last entry."""
+        blind (pipeline.next_decode), in one loop."""
+        return self._entries((req, [-1], start, None) for req, start in following)
+
+    def _entries(self, rows) -> list[ScheduledRequest]:
+        """`entry` for each (req, new_token_ids, start, n) of `rows` (n None: a blind
+        decode row, which samples; else it samples where start + n reaches the request's
+        last known or pending token): ~900 rows a step, most held by the runner already
+        and given no page since their last entry, made here without a call."""
         pages_of, sent_of, slots = self.kv.pages, self._sent, self.state_slots
         out = []
-        for req, start in following:
+        for req, inputs, start, n in rows:
+            sample = n is None or start + n == len(req.token_ids) + req.num_pending
             rid = req.request_id
             pages = pages_of[rid]
             sent = sent_of.get(rid)
-            n = len(pages)
-            if sent is None or slots is not None or sent != n:  # the general case
-                out.append(self.entry(req, [-1], start, True))
+            if sent is None or slots is not None or sent != len(pages):  # the general case
+                out.append(self.entry(req, inputs, start, sample))
                 continue
             out.append(
-                ScheduledRequest(rid, [-1], start, _NO_PAGES, True, len(req.output_token_ids))
+                ScheduledRequest(rid, inputs, start, _NO_PAGES, sample, len(req.output_token_ids))
             )
         return out

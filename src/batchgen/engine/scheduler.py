@@ -15,7 +15,6 @@ from batchgen.kv.kv_manager import KVCacheManager, PrefixHit
 from batchgen.kv.state_checkpoints import StateCheckpoints
 from batchgen.kv.state_pool import StateSlots
 from batchgen.runner.batch import (
-    ScheduledRequest,
     SchedulerOutput,
     StepCopies,
 )
@@ -146,7 +145,8 @@ class Scheduler(StepUpdates):
         waits = [] if self.hybrid is None else self.hybrid.take_checkpoints(self.running)
         i = 0
         running, allocate, plain = self.running, self.kv.allocate, self.hybrid is None
-        max_model_len = self.max_model_len
+        max_model_len, held, page_size = self.max_model_len, self.kv.pages.get, self.kv.page_size
+        is_running = RequestStatus.RUNNING
         while i < len(running) and budget > 0:
             req = running[i]
             pending = req.num_pending
@@ -162,13 +162,15 @@ class Scheduler(StepUpdates):
             if n == 0:  # the budget left does not reach its next aligned end
                 i += 1
                 continue
-            while not allocate(req.request_id, req.num_computed_tokens + n):
-                victim = self.running.pop()
-                self.preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
+            pages = held(req.request_id)  # allocate's first check, inline: most rows' pages
+            if pages is None or len(pages) * page_size < req.num_computed_tokens + n:  # cover
+                while not allocate(req.request_id, req.num_computed_tokens + n):
+                    victim = self.running.pop()
+                    self.preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is req:
+                        break
+            if req.status is not is_running:
                 break
             scheduled.append((req, n))
             budget -= n
@@ -210,15 +212,9 @@ class Scheduler(StepUpdates):
         if self.hybrid is not None:
             waits += self.hybrid.take_swap_waits()
         self.feed.set_copies(StepCopies(waits, hook))
-        entries = [self._scheduled(req, n) for req, n in scheduled]
+        entries = self.feed.entries(scheduled)
         self.num_left_since_schedule = 0  # a seat free now was seen by this schedule
         return SchedulerOutput(entries, preempted, self.take_released())
-
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        """The step's entry for a request that computes its next n tokens."""
-        start = req.num_computed_tokens
-        sample = start + n == len(req.token_ids) + req.num_pending
-        return self.feed.entry(req, req.next_inputs(n), start, sample)
 
     def _chunk(self, req: Request, computed: int, budget: int) -> int:
         """Tokens the request computes this step from `computed`: what is left, within
