@@ -33,13 +33,18 @@ under the variable exchange. On the CPU (no CUDA graphs) the same rounds run the
 fixed-capacity exchange eagerly, which tests/distributed/test_dp_modes.py checks. The
 capture itself needs a machine of several GPUs, and none has been lent: decode graphs
 under attention data parallel have not yet run (tests/distributed/test_dp_gpu.py, two
-GPUs, DP 2 with graphs against DP 2 eager, is skipped until one runs it).
+GPUs, DP 2 with graphs against DP 2 eager, is skipped until one runs it). Its cost is
+to be measured there: a rank's capacity is max_num_seqs tokens whatever its batch, so
+each MoE layer of a replay moves D x max_num_seqs x top_k rows a rank each way (the
+worst case, every pair to one rank), where the variable exchange moves the pairs alone;
+on GPUs enforce_eager=True keeps every step on the variable exchange.
 
 Not done here: reconfigure(), and tensor parallel inside a data-parallel rank (refused:
 it needs a tensors' group per rank beside the expert-parallel group over all of them,
 each rank an executor of its own workers, and for MLA it would shrink no rank's latent
-cache; D x T ranks run as data_parallel_size=D*T instead). The ranks run as processes of this host, or as Ray
-actors over several hosts with distributed_executor_backend="ray" (distributed/ray_ranks.py).
+cache; D x T ranks run as data_parallel_size=D*T instead). The ranks run as processes
+of this host, or as Ray actors over several hosts with distributed_executor_backend="ray"
+(distributed/ray_ranks.py).
 """
 
 from __future__ import annotations
