@@ -40,7 +40,7 @@ def _staggered(llm: LLM, first: list[int], then: list[int], params) -> dict[str,
     done = [r for _ in range(2) for r in engine.step()]
     for rid, ids, p in (("b0", then, params[2]), ("b1", then, params[3])):
         engine.add_request(rid, ids, p)
-    assert engine._where["b0"][0] == engine._where["b1"][0] == 1
+    assert [held > 0 for held in engine.held] == [True, True, False, False]
     while engine.has_unfinished:
         done += engine.step()
     return {r.request_id: (r.output_token_ids, r.finish_reason) for r in done}
