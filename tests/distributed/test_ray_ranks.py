@@ -38,7 +38,7 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tp_workers import DiesWhileStarting, fails_once_joined, never_called
 
-from batchgen import LLM
+from batchgen import LLM, SamplingParams
 from batchgen.api.batch_job import JobOptions, run_batch_job
 from batchgen.api.cli import main
 from batchgen.config import EngineConfig
@@ -226,16 +226,20 @@ def test_a_rank_killed_mid_decode_fails_the_call_naming_it_and_its_node(cluster,
         add_long_requests(engine)
         engine.step()
         ranks = engine.workers.ranks
-        ip = ranks.nodes[1][0]
+        ip, actor = ranks.nodes[1][0], ranks.actors[0]
         killed = []
-        kill = threading.Timer(
-            1.0, lambda: killed.append(time.monotonic()) or ray.kill(ranks.actors[0])
-        )
+        kill = threading.Timer(1.0, lambda: killed.append(time.monotonic()) or ray.kill(actor))
         kill.start()
         name = r"data-parallel worker rank\(s\) \[1\] stopped responding: "
         pattern = name + rf".*1 on node {re.escape(ip)}"
+        more = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        rounds = 0
         with pytest.raises(RuntimeError, match=pattern) as e:
-            while engine.has_unfinished:
+            while engine.has_unfinished or not killed:
+                if not engine.has_unfinished:  # done before the kill landed: more of the same
+                    rounds += 1
+                    for i, ids in enumerate(shared_head_prompts(4)):
+                        engine.add_request(f"more{rounds}-{i}", ids, more)
                 engine.step()
         assert killed and time.monotonic() - killed[0] < 60
         assert "ray.kill" in str(e.value)  # what ended the actor, as Ray tells it
