@@ -6,6 +6,7 @@ from batchgen.engine.request import Request
 from batchgen.engine.runner_feed import RunnerFeed
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.page_allocator import PageAllocator
+from batchgen.runner.batch import SchedulerOutput
 from batchgen.sampling_params import SamplingParams
 
 PS = 4
@@ -69,3 +70,15 @@ def test_entries_are_those_schedule_made_one_by_one():
         ([-1], True),
     ]
     assert feed._sent == feed_one._sent
+
+
+def test_requests_of_names_the_requests_a_step_was_made_from():
+    """The entries a feed made, by step: their requests in row order, for the last four
+    steps it made; None for a step it did not make (its update looks them up by id)."""
+    feed, following = _feed_and_requests()
+    first = SchedulerOutput(feed.blind_entries(following))
+    assert feed.requests_of(first) == [req for req, _ in following]
+    assert feed.requests_of(SchedulerOutput(list(first.requests))) is None  # made elsewhere
+    later = [SchedulerOutput(feed.entries([(following[0][0], 1)])) for _ in range(4)]
+    assert feed.requests_of(later[-1]) == [following[0][0]]
+    assert feed.requests_of(first) is None  # four steps made since

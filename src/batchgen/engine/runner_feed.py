@@ -9,6 +9,8 @@ what changed (runner/batch.py: the step is plain data, the runner keeps the rest
 
 from __future__ import annotations
 
+from collections import deque
+
 from batchgen.engine.request import Request
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.state_pool import StateSlots
@@ -34,6 +36,8 @@ class RunnerFeed:
         self._sent: dict[str, int] = {}  # request id -> pages of its list sent
         self._released: list[str] = []
         self._copies = NO_COPIES
+        # the last steps' entries made here, each with its requests (`requests_of`)
+        self._built: deque[tuple[list[ScheduledRequest], list[Request]]] = deque(maxlen=4)
 
     def left(self, request_id: str) -> None:
         """The request left the running set: the runner drops it with the next step."""
@@ -50,6 +54,15 @@ class RunnerFeed:
     def take_copies(self) -> StepCopies:
         copies, self._copies = self._copies, NO_COPIES
         return copies
+
+    def requests_of(self, step: SchedulerOutput) -> list[Request] | None:
+        """The request of each entry of `step`, as its entries were made here (by
+        `entries` or `blind_entries`, among the last four steps; else None): a step's
+        update reads its rows' requests from it instead of looking each up by id."""
+        for entries, reqs in self._built:
+            if entries is step.requests:
+                return reqs
+        return None
 
     def unsend(self, step: SchedulerOutput) -> None:
         """A step built and never run (empty, or not launchable): what it told the runner
@@ -106,8 +119,9 @@ class RunnerFeed:
         last known or pending token): ~900 rows a step, most held by the runner already
         and given no page since their last entry, made here without a call."""
         pages_of, sent_of, slots = self.kv.pages, self._sent, self.state_slots
-        out = []
+        out, reqs = [], []
         for req, inputs, start, n in rows:
+            reqs.append(req)
             sample = n is None or start + n == len(req.token_ids) + req.num_pending
             rid = req.request_id
             pages = pages_of[rid]
@@ -118,4 +132,5 @@ class RunnerFeed:
             out.append(
                 ScheduledRequest(rid, inputs, start, _NO_PAGES, sample, len(req.output_token_ids))
             )
+        self._built.append((out, reqs))
         return out

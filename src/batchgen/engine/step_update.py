@@ -7,7 +7,9 @@
                                                    and `_append` (tokens, stops)
 
 Each runs once a step over every row of the step, so each is one loop with its names
-bound before it (a full decode step has ~900 rows)."""
+bound before it (a full decode step has ~900 rows); a step whose entries the scheduler's
+feed made reads its rows' requests from there (`RunnerFeed.requests_of`), not each by id.
+A request that left the engine is finished, so either way a finished one is skipped."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 
 from batchgen.engine.request import Request, RequestStatus
+from batchgen.engine.runner_feed import RunnerFeed
 from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
 
@@ -22,11 +25,12 @@ from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
 class StepUpdates:
     """The scheduler's half that takes a step's results (engine/scheduler.py's
     `Scheduler` is one): it reads `kv`, `eos_token_ids` (a set), `max_model_len` and
-    `finish(req, reason, stop_reason)`, and keeps `_committed` (steps committed and not
+    `finish(req, reason, stop_reason)`, `feed` (its steps' requests), and keeps `_committed` (steps committed and not
     applied, oldest first, with what each counted), `num_computed_tokens_total` and
     `num_prompt_tokens_computed`."""
 
     kv: KVCacheManager
+    feed: RunnerFeed
     eos_token_ids: set[int]
     max_model_len: int
     _committed: deque[tuple[SchedulerOutput, dict[str, int]]]
@@ -42,8 +46,20 @@ class StepUpdates:
         this step."""
         if self.is_committed(sched):
             return self.apply(sched, result, requests)
-        self._advance(sched, requests)  # commit and apply's counters in one pass
-        return self._append(result, requests)
+        reqs = self.feed.requests_of(sched)
+        self._advance(sched, requests, reqs)  # commit and apply's counters in one pass
+        return self._append(result, requests, self._sampled(sched, result, reqs))
+
+    @staticmethod
+    def _sampled(
+        sched: SchedulerOutput, result: ModelRunnerOutput, reqs: list[Request] | None
+    ) -> list[Request] | None:
+        """The requests of `result`'s rows where they are `reqs`, those of every row of
+        `sched` (a step whose every row samples), else None."""
+        if reqs is None or len(reqs) != len(result.request_ids):
+            return None
+        ids = result.request_ids
+        return reqs if ids == [s.request_id for s in sched.requests] else None
 
     def is_committed(self, sched: SchedulerOutput) -> bool:
         """`commit` has counted the step and `apply` has not taken its tokens yet."""
@@ -104,14 +120,24 @@ class StepUpdates:
             elif req.status is running:
                 cached.append(req)
         self.kv.cache_computed_for(cached)
-        return self._append(result, requests)
+        return self._append(
+            result, requests, self._sampled(sched, result, self.feed.requests_of(sched))
+        )
 
-    def _advance(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """`commit` and `apply`'s first pass in one loop, for a step nobody committed."""
-        get, running, cached = requests.get, RequestStatus.RUNNING, []
+    def _advance(
+        self,
+        sched: SchedulerOutput,
+        requests: dict[str, Request],
+        reqs: list[Request] | None = None,
+    ) -> None:
+        """`commit` and `apply`'s first pass in one loop, for a step nobody committed
+        (`reqs`: its rows' requests, if known; else looked up in `requests`)."""
+        running, cached = RequestStatus.RUNNING, []
+        if reqs is None:
+            get = requests.get
+            reqs = [get(s.request_id) for s in sched.requests]
         computed = prompt_computed = 0
-        for s in sched.requests:
-            req = get(s.request_id)
+        for s, req in zip(sched.requests, reqs):
             if req is None or req.status is RequestStatus.FINISHED:  # stopped, step queued
                 continue
             n = len(s.new_token_ids)
@@ -126,17 +152,25 @@ class StepUpdates:
         self.num_computed_tokens_total += computed
         self.num_prompt_tokens_computed += prompt_computed
 
-    def _append(self, result: ModelRunnerOutput, requests: dict[str, Request]) -> list[Request]:
-        """Append the step's tokens; stop on EOS, stop_token_ids or length."""
+    def _append(
+        self,
+        result: ModelRunnerOutput,
+        requests: dict[str, Request],
+        reqs: list[Request] | None = None,
+    ) -> list[Request]:
+        """Append the step's tokens; stop on EOS, stop_token_ids or length (`reqs`: the
+        requests of its rows, if known; else looked up in `requests`)."""
         self.kv.after_step()
         for rid, entries in result.prompt_logprobs.items():
             if rid in requests:
                 requests[rid].prompt_logprobs.update(entries)
         advanced = []
-        get, finished, eos = requests.get, RequestStatus.FINISHED, self.eos_token_ids
+        finished, eos = RequestStatus.FINISHED, self.eos_token_ids
         max_model_len = self.max_model_len
-        for rid, token, lp in zip(result.request_ids, result.sampled_token_ids, result.logprobs):
-            req = get(rid)
+        if reqs is None:
+            get = requests.get
+            reqs = [get(rid) for rid in result.request_ids]
+        for req, token, lp in zip(reqs, result.sampled_token_ids, result.logprobs):
             if req is None or req.status is finished:
                 continue
             out, ids = req.output_token_ids, req.token_ids
