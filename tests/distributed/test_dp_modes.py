@@ -1,11 +1,13 @@
 """Attention data parallel's rounds and their modes (runner/paired.py, distributed/
 lockstep.py) in the engine, on four spawned gloo ranks: rank 0 decodes while rank 1
-prefills and ranks 2 and 3 have nothing, on tiny DeepSeek-V3 and Kimi Linear checkpoints in the
-default configuration (pipelined decode, EOS endings). A decode step beside a prefill
-runs eagerly under the variable expert-parallel exchange; decode steps beside decodes
-and an idle rank run the fixed-capacity one on every rank (on the CPU, eagerly: the
-GPU's graph replays); every rank runs each forward in the same mode, and the greedy and
-sampled fp32 tokens are one process's."""
+prefills and ranks 2 and 3 have nothing, on tiny DeepSeek-V3 and Kimi Linear checkpoints
+in the default configuration (pipelined decode, EOS endings). A decode step beside a
+prefill runs eagerly under the variable expert-parallel exchange; decode steps beside
+decodes and an idle rank run the fixed-capacity one on every rank (on the CPU, eagerly:
+the GPU's graph replays), sized by the largest rank's decode bucket; every rank runs
+each forward in the same mode, and the greedy and sampled fp32 tokens are one
+process's. A rank that sized its exchange by its own bucket instead breaks the
+collectives' shapes: gloo aborts that rank and the test fails."""
 
 from __future__ import annotations
 
@@ -54,6 +56,11 @@ def _check_modes(ranks: list[dict]) -> None:
         assert len({m[key] for m in ranks}) == 1, (key, [m[key] for m in ranks])
     assert ranks[0]["dp_eager_decodes"] >= 1
     assert ranks[0]["dp_fixed_forwards"] >= 4  # the decode steps beside rank 1's
+    # a FIXED round's exchange is sized by the largest rank's decode bucket (two
+    # requests a rank: 1 or 2), on every rank alike, not by max_num_seqs
+    fixed = ranks[0]["dp_fixed_forwards"]
+    assert len({m["dp_fixed_tokens"] for m in ranks}) == 1
+    assert fixed <= ranks[0]["dp_fixed_tokens"] <= 2 * fixed
     for idle in ranks[2:]:
         assert idle["prompt_tokens"] == 0
         every = idle["dp_fixed_forwards"] + idle["dp_variable_forwards"]

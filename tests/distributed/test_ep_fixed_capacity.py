@@ -99,12 +99,14 @@ def _fixed_rank(tp: TPGroup, counts: list[int], to_rank: int | None) -> dict:
         whole = torch.cat([x, x[:3]])
         with fixed_capacity():
             out["layer"] = moe(whole)
-            local = ep_moe(full, ExpertParallel(tp, local_tokens=True, max_tokens=2))
-            try:
-                local(whole[:3])
-                out["over_capacity"] = None
-            except ValueError as e:
-                out["over_capacity"] = str(e)
+        local = ep_moe(full, ExpertParallel(tp, local_tokens=True, max_tokens=2))
+        for key, capacity in (("over_capacity", 3), ("over_bucket", 1)):
+            with fixed_capacity(capacity):
+                try:
+                    local(whole[:2])
+                    out[key] = None
+                except ValueError as e:
+                    out[key] = str(e)
     return out
 
 
@@ -125,6 +127,7 @@ def _check(counts: list[int], tmp_path, to_rank: int | None = None) -> None:
         assert got["variable_reads_host"]  # the guard catches a host read
         assert torch.allclose(got["layer"], want_layer, rtol=0, atol=1e-5)
         assert "max_tokens=2" in got["over_capacity"]
+        assert "2 tokens on a rank exceed the fixed capacity 1" in got["over_bucket"]
 
 
 def test_fixed_capacity_two_ranks_one_empty_all_to_the_other_rank(tmp_path):

@@ -39,7 +39,7 @@ def _ticks(tp: TPGroup, plan: list[list[int]]) -> dict:
         for _ in range(count):
             with lockstep.forward(VARIABLE):  # as the runner pairs a forward it launches
                 model(torch.tensor([10.0**tp.rank]))
-        dummies.append(lockstep.end_tick(lambda mode: model(torch.zeros(1))))
+        dummies.append(lockstep.end_tick(lambda mode, bucket: model(torch.zeros(1))))
     return {"seen": model.seen, "dummies": dummies, "rounds": lockstep.rounds}
 
 
@@ -61,9 +61,9 @@ def _modes(tp: TPGroup, plan: list[list[list[int]]]) -> dict:
     seen = []
     for tick in plan:
         for offer in tick[tp.rank]:
-            with lockstep.forward(offer) as mode:
+            with lockstep.forward(offer, 1 if offer == FIXED else 0) as (mode, _):
                 seen.append(("real", offer, mode, fixed_now()))
-        lockstep.end_tick(lambda mode: seen.append(("dummy", IDLE, mode, fixed_now())))
+        lockstep.end_tick(lambda mode, _: seen.append(("dummy", IDLE, mode, fixed_now())))
     counts = dict(ran=lockstep.ran, fixed_dummies=lockstep.fixed_dummies)
     return dict(seen=seen, eager_decodes=lockstep.eager_decodes, **counts)
 
@@ -93,3 +93,34 @@ def test_every_rank_runs_each_forward_in_the_largest_offered_mode(tmp_path):
     assert [r["eager_decodes"] for r in ranks] == [1, 0, 1]  # rank 2's last: rank 0's V
     assert [r["fixed_dummies"] for r in ranks] == [0, 1, 2]
     assert [r["ran"] for r in ranks] == [[0, 2, 2]] * 3
+
+
+def _buckets(tp: TPGroup, plan: list[list[int]]) -> dict:
+    """Round t: rank r offers a FIXED decode of bucket plan[t][r] (0: none, it ends the
+    tick); each forward records the round's bucket and the capacity expert-parallel
+    layers would size their exchange by."""
+    lockstep = Lockstep(tp.host_group)
+    seen = []
+    for tick in plan:
+        if tick[tp.rank]:
+            with lockstep.forward(FIXED, tick[tp.rank]) as (mode, bucket):
+                seen.append((mode, bucket, capacity_now()))
+        lockstep.end_tick(lambda mode, bucket: seen.append((mode, bucket, capacity_now())))
+    return dict(seen=seen, fixed_tokens=lockstep.fixed_tokens)
+
+
+def capacity_now() -> int | None:
+    """Local tokens' fixed capacity expert-parallel layers would dispatch with here."""
+    return expert_parallel._CAPACITY.get()
+
+
+def test_a_fixed_round_sizes_every_ranks_exchange_by_the_largest_bucket(tmp_path):
+    """Ranks offering decode buckets 2, 8 and 4 (then 16 beside an idle rank, then 1
+    alone): each rank, the idle one too, runs the round under the fixed-capacity
+    exchange of the largest, not its own; outside a round no capacity is set."""
+    plan = [[2, 8, 4], [16, 0, 4], [0, 1, 0]]
+    ranks = run_ranks(_buckets, 3, tmp_path, plan)
+    for r in ranks:
+        assert r["seen"] == [(FIXED, 8, 8), (FIXED, 16, 16), (FIXED, 1, 1)]
+        assert r["fixed_tokens"] == 8 + 16 + 1
+    assert capacity_now() is None

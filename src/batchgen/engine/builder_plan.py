@@ -65,7 +65,8 @@ def expert_parallel(config: EngineConfig, group: TPGroup) -> ExpertParallel | No
     """The MoE layers' expert parallel over `group` where the config enables it, else
     None: under attention data parallel (data_parallel_size > 1, `group` the data-parallel
     ranks) each rank brings its own tokens, at most max_num_seqs in a decode step run
-    under the fixed-capacity exchange (runner/paired.py); under tensor parallel (`group`
+    under the fixed-capacity exchange (its buffers the round's agreed bucket:
+    runner/paired.py); under tensor parallel (`group`
     its ranks) every rank gets the same tokens and runs a slice of them."""
     if not config.enable_expert_parallel or group.size == 1:
         return None

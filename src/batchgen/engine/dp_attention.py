@@ -26,18 +26,20 @@ each rank its own tokens: builder_plan.expert_parallel).
 Decode CUDA graphs: each rank's runner pairs every forward where it launches it, an
 eager one or a graph's replay (runner/paired.py, distributed/lockstep.py). A round in
 which every rank's step is a decode a captured bucket takes (or a rank is idle) runs the
-fixed-capacity expert-parallel exchange: each rank replays its bucket's graph, the
-exchange captured inside, an idle rank the smallest bucket's padding; a round in which
+fixed-capacity expert-parallel exchange of the largest bucket any rank's decode needs
+(the ranks agree it in the round): each rank replays that bucket's graph, padding rows
+past its own batch, the exchange captured inside, an idle rank the bucket's padding
+alone; a round in which
 any rank prefills (or runs a decode the graphs cannot take) runs every rank eagerly
 under the variable exchange. On the CPU (no CUDA graphs) the same rounds run the
 fixed-capacity exchange eagerly, which tests/distributed/test_dp_modes.py checks. The
 capture itself needs a machine of several GPUs, and none has been lent: decode graphs
 under attention data parallel have not yet run (tests/distributed/test_dp_gpu.py, two
 GPUs, DP 2 with graphs against DP 2 eager, is skipped until one runs it). Its cost is
-to be measured there: a rank's capacity is max_num_seqs tokens whatever its batch, so
-each MoE layer of a replay moves D x max_num_seqs x top_k rows a rank each way (the
-worst case, every pair to one rank), where the variable exchange moves the pairs alone;
-on GPUs enforce_eager=True keeps every step on the variable exchange.
+to be measured there: a rank's capacity is the round's bucket B, so each MoE layer of a
+replay moves D x B x top_k rows a rank each way (the worst case, every pair to one
+rank), where the variable exchange moves the pairs alone; on GPUs enforce_eager=True
+keeps every step on the variable exchange.
 
 Not done here: reconfigure(), and tensor parallel inside a data-parallel rank (refused:
 it needs a tensors' group per rank beside the expert-parallel group over all of them,

@@ -85,14 +85,15 @@ class DPRank:
         result.output_tokens = engine.stats.output_tokens
         return result
 
-    def _dummy_forward(self, mode: int) -> None:
-        """In a FIXED round where the runner has decode graphs, the smallest bucket's
-        padding replayed (paired.idle_replay: the fixed-capacity exchange is captured
-        in it); else one token in a throw-away pool (`EngineCore.warmup.forward`), which
-        the lockstep runs under the round's exchange."""
+    def _dummy_forward(self, mode: int, bucket: int) -> None:
+        """In a FIXED round where the runner has decode graphs, the round's bucket
+        replayed with padding alone (paired.idle_replay: the bucket's fixed-capacity
+        exchange is captured in it); else one token in a throw-away pool
+        (`EngineCore.warmup.forward`), which the lockstep runs under the round's
+        exchange (FIXED: `bucket`'s capacity)."""
         runner = self.engine.runner
         if mode == FIXED and runner.graphs is not None:
-            idle_replay(runner)
+            idle_replay(runner, bucket)
         else:
             self.engine.warmup.forward(1, max_len=1)
 
@@ -101,7 +102,9 @@ class DPRank:
         `dp_dummy_forwards` (forwards only to pair another rank's; `dp_fixed_dummies`
         of them in FIXED rounds), `dp_fixed_forwards` and `dp_variable_forwards` (real
         or dummy, by the round's mode: runner/paired.py) and `dp_eager_decodes`
-        (decode steps offered FIXED, run eagerly beside another rank's VARIABLE step)."""
+        (decode steps offered FIXED, run eagerly beside another rank's VARIABLE step),
+        `dp_fixed_tokens` (the FIXED rounds' agreed decode buckets summed: the tokens a
+        rank their fixed-capacity exchanges were sized for)."""
         lockstep = self.lockstep
         return {
             **self.engine.metrics(),
@@ -110,6 +113,7 @@ class DPRank:
             "dp_fixed_forwards": lockstep.ran[FIXED],
             "dp_variable_forwards": lockstep.ran[VARIABLE],
             "dp_eager_decodes": lockstep.eager_decodes,
+            "dp_fixed_tokens": lockstep.fixed_tokens,
         }
 
     def slots(self) -> dict[str, int]:

@@ -23,7 +23,9 @@ The split sizes above are read on the host every step (a sync). Under `fixed_cap
 fixed shapes instead, no host read, so a graph captures it with its collectives:
 
     capacity  C tokens a rank (the same on every rank): the slice ceil(T / size) of
-              replicated tokens, or ExpertParallel.max_tokens for local ones
+              replicated tokens, or for local ones the tokens `fixed_capacity(C)`
+              says: the decode bucket the ranks agreed for the forward (runner/
+              paired.py; a graph's own bucket where it is captured)
     dispatch  rank r sends every rank j a buffer of C k rows (the worst case: all of
               r's pairs to j's experts), its pairs for j first, the rest zero, and
               beside it each slot's expert id, -1 where empty (all_to_all, equal splits)
@@ -33,7 +35,8 @@ fixed shapes instead, no host read, so a graph captures it with its collectives:
               its slot, then weighted and summed as above
 
 It moves size x C k rows a rank where the variable path moves the pairs alone: decode
-batches only; prefill keeps the variable path.
+batches only, C the largest rank's bucket, not the most a rank may hold; prefill keeps
+the variable path.
 """
 
 from __future__ import annotations
@@ -49,19 +52,23 @@ from batchgen.kernels.moe_combine import moe_combine, moe_combine_reference
 from batchgen.layers.tp_group import TPGroup
 
 _FIXED: ContextVar[bool] = ContextVar("expert_parallel_fixed_capacity", default=False)
+_CAPACITY: ContextVar[int | None] = ContextVar("expert_parallel_capacity", default=None)
 
 
 @contextmanager
-def fixed_capacity() -> Iterator[None]:
+def fixed_capacity(tokens: int | None = None) -> Iterator[None]:
     """Expert-parallel layers run inside dispatch with fixed-capacity buffers (module
     docstring): no host read, so a CUDA graph can capture the forward. Every rank of a
     group must run the same layer call in the same mode (the decode graphs: every rank
-    captures and replays the same buckets)."""
-    token = _FIXED.set(True)
+    captures and replays the same buckets). tokens: local tokens' capacity a rank, the
+    same on every rank (attention data parallel: the round's agreed decode bucket);
+    replicated tokens need none (their slice is the capacity)."""
+    fixed, capacity = _FIXED.set(True), _CAPACITY.set(tokens)
     try:
         yield
     finally:
-        _FIXED.reset(token)
+        _CAPACITY.reset(capacity)
+        _FIXED.reset(fixed)
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,9 @@ class ExpertParallel:
     runs the r-th slice of ceil(T / size) of them and the slices' outputs are gathered,
     so every rank returns all T rows.
 
-    max_tokens: with local_tokens, the most tokens one rank's forward takes under
-    `fixed_capacity()` (every rank's buffers hold that many; more is a ValueError)."""
+    max_tokens: with local_tokens, the largest capacity `fixed_capacity(tokens)` may
+    give (the most a rank's decode step holds: max_num_seqs; more is a ValueError); the
+    buffers hold the capacity given, the round's bucket, not max_tokens."""
 
     group: TPGroup
     local_tokens: bool = False
@@ -96,14 +104,7 @@ class ExpertParallel:
         if self.local_tokens or self.size == 1:
             if not fixed:
                 return local(x, None)
-            if self.max_tokens is None:
-                raise ValueError("fixed-capacity dispatch of local tokens needs max_tokens")
-            if x.shape[0] > self.max_tokens:
-                raise ValueError(
-                    f"{x.shape[0]} tokens on a rank exceed the fixed capacity "
-                    f"max_tokens={self.max_tokens}"
-                )
-            return local(x, self.max_tokens)
+            return local(x, self._capacity(x.shape[0]))
         total = x.shape[0]
         chunk = -(-total // self.size)
         start = min(self.group.rank * chunk, total)
@@ -111,6 +112,21 @@ class ExpertParallel:
         padded = mine.new_zeros(chunk, *mine.shape[1:])
         padded[: mine.shape[0]] = mine
         return self.group.all_gather(padded, dim=0)[:total]
+
+    def _capacity(self, tokens: int) -> int:
+        """The fixed-capacity exchange's tokens a rank for `tokens` local ones: what
+        `fixed_capacity(capacity)` says, within max_tokens."""
+        capacity = _CAPACITY.get()
+        if self.max_tokens is None or capacity is None:
+            raise ValueError(
+                "fixed-capacity dispatch of local tokens needs max_tokens and "
+                "fixed_capacity(tokens)"
+            )
+        if capacity > self.max_tokens:
+            raise ValueError(f"capacity {capacity} exceeds max_tokens={self.max_tokens}")
+        if tokens > capacity:
+            raise ValueError(f"{tokens} tokens on a rank exceed the fixed capacity {capacity}")
+        return capacity
 
 
 def all_to_all(

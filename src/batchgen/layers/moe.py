@@ -157,8 +157,8 @@ class DeepseekV3MoE(nn.Module):
         (so a CUDA graph can capture it): fused_experts takes the grouped-GEMM path there,
         and an expert-parallel dispatch reads no split sizes on the host: the
         fixed-capacity one (of replicated tokens: every rank replays the same bucket; of
-        local tokens, attention data parallel's, only with their capacity `max_tokens`:
-        every rank replays with the same buffers, whatever its bucket)."""
+        local tokens, attention data parallel's, only with their bound `max_tokens`:
+        every rank replays the bucket the ranks agree, its buffers that bucket's)."""
         ep = self.ep
         if ep is not None and ep.size > 1 and ep.local_tokens and ep.max_tokens is None:
             return False

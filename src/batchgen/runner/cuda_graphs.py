@@ -149,8 +149,9 @@ class DecodeGraphs:
         return ctx
 
     def _forward(self, bs: int) -> None:
-        # expert-parallel layers dispatch through fixed-capacity buffers (no host read)
-        with bind_forward_context(self._ctx(bs)), fixed_capacity():
+        # expert-parallel layers dispatch through fixed-capacity buffers (no host read),
+        # local tokens' sized by the bucket (attention data parallel: runner/paired.py)
+        with bind_forward_context(self._ctx(bs)), fixed_capacity(bs):
             self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
 
     @torch.inference_mode()
@@ -283,7 +284,16 @@ class DecodeGraphs:
         return bucket_for(n, self.max_bs)
 
     def run(
-        self, ids, positions, slots, table, stage, device_ids=None, state_slots=None, tail=None
+        self,
+        ids,
+        positions,
+        slots,
+        table,
+        stage,
+        device_ids=None,
+        state_slots=None,
+        tail=None,
+        bucket: int | None = None,
     ) -> torch.Tensor:
         """Replay the decode graph for len(ids) requests; returns hidden [n, hidden].
 
@@ -293,11 +303,15 @@ class DecodeGraphs:
         state_slots [n]: each request's state slot (models with linear-attention layers).
         Padding rows get token 0, slot -1, a one-token context and the spare state slot.
         tail (`capture_tail`): the graph that also runs it replays, its words for the
-        step staged with the inputs; ``tail.tokens`` is then its output [n] (a copy)."""
+        step staged with the inputs; ``tail.tokens`` is then its output [n] (a copy).
+        bucket: the captured size to replay, >= n (the one the attention data-parallel
+        ranks agreed: runner/paired.py), else the smallest holding n."""
         if not self.graphs:
             self.capture()
         n = len(ids)
-        bs = self.bucket(n)
+        bs = self.bucket(n) if bucket is None else bucket
+        if bucket is not None and (bs not in self.graphs or n > bs):
+            raise ValueError(f"{n} rows cannot replay bucket {bs} (captured: {self.buckets})")
         if tail is not None and (
             self._tail_kv is not self.kv_caches or (tail.key, bs) not in self.tail_graphs
         ):

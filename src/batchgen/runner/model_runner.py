@@ -128,7 +128,7 @@ class ModelRunner:
         )
 
     def _replay(
-        self, reqs: list[StepRow], device_ids: torch.Tensor | None = None, tail=None
+        self, reqs: list[StepRow], device_ids: torch.Tensor | None, tail, bucket: int | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ps = self.page_size
         n = len(reqs)
@@ -144,9 +144,8 @@ class ModelRunner:
         state_slots = None
         if self.linear_states is not None:
             state_slots = np.fromiter((r.state_slot for r in reqs), np.int64, n)
-        hidden = self.graphs.run(
-            ids, starts, slots, table[rows, :width], self.stage, device_ids, state_slots, tail
-        )
+        inputs = (ids, starts, slots, table[rows, :width], self.stage, device_ids, state_slots)
+        hidden = self.graphs.run(*inputs, tail, bucket)
         if all(r.sample for r in reqs):
             return hidden, None
         keep = np.fromiter((i for i, r in enumerate(reqs) if r.sample), np.int64)
@@ -292,6 +291,7 @@ class ModelRunner:
         device_ids: torch.Tensor | None = None,
         graph: bool | None = None,
         tail=None,
+        bucket: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's forward: a graph replay for a pure decode step, else the packed
         inputs and an eager forward. The step's copies (copies.wait_for) are awaited on
@@ -300,8 +300,9 @@ class ModelRunner:
         device_ids [T] replaces the input ids (a pipelined step's tokens, still on the
         device). `graph`: replay or not as told (a tensor-parallel worker follows rank
         0), None: as `_graph_ok` says (with `pairing`, as the ranks agree: paired.py);
-        `tail`: a replay's `graph_sampling.GraphTail`. Returns the hidden states and the
-        rows to sample from (None: all of them)."""
+        `tail`: a replay's `graph_sampling.GraphTail`; `bucket`: the graph size it replays
+        (the ranks' agreed one), None: its batch's. Returns the hidden states and the rows
+        to sample from (None: all of them)."""
         if graph is None and self.pairing is not None:
             return paired_forward(self, sched, reqs, copies, device_ids)
         if graph is None:
@@ -316,7 +317,7 @@ class ModelRunner:
             for copy in waits:
                 copy.wait_gates()
             with record_function("batchgen.replay"):
-                return self._replay(reqs, device_ids, tail)
+                return self._replay(reqs, device_ids, tail, bucket)
         with record_function("batchgen.prepare"):
             input_ids, positions, meta, sample_rows = self.prepare(reqs)
         ctx = ForwardContext(

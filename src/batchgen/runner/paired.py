@@ -3,7 +3,9 @@ runner launches them (engine/dp_attention.py; the rounds: distributed/lockstep.p
 
 The MoE layers' all-to-alls need every rank in every forward, and each rank runs its
 own scheduler, so before each forward it launches (an eager one or a decode graph's
-replay) a rank offers a mode, and every rank runs its forward in the largest offered:
+replay) a rank offers a mode, with FIXED its decode bucket (`decode_bucket`: the
+captured batch size its step needs), and every rank runs its forward in the largest
+mode offered:
 
     IDLE      0  no forward: offered at a tick's end only (the tick ends where every
                  rank offers it)
@@ -15,11 +17,14 @@ replay) a rank offers a mode, and every rank runs its forward in the largest off
                  take): eager, under the variable exchange
 
 In a VARIABLE round a rank whose decode could replay runs it eagerly, beside the others'
-variable exchange; in a FIXED round every rank runs the fixed-capacity exchange, an idle
-one replaying the smallest bucket (`idle_replay`: padding rows, slot -1, no KV written).
-Its all_to_all shapes are ExpertParallel.max_tokens a rank whatever bucket each rank
-replays, so they agree. A GPU whose runner has no graphs (enforce_eager, a model its
-graphs cannot capture) offers VARIABLE for every step.
+variable exchange; in a FIXED round every rank runs the fixed-capacity exchange of the
+largest bucket offered, B: a rank replays B's graph, padding rows past its own batch,
+an idle one padding rows alone (`idle_replay`: slot -1, no KV written); without graphs
+each runs eagerly under `fixed_capacity(B)`. Bucket B's graph is captured with capacity
+B, so every rank's all_to_all moves B x top_k rows to each rank, the largest batch's
+bucket, not max_num_seqs; a rank that ran its own smaller bucket would break the
+collectives' shapes. A GPU whose runner has no graphs (enforce_eager, a model its graphs
+cannot capture) offers VARIABLE for every step.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 
 from batchgen.layers.batch_invariant import invariant_mode
 from batchgen.runner.batch import SchedulerOutput, StepCopies
+from batchgen.runner.cuda_graphs import bucket_for
 from batchgen.runner.input_batch import StepRow
 
 IDLE, FIXED, VARIABLE = 0, 1, 2
@@ -40,9 +46,10 @@ IDLE, FIXED, VARIABLE = 0, 1, 2
 class Pairing(Protocol):
     """A rank's side of the rounds (distributed.lockstep.Lockstep)."""
 
-    def forward(self, mode: int) -> AbstractContextManager[int]:
-        """One forward offered in `mode`: the agreed mode, inside (the forward runs
-        there, under the fixed-capacity exchange where FIXED)."""
+    def forward(self, mode: int, bucket: int = 0) -> AbstractContextManager[tuple[int, int]]:
+        """One forward offered in `mode` (with FIXED, its decode `bucket`): the agreed
+        mode and bucket, inside (the forward runs there, under the fixed-capacity
+        exchange of that bucket where FIXED)."""
         ...
 
 
@@ -56,6 +63,12 @@ def offered_mode(runner, sched: SchedulerOutput, copies: StepCopies) -> int:
     return FIXED if decode and runner.device.type != "cuda" else VARIABLE
 
 
+def decode_bucket(runner, sched: SchedulerOutput) -> int:
+    """The captured batch size (cuda_graphs.BUCKETS) a decode step of `sched` replays on
+    `runner`, a CPU runner's as its graphs would be."""
+    return bucket_for(len(sched.requests), runner._max_num_seqs)
+
+
 def paired_forward(
     runner,
     sched: SchedulerOutput,
@@ -64,19 +77,25 @@ def paired_forward(
     device_ids: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The runner's forward of `sched` (ModelRunner._forward's result) in the mode the
-    ranks agree on: a replay only where every rank runs the fixed-capacity exchange."""
-    with runner.pairing.forward(offered_mode(runner, sched, copies)) as mode:
-        graph = mode == FIXED and runner.graphs is not None
-        return runner._forward(sched, reqs, copies, device_ids, graph=graph)
+    ranks agree on: a replay only where every rank runs the fixed-capacity exchange, of
+    the bucket they agree on."""
+    mode = offered_mode(runner, sched, copies)
+    bucket = decode_bucket(runner, sched) if mode == FIXED else 0
+    with runner.pairing.forward(mode, bucket) as (mode, bucket):
+        if mode == FIXED and runner.graphs is not None:
+            return runner._forward(sched, reqs, copies, device_ids, graph=True, bucket=bucket)
+        return runner._forward(sched, reqs, copies, device_ids, graph=False)
 
 
-def idle_replay(runner) -> None:
-    """A FIXED round's forward on a rank with none of its own: the smallest decode
-    bucket replayed with padding rows alone (token 0, slot -1: no KV written, the state
-    pool's spare slot), its output dropped. Captures the graphs first where none are
-    (every rank does in the same round: their captures' collectives pair)."""
+def idle_replay(runner, bucket: int) -> None:
+    """A FIXED round's forward on a rank with none of its own: the round's decode
+    `bucket` replayed with padding rows alone (token 0, slot -1: no KV written, the
+    state pool's spare slot), its output dropped. Captures the graphs first where none
+    are (every rank does in the same round: their captures' collectives pair)."""
     empty = np.zeros(0, dtype=np.int64)
     states = None if runner.linear_states is None else empty
     table = np.zeros((0, 1), dtype=np.int64)
     with torch.inference_mode(), invariant_mode(runner.deterministic):
-        runner.graphs.run(empty, empty, empty, table, runner.stage, state_slots=states)
+        runner.graphs.run(
+            empty, empty, empty, table, runner.stage, state_slots=states, bucket=bucket
+        )
