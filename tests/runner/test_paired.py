@@ -1,17 +1,27 @@
 """An attention data-parallel rank's side of the runner (runner/paired.py), on the CPU
-over stand-ins: the mode and decode bucket a step is offered in, and an idle rank's
-padding replay (the decode graphs' buffers set to padding rows alone, the round's bucket
-replayed)."""
+over stand-ins: the mode and decode bucket a step is offered in, the agreed bucket a
+paired step replays (its own rows, then padding), and an idle rank's padding replay (the
+decode graphs' buffers set to padding rows alone, the round's bucket replayed)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 
 from batchgen.runner.batch import NO_COPIES, StepCopies
 from batchgen.runner.cuda_graphs import DecodeGraphs
-from batchgen.runner.paired import FIXED, VARIABLE, decode_bucket, idle_replay, offered_mode
+from batchgen.runner.paired import (
+    FIXED,
+    VARIABLE,
+    decode_bucket,
+    idle_replay,
+    offered_mode,
+    paired_forward,
+)
 from batchgen.runner.staging import HostStaging
 
 CPU = torch.device("cpu")
@@ -93,3 +103,49 @@ def test_an_idle_rank_replays_the_rounds_bucket_with_padding_alone():
     assert replayed == [1, 4]
     assert graphs.slots.tolist() == [-1] * 4 and graphs.input_ids.tolist() == [0] * 4
     assert graphs.state_slots.tolist() == [spare] * 4
+
+
+class _Pairing:
+    """A lockstep whose rounds answer `agreed` (mode, bucket), recording the offers."""
+
+    def __init__(self, agreed: tuple[int, int]) -> None:
+        self.agreed, self.offers = agreed, []
+
+    @contextmanager
+    def forward(self, mode: int, bucket: int = 0):
+        self.offers.append((mode, bucket))
+        yield self.agreed
+
+
+def test_a_paired_decode_replays_the_agreed_bucket_not_its_own():
+    """Three decodes offer bucket 4; where another rank needs 16, the runner replays 16;
+    a VARIABLE round runs the same step eagerly, with no bucket."""
+    calls = []
+    for agreed, want in (((FIXED, 16), (True, 16)), ((VARIABLE, 4), (False, None))):
+        runner = SimpleNamespace(
+            graphs=object(),
+            _graph_ok=lambda sched, copies: True,
+            _max_num_seqs=64,
+            pairing=_Pairing(agreed),
+            _forward=lambda *args, graph, bucket=None: calls.append((graph, bucket)),
+        )
+        paired_forward(runner, _step(1, 1, 1), [], NO_COPIES, None)
+        assert runner.pairing.offers == [(FIXED, 4)]
+        assert calls[-1] == want
+
+
+def test_a_replay_of_a_larger_bucket_pads_past_the_rows():
+    graphs = DecodeGraphs(None, [], "triton", 8, 4, 16, CPU, torch.float32, None)
+    replayed: list[int] = []
+    graphs.graphs = {bs: _Graph(replayed, bs) for bs in graphs.buckets}
+    graphs.slots.fill_(9)
+    ids = np.array([5, 6], dtype=np.int64)
+    table = np.array([[3], [4]], dtype=np.int64)
+    graphs.run(ids, ids, ids, table, HostStaging(CPU), bucket=8)
+    assert replayed == [8]
+    assert graphs.input_ids.tolist() == [5, 6] + [0] * 6
+    assert graphs.slots.tolist() == [5, 6] + [-1] * 6  # padding rows write no KV
+    graphs.run(ids, ids, ids, table, HostStaging(CPU))  # no bucket: the rows' own
+    assert replayed == [8, 2]
+    with pytest.raises(ValueError, match="cannot replay bucket 3"):
+        graphs.run(ids, ids, ids, table, HostStaging(CPU), bucket=3)
