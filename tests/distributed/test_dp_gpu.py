@@ -1,10 +1,11 @@
 """Attention data parallel's decode CUDA graphs on two GPUs (NCCL), for a machine that
 has them; skipped elsewhere. data_parallel_size=2 with enable_expert_parallel on a tiny
 DeepSeek-V3 in bfloat16: each rank captures its decode graphs (the fixed-capacity
-all-to-alls inside) in the first round where every rank decodes or idles, replays them in
-such rounds (an idle rank its smallest bucket's padding) and decodes eagerly beside a
-prefill (runner/paired.py); greedy tokens equal enforce_eager's. Written for the
-nvidia-h100-x2 machine; not yet run there (none has been lent).
+all-to-alls inside, bucket bs's sized for bs tokens a rank) in the first round where
+every rank decodes or idles, replays them in such rounds (every rank the largest rank's
+bucket, an idle one padding alone) and decodes eagerly beside a prefill
+(runner/paired.py); greedy tokens equal enforce_eager's. Written for the nvidia-h100-x2
+machine; not yet run there (none has been lent).
 """
 
 from __future__ import annotations
