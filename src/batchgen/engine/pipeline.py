@@ -74,12 +74,14 @@ def next_decode(
     reads the tokens `queued` samples on the device."""
     if admit and could_admit(scheduler, kv):
         return None
-    following = []
-    get, allocate, finished = requests.get, kv.allocate, RequestStatus.FINISHED
+    reqs, starts = [], []
+    allocate, finished = kv.allocate, RequestStatus.FINISHED
     max_model_len, held, page_size = scheduler.max_model_len, kv.pages.get, kv.page_size
-    for s in queued.requests:
-        req = get(s.request_id)
-        if req is None or req.status is finished:
+    queued_reqs = scheduler.feed.requests_of(queued)  # as its entries were made
+    if queued_reqs is None:
+        queued_reqs = [requests.get(s.request_id) for s in queued.requests]
+    for s, req in zip(queued.requests, queued_reqs):
+        if req is None or req.status is finished:  # a request that left is finished
             continue
         if not s.sample:  # a prompt chunk: schedule() cuts its next one
             return None
@@ -97,10 +99,11 @@ def next_decode(
             req.request_id, start + 1
         ):
             return None
-        following.append((req, start))
-    if not following:
+        reqs.append(req)
+        starts.append(start)
+    if not reqs:
         return None
-    entries = scheduler.feed.blind_entries(following)
+    entries = scheduler.feed.blind_entries(reqs, starts)
     # new pages may have evicted cached ones the tier writes back first
     step = SchedulerOutput(entries, released_ids=scheduler.take_released())
     return step, StepCopies(kv.take_step_copies())

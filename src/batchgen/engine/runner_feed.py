@@ -37,7 +37,7 @@ class RunnerFeed:
         self._released: list[str] = []
         self._copies = NO_COPIES
         # the last steps' entries made here, each with its requests (`requests_of`)
-        self._built: deque[tuple[list[ScheduledRequest], list[Request]]] = deque(maxlen=4)
+        self._built: deque[tuple[list[ScheduledRequest], list[Request]]] = deque(maxlen=2)
 
     def left(self, request_id: str) -> None:
         """The request left the running set: the runner drops it with the next step."""
@@ -57,8 +57,10 @@ class RunnerFeed:
 
     def requests_of(self, step: SchedulerOutput) -> list[Request] | None:
         """The request of each entry of `step`, as its entries were made here (by
-        `entries` or `blind_entries`, among the last four steps; else None): a step's
-        update reads its rows' requests from it instead of looking each up by id."""
+        `entries` or `blind_entries`, among the last two steps made: the one queued and
+        the one built after it; more would keep their objects alive for the collector to
+        walk; else None): a step's update reads its rows' requests from it instead of
+        looking each up by id."""
         for entries, reqs in self._built:
             if entries is step.requests:
                 return reqs
@@ -108,21 +110,35 @@ class RunnerFeed:
             (req, req.next_inputs(n), req.num_computed_tokens, n) for req, n in scheduled
         )
 
-    def blind_entries(self, following: list[tuple[Request, int]]) -> list[ScheduledRequest]:
-        """`entry(req, [-1], start, True)` for each (req, start) of a decode step built
-        blind (pipeline.next_decode), in one loop."""
-        return self._entries((req, [-1], start, None) for req, start in following)
+    def blind_entries(self, reqs: list[Request], starts: list[int]) -> list[ScheduledRequest]:
+        """`entry(req, [-1], start, True)` for each req and start of a decode step built
+        blind (pipeline.next_decode), in one loop (`_entries`, specialised: ~900 rows on
+        most steps of a decode-heavy job)."""
+        pages_of, sent_of, slots = self.kv.pages, self._sent, self.state_slots
+        out = []
+        for req, start in zip(reqs, starts):
+            rid = req.request_id
+            pages = pages_of[rid]
+            sent = sent_of.get(rid)
+            if sent is None or slots is not None or sent != len(pages):  # the general case
+                out.append(self.entry(req, [-1], start, True))
+                continue
+            out.append(
+                ScheduledRequest(rid, [-1], start, _NO_PAGES, True, len(req.output_token_ids))
+            )
+        self._built.append((out, reqs))
+        return out
 
     def _entries(self, rows) -> list[ScheduledRequest]:
-        """`entry` for each (req, new_token_ids, start, n) of `rows` (n None: a blind
-        decode row, which samples; else it samples where start + n reaches the request's
-        last known or pending token): ~900 rows a step, most held by the runner already
-        and given no page since their last entry, made here without a call."""
+        """`entry` for each (req, new_token_ids, start, n) of `rows` (it samples where
+        start + n reaches the request's last known or pending token): ~900 rows a step,
+        most held by the runner already and given no page since their last entry, made
+        here without a call."""
         pages_of, sent_of, slots = self.kv.pages, self._sent, self.state_slots
         out, reqs = [], []
         for req, inputs, start, n in rows:
             reqs.append(req)
-            sample = n is None or start + n == len(req.token_ids) + req.num_pending
+            sample = start + n == len(req.token_ids) + req.num_pending
             rid = req.request_id
             pages = pages_of[rid]
             sent = sent_of.get(rid)
