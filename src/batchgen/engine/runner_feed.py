@@ -23,6 +23,10 @@ from batchgen.runner.batch import (
 )
 
 _NO_PAGES: tuple[int, ...] = ()  # most decode steps add no page: no list made for them
+# a blind decode row's input, one list for every such row: an entry is never changed once
+# made (runner/batch.py), and ~900 lists a step less is fewer young collections of the
+# cyclic collector (each list is a tracked container)
+_PLACEHOLDER: list[int] = [-1]
 
 
 class RunnerFeed:
@@ -121,10 +125,12 @@ class RunnerFeed:
             pages = pages_of[rid]
             sent = sent_of.get(rid)
             if sent is None or slots is not None or sent != len(pages):  # the general case
-                out.append(self.entry(req, [-1], start, True))
+                out.append(self.entry(req, _PLACEHOLDER, start, True))
                 continue
             out.append(
-                ScheduledRequest(rid, [-1], start, _NO_PAGES, True, len(req.output_token_ids))
+                ScheduledRequest(
+                    rid, _PLACEHOLDER, start, _NO_PAGES, True, len(req.output_token_ids)
+                )
             )
         self._built.append((out, reqs))
         return out
