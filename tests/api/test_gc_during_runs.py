@@ -1,6 +1,6 @@
 """A run adds its requests and runs its steps inside engine.memory.fewer_full_collections:
-Python's full cyclic collections (a walk of the whole heap) are rarer there, the young
-generations collected as usual, and the thresholds are restored when the run ends, also
+Python's full cyclic collections (a walk of the whole heap) are rarer there, the youngest
+generation collected after more allocations, and the thresholds are restored when the run ends, also
 when a step fails."""
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from conftest import save_tiny_model
 
 from batchgen import LLM, SamplingParams
 from batchgen.api.batch_job import JobOptions, run_batch_job
-from batchgen.engine.memory import RUN_FULL_COLLECTION_THRESHOLD, fewer_full_collections
+from batchgen.engine.memory import (
+    RUN_FULL_COLLECTION_THRESHOLD,
+    RUN_YOUNG_COLLECTION_THRESHOLD,
+    fewer_full_collections,
+)
+
+RUN = (RUN_YOUNG_COLLECTION_THRESHOLD, 10, RUN_FULL_COLLECTION_THRESHOLD)
 
 
 class _Cycle:
@@ -54,7 +60,7 @@ def test_generate_runs_with_rare_full_collections_and_restores_them(monkeypatch,
     _watch_steps(monkeypatch, llm.engine, seen)
     out = llm.generate(["w1 w2 w3", "w4"], SamplingParams(temperature=0, max_tokens=3))
     assert len(out) == 2 and all(o.outputs[0].token_ids for o in out)
-    assert seen and set(seen) == {(700, 10, RUN_FULL_COLLECTION_THRESHOLD)}
+    assert seen and set(seen) == {RUN}
     assert gc.get_threshold() == (700, 10, 10)
 
 
@@ -76,17 +82,17 @@ def test_a_cycle_dropped_mid_run_stays_collectable(monkeypatch, llm):
 
 
 def test_a_higher_threshold_of_the_caller_is_kept(monkeypatch, llm):
-    gc.set_threshold(700, 10, 1000)
+    gc.set_threshold(50_000, 10, 1000)
     seen: list = []
     _watch_steps(monkeypatch, llm.engine, seen)
     llm.generate(["w1 w2"], SamplingParams(temperature=0, max_tokens=2))
-    assert seen and set(seen) == {(700, 10, 1000)}  # raised, never lowered
-    assert gc.get_threshold() == (700, 10, 1000)
+    assert seen and set(seen) == {(50_000, 10, 1000)}  # raised, never lowered
+    assert gc.get_threshold() == (50_000, 10, 1000)
 
 
 def test_thresholds_are_restored_when_a_step_fails(monkeypatch, llm):
     def broken():
-        assert gc.get_threshold()[2] == RUN_FULL_COLLECTION_THRESHOLD
+        assert gc.get_threshold() == RUN
         raise RuntimeError("step failed")
 
     monkeypatch.setattr(llm.engine, "step", broken)
@@ -113,7 +119,7 @@ def test_batch_job_runs_with_rare_full_collections(monkeypatch, tmp_path, llm):
     opts = JobOptions(input=inp, output=tmp_path / "out.jsonl", model_name="tiny", progress=False)
     summary = run_batch_job(llm, opts)
     assert summary.failed == 0 and len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
-    assert seen and set(seen) == {(700, 10, RUN_FULL_COLLECTION_THRESHOLD)}
+    assert seen and set(seen) == {RUN}
     assert gc.get_threshold() == (700, 10, 10)
 
 
