@@ -138,7 +138,7 @@ class ReplayScheduler(Scheduler):
             if not self.kv.allocate(rid, start + n):
                 raise ReplayError("the replaying engine's pool is too small")
             scheduled.append((req, n))
-        entries = [self._scheduled(req, n) for req, n in scheduled]
+        entries = self.feed.entries(scheduled)
         return SchedulerOutput(entries, released_ids=self.take_released())
 
     def _admit(self, req: Request, start: int) -> None:
