@@ -44,7 +44,7 @@ from benchmarks.moe_runs import (
     run_batchgen,
     run_lines,
     w4_workload,
-    warm_up_prompts,
+    warm_up,
     workload_llm,
 )
 from benchmarks.peers import padded_generate
@@ -57,11 +57,8 @@ ROOFLINE_TOK_S = 13_350  # BENCHMARKS.md W4, H200
 def run_sampling(ckpt, prompts, out_lens, args) -> dict:
     """W4's requests greedy, then sampled as --sampling names, in one engine built and
     warmed up as `moe_runs.run_batchgen` builds its own (throughput.sampled_runs)."""
-    from batchgen import SamplingParams
-
     llm = workload_llm(ckpt, prompts, out_lens, args)
-    warm = [p[::-1] for p in prompts[: warm_up_prompts(llm, len(prompts[0]))]]
-    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    warm_up(llm, prompts)
     names = ["greedy"] + (list(SAMPLING)[1:] if args.sampling == "all" else [args.sampling])
     return sampled_runs(llm, prompts, out_lens, names, args.device)
 

@@ -47,13 +47,10 @@ def warm_up_prompts(llm, prompt_len: int) -> int:
     return 2 * per_step + 1
 
 
-def workload_llm(ckpt: Path, prompts, out_lens, args):
-    """The engine the workload runs on: ckpt's config with dummy weights, room for the
-    longest prompt and output, args' dtype, device, host tier and engine options."""
-    from batchgen import LLM
-
-    return LLM(
-        model=str(ckpt),
+def workload_kwargs(prompts, out_lens, args) -> dict:
+    """The LLM options the workload runs with: dummy weights, room for the longest
+    prompt and output, args' dtype, device, host tier and engine options."""
+    return dict(
         dtype=args.dtype,
         device=args.device,
         load_format="dummy",
@@ -61,6 +58,22 @@ def workload_llm(ckpt: Path, prompts, out_lens, args):
         host_kv_size_gib=args.host_gib,
         **engine_kwargs(args),
     )
+
+
+def workload_llm(ckpt: Path, prompts, out_lens, args):
+    """The engine the workload runs on: ckpt's config with workload_kwargs."""
+    from batchgen import LLM
+
+    return LLM(model=str(ckpt), **workload_kwargs(prompts, out_lens, args))
+
+
+def warm_up(llm, prompts) -> None:
+    """The untimed warm-up run_batchgen explains: warm_up_prompts of the first prompts,
+    reversed (no page of them is a workload prefix), four tokens each."""
+    from batchgen import SamplingParams
+
+    warm = [p[::-1] for p in prompts[: warm_up_prompts(llm, len(prompts[0]))]]
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
 
 def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
@@ -75,12 +88,11 @@ def run_batchgen(ckpt: Path, prompts, out_lens, args) -> dict:
     # decode steps, so the first-call costs (Triton compiling a kernel for a new
     # specialisation, autotuning) fall here: two budgets' worth of prompts, and one.
     # The prompts are the first ones reversed: no page of them is a workload prefix.
-    warm = [p[::-1] for p in prompts[: warm_up_prompts(llm, len(prompts[0]))]]
     warming = time.perf_counter()
     # progress on stderr: a run cut off by a time limit shows which phase it was in
     sys.stderr.write(f"built in {warming - built:.1f} s; warming up\n")
     sys.stderr.flush()
-    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    warm_up(llm, prompts)
     startup = {"build_s": warming - built, "warmup_s": time.perf_counter() - warming}
     sys.stderr.write(f"warmed up in {startup['warmup_s']:.1f} s; timing the workload\n")
     sys.stderr.flush()
