@@ -26,6 +26,7 @@ WORKLOADS = {
     "w6": ("hybrid", [], "W6 hybrid: Kimi-Linear shape, vs transformers generate()"),
     "w7": ("chat_job", [], "W7 chat-job: batchgen run beside LLM.chat, sampled and greedy"),
     "w8": ("dp_ep", [], "W8 dp-ep: attention DP + EP vs TP vs N engines, W4/W6 models"),
+    "dp-one": ("dp_one", [], "W4/W6 models on one GPU: plain engine vs DP=1/EP=1, same run"),
     "precision": ("precision", [], "memory, tok/s by precision: --model w4|w6 weights, w1 KV"),
     "invariance": ("invariance", [], "deterministic=True: 512-row probe batched 3 ways + cost"),
     "startup": ("startup", [], "first start: seconds from LLM(...) to ready, by phase"),
