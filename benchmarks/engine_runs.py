@@ -162,13 +162,16 @@ def timed_run(
         result = _timed(llm, prompts, out_lens, warmup_len, phases)
         if after is not None:
             result["after"] = after(llm)
-        return result
+        del llm  # built_engine's exit frees the engine only once no name here holds it
+    return result
 
 
 @contextmanager
 def built_engine(ckpt: Path, **engine_kw):
     """An LLM built with engine_kw (under threads_for its device), freed on exit with
-    its tier's copy threads and the device memory it cached."""
+    its tier's copy threads and the device memory it cached: the caller deletes its own
+    name for it inside the block (`del llm`), or the engine outlives the exit and the
+    next engine built in the process finds its memory still taken."""
     import torch
 
     from batchgen import LLM

@@ -148,6 +148,7 @@ def profile_only(args, prompts: list[list[int]]) -> int:
         host_gib = args.host_gib if name == "on" else 0.0
         with built_engine(ckpt, host_kv_size_gib=host_gib, **kw) as llm:
             out[name] = [decode_profile(prompts, args, llm) for _ in range(3)]
+            del llm  # freed by built_engine's exit, before the next engine is built
         for i, prof in enumerate(out[name]):
             phases = ", ".join(f"{k} {v:.2f}" for k, v in prof["phase_ms"].items())
             sys.stdout.write(
