@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from batchgen.distributed import workers
+from batchgen.distributed import worker_rank, workers
 from batchgen.distributed.messages import (
     PlanBegin,
     PlanQuery,
@@ -23,7 +23,7 @@ from batchgen.layers.tp_group import SINGLE
 
 
 def test_every_message_type_has_a_worker_handler():
-    """Shutdown ends workers.serve's loop; every other type reaches _Worker.handle,
+    """Shutdown ends worker_rank.serve's loop; every other type reaches _Worker.handle,
     which has a method for each (the step message among them)."""
     types = message_types()
     assert TPStep in types and Shutdown in types
@@ -57,11 +57,11 @@ def test_a_message_of_an_unknown_type_raises():
 def test_serve_answers_the_messages_that_reply_until_shutdown(monkeypatch):
     sent = [PlanBegin(), PlanQuery(), TierMetricsQuery(), Shutdown(), PlanBegin()]
     handled, gathered = [], []
-    monkeypatch.setattr(workers, "receive", lambda tp: sent.pop(0))
+    monkeypatch.setattr(worker_rank, "receive", lambda tp: sent.pop(0))
     monkeypatch.setattr(
-        workers.dist, "gather_object", lambda obj, out, dst, group: gathered.append(obj)
+        worker_rank.dist, "gather_object", lambda obj, out, dst, group: gathered.append(obj)
     )
-    workers.serve(SINGLE, lambda m: handled.append(m) or type(m).__name__)
+    worker_rank.serve(SINGLE, lambda m: handled.append(m) or type(m).__name__)
     assert [type(m) for m in handled] == [PlanBegin, PlanQuery, TierMetricsQuery]
     assert gathered == ["PlanQuery", "TierMetricsQuery"]
     assert sent == [PlanBegin()]  # nothing read after Shutdown

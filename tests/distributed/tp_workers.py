@@ -315,6 +315,6 @@ def fails_once_joined(tp: TPGroup) -> None:
 
 def answer_rank(tp: TPGroup) -> None:
     """A worker that answers each message rank 0 asks with its rank (test_tp_idle.py)."""
-    from batchgen.distributed.workers import serve
+    from batchgen.distributed.worker_rank import serve
 
     serve(tp, lambda message: tp.rank)

@@ -89,7 +89,7 @@ class TierMetricsQuery(Message):
 
 @dataclass(frozen=True)
 class Shutdown(Message):
-    """Leave the group and exit (workers.serve returns)."""
+    """Leave the group and exit (worker_rank.serve returns)."""
 
 
 def message_types() -> set[type[Message]]:

@@ -4,7 +4,7 @@ worker that ends before rank 0 stops them is seen at once. The launcher (launche
 decides where the ranks run: processes of this host ("mp") or Ray actors over a
 cluster's hosts ("ray"); the rest is the same under both.
 
-    rank 0: Workers.spawn(target, args)         rank r: _worker_main
+    rank 0: Workers.spawn(target, args)         rank r: worker_rank.worker_main
       a TCPStore on a free port; start ranks      connect to the store, set "joined/r"
       1..N-1 (the launcher's RankSet)
       wait: every "joined/r", or a death  <--     (a death first: rank 0 raises, naming it)
@@ -37,10 +37,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
-from batchgen.distributed.heartbeat import HEARTBEAT_S, SILENT_AFTER_S, Pulse, start_beating
+from batchgen.distributed.heartbeat import HEARTBEAT_S, SILENT_AFTER_S, Pulse
 from batchgen.distributed.launchers import ProcessRanks, make_ranks
 from batchgen.distributed.messages import DPMessage, Message, Shutdown
 from batchgen.distributed.rank_set import RankSet
@@ -56,6 +55,7 @@ from batchgen.distributed.tensor_parallel import (
     init_tensor_parallel,
     wait_collectives_with,
 )
+from batchgen.distributed.worker_rank import abort_collectives, joined_key, worker_main
 from batchgen.layers.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class Workers:
             )
             timeouts, beats = (timeout_s, message_timeout_s), (heartbeat_s, silent_after_s)
             where = (size, ranks.host, store.port, backend, timeouts, beats, target, args)
-            ranks.start(_worker_main, {rank: (rank, *where) for rank in ranks.ranks})
+            ranks.start(worker_main, {rank: (rank, *where) for rank in ranks.ranks})
             _wait_joined(store, ranks, timeout_s, role)
             tp = init_tensor_parallel(
                 0,
@@ -308,73 +308,12 @@ class Workers:
                 destroy_tensor_parallel()
 
 
-def serve(tp: TPGroup, handle: Callable[[Message | DPMessage], object]) -> None:
-    """A worker's loop: each message rank 0 sends goes to `handle`, whose answer is
-    gathered to rank 0 where the message `replies`, until Shutdown."""
-    while not isinstance(message := receive(tp), Shutdown):
-        reply = handle(message)
-        if message.replies:
-            dist.gather_object(reply, None, dst=0, group=tp.host_group)
-
-
-def receive_scattered(tp: TPGroup):
-    """This worker's item of what rank 0 scatters (Workers.scatter)."""
-    box = [None]
-    dist.scatter_object_list(box, None, src=0, group=tp.host_group)
-    return pickle.loads(box[0])
-
-
-def receive(tp: TPGroup) -> Message | DPMessage:
-    """The next message rank 0 broadcasts."""
-    box = [None]
-    dist.broadcast_object_list(box, src=0, group=tp.host_group)
-    return pickle.loads(box[0])
-
-
-def _worker_main(
-    rank, size, host, port, backend, timeouts, beats, target, args, device=None
-) -> None:
-    """A worker rank (a process or an actor): connect to rank 0's store at host:port and
-    say so, beat (heartbeat.py: `beats` is (period, silence bound)), join the group (on
-    GPU `device` where the launcher chose it; `timeouts`: the group's and the messages'),
-    run target(tp, *args), leave."""
-    torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the host's cores shared
-    timeout_s, message_timeout_s = timeouts
-    store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
-    start_beating(host, port, rank, *beats)
-    store.set(_joined(rank), "1")
-    tp = init_tensor_parallel(
-        rank,
-        size,
-        backend,
-        timeout_s=timeout_s,
-        store=store,
-        device=device,
-        message_timeout_s=message_timeout_s,
-    )
-    try:
-        target(tp, *args)
-    except BaseException:
-        # rank 0 gone (its messages' connection reset) or this rank failed: a collective
-        # it queued (a replayed graph's) may wait forever on rank 0, and leaving the
-        # group would wait for it, holding this GPU; an abort ends it
-        if backend == "nccl":
-            abort_collectives(tp)
-        raise
-    finally:
-        destroy_tensor_parallel()
-
-
-def _joined(rank: int) -> str:
-    return f"batchgen/joined/{rank}"
-
-
 def _wait_joined(
     store: dist.TCPStore, ranks: RankSet, timeout_s: float, role: str = "tensor-parallel"
 ) -> None:
     """Return once every worker set its key in the store; WorkerStartError naming those
     that ended first, TimeoutError after timeout_s."""
-    keys = [_joined(rank) for rank in ranks.ranks]
+    keys = [joined_key(rank) for rank in ranks.ranks]
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
         # wakes as soon as a worker ends, else every 50 ms to look at the keys again
@@ -387,12 +326,3 @@ def _wait_joined(
             )
         if time.monotonic() > deadline:
             raise TimeoutError(f"{role} workers did not join the group within {timeout_s:.0f} s")
-
-
-def abort_collectives(tp: TPGroup) -> None:
-    """End every NCCL collective in flight on this rank's tensors' group (a replayed
-    graph's too: NCCL's watchdog does not time those out). Logged if it fails."""
-    try:
-        tp.group.abort()
-    except Exception:
-        logger.exception("aborting the tensor-parallel NCCL group failed")

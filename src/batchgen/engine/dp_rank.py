@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from batchgen.config import EngineConfig
 from batchgen.distributed.lockstep import Lockstep
 from batchgen.distributed.messages import DPMessage, DPQuery, DPRequest, DPStep
-from batchgen.distributed.workers import receive_scattered, serve
+from batchgen.distributed.worker_rank import receive_scattered, serve
 from batchgen.engine.builder_load import load_engine
 from batchgen.engine.engine_core import EngineCore, RequestsFailed
 from batchgen.engine.request import Request

@@ -1,5 +1,5 @@
 """A tensor-parallel worker rank (1..N-1): its share of the model, then rank 0's
-messages acted on until Shutdown (distributed.workers.serve), each by the one handler
+messages acted on until Shutdown (distributed.worker_rank.serve), each by the one handler
 its type has in `_Worker.HANDLERS` (a message of any other type raises).
 
 The worker builds what rank 0 builds, from the same config, of its own share, through
@@ -23,7 +23,7 @@ from batchgen.distributed.messages import (
     Setup,
     TierMetricsQuery,
 )
-from batchgen.distributed.workers import serve
+from batchgen.distributed.worker_rank import serve
 from batchgen.engine.builder import build_runner
 from batchgen.engine.builder_plan import Warmup, attention_backend, expert_parallel, kv_layout
 from batchgen.engine.kernel_prep import kernels_prepared
