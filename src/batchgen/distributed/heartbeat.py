@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -36,16 +36,24 @@ def beat_key(rank: int) -> str:
     return f"batchgen/beat/{rank}"
 
 
-def start_beating(host: str, port: int, rank: int, period_s: float, silent_after_s: float):
+def start_beating(
+    host: str, port: int, rank: int, period_s: float, silent_after_s: float
+) -> Callable[[float], None]:
     """A daemon thread that bumps this rank's counter in rank 0's store (host:port, its
-    own connection) every period_s, for the life of the process (a store that does not
-    answer, rank 0 stopped or ending, is logged once and tried again)."""
+    own connection) every period_s until the function returned is called (a store that
+    does not answer, rank 0 stopped or ending, is logged once and tried again).
+    stop(timeout_s): no beat after the one in flight, the thread joined within timeout_s.
+    A worker stops it before it ends: a daemon thread left inside the store's call when
+    the interpreter tears down is ended as it asks for the GIL back, and that ending
+    (pthread_exit, unwound through C++ frames that may not throw) aborts the process:
+    "terminate called without an active exception"."""
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=silent_after_s))
     key = beat_key(rank)
+    stopped = threading.Event()
 
     def beat() -> None:
         failing = False
-        while True:
+        while not stopped.is_set():
             try:
                 store.add(key, 1)
                 failing = False
@@ -53,11 +61,16 @@ def start_beating(host: str, port: int, rank: int, period_s: float, silent_after
                 if not failing:
                     logger.warning("rank %d: rank 0's store did not take a heartbeat", rank)
                 failing = True
-            time.sleep(period_s)
+            stopped.wait(period_s)
 
     thread = threading.Thread(target=beat, name="batchgen-heartbeat", daemon=True)
     thread.start()
-    return thread
+
+    def stop(timeout_s: float) -> None:
+        stopped.set()
+        thread.join(timeout_s)
+
+    return stop
 
 
 class Pulse:

@@ -1,6 +1,9 @@
 """A worker rank's side of a group (workers.py is rank 0's): worker_main connects to rank
 0's store and says so, beats (heartbeat.py), joins the group, runs its target (serve:
-rank 0's messages until Shutdown) and leaves the group.
+rank 0's messages until Shutdown) and leaves the group, its heartbeat thread stopped
+first. Where the target raised, the process ends through the interpreter's teardown
+(launchers.run_then_exit skips it after a return only), which a daemon thread still
+inside a store call would abort ("terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from batchgen.distributed.tensor_parallel import destroy_tensor_parallel, init_t
 from batchgen.layers.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
+
+# how long a worker that leaves waits for its heartbeat thread (a store call in flight)
+BEAT_JOIN_S = 10.0
 
 
 def joined_key(rank: int) -> str:
@@ -58,7 +64,7 @@ def worker_main(
     torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the host's cores shared
     timeout_s, message_timeout_s = timeouts
     store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
-    start_beating(host, port, rank, *beats)
+    stop_beating = start_beating(host, port, rank, *beats)
     store.set(joined_key(rank), "1")
     tp = init_tensor_parallel(
         rank,
@@ -79,7 +85,10 @@ def worker_main(
             abort_collectives(tp)
         raise
     finally:
-        destroy_tensor_parallel()
+        try:
+            stop_beating(BEAT_JOIN_S)  # where this rank fails, its process tears down
+        finally:
+            destroy_tensor_parallel()
 
 
 def abort_collectives(tp: TPGroup) -> None:

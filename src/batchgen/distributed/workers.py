@@ -25,10 +25,17 @@ Under NCCL a worker that ends makes the watcher abort the tensors' group: a coll
 captured in a decode graph is not one NCCL's watchdog times out, so rank 0 would
 otherwise wait forever in the step it was replaying. `check()` raises after each of
 rank 0's waits and before each message, so a step the abort cut short is never read.
+
+Shutdown joins the watcher before rank 0 leaves the group, and a process that ends
+without calling it (a script that drops its LLM) runs it from an atexit hook: either way
+no thread of ours is inside a C++ call (the watcher's heartbeat reads) when the
+interpreter tears down, which ends such a thread as it asks for the GIL back and aborts
+the process with "terminate called without an active exception".
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import pickle
 import threading
@@ -61,6 +68,12 @@ from batchgen.layers.tp_group import TPGroup
 logger = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT_S = 120.0  # torch.distributed's group timeout (init_tensor_parallel)
+# how long shutdown waits for the watcher (it ends once every worker is reaped)
+WATCHER_JOIN_S = 10.0
+# the workers' bound to end where the process exits without shutdown (Workers._at_exit):
+# one told to stop ends in well under a second; one that is not listening (its rank 0
+# interrupted mid-step) is killed after it, as multiprocessing would have at once
+EXIT_TIMEOUT_S = 5.0
 
 SPAWN_HINT = (
     "Workers start with the spawn method, which runs the main script again in each of "
@@ -109,6 +122,14 @@ class Workers:
         self._stopping = False
         self._watcher = threading.Thread(target=self._watch, name="batchgen-tp-watch", daemon=True)
         self._watcher.start()
+        # a script that ends without shutting its engine down (LLM has no close, so most
+        # do) stops its workers and leaves the group before the interpreter's teardown:
+        # during it, a daemon thread inside a C++ call (the watcher reading heartbeats
+        # from the store) that asks for the GIL back is ended by pthread_exit, whose
+        # unwinding through pybind11's frames aborts the process ("terminate called
+        # without an active exception"). atexit runs the hooks registered last first:
+        # this one before multiprocessing's, which would SIGTERM the workers mid-wait.
+        atexit.register(self._at_exit)
 
     @classmethod
     def spawn(
@@ -293,6 +314,7 @@ class Workers:
         may be waiting on it inside a collective, or on a message that never comes), so
         the rest are killed at once instead of waited on."""
         self._stopping = True
+        atexit.unregister(self._at_exit)
         told = False
         try:
             if not self.exited and not self.ranks.wait(self.ranks.ranks, 0):
@@ -304,8 +326,24 @@ class Workers:
         finally:
             try:
                 self.ranks.stop(timeout_s if told else 0.0)
+                self._join_watcher()  # before the group (and its store) goes
             finally:
                 destroy_tensor_parallel()
+
+    def _at_exit(self) -> None:
+        """The process ends and these workers were never shut down: shut them down now,
+        while the interpreter is whole (__init__ says why)."""
+        self.shutdown(EXIT_TIMEOUT_S)
+
+    def _join_watcher(self) -> None:
+        """Wait for the watcher, which ends once it saw every worker end: no thread of
+        these workers' is left in a store call when the caller goes on (the process may
+        be ending: see the atexit hook in __init__)."""
+        self._watcher.join(WATCHER_JOIN_S)
+        if self._watcher.is_alive():
+            logger.warning(
+                "%s watcher still running %.0f s after shutdown", self.role, WATCHER_JOIN_S
+            )
 
 
 def _wait_joined(
