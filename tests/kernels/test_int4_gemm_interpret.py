@@ -132,7 +132,8 @@ def test_w4a16_checks_its_inputs():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_path_dequantizes_a_block_of_rows_at_a_time(bias):
-    """int4_linear_torch in blocks of 7 rows equals F.linear over the whole weight."""
+    """int4_linear_torch in blocks of 7 rows equals F.linear over the whole weight, up to
+    float32 rounding (a BLAS may block a 7-row product unlike a 30-row one)."""
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(30, 64, generator=gen)
     packed, scale = quantize_int4(w, 32)
@@ -140,7 +141,7 @@ def test_cpu_path_dequantizes_a_block_of_rows_at_a_time(bias):
     x = torch.randn(3, 2, 64, generator=gen)
     ref = torch.nn.functional.linear(x, dequantize_int4(packed, scale, 64, 32), b)
     out = int4_linear_torch(x, packed, scale, 32, b, block_rows=7)
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref)  # float32's: rtol 1.3e-6, atol 1e-5
 
 
 def _moe_reference(a, packed, scale, group, experts_of, rows_per_token):

@@ -83,7 +83,9 @@ def test_a_shard_inside_a_block_keeps_blocks_of_its_own():
         x, layer.weight, layer.weight_scale_inv, BLOCK, tile_elements=16 * 64,
         unit_index=layer.weight_scale_inv_rows,
     )  # fmt: skip
-    assert torch.allclose(tiled, F.linear(x, full), rtol=1e-6, atol=1e-6)
+    # tiles of 16 rows against one product: equal up to float32 rounding (rtol 1.3e-6,
+    # atol 1e-5), as a BLAS may block a 16-row product unlike a 40-row one
+    torch.testing.assert_close(tiled, F.linear(x, full))
     # the W8A8 kernel (the interpreter on the CPU) with the row index
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     a, a_scale = quantize_groups(x.to(dev), BLOCK[1])

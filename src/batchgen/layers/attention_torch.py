@@ -5,7 +5,8 @@ mask is offset by it) and an optional sliding window. Math runs in float32.
 Decodes are gathered into one batched attention; prefill chunks of the same query and
 key counts run as one batched attention (a step of many short prompts ran hundreds of
 small ones), each with its own shapes, so that a chunk's rows are what it alone gives
-(the same bits on the CPU). In batch-invariant mode
+up to float32 rounding (a CPU's BLAS may block the batched product unlike a single one:
+the same bits are batch-invariant mode's promise). In batch-invariant mode
 (deterministic=True) both go through `batch_invariant.attend`, chunk by chunk, whose
 result for a query depends on its position and its sequence's keys alone.
 
