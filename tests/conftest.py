@@ -230,6 +230,23 @@ def tiny_llama(tmp_path_factory) -> str:
     return str(path)
 
 
+# the embedded default model (SmolLM2-135M GGUF) as the CPU tests run it: float32, chat
+# prompts and their answers fit 1024 tokens
+DEFAULT_MODEL_CPU = dict(
+    device="cpu", dtype="float32", max_model_len=1024, max_num_batched_tokens=256
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_llm():
+    """An LLM of the embedded default model on the CPU (DEFAULT_MODEL_CPU), one per session:
+    building it parses the GGUF file and dequantizes it (~10-15 s on 2 cores), and the
+    modules that run the default model share that."""
+    from batchgen import LLM
+
+    return LLM(**DEFAULT_MODEL_CPU)
+
+
 @pytest.fixture(scope="session")
 def shared_ray():
     """The session's local Ray cluster (tests/ray_session.py), started by the first test

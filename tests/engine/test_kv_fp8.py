@@ -103,15 +103,16 @@ def test_fp8_pages_take_half_the_bytes_of_bf16_pages(kind, tmp_path):
 
 
 @pytest.mark.slow  # the 135M-parameter default model on 2 cores
-def test_default_model_with_fp8_pages_stays_close_to_float32_kv():
+def test_default_model_with_fp8_pages_stays_close_to_float32_kv(default_model_llm):
+    """The reference is the session's float32-KV default model (conftest's
+    default_model_llm); the FP8 engine differs from it in kv_cache_dtype alone."""
+    from conftest import DEFAULT_MODEL_CPU
     from prompts import QUESTIONS
 
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:6]]
-    kw = dict(device="cpu", dtype="float32", max_model_len=512, max_num_batched_tokens=256)
     judge = SamplingParams(temperature=0, max_tokens=24, logprobs=5)  # off-defaults: judge
-    ref_llm = LLM(**kw)
-    ref = [o.outputs[0] for o in ref_llm.chat(convs, judge, use_tqdm=False)]
-    llm = LLM(kv_cache_dtype="fp8", **kw)
+    ref = [o.outputs[0] for o in default_model_llm.chat(convs, judge, use_tqdm=False)]
+    llm = LLM(kv_cache_dtype="fp8", **DEFAULT_MODEL_CPU)
     params = SamplingParams(temperature=0, max_tokens=24)
     outs = llm.chat(convs, params, use_tqdm=False)
     prompts = [o.prompt_token_ids for o in outs]

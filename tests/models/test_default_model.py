@@ -8,28 +8,23 @@ import torch
 from parity import reference_greedy
 from prompts import QUESTIONS
 
-from batchgen import LLM, SamplingParams
+from batchgen import SamplingParams
 from batchgen.models.default_model import default_model_path
 
 MAX_NEW = 40
 
 
-@pytest.fixture(scope="module")
-def default_llm():
-    return LLM(device="cpu", dtype="float32", max_model_len=1024, max_num_batched_tokens=256)
-
-
 @pytest.mark.slow  # ~85 s on 2 cores: CI runs it in its slow step
-def test_default_model_matches_transformers_on_the_same_gguf(default_llm):
+def test_default_model_matches_transformers_on_the_same_gguf(default_model_llm):
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
     ref = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    eos = default_llm.engine.eos_token_ids
+    eos = default_model_llm.engine.eos_token_ids
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    outs = default_llm.chat(
+    outs = default_model_llm.chat(
         convs, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False
     )
     mismatches = []
@@ -43,11 +38,11 @@ def test_default_model_matches_transformers_on_the_same_gguf(default_llm):
     assert any(o.outputs[0].finish_reason == "stop" for o in outs)
 
 
-def test_default_model_stop_strings_and_logprobs(default_llm):
+def test_default_model_stop_strings_and_logprobs(default_model_llm):
     params = SamplingParams(temperature=0, max_tokens=40, stop=["Paris"], logprobs=3)
-    out = default_llm.chat([{"role": "user", "content": QUESTIONS[0]}], params, use_tqdm=False)[
-        0
-    ].outputs[0]
+    out = default_model_llm.chat(
+        [{"role": "user", "content": QUESTIONS[0]}], params, use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == "Paris"
     assert "Paris" not in out.text
     assert len(out.logprobs) == len(out.token_ids)
