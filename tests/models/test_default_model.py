@@ -38,6 +38,7 @@ def test_default_model_matches_transformers_on_the_same_gguf(default_model_llm):
     assert any(o.outputs[0].finish_reason == "stop" for o in outs)
 
 
+@pytest.mark.slow  # ~1 s with the session's default-model engine, which the slow step builds
 def test_default_model_stop_strings_and_logprobs(default_model_llm):
     params = SamplingParams(temperature=0, max_tokens=40, stop=["Paris"], logprobs=3)
     out = default_model_llm.chat(
