@@ -26,7 +26,7 @@ def _parts(size: int, dtype: torch.dtype) -> list[torch.Tensor]:
     lost when added to 1e8 before -1e8 cancels it) beside random ones."""
     gen = torch.Generator().manual_seed(3)
     parts = [torch.randn(5, 7, generator=gen).to(dtype) for _ in range(size)]
-    for rank, value in enumerate([1e8, 1.0, -1e8, 0.0][:size]):
+    for rank, value in enumerate([1e8, 1.0, -1e8][:size]):
         parts[rank][:, 0] = value
     return parts
 
@@ -41,8 +41,10 @@ def _reduce_on_ranks(tp: TPGroup) -> dict:
     return got
 
 
-@pytest.mark.parametrize("size", [3, 4])
-def test_the_deterministic_all_reduce_adds_the_parts_in_rank_order(tmp_path, size):
+def test_the_deterministic_all_reduce_adds_the_parts_in_rank_order(tmp_path):
+    """Three ranks, the fewest whose sum has an order to fix (two parts add the same
+    either way); more ranks run the same gather and rank_order_sum."""
+    size = 3
     runs = run_ranks(_reduce_on_ranks, size, tmp_path)
     for dtype in (torch.float32, torch.bfloat16):
         parts = _parts(size, dtype)
