@@ -147,7 +147,12 @@ def main(argv=None) -> int:
         from benchmarks import chat_host
 
         chat = argparse.Namespace(
-            requests=args.chat, rows=args.rows, work=args.work, eos_every=160, profile=None
+            requests=args.chat,
+            rows=args.rows,
+            work=args.work,
+            eos_every=160,
+            profile=None,
+            clock="wall",
         )
         result["chat"] = chat_host.run(chat)
     print(json.dumps(result, indent=1))
