@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from batchgen.runner.input_batch import entries_of, params_of, request_ids
 from batchgen.runner.sampler import SAMPLING_EPS
 
 
@@ -50,7 +51,7 @@ class InFlightDecode:
         """Whether every sampled row is plain greedy (its sampling an argmax of the raw
         logits), read from the rows once a step."""
         if self._greedy is None:
-            self._greedy = all(plain_greedy(r.params) for r in self.sampled)
+            self._greedy = all(plain_greedy(p) for p in params_of(self.sampled))
         return self._greedy
 
     def launch_sample(self) -> None:
@@ -70,7 +71,7 @@ class InFlightDecode:
         logprobs = [None] * len(reqs)
         if self._reported:
             logprobs = token_logprobs(reqs, self._reported)
-        return ModelRunnerOutput([r.request_id for r in reqs], self._host.tolist(), logprobs)
+        return ModelRunnerOutput(request_ids(reqs), self._host.tolist(), logprobs)
 
 
 def token_logprobs(reqs, reported: tuple) -> list[TokenLogprobs | None]:
@@ -93,7 +94,7 @@ def token_logprobs(reqs, reported: tuple) -> list[TokenLogprobs | None]:
 def sample_steps(reqs) -> list[int]:
     """Each sampling row's output index: its output tokens on the host, plus the one in
     flight when its input is a placeholder (seeded noise and min_tokens count it)."""
-    return [r.num_output_tokens + (r.new_token_ids[-1] == -1) for r in reqs]
+    return [r.num_output_tokens + (r.new_token_ids[-1] == -1) for r in entries_of(reqs)]
 
 
 def plain_greedy(params) -> bool:

@@ -4,13 +4,16 @@ A step names a request's fixed data (params, prompt, output so far, seed) once, 
 first time the runner sees it (`ScheduledRequest.new`), and after that only what the
 step changes: its new tokens and the pages it added. `InputBatch.apply(step)` drops the
 released requests, records the new ones, appends each request's new pages to its page
-row (`PageRows`) and returns the step's requests resolved (`StepRow`), in order, with
-their page rows and the rows' serials as arrays (`StepRows`): what is kept per row
-elsewhere (sampling parameters, a queued step's tokens) is then gathered by row.
+row (`PageRows`) and returns the step's requests resolved (`StepRows`: each a `StepRow`
+where read one by one, their per-step fields read from the step's entries as columns
+where read as such), in order, with their page rows and the rows' serials as arrays:
+what is kept per row elsewhere (sampling parameters, a queued step's tokens) is then
+gathered by row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,16 +40,99 @@ class StepRow:
     row: int  # its page row
 
 
-class StepRows(list):
-    """A step's `StepRow`s in order, with `rows` [n] int64 (each one's page row) and
-    `serials` [n] int64 (`PageRows.serial` of those rows as the step took them)."""
+class StepRows(Sequence):
+    """A step's rows in order, as `StepRow`s, with `rows` [n] int64 (each one's page row)
+    and `serials` [n] int64 (`PageRows.serial` of those rows as the step took them).
 
-    __slots__ = ("rows", "serials")
+    `InputBatch.apply` makes it from the step's entries and what the runner holds for
+    each (`of`) without a `StepRow` a row: the per-step fields are read from `entries`
+    (the step's `ScheduledRequest`s, or the `StepRow`s themselves; both name them
+    alike), the fixed ones from `fixed` (each row's `NewRequest`), so a decode step's
+    hot readers (inputs.pack_step, pipelined_ids, sample_steps, the sampling metadata,
+    the graph replay) take columns; a `StepRow` is made where a row is indexed, and
+    all of them once the rows are iterated or sliced."""
+
+    __slots__ = ("entries", "_fixed", "rows", "serials", "_items")
 
     def __init__(self, items: list[StepRow], serial: np.ndarray) -> None:
-        super().__init__(items)
+        self.entries = self._fixed = self._items = items
         self.rows = np.fromiter((r.row for r in items), np.int64, len(items))
         self.serials = serial[self.rows]
+
+    @classmethod
+    def of(cls, entries: list, held: list[tuple[NewRequest, int]], serial: np.ndarray):
+        """The rows of a step's `entries`, `held` (fixed data, page row) for each."""
+        self = cls.__new__(cls)
+        self.entries, self._items = entries, None
+        self._fixed = [fixed for fixed, _ in held]
+        self.rows = np.fromiter((row for _, row in held), np.int64, len(held))
+        self.serials = serial[self.rows]
+        return self
+
+    @property
+    def fixed(self) -> list:
+        """Each row's fixed data (params, prompt_token_ids, output_token_ids, seed)."""
+        return self._fixed
+
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.entries]
+
+    def params(self) -> list[SamplingParams]:
+        return [f.params for f in self._fixed]
+
+    def items(self) -> list[StepRow]:
+        """Every row as a `StepRow` (made once)."""
+        if self._items is None:
+            self._items = [self._row(i) for i in range(len(self.entries))]
+        return self._items
+
+    def _row(self, i: int) -> StepRow:
+        r, f = self.entries[i], self._fixed[i]
+        return StepRow(
+            r.request_id,
+            r.new_token_ids,
+            r.start,
+            r.sample,
+            r.num_output_tokens,
+            r.state_slot,
+            f.params,
+            f.prompt_token_ids,
+            f.output_token_ids,
+            f.seed,
+            int(self.rows[i]),
+        )
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self):
+        return iter(self.items())
+
+    def __getitem__(self, i):
+        if self._items is not None or isinstance(i, slice):
+            return self.items()[i]
+        return self._row(i)
+
+
+def entries_of(reqs) -> list:
+    """The per-step fields of `reqs` (a `StepRows`' entries, or the rows themselves):
+    request_id, new_token_ids, start, sample, num_output_tokens, state_slot."""
+    return reqs.entries if isinstance(reqs, StepRows) else reqs
+
+
+def rows_of(reqs) -> np.ndarray:
+    """Each row's page row, [n] int64."""
+    if isinstance(reqs, StepRows):
+        return reqs.rows
+    return np.fromiter((r.row for r in reqs), np.int64, len(reqs))
+
+
+def request_ids(reqs) -> list[str]:
+    return [r.request_id for r in entries_of(reqs)]
+
+
+def params_of(reqs) -> list[SamplingParams]:
+    return reqs.params() if isinstance(reqs, StepRows) else [r.params for r in reqs]
 
 
 class InputBatch:
@@ -72,34 +158,18 @@ class InputBatch:
 
     def apply(self, step: SchedulerOutput) -> StepRows:
         self.release(step.released_ids)
-        held, rows, out = self._held, self.page_rows, []
+        held, rows, got = self._held, self.page_rows, []
         for r in step.requests:
             rid = r.request_id
             if r.new is not None:
-                fixed, row = r.new, rows.add(rid, r.new_pages)
-                held[rid] = fixed, row
+                entry = held[rid] = r.new, rows.add(rid, r.new_pages)
             else:
                 entry = held.get(rid)
                 if entry is None:
                     raise RuntimeError(
                         f"a step continues request {rid}, which the runner never saw"
                     )
-                fixed, row = entry
                 if r.new_pages:
-                    rows.write(rid, row, r.new_pages)
-            out.append(
-                StepRow(
-                    rid,
-                    r.new_token_ids,
-                    r.start,
-                    r.sample,
-                    r.num_output_tokens,
-                    r.state_slot,
-                    fixed.params,
-                    fixed.prompt_token_ids,
-                    fixed.output_token_ids,
-                    fixed.seed,
-                    row,
-                )
-            )
-        return StepRows(out, rows.serial)
+                    rows.write(rid, entry[1], r.new_pages)
+            got.append(entry)
+        return StepRows.of(step.requests, got, rows.serial)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from batchgen.forward_context import AttentionMetadata, PrefillSeq, pack_aligned, unpack_aligned
-from batchgen.runner.input_batch import StepRow, StepRows
+from batchgen.runner.input_batch import StepRow, StepRows, entries_of, request_ids, rows_of
 from batchgen.runner.staging import HostStaging
 
 
@@ -33,7 +33,7 @@ def pack_step(
     ps = page_size
     max_pages = table.shape[1]
     num = len(reqs)
-    rows = np.fromiter((r.row for r in reqs), np.int64, num)
+    rows, reqs = rows_of(reqs), entries_of(reqs)  # the step's entries: no StepRow a row
     lens = np.fromiter((len(r.new_token_ids) for r in reqs), np.int64, num)
     starts = np.fromiter((r.start for r in reqs), np.int64, num)
     ends = np.cumsum(lens)
@@ -90,10 +90,11 @@ def pipelined_ids(reqs: list[StepRow], prev, stage: HostStaging) -> torch.Tensor
     """The input tokens of a step queued after `prev` (an InFlightDecode; the ids packed
     as pack_step packs them): a placeholder -1, a request's last input token, is the
     token `prev` samples for it, read on the device; the other tokens are as given."""
+    rows, reqs = reqs, entries_of(reqs)
     if all(len(r.new_token_ids) == 1 and r.new_token_ids[0] == -1 for r in reqs):
-        index = stage(_rows_in(reqs, prev.sampled))
+        index = stage(_rows_in(rows, prev.sampled))
         return prev.tokens.index_select(0, index)  # a decode step after a decode step
-    at = {r.request_id: i for i, r in enumerate(prev.sampled)}
+    at = {rid: i for i, rid in enumerate(request_ids(prev.sampled))}
     ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
     ends = np.cumsum([len(r.new_token_ids) for r in reqs])
     holes = [i for i, r in enumerate(reqs) if r.new_token_ids[-1] == -1]
@@ -117,5 +118,5 @@ def _rows_in(reqs: list[StepRow], prior: list[StepRow]) -> np.ndarray:
         if (index < 0).any() or (prior.serials[index] != reqs.serials).any():
             raise KeyError("a placeholder's request is not in the step before")
         return index
-    at = {r.request_id: i for i, r in enumerate(prior)}
-    return np.fromiter((at[r.request_id] for r in reqs), np.int64, len(reqs))
+    at = {rid: i for i, rid in enumerate(request_ids(prior))}
+    return np.fromiter((at[rid] for rid in request_ids(reqs)), np.int64, len(reqs))

@@ -17,7 +17,7 @@ from batchgen.runner.batch import (
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.graph_sampling import graph_tail
 from batchgen.runner.in_flight import InFlightDecode, plain_greedy, sample_steps, token_logprobs
-from batchgen.runner.input_batch import InputBatch, StepRow
+from batchgen.runner.input_batch import InputBatch, StepRow, entries_of, request_ids, rows_of
 from batchgen.runner.inputs import pack_step, pipelined_ids, table_width
 from batchgen.runner.linear_state import linear_metadata
 from batchgen.runner.mask_staging import MaskStaging
@@ -132,7 +132,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ps = self.page_size
         n = len(reqs)
-        rows = np.fromiter((r.row for r in reqs), np.int64, n)
+        rows, reqs = rows_of(reqs), entries_of(reqs)  # no StepRow a row
         starts = np.fromiter((r.start for r in reqs), np.int64, n)
         if device_ids is None:
             ids = np.fromiter((r.new_token_ids[0] for r in reqs), np.int64, n)
@@ -268,7 +268,7 @@ class ModelRunner:
 
     def _constrained(self, reqs) -> bool:
         grammar = self.grammar
-        return grammar is not None and grammar.constrains([r.request_id for r in reqs])
+        return grammar is not None and grammar.constrains(request_ids(reqs))
 
     def _constrain(self, logits: torch.Tensor, reqs) -> torch.Tensor:
         """The logits with each structured-output row's forbidden tokens at -inf. The

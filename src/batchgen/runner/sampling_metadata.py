@@ -239,12 +239,14 @@ class SamplingState:
         """`columns` for the runner's scheduled requests (read as `build_for` reads them;
         `StepRows` are gathered by page row, their ids and params read only for a row
         whose holder this state has not seen there: `_slots_by_row`)."""
-        prompts = LazyColumn(requests, "prompt_token_ids")
-        outputs = LazyColumn(requests, "output_token_ids")
-        seeds = LazyColumn(requests, "seed")
+        # a StepRows' fixed data and ids are read from its columns: no StepRow a row
+        fixed = requests.fixed if isinstance(requests, StepRows) else requests
+        prompts = LazyColumn(fixed, "prompt_token_ids")
+        outputs = LazyColumn(fixed, "output_token_ids")
+        seeds = LazyColumn(fixed, "seed")
         if isinstance(requests, StepRows):
-            ids = LazyColumn(requests, "request_id")
-            at = self._slots_by_row(requests, ids, LazyColumn(requests, "params"), seeds)
+            ids = LazyColumn(requests.entries, "request_id")
+            at = self._slots_by_row(requests, ids, LazyColumn(fixed, "params"), seeds)
             return self._columns_at(at, ids, prompts, outputs, steps)
         ids, params = [r.request_id for r in requests], [r.params for r in requests]
         return self.columns(ids, params, prompts, outputs, steps, seeds)
