@@ -120,8 +120,8 @@ class Pipelined(Overlap):
         if not self.runner.can_launch_decode(step, copies):
             self.scheduler.unsend(step)
             return None
-        with profiled("batchgen.launch"):
-            return self.launch(step, copies, requests, current)
+        with profiled("batchgen.launch"):  # `launch`, its check (a pass over the rows) made
+            return self.runner.launch_decode(step, current, copies)
 
     def _admit_ahead(self, current: InFlightDecode, requests) -> InFlightDecode | None:
         """The step after `current` where a waiting request can be admitted: scheduled

@@ -13,6 +13,7 @@ gathered by row.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,10 +53,11 @@ class StepRows(Sequence):
     the graph replay) take columns; a `StepRow` is made where a row is indexed, and
     all of them once the rows are iterated or sliced."""
 
-    __slots__ = ("entries", "_fixed", "rows", "serials", "_items")
+    __slots__ = ("entries", "_fixed", "rows", "serials", "_items", "_lens", "_ids")
 
     def __init__(self, items: list[StepRow], serial: np.ndarray) -> None:
         self.entries = self._fixed = self._items = items
+        self._lens = self._ids = None
         self.rows = np.fromiter((r.row for r in items), np.int64, len(items))
         self.serials = serial[self.rows]
 
@@ -64,6 +66,7 @@ class StepRows(Sequence):
         """The rows of a step's `entries`, `held` (fixed data, page row) for each."""
         self = cls.__new__(cls)
         self.entries, self._items = entries, None
+        self._lens = self._ids = None
         self._fixed = [fixed for fixed, _ in held]
         self.rows = np.fromiter((row for _, row in held), np.int64, len(held))
         self.serials = serial[self.rows]
@@ -73,6 +76,17 @@ class StepRows(Sequence):
     def fixed(self) -> list:
         """Each row's fixed data (params, prompt_token_ids, output_token_ids, seed)."""
         return self._fixed
+
+    def token_columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lens [n], ids [T]) int64: each row's number of new tokens, and all of them
+        packed in row order; read from the entries once a step (pipelined_ids, then
+        pack_step)."""
+        if self._lens is None:
+            entries = self.entries
+            self._lens = np.fromiter((len(r.new_token_ids) for r in entries), np.int64, len(self))
+            tokens = itertools.chain.from_iterable(r.new_token_ids for r in entries)
+            self._ids = np.fromiter(tokens, np.int64, int(self._lens.sum()))
+        return self._lens, self._ids
 
     def request_ids(self) -> list[str]:
         return [r.request_id for r in self.entries]
@@ -125,6 +139,15 @@ def rows_of(reqs) -> np.ndarray:
     if isinstance(reqs, StepRows):
         return reqs.rows
     return np.fromiter((r.row for r in reqs), np.int64, len(reqs))
+
+
+def token_columns(reqs) -> tuple[np.ndarray, np.ndarray]:
+    """`StepRows.token_columns` of `reqs`, kept by a `StepRows`."""
+    if isinstance(reqs, StepRows):
+        return reqs.token_columns()
+    lens = np.fromiter((len(r.new_token_ids) for r in reqs), np.int64, len(reqs))
+    ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
+    return lens, ids
 
 
 def request_ids(reqs) -> list[str]:

@@ -4,13 +4,18 @@ decode and prefill attention metadata."""
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
 from batchgen.forward_context import AttentionMetadata, PrefillSeq, pack_aligned, unpack_aligned
-from batchgen.runner.input_batch import StepRow, StepRows, entries_of, request_ids, rows_of
+from batchgen.runner.input_batch import (
+    StepRow,
+    StepRows,
+    entries_of,
+    request_ids,
+    rows_of,
+    token_columns,
+)
 from batchgen.runner.staging import HostStaging
 
 
@@ -33,8 +38,8 @@ def pack_step(
     ps = page_size
     max_pages = table.shape[1]
     num = len(reqs)
+    lens, ids = token_columns(reqs)  # kept by StepRows: pipelined_ids read them first
     rows, reqs = rows_of(reqs), entries_of(reqs)  # the step's entries: no StepRow a row
-    lens = np.fromiter((len(r.new_token_ids) for r in reqs), np.int64, num)
     starts = np.fromiter((r.start for r in reqs), np.int64, num)
     ends = np.cumsum(lens)
     q_start = ends - lens
@@ -42,7 +47,6 @@ def pack_step(
     owner = np.repeat(np.arange(num), lens)
     positions = np.arange(total, dtype=np.int64) - q_start[owner] + starts[owner]
     slots = table[rows[owner], positions // ps] * ps + positions % ps
-    ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
     seq_lens = starts + lens
     sample = np.fromiter((r.sample for r in reqs), bool, num)
     parts = [ids, positions, slots, ends[sample] - 1]
@@ -90,17 +94,17 @@ def pipelined_ids(reqs: list[StepRow], prev, stage: HostStaging) -> torch.Tensor
     """The input tokens of a step queued after `prev` (an InFlightDecode; the ids packed
     as pack_step packs them): a placeholder -1, a request's last input token, is the
     token `prev` samples for it, read on the device; the other tokens are as given."""
-    rows, reqs = reqs, entries_of(reqs)
-    if all(len(r.new_token_ids) == 1 and r.new_token_ids[0] == -1 for r in reqs):
-        index = stage(_rows_in(rows, prev.sampled))
+    lens, ids = token_columns(reqs)
+    if (lens == 1).all() and (ids == -1).all():
+        index = stage(_rows_in(reqs, prev.sampled))
         return prev.tokens.index_select(0, index)  # a decode step after a decode step
     at = {rid: i for i, rid in enumerate(request_ids(prev.sampled))}
-    ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
-    ends = np.cumsum([len(r.new_token_ids) for r in reqs])
-    holes = [i for i, r in enumerate(reqs) if r.new_token_ids[-1] == -1]
-    src = np.fromiter((at[reqs[i].request_id] for i in holes), np.int64, len(holes))
+    ends = np.cumsum(lens)
+    holes = np.flatnonzero(ids[ends - 1] == -1)  # rows whose last input is a placeholder
+    ids_of = request_ids(reqs)
+    src = np.fromiter((at[ids_of[i]] for i in holes.tolist()), np.int64, holes.size)
     dev = stage(np.concatenate((ids, ends[holes] - 1, src)))
-    total, n = ids.size, len(holes)
+    total, n = ids.size, holes.size
     out = dev[:total]
     if n:
         out[dev[total : total + n]] = prev.tokens.index_select(0, dev[total + n :])
