@@ -12,7 +12,7 @@ import torch
 
 from batchgen.runner.batch import NewRequest, ScheduledRequest, SchedulerOutput
 from batchgen.runner.input_batch import InputBatch, StepRows
-from batchgen.runner.inputs import pipelined_ids
+from batchgen.runner.inputs import pack_step, pipelined_ids
 from batchgen.runner.sampler import SamplingState
 from batchgen.runner.staging import HostStaging
 from tests.runner.test_sampling_state import CPU, EOS, PARAMS, VOCAB, assert_same
@@ -84,3 +84,59 @@ def test_pipelined_ids_by_row_equal_by_id():
     except KeyError:
         return
     raise AssertionError("a placeholder on a row retaken since was read")
+
+
+def test_rows_read_as_columns_equal_rows_read_one_by_one():
+    """A StepRows reads its rows' fields from the step's entries and fixed data: each row
+    indexed before any iteration, its token columns, pack_step's inputs and pipelined_ids
+    after a mixed step equal those read from the StepRow objects themselves."""
+    batch, stage = InputBatch(6, 4), HostStaging(CPU)
+    prev, fixed = None, {}
+    mixed = 0
+    for step in _steps(seed=2):
+        rows = batch.apply(step)
+        one_by_one = [rows[i] for i in range(len(rows))]  # before any iteration
+        items = list(rows)
+        assert [vars_of(r) for r in one_by_one] == [vars_of(r) for r in items]
+        for r, e, row in zip(items, step.requests, rows.rows.tolist()):
+            if e.new is not None:
+                fixed[e.request_id] = e.new
+            n = fixed[e.request_id]
+            assert (r.request_id, r.new_token_ids, r.start, r.sample) == (
+                e.request_id,
+                e.new_token_ids,
+                e.start,
+                e.sample,
+            )
+            assert (r.num_output_tokens, r.state_slot, r.row) == (
+                e.num_output_tokens,
+                e.state_slot,
+                row,
+            )
+            assert (r.params, r.prompt_token_ids, r.output_token_ids, r.seed) == (
+                n.params,
+                n.prompt_token_ids,
+                n.output_token_ids,
+                n.seed,
+            )
+        lens, ids = rows.token_columns()
+        assert lens.tolist() == [len(r.new_token_ids) for r in items]
+        assert ids.tolist() == [t for r in items for t in r.new_token_ids]
+        by_cols = pack_step(rows, batch.page_rows.table, 8, stage)
+        by_rows = pack_step(items, batch.page_rows.table, 8, stage)
+        assert torch.equal(by_cols[0], by_rows[0]) and torch.equal(by_cols[1], by_rows[1])
+        assert torch.equal(by_cols[2].slot_mapping, by_rows[2].slot_mapping)
+        if prev is not None and any(r.new is not None for r in step.requests):
+            # a placeholder beside new rows: pipelined_ids' per-row path
+            got = pipelined_ids(rows, prev, stage)
+            plain = SimpleNamespace(sampled=list(prev.sampled), tokens=prev.tokens)
+            placeholders = [r for r in step.requests if r.new_token_ids == [-1]]
+            assert torch.equal(got, pipelined_ids(items, plain, stage))
+            mixed += bool(placeholders)
+        tokens = torch.tensor(np.arange(len(rows)) * 11 + 100)
+        prev = SimpleNamespace(sampled=rows, tokens=tokens)
+    assert mixed > 3
+
+
+def vars_of(row) -> tuple:
+    return tuple(getattr(row, f) for f in row.__slots__)
