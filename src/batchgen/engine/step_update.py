@@ -132,13 +132,13 @@ class StepUpdates:
     ) -> None:
         """`commit` and `apply`'s first pass in one loop, for a step nobody committed
         (`reqs`: its rows' requests, if known; else looked up in `requests`)."""
-        running, cached = RequestStatus.RUNNING, []
+        running, finished, cached = RequestStatus.RUNNING, RequestStatus.FINISHED, []
         if reqs is None:
             get = requests.get
             reqs = [get(s.request_id) for s in sched.requests]
         computed = prompt_computed = 0
-        for s, req in zip(sched.requests, reqs):
-            if req is None or req.status is RequestStatus.FINISHED:  # stopped, step queued
+        for s, req in zip(sched.requests, reqs):  # an enum's member looked up once, not a row
+            if req is None or req.status is finished:  # stopped, step queued
                 continue
             n = len(s.new_token_ids)
             req.num_computed_tokens += n
