@@ -9,7 +9,7 @@
 A batch job waits for the engine before its first step. This builds `LLM(...)` once in
 this process and reports the seconds of each phase of EngineCore.from_config: the
 config, the tokenizer, the weights (build_model) and the rest (the memory plan, warm-up
-steps, CUDA graphs, the host tier). `--parse-each-read` leaves models.loader's
+steps, CUDA graphs, the host tier). `--parse-each-read` leaves models.gguf_share's
 gguf_read_once out, so that transformers parses a GGUF file once for each read, as
 before it: run it in a process of its own for the comparison (a process's first build
 also pays its imports: the first of two runs in one machine is the slower).

@@ -15,7 +15,8 @@ from batchgen.engine.limits import max_model_len
 from batchgen.engine.memory import check_host_budget
 from batchgen.engine.tp_peers import TPWorkers, check_supported
 from batchgen.engine.tp_worker import worker_main
-from batchgen.models.loader import ModelSource, build_model, gguf_read_once
+from batchgen.models.gguf_share import gguf_read_once
+from batchgen.models.loader import ModelSource, build_model
 from batchgen.models.registry import check_tensor_parallel
 from batchgen.runner.paired import Pairing
 

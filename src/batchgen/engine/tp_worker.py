@@ -42,7 +42,8 @@ from batchgen.kv.page_pool import PagePool
 from batchgen.kv.state_pool import HostStatePool
 from batchgen.kv.tier_mirror import TierMirror
 from batchgen.layers.tp_group import TPGroup
-from batchgen.models.loader import ModelSource, build_model, gguf_read_once
+from batchgen.models.gguf_share import gguf_read_once
+from batchgen.models.loader import ModelSource, build_model
 from batchgen.runner.model_runner import ModelRunner
 
 

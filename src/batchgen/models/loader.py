@@ -5,9 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,39 +186,6 @@ def _safetensors_weights(
                         yield key, f.get_tensor(key)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"weight file {file} is truncated or corrupt: {e}") from e
-
-
-@contextmanager
-def gguf_read_once() -> Iterator[None]:
-    """Inside, every read of one GGUF file shares one parse of it.
-
-    transformers reads a GGUF file anew for its config, for its tokenizer and for its
-    tensors, each time building gguf's reader over every field (a vocabulary of strings,
-    seconds a parse), and builds gguf's tensor name map anew for every module of the
-    model it maps names for. Both come from the `gguf` module at the call, so inside
-    this block `gguf.GGUFReader` hands out one reader per file (read-only, memory-mapped)
-    and `gguf.get_tensor_name_map` one map per (architecture, layers); both are dropped
-    on leaving. Without gguf installed, nothing changes."""
-    try:
-        import gguf
-    except ImportError:
-        yield
-        return
-    make_reader, make_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple, object] = {}
-
-    def shared_reader(path, mode: str = "r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = make_reader(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader = shared_reader
-    gguf.get_tensor_name_map = functools.cache(make_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_map
 
 
 def _gguf_weights(file: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
