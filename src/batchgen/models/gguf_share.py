@@ -49,7 +49,8 @@ class _Sharing:
         self.gguf, self.gguf_utils = gguf, gguf_utils
         self.make_reader = gguf.GGUFReader
         self.make_map = gguf.get_tensor_name_map
-        self.parse = gguf_utils._gguf_parse_value
+        # a transformers without it (a private name) still shares the reader and the map
+        self.parse = getattr(gguf_utils, "_gguf_parse_value", None)
         self.readers: dict[tuple[str, str], object] = {}
         self.reader_lock = threading.Lock()  # a second thread waits for the first's parse
         # by id(element), written once: the element (kept, so that the id stays its own),
@@ -63,12 +64,14 @@ class _Sharing:
     def install(self) -> None:
         self.gguf.GGUFReader = self.reader
         self.gguf.get_tensor_name_map = functools.cache(self.make_map)
-        self.gguf_utils._gguf_parse_value = self.value
+        if self.parse is not None:
+            self.gguf_utils._gguf_parse_value = self.value
 
     def restore(self) -> None:
         self.gguf.GGUFReader = self.make_reader
         self.gguf.get_tensor_name_map = self.make_map
-        self.gguf_utils._gguf_parse_value = self.parse
+        if self.parse is not None:
+            self.gguf_utils._gguf_parse_value = self.parse
 
     def reader(self, path, mode: str = "r"):
         key = (os.path.realpath(path), mode)
