@@ -52,10 +52,11 @@ def _completions(outs) -> list[tuple[list[int], str, list[float]]]:
     return result
 
 
-def _generate(path: str, **kw) -> tuple[list, LLM]:
+def _generate(path: str, params: SamplingParams = PARAMS, **kw) -> tuple[list, LLM]:
     llm = LLM(path, **KW, **kw)
     try:
-        return _completions(llm.generate(shared_head_prompts(), PARAMS, use_tqdm=False)), llm
+        outs = llm.generate(shared_head_prompts(), params, use_tqdm=False)
+        return (_completions(outs) if params is PARAMS else outs), llm
     finally:
         llm.engine.shutdown()
 
@@ -210,10 +211,35 @@ def test_tp2_dummy_weights_generate_as_tp1_on_the_checkpoint_they_make(tmp_path)
     save_tiny_deepseek(model, **CONFIGS["moe_dense_first"])
     shutil.copytree(model, full)
     save_file(_checkpoint_of_dummy_shares(model, 2), str(full / "model.safetensors"))
-    want, _ = _generate(str(full), num_kv_pages=64)
-    got, _ = _generate(str(model), num_kv_pages=64, tensor_parallel_size=2, load_format="dummy")
-    _assert_same(got, want)
-    assert sum(len(t) for t, _, _ in got) >= 60  # tens of decode steps
+    top2 = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    want, _ = _generate(str(full), top2, num_kv_pages=64)
+    got, _ = _generate(
+        str(model), top2, num_kv_pages=64, tensor_parallel_size=2, load_format="dummy"
+    )
+    assert _same_up_to_a_near_tie(got, want) >= 60  # tens of decode steps compared
+
+
+def _same_up_to_a_near_tie(got, want, tol: float = 1e-4) -> int:
+    """Greedy outputs equal token for token, logprobs within `tol`, up to a near-tie: a
+    random tiny model's two best logits can lie within the rounding of TP=2's split sums
+    (a CPU's BLAS blocks a product by its shape), so a row may part where both sides'
+    two best tokens are the other's two best, within `tol` of each other; it is compared
+    no further. The tokens compared."""
+    compared = 0
+    for g, w in zip(got, want, strict=True):
+        g, w = g.outputs[0], w.outputs[0]
+        for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)):
+            mine, theirs = g.logprobs[i], w.logprobs[i]
+            if a != b:
+                assert set(mine) == set(theirs) == {a, b}, (i, mine, theirs)
+                for lps in (mine, theirs):
+                    assert abs(lps[a].logprob - lps[b].logprob) < tol, (i, mine, theirs)
+                break
+            assert abs(mine[a].logprob - theirs[b].logprob) < tol, (i, mine, theirs)
+            compared += 1
+        else:
+            assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
+    return compared
 
 
 def _random_moe(config) -> DeepseekV3MoE:
