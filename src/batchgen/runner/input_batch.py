@@ -53,11 +53,12 @@ class StepRows(Sequence):
     the graph replay) take columns; a `StepRow` is made where a row is indexed, and
     all of them once the rows are iterated or sliced."""
 
-    __slots__ = ("entries", "_fixed", "rows", "serials", "_items", "_lens", "_ids")
+    __slots__ = ("entries", "fixed", "rows", "serials", "_items", "_columns")
 
     def __init__(self, items: list[StepRow], serial: np.ndarray) -> None:
-        self.entries = self._fixed = self._items = items
-        self._lens = self._ids = None
+        # fixed: each row's fixed data (params, prompt_token_ids, output_token_ids, seed)
+        self.entries = self.fixed = self._items = items
+        self._columns = None
         self.rows = np.fromiter((r.row for r in items), np.int64, len(items))
         self.serials = serial[self.rows]
 
@@ -65,34 +66,25 @@ class StepRows(Sequence):
     def of(cls, entries: list, held: list[tuple[NewRequest, int]], serial: np.ndarray):
         """The rows of a step's `entries`, `held` (fixed data, page row) for each."""
         self = cls.__new__(cls)
-        self.entries, self._items = entries, None
-        self._lens = self._ids = None
-        self._fixed = [fixed for fixed, _ in held]
+        self.entries, self._items, self._columns = entries, None, None
+        self.fixed = [fixed for fixed, _ in held]
         self.rows = np.fromiter((row for _, row in held), np.int64, len(held))
         self.serials = serial[self.rows]
         return self
-
-    @property
-    def fixed(self) -> list:
-        """Each row's fixed data (params, prompt_token_ids, output_token_ids, seed)."""
-        return self._fixed
 
     def token_columns(self) -> tuple[np.ndarray, np.ndarray]:
         """(lens [n], ids [T]) int64: each row's number of new tokens, and all of them
         packed in row order; read from the entries once a step (pipelined_ids, then
         pack_step)."""
-        if self._lens is None:
-            entries = self.entries
-            self._lens = np.fromiter((len(r.new_token_ids) for r in entries), np.int64, len(self))
-            tokens = itertools.chain.from_iterable(r.new_token_ids for r in entries)
-            self._ids = np.fromiter(tokens, np.int64, int(self._lens.sum()))
-        return self._lens, self._ids
+        if self._columns is None:
+            self._columns = _pack_tokens(self.entries)
+        return self._columns
 
     def request_ids(self) -> list[str]:
         return [r.request_id for r in self.entries]
 
     def params(self) -> list[SamplingParams]:
-        return [f.params for f in self._fixed]
+        return [f.params for f in self.fixed]
 
     def items(self) -> list[StepRow]:
         """Every row as a `StepRow` (made once)."""
@@ -101,7 +93,7 @@ class StepRows(Sequence):
         return self._items
 
     def _row(self, i: int) -> StepRow:
-        r, f = self.entries[i], self._fixed[i]
+        r, f = self.entries[i], self.fixed[i]
         return StepRow(
             r.request_id,
             r.new_token_ids,
@@ -143,11 +135,14 @@ def rows_of(reqs) -> np.ndarray:
 
 def token_columns(reqs) -> tuple[np.ndarray, np.ndarray]:
     """`StepRows.token_columns` of `reqs`, kept by a `StepRows`."""
-    if isinstance(reqs, StepRows):
-        return reqs.token_columns()
-    lens = np.fromiter((len(r.new_token_ids) for r in reqs), np.int64, len(reqs))
-    ids = np.fromiter(itertools.chain.from_iterable(r.new_token_ids for r in reqs), np.int64)
-    return lens, ids
+    return reqs.token_columns() if isinstance(reqs, StepRows) else _pack_tokens(reqs)
+
+
+def _pack_tokens(entries) -> tuple[np.ndarray, np.ndarray]:
+    """(lens [n], ids [T]) int64 of `entries`' new_token_ids."""
+    lens = np.fromiter((len(r.new_token_ids) for r in entries), np.int64, len(entries))
+    tokens = itertools.chain.from_iterable(r.new_token_ids for r in entries)
+    return lens, np.fromiter(tokens, np.int64, int(lens.sum()))
 
 
 def request_ids(reqs) -> list[str]:
