@@ -122,3 +122,36 @@ def test_kda_split_parts_are_aligned(decodes, prefills):
     assert split.prefill_slots.tolist() == [s.slot for s in pre]
     cu = np.concatenate([[0], np.cumsum([s.q_len for s in pre])]).tolist()
     assert split.prefill_cu.tolist() == cu and split.prefill_cu_host.tolist() == cu
+
+
+@pytest.mark.parametrize(
+    "max_len,page_size,pages", [(2064, 16, 144), (2048, 16, 128), (1, 16, 16), (520, 4, 144)]
+)
+def test_page_table_rows_hold_a_multiple_of_16_pages(max_len, page_size, pages):
+    from batchgen.runner.inputs import table_pages
+
+    assert table_pages(max_len, page_size) == pages
+
+
+def test_decode_graphs_and_eager_steps_share_the_page_tables_row_stride(tiny_llama):
+    """Triton specialises an int argument on its divisibility by 16, the page table's row
+    stride too. A graph's kernels read its static table's full rows, an eager step's the
+    step's table cut to a multiple of 16 pages: with rows of 33 pages (520 tokens) the
+    graphs' decode variants, compiled at capture, were not the ones a mixed step's eager
+    decode launched, which compiled its own mid-run. Both hold 48 now, every step's width
+    a multiple of 16 up to the rows' own."""
+    from batchgen import LLM
+    from batchgen.engine.decode_graphs import build_decode_graphs
+    from batchgen.runner.inputs import table_width
+
+    llm = LLM(model=tiny_llama, device="cpu", dtype="float32", max_model_len=520)
+    eng = llm.engine
+    rows = eng.runner.batch.page_rows.table
+    assert rows.shape[1] == 48  # 33 pages of 16 tokens, rounded up
+    graphs = build_decode_graphs(
+        eng.config, None, [], "triton", None, 8, torch.device("cpu"), torch.float32, 520
+    )
+    assert graphs.table.stride(0) == rows.shape[1]
+    widths = {table_width(-(-n // 16), rows.shape[1]) for n in range(1, 521)}
+    assert widths == {16, 32, 48}
+    eng.shutdown()

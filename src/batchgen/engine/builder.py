@@ -50,6 +50,7 @@ from batchgen.kv.state_pool import HostStatePool, StatePool, StateSlots
 from batchgen.kv.state_tier import StateTier
 from batchgen.kv.tier_metrics import TierMetrics
 from batchgen.kv.tiered import TieredKVManager
+from batchgen.runner.inputs import table_pages
 from batchgen.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ def build_runner(
         graphs=graphs,
         split_plan=split,
         max_num_seqs=config.max_num_seqs,
-        max_pages=-(-max_len // config.page_size),
+        max_pages=table_pages(max_len, config.page_size),
         seed=config.seed,
         deterministic=config.deterministic,
         linear_states=None if state_pool is None else state_pool.layer_states(),

@@ -15,6 +15,7 @@ from batchgen.kv.copy_engine import CopyEngine
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.state_pool import StatePool
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
+from batchgen.runner.inputs import table_pages
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def build_decode_graphs(
         kv_caches,
         backend,
         config.max_num_seqs,
-        -(-max_len // config.page_size),
+        table_pages(max_len, config.page_size),  # the runner's rows: one stride
         hidden_size,
         device,
         dtype,

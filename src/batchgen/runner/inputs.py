@@ -18,11 +18,26 @@ from batchgen.runner.input_batch import (
 )
 from batchgen.runner.staging import HostStaging
 
+TABLE_ALIGN = 16  # Triton specialises an int argument on its divisibility by 16
+
+
+def table_pages(max_len: int, page_size: int) -> int:
+    """The pages a page-table row holds (the runner's table and the decode graphs'
+    static one): enough for max_len tokens, rounded up to a multiple of TABLE_ALIGN. A
+    step's table is cut to a multiple of it (`table_width`), and a graph's kernels read
+    the full row's stride: a row of, say, 129 pages (W1's max_model_len of 2064) gave the
+    decode kernel a second specialisation, so the variants the graphs' capture compiled
+    (one a split count) were not the ones a mixed step's eager decode launches, and each
+    of those compiled at its first mixed step, in the middle of a run."""
+    pages = -(-max(max_len, 1) // page_size)
+    return -(-pages // TABLE_ALIGN) * TABLE_ALIGN
+
 
 def table_width(pages: int, max_pages: int) -> int:
     """Page-table width for a step: a multiple of 16 (so the kernels' row stride keeps
-    one Triton specialisation), at most the table's."""
-    return min(-(-max(pages, 1) // 16) * 16, max_pages)
+    one Triton specialisation, the decode graphs' too where max_pages is `table_pages`),
+    at most the table's."""
+    return min(-(-max(pages, 1) // TABLE_ALIGN) * TABLE_ALIGN, max_pages)
 
 
 def pack_step(
