@@ -4,6 +4,7 @@ or W1 with FP8 KV beside bf16 KV, in one process.
     PYTHONPATH=src python3 -m benchmarks precision --model w4 --out $OUT   # W4: bf16, FP8, INT4
     PYTHONPATH=src python3 -m benchmarks precision --model w6 --out $OUT   # W6: the same
     PYTHONPATH=src python3 -m benchmarks precision --model w1 --out $OUT   # W1: FP8 KV, bf16 KV
+    PYTHONPATH=src python3 -m benchmarks precision --model w1 --profile --out $OUT  # + profiles
     PYTHONPATH=src python3 -m benchmarks precision --model w4 --small --out /tmp/p  # CPU, CI
 
 Models: --model w4 is W4's (workloads.MOONLIGHT_W4), w6 W6's (KIMI_W6), w1 W1's
@@ -34,9 +35,24 @@ the share of tokens that agree and the largest logprob difference before a row's
 differing token. W1: `fp8 KV` (kv_cache_dtype="fp8") and `bf16 KV` engines with the
 same random bf16 weights, FP8 KV's probe against bf16 KV's.
 
-Prints the markdown table "memory and tok/s by precision" (ratios to bf16 / bf16 KV) and
+Prints the markdown table "memory and tok/s by precision" (ratios to bf16 / bf16 KV),
+then "phases": each engine's end-to-end run split at the step after which every request
+had its first token (the prefill phase's seconds and steps, the decode phase's tok/s),
+its slowest steps and the Triton specializations it met mid-run (compiled there, or
+read from Triton's disk cache: a warm-up that missed one costs the run its compile), and
 writes precision-<model>.json into --out. --small: CPU-sized configs of the same kinds
 (routed experts 128 wide, so FP8 holds them too), in float32.
+
+--profile (about 30 s more an engine on an H100 for W1) adds, for each engine after its
+timed runs: the workload end to end once more with every prompt's first token changed
+(`e2e_again`: no page hits the cache, every kernel is compiled: a cost that is gone the
+second time was a one-off), and profiles.profile_prefill (prefill steps of the
+workload's prompts, kernels by family) and profiles.profile_decode (decode steps of the
+workload's requests at their own contexts, unlike the decode-bound run's 16 to 144
+tokens); the profiles go to precision-<model>-profile.json and their kernels by family
+to the table "GPU ms a step by kernel family" (empty on the CPU). Its decode requests
+need the longest prompt + 300 tokens of context: max_model_len grows to that where it
+was less (W4 and W6: 1,168 -> 1,340; W1 keeps its 2,064).
 """
 
 from __future__ import annotations
@@ -103,7 +119,14 @@ def variants(model: str, config: dict, only=None) -> list[tuple[str, dict, dict]
 class Plan:
     """The requests of one --model's runs (--small: CPU-sized)."""
 
-    def __init__(self, model: str, small: bool, rows: int, requests: int | None = None):
+    def __init__(
+        self,
+        model: str,
+        small: bool,
+        rows: int,
+        requests: int | None = None,
+        profile: bool = False,
+    ):
         _, _, top = MODELS[model]
         top = 500 if small else top
         self.top = top
@@ -118,6 +141,8 @@ class Plan:
         self.rows = rows
         self.decode_len, self.decode_out = (8, 8) if small else (16, 128)
         self.probe_rows, self.probe_len, self.probe_out = (6, 12, 8) if small else (64, 32, 32)
+        # --profile's decode steps: each request's output cap (0: no profile)
+        self.profile_out = (64 if small else 300) if profile else 0
 
     def random_prompts(self, n: int, length: int, first: int, seed: int) -> list[list[int]]:
         """n prompts of `length` random tokens, each starting with `first` (prompts of
@@ -134,12 +159,20 @@ class Plan:
 
     def max_model_len(self) -> int:
         prompts, outs = self.workload
-        return max(max(map(len, prompts)) + max(outs), self.decode_len + self.decode_out) + 16
+        longest = max(map(len, prompts))
+        runs = (longest + max(outs), self.decode_len + self.decode_out, longest + self.profile_out)
+        return max(runs) + 16
 
 
-def measure(llm, plan: Plan) -> dict:
+def fresh(prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts with their first token changed (none of their pages is cached)."""
+    return [[p[0] + 1 if p[0] < 3 else p[0] - 1, *p[1:]] for p in prompts]
+
+
+def measure(llm, plan: Plan, again: bool = False) -> dict:
     """Weight bytes, KV pages, and the decode-bound and end-to-end runs, after a warm-up
-    shaped like both (first prompts of the workload reversed; the decode rows)."""
+    shaped like both (first prompts of the workload reversed; the decode rows); with
+    `again`, the end-to-end run once more on fresh() prompts (`e2e_again`)."""
     from batchgen import SamplingParams
 
     prompts, outs = plan.workload
@@ -151,12 +184,28 @@ def measure(llm, plan: Plan) -> dict:
     eng = llm.engine
     decode = timed(llm, plan.decode_prompts(), [plan.decode_out] * plan.rows, "decode")
     e2e = timed(llm, prompts, outs, "e2e")
-    return {
+    result = {
         "weight_bytes": eng.metrics()["weight_bytes"],
         "kv_pages": eng.kv.allocator.num_pages,
         "page_size": eng.config.page_size,
         "decode": decode,
         "e2e": e2e,
+    }
+    if again:
+        result["e2e_again"] = timed(llm, fresh(prompts), outs, "again")
+    return result
+
+
+def profile(llm, plan: Plan, args) -> dict:
+    """--profile's profiles of one engine: profiles.profile_prefill over the workload's
+    prompts, profiles.profile_decode over its requests (as many as max_num_seqs, each
+    capped at plan.profile_out tokens: 300, W1's own profile)."""
+    from benchmarks.profiles import profile_decode, profile_prefill
+
+    prompts, _ = plan.workload
+    return {
+        "prefill": profile_prefill(llm, prompts),
+        "decode": profile_decode(llm, prompts, args, max_tokens=plan.profile_out),
     }
 
 
@@ -166,7 +215,9 @@ def progress(name: str, run: dict) -> None:
     sys.stderr.write(
         f"{name}: built in {run['build_s']:.1f} s, all in {run['seconds']:.1f} s; weights "
         f"{size(run['weight_bytes'])}, {run['kv_pages']} KV pages, decode "
-        f"{run['decode']['decode_tok_s']:.0f} tok/s, e2e {run['e2e']['tok_s']:.0f} tok/s\n"
+        f"{run['decode']['decode_tok_s']:.0f} tok/s, e2e {run['e2e']['tok_s']:.0f} tok/s "
+        f"(prefill phase {run['e2e']['prefill_phase_s']:.2f} s, "
+        f"{len(run['e2e']['compiles'])} kernels met mid-run)\n"
     )
     sys.stderr.flush()
 
@@ -192,7 +243,7 @@ def run_model(args, plan: Plan) -> dict:
     if common["max_num_seqs"] is None:
         common["max_num_seqs"] = plan.rows
     results: dict[str, dict] = {}
-    probes, states = {}, {}
+    probes, states, profiles = {}, {}, {}
     weights = args.model != "w1"  # quantized weights, compared through their dequantized form
     *others, (ref_name, _, _) = runs
     for k, (name, config, kw) in enumerate(runs):
@@ -200,7 +251,9 @@ def run_model(args, plan: Plan) -> dict:
         started = time.perf_counter()
         with built_engine(ckpt, **common, **kw) as llm:
             built = time.perf_counter()
-            results[name] = measure(llm, plan)
+            results[name] = measure(llm, plan, again=args.profile)
+            if args.profile:
+                profiles[name] = profile(llm, plan, args)
             model = llm.engine.model
             if name != ref_name:
                 probes[name] = probe(llm, plan.probe_prompts(k), plan.probe_out)
@@ -217,7 +270,10 @@ def run_model(args, plan: Plan) -> dict:
             llm.engine.shutdown()
             del llm, model
         release_device_memory()
-    return {"reference": ref_name, "runs": {name: results[name] for name, _, _ in runs}}
+    out = {"reference": ref_name, "runs": {name: results[name] for name, _, _ in runs}}
+    if args.profile:
+        out["profiles"] = {name: profiles[name] for name, _, _ in runs}
+    return out
 
 
 def table(model: str, result: dict, small: bool) -> str:
@@ -249,6 +305,51 @@ def table(model: str, result: dict, small: bool) -> str:
     return "\n".join(lines)
 
 
+def phase_table(result: dict) -> str:
+    """The markdown table "phases" of run_model's result: each engine's end-to-end run
+    (and e2e_again, with --profile) split into its prefill phase (seconds, steps) and
+    decode phase (tok/s), the specializations it met mid-run, and its slowest step."""
+    lines = [
+        "phases (end to end: prefill phase until every request has its first token)",
+        "",
+        "| precision | run | tok/s | prefill phase s | prefill steps | decode phase tok/s | "
+        "steps | kernels met mid-run | slowest step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in result["runs"].items():
+        for key in ("e2e", "e2e_again"):
+            r = run.get(key)
+            if r is None:
+                continue
+            lines.append(
+                f"| {name} | {key} | {r['tok_s']:.0f} | {r['prefill_phase_s']:.3f} | "
+                f"{r['prefill_phase_steps']} | {r['decode_tok_s']:.0f} | {r['steps']} | "
+                f"{len(r['compiles'])} | {(r['slowest_steps'] or ['-'])[0]} |"
+            )
+    return "\n".join(lines)
+
+
+def family_table(profiles: dict) -> str:
+    """The markdown table "GPU ms a step by kernel family" of --profile's profiles: a
+    row an engine and phase (prefill, decode), with the step's wall ms."""
+    from benchmarks.profiles import FAMILIES
+
+    families = [name for name, _ in FAMILIES] + ["other"]
+    lines = [
+        "GPU ms a step by kernel family (--profile)",
+        "",
+        "| precision | phase | step wall ms | " + " | ".join(families) + " |",
+        "|---|---|---|" + "---|" * len(families),
+    ]
+    for name, prof in profiles.items():
+        for phase in ("prefill", "decode"):
+            p = prof[phase]
+            fam = p["gpu_ms_by_family"]
+            cells = " | ".join(f"{fam[f]:.3f}" if f in fam else "-" for f in families)
+            lines.append(f"| {name} | {phase} | {p['step_wall_ms']:.2f} | {cells} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="w4")
@@ -269,18 +370,32 @@ def main(argv=None) -> int:
         default=None,
         help="end to end on the workload's first N requests only (default: all)",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="+ each engine's end-to-end run again and its prefill and decode steps "
+        "profiled (precision-<model>-profile.json)",
+    )
     add_engine_args(ap)
     ap.set_defaults(ckpt=None)
     args = ap.parse_args(argv)
     args.device = "cpu" if args.small else "cuda"
-    plan = Plan(args.model, args.small, args.rows or (8 if args.small else 512), args.requests)
+    rows = args.rows or (8 if args.small else 512)
+    plan = Plan(args.model, args.small, rows, args.requests, args.profile)
     result = run_model(args, plan)
     result.update(model=args.model, small=args.small, rows=plan.rows)
     args.out.mkdir(parents=True, exist_ok=True)
+    profiles = result.pop("profiles", None)
     (args.out / f"precision-{args.model}.json").write_text(json.dumps(result, indent=2))
-    sys.stdout.write(table(args.model, result, args.small) + "\n")
+    sys.stdout.write(table(args.model, result, args.small) + "\n\n")
+    sys.stdout.write(phase_table(result) + "\n")
+    if profiles is not None:
+        path = args.out / f"precision-{args.model}-profile.json"
+        path.write_text(json.dumps(profiles, indent=2))
+        sys.stdout.write("\n" + family_table(profiles) + "\n")
     want = sum(plan.workload[1])
-    return 0 if all(r["e2e"]["output_tokens"] == want for r in result["runs"].values()) else 1
+    runs = [r[key] for r in result["runs"].values() for key in ("e2e", "e2e_again") if key in r]
+    return 0 if all(r["output_tokens"] == want for r in runs) else 1
 
 
 if __name__ == "__main__":

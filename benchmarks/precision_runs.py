@@ -3,7 +3,9 @@ outputs on the same weights.
 
 - `timed(llm, prompts, out_lens, tag)`: greedy requests to exactly their output lengths,
   output tok/s over the whole run and over its decode phase (after every request has its
-  first token);
+  first token), the prefill phase's seconds and steps (until then), the slowest steps,
+  and the Triton specializations first met in the run (engine_runs.compile_log: each
+  compiled, or read from Triton's disk cache, in the middle of the timed run);
 - `probe(llm, prompts, max_tokens)`: greedy outputs with five logprobs a step, and
   `closeness_of(rows, ref)`: how close they are to a reference's on the same prompts
   (eval/closeness.py's rule, plus token agreement and the largest logprob difference);
@@ -18,12 +20,18 @@ from __future__ import annotations
 import time
 
 from benchmarks.card import sync
+from benchmarks.engine_runs import compile_log
+
+SLOWEST = 5  # the slowest steps a timed run reports
 
 
 def timed(llm, prompts: list[list[int]], out_lens: list[int], tag: str) -> dict:
     """The requests greedy (ignore_eos) on `llm`'s engine, timed from the first added to
     the last token: wall, output tok/s, and the decode phase's tok/s (its output tokens
-    but each request's first, over the time after every request had its first)."""
+    but each request's first, over the time after every request had its first); the
+    prefill phase's seconds and steps (`engine.step()` calls until every request had its
+    first token), the SLOWEST steps ("step i: ms", i counting from 0) and the Triton
+    specializations first met ("step i: the launch's repr")."""
     from batchgen import SamplingParams
     from batchgen.engine.memory import fewer_full_collections
 
@@ -31,25 +39,36 @@ def timed(llm, prompts: list[list[int]], out_lens: list[int], tag: str) -> dict:
     sync(eng.device)
     out0 = eng.stats.output_tokens
     first_all = None
-    with fewer_full_collections():  # as LLM.generate runs
+    step_s: list[float] = []  # each step() call's wall time
+    prefill_steps = None
+    # as LLM.generate runs; compiles logged by the index of the step that met them
+    with fewer_full_collections(), compile_log(lambda: len(step_s)) as compiles:
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens)):
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
             eng.add_request(f"{tag}{i}", p, params)
         while eng.has_unfinished:
+            t0 = time.perf_counter()
             eng.step()
+            step_s.append(time.perf_counter() - t0)
             if first_all is None and all(r.output_token_ids for r in eng.requests.values()):
                 first_all = time.perf_counter() - start
+                prefill_steps = len(step_s)
     sync(eng.device)
     wall = time.perf_counter() - start
     first_all = wall if first_all is None else first_all
     out = eng.stats.output_tokens - out0
+    slowest = sorted(range(len(step_s)), key=lambda i: -step_s[i])[:SLOWEST]
     return {
         "wall_s": wall,
         "output_tokens": out,
         "tok_s": out / wall,
         "prefill_phase_s": first_all,
+        "prefill_phase_steps": len(step_s) if prefill_steps is None else prefill_steps,
         "decode_tok_s": (out - len(prompts)) / max(wall - first_all, 1e-9),
+        "steps": len(step_s),
+        "slowest_steps": [f"step {i}: {step_s[i] * 1000:.1f} ms" for i in slowest],
+        "compiles": compiles,
     }
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -55,6 +57,106 @@ def test_w1_fp8_kv_holds_four_times_the_pages_of_float32_kv(tmp_path):
     assert fp8["weight_bytes"] == ref["weight_bytes"]  # the same weights, the KV differs
     assert fp8["kv_pages"] == 4 * ref["kv_pages"]  # the CPU pool's bytes, 1 byte vs 4
     assert fp8["closeness"]["collapsed_rows"] == 0
+
+
+@pytest.mark.slow
+def test_w1_profile_splits_each_run_and_profiles_both_kv_dtypes(tmp_path, capsys):
+    """--profile: both engines' end-to-end runs again on fresh prompts, their phases, and
+    prefill and decode steps profiled (a 16-token budget: the prefill steps are chunks)."""
+    out = tmp_path / "out"
+    argv = ["--model", "w1", "--small", "--out", str(out), "--ckpt", str(tmp_path / "cfg")]
+    run_timed(load("precision"), [*argv, "--profile", "--max-batched-tokens", "16"])
+    runs = json.loads((out / "precision-w1.json").read_text())["runs"]
+    prompts, out_lens = load("workloads").small_requests()
+    for name, run in runs.items():
+        for key in ("e2e", "e2e_again"):
+            r = run[key]
+            assert r["output_tokens"] == sum(out_lens), (name, key)
+            # ~190 prompt tokens at 16 a step: every request has its first token only
+            # after a dozen steps, and the decode phase has steps of its own
+            assert 10 <= r["prefill_phase_steps"] < r["steps"], (name, key)
+            assert 0 < r["prefill_phase_s"] < r["wall_s"] and r["decode_tok_s"] > 0
+            assert len(r["slowest_steps"]) == 5 and r["compiles"] == []  # nothing compiles
+    profiles = json.loads((out / "precision-w1-profile.json").read_text())
+    assert list(profiles) == ["fp8 KV", "bf16 KV"]
+    for name, prof in profiles.items():
+        assert prof["prefill"]["tokens_per_step"] == 16, name  # every step a full chunk
+        decode = prof["decode"]
+        # all 8 requests decoding at their own contexts (prompts of 8-40 tokens)
+        assert decode["batch"] == 8 and decode["mean_context"] > 24, name
+        assert decode["step_wall_ms"] > 0 and decode["kernels"] == []  # no GPU profile
+    printed = capsys.readouterr().out
+    assert "| fp8 KV | e2e_again |" in printed and "| bf16 KV | decode |" in printed
+
+
+class _Engine:
+    """An engine stand-in for precision_runs.timed: request i gets its first token at
+    step i, then one a step; the second step meets a new Triton specialization."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.stats = SimpleNamespace(output_tokens=0)
+        self.requests = {}
+        self.steps = 0
+
+    def add_request(self, rid, prompt, params):
+        self.requests[rid] = SimpleNamespace(
+            output_token_ids=[], index=len(self.requests), left=params.max_tokens
+        )
+
+    @property
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def step(self):
+        from triton import knobs
+
+        if self.steps == 1 and knobs.runtime.jit_cache_hook is not None:
+            knobs.runtime.jit_cache_hook(key=1, repr="_decode_split_kernel[num_warps=4]", fn=None)
+            time.sleep(0.05)  # as a compile would: the run's slowest step
+        for rid, r in list(self.requests.items()):
+            if r.index <= self.steps:
+                r.output_token_ids.append(7)
+                self.stats.output_tokens += 1
+                r.left -= 1
+                if r.left == 0:
+                    del self.requests[rid]
+        self.steps += 1
+
+
+def test_timed_splits_the_run_at_every_first_token_and_logs_what_it_compiled():
+    runs = load("precision_runs")
+    result = runs.timed(SimpleNamespace(engine=_Engine()), [[1], [2], [3]], [4, 4, 4], "t")
+    assert result["output_tokens"] == 12 and result["steps"] == 6
+    assert result["prefill_phase_steps"] == 3  # the third request's first token: step 2
+    assert result["compiles"] == ["step 1: _decode_split_kernel[num_warps=4]"]
+    assert len(result["slowest_steps"]) == 5 and result["slowest_steps"][0].startswith("step 1:")
+    assert 0.05 < result["prefill_phase_s"] < result["wall_s"]
+
+
+def test_the_phase_and_family_tables_show_each_engine_and_run():
+    precision = load("precision")
+
+    def run(tok_s, again=False):
+        e2e = dict(tok_s=tok_s, prefill_phase_s=2.185, prefill_phase_steps=9, decode_tok_s=21744.3)
+        e2e.update(
+            steps=1040, compiles=["step 3: k", "step 5: k"], slowest_steps=["step 3: 812.0 ms"]
+        )
+        return {"e2e": e2e, **({"e2e_again": dict(e2e, compiles=[])} if again else {})}
+
+    result = {"runs": {"fp8 KV": run(16074.2, again=True), "bf16 KV": run(19260.4)}}
+    lines = precision.phase_table(result).splitlines()
+    assert lines[4] == (
+        "| fp8 KV | e2e | 16074 | 2.185 | 9 | 21744 | 1040 | 2 | step 3: 812.0 ms |"
+    )
+    assert lines[5].startswith("| fp8 KV | e2e_again | 16074 | 2.185 | 9 | 21744 | 1040 | 0 |")
+    assert lines[6].startswith("| bf16 KV | e2e | 19260 |") and len(lines) == 7
+    prof = {"gpu_ms_by_family": {"attention": 1.5, "gemm": 2.25}, "step_wall_ms": 7.0}
+    table = precision.family_table({"fp8 KV": {"prefill": prof, "decode": dict(prof)}})
+    row = table.splitlines()[4]
+    assert row.startswith("| fp8 KV | prefill | 7.00 | 1.500 | - | 2.250 |")
+    assert precision.fresh([[5, 6], [0, 6], [3]]) == [[4, 6], [1, 6], [2]]
 
 
 def test_load_state_copies_in_place_and_refuses_another_models_state():
