@@ -129,8 +129,12 @@ def test_kda_split_parts_are_aligned(decodes, prefills):
 )
 def test_page_table_rows_hold_a_multiple_of_16_pages(max_len, page_size, pages):
     from batchgen.runner.inputs import table_pages
+    from batchgen.runner.page_rows import PageRows
 
     assert table_pages(max_len, page_size) == pages
+    # rows sized by anyone else (the memory plan's warm-up runner) are rounded up too
+    rows = PageRows(3, -(-max_len // page_size))
+    assert rows.table.shape == (3, pages) and rows.max_pages == pages
 
 
 def test_decode_graphs_and_eager_steps_share_the_page_tables_row_stride(tiny_llama):

@@ -16,9 +16,8 @@ from batchgen.runner.input_batch import (
     rows_of,
     token_columns,
 )
+from batchgen.runner.page_rows import TABLE_ALIGN, aligned_pages
 from batchgen.runner.staging import HostStaging
-
-TABLE_ALIGN = 16  # Triton specialises an int argument on its divisibility by 16
 
 
 def table_pages(max_len: int, page_size: int) -> int:
@@ -29,8 +28,7 @@ def table_pages(max_len: int, page_size: int) -> int:
     decode kernel a second specialisation, so the variants the graphs' capture compiled
     (one a split count) were not the ones a mixed step's eager decode launches, and each
     of those compiled at its first mixed step, in the middle of a run."""
-    pages = -(-max(max_len, 1) // page_size)
-    return -(-pages // TABLE_ALIGN) * TABLE_ALIGN
+    return aligned_pages(-(-max(max_len, 1) // page_size))
 
 
 def table_width(pages: int, max_pages: int) -> int:

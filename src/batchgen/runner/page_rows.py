@@ -13,19 +13,29 @@ with the step's other inputs):
                  by row elsewhere (runner/sampling_metadata.py) knows its holder's
 
 A request's row is written from its first page when it is added (admitted, swapped in,
-recomputed); rows of released requests are reused.
+recomputed); rows of released requests are reused. A row holds max_pages rounded up to a
+multiple of TABLE_ALIGN: Triton specialises an int argument on its divisibility by 16,
+a table's row stride too, and a step's table is cut to such a multiple
+(inputs.table_width), so any table a kernel reads has one specialisation.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+TABLE_ALIGN = 16  # pages: a row's length and every step's table width are multiples
+
+
+def aligned_pages(pages: int) -> int:
+    """`pages` (at least 1) rounded up to a multiple of TABLE_ALIGN."""
+    return -(-max(pages, 1) // TABLE_ALIGN) * TABLE_ALIGN
+
 
 class PageRows:
     def __init__(self, max_rows: int, max_pages: int) -> None:
         self.max_rows = max_rows
-        self.max_pages = max_pages
-        self.table = np.zeros((max_rows, max_pages), dtype=np.int64)
+        self.max_pages = aligned_pages(max_pages)
+        self.table = np.zeros((max_rows, self.max_pages), dtype=np.int64)
         self._row_of: dict[str, int] = {}
         self._free = list(range(max_rows - 1, -1, -1))
         self._length = [0] * max_rows
