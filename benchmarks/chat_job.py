@@ -93,7 +93,7 @@ class StepMeter:
 
     def __init__(self, gpu: bool) -> None:
         self.gpu = gpu
-        self.events: list = []  # (start, end) CUDA event pairs
+        self.events: list = []  # (step index, start, end): CUDA event pairs by step
         self.steps = 0
         self.first = self.last = None  # the stepping window (perf_counter)
         self.wait_s = 0.0
@@ -159,9 +159,20 @@ class StepMeter:
                 return fn(*a, **k)
             finally:
                 end.record()
-                self.events.append((start, end))
+                self.events.append((self.steps, start, end))
 
         return on_gpu
+
+    def gpu_ms_by_step(self) -> list[float]:
+        """GPU busy ms of each step, by its index (on a GPU, after the block)."""
+        import torch
+
+        torch.cuda.synchronize()
+        busy = [0.0] * self.steps
+        for step, s, e in self.events:
+            if step < self.steps:
+                busy[step] += s.elapsed_time(e)
+        return busy
 
     def summary(self) -> dict:
         if not self.steps:
@@ -173,10 +184,7 @@ class StepMeter:
             "host_ms_per_step": round((window - self.wait_s) * 1e3 / self.steps, 3),
         }
         if self.gpu and self.events:
-            import torch
-
-            torch.cuda.synchronize()
-            busy_ms = sum(s.elapsed_time(e) for s, e in self.events)
+            busy_ms = sum(self.gpu_ms_by_step())
             out["gpu_busy_ms_per_step"] = round(busy_ms / self.steps, 3)
             out["gpu_busy_fraction"] = round(busy_ms / (window * 1e3), 4)
         return out

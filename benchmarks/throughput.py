@@ -4,6 +4,7 @@
     python3 -m benchmarks.throughput --skip-peer     # while iterating (not a result)
     python3 -m benchmarks.throughput --small         # CPU, seconds, for CI
     python3 -m benchmarks.throughput --profile       # + where a decode step's time goes
+    python3 -m benchmarks.throughput --busy          # + the GPU's busy ms a step, by rows
     python3 -m benchmarks.throughput --sampling all  # sampled decoding beside greedy
 
 --sampling greedy|sampled|top_k|penalty|all: batchgen alone (no peer), one engine, the
@@ -19,6 +20,16 @@ Prints output tok/s for both, their ratio and batchgen's fraction of the rooflin
 the H200's constants only with --constant-ceilings or where measuring fails, with a
 warning), and at the H200's constants beside it for older records; writes
 throughput.json and throughput.png into --out.
+
+`by_rows` (always; from the timed run's timeline, so nothing is added to the timed loop):
+the decode steps bucketed by running requests, each bucket's wall ms a step beside the
+roofline's ms a step for the same number of live requests (weights and live KV read once),
+and the prefill phase's seconds beside its roofline: where the run loses to the roofline.
+--busy runs the workload once more on the same engine (each prompt's first token changed,
+so no page comes from the prefix cache) with CUDA events around each step's GPU calls
+(chat_job.StepMeter) and adds each bucket's GPU busy ms a step: a bucket whose wall exceeds
+its busy time by much waits on the host, one whose busy time exceeds its roofline is the
+kernels' (the events themselves cost a little: that run is not the timed one).
 """
 
 from __future__ import annotations
@@ -98,9 +109,115 @@ def run_batchgen(ckpt, prompts, out_lens, args):
         "backend": eng.runner.attention_backend,
         "timeline": [[round(t, 4), o, c, r] for t, o, c, r in timeline],
     }
+    if args.busy:
+        result["busy"] = busy_run(llm, prompts, out_lens, args.device)
     if args.profile:
         result["profile"] = profile_decode(llm, prompts, args)
     return result, timeline
+
+
+def busy_run(llm, prompts, out_lens, device: str) -> dict:
+    """The workload again under StepMeter (module docstring): per step, the running
+    requests, the wall ms and the GPU busy ms (None on the CPU)."""
+    from batchgen import SamplingParams
+    from benchmarks.chat_job import StepMeter, on_gpu
+
+    eng = llm.engine
+    gpu = on_gpu(device)
+    rows, ends = [], []
+    with StepMeter(gpu) as meter:
+        for i, (p, n) in enumerate(zip(prompts, out_lens)):
+            first = p[0] - 1 if p[0] > 0 else p[0] + 1
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            eng.add_request(f"busy{i}", [first, *p[1:]], params)
+        start = time.perf_counter()
+        while eng.has_unfinished:
+            rows.append(len(eng.scheduler.running))
+            eng.step()
+            ends.append(time.perf_counter() - start)
+        busy = meter.gpu_ms_by_step() if gpu else [None] * meter.steps
+    walls = [1e3 * (b - a) for a, b in zip([0.0, *ends], ends)]
+    return {"rows": rows, "wall_ms": walls, "gpu_ms": busy[: len(rows)], **meter.summary()}
+
+
+BUCKETS = (1, 10, 25, 50, 100, 150, 200, 250)
+
+
+def bucket_of(rows: int) -> int:
+    return max(b for b in BUCKETS if b <= max(rows, 1))
+
+
+def by_rows(
+    timeline, cfg: dict, prompts, out_lens, copy_bw: float, matmul_flops: float, busy=None
+) -> dict:
+    """The run against the roofline step by step (module docstring): {"prefill": {...},
+    "decode": [{rows, steps, wall_ms, roof_ms[, gpu_ms, busy_steps]} by bucket]}."""
+    from benchmarks.roofline import model_sizes
+
+    weight_bytes, kv_token, matmul_params = model_sizes(cfg)
+    lens = [len(p) for p in prompts]
+    roof: dict[int, list[float]] = {}
+    for t in range(max(out_lens)):
+        live = [n + t for n, o in zip(lens, out_lens) if o > t]
+        roof.setdefault(bucket_of(len(live)), []).append(
+            1e3 * (weight_bytes + kv_token * sum(live)) / copy_bw
+        )
+    # the prefill phase: the steps before the first that computes no more tokens than it
+    # had rows (pure decode)
+    done = [0] + [entry[2] for entry in timeline]
+    running = [0] + [entry[3] for entry in timeline]
+    prefill_steps = (
+        next(
+            (i for i in range(1, len(done)) if done[i] - done[i - 1] <= running[i - 1]),
+            len(timeline) + 1,
+        )
+        - 1
+    )
+    prefill_s = timeline[prefill_steps - 1][0] if prefill_steps else 0.0
+    walls: dict[int, list[float]] = {}
+    decode_steps = zip(timeline[max(prefill_steps - 1, 0) :], timeline[max(prefill_steps, 1) :])
+    for (t0, *_, rows), (t1, *_) in decode_steps:
+        walls.setdefault(bucket_of(rows), []).append(1e3 * (t1 - t0))
+    gpu: dict[int, list[float]] = {}
+    if busy and busy.get("gpu_ms") and busy["gpu_ms"][0] is not None:
+        for running, ms in zip(busy["rows"], busy["gpu_ms"]):
+            if ms is not None:
+                gpu.setdefault(bucket_of(running), []).append(ms)
+    mean = lambda xs: round(sum(xs) / len(xs), 3) if xs else None  # noqa: E731
+    decode = []
+    for b in BUCKETS:
+        if b not in walls and b not in roof:
+            continue
+        row = {"rows": b, "steps": len(walls.get(b, [])), "wall_ms": mean(walls.get(b, []))}
+        row.update(roof_steps=len(roof.get(b, [])), roof_ms=mean(roof.get(b, [])))
+        if gpu:
+            row.update(gpu_ms=mean(gpu.get(b, [])), busy_steps=len(gpu.get(b, [])))
+        decode.append(row)
+    prefill_roof_s = sum(2 * matmul_params * n for n in lens) / matmul_flops
+    return {
+        "prefill": {
+            "steps": prefill_steps,
+            "wall_s": round(prefill_s, 4),
+            "roof_s": round(prefill_roof_s, 4),
+        },
+        "decode": decode,
+    }
+
+
+def rows_lines(table: dict) -> list[str]:
+    """by_rows as text lines."""
+    pre = table["prefill"]
+    lines = [
+        f"prefill phase: {pre['steps']} steps, {pre['wall_s']:.3f} s (roofline {pre['roof_s']:.3f} s)",
+        "decode rows  steps  wall ms/step  roofline ms/step  GPU busy ms/step",
+    ]
+    for row in table["decode"]:
+        cells = [f"{row['rows']:>5}+", f"{row['steps']:>6}"]
+        for key in ("wall_ms", "roof_ms", "gpu_ms"):
+            value = row.get(key)
+            cells.append(f"{value:>12.3f}" if value is not None else f"{'-':>12}")
+        lines.append("  ".join(cells))
+    return lines
 
 
 SAMPLING = {
@@ -199,6 +316,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
+        "--busy", action="store_true", help="run again with the GPU's busy time a step, by rows"
+    )
+    ap.add_argument(
         "--sampling",
         choices=sorted(SAMPLING) + ["all"],
         default=None,
@@ -248,6 +368,15 @@ def main(argv=None) -> int:
         "roofline_tok_s": sum(out_lens) / roof,
         "fraction_of_roofline": roof / ours["wall_s"],
         "fraction_at_h200_constants": roofline_seconds(cfg, prompt_lens, out_lens) / ours["wall_s"],
+        "by_rows": by_rows(
+            timeline,
+            cfg,
+            prompts,
+            out_lens,
+            card["copy_bytes_per_s"],
+            card["matmul_flops"],
+            ours.get("busy"),
+        ),
     }
     if peer:
         result["ratio"] = ours["tok_s"] / peer["tok_s"]
@@ -268,6 +397,7 @@ def main(argv=None) -> int:
             f"transformers {peer['tok_s']:9.1f} output tok/s  ({peer['wall_s']:.2f} s)"
             f"  -> ratio {result['ratio']:.1f}x"
         )
+    lines += rows_lines(result["by_rows"])
     if args.profile:
         lines.append(json.dumps(ours["profile"], indent=1))
     sys.stdout.write("\n".join(lines) + "\n")

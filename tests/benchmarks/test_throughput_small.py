@@ -85,3 +85,38 @@ def test_the_roofline_scales_with_the_ceilings():
         matmul_flops=2 * roofline.MATMUL_FLOPS,
     )
     assert twice == pytest.approx(base / 2)
+
+
+def test_by_rows_buckets_the_decode_steps_against_the_roofline():
+    """A made-up timeline of two requests (prompts 4 and 6 tokens, outputs 3 and 1): one
+    prefill step, then decode steps at 2 rows, then 1; each bucket's wall is its steps'."""
+    throughput = load("throughput")
+    cfg = load("workloads").SMALL_MODEL
+    prompts, out_lens = [[1] * 4, [1] * 6], [3, 1]
+    # seconds, output tokens, computed tokens, running requests after the step
+    timeline = [(0.010, 2, 10, 1), (0.013, 3, 11, 1), (0.017, 4, 12, 0)]
+    table = throughput.by_rows(timeline, cfg, prompts, out_lens, 1e6, 1e14)
+    assert table["prefill"]["steps"] == 1 and table["prefill"]["wall_s"] == 0.01
+    (bucket,) = table["decode"]  # both decode steps ran with 1 row
+    assert bucket["rows"] == 1 and bucket["steps"] == 2
+    assert bucket["wall_ms"] == pytest.approx(3.5)
+    # the roofline's 3 decode steps: 2 live rows at t=0, 1 at t=1 and t=2, all in bucket 1
+    assert bucket["roof_steps"] == 3 and bucket["roof_ms"] > 0
+    busy = {"rows": [2, 1, 1], "gpu_ms": [5.0, 1.0, 2.0]}
+    table = throughput.by_rows(timeline, cfg, prompts, out_lens, 1e6, 1e14, busy)
+    assert table["decode"][0]["gpu_ms"] == pytest.approx(8.0 / 3, abs=1e-3)
+    assert "1+" in "\n".join(throughput.rows_lines(table))
+
+
+def test_busy_run_reports_each_step_by_rows(tmp_path):
+    throughput = load("throughput")
+    out = tmp_path / "out"
+    argv = ["--small", "--skip-peer", "--constant-ceilings", "--busy", "--out", str(out)]
+    run_timed(throughput, argv + ["--ckpt", str(tmp_path / "ckpt")])
+    result = json.loads((out / "throughput.json").read_text())
+    busy = result["batchgen"]["busy"]
+    assert len(busy["rows"]) == len(busy["wall_ms"]) == busy["steps"] > 0
+    assert busy["gpu_ms"] == [None] * busy["steps"]  # the CPU: no events
+    decode = result["by_rows"]["decode"]
+    timed_steps = len(result["batchgen"]["timeline"])
+    assert sum(b["steps"] for b in decode) + result["by_rows"]["prefill"]["steps"] == timed_steps
