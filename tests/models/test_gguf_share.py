@@ -160,3 +160,25 @@ def test_an_element_is_converted_anew_when_its_bytes_may_change_or_its_types_dif
         assert parse(frozen, types) == 7 and parse(frozen, types) == 7
         assert isinstance(parse(frozen, other_types), float)
         assert parse(frozen, types) == 7 and isinstance(parse(frozen, types), int)
+
+
+def test_the_shared_reader_keeps_its_file_as_a_plain_read_only_array(tiny_gguf):
+    """The shared reader (gguf's class, its file a plain ndarray view of the memory map:
+    gguf_share's docstring) gives the fields and tensors gguf's own reader gives."""
+    own = GGUFReader(tiny_gguf)
+    with gguf_read_once():
+        shared = gguf.GGUFReader(tiny_gguf)
+        assert shared is gguf.GGUFReader(tiny_gguf)  # one reader a file
+    assert isinstance(shared, GGUFReader)
+    assert type(own.data) is np.memmap and type(shared.data) is np.ndarray
+    assert not shared.data.flags.writeable  # the same read-only mapping
+    assert list(shared.fields) == list(own.fields)
+    for name, field in own.fields.items():
+        other = shared.fields[name]
+        assert other.types == field.types and other.data == field.data, name
+        for part, part_1 in zip(field.parts, other.parts):
+            assert type(part_1) is np.ndarray and np.array_equal(part_1, part), name
+    assert [t.name for t in shared.tensors] == [t.name for t in own.tensors]
+    for tensor, tensor_1 in zip(own.tensors, shared.tensors):
+        assert type(tensor_1.data) is np.ndarray
+        assert np.array_equal(tensor_1.data, tensor.data), tensor.name

@@ -11,6 +11,13 @@ layers), and transformers' `_gguf_parse_value` converts each read-only element o
 later reads of the same element getting the value it gave (ints, floats, strings: never
 mutated). All three are looked up in their modules at the time of the call, so this
 module swaps those module attributes; the call sites stay transformers' own.
+
+The shared reader also holds its file as a plain ndarray view of the memory map rather
+than numpy's memmap subclass: the reader slices the file once for every part of every
+field (about 150k slices for the default model's vocabulary and merges), and a memmap
+slice pays the subclass's Python-level finalisation each time (default model: the
+reader's build 3.3 -> 1.5 s on a loaded CPU). The bytes are the same mapped pages,
+read-only as before.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import numpy as np
 
 
 @contextmanager
@@ -48,6 +57,11 @@ class _Sharing:
     def __init__(self, gguf, gguf_utils) -> None:
         self.gguf, self.gguf_utils = gguf, gguf_utils
         self.make_reader = gguf.GGUFReader
+        # gguf's class, made to keep its file as a plain array (a replacement that is not
+        # a class, a test's counter say, is called as it is)
+        self.plain_reader = (
+            _plain_reader(self.make_reader) if isinstance(self.make_reader, type) else None
+        )
         self.make_map = gguf.get_tensor_name_map
         # a transformers without it (a private name) still shares the reader and the map
         self.parse = getattr(gguf_utils, "_gguf_parse_value", None)
@@ -77,7 +91,8 @@ class _Sharing:
         key = (os.path.realpath(path), mode)
         with self.reader_lock:
             if key not in self.readers:
-                self.readers[key] = self.make_reader(path, mode)
+                make = self.plain_reader or self.make_reader
+                self.readers[key] = make(path, mode)
             return self.readers[key]
 
     def value(self, element, types):
@@ -94,6 +109,20 @@ class _Sharing:
                     self.types[key], self.values[key] = types, parsed
                     self.elements[key] = element
         return parsed
+
+
+@functools.cache
+def _plain_reader(reader_class: type) -> type:
+    """reader_class (gguf's GGUFReader), its `data` (the memory map it sets first and
+    slices every part from) kept as a plain ndarray view of the same pages."""
+
+    def get_data(self):
+        return self._plain_data
+
+    def set_data(self, value):
+        self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return type(reader_class.__name__, (reader_class,), {"data": property(get_data, set_data)})
 
 
 class _OpenBlocks:
