@@ -36,7 +36,10 @@ def _run(model_dir, prompts, params, pipeline: bool, **kw):
     launch = runner.launch_decode
 
     def counted(sched, prev=None, *copies):
-        launches.append(prev is not None)
+        if sched.blind:  # built by next_decode: one placeholder a row, every row sampling
+            assert prev is not None
+            assert all(r.new_token_ids == [-1] and r.sample for r in sched.requests)
+        launches.append(sched.blind)
         return launch(sched, prev, *copies)
 
     runner.launch_decode = counted
@@ -52,7 +55,7 @@ def _same(model_dir, prompts, params, **kw):
     plain, queued, _ = _run(model_dir, prompts, params, False, **kw)
     assert queued == 0
     piped, queued, engine = _run(model_dir, prompts, params, True, **kw)
-    assert queued > 0, "no decode step was queued ahead"
+    assert queued > 0, "no decode step was built blind and queued ahead"
     assert piped == plain
     return plain, engine
 

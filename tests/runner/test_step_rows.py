@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from batchgen.runner.batch import NewRequest, ScheduledRequest, SchedulerOutput
+from batchgen.runner.in_flight import sample_steps
 from batchgen.runner.input_batch import InputBatch, StepRows
 from batchgen.runner.inputs import pack_step, pipelined_ids
 from batchgen.runner.sampler import SamplingState
@@ -136,6 +137,41 @@ def test_rows_read_as_columns_equal_rows_read_one_by_one():
         tokens = torch.tensor(np.arange(len(rows)) * 11 + 100)
         prev = SimpleNamespace(sampled=rows, tokens=tokens)
     assert mixed > 3
+
+
+def test_blind_step_columns_equal_its_rows_read():
+    """A blind decode step (SchedulerOutput.blind: every row one placeholder, sampling)
+    takes its token columns, samples and steps without reading its entries: they equal
+    those of the same entries read (not marked blind, and as StepRow objects), as do
+    pack_step's inputs."""
+    batch, stage = InputBatch(6, 4), HostStaging(CPU)
+    blind = 0
+    for before in _steps(seed=3):
+        assert not batch.apply(before).blind
+        # the decode step after it, built blind: every row one more placeholder
+        entries = [
+            ScheduledRequest(r.request_id, [-1], r.start + len(r.new_token_ids), (), True, n)
+            for r, n in zip(before.requests, range(len(before.requests)))
+        ]
+        step = SchedulerOutput(entries, blind=True)
+        rows = batch.apply(step)
+        assert rows.blind
+        blind += 1
+        held = [(rows.fixed[i], int(rows.rows[i])) for i in range(len(rows))]
+        read = StepRows.of(step.requests, held, batch.page_rows.serial)
+        items = list(rows)
+        for got, want in zip(rows.token_columns(), read.token_columns()):
+            assert got.tolist() == want.tolist()
+        assert rows.samples().tolist() == read.samples().tolist() == [True] * len(rows)
+        want_steps = [r.num_output_tokens + 1 for r in items]
+        assert rows.steps().tolist() == read.steps().tolist() == want_steps
+        assert sample_steps(rows).tolist() == sample_steps(items).tolist() == want_steps
+        by_cols = pack_step(rows, batch.page_rows.table, 8, stage)
+        by_rows = pack_step(items, batch.page_rows.table, 8, stage)
+        for got, want in zip(by_cols[:2] + by_cols[3:], by_rows[:2] + by_rows[3:]):
+            assert torch.equal(got, want)
+        assert torch.equal(by_cols[2].slot_mapping, by_rows[2].slot_mapping)
+    assert blind >= 2
 
 
 def vars_of(row) -> tuple:

@@ -105,5 +105,5 @@ def next_decode(
         return None
     entries = scheduler.feed.blind_entries(reqs, starts)
     # new pages may have evicted cached ones the tier writes back first
-    step = SchedulerOutput(entries, released_ids=scheduler.take_released())
+    step = SchedulerOutput(entries, released_ids=scheduler.take_released(), blind=True)
     return step, StepCopies(kv.take_step_copies())

@@ -11,6 +11,7 @@ A step (`SchedulerOutput`) is ids and ints only, so it pickles to another rank a
                     runner sees it (admitted, or again after it was released), else None
       released_ids  requests that left the running set: the runner drops their rows
       preempted_ids
+      blind         every entry's new_token_ids is [-1] and it samples (a blind decode step)
 
 The runner keeps what stays fixed while a request runs (runner/input_batch.py), so a
 running request costs a step its new tokens and its new pages, never its whole page
@@ -69,6 +70,10 @@ class SchedulerOutput:
     # requests that left the running set since the last step (finished, aborted,
     # preempted): the runner drops what it keeps per running request
     released_ids: list[str] = field(default_factory=list)
+    # every entry computes one placeholder token (-1) and samples (a decode step built
+    # blind, pipeline.next_decode): the runner takes its token columns without a pass
+    # over its rows
+    blind: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from batchgen.runner.input_batch import entries_of, params_of, request_ids
+from batchgen.runner.input_batch import StepRows, params_of, request_ids
 from batchgen.runner.sampler import SAMPLING_EPS
 
 
@@ -91,10 +92,14 @@ def token_logprobs(reqs, reported: tuple) -> list[TokenLogprobs | None]:
     return out
 
 
-def sample_steps(reqs) -> list[int]:
-    """Each sampling row's output index: its output tokens on the host, plus the one in
-    flight when its input is a placeholder (seeded noise and min_tokens count it)."""
-    return [r.num_output_tokens + (r.new_token_ids[-1] == -1) for r in entries_of(reqs)]
+def sample_steps(reqs) -> np.ndarray:
+    """Each sampling row's output index, [n] int64: its output tokens on the host, plus
+    the one in flight when its input is a placeholder (seeded noise and min_tokens count
+    it); a `StepRows`' from its columns (`StepRows.steps`)."""
+    if isinstance(reqs, StepRows):
+        return reqs.steps()
+    steps = (r.num_output_tokens + (r.new_token_ids[-1] == -1) for r in reqs)
+    return np.fromiter(steps, np.int64, len(reqs))
 
 
 def plain_greedy(params) -> bool:

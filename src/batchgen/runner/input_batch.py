@@ -53,20 +53,30 @@ class StepRows(Sequence):
     the graph replay) take columns; a `StepRow` is made where a row is indexed, and
     all of them once the rows are iterated or sliced."""
 
-    __slots__ = ("entries", "fixed", "rows", "serials", "_items", "_columns")
+    __slots__ = ("entries", "fixed", "rows", "serials", "blind", "_items", "_columns")
 
     def __init__(self, items: list[StepRow], serial: np.ndarray) -> None:
         # fixed: each row's fixed data (params, prompt_token_ids, output_token_ids, seed)
         self.entries = self.fixed = self._items = items
         self._columns = None
+        self.blind = False  # every row one placeholder token that samples (`of`)
         self.rows = np.fromiter((r.row for r in items), np.int64, len(items))
         self.serials = serial[self.rows]
 
     @classmethod
-    def of(cls, entries: list, held: list[tuple[NewRequest, int]], serial: np.ndarray):
-        """The rows of a step's `entries`, `held` (fixed data, page row) for each."""
+    def of(
+        cls,
+        entries: list,
+        held: list[tuple[NewRequest, int]],
+        serial: np.ndarray,
+        blind: bool = False,
+    ):
+        """The rows of a step's `entries`, `held` (fixed data, page row) for each;
+        `blind`: every entry is one placeholder token (-1) that samples
+        (`SchedulerOutput.blind`), so its token columns are known without reading it."""
         self = cls.__new__(cls)
         self.entries, self._items, self._columns = entries, None, None
+        self.blind = blind
         self.fixed = [fixed for fixed, _ in held]
         self.rows = np.fromiter((row for _, row in held), np.int64, len(held))
         self.serials = serial[self.rows]
@@ -77,8 +87,29 @@ class StepRows(Sequence):
         packed in row order; read from the entries once a step (pipelined_ids, then
         pack_step)."""
         if self._columns is None:
-            self._columns = _pack_tokens(self.entries)
+            n = len(self.entries)
+            if self.blind:
+                self._columns = np.ones(n, np.int64), np.full(n, -1, np.int64)
+            else:
+                self._columns = _pack_tokens(self.entries)
         return self._columns
+
+    def samples(self) -> np.ndarray:
+        """[n] bool: each row's `sample`."""
+        n = len(self.entries)
+        if self.blind:
+            return np.ones(n, bool)
+        return np.fromiter((r.sample for r in self.entries), bool, n)
+
+    def steps(self) -> np.ndarray:
+        """[n] int64: each row's output index, its output tokens on the host plus the one
+        in flight where its last input is a placeholder (`in_flight.sample_steps`)."""
+        n, entries = len(self.entries), self.entries
+        out = np.fromiter((r.num_output_tokens for r in entries), np.int64, n)
+        if self.blind:
+            return out + 1
+        lens, ids = self.token_columns()
+        return out + (ids[np.cumsum(lens) - 1] == -1)
 
     def request_ids(self) -> list[str]:
         return [r.request_id for r in self.entries]
@@ -138,6 +169,13 @@ def token_columns(reqs) -> tuple[np.ndarray, np.ndarray]:
     return reqs.token_columns() if isinstance(reqs, StepRows) else _pack_tokens(reqs)
 
 
+def samples_of(reqs) -> np.ndarray:
+    """[n] bool: each row's `sample` (`StepRows.samples`)."""
+    if isinstance(reqs, StepRows):
+        return reqs.samples()
+    return np.fromiter((r.sample for r in reqs), bool, len(reqs))
+
+
 def _pack_tokens(entries) -> tuple[np.ndarray, np.ndarray]:
     """(lens [n], ids [T]) int64 of `entries`' new_token_ids."""
     lens = np.fromiter((len(r.new_token_ids) for r in entries), np.int64, len(entries))
@@ -190,4 +228,4 @@ class InputBatch:
                 if r.new_pages:
                     rows.write(rid, entry[1], r.new_pages)
             got.append(entry)
-        return StepRows.of(step.requests, got, rows.serial)
+        return StepRows.of(step.requests, got, rows.serial, step.blind)

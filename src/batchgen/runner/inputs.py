@@ -14,6 +14,7 @@ from batchgen.runner.input_batch import (
     entries_of,
     request_ids,
     rows_of,
+    samples_of,
     token_columns,
 )
 from batchgen.runner.page_rows import TABLE_ALIGN, aligned_pages
@@ -52,7 +53,8 @@ def pack_step(
     max_pages = table.shape[1]
     num = len(reqs)
     lens, ids = token_columns(reqs)  # kept by StepRows: pipelined_ids read them first
-    rows, reqs = rows_of(reqs), entries_of(reqs)  # the step's entries: no StepRow a row
+    rows, sample = rows_of(reqs), samples_of(reqs)
+    reqs = entries_of(reqs)  # the step's entries: no StepRow a row
     starts = np.fromiter((r.start for r in reqs), np.int64, num)
     ends = np.cumsum(lens)
     q_start = ends - lens
@@ -61,7 +63,6 @@ def pack_step(
     positions = np.arange(total, dtype=np.int64) - q_start[owner] + starts[owner]
     slots = table[rows[owner], positions // ps] * ps + positions % ps
     seq_lens = starts + lens
-    sample = np.fromiter((r.sample for r in reqs), bool, num)
     parts = [ids, positions, slots, ends[sample] - 1]
     decode, prefill = np.flatnonzero(lens == 1), np.flatnonzero(lens > 1)
     dec_width = pre_width = 0

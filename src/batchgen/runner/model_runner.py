@@ -124,7 +124,7 @@ class ModelRunner:
             self.graphs is not None
             and copies.on_kv_written is None
             and len(sched.requests) <= self.graphs.max_bs
-            and all(len(r.new_token_ids) == 1 for r in sched.requests)
+            and (sched.blind or all(len(r.new_token_ids) == 1 for r in sched.requests))
         )
 
     def _replay(
@@ -176,7 +176,7 @@ class ModelRunner:
             not self.debug
             and copies.on_kv_written is None
             and (self.graphs is None or len(reqs) <= self.graphs.max_bs)
-            and all(len(r.new_token_ids) == 1 and r.sample for r in reqs)
+            and (sched.blind or all(len(r.new_token_ids) == 1 and r.sample for r in reqs))
         )
 
     @step_mode
@@ -226,7 +226,7 @@ class ModelRunner:
         logprobs (engine.step_loop.needs_sync and its configuration checks). A row whose last
         input token is -1 reads it from what `prev` samples for its request, on the
         device. A decode step that graphs can take goes through `launch_decode`."""
-        if self._graph_ok(sched, copies) and all(r.sample for r in sched.requests):
+        if self._graph_ok(sched, copies) and (sched.blind or all(r.sample for r in sched.requests)):
             return self.launch_decode(sched, prev, copies)
         reqs = self.apply(sched)
         device_ids = None if prev is None else self._pipelined_ids(reqs, prev)
