@@ -52,11 +52,16 @@ def _run(model_dir, prompts, params, pipeline: bool, **kw):
 
 
 def _same(model_dir, prompts, params, **kw):
-    plain, queued, _ = _run(model_dir, prompts, params, False, **kw)
+    plain, queued, plain_engine = _run(model_dir, prompts, params, False, **kw)
     assert queued == 0
     piped, queued, engine = _run(model_dir, prompts, params, True, **kw)
     assert queued > 0, "no decode step was built blind and queued ahead"
     assert piped == plain
+    # the tokens counted computed: a discarded queued token is not among them
+    counted = ("num_computed_tokens_total", "num_prompt_tokens_computed")
+    assert [getattr(engine.scheduler, c) for c in counted] == [
+        getattr(plain_engine.scheduler, c) for c in counted
+    ]
     return plain, engine
 
 

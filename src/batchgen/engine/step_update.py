@@ -58,6 +58,8 @@ class StepUpdates:
         `sched` (a step whose every row samples), else None."""
         if reqs is None or len(reqs) != len(result.request_ids):
             return None
+        if result.step_entries is sched.requests:  # its rows are the step's, in order
+            return reqs
         ids = result.request_ids
         return reqs if ids == [s.request_id for s in sched.requests] else None
 
@@ -137,17 +139,26 @@ class StepUpdates:
             get = requests.get
             reqs = [get(s.request_id) for s in sched.requests]
         computed = prompt_computed = 0
-        for s, req in zip(sched.requests, reqs):  # an enum's member looked up once, not a row
-            if req is None or req.status is finished:  # stopped, step queued
-                continue
-            n = len(s.new_token_ids)
-            req.num_computed_tokens += n
-            computed += n
-            prompt = req.num_prompt_tokens
-            if s.start < prompt:
-                prompt_computed += min(n, prompt - s.start)
-            if req.status is running:
-                cached.append(req)
+        if sched.blind:  # one token a row, past its prompt: its entries need not be read
+            for req in reqs:
+                if req is None or req.status is finished:  # stopped, step queued
+                    continue
+                req.num_computed_tokens += 1
+                computed += 1
+                if req.status is running:
+                    cached.append(req)
+        else:
+            for s, req in zip(sched.requests, reqs):  # enum members looked up once, not a row
+                if req is None or req.status is finished:  # stopped, step queued
+                    continue
+                n = len(s.new_token_ids)
+                req.num_computed_tokens += n
+                computed += n
+                prompt = req.num_prompt_tokens
+                if s.start < prompt:
+                    prompt_computed += min(n, prompt - s.start)
+                if req.status is running:
+                    cached.append(req)
         self.kv.cache_computed_for(cached)  # full pages, after every row's counters
         self.num_computed_tokens_total += computed
         self.num_prompt_tokens_computed += prompt_computed

@@ -117,3 +117,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = field(default_factory=dict)
+    # the step's entries (`SchedulerOutput.requests`) where its rows are exactly those,
+    # in order (every row sampled): the update then takes the rows' requests as its feed
+    # made them without comparing ids
+    step_entries: list[ScheduledRequest] | None = None

@@ -72,7 +72,10 @@ class InFlightDecode:
         logprobs = [None] * len(reqs)
         if self._reported:
             logprobs = token_logprobs(reqs, self._reported)
-        return ModelRunnerOutput(request_ids(reqs), self._host.tolist(), logprobs)
+        out = ModelRunnerOutput(request_ids(reqs), self._host.tolist(), logprobs)
+        if isinstance(reqs, StepRows) and reqs.entries is self.sched.requests:
+            out.step_entries = reqs.entries  # every row of the step sampled (launch_decode)
+        return out
 
 
 def token_logprobs(reqs, reported: tuple) -> list[TokenLogprobs | None]:

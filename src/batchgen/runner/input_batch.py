@@ -77,8 +77,9 @@ class StepRows(Sequence):
         self = cls.__new__(cls)
         self.entries, self._items, self._columns = entries, None, None
         self.blind = blind
-        self.fixed = [fixed for fixed, _ in held]
-        self.rows = np.fromiter((row for _, row in held), np.int64, len(held))
+        fixed, rows = zip(*held) if held else ((), ())  # one pass, in C
+        self.fixed = fixed
+        self.rows = np.array(rows, dtype=np.int64)
         self.serials = serial[self.rows]
         return self
 
