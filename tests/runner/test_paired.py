@@ -28,7 +28,8 @@ CPU = torch.device("cpu")
 
 
 def _step(*tokens: int):
-    return SimpleNamespace(requests=[SimpleNamespace(new_token_ids=[5] * n) for n in tokens])
+    entries = [SimpleNamespace(new_token_ids=[5] * n) for n in tokens]
+    return SimpleNamespace(requests=entries, blind=False)
 
 
 def test_a_decode_step_is_offered_fixed_where_it_can_run_the_fixed_exchange():

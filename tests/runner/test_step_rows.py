@@ -4,13 +4,14 @@ against the same read by request id."""
 
 from __future__ import annotations
 
+import pickle
 import random
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from batchgen.runner.batch import NewRequest, ScheduledRequest, SchedulerOutput
+from batchgen.runner.batch import BlindEntries, NewRequest, ScheduledRequest, SchedulerOutput
 from batchgen.runner.in_flight import sample_steps
 from batchgen.runner.input_batch import InputBatch, StepRows
 from batchgen.runner.inputs import pack_step, pipelined_ids
@@ -172,6 +173,54 @@ def test_blind_step_columns_equal_its_rows_read():
             assert torch.equal(got, want)
         assert torch.equal(by_cols[2].slot_mapping, by_rows[2].slot_mapping)
     assert blind >= 2
+
+
+def test_blind_entries_apply_as_the_entries_they_stand_for():
+    """A blind step's entries as columns (BlindEntries: rows with new pages or a request
+    new to the runner among them) read, pickle and apply as the list of the entries
+    they stand for: the same rows, page table, columns and packed inputs."""
+    as_columns, as_list = InputBatch(6, 16), InputBatch(6, 16)
+    stage = HostStaging(CPU)
+    applied = 0
+    for before in _steps(seed=4):
+        as_columns.apply(before)
+        as_list.apply(before)
+        ids, starts, outputs, general = [], [], [], {}
+        for i, r in enumerate(before.requests):
+            ids.append(r.request_id)
+            starts.append(r.start + len(r.new_token_ids))
+            outputs.append(r.num_output_tokens + 1)
+            if i % 3 == 1:  # a page added since the last step
+                general[i] = ScheduledRequest(
+                    ids[-1], [-1], starts[-1], [30 + i], True, outputs[-1]
+                )
+        if len(ids) > 2:  # one the runner never saw (its row released, then sent again)
+            new = NewRequest(PARAMS[0], [2, 4], [9], 77)
+            general[2] = ScheduledRequest(
+                ids[2], [-1], starts[2], [40], True, outputs[2], None, new
+            )
+        entries = BlindEntries(ids, starts, outputs, general)
+        listed = list(entries)
+        assert [e.request_id for e in listed] == ids and listed[-1] == entries[-1]
+        assert [e.new_pages for e in listed[1::3]] == [[30 + i] for i in range(1, len(ids), 3)]
+        assert entries == listed and entries[1:3] == listed[1:3]
+        assert pickle.loads(pickle.dumps(entries)) == listed
+        step = SchedulerOutput(entries, released_ids=[ids[2]] if len(ids) > 2 else [], blind=True)
+        got = as_columns.apply(pickle.loads(pickle.dumps(step)))
+        want = as_list.apply(SchedulerOutput(listed, released_ids=step.released_ids, blind=True))
+        assert got.rows.tolist() == want.rows.tolist()
+        assert got.serials.tolist() == want.serials.tolist()
+        assert np.array_equal(as_columns.page_rows.table, as_list.page_rows.table)
+        assert list(got.fixed) == list(want.fixed)
+        assert got.request_ids() == want.request_ids() == ids
+        assert got.starts().tolist() == want.starts().tolist() == starts
+        assert got.steps().tolist() == want.steps().tolist() == [n + 1 for n in outputs]
+        by_cols = pack_step(got, as_columns.page_rows.table, 8, stage)
+        by_list = pack_step(want, as_list.page_rows.table, 8, stage)
+        assert torch.equal(by_cols[1], by_list[1]) and torch.equal(by_cols[3], by_list[3])
+        assert torch.equal(by_cols[2].slot_mapping, by_list[2].slot_mapping)
+        applied += bool(general)
+    assert applied >= 5
 
 
 def vars_of(row) -> tuple:

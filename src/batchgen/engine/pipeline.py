@@ -17,10 +17,13 @@ the compute stream, orders it after every step launched before.
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import add
+
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.kv_manager import KVCacheManager
-from batchgen.runner.batch import SchedulerOutput, StepCopies
+from batchgen.runner.batch import BlindEntries, SchedulerOutput, StepCopies
 
 
 def could_admit(scheduler: Scheduler, kv: KVCacheManager) -> bool:
@@ -41,9 +44,14 @@ def ending_by_length(
     where next_decode gave up and a request waits: a few dozen steps a run)."""
     running, reaches_length = RequestStatus.RUNNING, scheduler.reaches_length
     out = []
-    for s in queued.requests:
-        req = requests.get(s.request_id)
-        if req is not None and req.status is running and s.sample and reaches_length(req, 1):
+    entries = queued.requests
+    if isinstance(entries, BlindEntries):  # every row samples: its ids as they are
+        rows = zip(entries.request_ids, repeat(True))
+    else:
+        rows = ((s.request_id, s.sample) for s in entries)
+    for rid, sample in rows:
+        req = requests.get(rid)
+        if req is not None and req.status is running and sample and reaches_length(req, 1):
             out.append(req)
     return out
 
@@ -54,9 +62,12 @@ def seats_wait(queued: SchedulerOutput, scheduler: Scheduler) -> bool:
     for the step after the next, so admitting steps, whose forward cannot replay a decode
     graph, come at most every other step, each taking two steps' stops."""
     free = scheduler.max_num_seqs - len(scheduler.running)
-    return free <= scheduler.num_left_since_schedule and any(
-        s.new is not None for s in queued.requests
-    )
+    if free > scheduler.num_left_since_schedule:
+        return False
+    entries = queued.requests
+    if isinstance(entries, BlindEntries):  # a new request's entry is among the general
+        entries = entries.general.values()
+    return any(s.new is not None for s in entries)
 
 
 def next_decode(
@@ -77,13 +88,18 @@ def next_decode(
     reqs, starts = [], []
     allocate, finished = kv.allocate, RequestStatus.FINISHED
     max_model_len, held, page_size = scheduler.max_model_len, kv.pages.get, kv.page_size
+    entries = queued.requests
     queued_reqs = scheduler.feed.requests_of(queued)  # as its entries were made
     if queued_reqs is None:
-        queued_reqs = [requests.get(s.request_id) for s in queued.requests]
-    for s, req in zip(queued.requests, queued_reqs):
+        queued_reqs = [requests.get(s.request_id) for s in entries]
+    if isinstance(entries, BlindEntries):  # every row samples, one token past its start
+        rows = zip(repeat(True), map(add, entries.starts, repeat(1)), queued_reqs)
+    else:  # a decode row's start + 1, a prompt's last chunk's end
+        rows = ((s.sample, s.start + len(s.new_token_ids), r) for s, r in zip(entries, queued_reqs))
+    for sample, start, req in rows:
         if req is None or req.status is finished:  # a request that left is finished
             continue
-        if not s.sample:  # a prompt chunk: schedule() cuts its next one
+        if not sample:  # a prompt chunk: schedule() cuts its next one
             return None
         # scheduler.reaches_length(req, ahead=1), inline: its token from `queued` is its last
         if (
@@ -93,7 +109,6 @@ def next_decode(
             if scheduler.waiting:  # its seat goes to a waiting request: schedule() admits
                 return None
             continue
-        start = s.start + len(s.new_token_ids)  # a decode row's 1, a prompt's last chunk's n
         pages = held(req.request_id)  # allocate's first check, inline: most rows' pages cover it
         if (pages is None or len(pages) * page_size <= start) and not allocate(
             req.request_id, start + 1

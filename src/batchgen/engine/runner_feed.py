@@ -16,6 +16,8 @@ from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.kv.state_pool import StateSlots
 from batchgen.runner.batch import (
     NO_COPIES,
+    PLACEHOLDER,
+    BlindEntries,
     NewRequest,
     ScheduledRequest,
     SchedulerOutput,
@@ -23,10 +25,6 @@ from batchgen.runner.batch import (
 )
 
 _NO_PAGES: tuple[int, ...] = ()  # most decode steps add no page: no list made for them
-# a blind decode row's input, one list for every such row: an entry is never changed once
-# made (runner/batch.py), and ~900 lists a step less is fewer young collections of the
-# cyclic collector (each list is a tracked container)
-_PLACEHOLDER: list[int] = [-1]
 
 
 class RunnerFeed:
@@ -114,24 +112,21 @@ class RunnerFeed:
             (req, req.next_inputs(n), req.num_computed_tokens, n) for req, n in scheduled
         )
 
-    def blind_entries(self, reqs: list[Request], starts: list[int]) -> list[ScheduledRequest]:
+    def blind_entries(self, reqs: list[Request], starts: list[int]) -> BlindEntries:
         """`entry(req, [-1], start, True)` for each req and start of a decode step built
-        blind (pipeline.next_decode), in one loop (`_entries`, specialised: ~900 rows on
-        most steps of a decode-heavy job)."""
+        blind (pipeline.next_decode), as columns (`BlindEntries`: ~900 rows on most
+        steps of a decode-heavy job, most held by the runner and given no page since
+        their last entry, made without an object a row)."""
         pages_of, sent_of, slots = self.kv.pages, self._sent, self.state_slots
-        out = []
-        for req, start in zip(reqs, starts):
+        ids, outputs, general = [], [], {}
+        for i, req in enumerate(reqs):
             rid = req.request_id
-            pages = pages_of[rid]
+            ids.append(rid)
+            outputs.append(len(req.output_token_ids))
             sent = sent_of.get(rid)
-            if sent is None or slots is not None or sent != len(pages):  # the general case
-                out.append(self.entry(req, _PLACEHOLDER, start, True))
-                continue
-            out.append(
-                ScheduledRequest(
-                    rid, _PLACEHOLDER, start, _NO_PAGES, True, len(req.output_token_ids)
-                )
-            )
+            if sent is None or slots is not None or sent != len(pages_of[rid]):
+                general[i] = self.entry(req, PLACEHOLDER, starts[i], True)  # the general case
+        out = BlindEntries(ids, starts, outputs, general)
         self._built.append((out, reqs))
         return out
 

@@ -118,7 +118,7 @@ class TPModelRunner(ModelRunner):
         """A decode step that graphs can take is launched and mirrored (`launch_decode`);
         any other step would run on this rank alone, its collectives unpaired: the builder
         lets no overlap launch one on several ranks (executor.size > 1)."""
-        if self._graph_ok(sched, copies) and all(r.sample for r in sched.requests):
+        if self._graph_ok(sched, copies) and (sched.blind or all(r.sample for r in sched.requests)):
             return self.launch_decode(sched, prev, copies)
         raise RuntimeError("a tensor-parallel rank 0 launches decode steps only")
 

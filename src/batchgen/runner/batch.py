@@ -63,20 +63,79 @@ class ScheduledRequest:
     new: NewRequest | None = None
 
 
+# a blind decode row's input, one list for every such row: an entry is never changed once
+# made, and ~900 lists a step less is fewer young collections of the cyclic collector
+PLACEHOLDER: list[int] = [-1]
+
+
+class BlindEntries(Sequence):
+    """A blind decode step's entries as columns (engine/runner_feed.py makes them): row i
+    is `ScheduledRequest(request_ids[i], PLACEHOLDER, starts[i], (), True,
+    num_output_tokens[i])` unless `general` (row -> entry) holds its entry (new pages, a
+    request new to the runner, a state slot), whose fields the columns repeat. Its rows'
+    readers on every step (the runner's apply, pack_step, the sampling steps, the
+    update) take the columns; an entry is made where indexed or iterated, never kept.
+    Pickles as its columns."""
+
+    __slots__ = ("request_ids", "starts", "num_output_tokens", "general")
+
+    def __init__(
+        self,
+        request_ids: list[str],
+        starts: list[int],
+        num_output_tokens: list[int],
+        general: dict[int, ScheduledRequest],
+    ) -> None:
+        self.request_ids, self.starts = request_ids, starts
+        self.num_output_tokens, self.general = num_output_tokens, general
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        if i < 0:
+            i += len(self)
+        entry = self.general.get(i) if self.general else None
+        if entry is not None:
+            return entry
+        return ScheduledRequest(
+            self.request_ids[i],
+            PLACEHOLDER,
+            self.starts[i],
+            (),
+            True,
+            self.num_output_tokens[i],
+        )
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (BlindEntries, list)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
-    requests: list[ScheduledRequest] = field(default_factory=list)
+    requests: list[ScheduledRequest] | BlindEntries = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     # requests that left the running set since the last step (finished, aborted,
     # preempted): the runner drops what it keeps per running request
     released_ids: list[str] = field(default_factory=list)
     # every entry computes one placeholder token (-1) and samples (a decode step built
-    # blind, pipeline.next_decode): the runner takes its token columns without a pass
-    # over its rows
+    # blind, pipeline.next_decode, whose `requests` are `BlindEntries`): the runner
+    # takes its token columns without a pass over its rows
     blind: bool = False
 
     @property
     def num_tokens(self) -> int:
+        if self.blind:
+            return len(self.requests)
         return sum(len(r.new_token_ids) for r in self.requests)
 
     @property

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchgen.runner.batch import NewRequest, SchedulerOutput
+from batchgen.runner.batch import BlindEntries, NewRequest, SchedulerOutput
 from batchgen.runner.page_rows import PageRows
 from batchgen.sampling_params import SamplingParams
 
@@ -102,17 +102,29 @@ class StepRows(Sequence):
             return np.ones(n, bool)
         return np.fromiter((r.sample for r in self.entries), bool, n)
 
+    def starts(self) -> np.ndarray:
+        """[n] int64: each row's `start`."""
+        entries = self.entries
+        if isinstance(entries, BlindEntries):
+            return np.array(entries.starts, dtype=np.int64)
+        return np.fromiter((r.start for r in entries), np.int64, len(entries))
+
     def steps(self) -> np.ndarray:
         """[n] int64: each row's output index, its output tokens on the host plus the one
         in flight where its last input is a placeholder (`in_flight.sample_steps`)."""
         n, entries = len(self.entries), self.entries
-        out = np.fromiter((r.num_output_tokens for r in entries), np.int64, n)
+        if isinstance(entries, BlindEntries):
+            out = np.array(entries.num_output_tokens, dtype=np.int64)
+        else:
+            out = np.fromiter((r.num_output_tokens for r in entries), np.int64, n)
         if self.blind:
             return out + 1
         lens, ids = self.token_columns()
         return out + (ids[np.cumsum(lens) - 1] == -1)
 
     def request_ids(self) -> list[str]:
+        if isinstance(self.entries, BlindEntries):
+            return list(self.entries.request_ids)
         return [r.request_id for r in self.entries]
 
     def params(self) -> list[SamplingParams]:
@@ -185,7 +197,19 @@ def _pack_tokens(entries) -> tuple[np.ndarray, np.ndarray]:
 
 
 def request_ids(reqs) -> list[str]:
-    return [r.request_id for r in entries_of(reqs)]
+    if isinstance(reqs, StepRows):
+        return reqs.request_ids()
+    return [r.request_id for r in reqs]
+
+
+def decode_columns(reqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(page rows [n] int64, starts [n] int64, samples [n] bool) of `reqs` (a StepRows'
+    from its columns)."""
+    if isinstance(reqs, StepRows):
+        return reqs.rows, reqs.starts(), reqs.samples()
+    n = len(reqs)
+    starts = np.fromiter((r.start for r in reqs), np.int64, n)
+    return rows_of(reqs), starts, samples_of(reqs)
 
 
 def params_of(reqs) -> list[SamplingParams]:
@@ -215,6 +239,8 @@ class InputBatch:
 
     def apply(self, step: SchedulerOutput) -> StepRows:
         self.release(step.released_ids)
+        if isinstance(step.requests, BlindEntries):
+            return self._apply_blind(step, step.requests)
         held, rows, got = self._held, self.page_rows, []
         for r in step.requests:
             rid = r.request_id
@@ -230,3 +256,21 @@ class InputBatch:
                     rows.write(rid, entry[1], r.new_pages)
             got.append(entry)
         return StepRows.of(step.requests, got, rows.serial, step.blind)
+
+    def _apply_blind(self, step: SchedulerOutput, entries: BlindEntries) -> StepRows:
+        """`apply` of a blind step: its general entries (new pages, a request new here)
+        taken in row order as `apply` takes them, then every row's held data by id."""
+        held, rows = self._held, self.page_rows
+        for r in entries.general.values():
+            rid = r.request_id
+            if r.new is not None:
+                held[rid] = r.new, rows.add(rid, r.new_pages)
+            elif rid in held and r.new_pages:
+                rows.write(rid, held[rid][1], r.new_pages)
+        try:
+            got = [held[rid] for rid in entries.request_ids]
+        except KeyError as e:
+            raise RuntimeError(
+                f"a step continues request {e.args[0]}, which the runner never saw"
+            ) from None
+        return StepRows.of(entries, got, rows.serial, step.blind)

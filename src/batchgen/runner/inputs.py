@@ -11,10 +11,8 @@ from batchgen.forward_context import AttentionMetadata, PrefillSeq, pack_aligned
 from batchgen.runner.input_batch import (
     StepRow,
     StepRows,
-    entries_of,
+    decode_columns,
     request_ids,
-    rows_of,
-    samples_of,
     token_columns,
 )
 from batchgen.runner.page_rows import TABLE_ALIGN, aligned_pages
@@ -53,9 +51,7 @@ def pack_step(
     max_pages = table.shape[1]
     num = len(reqs)
     lens, ids = token_columns(reqs)  # kept by StepRows: pipelined_ids read them first
-    rows, sample = rows_of(reqs), samples_of(reqs)
-    reqs = entries_of(reqs)  # the step's entries: no StepRow a row
-    starts = np.fromiter((r.start for r in reqs), np.int64, num)
+    rows, starts, sample = decode_columns(reqs)  # a StepRows' columns: no StepRow a row
     ends = np.cumsum(lens)
     q_start = ends - lens
     total = int(ends[-1])

@@ -17,7 +17,7 @@ from batchgen.runner.batch import (
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.graph_sampling import graph_tail
 from batchgen.runner.in_flight import InFlightDecode, plain_greedy, sample_steps, token_logprobs
-from batchgen.runner.input_batch import InputBatch, StepRow, entries_of, request_ids, rows_of
+from batchgen.runner.input_batch import InputBatch, StepRow, decode_columns, entries_of, request_ids
 from batchgen.runner.inputs import pack_step, pipelined_ids, table_width
 from batchgen.runner.linear_state import linear_metadata
 from batchgen.runner.mask_staging import MaskStaging
@@ -132,8 +132,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ps = self.page_size
         n = len(reqs)
-        rows, reqs = rows_of(reqs), entries_of(reqs)  # no StepRow a row
-        starts = np.fromiter((r.start for r in reqs), np.int64, n)
+        rows, starts, samples = decode_columns(reqs)  # a StepRows' columns
+        reqs = entries_of(reqs)  # no StepRow a row
         if device_ids is None:
             ids = np.fromiter((r.new_token_ids[0] for r in reqs), np.int64, n)
         else:
@@ -146,9 +146,9 @@ class ModelRunner:
             state_slots = np.fromiter((r.state_slot for r in reqs), np.int64, n)
         inputs = (ids, starts, slots, table[rows, :width], self.stage, device_ids, state_slots)
         hidden = self.graphs.run(*inputs, tail, bucket)
-        if all(r.sample for r in reqs):
+        if samples.all():
             return hidden, None
-        keep = np.fromiter((i for i, r in enumerate(reqs) if r.sample), np.int64)
+        keep = np.flatnonzero(samples)
         return hidden, self.stage(keep)  # pinned staging: a blocking upload would sync
 
     @torch.inference_mode()

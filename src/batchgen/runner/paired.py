@@ -59,7 +59,8 @@ def offered_mode(runner, sched: SchedulerOutput, copies: StepCopies) -> int:
     token a request, no per-layer append); VARIABLE otherwise."""
     if runner.graphs is not None:
         return FIXED if runner._graph_ok(sched, copies) else VARIABLE
-    decode = copies.on_kv_written is None and all(len(r.new_token_ids) == 1 for r in sched.requests)
+    one_token = sched.blind or all(len(r.new_token_ids) == 1 for r in sched.requests)
+    decode = copies.on_kv_written is None and one_token
     return FIXED if decode and runner.device.type != "cuda" else VARIABLE
 
 
