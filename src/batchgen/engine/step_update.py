@@ -15,11 +15,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from itertools import repeat
 
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.runner_feed import RunnerFeed
 from batchgen.kv.kv_manager import KVCacheManager
-from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
+from batchgen.runner.batch import BlindEntries, ModelRunnerOutput, SchedulerOutput
+
+
+def _rows(step: SchedulerOutput):
+    """(request id, tokens computed, samples, start) of each row of `step`: a blind
+    step's from its columns (`BlindEntries`), no entry made a row."""
+    entries = step.requests
+    if isinstance(entries, BlindEntries):
+        return zip(entries.request_ids, repeat(1), repeat(True), entries.starts)
+    return ((s.request_id, len(s.new_token_ids), s.sample, s.start) for s in entries)
 
 
 class StepUpdates:
@@ -75,17 +85,17 @@ class StepUpdates:
         self._committed.append((sched, committed))
         get, finished = requests.get, RequestStatus.FINISHED
         computed = prompt_computed = 0
-        for s in sched.requests:
-            req = get(s.request_id)
+        for rid, n, sample, start in _rows(sched):
+            req = get(rid)
             if req is None or req.status is finished:  # stopped, a pipelined step queued
                 continue
-            n = committed[s.request_id] = len(s.new_token_ids)
+            committed[rid] = n
             req.num_computed_tokens += n
-            req.num_pending += s.sample
+            req.num_pending += sample
             computed += n
             prompt = req.num_prompt_tokens
-            if s.start < prompt:
-                prompt_computed += min(n, prompt - s.start)
+            if start < prompt:
+                prompt_computed += min(n, prompt - start)
         self.num_computed_tokens_total += computed
         self.num_prompt_tokens_computed += prompt_computed
 
@@ -108,17 +118,17 @@ class StepUpdates:
         committed = self._take_committed(sched)
         get, cached = requests.get, []
         finished, running = RequestStatus.FINISHED, RequestStatus.RUNNING
-        for s in sched.requests:
-            n = committed.get(s.request_id)
-            req = get(s.request_id)
+        for rid, _, sample, start in _rows(sched):
+            n = committed.get(rid)
+            req = get(rid)
             if n is None or req is None:
                 continue
-            req.num_pending -= s.sample
+            req.num_pending -= sample
             if req.status is finished:  # its queued extra token is discarded
                 self.num_computed_tokens_total -= n
                 prompt = req.num_prompt_tokens
-                if s.start < prompt:
-                    self.num_prompt_tokens_computed -= min(n, prompt - s.start)
+                if start < prompt:
+                    self.num_prompt_tokens_computed -= min(n, prompt - start)
             elif req.status is running:
                 cached.append(req)
         self.kv.cache_computed_for(cached)
