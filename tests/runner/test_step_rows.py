@@ -223,5 +223,42 @@ def test_blind_entries_apply_as_the_entries_they_stand_for():
     assert applied >= 5
 
 
+def test_sampled_rows_are_the_rows_that_sample():
+    """StepRows.sampled(): the rows that sample, in order, with their page rows and
+    serials (a step with prompt chunks that sample nothing beside decode rows), the
+    step's own StepRows where every row samples; placeholders after it read its rows."""
+    batch, stage = InputBatch(6, 16), HostStaging(CPU)
+    cut = 0
+    for k, step in enumerate(_steps(seed=5)):
+        # a new request's row: a prompt chunk that samples nothing in every other step
+        entries = [
+            ScheduledRequest(
+                r.request_id, r.new_token_ids, r.start, r.new_pages, False, 0, None, r.new
+            )
+            if r.new is not None and k % 2
+            else r
+            for r in step.requests
+        ]
+        rows = batch.apply(SchedulerOutput(entries, released_ids=step.released_ids))
+        sampled = rows.sampled()
+        want = [r for r in rows if r.sample]
+        assert [vars_of(r) for r in sampled] == [vars_of(r) for r in want]
+        assert sampled.rows.tolist() == [r.row for r in want]
+        assert sampled.serials.tolist() == rows.serials[[r.sample for r in rows]].tolist()
+        assert sampled.request_ids() == [r.request_id for r in want]
+        assert sampled.steps().tolist() == sample_steps(want).tolist()
+        if len(want) == len(rows):
+            assert sampled is rows
+        else:
+            cut += 1
+            after = [ScheduledRequest(r.request_id, [-1], r.start + 1, (), True, 1) for r in want]
+            nxt = StepRows.of(after, [(r, r.row) for r in want], batch.page_rows.serial)
+            tokens = torch.arange(len(want)) + 100
+            got = pipelined_ids(nxt, SimpleNamespace(sampled=sampled, tokens=tokens), stage)
+            plain = pipelined_ids(after, SimpleNamespace(sampled=want, tokens=tokens), stage)
+            assert torch.equal(got, plain) and got.tolist() == tokens.tolist()
+    assert cut >= 3
+
+
 def vars_of(row) -> tuple:
     return tuple(getattr(row, f) for f in row.__slots__)

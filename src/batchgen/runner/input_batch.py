@@ -83,6 +83,23 @@ class StepRows(Sequence):
         self.serials = serial[self.rows]
         return self
 
+    def sampled(self) -> StepRows:
+        """The rows that sample, in order, as a StepRows (itself where every row does):
+        the rows a launched step's sampling, its tokens and the next step's placeholders
+        read, with no `StepRow` made a row."""
+        keep = self.samples()
+        if keep.all():
+            return self
+        index = np.flatnonzero(keep)
+        out = StepRows.__new__(StepRows)
+        at = index.tolist()
+        entries, fixed = self.entries, self.fixed
+        out.entries, out.fixed = [entries[i] for i in at], [fixed[i] for i in at]
+        out.rows, out.serials = self.rows[index], self.serials[index]
+        out.blind, out._columns = self.blind, None
+        out._items = None if self._items is None else [self._items[i] for i in at]
+        return out
+
     def token_columns(self) -> tuple[np.ndarray, np.ndarray]:
         """(lens [n], ids [T]) int64: each row's number of new tokens, and all of them
         packed in row order; read from the entries once a step (pipelined_ids, then

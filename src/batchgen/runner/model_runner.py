@@ -231,7 +231,7 @@ class ModelRunner:
         reqs = self.apply(sched)
         device_ids = None if prev is None else self._pipelined_ids(reqs, prev)
         hidden, sample_rows = self._forward(sched, reqs, copies, device_ids)
-        sampled = [r for r in reqs if r.sample]
+        sampled = reqs.sampled()  # a StepRows: its columns, no StepRow a row
         flight = InFlightDecode(sched, sampled)
         if not sampled:
             flight.tokens = torch.empty(0, dtype=torch.int64, device=self.device)
