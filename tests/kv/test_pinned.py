@@ -216,3 +216,21 @@ def test_the_first_touch_runs_on_one_thread_where_the_process_spans_numa_nodes(m
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_a_cpu_device_pool_reads_zero_and_is_resident_only_where_written(dtype):
+    """pool_zeros on the CPU: the pool holds resident memory only for the pages written
+    (torch.zeros' memset made all 64 MiB resident at once), reads zero everywhere else, at
+    its shape and dtype, and a write through a view lands in the pool."""
+    shape = (4, 2, 512, 16, 1024 // dtype.itemsize)  # 64 MiB
+    pool = pinned.pool_zeros(shape, dtype, "cpu")
+    assert pool.shape == shape and pool.dtype == dtype and pool.device.type == "cpu"
+    ptr = pool.data_ptr()
+    assert ptr % mmap.PAGESIZE == 0
+    pool[1, 0, 3].fill_(1)  # a view's write: 16 KiB of the pool
+    resident = resident_bytes(ptr)
+    if resident is not None:
+        assert resident <= 2**20, resident  # of 64 MiB
+    assert (pool[1, 0, 3].float() == 1).all()
+    assert pool.float().sum().item() == pool[1, 0, 3].numel()

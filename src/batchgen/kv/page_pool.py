@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.kv.layout import KVLayout
+from batchgen.kv.pinned import pool_zeros
 
 
 class PagePool:
@@ -23,7 +24,7 @@ class PagePool:
         self.layout = layout
         self.num_pages = num_pages
         self.device = device
-        self.kv = torch.zeros(layout.pool_shape(num_pages), dtype=layout.dtype, device=device)
+        self.kv = pool_zeros(layout.pool_shape(num_pages), layout.dtype, device)
 
     def layer_caches(self) -> list[tuple[torch.Tensor, ...]]:
         """Per layer one view per component, each [num_pages, page_size, num_kv_heads,

@@ -17,6 +17,10 @@ thread, which is most of the time pinning a large pool takes (seconds per 8 GiB)
 map, a parallel first touch, then registration is how large pinned pools are made fast
 elsewhere too. Where the process's CPUs span NUMA nodes one thread touches them, so
 that the pool stays on one node as before.
+
+Device pools (`pool_zeros`) start zero-filled: torch.zeros on a GPU; on the CPU an
+anonymous map too, which the kernel zero-fills a page at its first touch, so a CPU pool
+costs the pages a run writes, not a memset of all of them up front.
 """
 
 from __future__ import annotations
@@ -111,3 +115,20 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
             e,
         )
         return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def pool_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A device pool's zero-filled tensor. On a GPU torch.zeros (its memset is a producer
+    on the compute stream: copy_rules.py, rule 4). On the CPU anonymous memory of the
+    exact size, which reads zero and is faulted in (zero-filled by the kernel) a page at
+    its first write: a memset of the CPU default's 1 GiB took ~0.45 s and as much resident
+    memory an engine, on every tensor-parallel rank, however few pages a run wrote. The
+    map is unmapped once the tensor's storage is freed (its last view gone)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    memory = mmap.mmap(-1, max(1, count * dtype.itemsize))
+    raw = torch.frombuffer(memoryview(memory), dtype=torch.uint8, count=count * dtype.itemsize)
+    return raw.view(dtype).view(shape)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kv.pinned import host_empty
+from batchgen.kv.pinned import host_empty, pool_zeros
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,8 @@ class StatePool:
         self.num_slots = num_slots
         self.device = torch.device(device)
         shape = layout.states_shape(num_slots)
-        self.states = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        self.windows = torch.zeros(
-            layout.windows_shape(num_slots), dtype=layout.conv_dtype, device=self.device
-        )
+        self.states = pool_zeros(shape, torch.float32, self.device)
+        self.windows = pool_zeros(layout.windows_shape(num_slots), layout.conv_dtype, self.device)
 
     def layer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per KDA layer (states [slots, H, Dv, Dk], windows [slots, K - 1, C]), views."""
