@@ -26,6 +26,26 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | l
     return tokens, logprobs
 
 
+def reference_agrees(
+    model, prompt: list[int], tokens: list[int], eos: list[int], max_new_tokens: int
+) -> bool:
+    """Whether `tokens` are transformers' greedy continuation of `prompt` (what
+    reference_greedy generates, ending at any of the `eos` ids or after max_new_tokens),
+    from one forward over prompt + tokens: at every position the reference's argmax is
+    the next token, no token before the last is an eos id, and the row ends on one
+    unless it is max_new_tokens long. A forward per prompt instead of a generate() step
+    per token: ~0.2 s a row on the CPU against ~2.4 s for 40 tokens."""
+    if not tokens or len(tokens) > max_new_tokens:
+        return False
+    if any(t in eos for t in tokens[:-1]) or (
+        len(tokens) < max_new_tokens and tokens[-1] not in eos
+    ):
+        return False
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    return logits.argmax(-1).tolist() == tokens
+
+
 def eos_list(eos: int | list[int] | None) -> list[int]:
     """reference_greedy's eos argument as a list of ids."""
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
