@@ -38,6 +38,10 @@ loop (time.thread_time), not elapsed time: on a CPU other processes share, the t
 take it is not counted, so two trees' figures compare in alternating runs (the job's
 other threads, if any, are not counted either).
 
+--work holds the tiny checkpoint (written once, shared by the runs that name it) and a
+run-* folder for each run's batch file and output lines (the result's "output": two
+trees' answers compare line by line).
+
 Prints a JSON summary (medians over the steps with at least 0.8 x --rows rows, and the
 mean over all; `scheduled_steps`: the steps that called Scheduler.schedule, the others
 built blind by pipeline.next_decode; `sync_scheduled_steps`: those that called it with no
@@ -49,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -142,12 +147,13 @@ def run(args) -> dict:
 
     args.work.mkdir(parents=True, exist_ok=True)
     ckpt = tiny_default_model(args.work / "tiny_smollm2")
-    path = args.work / "w7.jsonl"
-    out = args.work / "w7.out.jsonl"
+    # the batch file and the job's output in a folder of this run's own: --work is shared
+    # by every run on the machine (the checkpoint is written once, complete or not there)
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=args.work))
+    path = run_dir / "w7.jsonl"
+    out = run_dir / "w7.out.jsonl"
     lines = batch_lines(args.requests)
     path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
-    for stale in args.work.glob("w7.out.jsonl*"):
-        stale.unlink()
     llm = LLM(
         model=str(ckpt),
         load_format="dummy",
@@ -241,6 +247,7 @@ def run(args) -> dict:
         # scheduled with no step in flight: a GPU would idle while the host schedules
         "sync_scheduled_steps": sum("schedule" in r and r["idle"] for r in steps),
         "wall_s": round(wall, 2),
+        "output": str(out),  # the job's lines, kept: two trees' answers compare
         "succeeded": summary.succeeded,
         "completion_tokens": summary.completion_tokens,
         "median_ms_full_steps": {k: median(k) for k in keys},

@@ -3,7 +3,9 @@ two trees that batch W7's rows differently give the same answers."""
 
 from __future__ import annotations
 
+import json
 import pstats
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -45,3 +47,22 @@ def test_the_profile_is_written_where_its_folders_do_not_exist_yet(tmp_path):
     with profiled(None):
         pass
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["chat.prof"]
+
+
+def test_runs_sharing_a_work_folder_keep_their_own_batch_and_output(tmp_path):
+    """Two runs with one --work (its default is shared by every run on a machine): each
+    writes its batch file and output in a folder of its own, and each job answers all of
+    its requests (a run that cleared or appended to another's output lost lines)."""
+    from benchmarks.chat_host import main
+
+    results = []
+    for k in range(2):
+        out = tmp_path / f"out{k}"
+        argv = ["--requests", "6", "--rows", "4", "--eos-every", "4"]
+        main(argv + ["--work", str(tmp_path / "work"), "--out", str(out)])
+        results.append(json.loads((out / "chat_host.json").read_text()))
+    first, second = (Path(r["output"]) for r in results)
+    assert first.parent != second.parent and first.parent.parent == tmp_path / "work"
+    for result, output in zip(results, (first, second)):
+        assert result["succeeded"] == 6
+        assert len(output.read_text().splitlines()) == 6
