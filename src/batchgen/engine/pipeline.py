@@ -17,13 +17,10 @@ the compute stream, orders it after every step launched before.
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import add
-
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.kv_manager import KVCacheManager
-from batchgen.runner.batch import BlindEntries, SchedulerOutput, StepCopies
+from batchgen.runner.batch import BlindEntries, SchedulerOutput, StepCopies, row_fields
 
 
 def could_admit(scheduler: Scheduler, kv: KVCacheManager) -> bool:
@@ -44,12 +41,7 @@ def ending_by_length(
     where next_decode gave up and a request waits: a few dozen steps a run)."""
     running, reaches_length = RequestStatus.RUNNING, scheduler.reaches_length
     out = []
-    entries = queued.requests
-    if isinstance(entries, BlindEntries):  # every row samples: its ids as they are
-        rows = zip(entries.request_ids, repeat(True))
-    else:
-        rows = ((s.request_id, s.sample) for s in entries)
-    for rid, sample in rows:
+    for rid, _, sample, _ in row_fields(queued.requests):
         req = requests.get(rid)
         if req is not None and req.status is running and sample and reaches_length(req, 1):
             out.append(req)
@@ -92,11 +84,7 @@ def next_decode(
     queued_reqs = scheduler.feed.requests_of(queued)  # as its entries were made
     if queued_reqs is None:
         queued_reqs = [requests.get(s.request_id) for s in entries]
-    if isinstance(entries, BlindEntries):  # every row samples, one token past its start
-        rows = zip(repeat(True), map(add, entries.starts, repeat(1)), queued_reqs)
-    else:  # a decode row's start + 1, a prompt's last chunk's end
-        rows = ((s.sample, s.start + len(s.new_token_ids), r) for s, r in zip(entries, queued_reqs))
-    for sample, start, req in rows:
+    for (_, n, sample, start), req in zip(row_fields(entries), queued_reqs):
         if req is None or req.status is finished:  # a request that left is finished
             continue
         if not sample:  # a prompt chunk: schedule() cuts its next one
@@ -109,6 +97,7 @@ def next_decode(
             if scheduler.waiting:  # its seat goes to a waiting request: schedule() admits
                 return None
             continue
+        start += n  # a decode row's start + 1, a prompt's last chunk's end
         pages = held(req.request_id)  # allocate's first check, inline: most rows' pages cover it
         if (pages is None or len(pages) * page_size <= start) and not allocate(
             req.request_id, start + 1

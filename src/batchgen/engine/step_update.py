@@ -15,21 +15,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from itertools import repeat
 
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.runner_feed import RunnerFeed
 from batchgen.kv.kv_manager import KVCacheManager
-from batchgen.runner.batch import BlindEntries, ModelRunnerOutput, SchedulerOutput
-
-
-def _rows(step: SchedulerOutput):
-    """(request id, tokens computed, samples, start) of each row of `step`: a blind
-    step's from its columns (`BlindEntries`), no entry made a row."""
-    entries = step.requests
-    if isinstance(entries, BlindEntries):
-        return zip(entries.request_ids, repeat(1), repeat(True), entries.starts)
-    return ((s.request_id, len(s.new_token_ids), s.sample, s.start) for s in entries)
+from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, row_fields
 
 
 class StepUpdates:
@@ -85,7 +75,7 @@ class StepUpdates:
         self._committed.append((sched, committed))
         get, finished = requests.get, RequestStatus.FINISHED
         computed = prompt_computed = 0
-        for rid, n, sample, start in _rows(sched):
+        for rid, n, sample, start in row_fields(sched.requests):
             req = get(rid)
             if req is None or req.status is finished:  # stopped, a pipelined step queued
                 continue
@@ -118,7 +108,7 @@ class StepUpdates:
         committed = self._take_committed(sched)
         get, cached = requests.get, []
         finished, running = RequestStatus.FINISHED, RequestStatus.RUNNING
-        for rid, _, sample, start in _rows(sched):
+        for rid, _, sample, start in row_fields(sched.requests):
             n = committed.get(rid)
             req = get(rid)
             if n is None or req is None:

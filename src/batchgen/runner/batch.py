@@ -21,8 +21,9 @@ per-layer store hook (`StepCopies`) travel beside the step, never in it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from batchgen.sampling_params import SamplingParams
 
@@ -118,6 +119,14 @@ class BlindEntries(Sequence):
         return NotImplemented
 
     __hash__ = None
+
+
+def row_fields(entries) -> Iterator[tuple[str, int, bool, int]]:
+    """(request id, tokens computed, samples, start) of each entry of a step, in order: a
+    `BlindEntries`' from its columns (one token, sampling), no entry made a row."""
+    if isinstance(entries, BlindEntries):
+        return zip(entries.request_ids, repeat(1), repeat(True), entries.starts)
+    return ((s.request_id, len(s.new_token_ids), s.sample, s.start) for s in entries)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from batchgen.runner.input_batch import (
     request_ids,
     token_columns,
 )
-from batchgen.runner.page_rows import TABLE_ALIGN, aligned_pages
+from batchgen.runner.page_rows import aligned_pages
 from batchgen.runner.staging import HostStaging
 
 
@@ -34,7 +34,7 @@ def table_width(pages: int, max_pages: int) -> int:
     """Page-table width for a step: a multiple of 16 (so the kernels' row stride keeps
     one Triton specialisation, the decode graphs' too where max_pages is `table_pages`),
     at most the table's."""
-    return min(-(-max(pages, 1) // TABLE_ALIGN) * TABLE_ALIGN, max_pages)
+    return min(aligned_pages(pages), max_pages)
 
 
 def pack_step(
