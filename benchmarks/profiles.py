@@ -160,6 +160,12 @@ def kernel_table(prof, steps: int) -> tuple[list[str], dict[str, float]]:
     return kernels, kernel_families([(name, ms) for ms, _, name in rows])
 
 
+def fresh_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts with their first token one lower (one higher where it is 0), so that
+    none of their pages is in the prefix cache a run of the prompts themselves left."""
+    return [[p[0] - 1 if p[0] > 0 else p[0] + 1, *p[1:]] for p in prompts]
+
+
 def profile_prefill(llm, prompts, steps: int = 3) -> dict:
     """Where a prefill step's time goes: every prompt added (one output token each),
     one step to warm up, then `steps` steps timed as run (each a chunk of up to
@@ -178,9 +184,8 @@ def profile_prefill(llm, prompts, steps: int = 3) -> dict:
     eng = llm.engine
     device = eng.device.type
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        first = p[0] - 1 if p[0] > 0 else p[0] + 1
-        eng.add_request(f"prefill{i}", [first, *p[1:]], params)
+    for i, p in enumerate(fresh_prompts(prompts)):
+        eng.add_request(f"prefill{i}", p, params)
     eng.step()
     sync(device)
     before = eng.scheduler.num_computed_tokens_total

@@ -43,7 +43,7 @@ from benchmarks.card import ceilings as card_ceilings
 from benchmarks.card import sync
 from benchmarks.engine_runs import add_engine_args, engine_kwargs
 from benchmarks.peers import continuous_batching
-from benchmarks.profiles import profile_decode
+from benchmarks.profiles import fresh_prompts, profile_decode
 from benchmarks.roofline import roofline_seconds
 from benchmarks.workloads import (
     QWEN3_0_6B,
@@ -126,10 +126,9 @@ def busy_run(llm, prompts, out_lens, device: str) -> dict:
     gpu = on_gpu(device)
     rows, ends = [], []
     with StepMeter(gpu) as meter:
-        for i, (p, n) in enumerate(zip(prompts, out_lens)):
-            first = p[0] - 1 if p[0] > 0 else p[0] + 1
+        for i, (p, n) in enumerate(zip(fresh_prompts(prompts), out_lens)):
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-            eng.add_request(f"busy{i}", [first, *p[1:]], params)
+            eng.add_request(f"busy{i}", p, params)
         start = time.perf_counter()
         while eng.has_unfinished:
             rows.append(len(eng.scheduler.running))

@@ -156,7 +156,14 @@ def test_the_phase_and_family_tables_show_each_engine_and_run():
     table = precision.family_table({"fp8 KV": {"prefill": prof, "decode": dict(prof)}})
     row = table.splitlines()[4]
     assert row.startswith("| fp8 KV | prefill | 7.00 | 1.500 | - | 2.250 |")
-    assert precision.fresh([[5, 6], [0, 6], [3]]) == [[4, 6], [1, 6], [2]]
+    prompts = [[5, 6], [0, 6], [3], [1, 2]]
+    fresh = precision.fresh(prompts)
+    assert fresh == [[7, 6], [2, 6], [5], [3, 2]]
+    # --profile's prefill profile (profiles.fresh_prompts) runs after e2e_again on
+    # prompts of its own: no first token meets the workload's or e2e_again's
+    profiled = load("profiles").fresh_prompts(prompts)
+    for p, f, q in zip(prompts, fresh, profiled):
+        assert len({p[0], f[0], q[0]}) == 3 and p[1:] == f[1:] == q[1:]
 
 
 def test_load_state_copies_in_place_and_refuses_another_models_state():
