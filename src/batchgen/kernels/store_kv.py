@@ -7,7 +7,7 @@ A negative slot means "padding row, write nothing" (a CUDA-graph batch's padding
 `store_latent` writes a one-component cache (MLA's latent rows) with the same kernel.
 An FP8 cache (float8_e4m3fn, kv_cache_dtype "fp8") gets each value clamped to +-448 and
 rounded to e4m3 (scale 1.0: batchgen/kv_quant.py), the bytes `kv_quant.to_cache` writes
-in torch. The rounding is done in float32 (`_e4m3_grid`), so the cast to float8 that
+in torch. The rounding is done in float32 (`e4m3_grid`), so the cast to float8 that
 stores it is exact: the same bytes compiled and in Triton's interpreter, whose own
 float8 cast truncates instead of rounding and drops the carry into the exponent.
 """
@@ -22,7 +22,7 @@ from batchgen.kv_quant import FP8_MAX, is_fp8
 
 
 @triton.jit
-def _e4m3_grid(x, CLAMP: tl.constexpr):
+def e4m3_grid(x, CLAMP: tl.constexpr):
     """x clamped to +-CLAMP (448) and rounded to the nearest e4m3 value (ties to even),
     as float32. Normal range: round the float32 bits to 3 mantissa bits. Below e4m3's
     smallest normal 2^-6 (subnormals: multiples of 2^-9), the same after adding 2^-6,
@@ -60,13 +60,13 @@ def _store_kv_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
     if CLAMP > 0:  # an FP8 cache: saturated and rounded, the cast below exact
-        k = _e4m3_grid(k, CLAMP)
+        k = e4m3_grid(k, CLAMP)
     kc = k_cache_ptr + page * stride_kc_page + off * stride_kc_off
     tl.store(kc + h * stride_kc_h + d * stride_kc_d, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     if HAS_V:
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
         if CLAMP > 0:
-            v = _e4m3_grid(v, CLAMP)
+            v = e4m3_grid(v, CLAMP)
         vc = v_cache_ptr + page * stride_vc_page + off * stride_vc_off
         tl.store(
             vc + h * stride_vc_h + d * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask

@@ -1,5 +1,11 @@
 """The attention layer models use: stores new K/V into its layer's pages, then attends.
 
+`forward_qkv` takes the fused qkv projection instead (Llama-family models on CUDA or on
+the Triton backend): on the Triton backend, with pages not stored divided by KV scales,
+one launch (kernels/qk_norm_rope.py's qk_norm_rope_store) ropes q and k and writes k and
+v into the pages, between the copy-ordering hooks; otherwise the rope kernel, then the
+store as `forward` does it.
+
 FP8 pages with a checkpoint's KV scales (layers/kv_scales.py): K and V are stored
 divided by their scales, and the scales fold into the softmax scale (or the query's
 heads) and the output, so both backends' kernels read the pages as they are."""
@@ -13,6 +19,8 @@ from batchgen.forward_context import get_forward_context
 from batchgen.kv_quant import is_fp8
 from batchgen.layers import attention_torch
 from batchgen.layers.kv_scales import KVScales, divide, per_query_head
+from batchgen.layers.norm import RMSNorm
+from batchgen.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -54,9 +62,54 @@ class Attention(nn.Module):
         if ctx.before_layer is not None:
             ctx.before_layer(self.layer_id)
         k_cache, v_cache = ctx.kv_caches[self.layer_id]
+        return self._store_and_attend(ctx, q, k, v, k_cache, v_cache)
+
+    def takes_qkv(self, qkv: torch.Tensor) -> bool:
+        """Whether a model should hand this layer its fused qkv rows (`forward_qkv`): on
+        CUDA (the rope kernel) and on the Triton backend (the rope and store launch)."""
+        return qkv.is_cuda or get_forward_context().attention_backend == "triton"
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """qkv [T, (H + 2 Hkv) D] (the fused projection, only read) -> [T, H, D]: q and
+        k normalised by q_norm/k_norm (both or neither) and rotated by `rope` at
+        `positions`, k and v stored, then attention. One launch does the rope and the
+        store on the Triton backend unless the pages are FP8 with KV scales (they divide
+        k and v first); else the rope kernel, then the store of `forward`."""
+        ctx = get_forward_context()
+        if ctx.before_layer is not None:
+            ctx.before_layer(self.layer_id)
+        k_cache, v_cache = ctx.kv_caches[self.layer_id]
+        meta = ctx.metadata
+        heads = (self.num_heads, self.num_kv_heads)
+        if ctx.attention_backend != "triton" or self._scaled(k_cache):
+            q, k = rope.forward_qkv(positions, qkv, *heads, q_norm, k_norm)
+            v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim :]
+            v = v.view(qkv.shape[0], self.num_kv_heads, self.head_dim)
+            return self._store_and_attend(ctx, q, k, v, k_cache, v_cache)
+        pages = (k_cache, v_cache)
+        q = rope.forward_qkv_store(positions, qkv, *heads, pages, meta.slot_mapping, q_norm, k_norm)
+        if ctx.on_kv_written is not None:
+            ctx.on_kv_written(self.layer_id)
+        backend = _BACKENDS[ctx.attention_backend]
+        return backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+
+    def _scaled(self, k_cache: torch.Tensor) -> bool:
+        """Whether K and V go into the pages divided by a checkpoint's KV scales."""
+        return is_fp8(k_cache.dtype) and not self.kv_scales.unit
+
+    def _store_and_attend(self, ctx, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        """Store k, v into the layer's pages (divided by the KV scales where they apply),
+        call the on_kv_written hook, attend. The caller has called before_layer."""
         meta = ctx.metadata
         backend = _BACKENDS[ctx.attention_backend]
-        scaled = is_fp8(k_cache.dtype) and not self.kv_scales.unit
+        scaled = self._scaled(k_cache)
         if scaled:
             k_scale, v_scale = self.kv_scales.on(q.device)
             k, v = divide(k, k_scale), divide(v, v_scale)

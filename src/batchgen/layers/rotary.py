@@ -2,7 +2,9 @@
 
 `forward` is the op-by-op torch rope (each op rounded to q's dtype, as transformers does);
 `forward_qkv` is the CUDA path: one Triton kernel (kernels/qk_norm_rope.py) takes the fused
-qkv projection, applies the optional per-head q/k RMSNorm, and rotates in float32.
+qkv projection, applies the optional per-head q/k RMSNorm, and rotates in float32;
+`forward_qkv_store` is the same kernel writing the new K/V into the pages too (the Triton
+attention backend's path, taken by layers/attention.py).
 """
 
 from __future__ import annotations
@@ -79,20 +81,50 @@ class RotaryEmbedding(nn.Module):
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused path (LlamaAttention takes it on CUDA): qkv [T, (H + 2 Hkv) D] -> new
+        """The kernel path (Attention.forward_qkv where it does not take forward_qkv_store):
+        qkv [T, (H + 2 Hkv) D] -> new
         q [T, H, D], k [T, Hkv, D], each head normalised by q_norm/k_norm (both or neither)
         and rotated by its token's position. qkv is only read; v stays a view of it."""
         from batchgen.kernels.qk_norm_rope import qk_norm_rope
 
-        if (q_norm is None) != (k_norm is None):
-            raise ValueError("give both q_norm and k_norm or neither")
-        if q_norm is not None and q_norm.eps != k_norm.eps:
-            raise ValueError(f"q_norm eps {q_norm.eps} != k_norm eps {k_norm.eps}")
-        weights = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
-        eps = 0.0 if q_norm is None else q_norm.eps
+        weights, eps = _norm_weights(q_norm, k_norm)
         return qk_norm_rope(
             qkv, positions, self.cos, self.sin, num_heads, num_kv_heads, *weights, eps
         )
+
+    def forward_qkv_store(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        kv_pages: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """forward_qkv with the K/V write in the same launch (layers/attention.py's
+        `Attention.forward_qkv` calls it between its copy-ordering hooks): returns q, and
+        writes the new k and qkv's v rows into kv_pages = (k_cache, v_cache) at
+        slot_mapping (negative slots skipped), the bytes forward_qkv then store_kv write."""
+        from batchgen.kernels.qk_norm_rope import qk_norm_rope_store
+
+        weights, eps = _norm_weights(q_norm, k_norm)
+        return qk_norm_rope_store(
+            qkv, positions, self.cos, self.sin, num_heads, num_kv_heads, *kv_pages,
+            slot_mapping, *weights, eps,
+        )  # fmt: skip
+
+
+def _norm_weights(q_norm: RMSNorm | None, k_norm: RMSNorm | None):
+    """((q weight, k weight) or (None, None), eps) for the rope kernels."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("give both q_norm and k_norm or neither")
+    if q_norm is None:
+        return (None, None), 0.0
+    if q_norm.eps != k_norm.eps:
+        raise ValueError(f"q_norm eps {q_norm.eps} != k_norm eps {k_norm.eps}")
+    return (q_norm.weight, k_norm.weight), q_norm.eps
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

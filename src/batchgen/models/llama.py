@@ -70,21 +70,18 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.attn.takes_qkv(qkv):  # rope kernel (and the K/V store with it on Triton)
+            out = self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm)
+            return self.o_proj(out.reshape(t, -1))
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        if qkv.is_cuda:  # q/k norm and rope in one kernel; v stays a view of qkv
-            q, k = self.rotary.forward_qkv(
-                positions, qkv, self.num_heads, self.num_kv_heads, self.q_norm, self.k_norm
-            )
-            v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        else:
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v).reshape(t, -1))
 
 
