@@ -13,6 +13,7 @@ import pytest
 import torch
 from kernel_references import mla_rope_latent_reference
 
+from batchgen.forward_context import ForwardContext, bind_forward_context
 from batchgen.kernels.mla_rope import mla_rope_latent
 from batchgen.layers.mla import deinterleave
 from batchgen.layers.norm import rms_norm_torch
@@ -125,17 +126,18 @@ def _mla_config(interleaved):
 
 
 def _attend_inputs(monkeypatch, layer, runs):
-    """Run the layer once per (device, fused) in runs, attention replaced by a probe that
-    records what it is given: [(q_nope, q_pe, latent)] in float32 on the CPU."""
+    """Run the layer once per (device, fused) in runs on the torch backend (the latent
+    rows stored apart), the store and attention replaced by a probe that records what it
+    is given: [(q_nope, q_pe, latent)] in float32 on the CPU."""
     from batchgen.layers import mla as mla_module
 
     seen = []
 
-    def probe(self, q_nope, q_pe, latent):
+    def probe(self, ctx, cache, q_nope, q_pe, latent):
         seen.append((q_nope.float().cpu(), q_pe.float().cpu(), latent.float().cpu()))
         return q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
 
-    monkeypatch.setattr(mla_module.MLAttention, "attend", probe)
+    monkeypatch.setattr(mla_module.MLAttention, "_store_and_attend", probe)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(6, 64, generator=gen)
     positions = torch.tensor([0, 63, 7, 7, 30, 1])
@@ -143,7 +145,9 @@ def _attend_inputs(monkeypatch, layer, runs):
         monkeypatch.setattr(mla_module, "fused_rope", lambda x, fused=fused: fused)
         layer.to(device)
         layer.rotary.materialize(torch.device(device))
-        layer(positions.to(device), x.to(device))
+        cache = torch.zeros(1, 4, 1, RANK + ROPE, device=device)  # not written: probed
+        with bind_forward_context(ForwardContext(None, [(cache,)], "torch")):
+            layer(positions.to(device), x.to(device))
     return seen
 
 
@@ -176,7 +180,8 @@ def test_the_mla_layer_on_the_gpu_matches_its_torch_path(interleaved):
     what the layer's torch path on the CPU gives it."""
     from batchgen.layers import mla as mla_module
 
-    assert mla_module.fused_rope(torch.zeros(1, device="cuda"))
+    with bind_forward_context(ForwardContext(None, [], "torch")):
+        assert mla_module.fused_rope(torch.zeros(1, device="cuda"))
     layer = _mla_layer(interleaved)
     with pytest.MonkeyPatch.context() as mp:
         seen = _attend_inputs(mp, layer, [("cpu", False), ("cuda", True)])

@@ -72,8 +72,22 @@ def _mixed_case(dtype):
     return attn, positions, x, cache, meta, ref_meta
 
 
+def _kernel_rope_on_both_backends(monkeypatch):
+    """The torch backend's run takes kernels/mla_rope.py too (as on CUDA), so that its
+    pages hold the bits the Triton backend's one launch (mla_rope_store) must write; the
+    Triton backend's own store_latent refuses to run."""
+    from batchgen.layers import mla, mla_triton
+
+    def no_store(*args):
+        raise AssertionError("the Triton backend stored the latent apart from the rope")
+
+    monkeypatch.setattr(mla, "fused_rope", lambda x: True)
+    monkeypatch.setattr(mla_triton, "store_latent", no_store)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_step_matches_torch_backend(dtype):
+def test_mixed_step_matches_torch_backend(monkeypatch, dtype):
+    _kernel_rope_on_both_backends(monkeypatch)
     attn, positions, x, cache, meta, ref_meta = _mixed_case(dtype)
     outs, caches = {}, {}
     for backend, m in (("torch", ref_meta), ("triton", meta)):
@@ -88,10 +102,11 @@ def test_mixed_step_matches_torch_backend(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_step_on_an_fp8_latent_matches_torch_backend(dtype):
+def test_mixed_step_on_an_fp8_latent_matches_torch_backend(monkeypatch, dtype):
     """The same step over FP8 latent pages (kv_cache_dtype "fp8"): both backends store
     the same bytes and attend alike; the outputs stay within FP8's rounding of the
     step over pages in the compute dtype."""
+    _kernel_rope_on_both_backends(monkeypatch)
     attn, positions, x, cache, meta, ref_meta = _mixed_case(dtype)
     outs, caches = {}, {}
     runs = (("torch", ref_meta, FP8), ("triton", meta, FP8), ("compute", ref_meta, dtype))

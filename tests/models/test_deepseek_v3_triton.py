@@ -1,7 +1,7 @@
 """DeepSeek-V3 on the Triton attention backend gives the torch backend's results.
 
-CPU fp32, the kernels (store_latent, mla_decode, prefill_attention) in Triton's
-interpreter: greedy tokens identical and logprobs within 1e-4 of the torch backend,
+CPU fp32, the kernels (mla_rope_store: the rope writing the latent rows into the pages,
+mla_decode, prefill_attention) in Triton's interpreter: greedy tokens identical and logprobs within 1e-4 of the torch backend,
 through chunked prefill (a small token budget), prefix-cache hits (shared prefixes) and
 decode steps mixed with prefill chunks. The interpreter is slow: few prompts, few tokens.
 """
@@ -19,6 +19,17 @@ from batchgen import LLM, SamplingParams
 
 RUN = dict(device="cpu", dtype="float32", page_size=4, max_model_len=96, max_num_seqs=4)
 MAX_NEW = 5
+
+
+def _rope_stores_the_latent(monkeypatch):
+    """The Triton backend's store_latent refuses to run: the rope launch writes the
+    latent rows (layers/mla.py attend_rope), padding rows included."""
+    from batchgen.layers import mla_triton
+
+    def no_store(*args):
+        raise AssertionError("the latent was stored apart from the rope launch")
+
+    monkeypatch.setattr(mla_triton, "store_latent", no_store)
 
 
 def _prompts() -> list[list[int]]:
@@ -48,7 +59,8 @@ def _run(path, backend: str, prompts):
 
 
 @pytest.mark.parametrize("name", ["q_lora", "moe_kimi_like"])
-def test_triton_backend_matches_torch_backend(tmp_path, name):
+def test_triton_backend_matches_torch_backend(tmp_path, monkeypatch, name):
+    _rope_stores_the_latent(monkeypatch)
     save_tiny_deepseek(tmp_path, **CONFIGS[name])
     prompts = _prompts()
     _, expected = _run(tmp_path, "torch", prompts)
@@ -97,10 +109,11 @@ def test_graph_safety_and_split_heads():
     assert decode_split_heads(SimpleNamespace(), layout, torch.float32, cuda) == 1
 
 
-def test_graph_shaped_decode_matches_torch_backend(tmp_path):
+def test_graph_shaped_decode_matches_torch_backend(tmp_path, monkeypatch):
     """Decode steps through DecodeGraphs' static buffers, as a replay sees them: padded
     buckets (slot -1 rows write no latent, a one-token context), no host-side max length,
     a fixed split count (2: the merge stage runs). Outputs stay the torch backend's."""
+    _rope_stores_the_latent(monkeypatch)
     save_tiny_deepseek(tmp_path, **CONFIGS["moe_dense_first"])
     prompts = _prompts()[1:]  # 3 requests: their decode steps replay the bucket of 4
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)

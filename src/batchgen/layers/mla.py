@@ -75,8 +75,9 @@ def softmax_scale(config) -> float:
 
 
 def fused_rope(x: torch.Tensor) -> bool:
-    """Whether MLAttention.forward takes kernels/mla_rope.py (on CUDA) for x's step."""
-    return x.is_cuda
+    """Whether MLAttention.forward takes kernels/mla_rope.py for x's step: on CUDA, and on
+    the Triton backend (the interpreter on the CPU), where its launch stores the latent."""
+    return x.is_cuda or get_forward_context().attention_backend == "triton"
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -151,23 +152,16 @@ class MLAttention(nn.Module):
         q = q.view(t, self.num_heads, -1)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
         kv = self.kv_a_proj_with_mqa(x)
-        if self.rotary is not None and fused_rope(x):
-            # rope, kv_norm and the latent in one launch; q_pe (a view of q) rotates in place
-            from batchgen.kernels.mla_rope import mla_rope_latent
-
-            norm = self.kv_a_layernorm
-            latent = mla_rope_latent(
-                q, kv, positions, self.rotary.cos, self.rotary.sin, norm.weight, norm.eps,
-                self.nope_dim, self.interleaved,
-            )  # fmt: skip
-        else:
-            c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], -1)
-            if self.rotary is not None:
-                if self.interleaved:
-                    q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-                q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])
-                k_pe = k_pe[:, 0]
-            latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
+        if self.rotary is not None and fused_rope(x):  # q_pe (a view of q) rotates in place
+            out = self.attend_rope(q, kv, positions)
+            return self.o_proj(out.reshape(t, -1))
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], -1)
+        if self.rotary is not None:
+            if self.interleaved:
+                q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+            q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])
+            k_pe = k_pe[:, 0]
+        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
         return self.o_proj(self.attend(q_nope, q_pe, latent).reshape(t, -1))
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor):
@@ -177,15 +171,50 @@ class MLAttention(nn.Module):
         if ctx.before_layer is not None:
             ctx.before_layer(self.layer_id)
         (cache,) = ctx.kv_caches[self.layer_id]
-        meta = ctx.metadata
-        backend = _backend(ctx.attention_backend)
-        # the checkpoint's latent scale, on FP8 pages only (s q.c' = q.c, s p.c' = p.c)
-        s = self.kv_scales.k_shared if is_fp8(cache.dtype) else 1.0
-        if s != 1.0:
-            latent = latent.float() / s
-        backend.store_latent(cache, latent, meta.slot_mapping)
+        return self._store_and_attend(ctx, cache, q_nope, q_pe, latent)
+
+    def attend_rope(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor):
+        """The kernel path (kernels/mla_rope.py): q [T, H, nope + rope] (its rope slices
+        rotated in place), kv_a_proj's rows kv [T, C + R] -> [T, H, v_dim]. On the Triton
+        backend, unless FP8 pages take a latent scale, one launch ropes q and writes the
+        latent rows into the pages; else the latent rows, then the store of `attend`."""
+        from batchgen.kernels.mla_rope import mla_rope_latent, mla_rope_store
+
+        ctx = get_forward_context()
+        if ctx.before_layer is not None:
+            ctx.before_layer(self.layer_id)
+        (cache,) = ctx.kv_caches[self.layer_id]
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
+        norm = self.kv_a_layernorm
+        args = (q, kv, positions, self.rotary.cos, self.rotary.sin, norm.weight, norm.eps)
+        args += (self.nope_dim, self.interleaved)
+        if ctx.attention_backend != "triton" or self._latent_scale(cache) != 1.0:
+            return self._store_and_attend(ctx, cache, q_nope, q_pe, mla_rope_latent(*args))
+        mla_rope_store(*args, cache, ctx.metadata.slot_mapping)
         if ctx.on_kv_written is not None:
             ctx.on_kv_written(self.layer_id)
+        return self._attend_pages(ctx, cache, q_nope, q_pe, 1.0)
+
+    def _latent_scale(self, cache: torch.Tensor) -> float:
+        """The checkpoint's latent scale, on FP8 pages only (s q.c' = q.c, s p.c' = p.c)."""
+        return self.kv_scales.k_shared if is_fp8(cache.dtype) else 1.0
+
+    def _store_and_attend(self, ctx, cache, q_nope, q_pe, latent) -> torch.Tensor:
+        """The latents stored (divided by the scale), on_kv_written, attention. The
+        caller has called before_layer."""
+        s = self._latent_scale(cache)
+        if s != 1.0:
+            latent = latent.float() / s
+        _backend(ctx.attention_backend).store_latent(cache, latent, ctx.metadata.slot_mapping)
+        if ctx.on_kv_written is not None:
+            ctx.on_kv_written(self.layer_id)
+        return self._attend_pages(ctx, cache, q_nope, q_pe, s)
+
+    def _attend_pages(self, ctx, cache, q_nope, q_pe, s: float) -> torch.Tensor:
+        """Attention of the step's rows over the layer's pages, the step's latents in
+        them; s: the latent scale they were stored divided by."""
+        meta = ctx.metadata
+        backend = _backend(ctx.attention_backend)
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
         if meta.decode_rows is not None and meta.decode_rows.numel() > 0:
             rows = meta.decode_rows
