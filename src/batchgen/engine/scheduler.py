@@ -72,6 +72,9 @@ class Scheduler(StepUpdates):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
+        # every request's stop_token_ids added so far (never shrinks): the update's check
+        # of a row's token against the stop sets is one lookup in eos | this
+        self.stop_token_union: set[int] = set()
         # the engine launches the forward before the step's stores ahead are submitted
         # (KVCacheManager.take_step_copies); it calls kv.flush_ahead() then
         self.defer_stores_ahead = defer_stores_ahead
@@ -91,6 +94,8 @@ class Scheduler(StepUpdates):
         self._committed: deque[tuple[SchedulerOutput, dict[str, int]]] = deque()
 
     def add(self, request: Request) -> None:
+        if request.stop_token_ids:
+            self.stop_token_union |= request.stop_token_ids
         if self.hybrid is not None:
             self.hybrid.track(request)
         ids, hashes = request.token_ids, []  # no hashes: nothing is cached, arrival order

@@ -24,14 +24,17 @@ from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, row_fields
 
 class StepUpdates:
     """The scheduler's half that takes a step's results (engine/scheduler.py's
-    `Scheduler` is one): it reads `kv`, `eos_token_ids` (a set), `max_model_len` and
-    `finish(req, reason, stop_reason)`, `feed` (its steps' requests), and keeps `_committed` (steps committed and not
-    applied, oldest first, with what each counted), `num_computed_tokens_total` and
+    `Scheduler` is one): it reads `kv`, `eos_token_ids` (a set), `stop_token_union`
+    (every stop_token_ids of a request added, a superset of the running ones'),
+    `max_model_len` and `finish(req, reason, stop_reason)`, `feed` (its steps'
+    requests), and keeps `_committed` (steps committed and not applied, oldest first,
+    with what each counted), `num_computed_tokens_total` and
     `num_prompt_tokens_computed`."""
 
     kv: KVCacheManager
     feed: RunnerFeed
     eos_token_ids: set[int]
+    stop_token_union: set[int]
     max_model_len: int
     _committed: deque[tuple[SchedulerOutput, dict[str, int]]]
     num_computed_tokens_total: int
@@ -177,6 +180,8 @@ class StepUpdates:
                 requests[rid].prompt_logprobs.update(entries)
         advanced = []
         finished, eos = RequestStatus.FINISHED, self.eos_token_ids
+        # a token outside every stop set ends no row by stop: most rows' one check
+        stopping = eos | self.stop_token_union if self.stop_token_union else eos
         max_model_len = self.max_model_len
         if reqs is None:
             get = requests.get
@@ -190,7 +195,7 @@ class StepUpdates:
             if lp is not None:
                 req.logprobs.append(lp)
             advanced.append(req)
-            if len(out) >= req.min_tokens:
+            if token in stopping and len(out) >= req.min_tokens:
                 if token in eos and req.stops_on_eos:
                     self.finish(req, "stop")
                     continue

@@ -1,0 +1,65 @@
+"""The update of a step's results (engine/step_update.py) with no model: a row's token
+stops it by its own stop sets only."""
+
+from __future__ import annotations
+
+from batchgen.engine.request import Request
+from batchgen.engine.scheduler import Scheduler
+from batchgen.kv.kv_manager import KVCacheManager
+from batchgen.kv.page_allocator import PageAllocator
+from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput
+from batchgen.sampling_params import SamplingParams
+
+PS = 4
+EOS = 2
+
+
+def _engine(max_num_seqs: int = 8):
+    kv = KVCacheManager(PageAllocator(64, True), PS)
+    return kv, Scheduler(kv, max_num_seqs, 64, 1000, [EOS]), {}
+
+
+def _add(sched: Scheduler, requests: dict, rid: str, prompt: list[int], **params) -> Request:
+    max_tokens = params.pop("max_tokens", 40)
+    req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), max_tokens)
+    requests[rid] = req
+    sched.add(req)
+    return req
+
+
+def _result(step: SchedulerOutput, token) -> ModelRunnerOutput:
+    """Every sampling row's token (`token(request id, start)`), as the runner reports it."""
+    rows = [s for s in step.requests if s.sample]
+    out = ModelRunnerOutput(
+        [s.request_id for s in rows],
+        [token(s.request_id, s.start) for s in rows],
+        [None] * len(rows),
+    )
+    if len(rows) == len(step.requests):
+        out.step_entries = step.requests
+    return out
+
+
+def test_a_stop_token_stops_only_the_requests_that_name_it():
+    """The update checks a token against the union of every request's stop ids first; a
+    token in it stops only a request whose own stop ids (or EOS) hold it, after its
+    min_tokens."""
+    kv, sched, requests = _engine()
+    a = _add(sched, requests, "a", list(range(10, 15)), stop_token_ids=[77])
+    b = _add(sched, requests, "b", list(range(20, 25)))
+    c = _add(sched, requests, "c", list(range(30, 35)), stop_token_ids=[77], min_tokens=2)
+    d = _add(sched, requests, "d", list(range(40, 45)), ignore_eos=True, stop_token_ids=[78])
+    assert sched.stop_token_union == {77, 78}
+    step = sched.schedule()
+    sched.update(step, _result(step, lambda rid, start: 77 if rid != "d" else EOS), requests)
+    assert (a.finish_reason, a.stop_reason) == ("stop", 77)
+    assert not b.is_finished and not c.is_finished and not d.is_finished
+    step = sched.schedule()
+    sched.update(step, _result(step, lambda rid, start: 77 if rid != "d" else 78), requests)
+    assert not b.is_finished
+    assert (c.finish_reason, c.stop_reason) == ("stop", 77)
+    assert (d.finish_reason, d.stop_reason) == ("stop", 78)
+    step = sched.schedule()
+    sched.update(step, _result(step, lambda rid, start: EOS), requests)
+    assert (b.finish_reason, b.stop_reason) == ("stop", None)
+    assert b.output_token_ids == [77, 77, EOS]
