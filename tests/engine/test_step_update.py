@@ -1,8 +1,10 @@
 """The update of a step's results (engine/step_update.py) with no model: a row's token
-stops it by its own stop sets only."""
+stops it by its own stop sets only, and a blind decode step's update registers every
+page its rows fill though it checks only the rows that can fill one."""
 
 from __future__ import annotations
 
+from batchgen.engine.pipeline import next_decode
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.kv_manager import KVCacheManager
@@ -40,6 +42,15 @@ def _result(step: SchedulerOutput, token) -> ModelRunnerOutput:
     return out
 
 
+def _registered_as_due(kv: KVCacheManager, sched: Scheduler) -> None:
+    """Every running request's full pages of known, computed tokens are registered."""
+    for req in sched.running:
+        due = min(req.num_computed_tokens, len(req.token_ids)) // PS
+        assert kv._num_registered.get(req.request_id, 0) == due, req.request_id
+        pages = kv.pages[req.request_id][:due]
+        assert all(kv.allocator.page_hash(p) is not None for p in pages)
+
+
 def test_a_stop_token_stops_only_the_requests_that_name_it():
     """The update checks a token against the union of every request's stop ids first; a
     token in it stops only a request whose own stop ids (or EOS) hold it, after its
@@ -63,3 +74,44 @@ def test_a_stop_token_stops_only_the_requests_that_name_it():
     sched.update(step, _result(step, lambda rid, start: EOS), requests)
     assert (b.finish_reason, b.stop_reason) == ("stop", None)
     assert b.output_token_ids == [77, 77, EOS]
+
+
+def test_blind_steps_register_every_page_as_it_fills():
+    """Pipelined decode (each blind step built before the step it follows is updated):
+    after every update each running request has exactly its full pages registered,
+    rows of every phase against the page size."""
+    kv, sched, requests = _engine()
+    for i in range(6):
+        _add(sched, requests, f"r{i}", list(range(100 * i, 100 * i + 3 + i)), ignore_eos=True)
+    queued = sched.schedule()
+    blind = 0
+    for _ in range(20):
+        following = next_decode(queued, sched, kv, requests, admit=False)
+        sched.update(queued, _result(queued, lambda rid, start: 50 + start % 7), requests)
+        _registered_as_due(kv, sched)
+        assert following is not None
+        queued = following[0]
+        blind += queued.blind
+    assert blind == 20
+    assert not kv.behind
+
+
+def test_a_blind_step_registers_a_page_left_behind():
+    """A request whose last check left a full page unregistered (`KVCacheManager.behind`:
+    a token of that page was in flight then) has it registered by the next blind step's
+    update, though its count does not reach a page's end there."""
+    kv, sched, requests = _engine()
+    req = _add(sched, requests, "a", list(range(10, 17)), ignore_eos=True)  # 7 tokens
+    queued = sched.schedule()
+    for _ in range(2):  # the prompt, then position 7: 8 computed, two pages registered
+        following = next_decode(queued, sched, kv, requests, admit=False)
+        sched.update(queued, _result(queued, lambda rid, start: 60 + start), requests)
+        queued = following[0]
+    assert (req.num_computed_tokens, kv._num_registered["a"]) == (8, 2)
+    # the state a check with position 7's token in flight leaves: one page registered
+    kv._num_registered["a"] = 1
+    kv.behind.add("a")
+    sched.update(queued, _result(queued, lambda rid, start: 60 + start), requests)
+    assert req.num_computed_tokens == 9
+    assert kv._num_registered["a"] == 2
+    assert "a" not in kv.behind

@@ -286,3 +286,27 @@ def test_cache_computed_for_registers_as_cache_computed_row_by_row():
         assert [many.allocator.page_hash(p) for p in many.pages[f"r{i}"]] == want
     hashed = [many.allocator.page_hash(p) for pages in many.pages.values() for p in pages]
     assert sum(h is not None for h in hashed) == 2 + 1 + 2 + 3
+
+
+def test_cache_computed_for_keeps_the_requests_behind():
+    """A request whose computed count fills a page with a token still unknown (in flight)
+    is `behind` after the check, and leaves it once the check registers that page."""
+    from types import SimpleNamespace
+
+    kv = make(32)
+    tokens = list(range(2 * PS - 1))  # the last token of page 2 in flight
+    req = SimpleNamespace(request_id="a", token_ids=tokens, num_computed_tokens=2 * PS)
+    assert kv.allocate("a", 2 * PS)
+    kv.cache_computed_for([req])
+    assert kv.behind == {"a"}
+    tokens.append(99)
+    kv.cache_computed_for([req])
+    assert not kv.behind
+    assert all(kv.allocator.page_hash(p) is not None for p in kv.pages["a"])
+    req.num_computed_tokens += PS - 1  # computed past the page: nothing full is unknown
+    tokens += [100] * (PS - 1)
+    kv.cache_computed_for([req])
+    assert not kv.behind
+    kv.behind.add("a")
+    kv.free("a")
+    assert not kv.behind

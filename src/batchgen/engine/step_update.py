@@ -143,12 +143,17 @@ class StepUpdates:
             reqs = [get(s.request_id) for s in sched.requests]
         computed = prompt_computed = 0
         if sched.blind:  # one token a row, past its prompt: its entries need not be read
+            # a row checked at its last step fills a page now only if its count reaches
+            # the page's end or it was behind (KVCacheManager.behind): only those checked
+            ps, behind = self.kv.page_size, self.kv.behind
             for req in reqs:
                 if req is None or req.status is finished:  # stopped, step queued
                     continue
                 req.num_computed_tokens += 1
                 computed += 1
-                if req.status is running:
+                if req.status is running and (
+                    not req.num_computed_tokens % ps or (behind and req.request_id in behind)
+                ):
                     cached.append(req)
         else:
             for s, req in zip(sched.requests, reqs):  # enum members looked up once, not a row

@@ -61,6 +61,10 @@ class KVCacheManager:
         self.pages: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_registered: dict[str, int] = {}
+        # requests whose computed tokens fill a page not registered at their last check
+        # (a token of it was in flight): `cache_computed_for` keeps it, the update of a
+        # blind decode step checks these and the rows that reach a page's end only
+        self.behind: set[str] = set()
         self._counted: dict[str, int] = {}  # per request: hashes counted in _demand
         self._swapped: dict[str, list[bytes]] = {}  # swapped request -> its cached pages
         self._swapped_by: dict[bytes, str] = {}  # page hash -> a swapped request holding it
@@ -82,6 +86,7 @@ class KVCacheManager:
             raise RuntimeError("resize() with requests holding device pages")
         self.allocator.resize(num_pages)
         self._num_registered.clear()
+        self.behind.clear()
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -193,14 +198,21 @@ class KVCacheManager:
     def cache_computed_for(self, requests) -> None:
         """`cache_computed` for each of `requests` (each with request_id, token_ids and
         num_computed_tokens), in order: a step's rows, most of which fill no page (their
-        check is made here, without a call a row)."""
+        check is made here, without a call a row). Keeps `behind`: a request left with
+        fewer pages registered than its computed count fills."""
         if not self.allocator.enable_caching:
             return
-        ps, registered = self.page_size, self._num_registered.get
+        ps, registered, behind = self.page_size, self._num_registered.get, self.behind
         for req in requests:
-            ids, rid = req.token_ids, req.request_id
-            if min(req.num_computed_tokens, len(ids)) // ps > registered(rid, 0):
-                self.cache_computed(rid, ids, req.num_computed_tokens)
+            ids, rid, computed = req.token_ids, req.request_id, req.num_computed_tokens
+            done = registered(rid, 0)
+            if min(computed, len(ids)) // ps > done:
+                self.cache_computed(rid, ids, computed)
+                done = self._num_registered[rid]
+            if computed // ps > done:
+                behind.add(rid)
+            elif behind:
+                behind.discard(rid)
 
     def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register every full page whose tokens are all computed (and, with
@@ -276,6 +288,7 @@ class KVCacheManager:
             )
         self.allocator.free(pages)
         self._num_registered.pop(request_id, None)
+        self.behind.discard(request_id)
         self.tier.metrics.swaps_out += 1
         return True
 
@@ -344,6 +357,7 @@ class KVCacheManager:
         preemption for recompute, or the end of a request (forget)."""
         self.allocator.free(self.pages.pop(request_id, []))
         self._num_registered.pop(request_id, None)
+        self.behind.discard(request_id)
 
     def forget(self, request_id: str) -> None:
         """Drop everything kept for a finished request (its demand first, so that its
