@@ -94,6 +94,8 @@ def test_blind_steps_register_every_page_as_it_fills():
         blind += queued.blind
     assert blind == 20
     assert not kv.behind
+    # a blind step's update counts its rows' tokens computed in the same pass
+    assert sched.num_computed_tokens_total == sum(r.num_computed_tokens for r in requests.values())
 
 
 def test_a_blind_step_registers_a_page_left_behind():

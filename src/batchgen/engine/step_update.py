@@ -4,12 +4,15 @@
 
     update(step) = commit(step) + apply(step)      a step nobody committed: one pass each
                    (commit at launch: async)       `_advance` (counters, pages cached)
-                                                   and `_append` (tokens, stops)
+                                                   and `_append` (tokens, stops); a
+                                                   blind decode step: one pass for both
 
 Each runs once a step over every row of the step, so each is one loop with its names
 bound before it (a full decode step has ~900 rows); a step whose entries the scheduler's
 feed made reads its rows' requests from there (`RunnerFeed.requests_of`), not each by id.
-A request that left the engine is finished, so either way a finished one is skipped."""
+A request that left the engine is finished, so either way a finished one is skipped. The
+rows a step finishes are finished after its pass, in row order (the pages its rows fill
+registered first)."""
 
 from __future__ import annotations
 
@@ -50,8 +53,11 @@ class StepUpdates:
         if self.is_committed(sched):
             return self.apply(sched, result, requests)
         reqs = self.feed.requests_of(sched)
+        sampled = self._sampled(sched, result, reqs)
+        if sched.blind and sampled is not None:  # its rows' counters beside their tokens
+            return self._append(result, requests, sampled, advance=True)
         self._advance(sched, requests, reqs)  # commit and apply's counters in one pass
-        return self._append(result, requests, self._sampled(sched, result, reqs))
+        return self._append(result, requests, sampled)
 
     @staticmethod
     def _sampled(
@@ -176,24 +182,31 @@ class StepUpdates:
         result: ModelRunnerOutput,
         requests: dict[str, Request],
         reqs: list[Request] | None = None,
+        advance: bool = False,
     ) -> list[Request]:
         """Append the step's tokens; stop on EOS, stop_token_ids or length (`reqs`: the
-        requests of its rows, if known; else looked up in `requests`)."""
-        self.kv.after_step()
-        for rid, entries in result.prompt_logprobs.items():
-            if rid in requests:
-                requests[rid].prompt_logprobs.update(entries)
-        advanced = []
-        finished, eos = RequestStatus.FINISHED, self.eos_token_ids
+        requests of its rows, if known; else looked up in `requests`). `advance`: the
+        step is a blind decode step nobody committed, `reqs` every row's request, and
+        `_advance`'s counters are taken in the same pass; either way the pages they
+        fill are registered, and the step's stores submitted, before any row finishes."""
+        advanced, ends, cached = [], [], []
+        finished, running, eos = RequestStatus.FINISHED, RequestStatus.RUNNING, self.eos_token_ids
         # a token outside every stop set ends no row by stop: most rows' one check
         stopping = eos | self.stop_token_union if self.stop_token_union else eos
         max_model_len = self.max_model_len
         if reqs is None:
             get = requests.get
             reqs = [get(rid) for rid in result.request_ids]
+        ps, behind = self.kv.page_size, self.kv.behind
         for req, token, lp in zip(reqs, result.sampled_token_ids, result.logprobs):
             if req is None or req.status is finished:
                 continue
+            if advance:  # `_advance`'s blind branch, this row's part
+                req.num_computed_tokens += 1
+                if req.status is running and (
+                    not req.num_computed_tokens % ps or (behind and req.request_id in behind)
+                ):
+                    cached.append(req)
             out, ids = req.output_token_ids, req.token_ids
             out.append(token)
             ids.append(token)
@@ -202,12 +215,21 @@ class StepUpdates:
             advanced.append(req)
             if token in stopping and len(out) >= req.min_tokens:
                 if token in eos and req.stops_on_eos:
-                    self.finish(req, "stop")
+                    ends.append((req, "stop", None))
                     continue
                 stops = req.stop_token_ids
                 if stops is not None and token in stops:
-                    self.finish(req, "stop", token)
+                    ends.append((req, "stop", token))
                     continue
             if len(out) >= req.max_tokens or len(ids) >= max_model_len:
-                self.finish(req, "length")
+                ends.append((req, "length", None))
+        if advance:
+            self.kv.cache_computed_for(cached)
+            self.num_computed_tokens_total += len(advanced)  # one token a row
+        self.kv.after_step()
+        for rid, entries in result.prompt_logprobs.items():
+            if rid in requests:
+                requests[rid].prompt_logprobs.update(entries)
+        for req, reason, stop_reason in ends:  # in row order, as each was found
+            self.finish(req, reason, stop_reason)
         return advanced
