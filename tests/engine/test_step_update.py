@@ -117,3 +117,37 @@ def test_a_blind_step_registers_a_page_left_behind():
     assert req.num_computed_tokens == 9
     assert kv._num_registered["a"] == 2
     assert "a" not in kv.behind
+
+
+class _TierKV(KVCacheManager):
+    """A KV manager whose `tier_active` a test sets (no tier behind it)."""
+
+    tier_active = False
+
+
+def test_with_the_host_tier_active_a_blind_step_keeps_two_passes(monkeypatch):
+    """With the host tier active a blind step's counters take their own pass (`_advance`)
+    before the tokens are appended: the pages it checks see only the tokens known before
+    the step, as the tier's wanted hashes did; without it, one pass."""
+    passes = []
+    advance = Scheduler._advance
+
+    def counted(self, sched, *args):
+        passes.append(sched.blind)
+        return advance(self, sched, *args)
+
+    monkeypatch.setattr(Scheduler, "_advance", counted)
+    for active in (False, True):
+        passes.clear()
+        kv = _TierKV(PageAllocator(64, True), PS)
+        sched, requests = Scheduler(kv, 8, 64, 1000, [EOS]), {}
+        for i in range(3):
+            _add(sched, requests, f"r{i}", list(range(10 * i, 10 * i + 5)), ignore_eos=True)
+        queued = sched.schedule()
+        kv.tier_active = active  # from the decode steps on: nothing loads from a tier
+        for _ in range(6):
+            following = next_decode(queued, sched, kv, requests, admit=False)
+            sched.update(queued, _result(queued, lambda rid, start: 50 + start), requests)
+            _registered_as_due(kv, sched)
+            queued = following[0]
+        assert passes.count(True) == (5 if active else 0)

@@ -54,7 +54,9 @@ class StepUpdates:
             return self.apply(sched, result, requests)
         reqs = self.feed.requests_of(sched)
         sampled = self._sampled(sched, result, reqs)
-        if sched.blind and sampled is not None:  # its rows' counters beside their tokens
+        # its rows' counters beside their tokens; with the host tier active a page's
+        # check wants every hash of the tokens known, so it keeps its own pass first
+        if sched.blind and sampled is not None and not self.kv.tier_active:
             return self._append(result, requests, sampled, advance=True)
         self._advance(sched, requests, reqs)  # commit and apply's counters in one pass
         return self._append(result, requests, sampled)
@@ -187,8 +189,11 @@ class StepUpdates:
         """Append the step's tokens; stop on EOS, stop_token_ids or length (`reqs`: the
         requests of its rows, if known; else looked up in `requests`). `advance`: the
         step is a blind decode step nobody committed, `reqs` every row's request, and
-        `_advance`'s counters are taken in the same pass; either way the pages they
-        fill are registered, and the step's stores submitted, before any row finishes."""
+        `_advance`'s counters are taken in the same pass (the pages checked then see
+        the step's tokens appended: the same pages registered, a page's hash known a
+        step earlier, so not with the host tier active, whose check wants every known
+        hash); either way the pages they fill are registered, and the step's stores
+        submitted, before any row finishes."""
         advanced, ends, cached = [], [], []
         finished, running, eos = RequestStatus.FINISHED, RequestStatus.RUNNING, self.eos_token_ids
         # a token outside every stop set ends no row by stop: most rows' one check
