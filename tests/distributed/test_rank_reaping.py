@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from batchgen.distributed.launchers import ProcessRanks, run_then_exit
+from batchgen.distributed.launchers import ProcessRanks, RankProcess, forkserver, run_then_exit
 
 
 class _ReapedElsewhere:
@@ -61,12 +61,10 @@ def _raises(path: str) -> None:
 
 
 def test_a_rank_process_ends_without_the_interpreters_teardown(tmp_path):
-    """ProcessRanks' processes (spawned) leave once their entry returned, exit code 0,
-    without the teardown that held each of 8 gloo ranks ~20 s; one whose entry raises
-    still exits 1 with its traceback."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
+    """ProcessRanks' processes (forks of the forkserver) leave once their entry
+    returned, exit code 0, without the teardown that held each of 8 gloo ranks ~20 s;
+    one whose entry raises still exits 1 with its traceback."""
+    ctx = forkserver()
     done = ctx.Process(target=run_then_exit, args=(_marks_its_teardown, str(tmp_path)))
     done.start()
     done.join(120)
@@ -76,3 +74,30 @@ def test_a_rank_process_ends_without_the_interpreters_teardown(tmp_path):
     failed.start()
     failed.join(120)
     assert failed.exitcode == 1
+
+
+def _sleeps() -> None:
+    time.sleep(0.1)
+
+
+def _read_exit_code(process, seen: list) -> None:
+    while (code := process.exitcode) is None:
+        pass  # polls back to back, as fast as the watcher's and stop's reads can meet
+    seen.append(code)
+
+
+def test_threads_reading_a_rank_process_exit_code_at_once_all_read_it():
+    """A forkserver process's exit code comes once, through a pipe: threads polling it
+    at the same moment (the watcher and stop) must each read the code, not the pipe's
+    end (multiprocessing's own forkserver process stores 255 for the one that does)."""
+    forkserver()
+    for _ in range(3):
+        process = RankProcess(target=_sleeps, daemon=True)
+        process.start()
+        seen = []
+        readers = [threading.Thread(target=_read_exit_code, args=(process, seen)) for _ in range(4)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(60)
+        assert seen == [0, 0, 0, 0]

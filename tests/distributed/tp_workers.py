@@ -1,6 +1,7 @@
-"""Running a function on N gloo ranks (spawned processes), and the functions the
-tensor-parallel tests run there. Importable by the spawned children (spawn hands them
-the parent's sys.path, which holds this folder under pytest)."""
+"""Running a function on N gloo ranks (processes, forks of the launcher's forkserver, as
+the engines' ranks are), and the functions the tensor-parallel tests run there.
+Importable by the children (multiprocessing hands them the parent's sys.path, which
+holds this folder under pytest)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from batchgen.distributed import destroy_tensor_parallel, init_tensor_parallel
+from batchgen.distributed.launchers import forkserver
 from batchgen.forward_context import ForwardContext, bind_forward_context
 from batchgen.kv.layout import KVLayout
 from batchgen.kv.page_pool import PagePool
@@ -33,17 +35,19 @@ from batchgen.sampling_params import SamplingParams
 
 
 def run_ranks(fn, world_size: int, workdir: Path, *args, timeout_s: float = 90.0) -> list:
-    """fn(tp_group, *args) on `world_size` spawned gloo ranks; each rank's return value,
-    rank 0 first. A rank that raises or dies fails the call (the others are killed);
-    ranks still running after timeout_s are killed and TimeoutError raised."""
+    """fn(tp_group, *args) on `world_size` gloo ranks (forks of the forkserver, which
+    imports this module too where it starts here); each rank's return value, rank 0
+    first. A rank that raises or dies fails the call (the others are killed); ranks
+    still running after timeout_s are killed and TimeoutError raised."""
     workdir.mkdir(parents=True, exist_ok=True)
     init = f"file://{workdir.resolve()}/rendezvous"
+    forkserver([__name__])  # the server's modules, where it has not started yet
     ctx = mp.start_processes(
         _rank_main,
         args=(fn, world_size, init, str(workdir), args),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     deadline = time.monotonic() + timeout_s
     try:
@@ -69,7 +73,7 @@ def _rank_main(rank: int, fn, world_size: int, init: str, workdir: str, args) ->
     # a finished rank leaves without the interpreter's teardown: there gloo's threads
     # sometimes abort the process ("terminate called without an active exception",
     # SIGABRT) after its result is saved, seen in two CI runs; a rank that raised above
-    # still fails the run through spawn's error file
+    # still fails the run through start_processes' error file
     os._exit(0)
 
 
@@ -199,7 +203,7 @@ def model_logits(tp: TPGroup | None, path: str) -> list[torch.Tensor]:
 
 
 def layers_and_models(tp: TPGroup, paths: dict[str, str]) -> dict:
-    """One spawn for every check (each start costs seconds): the layers' max diffs
+    """One start for every check (each builds its models): the layers' max diffs
     and, by architecture, each model's logits."""
     import torch.distributed as dist
 
@@ -297,8 +301,9 @@ def _refuse_to_unpickle():
 
 
 class DiesWhileStarting:
-    """An argument whose unpickling raises: a worker handed it ends in spawn's bootstrap,
-    before it runs anything of ours (as one re-running an unguarded script does)."""
+    """An argument whose unpickling raises: a worker handed it ends in multiprocessing's
+    bootstrap, before it runs anything of ours (as one re-running an unguarded script
+    does)."""
 
     def __reduce__(self):
         return (_refuse_to_unpickle, ())
@@ -318,3 +323,14 @@ def answer_rank(tp: TPGroup) -> None:
     from batchgen.distributed.worker_rank import serve
 
     serve(tp, lambda message: tp.rank)
+
+
+def answer_environ(tp: TPGroup, name: str) -> None:
+    """A worker that says on stderr it started, then answers each message rank 0 asks
+    with its environment's `name`."""
+    import sys
+
+    from batchgen.distributed.worker_rank import serve
+
+    print(f"rank {tp.rank} started", file=sys.stderr, flush=True)
+    serve(tp, lambda message: os.environ.get(name))

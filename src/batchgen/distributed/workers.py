@@ -76,8 +76,8 @@ WATCHER_JOIN_S = 10.0
 EXIT_TIMEOUT_S = 5.0
 
 SPAWN_HINT = (
-    "Workers start with the spawn method, which runs the main script again in each of "
-    "them: a script that builds its LLM at top level must put that code under "
+    "Workers start with the forkserver method, which (as spawn does) runs the main "
+    "script again in each of them: a script that builds its LLM at top level must put that code under "
     '`if __name__ == "__main__":` (the worker\'s traceback above then says "An attempt '
     "has been made to start a new process before the current process has finished its "
     'bootstrapping phase"); otherwise its traceback says why.'
@@ -152,7 +152,7 @@ class Workers:
         message_timeout_s: the host messages' group's (tensor_parallel.MESSAGE_TIMEOUT_S);
         each worker bumps a heartbeat every heartbeat_s, and one silent for
         silent_after_s is killed and named (heartbeat.py)."""
-        ranks = make_ranks(launcher, size, backend, role)
+        ranks = make_ranks(launcher, size, backend, role, preload=(target.__module__,))
         try:
             # port 0: the store binds a free port itself (no race with another process)
             store = dist.TCPStore(
