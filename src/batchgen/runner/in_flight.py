@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from batchgen.runner.input_batch import StepRows, params_of, request_ids
+from batchgen.runner.input_batch import StepRows, request_ids
 from batchgen.runner.sampler import SAMPLING_EPS
 
 
@@ -50,9 +50,12 @@ class InFlightDecode:
 
     def plain_greedy(self) -> bool:
         """Whether every sampled row is plain greedy (its sampling an argmax of the raw
-        logits), read from the rows once a step."""
+        logits), read from the rows once a step up to the first that is not: no list of
+        the rows' params is built (W7's ~900 sampled rows stop at the first)."""
         if self._greedy is None:
-            self._greedy = all(plain_greedy(p) for p in params_of(self.sampled))
+            rows = self.sampled
+            fixed = rows.fixed if isinstance(rows, StepRows) else rows  # each has `params`
+            self._greedy = all(plain_greedy(f.params) for f in fixed)
         return self._greedy
 
     def launch_sample(self) -> None:

@@ -144,9 +144,6 @@ class StepRows(Sequence):
             return list(self.entries.request_ids)
         return [r.request_id for r in self.entries]
 
-    def params(self) -> list[SamplingParams]:
-        return [f.params for f in self.fixed]
-
     def items(self) -> list[StepRow]:
         """Every row as a `StepRow` (made once)."""
         if self._items is None:
@@ -227,10 +224,6 @@ def decode_columns(reqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = len(reqs)
     starts = np.fromiter((r.start for r in reqs), np.int64, n)
     return rows_of(reqs), starts, samples_of(reqs)
-
-
-def params_of(reqs) -> list[SamplingParams]:
-    return reqs.params() if isinstance(reqs, StepRows) else [r.params for r in reqs]
 
 
 class InputBatch:
