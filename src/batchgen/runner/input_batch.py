@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -67,7 +68,7 @@ class StepRows(Sequence):
     def of(
         cls,
         entries: list,
-        held: list[tuple[NewRequest, int]],
+        held: Sequence[tuple[NewRequest, int]],
         serial: np.ndarray,
         blind: bool = False,
     ):
@@ -277,8 +278,9 @@ class InputBatch:
                 held[rid] = r.new, rows.add(rid, r.new_pages)
             elif rid in held and r.new_pages:
                 rows.write(rid, held[rid][1], r.new_pages)
-        try:
-            got = [held[rid] for rid in entries.request_ids]
+        ids = entries.request_ids
+        try:  # the lookups in C (itemgetter of one id gives its value, not a tuple)
+            got = itemgetter(*ids)(held) if len(ids) > 1 else [held[rid] for rid in ids]
         except KeyError as e:
             raise RuntimeError(
                 f"a step continues request {e.args[0]}, which the runner never saw"

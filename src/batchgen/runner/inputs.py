@@ -104,6 +104,8 @@ def pipelined_ids(reqs: list[StepRow], prev, stage: HostStaging) -> torch.Tensor
     """The input tokens of a step queued after `prev` (an InFlightDecode; the ids packed
     as pack_step packs them): a placeholder -1, a request's last input token, is the
     token `prev` samples for it, read on the device; the other tokens are as given."""
+    if isinstance(reqs, StepRows) and reqs.blind:  # one placeholder a row: no columns read
+        return prev.tokens.index_select(0, stage(_rows_in(reqs, prev.sampled)))
     lens, ids = token_columns(reqs)
     if (lens == 1).all() and (ids == -1).all():
         index = stage(_rows_in(reqs, prev.sampled))
