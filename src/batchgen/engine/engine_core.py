@@ -9,8 +9,6 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from torch.profiler import record_function
-
 from batchgen.config import EngineConfig
 from batchgen.engine.builder import EngineParts, replace_pool
 from batchgen.engine.builder_load import load_engine
@@ -18,9 +16,9 @@ from batchgen.engine.builder_plan import check_pool_size
 from batchgen.engine.limits import check_request
 from batchgen.engine.memory import weight_bytes
 from batchgen.engine.request import Request, RequestStatus
-from batchgen.engine.step_loop import profiled
 from batchgen.runner.batch import SchedulerOutput
 from batchgen.runner.sampler import request_seed
+from batchgen.runner.step_mode import profiled
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -232,7 +230,7 @@ class EngineCore:
                 self.tier.poll()
         current, self._in_flight = self._in_flight, None
         if current is None:
-            with record_function("batchgen.schedule"):
+            with profiled("batchgen.schedule"):
                 sched = self.scheduler.schedule()
                 copies = self.scheduler.take_copies()
             if sched.is_empty:
@@ -269,7 +267,7 @@ class EngineCore:
             self._finished_early += self._finish_step(current.sched, current.result())
 
     def _finish_step(self, sched: SchedulerOutput, result) -> list[Request]:
-        with record_function("batchgen.update"):  # committed here, or at its launch (async)
+        with profiled("batchgen.update"):  # committed here, or at its launch (async)
             advanced = self.scheduler.update(sched, result, self.requests)
         self.stats.steps += 1
         self.stats.output_tokens += len(advanced)

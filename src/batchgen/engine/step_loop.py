@@ -22,11 +22,6 @@ launch is the scheduler's to know: the engine updates every step the same way
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
-import torch
-from torch.profiler import record_function
-
 from batchgen.engine.pipeline import could_admit, ending_by_length, next_decode, seats_wait
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
@@ -34,13 +29,8 @@ from batchgen.kv.kv_manager import KVCacheManager
 from batchgen.runner.batch import SchedulerOutput, StepCopies
 from batchgen.runner.in_flight import InFlightDecode
 from batchgen.runner.model_runner import ModelRunner
+from batchgen.runner.step_mode import profiled
 from batchgen.sampling_params import SamplingParams
-
-
-def profiled(name: str):
-    """A profiler range around a phase of the step, only while a profiler records (the
-    hot loop pays one check otherwise)."""
-    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 class Overlap:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from batchgen.forward_context import AttentionMetadata, ForwardContext, bind_forward_context
 from batchgen.runner.batch import (
@@ -33,7 +32,7 @@ from batchgen.runner.sampler import (
     warm_kernels,
 )
 from batchgen.runner.staging import HostStaging
-from batchgen.runner.step_mode import step_mode
+from batchgen.runner.step_mode import profiled, step_mode
 
 
 class ModelRunner:
@@ -316,9 +315,9 @@ class ModelRunner:
         if graph:
             for copy in waits:
                 copy.wait_gates()
-            with record_function("batchgen.replay"):
+            with profiled("batchgen.replay"):
                 return self._replay(reqs, device_ids, tail, bucket)
-        with record_function("batchgen.prepare"):
+        with profiled("batchgen.prepare"):
             input_ids, positions, meta, sample_rows = self.prepare(reqs)
         ctx = ForwardContext(
             meta,
@@ -330,7 +329,7 @@ class ModelRunner:
         if self.linear_states is not None:
             ctx.linear_states = self.linear_states
             ctx.linear_metadata = linear_metadata(reqs, self.device)
-        with record_function("batchgen.forward"), bind_forward_context(ctx):
+        with profiled("batchgen.forward"), bind_forward_context(ctx):
             hidden = self.model(input_ids if device_ids is None else device_ids, positions)
         return hidden, sample_rows
 
@@ -350,7 +349,7 @@ class ModelRunner:
         if self.debug:
             check_finite(logits, sampled)
         logits = self._constrain(logits, sampled)
-        with record_function("batchgen.sample"):
+        with profiled("batchgen.sample"):
             out = self._sample(logits, sampled)
         out.prompt_logprobs = prompt
         return out

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TypeVar
 
 import torch
+from torch.profiler import record_function
 
 from batchgen.layers.batch_invariant import invariant_mode
 
@@ -24,3 +26,10 @@ def step_mode(method: F) -> F:
             return method(self, *args, **kwargs)
 
     return run  # type: ignore[return-value]
+
+
+def profiled(name: str):
+    """A profiler range around a phase of the step, only while a profiler records: the
+    hot loop pays one check otherwise, where `record_function` enters and leaves a
+    range (two dispatcher calls, a few microseconds) on every step."""
+    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
