@@ -31,7 +31,22 @@ model's and the stand-in sampler's, the GPU's work, left out of `host`):
                    strings, none in W7)
     outputs        the job's output lines         journal   Appender.write (OUTPUT, errors)
     admit          reading and adding input lines
+    apply          ModelRunner.apply (the runner's record of the step's rows)
+    pipelined_ids  the input ids read from the step before's tokens (ModelRunner._pipelined_ids)
+    next_decode    step_loop's next_decode (a blind step built while one runs)
+    launch         the rest of launch_decode, launch_step and _launch_sample (the step's
+                   InFlightDecode, its sample steps, logits, the tokens' copy)
+    result         InFlightDecode.result (the step's tokens to the host, its output)
+    finish_step    the rest of EngineCore._finish_step (the finished requests handed out)
+    eager_forward  the rest of ModelRunner._forward: the eager forward's bookkeeping (its
+                   context, the module call), this CPU's alone: a GPU decode step replays
+                   a graph (`_replay`: its columns, `graphs.run`) instead, and `prepare`
+                   is not called for it either
     host           cycle - forward - sample; other = host - the phases above
+
+A phase's time excludes the calls of other phases made inside it (launch_decode's holds
+apply, pipelined_ids, prepare, the forward and the sampling's), so the phases add up to
+the host's time less `other`: the engine's and the job's loops between them.
 
 With --clock thread every time above is the CPU time of the thread that runs the job
 loop (time.thread_time), not elapsed time: on a CPU other processes share, the time they
@@ -59,11 +74,11 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from benchmarks.chat_job import batch_lines
-from benchmarks.engine_runs import timed_into
 from benchmarks.workloads import TINY_SMOLLM2
 
 HOST_PHASES = ("schedule", "prepare", "sampling_meta", "update", "detok", "outputs", "journal")
-HOST_PHASES += ("admit",)
+HOST_PHASES += ("admit", "apply", "pipelined_ids", "next_decode", "launch", "result")
+HOST_PHASES += ("finish_step", "eager_forward")
 DEVICE_PHASES = ("forward", "sample")
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
@@ -105,13 +120,35 @@ class StandInSampler:
         return SamplerOutput(tokens.masked_fill(stop, self.eos), None, None, None, None)
 
 
+def exclusive_into(spent: dict[str, float], name: str, fn, clock, open_calls: list):
+    """fn, adding the time each call takes by `clock` to spent[name], less the time of
+    the calls timed so (onto the same `open_calls`) that it makes: nested phases count
+    once, each in its own."""
+
+    def wrapper(*a, **k):
+        inner = [0.0]  # the nested timed calls' time
+        open_calls.append(inner)
+        t0 = clock()
+        try:
+            return fn(*a, **k)
+        finally:
+            took = clock() - t0
+            open_calls.pop()
+            spent[name] = spent.get(name, 0.0) + took - inner[0]
+            if open_calls:
+                open_calls[-1][0] += took
+
+    return wrapper
+
+
 @contextmanager
-def _wrapped(owner, attr: str, spent: dict[str, float], name: str, clock):
-    """owner.attr timed into spent[name] by `clock` while the block runs (a class
-    attribute is put back after it; an instance's own attribute is removed)."""
+def _wrapped(owner, attr: str, spent: dict[str, float], name: str, clock, open_calls: list):
+    """owner.attr timed into spent[name] by `clock` (`exclusive_into`) while the block
+    runs (a class or module attribute is put back after it; an instance's own attribute
+    is removed)."""
     had = attr in vars(owner)
     original = getattr(owner, attr)
-    setattr(owner, attr, timed_into(spent, name, original, clock))
+    setattr(owner, attr, exclusive_into(spent, name, original, clock, open_calls))
     try:
         yield
     finally:
@@ -144,6 +181,8 @@ def run(args) -> dict:
     from batchgen.api import batch_job, batch_journal
     from batchgen.api.batch_summary import JobOptions
     from batchgen.api.llm import LLM
+    from batchgen.engine import engine_core, step_loop
+    from batchgen.runner.in_flight import InFlightDecode
 
     args.work.mkdir(parents=True, exist_ok=True)
     ckpt = tiny_default_model(args.work / "tiny_smollm2")
@@ -174,6 +213,7 @@ def run(args) -> dict:
         progress=False,
     )
     spent: dict[str, float] = {}
+    open_calls: list = []  # the timed calls under way (exclusive_into)
     steps: list[dict] = []
     state = {"start": None, "rows": 0, "idle": False}
     step, clock = eng.step, CLOCKS[args.clock]
@@ -210,13 +250,22 @@ def run(args) -> dict:
         (batch_job._Job, "_finish", "outputs"),
         (batch_job._Job, "_admit", "admit"),
         (batch_journal.Appender, "write", "journal"),
+        (runner, "apply", "apply"),
+        (runner, "_pipelined_ids", "pipelined_ids"),
+        (step_loop, "next_decode", "next_decode"),
+        (runner, "launch_decode", "launch"),
+        (runner, "launch_step", "launch"),
+        (runner, "_launch_sample", "launch"),
+        (InFlightDecode, "result", "result"),
+        (engine_core.EngineCore, "_finish_step", "finish_step"),
+        (runner, "_forward", "eager_forward"),
     ]
     sched.update = rows_of(sched.update)  # counts each step's rows (inside its timer)
     runner.model.compute_logits = lambda hidden: hidden  # the stand-in reads the rows only
     runner.sampler = StandInSampler(TINY_SMOLLM2["vocab_size"], 2, args.eos_every)
     with ExitStack() as stack:
         for owner, attr, name in wraps:
-            stack.enter_context(_wrapped(owner, attr, spent, name, clock))
+            stack.enter_context(_wrapped(owner, attr, spent, name, clock, open_calls))
         eng.step = timed_step
         try:
             with profiled(args.profile):

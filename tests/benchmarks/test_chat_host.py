@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.chat_host import StandInSampler, profiled
+from benchmarks.chat_host import StandInSampler, exclusive_into, profiled
 
 
 def _draw(sampler, seeds, positions):
@@ -66,3 +66,22 @@ def test_runs_sharing_a_work_folder_keep_their_own_batch_and_output(tmp_path):
     for result, output in zip(results, (first, second)):
         assert result["succeeded"] == 6
         assert len(output.read_text().splitlines()) == 6
+
+
+def test_a_phase_excludes_the_timed_calls_it_makes():
+    """Nested phases count once, each in its own (chat_host's `launch` holds `apply`,
+    `prepare` and the forward): a clock that ticks one unit a reading shows it."""
+    ticks = iter(range(100))
+    spent: dict[str, float] = {}
+    open_calls: list = []
+
+    def clock():
+        return float(next(ticks))
+
+    inner = exclusive_into(spent, "inner", lambda: None, clock, open_calls)
+    outer = exclusive_into(spent, "outer", lambda: inner() or inner(), clock, open_calls)
+    outer()  # readings: outer 0, inner 1-2, inner 3-4, outer 5
+    assert spent == {"inner": 2.0, "outer": 3.0}
+    assert open_calls == []
+    outer()  # each call adds to its phase
+    assert spent == {"inner": 4.0, "outer": 6.0}
