@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchgen.layers import batch_invariant
-from batchgen.runner.step_mode import step_mode
+from batchgen.runner.step_mode import profiled, step_mode
 
 
 class _Runner:
@@ -34,3 +34,17 @@ def test_the_mode_lasts_as_long_as_the_call(deterministic):
         runner.fails()
     assert not batch_invariant.active()
     assert not torch.is_inference_mode_enabled()
+
+
+def test_a_step_range_is_recorded_while_a_profiler_records_only():
+    """`profiled` (the engine's and the runner's step ranges): a profiler's trace names
+    the range; with none recording it opens no range (a `record_function` costs a few
+    microseconds a step), and the block runs either way."""
+    ran = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with profiled("batchgen.test_range"):
+            ran.append(torch.ones(2).sum())
+    assert "batchgen.test_range" in {e.name for e in prof.events()}
+    with profiled("batchgen.test_range") as opened:
+        ran.append(1)
+    assert opened is None and len(ran) == 2  # nullcontext's value, not a range's
