@@ -699,7 +699,16 @@ def layer_reads_kv_before_its_hook(root):
     src = Source(root, "layers/attention.py")
     fn = src.func("forward")
     hook = src.only(fn, "before_layer()", calling("before_layer"))
-    src.delete(src.statement(fn, hook))
+    src.delete(src.statement(fn, hook), within=fn)
+
+
+def fused_rope_store_before_its_hook(root):
+    """forward_qkv: the Llama family's default path on Triton (rope and K/V store in one
+    launch) without its wait."""
+    src = Source(root, "layers/attention.py")
+    fn = src.func("forward_qkv")
+    hook = src.only(fn, "before_layer()", calling("before_layer"))
+    src.delete(src.statement(fn, hook), within=fn)
 
 
 # --- 6a: no copy overlaps a graph capture -----------------------------------------------
@@ -892,6 +901,7 @@ MUTATIONS = [
     (eager_forward_without_layer_waits, "3b"),
     (eager_hook_that_waits_on_nothing, "3b"),
     (layer_reads_kv_before_its_hook, "3b"),
+    (fused_rope_store_before_its_hook, "3b"),
     (capture_guard_removed, "6a"),
     (engine_passes_no_capture_guard, "6a"),
     (engine_passes_a_guard_that_pauses_nothing, "6a"),
