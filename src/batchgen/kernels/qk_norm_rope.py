@@ -235,7 +235,6 @@ def _qk_norm_rope_store_kernel(
     """Program (t, 0): q's heads; (t, 1): k's heads into k_cache; (t, 2): v into v_cache."""
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    HALF: tl.constexpr = HEAD_DIM // 2
     row = qkv_ptr + t * stride_qkv
     if part == 0:
         cos1, cos2, sin1, sin2 = _rope_tables(
@@ -250,33 +249,65 @@ def _qk_norm_rope_store_kernel(
         if slot >= 0:  # a negative slot: a padding row, no K/V written
             page = slot // PAGE_SIZE
             off = slot % PAGE_SIZE
+            # each part in a function of its own: compiled, a name assigned in both
+            # branches of an `if` must have one type in both (the interpreter never asks)
             if part == 1:
-                cos1, cos2, sin1, sin2 = _rope_tables(
-                    pos_ptr, stride_pos, cos_ptr, sin_ptr, stride_table, t, HEAD_DIM, BLOCK_HALF
-                )
-                k1, k2 = _norm_rope_values(
-                    row + NUM_HEADS * HEAD_DIM, kw_ptr, cos1, cos2, sin1, sin2, eps,
-                    NUM_KV_HEADS, HEAD_DIM, HAS_NORM, BLOCK_HK, BLOCK_HALF, RNE_BY_HAND,
+                _store_k_heads(
+                    row, pos_ptr, stride_pos, cos_ptr, sin_ptr, stride_table, kw_ptr,
+                    k_cache_ptr + page * stride_kc_page + off * stride_kc_off, stride_kc_h,
+                    stride_kc_d, t, eps, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_NORM, CLAMP,
+                    BLOCK_HK, BLOCK_HALF, RNE_BY_HAND,
                 )  # fmt: skip
-                if CLAMP > 0:  # an FP8 cache: saturated and rounded, the cast below exact
-                    k1, k2 = e4m3_grid(k1, CLAMP), e4m3_grid(k2, CLAMP)
-                h = tl.arange(0, BLOCK_HK)[:, None]
-                d = tl.arange(0, BLOCK_HALF)[None, :]
-                mask = (h < NUM_KV_HEADS) & (d < HALF)
-                kc = k_cache_ptr + page * stride_kc_page + off * stride_kc_off + h * stride_kc_h
-                dtype = k_cache_ptr.dtype.element_ty
-                tl.store(kc + d * stride_kc_d, k1.to(dtype), mask=mask)
-                tl.store(kc + (HALF + d) * stride_kc_d, k2.to(dtype), mask=mask)
             else:
-                h = tl.arange(0, BLOCK_HK)[:, None]
-                d = tl.arange(0, BLOCK_D)[None, :]
-                mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-                v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + h) * HEAD_DIM + d, mask=mask)
-                if CLAMP > 0:
-                    v = e4m3_grid(v, CLAMP)
-                vc = v_cache_ptr + page * stride_vc_page + off * stride_vc_off
-                dtype = v_cache_ptr.dtype.element_ty
-                tl.store(vc + h * stride_vc_h + d * stride_vc_d, v.to(dtype), mask=mask)
+                _store_v_heads(
+                    row, v_cache_ptr + page * stride_vc_page + off * stride_vc_off,
+                    stride_vc_h, stride_vc_d, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, CLAMP,
+                    BLOCK_HK, BLOCK_D,
+                )  # fmt: skip
+
+
+@triton.jit
+def _store_k_heads(
+    row, pos_ptr, stride_pos, cos_ptr, sin_ptr, stride_table, kw_ptr, kc, stride_kc_h,
+    stride_kc_d, t, eps, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, CLAMP: tl.constexpr,
+    BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, RNE_BY_HAND: tl.constexpr,
+):  # fmt: skip
+    """Token t's k heads from its qkv row, normalised and rotated, into its cache slot kc."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    cos1, cos2, sin1, sin2 = _rope_tables(
+        pos_ptr, stride_pos, cos_ptr, sin_ptr, stride_table, t, HEAD_DIM, BLOCK_HALF
+    )
+    k1, k2 = _norm_rope_values(
+        row + NUM_HEADS * HEAD_DIM, kw_ptr, cos1, cos2, sin1, sin2, eps,
+        NUM_KV_HEADS, HEAD_DIM, HAS_NORM, BLOCK_HK, BLOCK_HALF, RNE_BY_HAND,
+    )  # fmt: skip
+    if CLAMP > 0:  # an FP8 cache: saturated and rounded, the cast below exact
+        k1, k2 = e4m3_grid(k1, CLAMP), e4m3_grid(k2, CLAMP)
+    h = tl.arange(0, BLOCK_HK)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HALF)
+    kc = kc + h * stride_kc_h
+    dtype = kc.dtype.element_ty
+    tl.store(kc + d * stride_kc_d, k1.to(dtype), mask=mask)
+    tl.store(kc + (HALF + d) * stride_kc_d, k2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _store_v_heads(
+    row, vc, stride_vc_h, stride_vc_d, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CLAMP: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """A token's v heads, read from its qkv row as they are, into its cache slot vc."""
+    h = tl.arange(0, BLOCK_HK)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + h) * HEAD_DIM + d, mask=mask)
+    if CLAMP > 0:
+        v = e4m3_grid(v, CLAMP)
+    dtype = vc.dtype.element_ty
+    tl.store(vc + h * stride_vc_h + d * stride_vc_d, v.to(dtype), mask=mask)
 
 
 def qk_norm_rope_store(
