@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -107,3 +108,16 @@ def compile_launch(fn, bound: dict, options: dict) -> dict:
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = kernel.asm["ptx"]
     return {"kernel": fn.__name__, "tensor_cores": "wgmma.mma_async" in ptx or "mma.sync" in ptx}
+
+
+def compile_cases(cases: dict) -> dict:
+    """{name: each kernel a case's call launches, compiled (compile_launch), in launch
+    order, or the error that stopped it (the compiler's message, for the case's test to
+    report)}; cases: {name: (call, ...)}."""
+    results = {}
+    for name, (call, *_) in cases.items():
+        try:
+            results[name] = [compile_launch(*launch) for launch in recorded_launches(call)]
+        except Exception:
+            results[name] = traceback.format_exc()[-4000:]
+    return results

@@ -17,11 +17,10 @@ sets it when there is no GPU, and it decides at import what @triton.jit makes). 
 from __future__ import annotations
 
 import json
-import traceback
 
 import pytest
 import torch
-from hopper_compile import compile_launch, compiled_in_child, recorded_launches
+from hopper_compile import compile_cases, compiled_in_child
 
 TOKENS, REQUESTS, PAGES = 64, 4, 64  # a decode batch; prefill: 4 requests of 16 rows
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, PAGE = 1024, 16, 8, 128, 3072, 151936, 16
@@ -152,15 +151,6 @@ CASES = {
 }
 
 
-def _compile_case(name: str) -> list | str:
-    """Each kernel compiled for this case (launch order), or the error that stopped it."""
-    try:
-        launches = recorded_launches(CASES[name][0])
-        return [compile_launch(*launch) for launch in launches]
-    except Exception:  # reported by the test of this case, with the compiler's message
-        return traceback.format_exc()[-4000:]
-
-
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     return compiled_in_child(__file__, timeout=600)
@@ -181,4 +171,4 @@ def test_attention_products_on_tensor_cores(compiled, name):
 
 
 if __name__ == "__main__":
-    print(json.dumps({name: _compile_case(name) for name in CASES}))
+    print(json.dumps(compile_cases(CASES)))

@@ -19,11 +19,10 @@ About 11 s with a cold Triton cache on two CPU cores, so in the default set."""
 from __future__ import annotations
 
 import json
-import traceback
 
 import pytest
 import torch
-from hopper_compile import compile_launch, compiled_in_child, recorded_launches
+from hopper_compile import compile_cases, compiled_in_child
 
 TOKENS, PREFILL, REQUESTS, PAGES, PAGE = 64, 512, 4, 64, 16
 HIDDEN, HEADS, RANK, ROPE = 2048, 16, 512, 64  # W4 and W6's MLA
@@ -187,15 +186,6 @@ CASES = {
 TENSOR_CORES = [n for n in CASES if n.startswith(("mla", "moe ", "fp8_gemm", "fp8_moe", "inv"))]
 
 
-def _compile_case(name: str) -> list | str:
-    """Each kernel compiled for this case (launch order), or the error that stopped it."""
-    try:
-        launches = recorded_launches(CASES[name][0])
-        return [compile_launch(*launch) for launch in launches]
-    except Exception:  # reported by the test of this case, with the compiler's message
-        return traceback.format_exc()[-4000:]
-
-
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     return compiled_in_child(__file__, timeout=600)
@@ -216,4 +206,4 @@ def test_products_on_tensor_cores(compiled, name):
 
 
 if __name__ == "__main__":
-    print(json.dumps({name: _compile_case(name) for name in CASES}))
+    print(json.dumps(compile_cases(CASES)))
