@@ -234,15 +234,20 @@ class Workers:
         try:
             yield
         except RuntimeError as e:
-            grace_s = self.ranks.grace_s if grace_s is None else grace_s
-            deadline = time.monotonic() + grace_s
-            while not self.exited and time.monotonic() < deadline:
-                time.sleep(0.01)
-            try:
-                self.check()
-            except RuntimeError as named:
-                raise named from e
+            self._raise_named(e, grace_s)
             raise
+
+    def _raise_named(self, error: RuntimeError, grace_s: float | None = None) -> None:
+        """check()'s error, raised from `error`, once the watcher has seen a worker end
+        (waiting up to grace_s, None: the launcher's); returns where none has."""
+        grace_s = self.ranks.grace_s if grace_s is None else grace_s
+        deadline = time.monotonic() + grace_s
+        while not self.exited and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            self.check()
+        except RuntimeError as named:
+            raise named from error
 
     def check(self) -> None:
         """RuntimeError naming the workers that ended before shutdown, if any."""
@@ -265,11 +270,9 @@ class Workers:
         try:
             broadcast_object(payload, self.tp.host_group, self.check, self.slice_s)
         except RuntimeError as e:
-            if self.exited:  # the watcher's account first (a silent rank it killed)
-                try:
-                    self.check()
-                except RuntimeError as named:
-                    raise named from e
+            # the watcher's account first (a silent rank it killed, or a killed one
+            # whose exit it has yet to see: the peer's reset can come before that)
+            self._raise_named(e)
             dead = sorted(self.ranks.wait(self.ranks.ranks, 0))
             raise RuntimeError(
                 f"{self.role} worker rank(s) {dead or '?'} stopped responding: {e}"
