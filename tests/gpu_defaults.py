@@ -10,6 +10,7 @@ import random
 from conftest import record_launches
 from parity import top5_after
 
+from batchgen import LLM, SamplingParams
 from batchgen.eval.closeness import close_under_top5, top5_from_logprobs
 
 # what a GPU engine of these tests is given besides its model: the device and dtype
@@ -84,3 +85,23 @@ def collapsed_rows(llm, prompts, outs, ref, eos_ids) -> list[int]:
         ):
             bad.append(p)
     return bad
+
+
+def generated(model_dir, prompts, params, **options) -> tuple[list[tuple], PathSeen]:
+    """Each prompt's (token ids, logprobs, finish reason) from a fresh engine on
+    `model_dir` with the GPU's defaults and `options`, and the PathSeen of its run (the
+    Triton backend and decode CUDA graphs checked before it runs)."""
+    llm = LLM(model=str(model_dir), **GPU, **options)
+    seen = PathSeen(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].finish_reason) for o in outs
+    ], seen
+
+
+def seeded_sampled(count: int, max_tokens: int = 24) -> list:
+    """A user's sampled rows: temperature 0.8, top_p 0.95, a seed per row, EOS endings."""
+    return [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=max_tokens)
+        for i in range(count)
+    ]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from deepseek_checkpoints import save_tiny_deepseek
+from gpu_defaults import generated, seeded_sampled
 
-from batchgen import LLM, SamplingParams
+from batchgen import SamplingParams
 from batchgen.kernels import mla_rope
 from batchgen.kernels.mla_rope import mla_rope_latent, mla_rope_store
 from batchgen.kernels.store_kv import store_latent
@@ -19,6 +20,8 @@ from batchgen.kv_quant import FP8, to_cache
 from batchgen.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.gpu
+
+ENGINE_PAGES = 512
 
 HEADS, NOPE, ROPE, RANK, PAGE, PAGES = 16, 128, 64, 512, 64, 300
 MAX_POSITIONS = 16384
@@ -84,25 +87,29 @@ def test_one_launch_replays_in_a_cuda_graph(rotary):
     assert torch.equal(q, ref_q) and torch.equal(_bytes(pool), _bytes(ref_pool))
 
 
-def _engine_run(model_dir, prompts, params):
-    llm = LLM(
-        model=str(model_dir),
-        device="cuda",
-        dtype="bfloat16",
-        attention_backend="triton",
-        num_kv_pages=512,
-        max_num_seqs=16,
-    )
-    assert llm.engine.runner.graphs is not None, "no decode CUDA graphs were captured"
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+def _params(mode: str, count: int):
+    """The default path first (seeded sampled rows, EOS endings, no logprobs: pipelined
+    decode in CUDA graphs), then greedy with logprobs (every logprob compared too)."""
+    if mode == "defaults":
+        return seeded_sampled(count)
+    return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
 
 
-def test_engine_greedy_tokens_and_logprobs_fused_as_unfused(tmp_path, monkeypatch):
+def _engine_run(model_dir, prompts, params, mode):
+    outs, seen = generated(model_dir, prompts, params, num_kv_pages=ENGINE_PAGES, max_num_seqs=16)
+    if mode == "defaults":
+        seen.check()  # graphs replayed, steps queued ahead
+    else:
+        assert seen.replays > 0, "no decode step replayed a CUDA graph"
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["defaults", "greedy_logprobs"])
+def test_engine_tokens_fused_as_unfused(tmp_path, monkeypatch, mode):
     save_tiny_deepseek(tmp_path)  # dense MLPs: graph-safe in bf16
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 40, 90, 3, 17)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = _params(mode, len(prompts))
     calls = []
 
     def counted(*args):
@@ -110,7 +117,7 @@ def test_engine_greedy_tokens_and_logprobs_fused_as_unfused(tmp_path, monkeypatc
         return mla_rope_store(*args)
 
     monkeypatch.setattr(mla_rope, "mla_rope_store", counted)
-    fused = _engine_run(tmp_path, prompts, params)
+    fused = _engine_run(tmp_path, prompts, params, mode)
     assert calls, "the engine's MLA layers did not take the one launch"
 
     def two_launches(q, kv, *args):
@@ -118,4 +125,4 @@ def test_engine_greedy_tokens_and_logprobs_fused_as_unfused(tmp_path, monkeypatc
         store_latent(cache, mla_rope_latent(q, kv, *rope_args), slots)
 
     monkeypatch.setattr(mla_rope, "mla_rope_store", two_launches)
-    assert _engine_run(tmp_path, prompts, params) == fused
+    assert _engine_run(tmp_path, prompts, params, mode) == fused

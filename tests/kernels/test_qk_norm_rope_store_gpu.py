@@ -9,14 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import save_tiny_model, tiny_config
+from gpu_defaults import generated, seeded_sampled
 
-from batchgen import LLM, SamplingParams
+from batchgen import SamplingParams
 from batchgen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_store
 from batchgen.kernels.store_kv import store_kv
 from batchgen.kv_quant import FP8, to_cache
 from batchgen.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.gpu
+
+ENGINE_PAGES = 1024
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, PAGES = 16, 8, 128, 16, 1200
 MAX_POSITIONS = 40960
@@ -94,25 +97,29 @@ def test_one_launch_replays_in_a_cuda_graph(rotary):
     assert torch.equal(captured, want) and torch.equal(pool, ref_pool)
 
 
-def _engine_run(model_dir, prompts, params):
-    llm = LLM(
-        model=str(model_dir),
-        device="cuda",
-        dtype="bfloat16",
-        attention_backend="triton",
-        num_kv_pages=1024,
-        max_num_seqs=16,
-    )
-    assert llm.engine.runner.graphs is not None, "no decode CUDA graphs were captured"
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+def _params(mode: str, count: int):
+    """The default path first (seeded sampled rows, EOS endings, no logprobs: pipelined
+    decode in CUDA graphs), then greedy with logprobs (every logprob compared too)."""
+    if mode == "defaults":
+        return seeded_sampled(count)
+    return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
 
 
-def test_engine_greedy_tokens_and_logprobs_fused_as_unfused(tmp_path, monkeypatch):
+def _engine_run(model_dir, prompts, params, mode):
+    outs, seen = generated(model_dir, prompts, params, num_kv_pages=ENGINE_PAGES, max_num_seqs=16)
+    if mode == "defaults":
+        seen.check()  # graphs replayed, steps queued ahead
+    else:
+        assert seen.replays > 0, "no decode step replayed a CUDA graph"
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["defaults", "greedy_logprobs"])
+def test_engine_tokens_fused_as_unfused(tmp_path, monkeypatch, mode):
     save_tiny_model(tmp_path, "Qwen3ForCausalLM")
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 40, 90, 3, 17)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = _params(mode, len(prompts))
     calls = []
     store = RotaryEmbedding.forward_qkv_store
 
@@ -121,7 +128,7 @@ def test_engine_greedy_tokens_and_logprobs_fused_as_unfused(tmp_path, monkeypatc
         return store(self, *args, **kwargs)
 
     monkeypatch.setattr(RotaryEmbedding, "forward_qkv_store", counted)
-    fused = _engine_run(tmp_path, prompts, params)
+    fused = _engine_run(tmp_path, prompts, params, mode)
     assert calls, "the engine's layers did not take the one launch"
 
     def two_kernels(self, positions, qkv, heads, kv_heads, pages, slots, q_norm, k_norm):
@@ -131,4 +138,4 @@ def test_engine_greedy_tokens_and_logprobs_fused_as_unfused(tmp_path, monkeypatc
         return q
 
     monkeypatch.setattr(RotaryEmbedding, "forward_qkv_store", two_kernels)
-    assert _engine_run(tmp_path, prompts, params) == fused
+    assert _engine_run(tmp_path, prompts, params, mode) == fused
