@@ -272,7 +272,7 @@ FAMILIES = (
     ),
     ("linear_attention", ("kda", "chunk_", "recurrent", "delta_rule", "conv1d")),  # fla-core
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "sm90_")),
-    ("norm_rope_act", ("rms_norm", "qk_norm_rope", "silu")),
+    ("norm_rope_act", ("rms_norm", "qk_norm_rope", "mla_rope", "silu")),
     (
         "sampling",
         ("argmax", "softmax", "exponential", "topk", "sort", "reduce_kernel")
