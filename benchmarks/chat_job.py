@@ -29,7 +29,9 @@ time the host waited for tokens: `InFlightDecode.result`, a synchronous step's s
 and read-back) and, on a GPU, the GPU's busy ms a step and busy fraction of the window
 (CUDA events around every call that queues a step's GPU work: the runner's forward, the
 lm_head, the sampling; time between a call's events counts as busy even where the GPU
-waited for the host's launches inside it, so the fraction is an upper bound).
+waited for the host's launches inside it, so the fraction is an upper bound; a call
+made while a CUDA graph is captured, as the sampling tail's lm_head is at the first
+sampled step, records no events: events recorded into a capture have no time to read).
 Prints a JSON summary and writes chat_job.json into --out.
 """
 
@@ -153,6 +155,8 @@ class StepMeter:
         import torch
 
         def on_gpu(*a, **k):
+            if torch.cuda.is_current_stream_capturing():  # a graph's capture: no events
+                return fn(*a, **k)  # (the sampling tail's lm_head is captured mid-step)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             try:

@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 from conftest import save_tiny_model
+from eager_graphs import install_eager_graphs
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine import memory  # reconfigure() makes its pools there (remake_pool)
@@ -27,6 +28,13 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _pool_refs(engine) -> list[weakref.ref]:
+    """Weak references to the pool's tensor and to every layer cache (views of it: a
+    view keeps the pool's memory alive without its tensor)."""
+    caches = [t for layer in engine.runner.kv_caches for t in layer]
+    return [weakref.ref(engine.pool.kv)] + [weakref.ref(t) for t in caches]
+
+
 def test_too_small_a_pool_is_refused_before_anything_changes(model_dir):
     llm = LLM(model=model_dir, num_kv_pages=40, host_kv_size_gib=0.01, **KW)
     eng = llm.engine
@@ -44,12 +52,12 @@ def test_the_old_pool_is_released_before_the_new_one_is_allocated(model_dir, mon
     llm = LLM(model=model_dir, num_kv_pages=40, host_kv_size_gib=0.01, **KW)
     ref = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert llm.engine.metrics()["kv_pages"] == 40  # the device pool's pages
-    old = weakref.ref(llm.engine.pool.kv)
+    old = _pool_refs(llm.engine)
     seen = []
     real = memory.PagePool
 
     def watching(*args, **kw):
-        seen.append(old() is None)
+        seen.append(all(ref() is None for ref in old))
         return real(*args, **kw)
 
     monkeypatch.setattr(memory, "PagePool", watching)
@@ -79,4 +87,33 @@ def test_a_failed_allocation_restores_a_pool_of_the_old_size(model_dir, monkeypa
     assert eng.pool.num_pages == 40 and eng.kv.allocator.num_pages == 40
     while eng.has_unfinished:  # the requests caught in it finish, as do new ones
         eng.step()
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == ref
+
+
+def test_decode_graphs_let_go_of_the_old_pool_their_sampling_tails_were_captured_over(
+    model_dir, monkeypatch
+):
+    """A GPU engine that sampled has captured sampling tails, and its DecodeGraphs keep
+    the layer caches those were captured over (set as `capture_tail` sets it; tails need
+    CUDA). reconfigure() must still free the old pool before it makes the new one: on an
+    H100 the invariance probe's reconfigure of a 69 GiB pool ran out of memory beside the
+    old one when the graphs kept it."""
+    run = dict(KW, dtype="float32", max_num_seqs=4)
+    llm = LLM(model=model_dir, num_kv_pages=40, attention_backend="triton", **run)
+    install_eager_graphs(llm, run)
+    ref = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    graphs = llm.engine.runner.graphs
+    graphs._tail_kv = graphs.kv_caches  # what capturing a sampling tail records
+    old = _pool_refs(llm.engine)
+    seen = []
+    real = memory.PagePool
+
+    def watching(*args, **kw):
+        seen.append(all(ref() is None for ref in old))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(memory, "PagePool", watching)
+    llm.engine.reconfigure(48)
+    assert seen == [True], "the decode graphs still held the old KV pool when the new was made"
+    install_eager_graphs(llm, run)  # graphs over the new pool (a GPU captures them again)
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == ref

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import save_tiny_model
 from parity import collapsed, completions
 
@@ -70,3 +71,36 @@ def test_graphs_with_swaps_and_reconfigure(model_dir):
     assert collapsed(completions(tight, prompts, params), ref) == 0
     assert graphs.graphs, "the decode graphs should have been captured again"
     assert graphs.capture_stream is stream  # no further stream: it would slow every replay
+
+
+def test_reconfigure_frees_the_old_pool_after_sampled_steps(model_dir, monkeypatch):
+    """The default path (seeded sampled rows, EOS endings: the sampling tail captured in
+    the decode graphs) then reconfigure(): the old pool's memory is given back before the
+    new pool is allocated, so a pool of most of the GPU can be re-created (on an H100 the
+    invariance probe ran out of memory re-creating a 69 GiB pool beside the old one)."""
+    from batchgen.engine import memory
+
+    llm = LLM(model=model_dir, num_kv_pages=4096, **KW)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=32) for i in range(8)]
+    llm.generate(_prompts(8, seed=3), params, use_tqdm=False)
+    graphs = llm.engine.runner.graphs
+    assert graphs.tail_graphs, "the sampled steps should have replayed a sampling tail"
+    pool_bytes = llm.engine.pool.kv.numel() * llm.engine.pool.kv.element_size()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    allocated_then = []
+    real = memory.PagePool
+
+    def watching(*args, **kw):
+        allocated_then.append(torch.cuda.memory_allocated())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(memory, "PagePool", watching)
+    llm.engine.reconfigure(4096)
+    assert len(allocated_then) == 1
+    assert allocated_then[0] <= before - pool_bytes, (
+        f"{(allocated_then[0] - (before - pool_bytes)) / 2**20:.0f} MiB of the old pool "
+        "still allocated when the new one was made"
+    )
+    outs = llm.generate(_prompts(8, seed=3), params, use_tqdm=False)
+    assert all(o.outputs[0].token_ids for o in outs)

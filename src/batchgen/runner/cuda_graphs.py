@@ -274,9 +274,12 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         """Drop every captured graph (the KV pool was re-created): the next replay
-        captures again, with a new pool, and a refused tail variant may fit now."""
+        captures again, with a new pool, and a refused tail variant may fit now. The
+        old pool's layer caches are let go too (the tails' record of the pool they were
+        captured over): reconfigure() frees the old pool before it allocates the new."""
         self.graphs.clear()
         self.tail_graphs.clear()
+        self._tail_kv = None
         self.tail_bytes = 0
         self.refused_tails.clear()
 
