@@ -3,6 +3,7 @@ the sampler's arithmetic excluded, in milliseconds a step by phase.
 
     PYTHONPATH=src python3 -m benchmarks.host_overhead --chat 2048            # ~900 rows
     PYTHONPATH=src python3 -m benchmarks.chat_host --requests 2048 --out DIR  # the same
+    PYTHONPATH=src python3 -m benchmarks.chat_host --requests 2048 --greedy --out DIR
 
 W7 (chat_job.py) is host-bound on the GPU: the default model's step is a few ms of GPU
 work at ~900 rows, the host's bookkeeping tens. This measures that bookkeeping where no
@@ -20,6 +21,13 @@ them alone, as the real sampler's: two trees that batch rows differently give th
 answers), EOS (id 2) with probability 1/--eos-every (W7's default-model answers mostly
 end by EOS before max_tokens), so a run of ~900 rows takes minutes; everything before
 the sampler (its metadata) and after it runs as it is.
+
+--greedy runs the same lines at temperature 0 (as chat_job.py's greedy run: the job's
+parameters, seeds included, temperature 0): every row is plain greedy, so the runner
+builds no sampling metadata and takes its argmax path, whose logits are a stand-in
+(`GreedyLogits`) whose argmax is the same hash of the row's request seed and output index:
+the same tokens, steps and output lines as the sampled run, so the two runs' host times
+compare step for step.
 
 Timed per step (each call's time added to its phase; `forward` and `sample` are the
 model's and the stand-in sampler's, the GPU's work, left out of `host`):
@@ -103,7 +111,12 @@ def tiny_default_model(path: Path) -> Path:
 class StandInSampler:
     """Tokens for the rows of `logits` (the hidden states: the lm_head is skipped), each a
     hash of its row's seed and position (`meta.seeds`, `meta.positions`): EOS with
-    probability about 1/eos_every, else a token of 3..vocab-1."""
+    probability about 1/eos_every, else a token of 3..vocab-1.
+
+    Called with meta None (a greedy run: `GreedyLogits.argmax`), the same hash of each
+    row's request seed (`seed` of its fixed data, what the sampled run's `meta.seeds`
+    holds) and output index (the step's `steps`): a greedy run's tokens are the sampled
+    run's."""
 
     def __init__(self, vocab: int, eos: int, eos_every: int) -> None:
         self.vocab, self.eos, self.eos_every = vocab, eos, eos_every
@@ -111,13 +124,56 @@ class StandInSampler:
     def __call__(self, logits, meta):
         from batchgen.runner.sampler import SamplerOutput
 
+        if meta is None:
+            seeds, positions = logits.keys()
+        else:
+            seeds, positions = meta.seeds.cpu(), meta.positions.cpu()
         # a multiply-xorshift mix in int64 (products wrap), masked to 62 bits
-        x = meta.seeds.cpu() * 0x5851F42D4C957F2D + (meta.positions.cpu() + 1) * 0x14057B7EF767814F
+        x = seeds * 0x5851F42D4C957F2D + (positions + 1) * 0x14057B7EF767814F
         x = (x ^ (x >> 31)) * 0x2545F4914F6CDD1D
         x = (x ^ (x >> 29)) & ((1 << 62) - 1)
         tokens = 3 + x % (self.vocab - 3)
         stop = (x >> 20) % self.eos_every == 0
         return SamplerOutput(tokens.masked_fill(stop, self.eos), None, None, None, None)
+
+
+class GreedyLogits:
+    """A greedy step's stand-in logits: the rows that sample (`StepRows` or `StepRow`s,
+    each with its fixed data's `seed`) and their output indices; `argmax` is the stand-in
+    sampler's draw for them (`sampler()`, read when called: the timed one), what the
+    runner's plain-greedy path takes from real logits."""
+
+    def __init__(self, rows, steps, sampler) -> None:
+        self.rows, self.steps, self.sampler = rows, steps, sampler
+
+    def keys(self):
+        """(seeds [n] int64 as the sampling metadata holds them, positions [n] int64)."""
+        import torch
+
+        fixed = getattr(self.rows, "fixed", self.rows)
+        seeds = [(f.seed or 0) & (2**64 - 1) for f in fixed]
+        seeds = [s - (s >> 63 << 64) for s in seeds]  # two's complement, as `meta.seeds`
+        positions = torch.as_tensor(self.steps, dtype=torch.int64).reshape(len(seeds))
+        return torch.tensor(seeds, dtype=torch.int64), positions
+
+    def argmax(self, dim: int = -1):
+        return self.sampler()(self, None).sampled_token_ids
+
+
+def greedy_stand_in(runner) -> None:
+    """The runner's two sampling calls (`_launch_sample`, `_sample`) given `GreedyLogits`
+    for their rows in place of the logits (set on the instance; `del` them after)."""
+    launch, sample = runner._launch_sample, runner._sample
+    sampler = lambda: runner.sampler  # noqa: E731 (the timed one, read when called)
+
+    def launch_sample(flight, logits, steps):
+        return launch(flight, GreedyLogits(flight.sampled, steps, sampler), steps)
+
+    def sample_rows(logits, sampled):
+        steps = [r.num_output_tokens for r in sampled]
+        return sample(GreedyLogits(sampled, steps, sampler), sampled)
+
+    runner._launch_sample, runner._sample = launch_sample, sample_rows
 
 
 def exclusive_into(spent: dict[str, float], name: str, fn, clock, open_calls: list):
@@ -207,7 +263,7 @@ def run(args) -> dict:
         input=path,
         output=out,
         model_name="tiny",
-        defaults={"max_tokens": None, "temperature": 1.0, "top_p": 1.0},
+        defaults={"max_tokens": None, "temperature": 0.0 if args.greedy else 1.0, "top_p": 1.0},
         seed=0,
         max_in_flight=eng.config.read_ahead,
         progress=False,
@@ -263,6 +319,8 @@ def run(args) -> dict:
     sched.update = rows_of(sched.update)  # counts each step's rows (inside its timer)
     runner.model.compute_logits = lambda hidden: hidden  # the stand-in reads the rows only
     runner.sampler = StandInSampler(TINY_SMOLLM2["vocab_size"], 2, args.eos_every)
+    if args.greedy:
+        greedy_stand_in(runner)
     with ExitStack() as stack:
         for owner, attr, name in wraps:
             stack.enter_context(_wrapped(owner, attr, spent, name, clock, open_calls))
@@ -275,6 +333,8 @@ def run(args) -> dict:
         finally:
             del eng.step
     del sched.update, runner.model.compute_logits
+    if args.greedy:
+        del runner._launch_sample, runner._sample
     for row in steps:
         row["host"] = row["cycle"] - sum(row.get(k, 0.0) for k in DEVICE_PHASES)
         row["other"] = row["host"] - sum(row.get(k, 0.0) for k in HOST_PHASES)
@@ -290,6 +350,7 @@ def run(args) -> dict:
         "rows": args.rows,
         "overlap": eng.overlap.name,
         "clock": args.clock,
+        "greedy": args.greedy,
         "steps": len(steps),
         "full_steps": len(full),
         "scheduled_steps": sum("schedule" in r for r in steps),  # the rest built blind
@@ -313,6 +374,11 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/batchgen-chat-host"))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--eos-every", type=int, default=160, help="1/P(EOS) a token")
+    ap.add_argument(
+        "--greedy",
+        action="store_true",
+        help="the same lines at temperature 0 (chat_job's greedy run): the same tokens",
+    )
     ap.add_argument("--profile", type=Path, default=None, help="write cProfile stats here")
     ap.add_argument(
         "--clock",

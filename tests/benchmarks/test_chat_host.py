@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.chat_host import StandInSampler, exclusive_into, profiled
+from benchmarks.chat_host import GreedyLogits, StandInSampler, exclusive_into, profiled
 
 
 def _draw(sampler, seeds, positions):
@@ -36,6 +36,44 @@ def test_eos_comes_about_once_in_eos_every_draws():
     share = tokens.count(2) / n
     assert 0.8 / 16 < share < 1.2 / 16
     assert len(set(tokens)) > n // 3  # the other tokens spread over the vocabulary
+
+
+def test_a_greedy_rows_token_is_the_sampled_rows_for_its_seed_and_position():
+    """--greedy's stand-in reads each row's request seed (its fixed data's, two's
+    complement as the metadata holds it) and output index: the sampled run's tokens."""
+    sampler = StandInSampler(vocab=1000, eos=2, eos_every=8)
+    seeds = [11, 2**63 + 5, 2**62, 7, 11]
+    positions = [0, 3, 9, 1, 1]
+    rows = SimpleNamespace(fixed=[SimpleNamespace(seed=s) for s in seeds])
+    greedy = GreedyLogits(rows, positions, lambda: sampler).argmax(dim=-1).tolist()
+    as_int64 = [s - 2**64 if s >= 2**63 else s for s in seeds]
+    assert greedy == _draw(sampler, as_int64, positions)
+    listed = [SimpleNamespace(seed=s) for s in seeds[::-1]]  # StepRows or StepRow lists
+    assert GreedyLogits(listed, positions[::-1], lambda: sampler).argmax().tolist() == greedy[::-1]
+
+
+def test_the_greedy_run_answers_as_the_sampled_run_without_its_metadata(tmp_path):
+    """The same lines at temperature 0 take the runner's plain-greedy path (no sampling
+    metadata built) and give the sampled run's lines (ids and times aside)."""
+    from benchmarks.chat_host import main
+
+    results = {}
+    for greedy in (False, True):
+        out = tmp_path / f"out{greedy}"
+        argv = ["--requests", "8", "--rows", "4", "--eos-every", "4", "--clock", "thread"]
+        argv += ["--work", str(tmp_path / "work"), "--out", str(out)]
+        main(argv + (["--greedy"] if greedy else []))
+        results[greedy] = json.loads((out / "chat_host.json").read_text())
+
+    def answers(result):
+        lines = [json.loads(x) for x in Path(result["output"]).read_text().splitlines()]
+        return sorted((x["custom_id"], x["response"]["body"]["choices"]) for x in lines)
+
+    assert [r["greedy"] for r in results.values()] == [False, True]
+    assert answers(results[True]) == answers(results[False])
+    assert results[True]["completion_tokens"] == results[False]["completion_tokens"] > 8
+    assert results[False]["mean_ms_all_steps"]["sampling_meta"] > 0
+    assert results[True]["mean_ms_all_steps"]["sampling_meta"] == 0
 
 
 def test_the_profile_is_written_where_its_folders_do_not_exist_yet(tmp_path):
