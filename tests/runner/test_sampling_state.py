@@ -132,3 +132,46 @@ def test_build_for_scheduled_requests_equals_build():
     )
     assert_same(got, want)
     assert got.seeds.tolist()[1] == 41 and got.positions.tolist() == steps
+
+
+def test_a_steps_flags_skip_only_what_no_held_request_uses():
+    """A step's columns skip the reductions of what no held request uses (`absent`):
+    each flag, the min_tokens blocks and the penalised rows equal the columns' own
+    reductions, as requests of each kind come and go (the skipped bits come back when a
+    request that uses them is added, and go again when it leaves)."""
+    from dataclasses import replace
+
+    from batchgen.runner import step_columns as sc
+
+    gen = random.Random(1)
+    state = SamplingState(VOCAB, CPU, EOS)
+    live: dict[str, SamplingParams] = {}
+    seen_absent = set()
+    for step in range(40):
+        if step % 10 == 0:  # whole batches of one kind, then mixed
+            state.release(list(live))
+            live.clear()
+        pool = PARAMS[step // 10 % 2 : step // 10 % 2 + 1] if step < 20 else PARAMS
+        while len(live) < 8:
+            live[f"r{step}-{len(live)}-{gen.random()}"] = gen.choice(pool)
+        ids = list(live)
+        gen.shuffle(ids)
+        steps = [gen.randrange(6) for _ in ids]
+        params = [live[i] for i in ids]
+        cols = state.columns(ids, params, [[1]] * len(ids), [[]] * len(ids), steps)
+        full = replace(cols, absent=0)
+        for name in ("all_greedy", "max_top_k", "use_top_p", "use_min_p", "need_logprobs",
+                     "max_logprobs"):  # fmt: skip
+            assert getattr(cols, name) == getattr(full, name), (step, name)
+        want_pen = [i for i, p in enumerate(params) if p.has_penalties]
+        assert cols.penalised == want_pen
+        want_block = [i for i, p in enumerate(params) if steps[i] < p.min_tokens]
+        assert [i for i, _ in cols.min_tokens_block] == want_block
+        seen_absent.add(cols.absent)
+        for rid in ids[: gen.randrange(4)]:
+            del live[rid]
+            state.release([rid])
+    greedy_only = sc.SAMPLED | sc.TOP_P | sc.MIN_P | sc.TOP_K | sc.LOGPROBS | sc.MIN_TOKENS
+    assert greedy_only | sc.PENALISED in seen_absent  # PARAMS[0] alone: nothing but greedy
+    assert any(a & sc.GREEDY and not a & sc.TOP_P for a in seen_absent)  # PARAMS[1] alone
+    assert 0 in seen_absent  # every kind held at once

@@ -17,7 +17,7 @@ import torch
 from batchgen.forward_context import parts_to_device, to_device
 from batchgen.runner.input_batch import StepRows
 from batchgen.runner.penalty_counts import PenaltyCounts, token_stats
-from batchgen.runner.step_columns import LazyColumn, StepColumns
+from batchgen.runner.step_columns import MIN_TOKENS, PENALISED, HeldFlags, LazyColumn, StepColumns
 from batchgen.sampling_params import SamplingParams
 
 # Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
@@ -167,6 +167,7 @@ class SamplingState:
         # per slot: noise seed (int64 bits), min_tokens, logprobs (-1: None), penalised
         self._ints = np.zeros((4, 0), dtype=np.int64)
         self._blocked: list[list[int] | None] = []  # min_tokens' forbidden ids, when asked
+        self._held = HeldFlags()  # what the held slots use: a step's columns skip the rest
         # by runner page row (`columns_for` of StepRows): its holder's slot, and the row's
         # serial then (-1: none seen)
         self._row_slot = np.zeros(0, dtype=np.int64)
@@ -176,11 +177,15 @@ class SamplingState:
         return len(self._slot)
 
     def release(self, request_ids) -> None:
+        freed = []
         for rid in request_ids:
             slot = self._slot.pop(rid, None)
             if slot is not None:
                 self._params[slot] = self._blocked[slot] = None
-                self._free.append(slot)
+                freed.append(slot)
+        if freed:
+            self._held.clear(freed)
+            self._free += freed
 
     def _take(self) -> int:
         if not self._free:
@@ -190,6 +195,7 @@ class SamplingState:
             self._ints = np.concatenate([self._ints, np.zeros((4, grow), np.int64)], 1)
             self._params += [None] * grow
             self._blocked += [None] * grow
+            self._held.grow(grow)
             self._free = list(range(have + grow - 1, have - 1, -1))
         return self._free.pop()
 
@@ -217,8 +223,9 @@ class SamplingState:
         if unseeded:
             drawn = torch.randint(0, 2**62, (len(unseeded),), generator=self.generator)
             ints[unseeded, 0] = drawn.numpy()
-        self._floats[:, slots] = np.array(floats, dtype=np.float32).reshape(-1, 7).T
-        self._ints[:, slots] = ints.T
+        floats = np.array(floats, dtype=np.float32).reshape(-1, 7).T
+        self._floats[:, slots], self._ints[:, slots] = floats, ints.T
+        self._held.set(slots, floats, ints.T)
 
     def _min_tokens_ids(self, slot: int) -> list[int]:
         ids = self._blocked[slot]
@@ -294,18 +301,20 @@ class SamplingState:
 
     def _columns_at(self, at, request_ids, prompt_token_ids, output_token_ids, steps):
         """`columns` of the rows whose slots are `at` [n] int64."""
-        n = at.size
-        floats, ints = self._floats[:, at], self._ints[:, at]
+        n, absent = at.size, self._held.absent
+        floats, ints = self._floats.take(at, axis=1), self._ints.take(at, axis=1)
         if steps is None:
             steps = [len(output_token_ids[i]) for i in range(n)]
         positions = np.asarray(steps, dtype=np.int64).reshape(n)
         min_tokens_block = []
-        for i in np.flatnonzero(positions < ints[1]).tolist():
+        under = () if absent & MIN_TOKENS else np.flatnonzero(positions < ints[1]).tolist()
+        for i in under:
             ids = self._min_tokens_ids(int(at[i]))
             if ids:
                 min_tokens_block.append((i, ids))
-        cols = StepColumns(floats, ints[0], positions, ints[2], min_tokens_block)
-        cols.penalised = np.flatnonzero(ints[3]).tolist()
+        cols = StepColumns(floats, ints[0], positions, ints[2], min_tokens_block, absent=absent)
+        if not absent & PENALISED:
+            cols.penalised = np.flatnonzero(ints[3]).tolist()
         kept = self.penalty_counts
         if cols.penalised and kept is not None:
             cols.pen_ids = [request_ids[i] for i in cols.penalised]
@@ -358,14 +367,14 @@ class SamplingState:
             all_greedy=cols.all_greedy,
             seeds=dev[0],
             positions=dev[1],
-            max_logprobs=int(cols.logprobs.max(initial=0)),
+            max_logprobs=cols.max_logprobs,
             presence_penalty=packed[4] if penalised else None,
             frequency_penalty=packed[5] if penalised else None,
             repetition_penalty=packed[6] if penalised else None,
             min_tokens_block=cols.min_tokens_block,
             max_top_k=cols.max_top_k,
-            use_top_k=bool((floats[3] > 0).any()),
-            use_top_p=bool((floats[1] < 1.0).any()),
+            use_top_k=cols.max_top_k > 0,
+            use_top_p=cols.use_top_p,
             use_min_p=cols.use_min_p,
             need_logprobs=cols.need_logprobs,
         )
