@@ -159,3 +159,43 @@ def test_decode_graphs_and_eager_steps_share_the_page_tables_row_stride(tiny_lla
     widths = {table_width(-(-n // 16), rows.shape[1]) for n in range(1, 521)}
     assert widths == {16, 32, 48}
     eng.shutdown()
+
+
+@pytest.mark.parametrize("num", [1, 3, 6, 17])
+@pytest.mark.parametrize("penalised", [False, True])
+def test_sampling_metadata_crosses_in_one_copy_with_aligned_parts(num, penalised):
+    """`SamplingState.to_device`: the float columns (as bytes), seeds, positions, top_k
+    and the kept penalty rows in one int64 tensor (one copy to a GPU), every part and
+    every float row 16-byte aligned, each holding the step's values."""
+    from batchgen.runner.penalty_counts import PenaltyCounts
+    from batchgen.runner.sampler import SamplingState
+    from batchgen.sampling_params import SamplingParams
+
+    cpu = torch.device("cpu")
+    state = SamplingState(50, cpu, [2], penalty_counts=PenaltyCounts(50, cpu))
+    params = [
+        SamplingParams(
+            temperature=0.5 + i / 10,
+            top_p=0.9,
+            top_k=3 + i,
+            min_p=0.01 * i,
+            presence_penalty=0.25 if penalised and i % 2 else 0.0,
+        )
+        for i in range(num)
+    ]
+    ids = [f"r{i}" for i in range(num)]
+    outputs = [[4] * i for i in range(num)]  # positions 0..num-1, as the kept counts' steps
+    meta = state.build(ids, params, [[1, 2]] * num, outputs, list(range(num)), range(9, 9 + num))
+    views = [meta.temperature, meta.top_p, meta.top_k, meta.min_p, meta.seeds, meta.positions]
+    if penalised and num > 1:  # row 0 has no penalty
+        views += [meta.presence_penalty, meta.frequency_penalty, meta.repetition_penalty]
+        views += [meta.penalty_source[2], *meta.penalty_rows[:2]]
+    assert _offsets_aligned(meta.temperature, views) == []
+    storage = meta.temperature.untyped_storage().data_ptr()  # one tensor crossed
+    assert all(v.untyped_storage().data_ptr() == storage for v in views)
+    assert meta.top_k.dtype == torch.int64 and meta.top_k.tolist() == [3 + i for i in range(num)]
+    assert meta.temperature.tolist() == pytest.approx([0.5 + i / 10 for i in range(num)])
+    assert meta.min_p.tolist() == pytest.approx([0.01 * i for i in range(num)])
+    assert meta.seeds.tolist() == list(range(9, 9 + num))
+    assert meta.positions.tolist() == list(range(num))
+    assert (meta.presence_penalty is not None) == (penalised and num > 1)

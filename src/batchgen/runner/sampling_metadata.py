@@ -4,7 +4,7 @@ requests that come without one (`request_seed`).
 
 A row's noise seed and position (its tokens generated so far) key the counter-based
 noise of `kernels.sampling`; `SamplingState` reads a request's parameters and seed once,
-so a step's metadata is a gather by slot and two copies to the device.
+so a step's metadata is a gather by slot and one copy to the device.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchgen.forward_context import parts_to_device, to_device
+from batchgen.forward_context import parts_to_device
 from batchgen.runner.input_batch import StepRows
 from batchgen.runner.penalty_counts import PenaltyCounts, token_stats
 from batchgen.runner.step_columns import MIN_TOKENS, PENALISED, HeldFlags, LazyColumn, StepColumns
@@ -136,7 +136,7 @@ class SamplingMetadata:
 class SamplingState:
     """The running requests' sampling parameters, kept by request id from step to step
     (a slot a request, in host arrays), so that a step's `SamplingMetadata` is a gather
-    by slot and two copies to the device: no per-row attribute reads, tuples or seeds
+    by slot and one copy to the device: no per-row attribute reads, tuples or seeds
     made every step (at ~1,000 rows those took milliseconds of a host-bound step).
 
     A request is read once, at the first step that names it (or when its params object
@@ -344,33 +344,34 @@ class SamplingState:
         return self.to_device(cols)
 
     def to_device(self, cols: StepColumns) -> SamplingMetadata:
-        """`columns`' step as device tensors: two copies."""
+        """`columns`' step as device tensors: one copy."""
         floats, n, penalised = cols.floats, cols.positions.size, cols.penalised
-        width = 7 if penalised else 4
-        # each row of `packed`, like each part of `dev` (parts_to_device), starts 16-byte
-        # aligned whatever n is: the sampling kernels take them as pointers, and Triton
-        # compiles a kernel anew for each alignment pattern (a tapering batch, mid-job)
-        packed = np.zeros((width, n + (-n) % 4), dtype=np.float32)
+        width, wide = 7 if penalised else 4, n + (-n) % 4
+        # one int64 tensor crosses (parts_to_device): the float columns' bytes, seeds,
+        # positions, top_k, then (penalties kept on the device) each row's slot, the
+        # penalised rows and their slots. Each part, and each row of the floats (`wide`
+        # floats, 16 bytes a 4), starts 16-byte aligned whatever n is: the sampling kernels
+        # take them as pointers, and Triton compiles a kernel anew for each alignment
+        # pattern (a tapering batch, mid-job)
+        packed = np.zeros((width, wide), dtype=np.float32)
         packed[:, :n] = floats[:width]
-        packed = to_device(torch.from_numpy(packed), self.device)[:, :n]
-        # one int64 tensor crosses too: seeds, positions, then (penalties kept on the
-        # device) each row's slot, the penalised rows and their slots
-        parts = [cols.seeds, cols.positions]
+        parts = [packed.view(np.int64), cols.seeds, cols.positions, floats[3].astype(np.int64)]
         if cols.pen_slots is not None:
             parts += [cols.row_slots(), penalised, cols.pen_slots]
         dev = parts_to_device(parts, self.device)
+        rows = dev[0].view(torch.float32).view(width, wide)[:, :n].unbind(0)
         meta = SamplingMetadata(
-            temperature=packed[0],
-            top_p=packed[1],
-            top_k=packed[3].to(torch.int64),
-            min_p=packed[2],
+            temperature=rows[0],
+            top_p=rows[1],
+            top_k=dev[3],
+            min_p=rows[2],
             all_greedy=cols.all_greedy,
-            seeds=dev[0],
-            positions=dev[1],
+            seeds=dev[1],
+            positions=dev[2],
             max_logprobs=cols.max_logprobs,
-            presence_penalty=packed[4] if penalised else None,
-            frequency_penalty=packed[5] if penalised else None,
-            repetition_penalty=packed[6] if penalised else None,
+            presence_penalty=rows[4] if penalised else None,
+            frequency_penalty=rows[5] if penalised else None,
+            repetition_penalty=rows[6] if penalised else None,
             min_tokens_block=cols.min_tokens_block,
             max_top_k=cols.max_top_k,
             use_top_k=cols.max_top_k > 0,
@@ -380,8 +381,8 @@ class SamplingState:
         )
         kept = self.penalty_counts
         if cols.pen_slots is not None:
-            meta.penalty_source = (kept.counts, kept.prompt, dev[2])
-            meta.penalty_rows = (dev[3], dev[4], kept, cols.pen_ids)
+            meta.penalty_source = (kept.counts, kept.prompt, dev[4])
+            meta.penalty_rows = (dev[5], dev[6], kept, cols.pen_ids)
         elif penalised:
             counts, mask = token_stats(n, self.vocab_size, self.device, cols.outputs, cols.prompts)
             meta.penalty_source = (counts, mask, None)
