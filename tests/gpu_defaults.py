@@ -105,3 +105,23 @@ def seeded_sampled(count: int, max_tokens: int = 24) -> list:
         SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=max_tokens)
         for i in range(count)
     ]
+
+
+def params_for(mode: str, count: int):
+    """A two-row matrix's params: "defaults" (first: seeded sampled rows, EOS endings, no
+    logprobs: pipelined decode in CUDA graphs) or "greedy_logprobs" (every logprob
+    compared too)."""
+    if mode == "defaults":
+        return seeded_sampled(count)
+    return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+
+def run_checked(model_dir, prompts, params, mode: str, **options) -> list[tuple]:
+    """`generated`'s rows, the path checked: graphs replayed and (in "defaults") steps
+    queued ahead."""
+    outs, seen = generated(model_dir, prompts, params, **options)
+    if mode == "defaults":
+        seen.check()
+    else:
+        assert seen.replays > 0, "no decode step replayed a CUDA graph"
+    return outs

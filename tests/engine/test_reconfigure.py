@@ -28,11 +28,21 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _pool_refs(engine) -> list[weakref.ref]:
-    """Weak references to the pool's tensor and to every layer cache (views of it: a
-    view keeps the pool's memory alive without its tensor)."""
+def _watch_release(engine, monkeypatch) -> list[bool]:
+    """For each pool reconfigure() makes from now on, whether the engine's current pool
+    was gone by then: its tensor and every layer cache (views of it: a view keeps the
+    pool's memory alive without its tensor), by weak reference."""
     caches = [t for layer in engine.runner.kv_caches for t in layer]
-    return [weakref.ref(engine.pool.kv)] + [weakref.ref(t) for t in caches]
+    old = [weakref.ref(engine.pool.kv)] + [weakref.ref(t) for t in caches]
+    seen = []
+    real = memory.PagePool
+
+    def watching(*args, **kw):
+        seen.append(all(ref() is None for ref in old))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(memory, "PagePool", watching)
+    return seen
 
 
 def test_too_small_a_pool_is_refused_before_anything_changes(model_dir):
@@ -52,15 +62,7 @@ def test_the_old_pool_is_released_before_the_new_one_is_allocated(model_dir, mon
     llm = LLM(model=model_dir, num_kv_pages=40, host_kv_size_gib=0.01, **KW)
     ref = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert llm.engine.metrics()["kv_pages"] == 40  # the device pool's pages
-    old = _pool_refs(llm.engine)
-    seen = []
-    real = memory.PagePool
-
-    def watching(*args, **kw):
-        seen.append(all(ref() is None for ref in old))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(memory, "PagePool", watching)
+    seen = _watch_release(llm.engine, monkeypatch)
     llm.engine.reconfigure(48)
     assert seen == [True], "the old KV tensor was still referenced when the new pool was made"
     assert llm.engine.pool.num_pages == 48 and llm.engine.metrics()["kv_pages"] == 48
@@ -104,15 +106,7 @@ def test_decode_graphs_let_go_of_the_old_pool_their_sampling_tails_were_captured
     ref = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     graphs = llm.engine.runner.graphs
     graphs._tail_kv = graphs.kv_caches  # what capturing a sampling tail records
-    old = _pool_refs(llm.engine)
-    seen = []
-    real = memory.PagePool
-
-    def watching(*args, **kw):
-        seen.append(all(ref() is None for ref in old))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(memory, "PagePool", watching)
+    seen = _watch_release(llm.engine, monkeypatch)
     llm.engine.reconfigure(48)
     assert seen == [True], "the decode graphs still held the old KV pool when the new was made"
     install_eager_graphs(llm, run)  # graphs over the new pool (a GPU captures them again)

@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from deepseek_checkpoints import save_tiny_deepseek
-from gpu_defaults import generated, seeded_sampled
+from gpu_defaults import params_for, run_checked
 
-from batchgen import SamplingParams
 from batchgen.kernels import mla_rope
 from batchgen.kernels.mla_rope import mla_rope_latent, mla_rope_store
 from batchgen.kernels.store_kv import store_latent
@@ -87,21 +86,8 @@ def test_one_launch_replays_in_a_cuda_graph(rotary):
     assert torch.equal(q, ref_q) and torch.equal(_bytes(pool), _bytes(ref_pool))
 
 
-def _params(mode: str, count: int):
-    """The default path first (seeded sampled rows, EOS endings, no logprobs: pipelined
-    decode in CUDA graphs), then greedy with logprobs (every logprob compared too)."""
-    if mode == "defaults":
-        return seeded_sampled(count)
-    return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-
-
 def _engine_run(model_dir, prompts, params, mode):
-    outs, seen = generated(model_dir, prompts, params, num_kv_pages=ENGINE_PAGES, max_num_seqs=16)
-    if mode == "defaults":
-        seen.check()  # graphs replayed, steps queued ahead
-    else:
-        assert seen.replays > 0, "no decode step replayed a CUDA graph"
-    return outs
+    return run_checked(model_dir, prompts, params, mode, num_kv_pages=ENGINE_PAGES, max_num_seqs=16)
 
 
 @pytest.mark.parametrize("mode", ["defaults", "greedy_logprobs"])
@@ -109,7 +95,7 @@ def test_engine_tokens_fused_as_unfused(tmp_path, monkeypatch, mode):
     save_tiny_deepseek(tmp_path)  # dense MLPs: graph-safe in bf16
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 40, 90, 3, 17)]
-    params = _params(mode, len(prompts))
+    params = params_for(mode, len(prompts))
     calls = []
 
     def counted(*args):
