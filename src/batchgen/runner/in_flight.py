@@ -10,7 +10,7 @@ import torch
 
 from batchgen.runner.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchgen.runner.input_batch import StepRows, request_ids
-from batchgen.runner.sampler import SAMPLING_EPS
+from batchgen.runner.step_columns import plain_greedy
 
 
 class InFlightDecode:
@@ -50,12 +50,14 @@ class InFlightDecode:
 
     def plain_greedy(self) -> bool:
         """Whether every sampled row is plain greedy (its sampling an argmax of the raw
-        logits), read from the rows once a step up to the first that is not: no list of
-        the rows' params is built (W7's ~900 sampled rows stop at the first)."""
+        logits): a `StepRows`' from the flags its step took (`StepRows.plain_greedy`: no
+        row's params read), other rows' from their params."""
         if self._greedy is None:
             rows = self.sampled
-            fixed = rows.fixed if isinstance(rows, StepRows) else rows  # each has `params`
-            self._greedy = all(plain_greedy(f.params) for f in fixed)
+            if isinstance(rows, StepRows):
+                self._greedy = rows.plain_greedy()
+            else:
+                self._greedy = all(plain_greedy(r.params) for r in rows)
         return self._greedy
 
     def launch_sample(self) -> None:
@@ -106,14 +108,3 @@ def sample_steps(reqs) -> np.ndarray:
         return reqs.steps()
     steps = (r.num_output_tokens + (r.new_token_ids[-1] == -1) for r in reqs)
     return np.fromiter(steps, np.int64, len(reqs))
-
-
-def plain_greedy(params) -> bool:
-    """Greedy with nothing that changes or reports the distribution: the sample is the
-    argmax of the raw logits (exactly what the full sampler picks for such a row)."""
-    return (
-        params.temperature < SAMPLING_EPS
-        and params.logprobs is None
-        and params.min_tokens == 0
-        and not params.has_penalties
-    )

@@ -8,7 +8,9 @@ row (`PageRows`) and returns the step's requests resolved (`StepRows`: each a `S
 where read one by one, their per-step fields read from the step's entries as columns
 where read as such), in order, with their page rows and the rows' serials as arrays:
 what is kept per row elsewhere (sampling parameters, a queued step's tokens) is then
-gathered by row.
+gathered by row. Whether every row of a step is plain greedy (`StepRows.plain_greedy`)
+is read from a flag kept a page row, set as the row is taken, and from how many held
+rows are and are not: no row's params are read for it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from batchgen.runner.batch import BlindEntries, NewRequest, SchedulerOutput
 from batchgen.runner.page_rows import PageRows
+from batchgen.runner.step_columns import plain_greedy
 from batchgen.sampling_params import SamplingParams
 
 
@@ -54,13 +57,16 @@ class StepRows(Sequence):
     the graph replay) take columns; a `StepRow` is made where a row is indexed, and
     all of them once the rows are iterated or sliced."""
 
-    __slots__ = ("entries", "fixed", "rows", "serials", "blind", "_items", "_columns")
+    __slots__ = ("entries", "fixed", "rows", "serials", "blind", "plain", "_items", "_columns")
 
     def __init__(self, items: list[StepRow], serial: np.ndarray) -> None:
         # fixed: each row's fixed data (params, prompt_token_ids, output_token_ids, seed)
         self.entries = self.fixed = self._items = items
         self._columns = None
         self.blind = False  # every row one placeholder token that samples (`of`)
+        # each row plain greedy as the step took it: True / False (every row alike), [n]
+        # bool, or None (not known: `plain_greedy` reads the rows' params)
+        self.plain: bool | np.ndarray | None = None
         self.rows = np.fromiter((r.row for r in items), np.int64, len(items))
         self.serials = serial[self.rows]
 
@@ -71,10 +77,13 @@ class StepRows(Sequence):
         held: Sequence[tuple[NewRequest, int]],
         serial: np.ndarray,
         blind: bool = False,
+        plain=None,
     ):
         """The rows of a step's `entries`, `held` (fixed data, page row) for each;
         `blind`: every entry is one placeholder token (-1) that samples
-        (`SchedulerOutput.blind`), so its token columns are known without reading it."""
+        (`SchedulerOutput.blind`), so its token columns are known without reading it;
+        `plain`: each row plain greedy, True / False for every row, a callable of the
+        page rows giving either, or None (not known)."""
         self = cls.__new__(cls)
         self.entries, self._items, self._columns = entries, None, None
         self.blind = blind
@@ -82,7 +91,18 @@ class StepRows(Sequence):
         self.fixed = fixed
         self.rows = np.array(rows, dtype=np.int64)
         self.serials = serial[self.rows]
+        self.plain = plain(self.rows) if callable(plain) else plain
         return self
+
+    def plain_greedy(self) -> bool:
+        """Whether every row is plain greedy (`step_columns.plain_greedy` of its params):
+        from the flags the step took (`plain`), else from the rows' params."""
+        plain = self.plain
+        if plain is None:
+            return all(plain_greedy(f.params) for f in self.fixed)
+        if plain is True or not len(self.entries):
+            return True
+        return plain is not False and bool(plain.all())
 
     def sampled(self) -> StepRows:
         """The rows that sample, in order, as a StepRows (itself where every row does):
@@ -98,6 +118,8 @@ class StepRows(Sequence):
         out.entries, out.fixed = [entries[i] for i in at], [fixed[i] for i in at]
         out.rows, out.serials = self.rows[index], self.serials[index]
         out.blind, out._columns = self.blind, None
+        plain = self.plain
+        out.plain = plain[index] if isinstance(plain, np.ndarray) else plain
         out._items = None if self._items is None else [self._items[i] for i in at]
         return out
 
@@ -231,6 +253,10 @@ class InputBatch:
     def __init__(self, max_rows: int, max_pages: int) -> None:
         self.page_rows = PageRows(max_rows, max_pages)
         self._held: dict[str, tuple[NewRequest, int]] = {}  # request id -> (fixed, row)
+        # per page row: its holder is plain greedy (set as the row is taken); and how
+        # many held rows are (`_greedy`) and are not (`_other`)
+        self._plain = np.zeros(self.page_rows.max_rows, dtype=bool)
+        self._greedy = self._other = 0
 
     def __len__(self) -> int:
         return len(self._held)
@@ -239,14 +265,48 @@ class InputBatch:
         return request_id in self._held
 
     def release(self, request_ids) -> None:
+        held = self._held
         for rid in request_ids:
-            self._held.pop(rid, None)
+            entry = held.pop(rid, None)
+            if entry is not None:
+                self._drop(entry[1])
         self.page_rows.release(request_ids)
 
     def reset(self) -> None:
         """Forget every request (the pool was re-created)."""
         self._held.clear()
+        self._greedy = self._other = 0
         self.page_rows.reset()
+
+    def _take(self, rid: str, new: NewRequest, pages) -> tuple[NewRequest, int]:
+        """Hold `new` on a page row taken for it holding `pages` (the request's old row,
+        if any, given back), its plain-greedy flag set and counted."""
+        old = self._held.get(rid)
+        row = self.page_rows.add(rid, pages)
+        if old is not None:
+            self._drop(old[1])
+        plain = self._plain[row] = plain_greedy(new.params)
+        if plain:
+            self._greedy += 1
+        else:
+            self._other += 1
+        entry = self._held[rid] = new, row
+        return entry
+
+    def _drop(self, row: int) -> None:
+        if self._plain[row]:
+            self._greedy -= 1
+        else:
+            self._other -= 1
+
+    def _plain_rows(self, rows: np.ndarray):
+        """Each of a step's page rows plain greedy, taken now (`StepRows.plain`): True or
+        False where every held row is alike, else the rows' flags."""
+        if not self._other:
+            return True
+        if not self._greedy:
+            return False
+        return self._plain[rows]
 
     def apply(self, step: SchedulerOutput) -> StepRows:
         self.release(step.released_ids)
@@ -256,7 +316,7 @@ class InputBatch:
         for r in step.requests:
             rid = r.request_id
             if r.new is not None:
-                entry = held[rid] = r.new, rows.add(rid, r.new_pages)
+                entry = self._take(rid, r.new, r.new_pages)
             else:
                 entry = held.get(rid)
                 if entry is None:
@@ -266,7 +326,7 @@ class InputBatch:
                 if r.new_pages:
                     rows.write(rid, entry[1], r.new_pages)
             got.append(entry)
-        return StepRows.of(step.requests, got, rows.serial, step.blind)
+        return StepRows.of(step.requests, got, rows.serial, step.blind, self._plain_rows)
 
     def _apply_blind(self, step: SchedulerOutput, entries: BlindEntries) -> StepRows:
         """`apply` of a blind step: its general entries (new pages, a request new here)
@@ -275,7 +335,7 @@ class InputBatch:
         for r in entries.general.values():
             rid = r.request_id
             if r.new is not None:
-                held[rid] = r.new, rows.add(rid, r.new_pages)
+                self._take(rid, r.new, r.new_pages)
             elif rid in held and r.new_pages:
                 rows.write(rid, held[rid][1], r.new_pages)
         ids = entries.request_ids
@@ -285,4 +345,4 @@ class InputBatch:
             raise RuntimeError(
                 f"a step continues request {e.args[0]}, which the runner never saw"
             ) from None
-        return StepRows.of(entries, got, rows.serial, step.blind)
+        return StepRows.of(entries, got, rows.serial, step.blind, self._plain_rows)

@@ -15,7 +15,7 @@ from batchgen.runner.batch import (
 )
 from batchgen.runner.cuda_graphs import DecodeGraphs, DecodeSplitPlan
 from batchgen.runner.graph_sampling import graph_tail
-from batchgen.runner.in_flight import InFlightDecode, plain_greedy, sample_steps, token_logprobs
+from batchgen.runner.in_flight import InFlightDecode, sample_steps, token_logprobs
 from batchgen.runner.input_batch import InputBatch, StepRow, decode_columns, entries_of, request_ids
 from batchgen.runner.inputs import pack_step, pipelined_ids, table_width
 from batchgen.runner.linear_state import linear_metadata
@@ -32,6 +32,7 @@ from batchgen.runner.sampler import (
     warm_kernels,
 )
 from batchgen.runner.staging import HostStaging
+from batchgen.runner.step_columns import plain_greedy
 from batchgen.runner.step_mode import profiled, step_mode
 
 

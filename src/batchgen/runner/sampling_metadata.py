@@ -17,11 +17,16 @@ import torch
 from batchgen.forward_context import parts_to_device
 from batchgen.runner.input_batch import StepRows
 from batchgen.runner.penalty_counts import PenaltyCounts, token_stats
-from batchgen.runner.step_columns import MIN_TOKENS, PENALISED, HeldFlags, LazyColumn, StepColumns
+from batchgen.runner.step_columns import (
+    MIN_TOKENS,
+    PENALISED,
+    SAMPLING_EPS,
+    HeldFlags,
+    LazyColumn,
+    StepColumns,
+)
 from batchgen.sampling_params import SamplingParams
 
-# Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
-SAMPLING_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
 

@@ -1,12 +1,16 @@
 """A step's sampling parameters on the host, rows as in the batch (`StepColumns`, made
 by sampling_metadata.SamplingState), what the held requests use at all (`HeldFlags`),
-and the lazy column of request attributes it reads for a few rows only."""
+the lazy column of request attributes it reads for a few rows only, and what makes a
+request plain greedy (`plain_greedy`, which the runner's rows keep a flag of)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+
+# Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
+SAMPLING_EPS = 1e-5
 
 # what a slot's parameters use (`HeldFlags`): each a bit, set where the slot's stored
 # columns ask for it (`StepColumns`' reductions read the same columns)
@@ -51,6 +55,17 @@ class HeldFlags:
                 diff ^= low
         if moved:
             self.absent = sum(1 << b for b in range(8) if not counts[b])
+
+
+def plain_greedy(params) -> bool:
+    """Greedy with nothing that changes or reports the distribution: the sample is the
+    argmax of the raw logits (exactly what the full sampler picks for such a row)."""
+    return (
+        params.temperature < SAMPLING_EPS
+        and params.logprobs is None
+        and params.min_tokens == 0
+        and not params.has_penalties
+    )
 
 
 @dataclass
