@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 from conftest import save_random_model
 from deepseek_checkpoints import CONFIGS
 from deepseek_checkpoints import tiny_config as deepseek_config
@@ -46,13 +47,14 @@ def _prompts() -> list[list[int]]:
 
 
 def _runs(
-    model: str, deterministic: bool, logprobs: int | None, hybrid: bool = False
+    model: str, deterministic: bool, logprobs: int | None, hybrid: bool = False, **options
 ) -> dict[str, list]:
     """Each run's rows of the PROBES prompts: alone (one engine call a prompt), in the
     whole batch, chunked, without pipelined decode, with a small pool swapping requests
     to the host tier, and the whole batch again on the same engine (its prompts now
     prefix-cache hits; a `hybrid` model's resume from the KDA state checkpointed to the
-    host every 64 tokens)."""
+    host every 64 tokens). `options`: given to every engine."""
+    kw = KW | options
     prompts, params = _prompts(), mixed_params(NUM_PROMPTS, 16, logprobs)
     want = logprobs is not None
     rows = {}
@@ -62,14 +64,14 @@ def _runs(
         rows[note] = [row(outs[i], want) for i in PROBES]
         return outs
 
-    alone = LLM(model=model, deterministic=deterministic, **KW)
+    alone = LLM(model=model, deterministic=deterministic, **kw)
     rows["alone"] = [
         row(alone.generate([prompts[i]], params[i], use_tqdm=False)[0], want) for i in PROBES
     ]
     checkpoints = dict(
         host_kv_size_gib=0.05, state_checkpoint_interval=64, state_checkpoint_policy="all"
     )
-    batched = LLM(model=model, deterministic=deterministic, **(checkpoints if hybrid else {}), **KW)
+    batched = LLM(model=model, deterministic=deterministic, **(checkpoints if hybrid else {}), **kw)
     run(batched, "batch")
     metric = "state_checkpoint_hit_tokens" if hybrid else "prefix_hit_tokens"
     before = batched.engine.metrics()[metric]
@@ -77,9 +79,9 @@ def _runs(
     hit = batched.engine.metrics()[metric] - before
     # most of each prompt came from cache (a hybrid's: its 64-token multiples)
     assert hit >= sum(len(p) // 64 * 64 if hybrid else len(p) for p in prompts) // 2, hit
-    chunked = LLM(model=model, deterministic=deterministic, max_num_batched_tokens=64, **KW)
+    chunked = LLM(model=model, deterministic=deterministic, max_num_batched_tokens=64, **kw)
     run(chunked, "chunked 64")
-    plain = LLM(model=model, deterministic=deterministic, pipeline_decode=False, **KW)
+    plain = LLM(model=model, deterministic=deterministic, pipeline_decode=False, **kw)
     run(plain, "pipeline off")
     # a pool of 40 pages: running requests are swapped to the host tier and back
     swapping = LLM(
@@ -88,7 +90,7 @@ def _runs(
         num_kv_pages=40,
         host_kv_size_gib=0.05,
         tier_policy="always",  # off-defaults: the tier must swap on the CPU
-        **KW,
+        **kw,
     )
     run(swapping, "tier swaps")
     assert swapping.engine.metrics()["swaps_out"] > 0
@@ -153,3 +155,16 @@ def test_default_configuration_tokens_are_batch_invariant(twin_model):
     assert set(_differing(_runs(twin_model, True, None)).values()) == {0}
     differ = _differing(_runs(twin_model, False, None))
     assert any(n > 0 for n in differ.values()), differ
+
+
+@pytest.mark.slow
+def test_fp8_kv_tokens_and_logprobs_are_batch_invariant(twin_model):
+    """kv_cache_dtype="fp8": K/V rounded to e4m3 as they are written, the same bytes
+    whatever the batch, so deterministic=True holds with FP8 pages too, swapped through
+    the host tier as they are."""
+    fp8 = LLM(model=twin_model, deterministic=True, kv_cache_dtype="fp8", **KW)
+    assert fp8.engine.pool.kv.dtype == torch.float8_e4m3fn
+    rows = _runs(twin_model, True, logprobs=0, kv_cache_dtype="fp8")  # off-defaults: logprobs
+    assert set(_differing(rows).values()) == {0}
+    reasons = Counter(r[1] for r in rows["alone"])
+    assert reasons["stop"] > 0 and reasons["length"] > 0
