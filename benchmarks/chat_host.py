@@ -82,6 +82,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from benchmarks.chat_job import batch_lines
+from benchmarks.engine_runs import timed_into
 from benchmarks.workloads import TINY_SMOLLM2
 
 HOST_PHASES = ("schedule", "prepare", "sampling_meta", "update", "detok", "outputs", "journal")
@@ -176,35 +177,15 @@ def greedy_stand_in(runner) -> None:
     runner._launch_sample, runner._sample = launch_sample, sample_rows
 
 
-def exclusive_into(spent: dict[str, float], name: str, fn, clock, open_calls: list):
-    """fn, adding the time each call takes by `clock` to spent[name], less the time of
-    the calls timed so (onto the same `open_calls`) that it makes: nested phases count
-    once, each in its own."""
-
-    def wrapper(*a, **k):
-        inner = [0.0]  # the nested timed calls' time
-        open_calls.append(inner)
-        t0 = clock()
-        try:
-            return fn(*a, **k)
-        finally:
-            took = clock() - t0
-            open_calls.pop()
-            spent[name] = spent.get(name, 0.0) + took - inner[0]
-            if open_calls:
-                open_calls[-1][0] += took
-
-    return wrapper
-
-
 @contextmanager
 def _wrapped(owner, attr: str, spent: dict[str, float], name: str, clock, open_calls: list):
-    """owner.attr timed into spent[name] by `clock` (`exclusive_into`) while the block
-    runs (a class or module attribute is put back after it; an instance's own attribute
-    is removed)."""
+    """owner.attr timed into spent[name] by `clock`, the calls it makes to the other
+    phases excluded (`engine_runs.timed_into` with `open_calls`), while the block runs
+    (a class or module attribute is put back after it; an instance's own attribute is
+    removed)."""
     had = attr in vars(owner)
     original = getattr(owner, attr)
-    setattr(owner, attr, exclusive_into(spent, name, original, clock, open_calls))
+    setattr(owner, attr, timed_into(spent, name, original, clock, open_calls))
     try:
         yield
     finally:
@@ -269,7 +250,7 @@ def run(args) -> dict:
         progress=False,
     )
     spent: dict[str, float] = {}
-    open_calls: list = []  # the timed calls under way (exclusive_into)
+    open_calls: list = []  # the timed calls under way (timed_into)
     steps: list[dict] = []
     state = {"start": None, "rows": 0, "idle": False}
     step, clock = eng.step, CLOCKS[args.clock]

@@ -234,15 +234,28 @@ def phase_table(rows: list[list[float]]) -> dict:
     return {"columns": [name for name, _, _ in PHASES], "rows": rows}
 
 
-def timed_into(spent: dict[str, float], name: str, fn, clock=time.perf_counter):
-    """fn, adding the seconds each call takes to spent[name] (by `clock`)."""
+def timed_into(
+    spent: dict[str, float], name: str, fn, clock=time.perf_counter, open_calls: list | None = None
+):
+    """fn, adding the seconds each call takes to spent[name] (by `clock`). With
+    `open_calls` (one list shared by the wrappers of a set of phases) a call's time
+    excludes that of the calls so timed that it makes: nested phases count once, each in
+    its own."""
 
     def wrapper(*a, **k):
+        inner = [0.0]  # the nested timed calls' time
+        if open_calls is not None:
+            open_calls.append(inner)
         t0 = clock()
         try:
             return fn(*a, **k)
         finally:
-            spent[name] = spent.get(name, 0.0) + clock() - t0
+            took = clock() - t0
+            if open_calls is not None:
+                open_calls.pop()
+                if open_calls:
+                    open_calls[-1][0] += took
+            spent[name] = spent.get(name, 0.0) + took - inner[0]
 
     return wrapper
 

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.chat_host import GreedyLogits, StandInSampler, exclusive_into, profiled
+from benchmarks.chat_host import GreedyLogits, StandInSampler, profiled
+from benchmarks.engine_runs import timed_into
 
 
 def _draw(sampler, seeds, positions):
@@ -116,8 +117,8 @@ def test_a_phase_excludes_the_timed_calls_it_makes():
     def clock():
         return float(next(ticks))
 
-    inner = exclusive_into(spent, "inner", lambda: None, clock, open_calls)
-    outer = exclusive_into(spent, "outer", lambda: inner() or inner(), clock, open_calls)
+    inner = timed_into(spent, "inner", lambda: None, clock, open_calls)
+    outer = timed_into(spent, "outer", lambda: inner() or inner(), clock, open_calls)
     outer()  # readings: outer 0, inner 1-2, inner 3-4, outer 5
     assert spent == {"inner": 2.0, "outer": 3.0}
     assert open_calls == []
